@@ -1,0 +1,48 @@
+# kiln — the two commands a newcomer needs:
+#   make serve   set everything up, build the example model repository, serve it on CPU
+#   make test    set everything up and run the whole test suite (what .ci/run calls)
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+REPO   ?= model_repository
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+# Re-install only when the dependency declarations change.
+STAMP := $(VENV)/.kiln-installed
+
+.PHONY: setup serve test lint typecheck unit bench example clean system-deps
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c requirements/constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+system-deps:
+	bash scripts/system-deps.sh
+
+example: $(STAMP)
+	$(BIN)/kiln repo example $(REPO) --overwrite
+
+serve: example
+	$(BIN)/kiln serve --model-repository $(REPO) $(SERVE_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP) system-deps lint typecheck
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/serving_baseline.py
+
+clean:
+	rm -rf $(VENV) $(REPO) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Debian packages the test suite needs. Installs only what is missing; needs root (or sudo).
+set -euo pipefail
+
+packages=()
+need() { dpkg -s "$1" >/dev/null 2>&1 || packages+=("$1"); }
+
+# (grows with the features that need real peers: prometheus, chromium, ...)
+
+if [[ ${#packages[@]} -eq 0 ]]; then
+    exit 0
+fi
+SUDO=""
+[[ $(id -u) -eq 0 ]] || SUDO="sudo"
+echo "installing Debian packages: ${packages[*]}"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${packages[@]}"

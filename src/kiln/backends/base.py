@@ -1,0 +1,102 @@
+"""What a backend is: one loaded model instance that runs a batch.
+
+A backend never parses wire formats; it receives NumPy arrays keyed by the model's input
+names (already validated and batched by core and the scheduler) and returns NumPy arrays
+keyed by output name.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+
+from kiln.config.model_config_pb2 import ModelConfig, ModelInstanceGroup
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """Where one instance runs: ``kind`` is ``"cpu"`` or ``"gpu"``."""
+
+    name: str
+    kind: str
+    device_id: int
+    index: int
+    total_instances: int
+
+
+class Backend(ABC):
+    """One instance of one model version. ``execute`` is called from one thread at a time."""
+
+    #: config ``backend`` name (``"onnxruntime"``)
+    name: ClassVar[str]
+    #: config ``platform`` names this backend serves (``"onnxruntime_onnx"``)
+    platforms: ClassVar[tuple[str, ...]] = ()
+    #: model file looked for in the version folder when the config names none
+    default_model_filename: ClassVar[str] = ""
+
+    def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
+        self.config = config
+        self.version_dir = version_dir
+        self.instance = instance
+
+    @classmethod
+    def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:
+        """Fill what the model file can tell (inputs, outputs, max_batch_size) in place."""
+        return None  # most backends cannot tell anything from their file
+
+    @classmethod
+    def gpu_available(cls) -> bool:
+        return False
+
+    @abstractmethod
+    def execute(
+        self, inputs: dict[str, np.ndarray], output_names: list[str]
+    ) -> dict[str, np.ndarray]:
+        """Run one batch; return at least the outputs named in ``output_names``."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the session / device memory."""
+
+    def model_path(self) -> Path:
+        filename = self.config.default_model_filename or self.default_model_filename
+        return self.version_dir / filename
+
+
+def parameter(config: ModelConfig, key: str, default: str | None = None) -> str | None:
+    """A config ``parameters { key: ... value { string_value } }`` entry."""
+    if key in config.parameters:
+        return config.parameters[key].string_value
+    return default
+
+
+def instance_specs(config: ModelConfig, gpu_count: int) -> list[InstanceSpec]:
+    """Expand ``instance_group`` into one spec per instance (Triton's defaults applied)."""
+    specs: list[tuple[str, str, int]] = []
+    for group_index, group in enumerate(config.instance_group):
+        name = group.name or f"{config.name}_{group_index}"
+        kind = group.kind
+        if kind == ModelInstanceGroup.KIND_AUTO:
+            kind = ModelInstanceGroup.KIND_GPU if gpu_count else ModelInstanceGroup.KIND_CPU
+        if kind == ModelInstanceGroup.KIND_GPU:
+            gpus = list(group.gpus) or list(range(gpu_count))
+            for gpu in gpus:
+                specs.extend((name, "gpu", gpu) for _ in range(max(group.count, 1)))
+        else:
+            specs.extend((name, "cpu", 0) for _ in range(max(group.count, 1)))
+    total = len(specs)
+    return [
+        InstanceSpec(name=n, kind=k, device_id=d, index=i, total_instances=total)
+        for i, (n, k, d) in enumerate(specs)
+    ]
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,189 @@
+"""ONNX Runtime backend: the embedded default engine.
+
+Each instance owns one ``InferenceSession``; ``session.run`` releases the GIL, so N
+instances on N threads compute in parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import onnxruntime as ort
+
+from kiln.backends.base import Backend, InstanceSpec, cpu_count, parameter
+from kiln.config.model_config_pb2 import DataType as PbDataType
+from kiln.config.model_config_pb2 import ModelConfig
+from kiln.core.errors import KilnError, Status
+
+log = logging.getLogger(__name__)
+
+# ONNX tensor type strings as onnxruntime reports them -> config data types.
+_ORT_TYPES = {
+    "tensor(bool)": PbDataType.TYPE_BOOL,
+    "tensor(uint8)": PbDataType.TYPE_UINT8,
+    "tensor(uint16)": PbDataType.TYPE_UINT16,
+    "tensor(uint32)": PbDataType.TYPE_UINT32,
+    "tensor(uint64)": PbDataType.TYPE_UINT64,
+    "tensor(int8)": PbDataType.TYPE_INT8,
+    "tensor(int16)": PbDataType.TYPE_INT16,
+    "tensor(int32)": PbDataType.TYPE_INT32,
+    "tensor(int64)": PbDataType.TYPE_INT64,
+    "tensor(float16)": PbDataType.TYPE_FP16,
+    "tensor(float)": PbDataType.TYPE_FP32,
+    "tensor(double)": PbDataType.TYPE_FP64,
+    "tensor(string)": PbDataType.TYPE_STRING,
+    "tensor(bfloat16)": PbDataType.TYPE_BF16,
+}
+
+# Triton's ORT backend: optimization.graph.level -1 = basic, 1 = extended, else all.
+_GRAPH_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+def _dims(shape: list[Any]) -> list[int]:
+    return [d if isinstance(d, int) and d >= 0 else -1 for d in shape]
+
+
+class OnnxRuntimeBackend(Backend):
+    name: ClassVar[str] = "onnxruntime"
+    platforms: ClassVar[tuple[str, ...]] = ("onnxruntime_onnx",)
+    default_model_filename: ClassVar[str] = "model.onnx"
+
+    @classmethod
+    def gpu_available(cls) -> bool:
+        return "CUDAExecutionProvider" in ort.get_available_providers()
+
+    @classmethod
+    def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:
+        if len(config.input) and len(config.output):
+            return  # Triton skips auto-complete when both are given
+        path = version_dir / (config.default_model_filename or cls.default_model_filename)
+        try:
+            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise KilnError(f"unable to load model '{path}': {exc}", Status.INVALID_ARG) from exc
+        ins, outs = session.get_inputs(), session.get_outputs()
+        batchable = all(len(t.shape) > 0 and _dims(t.shape)[0] == -1 for t in [*ins, *outs])
+        if config.max_batch_size == 0 and batchable:
+            config.max_batch_size = 4  # Triton's default-max-batch-size
+            log.warning(
+                "model '%s': auto-completed max_batch_size to 4 (set it in config.pbtxt)",
+                config.name,
+            )
+        skip = 1 if config.max_batch_size > 0 else 0
+        if not len(config.input):
+            for t in ins:
+                entry = config.input.add(name=t.name, data_type=_ORT_TYPES[t.type])
+                entry.dims.extend(_dims(t.shape)[skip:] or [1])
+        if not len(config.output):
+            for t in outs:
+                entry = config.output.add(name=t.name, data_type=_ORT_TYPES[t.type])
+                entry.dims.extend(_dims(t.shape)[skip:] or [1])
+
+    def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
+        super().__init__(config, version_dir, instance)
+        options = ort.SessionOptions()
+        intra = parameter(config, "intra_op_thread_count")
+        if intra is not None:
+            options.intra_op_num_threads = int(intra)
+        else:
+            # N instances share the cores instead of each spawning one thread per core.
+            options.intra_op_num_threads = max(1, cpu_count() // instance.total_instances)
+        inter = parameter(config, "inter_op_thread_count")
+        if inter is not None:
+            options.inter_op_num_threads = int(inter)
+        if parameter(config, "execution_mode") == "1":
+            options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+        if parameter(config, "enable_mem_arena") == "0":
+            options.enable_cpu_mem_arena = False
+        if parameter(config, "enable_mem_pattern") == "0":
+            options.enable_mem_pattern = False
+        options.graph_optimization_level = self._graph_level(config)
+        self.session = ort.InferenceSession(
+            str(self.model_path()), sess_options=options, providers=self._providers(config)
+        )
+        self._string_inputs = {
+            i.name for i in self.session.get_inputs() if i.type == "tensor(string)"
+        }
+        self._string_outputs = {
+            o.name for o in self.session.get_outputs() if o.type == "tensor(string)"
+        }
+
+    @staticmethod
+    def _graph_level(config: ModelConfig) -> ort.GraphOptimizationLevel:
+        named = parameter(config, "graph_optimization_level")
+        if named is not None:
+            if named not in _GRAPH_LEVELS:
+                raise KilnError(
+                    f"parameter graph_optimization_level must be one of {sorted(_GRAPH_LEVELS)}"
+                )
+            return _GRAPH_LEVELS[named]
+        level = config.optimization.graph.level
+        if level == -1:
+            return _GRAPH_LEVELS["basic"]
+        if level == 1:
+            return _GRAPH_LEVELS["extended"]
+        return _GRAPH_LEVELS["all"]
+
+    def _providers(self, config: ModelConfig) -> list[Any]:
+        if self.instance.kind != "gpu":
+            return ["CPUExecutionProvider"]
+        available = ort.get_available_providers()
+        if "CUDAExecutionProvider" not in available:
+            raise KilnError(
+                f"model '{config.name}' asks for KIND_GPU but onnxruntime has no CUDA execution "
+                "provider (install kiln-serve[gpu] on a machine with an NVIDIA GPU)",
+                Status.UNAVAILABLE,
+            )
+        device = {"device_id": self.instance.device_id}
+        providers: list[Any] = []
+        for acc in config.optimization.execution_accelerators.gpu_execution_accelerator:
+            if acc.name == "tensorrt" and "TensorrtExecutionProvider" in available:
+                opts: dict[str, Any] = dict(device)
+                params = dict(acc.parameters)
+                if params.get("precision_mode") == "FP16":
+                    opts["trt_fp16_enable"] = True
+                if "max_workspace_size_bytes" in params:
+                    opts["trt_max_workspace_size"] = int(params["max_workspace_size_bytes"])
+                if "trt_engine_cache_path" in params:
+                    opts["trt_engine_cache_enable"] = True
+                    opts["trt_engine_cache_path"] = params["trt_engine_cache_path"]
+                providers.append(("TensorrtExecutionProvider", opts))
+        providers.append(("CUDAExecutionProvider", device))
+        providers.append("CPUExecutionProvider")
+        return providers
+
+    def execute(
+        self, inputs: dict[str, np.ndarray], output_names: list[str]
+    ) -> dict[str, np.ndarray]:
+        feed = {}
+        for name, value in inputs.items():
+            if name in self._string_inputs:
+                # ORT stringifies bytes objects as "b'..'": hand it str, keep bytes outside.
+                value = np.vectorize(_to_str, otypes=[object])(value) if value.size else value
+            feed[name] = value
+        results = self.session.run(output_names, feed)
+        out = {}
+        for name, value in zip(output_names, results, strict=True):
+            if name in self._string_outputs:
+                value = np.vectorize(_to_bytes, otypes=[object])(value) if value.size else value
+            out[name] = value
+        return out
+
+    def close(self) -> None:
+        del self.session
+
+
+def _to_str(value: Any) -> Any:
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
+
+
+def _to_bytes(value: Any) -> Any:
+    return value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value

@@ -1,0 +1,149 @@
+"""The ``kiln`` command."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from kiln import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kiln")
+def main() -> None:
+    """kiln: optimize, serve and monitor models."""
+
+
+@main.command()
+@click.option(
+    "--model-repository",
+    "model_repository",
+    multiple=True,
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Model repository folder (Triton layout); may be given several times.",
+)
+@click.option(
+    "--model-control-mode",
+    type=click.Choice(["none", "explicit", "poll"]),
+    default="none",
+    show_default=True,
+)
+@click.option(
+    "--load-model",
+    "load_model",
+    multiple=True,
+    help="With explicit mode: a model to load at start ('*' = all).",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--http-port", default=8000, show_default=True)
+@click.option("--grpc-port", default=8001, show_default=True)
+@click.option("--metrics-port", default=8002, show_default=True)
+@click.option("--allow-grpc/--no-allow-grpc", default=True, show_default=True)
+@click.option("--allow-metrics/--no-allow-metrics", default=True, show_default=True)
+@click.option(
+    "--strict-readiness/--no-strict-readiness",
+    default=True,
+    show_default=True,
+    help="Ready only when every model is ready (Triton's default).",
+)
+@click.option(
+    "--exit-timeout-secs",
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM/SIGINT, how long in-flight requests may take to finish.",
+)
+@click.option(
+    "--http-max-input-size",
+    default=64 * 1024 * 1024,
+    show_default=True,
+    help="Largest request body in bytes (413 beyond).",
+)
+@click.option("--repository-poll-secs", default=15.0, show_default=True)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+def serve(
+    model_repository: tuple[Path, ...],
+    model_control_mode: str,
+    load_model: tuple[str, ...],
+    host: str,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    allow_grpc: bool,
+    allow_metrics: bool,
+    strict_readiness: bool,
+    exit_timeout_secs: float,
+    http_max_input_size: int,
+    repository_poll_secs: float,
+    log_level: str,
+) -> None:
+    """Serve a model repository over KServe v2 HTTP/gRPC with metrics."""
+    from kiln.core.server import ControlMode, ServerOptions
+    from kiln.serve import Endpoints
+    from kiln.serve import serve as run_server
+
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for repo in model_repository:
+        if not repo.is_dir():
+            raise click.BadParameter(f"'{repo}' is not a folder", param_hint="--model-repository")
+    options = ServerOptions(
+        model_repositories=list(model_repository),
+        model_control_mode=ControlMode(model_control_mode),
+        load_models=list(load_model),
+        strict_readiness=strict_readiness,
+        exit_timeout_secs=exit_timeout_secs,
+        max_request_bytes=http_max_input_size,
+        repository_poll_secs=repository_poll_secs,
+    )
+    endpoints = Endpoints(host, http_port, grpc_port, metrics_port, allow_grpc, allow_metrics)
+    sys.exit(run_server(options, endpoints))
+
+
+@main.group()
+def repo() -> None:
+    """Model repository tools."""
+
+
+@repo.command("check")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def repo_check(directory: Path) -> None:
+    """Validate every config in a model repository; report every problem with file and line."""
+    from kiln.config.check import check_repository
+
+    problems = check_repository(directory)
+    for p in problems:
+        click.echo(str(p), err=True)
+    if problems:
+        click.echo(f"{len(problems)} problem(s) found", err=True)
+        sys.exit(1)
+    click.echo(f"{directory}: OK")
+
+
+@repo.command("example")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--model", "models", multiple=True, help="Only these models (default: all).")
+@click.option("--overwrite", is_flag=True, help="Replace existing model folders.")
+def repo_example(directory: Path, models: tuple[str, ...], overwrite: bool) -> None:
+    """Build the example model repository (simple, simple_string, mlp, cnn)."""
+    from kiln.examples import build_example_repository
+
+    try:
+        built = build_example_repository(directory, models or None, overwrite=overwrite)
+    except (ValueError, FileExistsError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    for path in built:
+        click.echo(f"built {path}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

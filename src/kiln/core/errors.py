@@ -1,0 +1,72 @@
+"""One error type for the whole server; frontends map its status to HTTP/gRPC codes."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Status(enum.Enum):
+    """Triton's error codes (plus the HTTP-only ones kiln needs)."""
+
+    INVALID_ARG = "INVALID_ARG"
+    UNKNOWN = "UNKNOWN"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    CANCELLED = "CANCELLED"
+    NOT_FOUND = "NOT_FOUND"
+    PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    INTERNAL = "INTERNAL"
+    UNSUPPORTED = "UNSUPPORTED"
+    UNAVAILABLE = "UNAVAILABLE"
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP[self]
+
+
+_HTTP = {
+    Status.INVALID_ARG: 400,
+    Status.UNKNOWN: 400,
+    Status.ALREADY_EXISTS: 400,
+    Status.CANCELLED: 400,
+    Status.NOT_FOUND: 404,
+    Status.PAYLOAD_TOO_LARGE: 413,
+    Status.UNAUTHENTICATED: 401,
+    Status.PERMISSION_DENIED: 403,
+    Status.INTERNAL: 500,
+    Status.UNSUPPORTED: 501,
+    Status.UNAVAILABLE: 503,
+}
+
+
+class KilnError(Exception):
+    """An error a client should see: ``status`` decides the HTTP/gRPC code."""
+
+    def __init__(self, message: str, status: Status = Status.INVALID_ARG) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def invalid_arg(message: str) -> KilnError:
+    return KilnError(message, Status.INVALID_ARG)
+
+
+def not_found(message: str) -> KilnError:
+    return KilnError(message, Status.NOT_FOUND)
+
+
+def unavailable(message: str) -> KilnError:
+    return KilnError(message, Status.UNAVAILABLE)
+
+
+def internal(message: str) -> KilnError:
+    return KilnError(message, Status.INTERNAL)
+
+
+def unsupported(message: str) -> KilnError:
+    return KilnError(message, Status.UNSUPPORTED)

@@ -1,0 +1,172 @@
+"""ModelRuntime: one loaded model version — its instances, scheduler, signature and stats."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kiln.backends.base import Backend, instance_specs
+from kiln.config.model_config_pb2 import ModelConfig
+from kiln.core.errors import KilnError, Status, internal, unavailable
+from kiln.core.signature import ModelSignature
+from kiln.core.stats import ModelStats, RequestTimes
+from kiln.core.types import DataType, InferenceRequest, InferenceResponse, InferOutput
+from kiln.scheduling.base import Instance, Job, Scheduler
+from kiln.scheduling.direct import DirectScheduler
+
+log = logging.getLogger(__name__)
+
+
+class ModelState(enum.Enum):
+    UNKNOWN = "UNKNOWN"
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+    LOADING = "LOADING"
+    UNLOADING = "UNLOADING"
+
+
+class ModelRuntime:
+    def __init__(
+        self,
+        name: str,
+        version: int,
+        config: ModelConfig,
+        version_dir: Path,
+        backend_cls: type[Backend],
+    ) -> None:
+        self.name = name
+        self.version = version
+        self.version_str = str(version)
+        self.config = config
+        self.version_dir = version_dir
+        self.backend_cls = backend_cls
+        self.signature = ModelSignature(config)
+        self.stats = ModelStats()
+        self.state = ModelState.LOADING
+        self.reason = ""
+        self.scheduler: Scheduler | None = None
+        self.load_seconds = 0.0
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def load(self) -> None:
+        """Create every instance off the event loop, then the scheduler."""
+        start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        gpus = 1 if self.backend_cls.gpu_available() else 0
+        specs = instance_specs(self.config, gpus)
+        instances: list[Instance] = []
+        try:
+            for spec in specs:
+                backend = await loop.run_in_executor(
+                    None, self.backend_cls, self.config, self.version_dir, spec
+                )
+                instances.append(Instance(backend, self.name))
+        except BaseException:
+            for inst in instances:
+                await loop.run_in_executor(None, inst.close)
+            raise
+        self.scheduler = DirectScheduler(instances, self.stats, self.name)
+        self.load_seconds = time.perf_counter() - start
+        self.state = ModelState.READY
+
+    @property
+    def ready(self) -> bool:
+        return self.state is ModelState.READY
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        times = RequestTimes(received=time.monotonic_ns())
+        if self.state is not ModelState.READY or self.scheduler is None:
+            raise unavailable(f"model '{self.name}' version {self.version} is not ready")
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            batch = self.signature.validate(request)
+            inputs = {}
+            for tensor in request.inputs:
+                spec = self.signature.inputs[tensor.name]
+                data = tensor.data
+                if spec.reshape is not None:
+                    lead = (batch,) if self.signature.max_batch_size > 0 else ()
+                    data = data.reshape(lead + spec.reshape)
+                inputs[tensor.name] = data
+            names = [o.name for o in request.outputs] or self.signature.output_names
+            job = Job(inputs, names, batch, times, request.parameters)
+            try:
+                raw = await self.scheduler.schedule(job)
+                outputs = self._outputs(raw, names, batch)
+            except KilnError:
+                self.stats.record_failure(times, time.monotonic_ns())
+                raise
+            except Exception as exc:
+                self.stats.record_failure(times, time.monotonic_ns())
+                log.exception("model '%s' failed", self.name)
+                raise internal(f"model '{self.name}': {type(exc).__name__}: {exc}") from exc
+            self.stats.record_success(times, batch, time.monotonic_ns())
+            return InferenceResponse(
+                model_name=self.name,
+                model_version=self.version_str,
+                id=request.id,
+                outputs=outputs,
+            )
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    def _outputs(
+        self, raw: dict[str, np.ndarray], names: list[str], batch: int
+    ) -> list[InferOutput]:
+        result = []
+        for name in names:
+            spec = self.signature.outputs[name]
+            if name not in raw:
+                raise KilnError(
+                    f"model '{self.name}' did not produce output '{name}'", Status.INTERNAL
+                )
+            value = raw[name]
+            if not _dtype_ok(value, spec.datatype):
+                raise KilnError(
+                    f"model '{self.name}' produced output '{name}' as {value.dtype}, but its "
+                    f"config declares {spec.datatype.config_name}",
+                    Status.INTERNAL,
+                )
+            if spec.reshape is not None:
+                lead = (batch,) if self.signature.max_batch_size > 0 else ()
+                value = value.reshape(lead + tuple(d if d != -1 else -1 for d in spec.dims))
+            result.append(InferOutput(name, spec.datatype, tuple(value.shape), value))
+        return result
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no request is in flight; False if the timeout expired first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def unload(self, timeout: float | None = None) -> None:
+        self.state = ModelState.UNLOADING
+        if not await self.drain(timeout):
+            log.warning("model '%s' v%s unloaded with requests in flight", self.name, self.version)
+        if self.scheduler is not None:
+            await self.scheduler.close()
+            self.scheduler = None
+        self.state = ModelState.UNAVAILABLE
+        self.reason = "unloaded"
+
+
+def _dtype_ok(value: np.ndarray, datatype: DataType) -> bool:
+    if datatype is DataType.BYTES:
+        return value.dtype.kind in ("O", "S", "U")
+    return value.dtype == datatype.numpy_dtype

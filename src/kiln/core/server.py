@@ -1,0 +1,174 @@
+"""core.Server: the repository, the loaded runtimes and server-wide state.
+
+Frontends translate wire formats into calls on this object and never touch a backend.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln import __version__
+from kiln.config.loader import config_to_json
+from kiln.core.errors import KilnError, Status, invalid_arg, not_found
+from kiln.core.runtime import ModelRuntime
+from kiln.core.types import InferenceRequest, InferenceResponse
+from kiln.repository.manager import RepositoryManager, decode_files
+
+log = logging.getLogger(__name__)
+
+
+class ControlMode(enum.Enum):
+    NONE = "none"
+    EXPLICIT = "explicit"
+    POLL = "poll"
+
+
+# Exactly what kiln implements; grows with each protocol extension that lands.
+EXTENSIONS = [
+    "model_repository",
+    "model_configuration",
+    "binary_tensor_data",
+    "parameters",
+    "statistics",
+]
+
+
+@dataclass
+class ServerOptions:
+    model_repositories: list[Path]
+    model_control_mode: ControlMode = ControlMode.NONE
+    load_models: list[str] = field(default_factory=list)
+    strict_readiness: bool = True
+    exit_timeout_secs: float = 30.0
+    max_request_bytes: int = 64 * 1024 * 1024
+    repository_poll_secs: float = 15.0
+
+
+class Server:
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self.repository = RepositoryManager(
+            options.model_repositories, drain_timeout=options.exit_timeout_secs
+        )
+        self.live = True
+        self.shutting_down = False
+        self.started = False
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        mode = self.options.model_control_mode
+        if mode in (ControlMode.NONE, ControlMode.POLL) or "*" in self.options.load_models:
+            names = self.repository.model_names()
+        else:
+            names = list(dict.fromkeys(self.options.load_models))
+        await self.repository.load_many(names)
+        self.started = True
+
+    async def stop(self) -> None:
+        self.shutting_down = True
+        await self.repository.unload_all()
+
+    @property
+    def ready(self) -> bool:
+        if not self.started or self.shutting_down:
+            return False
+        return self.repository.all_ready() if self.options.strict_readiness else True
+
+    # ---- metadata --------------------------------------------------------------------
+    def metadata(self) -> dict[str, Any]:
+        return {"name": "kiln", "version": __version__, "extensions": list(EXTENSIONS)}
+
+    def model(self, name: str, version: str = "") -> ModelRuntime:
+        return self.repository.get(name, version)
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        try:
+            return self.repository.get(name, version).ready
+        except KilnError:
+            return False
+
+    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        rt = self.model(name, version)
+        entry = self.repository.entries[name]
+        sig = rt.signature
+        return {
+            "name": name,
+            "versions": [str(v) for v in sorted(entry.versions)],
+            "platform": rt.config.platform or rt.config.backend,
+            "inputs": [
+                {
+                    "name": s.name,
+                    "datatype": s.datatype.value,
+                    "shape": s.full_shape(sig.max_batch_size),
+                }
+                for s in sig.inputs.values()
+            ],
+            "outputs": [
+                {
+                    "name": s.name,
+                    "datatype": s.datatype.value,
+                    "shape": s.full_shape(sig.max_batch_size),
+                }
+                for s in sig.outputs.values()
+            ],
+        }
+
+    def model_config(self, name: str, version: str = "") -> dict[str, Any]:
+        return config_to_json(self.model(name, version).config)
+
+    # ---- inference -------------------------------------------------------------------
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        if self.shutting_down:
+            raise KilnError("server is shutting down", Status.UNAVAILABLE)
+        runtime = self.repository.get(request.model_name, request.model_version)
+        return await runtime.infer(request)
+
+    # ---- statistics ------------------------------------------------------------------
+    def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
+        if name:
+            entry = self.repository.entries.get(name)
+            if entry is None or not entry.versions:
+                raise not_found(f"requested model '{name}' is not available")
+            runtimes = (
+                [self.repository.get(name, version)]
+                if version
+                else [r for _, r in sorted(entry.versions.items())]
+            )
+        else:
+            runtimes = self.repository.runtimes()
+        return {"model_stats": [r.stats.to_json(r.name, r.version_str) for r in runtimes]}
+
+    # ---- repository ------------------------------------------------------------------
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        return self.repository.index(ready_only)
+
+    async def load_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
+        if self.options.model_control_mode is not ControlMode.EXPLICIT:
+            raise KilnError(
+                "explicit model load / unload is not allowed if polling is enabled"
+                if self.options.model_control_mode is ControlMode.POLL
+                else "explicit model load / unload is not allowed: start kiln with "
+                "--model-control-mode=explicit",
+                Status.UNAVAILABLE,
+            )
+        parameters = parameters or {}
+        config = parameters.get("config")
+        if config is not None and not isinstance(config, (str, bytes)):
+            raise invalid_arg("load parameter 'config' must be a JSON string")
+        if isinstance(config, bytes):
+            config = config.decode("utf-8", "replace")
+        files = decode_files(parameters)
+        await self.repository.load(name, config, files or None)
+
+    async def unload_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
+        if self.options.model_control_mode is not ControlMode.EXPLICIT:
+            raise KilnError(
+                "explicit model load / unload is not allowed: start kiln with "
+                "--model-control-mode=explicit",
+                Status.UNAVAILABLE,
+            )
+        await self.repository.unload(name)

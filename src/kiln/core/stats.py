@@ -1,0 +1,116 @@
+"""Per-model-version statistics, shaped like Triton's statistics extension."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += ns
+
+    def to_json(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass(slots=True)
+class BatchStats:
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """Timestamps of one request through the server (``time.monotonic_ns``)."""
+
+    received: int = 0
+    queue_end: int = 0
+    input_end: int = 0
+    infer_end: int = 0
+    output_end: int = 0
+
+
+class ModelStats:
+    """Cumulative counters; updated from the event loop and instance threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.success = Duration()
+        self.fail = Duration()
+        self.queue = Duration()
+        self.compute_input = Duration()
+        self.compute_infer = Duration()
+        self.compute_output = Duration()
+        self.cache_hit = Duration()
+        self.cache_miss = Duration()
+        self.inference_count = 0
+        self.execution_count = 0
+        self.last_inference_ms = 0
+        self.batch: dict[int, BatchStats] = {}
+
+    def record_execution(
+        self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int
+    ) -> None:
+        with self._lock:
+            self.execution_count += 1
+            b = self.batch.get(batch_size)
+            if b is None:
+                b = self.batch[batch_size] = BatchStats()
+            b.compute_input.add(input_ns)
+            b.compute_infer.add(infer_ns)
+            b.compute_output.add(output_ns)
+
+    def record_success(self, times: RequestTimes, batch_size: int, end_ns: int) -> None:
+        with self._lock:
+            self.success.add(end_ns - times.received)
+            self.queue.add(times.queue_end - times.received)
+            self.compute_input.add(times.input_end - times.queue_end)
+            self.compute_infer.add(times.infer_end - times.input_end)
+            self.compute_output.add(times.output_end - times.infer_end)
+            self.inference_count += batch_size
+            self.last_inference_ms = int(time.time() * 1000)
+
+    def record_failure(self, times: RequestTimes, end_ns: int) -> None:
+        with self._lock:
+            self.fail.add(end_ns - times.received)
+            self.last_inference_ms = int(time.time() * 1000)
+
+    def to_json(self, name: str, version: str) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "name": name,
+                "version": version,
+                "last_inference": self.last_inference_ms,
+                "inference_count": self.inference_count,
+                "execution_count": self.execution_count,
+                "inference_stats": {
+                    "success": self.success.to_json(),
+                    "fail": self.fail.to_json(),
+                    "queue": self.queue.to_json(),
+                    "compute_input": self.compute_input.to_json(),
+                    "compute_infer": self.compute_infer.to_json(),
+                    "compute_output": self.compute_output.to_json(),
+                    "cache_hit": self.cache_hit.to_json(),
+                    "cache_miss": self.cache_miss.to_json(),
+                },
+                "response_stats": {},
+                "batch_stats": [
+                    {
+                        "batch_size": size,
+                        "compute_input": b.compute_input.to_json(),
+                        "compute_infer": b.compute_infer.to_json(),
+                        "compute_output": b.compute_output.to_json(),
+                    }
+                    for size, b in sorted(self.batch.items())
+                ],
+                "memory_usage": [],
+            }

@@ -1,0 +1,131 @@
+"""Plain-NumPy reference implementations of the example models.
+
+Tests compare the server's answers with these instead of with onnxruntime, so a bug shared by
+the ONNX graph and the runtime (or by the server's use of the runtime) cannot hide. The math
+is done in float64 from the same seeded weights the ONNX builder uses, then rounded to the
+float32 the model returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from numpy.lib.stride_tricks import sliding_window_view
+
+from kiln.examples import models
+
+Array = npt.NDArray[Any]
+F64 = npt.NDArray[np.float64]
+
+
+def _require(inputs: Mapping[str, Array], *names: str) -> list[Array]:
+    missing = [name for name in names if name not in inputs]
+    if missing:
+        raise ValueError(f"missing input(s) {missing}; expected {list(names)}")
+    return [np.asarray(inputs[name]) for name in names]
+
+
+def _softmax(logits: F64) -> F64:
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))  # max-shift avoids overflow
+    return shifted / shifted.sum(axis=-1, keepdims=True)
+
+
+def _simple(inputs: Mapping[str, Array]) -> dict[str, Array]:
+    a, b = (x.astype(np.int32, copy=False) for x in _require(inputs, "INPUT0", "INPUT1"))
+    # int32 arithmetic wraps on overflow, exactly like the ONNX Add/Sub on int32.
+    return {"OUTPUT0": a + b, "OUTPUT1": a - b}
+
+
+def _parse_decimal(element: object) -> int:
+    # Triton clients send BYTES elements as bytes; onnxruntime wants str. Accept both.
+    text = element.decode("utf-8") if isinstance(element, bytes) else str(element)
+    return int(text)
+
+
+def _simple_string(inputs: Mapping[str, Array]) -> dict[str, Array]:
+    a_text, b_text = _require(inputs, "INPUT0", "INPUT1")
+    parse = np.vectorize(_parse_decimal, otypes=[object])  # object: no silent truncation
+    a, b = parse(a_text), parse(b_text)
+    info = np.iinfo(np.int32)
+    if any(not info.min <= int(n) <= info.max for n in (*a.flat, *b.flat)):
+        # The model's Cast to int32 has no defined answer for these, so neither do we.
+        raise ValueError("simple_string inputs must be decimal integers that fit in int32")
+    numbers = _simple({"INPUT0": a.astype(np.int32), "INPUT1": b.astype(np.int32)})
+    to_bytes = np.vectorize(lambda n: str(int(n)).encode("ascii"), otypes=[object])
+    return {name: to_bytes(value) for name, value in numbers.items()}
+
+
+def _mlp(inputs: Mapping[str, Array]) -> dict[str, Array]:
+    (x,) = _require(inputs, "INPUT")
+    weights = models.mlp_weights()
+    hidden: F64 = x.astype(np.float64)
+    layers = len(models.MLP_HIDDEN) + 1
+    for layer in range(1, layers + 1):
+        hidden = hidden @ weights[f"W{layer}"].astype(np.float64) + weights[f"B{layer}"]
+        if layer < layers:
+            hidden = np.maximum(hidden, 0.0)
+    return {
+        "LOGITS": hidden.astype(np.float32),
+        "PROBABILITIES": _softmax(hidden).astype(np.float32),
+    }
+
+
+def _conv2d_same(images: F64, kernel: F64, bias: F64) -> F64:
+    """Stride-1 convolution with zero "same" padding: [N, C, H, W] -> [N, O, H, W]."""
+    pad = kernel.shape[-1] // 2
+    padded = np.pad(images, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    # windows[n, c, h, w, i, j] = padded[n, c, h + i, w + j]; no data is copied.
+    windows = sliding_window_view(padded, kernel.shape[-2:], axis=(2, 3))
+    # ONNX Conv is a cross-correlation (the kernel is not flipped), which is this einsum.
+    out: F64 = np.einsum("nchwij,ocij->nohw", windows, kernel)
+    return out + bias[None, :, None, None]
+
+
+def _max_pool_2x2(images: F64) -> F64:
+    n, c, h, w = images.shape
+    pooled: F64 = images.reshape(n, c, h // 2, 2, w // 2, 2).max(axis=(3, 5))
+    return pooled
+
+
+def _cnn(inputs: Mapping[str, Array]) -> dict[str, Array]:
+    (x,) = _require(inputs, "IMAGE")
+    if x.ndim != 4 or x.shape[1:] != models.CNN_IMAGE:
+        raise ValueError(f"IMAGE must be [batch, {', '.join(map(str, models.CNN_IMAGE))}]")
+    weights = models.cnn_weights()
+    hidden: F64 = x.astype(np.float64)
+    for layer in range(1, len(models.CNN_CHANNELS) + 1):
+        kernel = weights[f"conv{layer}_W"].astype(np.float64)
+        bias = weights[f"conv{layer}_B"].astype(np.float64)
+        hidden = _max_pool_2x2(np.maximum(_conv2d_same(hidden, kernel, bias), 0.0))
+    # C, H, W flattening order matches ONNX Flatten(axis=1) on an NCHW tensor.
+    flat = hidden.reshape(hidden.shape[0], -1)
+    logits = flat @ weights["fc_W"].astype(np.float64) + weights["fc_B"]
+    return {"PROBABILITIES": _softmax(logits).astype(np.float32)}
+
+
+_REFERENCES: dict[str, Callable[[Mapping[str, Array]], dict[str, Array]]] = {
+    "simple": _simple,
+    "simple_string": _simple_string,
+    "mlp": _mlp,
+    "cnn": _cnn,
+}
+
+
+def reference_outputs(model_name: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Expected outputs of an example model, computed with NumPy alone.
+
+    ``inputs`` maps input names to batched arrays (leading batch dim, as sent to the server).
+    Numeric outputs are int32/float32 like the model's. ``simple_string`` accepts elements
+    as ``bytes`` or ``str`` and returns an object array of ``bytes`` (Triton's BYTES form,
+    which is what a Triton client hands back; onnxruntime itself returns ``str``).
+    """
+    try:
+        reference = _REFERENCES[model_name]
+    except KeyError:
+        raise ValueError(
+            f"unknown example model '{model_name}'; known: {', '.join(_REFERENCES)}"
+        ) from None
+    return reference(inputs)

@@ -1,0 +1,208 @@
+"""Write the example models as a Triton-layout model repository.
+
+Layout per model::
+
+    <dest>/<model>/config.pbtxt
+    <dest>/<model>/1/model.onnx
+    <dest>/<model>/labels.txt      (classifiers only)
+
+The configs are plain text, written the way a user would write them by hand, so that the
+example repository doubles as documentation of the config format.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from kiln.examples import models as graphs  # 'models' is also a parameter name below
+
+DIGIT_LABELS: tuple[str, ...] = tuple(f"digit_{i}" for i in range(graphs.NUM_CLASSES))
+
+_CPU_INSTANCE = """\
+instance_group [
+  {
+    count: 1
+    kind: KIND_CPU
+  }
+]
+"""
+
+
+def _simple_config(name: str, data_type: str) -> str:
+    # simple and simple_string differ only in name and data type, exactly as in Triton's docs.
+    tensor = """\
+  {{
+    name: "{tensor}"
+    data_type: {data_type}
+    dims: [ 16 ]
+  }}"""
+    inputs = ",\n".join(tensor.format(tensor=t, data_type=data_type) for t in ("INPUT0", "INPUT1"))
+    outputs = ",\n".join(
+        tensor.format(tensor=t, data_type=data_type) for t in ("OUTPUT0", "OUTPUT1")
+    )
+    return f"""\
+name: "{name}"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [
+{inputs}
+]
+output [
+{outputs}
+]
+{_CPU_INSTANCE}"""
+
+
+MLP_CONFIG = f"""\
+name: "mlp"
+platform: "onnxruntime_onnx"
+max_batch_size: 64
+input [
+  {{
+    name: "INPUT"
+    data_type: TYPE_FP32
+    dims: [ 64 ]
+  }}
+]
+output [
+  {{
+    name: "LOGITS"
+    data_type: TYPE_FP32
+    dims: [ 10 ]
+  }},
+  {{
+    name: "PROBABILITIES"
+    data_type: TYPE_FP32
+    dims: [ 10 ]
+    label_filename: "labels.txt"
+  }}
+]
+{_CPU_INSTANCE}"""
+
+CNN_CONFIG = f"""\
+name: "cnn"
+platform: "onnxruntime_onnx"
+max_batch_size: 32
+input [
+  {{
+    name: "IMAGE"
+    data_type: TYPE_FP32
+    format: FORMAT_NCHW
+    dims: [ 1, 28, 28 ]
+  }}
+]
+output [
+  {{
+    name: "PROBABILITIES"
+    data_type: TYPE_FP32
+    dims: [ 10 ]
+    label_filename: "labels.txt"
+  }}
+]
+{_CPU_INSTANCE}"""
+
+
+@dataclass(frozen=True)
+class ExampleModel:
+    name: str
+    config: str
+    build: Callable[[], onnx.ModelProto]
+    labels: tuple[str, ...] | None = None
+
+
+_MODELS: dict[str, ExampleModel] = {
+    model.name: model
+    for model in (
+        ExampleModel("simple", _simple_config("simple", "TYPE_INT32"), graphs.build_simple),
+        ExampleModel(
+            "simple_string",
+            _simple_config("simple_string", "TYPE_STRING"),
+            graphs.build_simple_string,
+        ),
+        ExampleModel("mlp", MLP_CONFIG, graphs.build_mlp, DIGIT_LABELS),
+        ExampleModel("cnn", CNN_CONFIG, graphs.build_cnn, DIGIT_LABELS),
+    )
+}
+
+EXAMPLE_MODELS: tuple[str, ...] = tuple(_MODELS)
+
+
+def example_config(name: str) -> str:
+    """The config.pbtxt text of one example model."""
+    return _lookup([name])[0].config
+
+
+def _lookup(names: Iterable[str]) -> list[ExampleModel]:
+    # dict.fromkeys de-duplicates while keeping the caller's order.
+    wanted = list(dict.fromkeys(names))
+    unknown = [name for name in wanted if name not in _MODELS]
+    if unknown:
+        raise ValueError(
+            f"unknown example model(s) {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(EXAMPLE_MODELS)}"
+        )
+    return [_MODELS[name] for name in wanted]
+
+
+def _write_model(model: ExampleModel, folder: Path) -> None:
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(model.config, encoding="utf-8")
+    onnx.save_model(model.build(), folder / "1" / "model.onnx")
+    if model.labels is not None:
+        (folder / "labels.txt").write_text("\n".join(model.labels) + "\n", encoding="utf-8")
+
+
+def _install(model: ExampleModel, dest: Path) -> Path:
+    """Build into a hidden temp dir beside the target, then rename it into place.
+
+    A crash mid-build leaves only the hidden (dot-named) temp dir, never a half-written
+    model folder under the model's own name that a server would try to load.
+    """
+    target = dest / model.name
+    staging = Path(tempfile.mkdtemp(prefix=f".{model.name}.", suffix=".tmp", dir=dest))
+    try:
+        _write_model(model, staging / "model")
+        old = staging / "old"
+        if target.exists() or target.is_symlink():
+            # Move the old folder aside first: a rename cannot replace a non-empty directory.
+            target.rename(old)
+        try:
+            (staging / "model").rename(target)
+        except OSError:
+            if old.exists() or old.is_symlink():
+                old.rename(target)  # put the previous model back rather than lose it
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def build_example_repository(
+    dest: str | Path, models: Iterable[str] | None = None, *, overwrite: bool = False
+) -> list[Path]:
+    """Write example models into the model repository ``dest`` (created if missing).
+
+    ``models`` selects and orders the models (default: all of :data:`EXAMPLE_MODELS`).
+    Returns the model folders written. Raises ``ValueError`` for an unknown model name and
+    ``FileExistsError`` if a model folder already exists and ``overwrite`` is false; both
+    are checked before anything is written, so a refused call leaves ``dest`` untouched.
+    """
+    if isinstance(models, str):
+        models = [models]  # a lone name, not an iterable of one-letter names
+    selected = _lookup(EXAMPLE_MODELS if models is None else models)
+    root = Path(dest)
+    if not overwrite:
+        existing = [m.name for m in selected if (root / m.name).exists()]
+        if existing:
+            raise FileExistsError(
+                f"model folder(s) {', '.join(existing)} already exist in {root}; "
+                "pass overwrite=True to replace them"
+            )
+    root.mkdir(parents=True, exist_ok=True)
+    return [_install(model, root) for model in selected]

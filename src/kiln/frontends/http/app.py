@@ -1,0 +1,227 @@
+"""KServe v2 REST (+ Triton's extensions) as an ASGI app. It only translates: every
+decision is core's. Paths follow Triton's router (``src/http_server.cc``)."""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kiln.core.errors import KilnError, Status
+from kiln.core.server import Server
+from kiln.frontends.http.codec import (
+    decode_raw_request,
+    decode_request,
+    encode_response,
+    parse_json,
+)
+
+log = logging.getLogger(__name__)
+
+HEADER_LENGTH = "inference-header-content-length"
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(
+        orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY), status, media_type="application/json"
+    )
+
+
+def error_response(message: str, status: int) -> Response:
+    return json_response({"error": message}, status)
+
+
+class HttpFrontend:
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.max_body = server.options.max_request_bytes
+
+    # ---- plumbing --------------------------------------------------------------------
+    async def read_body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            raise KilnError(
+                f"request body of {declared} bytes exceeds the limit of {self.max_body} bytes "
+                "(--http-max-input-size)",
+                Status.PAYLOAD_TOO_LARGE,
+            )
+        chunks, total = [], 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > self.max_body:
+                raise KilnError(
+                    f"request body exceeds the limit of {self.max_body} bytes "
+                    "(--http-max-input-size)",
+                    Status.PAYLOAD_TOO_LARGE,
+                )
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        encoding = request.headers.get("content-encoding", "").lower()
+        if encoding in ("gzip", "deflate"):
+            body = self._decompress(body, encoding)
+        elif encoding not in ("", "identity"):
+            raise KilnError(f"unsupported Content-Encoding '{encoding}'", Status.UNSUPPORTED)
+        return body
+
+    def _decompress(self, body: bytes, encoding: str) -> bytes:
+        wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
+        d = zlib.decompressobj(wbits)
+        try:
+            out = d.decompress(body, self.max_body + 1)
+        except zlib.error as exc:
+            raise KilnError(f"unable to {encoding}-decompress the request body: {exc}") from None
+        if len(out) > self.max_body or d.unconsumed_tail:
+            raise KilnError(
+                f"decompressed request body exceeds the limit of {self.max_body} bytes",
+                Status.PAYLOAD_TOO_LARGE,
+            )
+        return out
+
+    @staticmethod
+    def _compress(request: Request, body: bytes, headers: dict[str, str]) -> bytes:
+        accept = request.headers.get("accept-encoding", "")
+        if "gzip" in accept:
+            headers["Content-Encoding"] = "gzip"
+            return gzip.compress(body, compresslevel=1)
+        if "deflate" in accept:
+            headers["Content-Encoding"] = "deflate"
+            return zlib.compress(body, 1)
+        return body
+
+    async def json_body(self, request: Request) -> dict[str, Any]:
+        body = await self.read_body(request)
+        return parse_json(body) if body.strip() else {}
+
+    # ---- health / metadata -----------------------------------------------------------
+    async def live(self, request: Request) -> Response:
+        return Response(status_code=200 if self.server.live else 400)
+
+    async def ready(self, request: Request) -> Response:
+        return Response(status_code=200 if self.server.ready else 400)
+
+    async def metadata(self, request: Request) -> Response:
+        return json_response(self.server.metadata())
+
+    async def model_metadata(self, request: Request) -> Response:
+        p = request.path_params
+        return json_response(self.server.model_metadata(p["model"], p.get("version", "")))
+
+    async def model_ready(self, request: Request) -> Response:
+        p = request.path_params
+        ok = self.server.model_ready(p["model"], p.get("version", ""))
+        return Response(status_code=200 if ok else 400)
+
+    async def model_config(self, request: Request) -> Response:
+        p = request.path_params
+        return json_response(self.server.model_config(p["model"], p.get("version", "")))
+
+    async def stats(self, request: Request) -> Response:
+        p = request.path_params
+        return json_response(self.server.statistics(p.get("model", ""), p.get("version", "")))
+
+    # ---- inference -------------------------------------------------------------------
+    async def infer(self, request: Request) -> Response:
+        p = request.path_params
+        name, version = p["model"], p.get("version", "")
+        body = await self.read_body(request)
+        raw_length = request.headers.get(HEADER_LENGTH)
+        if raw_length is None:
+            req = decode_request(body, None, name, version)
+        else:
+            try:
+                header_length = int(raw_length)
+            except ValueError:
+                raise KilnError(
+                    f"Inference-Header-Content-Length must be an integer, got '{raw_length}'"
+                ) from None
+            if header_length == 0:
+                sig = self.server.model(name, version).signature
+                req = decode_raw_request(body, sig, name, version)
+            else:
+                req = decode_request(body, header_length, name, version)
+        resp = await self.server.infer(req)
+        out, json_length = encode_response(resp, req)
+        headers: dict[str, str] = {}
+        if json_length is not None:
+            headers["Inference-Header-Content-Length"] = str(json_length)
+            media = "application/octet-stream"
+        else:
+            media = "application/json"
+        out = self._compress(request, out, headers)
+        return Response(out, 200, headers=headers, media_type=media)
+
+    # ---- repository ------------------------------------------------------------------
+    async def repository_index(self, request: Request) -> Response:
+        body = await self.json_body(request)
+        ready = body.get("ready", False)
+        if not isinstance(ready, bool):
+            raise KilnError("'ready' must be a boolean")
+        return json_response(self.server.repository_index(ready))
+
+    async def load(self, request: Request) -> Response:
+        body = await self.json_body(request)
+        params = body.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise KilnError("'parameters' must be an object")
+        await self.server.load_model(request.path_params["model"], params)
+        return Response(status_code=200)
+
+    async def unload(self, request: Request) -> Response:
+        body = await self.json_body(request)
+        await self.server.unload_model(request.path_params["model"], body.get("parameters"))
+        return Response(status_code=200)
+
+    # ---- app -------------------------------------------------------------------------
+    def routes(self) -> list[Route]:
+        def guard(handler: Handler) -> Handler:
+            async def wrapped(request: Request) -> Response:
+                try:
+                    return await handler(request)
+                except KilnError as exc:
+                    return error_response(exc.message, exc.status.http_status)
+                except Exception as exc:  # never let one request take the server down
+                    log.exception("unhandled error on %s", request.url.path)
+                    return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+            return wrapped
+
+        r: list[Route] = []
+
+        def add(path: str, handler: Handler, methods: list[str]) -> None:
+            r.append(Route(path, guard(handler), methods=methods))
+
+        def model_routes(suffix: str, handler: Handler, methods: list[str]) -> None:
+            add("/v2/models/{model}/versions/{version}" + suffix, handler, methods)
+            add("/v2/models/{model}" + suffix, handler, methods)
+
+        add("/v2", self.metadata, ["GET"])
+        add("/v2/health/live", self.live, ["GET"])
+        add("/v2/health/ready", self.ready, ["GET"])
+        add("/v2/models/stats", self.stats, ["GET"])
+        model_routes("", self.model_metadata, ["GET"])
+        model_routes("/ready", self.model_ready, ["GET"])
+        model_routes("/infer", self.infer, ["POST"])
+        model_routes("/config", self.model_config, ["GET"])
+        model_routes("/stats", self.stats, ["GET"])
+        for prefix in ("/v2/repository", "/v2/repository/{repository}"):
+            add(prefix + "/index", self.repository_index, ["POST"])
+            add(prefix + "/models/{model}/load", self.load, ["POST"])
+            add(prefix + "/models/{model}/unload", self.unload, ["POST"])
+        return r
+
+    def app(self) -> Starlette:
+        async def http_error(request: Request, exc: Exception) -> Response:
+            assert isinstance(exc, HTTPException)
+            return error_response(exc.detail, exc.status_code)
+
+        return Starlette(routes=self.routes(), exception_handlers={HTTPException: http_error})

@@ -1,0 +1,306 @@
+"""KServe v2 REST bodies <-> InferenceRequest / InferenceResponse.
+
+Handles JSON tensors and Triton's binary tensor data extension (a JSON header followed by
+raw tensors; ``Inference-Header-Content-Length`` says where the JSON ends). Every error
+names the tensor it is about. Shape/model checks happen later, once, in core.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+
+from kiln.core.errors import invalid_arg
+from kiln.core.signature import ModelSignature
+from kiln.core.types import (
+    DataType,
+    InferenceRequest,
+    InferenceResponse,
+    InferInput,
+    RequestedOutput,
+    element_count,
+)
+from kiln.frontends.tensors import bf16_to_fp32, deserialize_bytes, fp32_to_bf16, serialize_bytes
+
+_JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
+
+
+def _shape(tensor: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise invalid_arg(f"input '{tensor}': 'shape' must be an array of integers")
+    for d in value:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise invalid_arg(
+                f"input '{tensor}': 'shape' must hold non-negative integers, got {value}"
+            )
+    return tuple(value)
+
+
+def _parameters(where: str, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid_arg(f"{where}: 'parameters' must be an object")
+    return value
+
+
+def parse_json(buffer: bytes | memoryview) -> dict[str, Any]:
+    try:
+        obj = orjson.loads(buffer)
+    except orjson.JSONDecodeError as exc:
+        raise invalid_arg(f"failed to parse the request JSON buffer: {exc}") from None
+    if not isinstance(obj, dict):
+        kind = "array" if isinstance(obj, list) else type(obj).__name__
+        raise invalid_arg(f"the request JSON must be an object, got {kind}")
+    return obj
+
+
+def decode_request(
+    body: bytes, header_length: int | None, model_name: str, model_version: str
+) -> InferenceRequest:
+    if header_length is None:
+        header, binary = memoryview(body), memoryview(b"")
+    else:
+        if header_length < 0 or header_length > len(body):
+            raise invalid_arg(
+                f"Inference-Header-Content-Length {header_length} is larger than the request "
+                f"body ({len(body)} bytes)"
+            )
+        view = memoryview(body)
+        header, binary = view[:header_length], view[header_length:]
+    obj = parse_json(header)
+    request = InferenceRequest(model_name=model_name, model_version=model_version)
+    rid = obj.get("id", "")
+    if not isinstance(rid, str):
+        raise invalid_arg("request 'id' must be a string")
+    request.id = rid
+    request.parameters = _parameters("request", obj.get("parameters"))
+    inputs = obj.get("inputs")
+    if not isinstance(inputs, list):
+        raise invalid_arg("the request JSON needs an 'inputs' array")
+    offset = 0
+    for index, item in enumerate(inputs):
+        if not isinstance(item, dict):
+            raise invalid_arg(f"inputs[{index}] must be an object")
+        name = item.get("name")
+        if not isinstance(name, str) or not name:
+            raise invalid_arg(f"inputs[{index}] needs a 'name' string")
+        raw_dt = item.get("datatype")
+        if not isinstance(raw_dt, str):
+            raise invalid_arg(f"input '{name}' needs a 'datatype' string")
+        try:
+            datatype = DataType.from_wire(raw_dt)
+        except ValueError as exc:
+            raise invalid_arg(f"input '{name}': {exc}") from None
+        shape = _shape(name, item.get("shape"))
+        params = _parameters(f"input '{name}'", item.get("parameters"))
+        size = params.get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise invalid_arg(f"input '{name}': 'binary_data_size' must be an integer >= 0")
+            if offset + size > len(binary):
+                raise invalid_arg(
+                    f"input '{name}': binary_data_size {size} runs past the end of the "
+                    f"request body ({len(binary) - offset} bytes left)"
+                )
+            data = from_binary(name, datatype, shape, binary[offset : offset + size])
+            offset += size
+        elif "data" in item:
+            data = from_json(name, datatype, shape, item["data"])
+        elif "shared_memory_region" in params:
+            data = np.empty(0)  # filled in by the shared-memory layer
+        else:
+            raise invalid_arg(f"input '{name}' has neither 'data' nor 'binary_data_size'")
+        request.inputs.append(InferInput(name, datatype, shape, data, params))
+    if offset != len(binary):
+        raise invalid_arg(
+            f"the binary_data_size of the inputs add up to {offset} bytes, but the request "
+            f"body holds {len(binary)} bytes after the JSON header"
+        )
+    outputs = obj.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, list):
+            raise invalid_arg("'outputs' must be an array")
+        for index, item in enumerate(outputs):
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                raise invalid_arg(f"outputs[{index}] must be an object with a 'name'")
+            request.outputs.append(
+                RequestedOutput(
+                    item["name"], _parameters(f"output '{item['name']}'", item.get("parameters"))
+                )
+            )
+    return request
+
+
+def decode_raw_request(
+    body: bytes, signature: ModelSignature, model_name: str, model_version: str
+) -> InferenceRequest:
+    """``Inference-Header-Content-Length: 0``: the body is the one input's bytes, batch 1."""
+    if len(signature.inputs) != 1:
+        raise invalid_arg(
+            f"raw binary request (Inference-Header-Content-Length: 0) needs a model with "
+            f"exactly one input; '{model_name}' has {len(signature.inputs)}"
+        )
+    spec = next(iter(signature.inputs.values()))
+    dims = list(spec.dims)
+    if dims.count(-1) > 1 or (spec.datatype is DataType.BYTES and dims != [1]):
+        raise invalid_arg(
+            f"raw binary request: input '{spec.name}' of '{model_name}' must have at most one "
+            "variable dimension (BYTES: shape [1])"
+        )
+    if spec.datatype is DataType.BYTES:
+        shape = [1]
+    else:
+        known = element_count([d for d in dims if d != -1]) * spec.datatype.itemsize
+        if -1 in dims:
+            if known == 0 or len(body) % known:
+                raise invalid_arg(
+                    f"raw binary request: {len(body)} bytes do not fit input '{spec.name}'"
+                )
+            dims[dims.index(-1)] = len(body) // known
+        shape = dims
+    full = tuple(([1] if signature.max_batch_size > 0 else []) + shape)
+    if spec.datatype is DataType.BYTES:
+        data = np.array([bytes(body)], dtype=object).reshape(full)
+    else:
+        data = from_binary(spec.name, spec.datatype, full, memoryview(body))
+    request = InferenceRequest(model_name=model_name, model_version=model_version)
+    request.inputs.append(InferInput(spec.name, spec.datatype, full, data))
+    request.parameters["binary_data_output"] = True
+    return request
+
+
+def from_binary(
+    name: str, datatype: DataType, shape: tuple[int, ...], buf: memoryview
+) -> np.ndarray:
+    count = element_count(shape)
+    if datatype is DataType.BYTES:
+        return deserialize_bytes(name, buf, count).reshape(shape)
+    expected = count * datatype.itemsize
+    if len(buf) != expected:
+        raise invalid_arg(
+            f"input '{name}': {len(buf)} bytes of binary data, but shape {list(shape)} of "
+            f"{datatype.value} needs {expected}"
+        )
+    if datatype is DataType.BF16:
+        return bf16_to_fp32(np.frombuffer(buf, dtype="<u2")).reshape(shape)
+    return np.frombuffer(buf, dtype=datatype.numpy_dtype.newbyteorder("<")).reshape(shape)
+
+
+def from_json(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) -> np.ndarray:
+    if datatype in (DataType.FP16, DataType.BF16):
+        raise invalid_arg(
+            f"receiving {datatype.value} data via JSON is not supported. Please use the binary "
+            f"data format for input '{name}'"
+        )
+    count = element_count(shape)
+    try:
+        if datatype is DataType.BYTES:
+            flat = _flatten(data)
+            arr = np.empty(len(flat), dtype=object)
+            for i, v in enumerate(flat):
+                if isinstance(v, str):
+                    arr[i] = v.encode()
+                elif isinstance(v, (bytes, int, float)) and not isinstance(v, bool):
+                    arr[i] = str(v).encode()
+                else:
+                    raise TypeError(f"element {i} is {type(v).__name__}")
+        elif datatype is DataType.BOOL:
+            flat = _flatten(data)
+            if not all(isinstance(v, bool) for v in flat):
+                raise TypeError("BOOL data must be JSON booleans")
+            arr = np.array(flat, dtype=np.bool_)
+        else:
+            arr = np.array(data, dtype=datatype.numpy_dtype)
+            if arr.dtype == object:
+                raise TypeError("ragged nested arrays")
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise invalid_arg(
+            f"input '{name}': unable to parse 'data' as {datatype.value}: {exc}"
+        ) from None
+    if arr.size != count:
+        raise invalid_arg(
+            f"input '{name}': shape {list(shape)} expects {count} elements, but 'data' holds "
+            f"{arr.size}"
+        )
+    return arr.reshape(shape)
+
+
+def _flatten(data: Any) -> list[Any]:
+    if not isinstance(data, list):
+        return [data]
+    if not data or not isinstance(data[0], list):
+        return data
+    out: list[Any] = []
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(reversed(item))
+        else:
+            out.append(item)
+    return out
+
+
+def _want_binary(request: InferenceRequest, name: str, default: bool) -> bool:
+    for out in request.outputs:
+        if out.name == name and "binary_data" in out.parameters:
+            return bool(out.parameters["binary_data"])
+    return default
+
+
+def encode_response(
+    response: InferenceResponse, request: InferenceRequest
+) -> tuple[bytes, int | None]:
+    """Body bytes, and the JSON header's length when binary tensors follow it."""
+    default_binary = bool(request.parameters.get("binary_data_output", False))
+    outputs = []
+    chunks: list[bytes] = []
+    for out in response.outputs:
+        entry: dict[str, Any] = {
+            "name": out.name,
+            "datatype": out.datatype.value,
+            "shape": list(out.shape),
+        }
+        if out.parameters:
+            entry["parameters"] = dict(out.parameters)
+        if _want_binary(request, out.name, default_binary):
+            raw = to_binary(out.datatype, out.data)
+            entry.setdefault("parameters", {})["binary_data_size"] = len(raw)
+            chunks.append(raw)
+        else:
+            entry["data"] = to_json_data(out.datatype, out.data)
+        outputs.append(entry)
+    body: dict[str, Any] = {
+        "model_name": response.model_name,
+        "model_version": response.model_version,
+    }
+    if response.id:
+        body["id"] = response.id
+    if response.parameters:
+        body["parameters"] = response.parameters
+    body["outputs"] = outputs
+    header = orjson.dumps(body, option=_JSON_OPTS)
+    if not chunks:
+        return header, None
+    return b"".join([header, *chunks]), len(header)
+
+
+def to_binary(datatype: DataType, data: np.ndarray) -> bytes:
+    if datatype is DataType.BYTES:
+        return serialize_bytes(data)
+    if datatype is DataType.BF16:
+        return fp32_to_bf16(data).tobytes()
+    return np.ascontiguousarray(data, dtype=datatype.numpy_dtype.newbyteorder("<")).tobytes()
+
+
+def to_json_data(datatype: DataType, data: np.ndarray) -> Any:
+    if datatype is DataType.BYTES:
+        return [
+            v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in data.ravel()
+        ]
+    if datatype is DataType.BF16:
+        return np.ascontiguousarray(data, dtype=np.float32).ravel()
+    return np.ascontiguousarray(data).ravel()

@@ -1,0 +1,56 @@
+"""Element encodings shared by the HTTP binary extension and gRPC raw contents."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from kiln.core.errors import invalid_arg
+
+_LEN = struct.Struct("<I")
+
+
+def serialize_bytes(data: np.ndarray) -> bytes:
+    """BYTES tensor -> 4-byte little-endian length + bytes per element."""
+    parts = []
+    for v in data.ravel():
+        b = v if isinstance(v, bytes) else str(v).encode()
+        parts.append(_LEN.pack(len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def deserialize_bytes(name: str, buf: memoryview | bytes, count: int) -> np.ndarray:
+    """The inverse of :func:`serialize_bytes`; every length is checked against the buffer."""
+    view = memoryview(buf)
+    out = np.empty(count, dtype=object)
+    pos, end = 0, len(view)
+    for i in range(count):
+        if pos + 4 > end:
+            raise invalid_arg(f"input '{name}': BYTES data ends after {i} of {count} elements")
+        (length,) = _LEN.unpack_from(view, pos)
+        pos += 4
+        if pos + length > end:
+            raise invalid_arg(
+                f"input '{name}': BYTES element {i} has length {length}, which runs past the "
+                f"end of its buffer ({end - pos} bytes left)"
+            )
+        out[i] = bytes(view[pos : pos + length])
+        pos += length
+    if pos != end:
+        raise invalid_arg(
+            f"input '{name}': {end - pos} bytes left over after {count} BYTES elements"
+        )
+    return out
+
+
+def bf16_to_fp32(raw: np.ndarray) -> np.ndarray:
+    """BF16 is the high half of a float32."""
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def fp32_to_bf16(data: np.ndarray) -> np.ndarray:
+    """Truncate float32 to its high 16 bits (what tritonclient's serializer does)."""
+    bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
+    return (bits >> 16).astype("<u2")

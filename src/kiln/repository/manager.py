@@ -1,0 +1,336 @@
+"""The model repository: scan, version policy, control modes, load/unload lifecycle.
+
+A load of a model that is already serving brings every new version up first, then swaps
+the serving map in one step, then drains and closes the old runtimes: no request sees a
+gap. A failed reload leaves the old versions serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.backends.registry import backend_class, backend_name, platform_for
+from kiln.config.loader import (
+    ConfigError,
+    config_from_json,
+    load_config_file,
+    validate_config,
+)
+from kiln.config.model_config_pb2 import ModelConfig
+from kiln.core.errors import KilnError, Status, invalid_arg, not_found
+from kiln.core.runtime import ModelRuntime, ModelState
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.pbtxt"
+
+
+def check_model_name(name: str) -> None:
+    """Refuse names that could escape the repository, before touching the file system."""
+    if (
+        not name
+        or name in (".", "..")
+        or name.startswith(".")
+        or any(c in name for c in ("/", "\\", "\x00"))
+        or len(name) > 255
+    ):
+        raise invalid_arg(
+            f"invalid model name '{name}': a model name is one folder of the repository "
+            "(no path separators, no leading '.')"
+        )
+
+
+def version_dirs(model_dir: Path) -> dict[int, Path]:
+    """Numeric version folders; others (and leading zeros) are ignored, as in Triton."""
+    found = {}
+    for p in model_dir.iterdir():
+        if p.is_dir() and p.name.isdigit() and (p.name == "0" or not p.name.startswith("0")):
+            found[int(p.name)] = p
+    return found
+
+
+def select_versions(config: ModelConfig, available: list[int]) -> list[int]:
+    policy = config.version_policy
+    which = policy.WhichOneof("policy_choice")
+    if which == "all":
+        return sorted(available)
+    if which == "specific":
+        wanted = set(policy.specific.versions)
+        missing = sorted(wanted - set(available))
+        if missing:
+            raise invalid_arg(
+                f"model '{config.name}': version_policy asks for versions {missing} which "
+                "have no folder in the repository"
+            )
+        return sorted(wanted)
+    count = policy.latest.num_versions if which == "latest" else 1
+    return sorted(available)[-max(count, 1) :]
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    versions: dict[int, ModelRuntime] = field(default_factory=dict)
+    config: ModelConfig | None = None
+    state: ModelState = ModelState.UNKNOWN
+    reason: str = ""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    files_dir: Path | None = None  # temp folder holding files sent with a load request
+
+
+class RepositoryManager:
+    def __init__(self, repositories: list[Path], drain_timeout: float = 30.0) -> None:
+        self.repositories = [Path(r).resolve() for r in repositories]
+        self.drain_timeout = drain_timeout
+        self.entries: dict[str, ModelEntry] = {}
+        self._load_slots = asyncio.Semaphore(4)  # Triton's --model-load-thread-count
+
+    # ---- discovery -------------------------------------------------------------------
+    def model_names(self) -> list[str]:
+        names = set()
+        for repo in self.repositories:
+            if not repo.is_dir():
+                continue
+            for p in repo.iterdir():
+                if p.is_dir() and not p.name.startswith("."):
+                    names.add(p.name)
+        return sorted(names)
+
+    def model_dir(self, name: str) -> Path:
+        check_model_name(name)
+        for repo in self.repositories:
+            candidate = repo / name
+            if candidate.is_dir():
+                # a symlinked model folder must still resolve inside its repository
+                if not candidate.resolve().is_relative_to(repo):
+                    raise invalid_arg(f"model '{name}' resolves outside the model repository")
+                return candidate
+        raise not_found(
+            f"failed to load '{name}', no version is available: no model folder "
+            f"'{name}' in the model repository"
+        )
+
+    # ---- lookup ----------------------------------------------------------------------
+    def get(self, name: str, version: str = "") -> ModelRuntime:
+        entry = self.entries.get(name)
+        if entry is None or not entry.versions:
+            raise not_found(f"Request for unknown model: '{name}' is not found")
+        if version:
+            try:
+                v = int(version)
+            except ValueError:
+                raise invalid_arg(
+                    f"invalid version '{version}' for model '{name}': must be an integer"
+                ) from None
+            runtime = entry.versions.get(v)
+            if runtime is None:
+                raise not_found(f"Request for unknown model: '{name}' version {v} is not found")
+            return runtime
+        ready = [r for r in entry.versions.values() if r.ready]
+        if not ready:
+            raise KilnError(f"model '{name}' has no ready versions", Status.UNAVAILABLE)
+        return max(ready, key=lambda r: r.version)
+
+    def runtimes(self) -> list[ModelRuntime]:
+        return [r for e in self.entries.values() for r in e.versions.values()]
+
+    # ---- load / unload ---------------------------------------------------------------
+    async def load(
+        self, name: str, config_json: str | None = None, files: dict[str, bytes] | None = None
+    ) -> None:
+        check_model_name(name)
+        entry = self.entries.setdefault(name, ModelEntry(name))
+        async with entry.lock, self._load_slots:
+            try:
+                await self._load(entry, config_json, files)
+            except ConfigError as exc:
+                self._fail(entry, str(exc))
+                raise KilnError(f"failed to load '{name}': {exc}", Status.INVALID_ARG) from exc
+            except KilnError as exc:
+                self._fail(entry, exc.message)
+                if not exc.message.startswith("failed to load"):
+                    exc.message = f"failed to load '{name}': {exc.message}"
+                raise
+            except Exception as exc:
+                log.exception("loading model '%s'", name)
+                self._fail(entry, f"{type(exc).__name__}: {exc}")
+                raise KilnError(
+                    f"failed to load '{name}': {type(exc).__name__}: {exc}", Status.INTERNAL
+                ) from exc
+
+    def _fail(self, entry: ModelEntry, reason: str) -> None:
+        if not entry.versions:  # a failed reload keeps the old versions serving
+            entry.state = ModelState.UNAVAILABLE
+        entry.reason = reason
+        log.error("model '%s' failed to load: %s", entry.name, reason)
+
+    async def _load(
+        self, entry: ModelEntry, config_json: str | None, files: dict[str, bytes] | None
+    ) -> None:
+        name = entry.name
+        files_dir = None
+        if files:
+            if config_json is None:
+                raise invalid_arg(f"failed to load '{name}': 'file:' parameters need 'config'")
+            files_dir = _write_files(name, files)
+            model_dir = files_dir
+        else:
+            model_dir = self.model_dir(name)
+        config_path = model_dir / CONFIG_NAME
+        text: str | None = None
+        if config_json is not None:
+            config = config_from_json(config_json)
+        elif config_path.exists():
+            config = load_config_file(config_path)
+            text = config_path.read_text()
+        else:
+            config = ModelConfig()
+        if not config.name:
+            config.name = name
+        problems = validate_config(config, name, str(config_path), text=text)
+        if problems:
+            raise problems[0]
+        versions = version_dirs(model_dir)
+        bname = backend_name(config, model_dir)
+        cls = backend_class(bname)
+        if not config.backend:
+            config.backend = bname
+        if not config.platform:
+            config.platform = platform_for(bname)
+        if not config.default_model_filename and cls.default_model_filename:
+            config.default_model_filename = cls.default_model_filename
+        if not versions:
+            raise KilnError(f"failed to load '{name}', no version is available", Status.INVALID_ARG)
+        chosen = select_versions(config, list(versions))
+        cls.auto_complete_config(config, versions[chosen[-1]])
+        _complete_scheduling(config)
+        problems = validate_config(config, name, str(config_path), text=None)
+        if problems:
+            raise problems[0]
+
+        entry.state = ModelState.LOADING
+        new = {v: ModelRuntime(name, v, config, versions[v], cls) for v in chosen}
+        results = await asyncio.gather(*(r.load() for r in new.values()), return_exceptions=True)
+        errors = [(v, e) for v, e in zip(new, results, strict=True) if isinstance(e, BaseException)]
+        if errors:
+            for runtime in new.values():
+                if runtime.ready:
+                    await runtime.unload(0)
+            if files_dir is not None:
+                shutil.rmtree(files_dir, ignore_errors=True)
+            version, err = errors[0]
+            msg = err.message if isinstance(err, KilnError) else f"{type(err).__name__}: {err}"
+            raise KilnError(f"failed to load '{name}' version {version}: {msg}", Status.INVALID_ARG)
+        old, old_files = entry.versions, entry.files_dir
+        entry.versions, entry.config, entry.files_dir = new, config, files_dir
+        entry.state, entry.reason = ModelState.READY, ""
+        log.info("loaded model '%s' versions %s", name, chosen)
+        for runtime in old.values():
+            await runtime.unload(self.drain_timeout)
+        if old_files is not None:
+            shutil.rmtree(old_files, ignore_errors=True)
+
+    async def unload(self, name: str) -> None:
+        check_model_name(name)
+        entry = self.entries.get(name)
+        if entry is None:
+            return
+        async with entry.lock:
+            old, entry.versions = entry.versions, {}
+            entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
+            for runtime in old.values():
+                await runtime.unload(self.drain_timeout)
+            if entry.files_dir is not None:
+                shutil.rmtree(entry.files_dir, ignore_errors=True)
+                entry.files_dir = None
+        log.info("unloaded model '%s'", name)
+
+    async def load_many(self, names: list[str]) -> None:
+        async def one(n: str) -> None:
+            try:
+                await self.load(n)
+            except KilnError as exc:
+                log.error("%s", exc.message)
+
+        await asyncio.gather(*(one(n) for n in names))
+
+    async def unload_all(self) -> None:
+        await asyncio.gather(*(self.unload(n) for n in list(self.entries)))
+
+    # ---- index -----------------------------------------------------------------------
+    def index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        rows: list[dict[str, str]] = []
+        for name in sorted(set(self.model_names()) | set(self.entries)):
+            entry = self.entries.get(name)
+            if entry and entry.versions:
+                for v, rt in sorted(entry.versions.items()):
+                    rows.append(
+                        {
+                            "name": name,
+                            "version": str(v),
+                            "state": rt.state.value,
+                            "reason": rt.reason,
+                        }
+                    )
+            elif entry and entry.state is not ModelState.UNKNOWN:
+                rows.append(
+                    {
+                        "name": name,
+                        "version": "",
+                        "state": entry.state.value,
+                        "reason": entry.reason,
+                    }
+                )
+            else:
+                rows.append({"name": name, "version": "", "state": "", "reason": ""})
+        if ready_only:
+            rows = [r for r in rows if r["state"] == ModelState.READY.value]
+        return rows
+
+    def all_ready(self) -> bool:
+        return all(
+            e.versions and all(r.ready for r in e.versions.values())
+            for e in self.entries.values()
+            if e.state is not ModelState.UNAVAILABLE or e.reason != "unloaded"
+        )
+
+
+def _complete_scheduling(config: ModelConfig) -> None:
+    """Triton: a batching model with no scheduler gets an empty ``dynamic_batching``."""
+    if not len(config.instance_group):
+        config.instance_group.add(count=1)
+    if (
+        config.max_batch_size > 1
+        and config.WhichOneof("scheduling_choice") is None
+        and config.platform != "ensemble"
+    ):
+        config.dynamic_batching.SetInParent()
+
+
+def _write_files(name: str, files: dict[str, bytes]) -> Path:
+    """Materialise ``file:<version>/<name>`` load parameters in a private temp folder."""
+    root = Path(tempfile.mkdtemp(prefix=f"kiln-{name}-"))
+    for rel, content in files.items():
+        target = (root / rel).resolve()
+        if not target.is_relative_to(root) or rel.startswith("/"):
+            shutil.rmtree(root, ignore_errors=True)
+            raise invalid_arg(f"load of '{name}': file path '{rel}' escapes the model folder")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
+    return root
+
+
+def decode_files(parameters: dict[str, object]) -> dict[str, bytes]:
+    """``file:1/model.onnx`` -> base64 content (HTTP) or raw bytes (gRPC)."""
+    files = {}
+    for key, value in parameters.items():
+        if key.startswith("file:"):
+            raw = value if isinstance(value, bytes) else base64.b64decode(str(value))
+            files[key[5:]] = raw
+    return files

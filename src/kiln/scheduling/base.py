@@ -1,0 +1,90 @@
+"""Instances (a backend on its own thread) and the scheduler interface.
+
+A scheduler decides when and with what an instance runs. Model compute never runs on the
+event loop: each instance owns one worker thread, so ``instance_group.count`` = threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kiln.backends.base import Backend
+from kiln.core.errors import KilnError, Status
+from kiln.core.stats import ModelStats, RequestTimes
+
+
+@dataclass(slots=True)
+class Job:
+    """One request's work as a scheduler sees it."""
+
+    inputs: dict[str, np.ndarray]
+    output_names: list[str]
+    batch_size: int
+    times: RequestTimes
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+class Instance:
+    """A backend plus the one thread it computes on."""
+
+    def __init__(self, backend: Backend, model: str) -> None:
+        self.backend = backend
+        self.model = model
+        self.executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"kiln-{model}-{backend.instance.index}"
+        )
+
+    async def run(
+        self, inputs: dict[str, np.ndarray], output_names: list[str]
+    ) -> tuple[dict[str, np.ndarray], int, int]:
+        """Execute on this instance's thread; returns outputs and (start, end) ns stamps."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self._execute, inputs, output_names)
+
+    def _execute(
+        self, inputs: dict[str, np.ndarray], output_names: list[str]
+    ) -> tuple[dict[str, np.ndarray], int, int]:
+        start = time.monotonic_ns()
+        try:
+            outputs = self.backend.execute(inputs, output_names)
+        except KilnError:
+            raise
+        except Exception as exc:
+            # The backend's own message, naming the model: only this batch fails.
+            raise KilnError(
+                f"model '{self.model}' failed to execute: {type(exc).__name__}: {exc}",
+                Status.INTERNAL,
+            ) from exc
+        return outputs, start, time.monotonic_ns()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+        self.backend.close()
+
+
+class Scheduler(ABC):
+    def __init__(self, instances: list[Instance], stats: ModelStats, model: str) -> None:
+        self.instances = instances
+        self.stats = stats
+        self.model = model
+
+    @abstractmethod
+    async def schedule(self, job: Job) -> dict[str, np.ndarray]:
+        """Run the job; stamp ``job.times``; return the outputs for this job only."""
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for an instance (``nv_inference_pending_request_count``)."""
+        return 0
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        for inst in self.instances:
+            await loop.run_in_executor(None, inst.close)

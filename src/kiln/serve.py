@@ -1,0 +1,131 @@
+"""Run kiln: HTTP, gRPC and metrics on one event loop, with graceful shutdown.
+
+On SIGTERM/SIGINT: readiness goes false, listeners stop accepting, in-flight requests
+finish (bounded by ``exit_timeout_secs``), models unload, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import uvicorn
+
+from kiln.core.server import Server, ServerOptions
+from kiln.frontends.http.app import HttpFrontend
+from kiln.metrics.app import build_registry, metrics_app
+
+log = logging.getLogger("kiln")
+
+
+@dataclass
+class Endpoints:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    allow_grpc: bool = True
+    allow_metrics: bool = True
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: kiln orchestrates shutdown itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+        pass
+
+
+def _uvicorn(app: object, host: str, port: int, timeout: float) -> _Uvicorn:
+    config = uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host=host,
+        port=port,
+        loop="none",
+        http="httptools",
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=int(max(timeout, 1)),
+        server_header=False,
+        date_header=False,
+    )
+    return _Uvicorn(config)
+
+
+async def run(options: ServerOptions, endpoints: Endpoints) -> int:
+    server = Server(options)
+    http = _uvicorn(
+        HttpFrontend(server).app(), endpoints.host, endpoints.http_port, options.exit_timeout_secs
+    )
+    servers = [http]
+    if endpoints.allow_metrics:
+        registry = build_registry(server)
+        servers.append(
+            _uvicorn(
+                metrics_app(registry),
+                endpoints.host,
+                endpoints.metrics_port,
+                options.exit_timeout_secs,
+            )
+        )
+    grpc_server = None
+    if endpoints.allow_grpc:
+        from kiln.frontends.grpc.server import start_grpc
+
+        grpc_server = await start_grpc(server, endpoints.host, endpoints.grpc_port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    tasks = [asyncio.create_task(s.serve()) for s in servers]
+    while not all(s.started for s in servers):
+        if any(t.done() for t in tasks):
+            for t in tasks:
+                if t.done() and t.exception():
+                    raise t.exception()  # type: ignore[misc]
+            log.error("a listener failed to start (port in use?)")
+            return 1
+        await asyncio.sleep(0.01)
+    log.info(
+        "kiln listening: HTTP %s:%d, gRPC %s:%d, metrics %s:%d",
+        endpoints.host,
+        endpoints.http_port,
+        endpoints.host,
+        endpoints.grpc_port,
+        endpoints.host,
+        endpoints.metrics_port,
+    )
+    await server.start()
+    log.info("models loaded; server ready=%s", server.ready)
+    await stop.wait()
+
+    log.info("shutting down: draining in-flight requests (up to %.0fs)", options.exit_timeout_secs)
+    server.shutting_down = True
+    for s in servers:
+        s.should_exit = True
+    if grpc_server is not None:
+        await grpc_server.stop(options.exit_timeout_secs)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await server.stop()
+    log.info("kiln stopped")
+    return 0
+
+
+def serve(options: ServerOptions, endpoints: Endpoints) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(run(options, endpoints))
+    except ImportError:  # pragma: no cover - uvloop missing on this platform
+        return asyncio.run(run(options, endpoints))

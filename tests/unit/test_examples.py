@@ -1,0 +1,270 @@
+"""The example model repository: files, configs, and ONNX models checked against NumPy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import onnx
+import onnxruntime as ort
+import pytest
+
+from kiln.examples import (
+    DIGIT_LABELS,
+    EXAMPLE_MODELS,
+    build_example_repository,
+    example_config,
+    reference_outputs,
+)
+
+Array = npt.NDArray[Any]
+Feeds = dict[str, Array]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Built once: every model test below reads the same repository.
+    root = tmp_path_factory.mktemp("example_repo")
+    build_example_repository(root)
+    return root
+
+
+def _session(repo: Path, name: str) -> ort.InferenceSession:
+    return ort.InferenceSession(
+        str(repo / name / "1" / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
+
+
+def _simple_feeds(batch: int, rng: np.random.Generator) -> Feeds:
+    shape = (batch, 16)
+    return {
+        "INPUT0": rng.integers(-1000, 1000, shape, dtype=np.int32),
+        "INPUT1": rng.integers(-1000, 1000, shape, dtype=np.int32),
+    }
+
+
+def _simple_string_feeds(batch: int, rng: np.random.Generator) -> Feeds:
+    # onnxruntime needs str elements (it would turn bytes into "b'12'"), so the model is fed
+    # str; the reference is fed bytes, as a Triton client would send them.
+    numbers = _simple_feeds(batch, rng)
+    return {name: value.astype(str).astype(object) for name, value in numbers.items()}
+
+
+def _mlp_feeds(batch: int, rng: np.random.Generator) -> Feeds:
+    # Raw scikit-learn digits pixels: integer counts 0..16.
+    return {"INPUT": rng.integers(0, 17, (batch, 64)).astype(np.float32)}
+
+
+def _cnn_feeds(batch: int, rng: np.random.Generator) -> Feeds:
+    return {"IMAGE": rng.uniform(0.0, 1.0, (batch, 1, 28, 28)).astype(np.float32)}
+
+
+FEEDS: dict[str, Callable[[int, np.random.Generator], Feeds]] = {
+    "simple": _simple_feeds,
+    "simple_string": _simple_string_feeds,
+    "mlp": _mlp_feeds,
+    "cnn": _cnn_feeds,
+}
+
+OUTPUTS = {
+    "simple": ["OUTPUT0", "OUTPUT1"],
+    "simple_string": ["OUTPUT0", "OUTPUT1"],
+    "mlp": ["LOGITS", "PROBABILITIES"],
+    "cnn": ["PROBABILITIES"],
+}
+
+
+def _to_bytes(array: Array) -> Array:
+    if array.dtype == object:
+        return np.vectorize(lambda s: s.encode() if isinstance(s, str) else s, otypes=[object])(
+            array
+        )
+    return array
+
+
+def _assert_matches(actual: dict[str, Array], expected: dict[str, Array]) -> None:
+    assert set(actual) == set(expected)
+    for name, want in expected.items():
+        got = actual[name]
+        assert got.shape == want.shape, name
+        assert got.dtype == want.dtype, name
+        if np.issubdtype(want.dtype, np.floating):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def _run_and_check(repo: Path, name: str, feeds: Feeds) -> dict[str, Array]:
+    session = _session(repo, name)
+    results = session.run(None, feeds)
+    names = [out.name for out in session.get_outputs()]
+    actual = {out: _to_bytes(value) for out, value in zip(names, results, strict=True)}
+    expected = reference_outputs(name, {k: _to_bytes(v) for k, v in feeds.items()})
+    _assert_matches(actual, expected)
+    return actual
+
+
+def test_example_models_order() -> None:
+    assert EXAMPLE_MODELS == ("simple", "simple_string", "mlp", "cnn")
+
+
+def test_layout(repo: Path) -> None:
+    for name in EXAMPLE_MODELS:
+        assert (repo / name / "config.pbtxt").is_file()
+        assert (repo / name / "1" / "model.onnx").is_file()
+    assert sorted(p.name for p in repo.iterdir()) == sorted(EXAMPLE_MODELS)  # no temp dirs
+    for name in ("mlp", "cnn"):
+        labels = (repo / name / "labels.txt").read_text().splitlines()
+        assert labels == [f"digit_{i}" for i in range(10)] == list(DIGIT_LABELS)
+
+
+@pytest.mark.parametrize("name", EXAMPLE_MODELS)
+def test_onnx_checker_and_versions(repo: Path, name: str) -> None:
+    model = onnx.load(str(repo / name / "1" / "model.onnx"))
+    onnx.checker.check_model(model, full_check=True)
+    assert model.ir_version in (8, 9)
+    assert [(o.domain, o.version) for o in model.opset_import] == [("", 17)]
+    # Every input and output has a symbolic (dynamic) leading batch dim.
+    for value in [*model.graph.input, *model.graph.output]:
+        assert value.type.tensor_type.shape.dim[0].dim_param == "batch", value.name
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])
+@pytest.mark.parametrize("name", EXAMPLE_MODELS)
+def test_model_matches_reference(repo: Path, name: str, batch: int) -> None:
+    feeds = FEEDS[name](batch, np.random.default_rng(batch))
+    actual = _run_and_check(repo, name, feeds)
+    assert list(actual) == OUTPUTS[name]
+    for value in actual.values():
+        assert value.shape[0] == batch
+
+
+def test_simple_classic_client_data(repo: Path) -> None:
+    # The data of Triton's simple_http_infer_client.py / simple_grpc_infer_client.py.
+    feeds = {
+        "INPUT0": np.arange(16, dtype=np.int32)[None, :],
+        "INPUT1": np.ones((1, 16), dtype=np.int32),
+    }
+    actual = _run_and_check(repo, "simple", feeds)
+    np.testing.assert_array_equal(actual["OUTPUT0"][0], np.arange(16) + 1)
+    np.testing.assert_array_equal(actual["OUTPUT1"][0], np.arange(16) - 1)
+
+
+def test_simple_string_classic_client_data(repo: Path) -> None:
+    feeds = {
+        "INPUT0": np.array([[str(i) for i in range(16)]], dtype=object),
+        "INPUT1": np.array([["1"] * 16], dtype=object),
+    }
+    actual = _run_and_check(repo, "simple_string", feeds)
+    assert list(actual["OUTPUT0"][0]) == [str(i + 1).encode() for i in range(16)]
+    assert list(actual["OUTPUT1"][0]) == [str(i - 1).encode() for i in range(16)]
+
+
+def test_simple_string_reference_accepts_str_and_bytes() -> None:
+    as_str = {"INPUT0": np.array([["7"] * 16], dtype=object), "INPUT1": np.full((1, 16), "-2")}
+    as_bytes = {k: _to_bytes(v.astype(object)) for k, v in as_str.items()}
+    for feeds in (as_str, as_bytes):
+        out = reference_outputs("simple_string", feeds)
+        assert out["OUTPUT0"].dtype == object
+        assert list(out["OUTPUT0"][0]) == [b"5"] * 16
+        assert list(out["OUTPUT1"][0]) == [b"9"] * 16
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_probabilities_are_distributions(name: str) -> None:
+    feeds = FEEDS[name](4, np.random.default_rng(0))
+    probabilities = reference_outputs(name, feeds)["PROBABILITIES"]
+    assert probabilities.dtype == np.float32
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)
+    assert (probabilities > 0).all()
+
+
+CONFIG_EXPECTATIONS = {
+    "simple": ["max_batch_size: 8", "TYPE_INT32", "INPUT0", "INPUT1", "OUTPUT0", "OUTPUT1"],
+    "simple_string": ["max_batch_size: 8", "TYPE_STRING", "INPUT0", "OUTPUT1"],
+    "mlp": ["max_batch_size: 64", '"INPUT"', "dims: [ 64 ]", '"LOGITS"', '"PROBABILITIES"'],
+    "cnn": ["max_batch_size: 32", '"IMAGE"', "FORMAT_NCHW", "dims: [ 1, 28, 28 ]"],
+}
+
+
+@pytest.mark.parametrize("name", EXAMPLE_MODELS)
+def test_config_text(repo: Path, name: str) -> None:
+    text = (repo / name / "config.pbtxt").read_text()
+    assert text == example_config(name)
+    assert f'name: "{name}"' in text
+    assert 'platform: "onnxruntime_onnx"' in text
+    assert "kind: KIND_CPU" in text and "count: 1" in text
+    assert "dynamic_batching" not in text
+    for fragment in CONFIG_EXPECTATIONS[name]:
+        assert fragment in text, fragment
+    for output in OUTPUTS[name]:
+        assert f'name: "{output}"' in text
+    has_labels = name in ("mlp", "cnn")
+    assert ('label_filename: "labels.txt"' in text) == has_labels
+    assert text.count("{") == text.count("}") and text.count("[") == text.count("]")
+
+
+def test_mlp_labels_only_on_probabilities(repo: Path) -> None:
+    text = (repo / "mlp" / "config.pbtxt").read_text()
+    assert text.count("label_filename") == 1
+    assert text.index('"PROBABILITIES"') < text.index("label_filename")
+
+
+def test_subset_returns_folders_in_order(tmp_path: Path) -> None:
+    dest = tmp_path / "nested" / "repo"  # missing parents are created
+    folders = build_example_repository(dest, ["cnn", "simple", "cnn"])
+    assert folders == [dest / "cnn", dest / "simple"]
+    assert sorted(p.name for p in dest.iterdir()) == ["cnn", "simple"]
+
+
+def test_single_name_string(tmp_path: Path) -> None:
+    assert build_example_repository(tmp_path, "mlp") == [tmp_path / "mlp"]
+
+
+def test_build_is_deterministic(tmp_path: Path) -> None:
+    first = build_example_repository(tmp_path / "a")
+    second = build_example_repository(tmp_path / "b")
+    for a, b in zip(first, second, strict=True):
+        for file in ("config.pbtxt", "1/model.onnx"):
+            assert (a / file).read_bytes() == (b / file).read_bytes(), (a.name, file)
+
+
+def test_refuses_to_overwrite(tmp_path: Path) -> None:
+    build_example_repository(tmp_path, ["simple"])
+    marker = tmp_path / "simple" / "marker"
+    marker.write_text("keep me")
+    with pytest.raises(FileExistsError, match="simple"):
+        build_example_repository(tmp_path, ["mlp", "simple"])
+    # Checked up front: nothing else was written and the existing folder is untouched.
+    assert not (tmp_path / "mlp").exists()
+    assert marker.read_text() == "keep me"
+
+
+def test_overwrite_replaces_folder(tmp_path: Path) -> None:
+    build_example_repository(tmp_path, ["simple", "mlp"])
+    (tmp_path / "simple" / "marker").write_text("stale")
+    (tmp_path / "simple" / "1" / "model.onnx").write_bytes(b"garbage")
+    folders = build_example_repository(tmp_path, ["simple"], overwrite=True)
+    assert folders == [tmp_path / "simple"]
+    assert not (tmp_path / "simple" / "marker").exists()
+    onnx.checker.check_model(onnx.load(str(tmp_path / "simple" / "1" / "model.onnx")))
+    assert (tmp_path / "mlp" / "1" / "model.onnx").is_file()  # other models left alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp", "simple"]  # no temp dirs
+
+
+def test_unknown_model(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="nope"):
+        build_example_repository(tmp_path / "repo", ["simple", "nope"])
+    assert not (tmp_path / "repo").exists()
+    with pytest.raises(ValueError, match="nope"):
+        reference_outputs("nope", {})
+    with pytest.raises(ValueError, match="nope"):
+        example_config("nope")
+
+
+def test_reference_rejects_missing_inputs() -> None:
+    with pytest.raises(ValueError, match="INPUT1"):
+        reference_outputs("simple", {"INPUT0": np.zeros((1, 16), np.int32)})
