@@ -1,0 +1,130 @@
+"""Shared fixtures: the example repository and real ``kiln serve`` processes on free ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kiln.examples import build_example_repository
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class KilnProcess:
+    """``python -m kiln serve`` in a subprocess, on free loopback ports."""
+
+    repository: Path
+    args: list[str] = field(default_factory=list)
+    http_port: int = field(default_factory=free_port)
+    grpc_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    log_path: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def start(self, wait_ready: bool = True, timeout: float = 60.0) -> KilnProcess:
+        cmd = [
+            sys.executable, "-m", "kiln", "serve",
+            "--model-repository", str(self.repository),
+            "--http-port", str(self.http_port),
+            "--grpc-port", str(self.grpc_port),
+            "--metrics-port", str(self.metrics_port),
+            *self.args,
+        ]  # fmt: skip
+        self.log_path = self.log_path or self.repository.parent / f"kiln-{self.http_port}.log"
+        log = open(self.log_path, "wb")  # noqa: SIM115 - closed with the process
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        if wait_ready:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kiln serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(url, timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"kiln serve not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def example_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example repository, built once. Tests must not modify it (copy it instead)."""
+    root = tmp_path_factory.mktemp("example") / "model_repository"
+    build_example_repository(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def kiln_server(example_repo: Path) -> Iterator[KilnProcess]:
+    """One shared server over the example repository (model control mode none)."""
+    server = KilnProcess(example_repo).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[type[KilnProcess]]:
+    """Start private servers (``make_server(repo, args=[...]).start()``); all stopped after."""
+    started: list[KilnProcess] = []
+
+    class _Tracked(KilnProcess):
+        def start(self, wait_ready: bool = True, timeout: float = 60.0) -> KilnProcess:
+            started.append(self)
+            return super().start(wait_ready, timeout)
+
+    yield _Tracked
+    for server in started:
+        server.stop(timeout=10)
