@@ -32,8 +32,8 @@ serve: example
 	$(BIN)/kiln serve --model-repository $(REPO) $(SERVE_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -15,6 +15,7 @@ from kiln import __version__
 from kiln.config.loader import config_to_json
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.runtime import ModelRuntime
+from kiln.core.shm import SharedMemoryManager
 from kiln.core.types import InferenceRequest, InferenceResponse
 from kiln.repository.manager import RepositoryManager, decode_files
 
@@ -34,6 +35,7 @@ EXTENSIONS = [
     "binary_tensor_data",
     "parameters",
     "statistics",
+    "system_shared_memory",
 ]
 
 
@@ -54,6 +56,7 @@ class Server:
         self.repository = RepositoryManager(
             options.model_repositories, drain_timeout=options.exit_timeout_secs
         )
+        self.shm = SharedMemoryManager()
         self.live = True
         self.shutting_down = False
         self.started = False
@@ -71,6 +74,7 @@ class Server:
     async def stop(self) -> None:
         self.shutting_down = True
         await self.repository.unload_all()
+        self.shm.close()
 
     @property
     def ready(self) -> bool:

@@ -7,6 +7,7 @@ import struct
 import numpy as np
 
 from kiln.core.errors import invalid_arg
+from kiln.core.types import DataType, element_count
 
 _LEN = struct.Struct("<I")
 
@@ -54,3 +55,28 @@ def fp32_to_bf16(data: np.ndarray) -> np.ndarray:
     """Truncate float32 to its high 16 bits (what tritonclient's serializer does)."""
     bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
     return (bits >> 16).astype("<u2")
+
+
+def from_binary(
+    name: str, datatype: DataType, shape: tuple[int, ...], buf: memoryview
+) -> np.ndarray:
+    count = element_count(shape)
+    if datatype is DataType.BYTES:
+        return deserialize_bytes(name, buf, count).reshape(shape)
+    expected = count * datatype.itemsize
+    if len(buf) != expected:
+        raise invalid_arg(
+            f"input '{name}': {len(buf)} bytes of binary data, but shape {list(shape)} of "
+            f"{datatype.value} needs {expected}"
+        )
+    if datatype is DataType.BF16:
+        return bf16_to_fp32(np.frombuffer(buf, dtype="<u2")).reshape(shape)
+    return np.frombuffer(buf, dtype=datatype.numpy_dtype.newbyteorder("<")).reshape(shape)
+
+
+def to_binary(datatype: DataType, data: np.ndarray) -> bytes:
+    if datatype is DataType.BYTES:
+        return serialize_bytes(data)
+    if datatype is DataType.BF16:
+        return fp32_to_bf16(data).tobytes()
+    return np.ascontiguousarray(data, dtype=datatype.numpy_dtype.newbyteorder("<")).tobytes()

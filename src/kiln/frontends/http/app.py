@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from kiln.core.errors import KilnError, Status
 from kiln.core.server import Server
+from kiln.frontends import shm_io
 from kiln.frontends.http.codec import (
     decode_raw_request,
     decode_request,
@@ -149,7 +150,7 @@ class HttpFrontend:
                 req = decode_raw_request(body, sig, name, version)
             else:
                 req = decode_request(body, header_length, name, version)
-        resp = await self.server.infer(req)
+        resp = await shm_io.infer(self.server, req)
         out, json_length = encode_response(resp, req)
         headers: dict[str, str] = {}
         if json_length is not None:
@@ -180,6 +181,38 @@ class HttpFrontend:
         body = await self.json_body(request)
         await self.server.unload_model(request.path_params["model"], body.get("parameters"))
         return Response(status_code=200)
+
+    # ---- system shared memory --------------------------------------------------------
+    async def shm_status(self, request: Request) -> Response:
+        return json_response(self.server.shm.status(request.path_params.get("region", "")))
+
+    async def shm_register(self, request: Request) -> Response:
+        body = await self.json_body(request)
+        key = body.get("key")
+        if not isinstance(key, str):
+            raise KilnError("shared memory register needs a 'key' string")
+        self.server.shm.register(
+            request.path_params["region"], key, body.get("offset", 0), body.get("byte_size", 0)
+        )
+        return Response(status_code=200)
+
+    async def shm_unregister(self, request: Request) -> Response:
+        self.server.shm.unregister(request.path_params.get("region", ""))
+        return Response(status_code=200)
+
+    async def cuda_shm_status(self, request: Request) -> Response:
+        region = request.path_params.get("region", "")
+        if region:
+            raise KilnError(
+                f"Unable to find cuda shared memory region: '{region}'", Status.NOT_FOUND
+            )
+        return json_response([])
+
+    async def cuda_shm_unsupported(self, request: Request) -> Response:
+        raise KilnError(
+            "CUDA shared memory is not available: kiln was started without a CUDA device",
+            Status.UNSUPPORTED,
+        )
 
     # ---- app -------------------------------------------------------------------------
     def routes(self) -> list[Route]:
@@ -217,6 +250,18 @@ class HttpFrontend:
             add(prefix + "/index", self.repository_index, ["POST"])
             add(prefix + "/models/{model}/load", self.load, ["POST"])
             add(prefix + "/models/{model}/unload", self.unload, ["POST"])
+        shm = "/v2/systemsharedmemory"
+        add(shm + "/status", self.shm_status, ["GET"])
+        add(shm + "/region/{region}/status", self.shm_status, ["GET"])
+        add(shm + "/region/{region}/register", self.shm_register, ["POST"])
+        add(shm + "/unregister", self.shm_unregister, ["POST"])
+        add(shm + "/region/{region}/unregister", self.shm_unregister, ["POST"])
+        cuda = "/v2/cudasharedmemory"
+        add(cuda + "/status", self.cuda_shm_status, ["GET"])
+        add(cuda + "/region/{region}/status", self.cuda_shm_status, ["GET"])
+        add(cuda + "/region/{region}/register", self.cuda_shm_unsupported, ["POST"])
+        add(cuda + "/unregister", self.cuda_shm_status, ["POST"])
+        add(cuda + "/region/{region}/unregister", self.cuda_shm_unsupported, ["POST"])
         return r
 
     def app(self) -> Starlette:

@@ -22,7 +22,7 @@ from kiln.core.types import (
     RequestedOutput,
     element_count,
 )
-from kiln.frontends.tensors import bf16_to_fp32, deserialize_bytes, fp32_to_bf16, serialize_bytes
+from kiln.frontends.tensors import from_binary, to_binary
 
 _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
@@ -172,23 +172,6 @@ def decode_raw_request(
     return request
 
 
-def from_binary(
-    name: str, datatype: DataType, shape: tuple[int, ...], buf: memoryview
-) -> np.ndarray:
-    count = element_count(shape)
-    if datatype is DataType.BYTES:
-        return deserialize_bytes(name, buf, count).reshape(shape)
-    expected = count * datatype.itemsize
-    if len(buf) != expected:
-        raise invalid_arg(
-            f"input '{name}': {len(buf)} bytes of binary data, but shape {list(shape)} of "
-            f"{datatype.value} needs {expected}"
-        )
-    if datatype is DataType.BF16:
-        return bf16_to_fp32(np.frombuffer(buf, dtype="<u2")).reshape(shape)
-    return np.frombuffer(buf, dtype=datatype.numpy_dtype.newbyteorder("<")).reshape(shape)
-
-
 def from_json(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) -> np.ndarray:
     if datatype in (DataType.FP16, DataType.BF16):
         raise invalid_arg(
@@ -266,7 +249,9 @@ def encode_response(
         }
         if out.parameters:
             entry["parameters"] = dict(out.parameters)
-        if _want_binary(request, out.name, default_binary):
+        if "shared_memory_region" in out.parameters:
+            pass  # the tensor went to shared memory; only its parameters come back
+        elif _want_binary(request, out.name, default_binary):
             raw = to_binary(out.datatype, out.data)
             entry.setdefault("parameters", {})["binary_data_size"] = len(raw)
             chunks.append(raw)
@@ -286,14 +271,6 @@ def encode_response(
     if not chunks:
         return header, None
     return b"".join([header, *chunks]), len(header)
-
-
-def to_binary(datatype: DataType, data: np.ndarray) -> bytes:
-    if datatype is DataType.BYTES:
-        return serialize_bytes(data)
-    if datatype is DataType.BF16:
-        return fp32_to_bf16(data).tobytes()
-    return np.ascontiguousarray(data, dtype=datatype.numpy_dtype.newbyteorder("<")).tobytes()
 
 
 def to_json_data(datatype: DataType, data: np.ndarray) -> Any:
