@@ -18,6 +18,7 @@ from kiln.core.runtime import ModelRuntime
 from kiln.core.shm import SharedMemoryManager
 from kiln.core.types import InferenceRequest, InferenceResponse
 from kiln.repository.manager import RepositoryManager, decode_files
+from kiln.repository.poll import RepositoryPoller
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ class Server:
             options.model_repositories, drain_timeout=options.exit_timeout_secs
         )
         self.shm = SharedMemoryManager()
+        self.poller: RepositoryPoller | None = None
+        if options.model_control_mode is ControlMode.POLL:
+            self.poller = RepositoryPoller(self.repository, options.repository_poll_secs)
         self.live = True
         self.shutting_down = False
         self.started = False
@@ -68,11 +72,17 @@ class Server:
             names = self.repository.model_names()
         else:
             names = list(dict.fromkeys(self.options.load_models))
+        if self.poller is not None:
+            await self.poller.snapshot()  # changes made during the initial load are seen
         await self.repository.load_many(names)
         self.started = True
+        if self.poller is not None:
+            self.poller.start()
 
     async def stop(self) -> None:
         self.shutting_down = True
+        if self.poller is not None:
+            await self.poller.stop()
         await self.repository.unload_all()
         self.shm.close()
 

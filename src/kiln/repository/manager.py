@@ -275,7 +275,7 @@ class RepositoryManager:
                             "name": name,
                             "version": str(v),
                             "state": rt.state.value,
-                            "reason": rt.reason,
+                            "reason": rt.reason or entry.reason,  # a failed reload keeps serving
                         }
                     )
             elif entry and entry.state is not ModelState.UNKNOWN:
