@@ -12,6 +12,7 @@ import numpy as np
 
 from kiln.backends.base import Backend, instance_specs
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.core.classification import load_labels
 from kiln.core.errors import KilnError, Status, internal, unavailable
 from kiln.core.signature import ModelSignature
 from kiln.core.stats import ModelStats, RequestTimes
@@ -46,6 +47,7 @@ class ModelRuntime:
         self.version_dir = version_dir
         self.backend_cls = backend_cls
         self.signature = ModelSignature(config)
+        self.labels: dict[str, list[str]] = {}  # output -> label_filename lines
         self.stats = ModelStats()
         self.state = ModelState.LOADING
         self.reason = ""
@@ -59,6 +61,10 @@ class ModelRuntime:
         """Create every instance off the event loop, then the scheduler."""
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
+        filenames = {o.name: o.label_filename for o in self.config.output if o.label_filename}
+        self.labels = await loop.run_in_executor(
+            None, load_labels, self.version_dir.parent, filenames
+        )
         gpus = 1 if self.backend_cls.gpu_available() else 0
         specs = instance_specs(self.config, gpus)
         instances: list[Instance] = []

@@ -13,6 +13,7 @@ from typing import Any
 
 from kiln import __version__
 from kiln.config.loader import config_to_json
+from kiln.core.classification import classify, requested_count
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.runtime import ModelRuntime
 from kiln.core.shm import SharedMemoryManager
@@ -37,6 +38,7 @@ EXTENSIONS = [
     "parameters",
     "statistics",
     "system_shared_memory",
+    "classification",
 ]
 
 
@@ -139,7 +141,19 @@ class Server:
         if self.shutting_down:
             raise KilnError("server is shutting down", Status.UNAVAILABLE)
         runtime = self.repository.get(request.model_name, request.model_version)
-        return await runtime.infer(request)
+        counts = {
+            o.name: n for o in request.outputs if (n := requested_count(o.name, o.parameters))
+        }
+        response = await runtime.infer(request)
+        if counts:
+            batching = runtime.signature.max_batch_size > 0
+            response.outputs = [
+                classify(out, counts[out.name], batching, runtime.labels.get(out.name, []))
+                if out.name in counts
+                else out
+                for out in response.outputs
+            ]
+        return response
 
     # ---- statistics ------------------------------------------------------------------
     def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
