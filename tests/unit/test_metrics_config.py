@@ -65,3 +65,11 @@ def test_kiln_serve_refuses_a_bad_metrics_config(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "--metrics-config" in result.output
     assert "unknown key 'histogram'" in result.output
+
+
+def test_kiln_serve_refuses_a_too_short_metrics_interval(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        main, ["serve", "--model-repository", str(tmp_path), "--metrics-interval-ms", "0"]
+    )
+    assert result.exit_code == 2
+    assert "--metrics-interval-ms" in result.output
