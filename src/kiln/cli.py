@@ -45,6 +45,33 @@ def main() -> None:
 @click.option("--allow-grpc/--no-allow-grpc", default=True, show_default=True)
 @click.option("--allow-metrics/--no-allow-metrics", default=True, show_default=True)
 @click.option(
+    "--allow-gpu-metrics/--no-allow-gpu-metrics",
+    default=True,
+    show_default=True,
+    help="GPU telemetry through NVML (absent without a GPU/driver).",
+)
+@click.option(
+    "--allow-cpu-metrics/--no-allow-cpu-metrics",
+    default=True,
+    show_default=True,
+    help="Host CPU/memory metrics from /proc.",
+)
+@click.option(
+    "--metrics-interval-ms",
+    default=2000,
+    show_default=True,
+    type=click.IntRange(min=10),
+    help="How often GPU and CPU metrics are sampled.",
+)
+@click.option(
+    "--metrics-config",
+    "metrics_config",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Triton's metrics settings: counter_latencies, summary_latencies, "
+    "summary_quantiles, histogram_latencies; kiln's latency_buckets. May repeat.",
+)
+@click.option(
     "--strict-readiness/--no-strict-readiness",
     default=True,
     show_default=True,
@@ -79,6 +106,10 @@ def serve(
     metrics_port: int,
     allow_grpc: bool,
     allow_metrics: bool,
+    allow_gpu_metrics: bool,
+    allow_cpu_metrics: bool,
+    metrics_interval_ms: int,
+    metrics_config: tuple[str, ...],
     strict_readiness: bool,
     exit_timeout_secs: float,
     http_max_input_size: int,
@@ -87,6 +118,8 @@ def serve(
 ) -> None:
     """Serve a model repository over KServe v2 HTTP/gRPC with metrics."""
     from kiln.core.server import ControlMode, ServerOptions
+    from kiln.metrics.app import MetricsOptions
+    from kiln.metrics.config import MetricsConfig, MetricsConfigError
     from kiln.serve import Endpoints
     from kiln.serve import serve as run_server
 
@@ -96,6 +129,10 @@ def serve(
     for repo in model_repository:
         if not repo.is_dir():
             raise click.BadParameter(f"'{repo}' is not a folder", param_hint="--model-repository")
+    try:
+        parsed_metrics_config = MetricsConfig.parse(metrics_config)
+    except MetricsConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--metrics-config") from None
     options = ServerOptions(
         model_repositories=list(model_repository),
         model_control_mode=ControlMode(model_control_mode),
@@ -105,7 +142,12 @@ def serve(
         max_request_bytes=http_max_input_size,
         repository_poll_secs=repository_poll_secs,
     )
-    endpoints = Endpoints(host, http_port, grpc_port, metrics_port, allow_grpc, allow_metrics)
+    metrics = MetricsOptions(
+        parsed_metrics_config, metrics_interval_ms, allow_gpu_metrics, allow_cpu_metrics
+    )
+    endpoints = Endpoints(
+        host, http_port, grpc_port, metrics_port, allow_grpc, allow_metrics, metrics
+    )
     sys.exit(run_server(options, endpoints))
 
 

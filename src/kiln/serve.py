@@ -11,13 +11,13 @@ import contextlib
 import logging
 import signal
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
 from kiln.core.server import Server, ServerOptions
 from kiln.frontends.http.app import HttpFrontend
-from kiln.metrics.app import build_registry, metrics_app
+from kiln.metrics.app import MetricsOptions, MetricsService, metrics_app
 
 log = logging.getLogger("kiln")
 
@@ -30,6 +30,7 @@ class Endpoints:
     metrics_port: int = 8002
     allow_grpc: bool = True
     allow_metrics: bool = True
+    metrics: MetricsOptions = field(default_factory=MetricsOptions)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -67,11 +68,13 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         HttpFrontend(server).app(), endpoints.host, endpoints.http_port, options.exit_timeout_secs
     )
     servers = [http]
+    metrics: MetricsService | None = None
     if endpoints.allow_metrics:
-        registry = build_registry(server)
+        metrics = MetricsService(server, endpoints.metrics)
+        metrics.start()
         servers.append(
             _uvicorn(
-                metrics_app(registry),
+                metrics_app(metrics),
                 endpoints.host,
                 endpoints.metrics_port,
                 options.exit_timeout_secs,
@@ -118,6 +121,8 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         await grpc_server.stop(options.exit_timeout_secs)
     await asyncio.gather(*tasks, return_exceptions=True)
     await server.stop()
+    if metrics is not None:
+        metrics.stop()
     log.info("kiln stopped")
     return 0
 

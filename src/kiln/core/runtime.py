@@ -15,7 +15,7 @@ from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.classification import load_labels
 from kiln.core.errors import KilnError, Status, internal, unavailable
 from kiln.core.signature import ModelSignature
-from kiln.core.stats import ModelStats, RequestTimes
+from kiln.core.stats import FailureReason, ModelStats, RequestTimes, failure_reason
 from kiln.core.types import DataType, InferenceRequest, InferenceResponse, InferOutput
 from kiln.scheduling.base import Instance, Job, Scheduler
 from kiln.scheduling.direct import DirectScheduler
@@ -111,11 +111,11 @@ class ModelRuntime:
             try:
                 raw = await self.scheduler.schedule(job)
                 outputs = self._outputs(raw, names, batch)
-            except KilnError:
-                self.stats.record_failure(times, time.monotonic_ns())
+            except KilnError as exc:
+                self.stats.record_failure(times, time.monotonic_ns(), failure_reason(exc))
                 raise
             except Exception as exc:
-                self.stats.record_failure(times, time.monotonic_ns())
+                self.stats.record_failure(times, time.monotonic_ns(), FailureReason.BACKEND)
                 log.exception("model '%s' failed", self.name)
                 raise internal(f"model '{self.name}': {type(exc).__name__}: {exc}") from exc
             self.stats.record_success(times, batch, time.monotonic_ns())

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol
+
+from kiln.core.errors import KilnError, Status
 
 
 @dataclass(slots=True)
@@ -39,8 +43,41 @@ class RequestTimes:
     output_end: int = 0
 
 
+class FailureReason(enum.Enum):
+    """Triton's ``reason`` label on ``nv_inference_request_failure``."""
+
+    REJECTED = "REJECTED"  # refused by the scheduler (queue full, queue timeout)
+    CANCELED = "CANCELED"
+    BACKEND = "BACKEND"  # the model itself failed to execute or produced bad outputs
+    OTHER = "OTHER"
+
+
+def failure_reason(exc: BaseException) -> FailureReason:
+    if not isinstance(exc, KilnError):
+        return FailureReason.BACKEND
+    if exc.status is Status.CANCELLED:
+        return FailureReason.CANCELED
+    if exc.status is Status.UNAVAILABLE:
+        return FailureReason.REJECTED
+    if exc.status is Status.INTERNAL:
+        return FailureReason.BACKEND
+    return FailureReason.OTHER
+
+
+class RequestObserver(Protocol):
+    """Per-runtime hook for distributions (histograms, summaries) the counters cannot hold.
+
+    Called under the stats lock, once per finished request: it must stay O(1) and tiny.
+    """
+
+    def observe_success(self, times: RequestTimes, batch_size: int, end_ns: int) -> None: ...
+
+
 class ModelStats:
     """Cumulative counters; updated from the event loop and instance threads."""
+
+    # Set once at startup by the metrics layer (None: no distributions are kept at all).
+    observer_factory: ClassVar[Callable[[], RequestObserver] | None] = None
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -56,6 +93,9 @@ class ModelStats:
         self.execution_count = 0
         self.last_inference_ms = 0
         self.batch: dict[int, BatchStats] = {}
+        self.fail_reasons: dict[FailureReason, int] = dict.fromkeys(FailureReason, 0)
+        factory = ModelStats.observer_factory
+        self.observer: RequestObserver | None = factory() if factory is not None else None
 
     def record_execution(
         self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int
@@ -78,11 +118,21 @@ class ModelStats:
             self.compute_output.add(times.output_end - times.infer_end)
             self.inference_count += batch_size
             self.last_inference_ms = int(time.time() * 1000)
+            if self.observer is not None:
+                self.observer.observe_success(times, batch_size, end_ns)
 
-    def record_failure(self, times: RequestTimes, end_ns: int) -> None:
+    def record_failure(
+        self, times: RequestTimes, end_ns: int, reason: FailureReason = FailureReason.OTHER
+    ) -> None:
         with self._lock:
             self.fail.add(end_ns - times.received)
+            self.fail_reasons[reason] += 1
             self.last_inference_ms = int(time.time() * 1000)
+
+    def batch_executions(self) -> dict[int, int]:
+        """Executions per batch size (the batch-size distribution)."""
+        with self._lock:
+            return {size: b.compute_infer.count for size, b in self.batch.items()}
 
     def to_json(self, name: str, version: str) -> dict[str, Any]:
         with self._lock:

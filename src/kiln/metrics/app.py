@@ -1,26 +1,80 @@
-"""The metrics endpoint (port 8002 by default): Prometheus text format."""
+"""The metrics endpoint (port 8002 by default): Prometheus text format.
+
+``MetricsService`` owns what /metrics needs for the server's lifetime: the collectors,
+the telemetry sampler thread, and the per-runtime observer factory bound into core.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.process_collector import ProcessCollector
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from kiln.core.server import Server
+from kiln.core.stats import ModelStats
 from kiln.metrics.collector import ServerCollector
+from kiln.metrics.config import MetricsConfig
+from kiln.metrics.exposition import CONTENT_TYPE, render
+from kiln.metrics.gpu import GpuCollector
+from kiln.metrics.host import HostCollector
+from kiln.metrics.observer import RuntimeMetrics
+from kiln.metrics.sampler import Sampled, TelemetrySampler
 
 
-def build_registry(server: Server) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(ServerCollector(server))
-    return registry
+@dataclass(frozen=True, slots=True)
+class MetricsOptions:
+    config: MetricsConfig = field(default_factory=MetricsConfig)
+    interval_ms: int = 2000  # Triton's --metrics-interval-ms default
+    allow_gpu: bool = True
+    allow_cpu: bool = True
 
 
-def metrics_app(registry: CollectorRegistry) -> Starlette:
+def observer_factory(config: MetricsConfig) -> Callable[[], RuntimeMetrics]:
+    return lambda: RuntimeMetrics(config)
+
+
+class MetricsService:
+    def __init__(self, server: Server, options: MetricsOptions) -> None:
+        self.options = options
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ServerCollector(server.repository.runtimes, options.config))
+        # process_resident_memory_bytes, process_cpu_seconds_total, open fds, start time.
+        self.registry.register(ProcessCollector(registry=None))
+        sources: list[Sampled] = []
+        self.gpu: GpuCollector | None = None
+        if options.allow_gpu:
+            self.gpu = GpuCollector.create()
+            if self.gpu is not None:
+                self.registry.register(self.gpu)
+                sources.append(self.gpu)
+        if options.allow_cpu:
+            host = HostCollector()
+            self.registry.register(host)
+            sources.append(host)
+        self.sampler = TelemetrySampler(sources, options.interval_ms / 1000)
+
+    def start(self) -> None:
+        # Bound before any model loads, so every runtime gets its distributions.
+        ModelStats.observer_factory = observer_factory(self.options.config)
+        self.sampler.start()
+
+    def stop(self) -> None:
+        self.sampler.stop()
+        if self.gpu is not None:
+            self.gpu.close()
+
+    def render(self) -> bytes:
+        return render(self.registry.collect())
+
+
+def metrics_app(service: MetricsService) -> Starlette:
     async def metrics(request: Request) -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(service.render(), headers={"Content-Type": CONTENT_TYPE})
 
     return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])
