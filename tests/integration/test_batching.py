@@ -9,6 +9,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -34,10 +35,12 @@ def mlp_input(rows: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((rows, 64)).astype(np.float32)
 
 
-def infer(client: httpclient.InferenceServerClient, data: np.ndarray) -> httpclient.InferResult:
+def infer(
+    client: httpclient.InferenceServerClient, data: np.ndarray, **kwargs: Any
+) -> httpclient.InferResult:
     tensor = httpclient.InferInput("INPUT", list(data.shape), "FP32")
     tensor.set_data_from_numpy(data)
-    return client.infer("mlp", [tensor])
+    return client.infer("mlp", [tensor], **kwargs)
 
 
 def pending_gauge(server: KilnProcess) -> float:
@@ -95,38 +98,61 @@ def test_concurrent_requests_are_batched_across_two_instances(
     assert executed == int(stats["execution_count"])
     config = client.get_model_config("mlp")
     assert [g["count"] for g in config["instance_group"]] == [2]
+    # mlp sets no priority_levels: a priority is a client error, and the model keeps serving.
+    with pytest.raises(InferenceServerException) as err:
+        infer(client, mlp_input(1, seed=0), priority=2)
+    assert err.value.status() == "400"
+    assert "priority 2 is out of range for model 'mlp'" in err.value.message()
+    assert infer(client, mlp_input(1, seed=0)).as_numpy("LOGITS").shape == (1, 10)
 
 
-def test_full_queue_answers_503_and_the_queued_request_still_runs(
+def test_full_queue_and_expired_timeout_answer_503_and_queued_requests_still_run(
     example_repo: Path, tmp_path: Path, make_server: type[KilnProcess]
 ) -> None:
-    # A 1 s queue delay keeps the first request queued while the second arrives.
+    # A 2 s queue delay keeps the first requests queued while the others arrive.
     repo = repo_with_mlp(
         example_repo,
         tmp_path,
         "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
-        "dynamic_batching { max_queue_delay_microseconds: 1000000 "
-        "default_queue_policy { max_queue_size: 1 } }\n",
+        "dynamic_batching { max_queue_delay_microseconds: 2000000 "
+        "default_queue_policy { max_queue_size: 2 allow_timeout_override: true } }\n",
     )
     server = make_server(repo).start()
-    first_data = mlp_input(1, seed=1)
-    with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(infer, httpclient.InferenceServerClient(server.http_url), first_data)
+    client = httpclient.InferenceServerClient(server.http_url)
+
+    def wait_pending(count: float) -> None:
         deadline = time.monotonic() + 30
-        while pending_gauge(server) != 1.0 and time.monotonic() < deadline:
+        while pending_gauge(server) != count and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert pending_gauge(server) == 1.0
-        client = httpclient.InferenceServerClient(server.http_url)
-        with pytest.raises(InferenceServerException) as err:
-            infer(client, mlp_input(1, seed=2))
-        assert err.value.status() == "503"
-        assert "Exceeds maximum queue size" in err.value.message()
-        assert "'mlp'" in err.value.message()
-        result = first.result(timeout=30)
-    assert result.as_numpy("LOGITS").shape == (1, 10)
+        assert pending_gauge(server) == count
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(
+            infer, httpclient.InferenceServerClient(server.http_url), mlp_input(1, 1)
+        )
+        wait_pending(1)
+        # Its own 1 ms timeout expires long before the 2 s delay: REJECT (the default).
+        with pytest.raises(InferenceServerException) as expired:
+            infer(client, mlp_input(1, 2), timeout=1000)
+        assert expired.value.status() == "503"
+        assert expired.value.message() == "Request timeout expired"
+        second = pool.submit(
+            infer, httpclient.InferenceServerClient(server.http_url), mlp_input(2, 3)
+        )
+        wait_pending(2)
+        with pytest.raises(InferenceServerException) as full:
+            infer(client, mlp_input(1, 4))
+        assert full.value.status() == "503"
+        assert "Exceeds maximum queue size" in full.value.message()
+        assert "'mlp'" in full.value.message()
+        results = [first.result(timeout=30), second.result(timeout=30)]
+    assert [r.as_numpy("LOGITS").shape for r in results] == [(1, 10), (2, 10)]
+    stats = client.get_inference_statistics("mlp")["model_stats"][0]
+    assert [int(b["batch_size"]) for b in stats["batch_stats"]] == [3]  # the two merged
+    assert int(stats["inference_stats"]["fail"]["count"]) == 2
     # The server keeps serving: other models, and mlp once its queue has room again.
     assert client.is_model_ready("simple")
-    assert infer(client, mlp_input(64, seed=3)).as_numpy("LOGITS").shape == (64, 10)
+    assert infer(client, mlp_input(64, seed=5)).as_numpy("LOGITS").shape == (64, 10)
 
 
 def test_kind_gpu_without_a_gpu_fails_the_load_with_the_reason(
