@@ -16,6 +16,7 @@ from typing import ClassVar
 import numpy as np
 
 from kiln.config.model_config_pb2 import ModelConfig, ModelInstanceGroup
+from kiln.core.errors import KilnError, Status
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +76,11 @@ def parameter(config: ModelConfig, key: str, default: str | None = None) -> str 
 
 
 def instance_specs(config: ModelConfig, gpu_count: int) -> list[InstanceSpec]:
-    """Expand ``instance_group`` into one spec per instance (Triton's defaults applied)."""
+    """Expand ``instance_group`` into one spec per instance (Triton's defaults applied).
+
+    ``gpu_count`` is how many GPUs the backend can use: KIND_AUTO falls back to the CPU
+    without one, KIND_GPU refuses to load.
+    """
     specs: list[tuple[str, str, int]] = []
     for group_index, group in enumerate(config.instance_group):
         name = group.name or f"{config.name}_{group_index}"
@@ -83,6 +88,16 @@ def instance_specs(config: ModelConfig, gpu_count: int) -> list[InstanceSpec]:
         if kind == ModelInstanceGroup.KIND_AUTO:
             kind = ModelInstanceGroup.KIND_GPU if gpu_count else ModelInstanceGroup.KIND_CPU
         if kind == ModelInstanceGroup.KIND_GPU:
+            if not gpu_count:
+                # Without this the group would expand to zero instances and every request
+                # would wait forever on a model that reports READY.
+                raise KilnError(
+                    f"instance group {name} of model {config.name} has kind KIND_GPU but "
+                    f"server does not support GPUs: the {config.backend or 'model'} backend "
+                    "finds no usable GPU on this machine; use KIND_CPU, or KIND_AUTO to run "
+                    "on a GPU when there is one and on the CPU otherwise",
+                    Status.INVALID_ARG,
+                )
             gpus = list(group.gpus) or list(range(gpu_count))
             for gpu in gpus:
                 specs.extend((name, "gpu", gpu) for _ in range(max(group.count, 1)))

@@ -19,6 +19,7 @@ from kiln.core.stats import FailureReason, ModelStats, RequestTimes, failure_rea
 from kiln.core.types import DataType, InferenceRequest, InferenceResponse, InferOutput
 from kiln.scheduling.base import Instance, Job, Scheduler
 from kiln.scheduling.direct import DirectScheduler
+from kiln.scheduling.dynamic import DynamicScheduler
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,14 @@ class ModelRuntime:
             for inst in instances:
                 await loop.run_in_executor(None, inst.close)
             raise
-        self.scheduler = DirectScheduler(instances, self.stats, self.name)
+        self.scheduler = self._scheduler(instances)
         self.load_seconds = time.perf_counter() - start
         self.state = ModelState.READY
+
+    def _scheduler(self, instances: list[Instance]) -> Scheduler:
+        if self.config.HasField("dynamic_batching"):
+            return DynamicScheduler(instances, self.stats, self.name, self.config)
+        return DirectScheduler(instances, self.stats, self.name)
 
     @property
     def ready(self) -> bool:
@@ -163,6 +169,8 @@ class ModelRuntime:
 
     async def unload(self, timeout: float | None = None) -> None:
         self.state = ModelState.UNLOADING
+        if self.scheduler is not None:
+            self.scheduler.flush()  # queued requests finish now, not after their delay
         if not await self.drain(timeout):
             log.warning("model '%s' v%s unloaded with requests in flight", self.name, self.version)
         if self.scheduler is not None:

@@ -9,15 +9,18 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kiln.backends.base import Backend
 from kiln.core.errors import KilnError, Status
 from kiln.core.stats import ModelStats, RequestTimes
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -45,12 +48,17 @@ class Instance:
         self, inputs: dict[str, np.ndarray], output_names: list[str]
     ) -> tuple[dict[str, np.ndarray], int, int]:
         """Execute on this instance's thread; returns outputs and (start, end) ns stamps."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self._execute, inputs, output_names)
+        return await self.call(self.execute, inputs, output_names)
 
-    def _execute(
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` on this instance's thread (a scheduler's merge + execute + split)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, fn, *args)
+
+    def execute(
         self, inputs: dict[str, np.ndarray], output_names: list[str]
     ) -> tuple[dict[str, np.ndarray], int, int]:
+        """Compute on the calling thread (this instance's own); (outputs, start, end) ns."""
         start = time.monotonic_ns()
         try:
             outputs = self.backend.execute(inputs, output_names)
@@ -83,6 +91,9 @@ class Scheduler(ABC):
     def pending(self) -> int:
         """Requests waiting for an instance (``nv_inference_pending_request_count``)."""
         return 0
+
+    def flush(self) -> None:  # noqa: B027 - only batching schedulers hold requests back
+        """The model is going away: run what is queued without waiting for more."""
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
