@@ -24,6 +24,11 @@ class Status(enum.Enum):
     def http_status(self) -> int:
         return _HTTP[self]
 
+    @property
+    def grpc_code(self) -> str:
+        """The ``grpc.StatusCode`` member name (core does not import grpc)."""
+        return _GRPC[self]
+
 
 _HTTP = {
     Status.INVALID_ARG: 400,
@@ -37,6 +42,21 @@ _HTTP = {
     Status.INTERNAL: 500,
     Status.UNSUPPORTED: 501,
     Status.UNAVAILABLE: 503,
+}
+
+# Triton's mapping (src/grpc/grpc_utils.cc), plus the HTTP-only statuses kiln has.
+_GRPC = {
+    Status.INVALID_ARG: "INVALID_ARGUMENT",
+    Status.UNKNOWN: "UNKNOWN",
+    Status.ALREADY_EXISTS: "ALREADY_EXISTS",
+    Status.CANCELLED: "CANCELLED",
+    Status.NOT_FOUND: "NOT_FOUND",
+    Status.PAYLOAD_TOO_LARGE: "RESOURCE_EXHAUSTED",
+    Status.UNAUTHENTICATED: "UNAUTHENTICATED",
+    Status.PERMISSION_DENIED: "PERMISSION_DENIED",
+    Status.INTERNAL: "INTERNAL",
+    Status.UNSUPPORTED: "UNIMPLEMENTED",
+    Status.UNAVAILABLE: "UNAVAILABLE",
 }
 
 

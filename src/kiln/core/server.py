@@ -16,9 +16,10 @@ from kiln.config.loader import config_to_json
 from kiln.core.classification import classify, requested_count
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.runtime import ModelRuntime
+from kiln.core.settings import LogSettings, TraceSettings
 from kiln.core.shm import SharedMemoryManager
 from kiln.core.types import InferenceRequest, InferenceResponse
-from kiln.repository.manager import RepositoryManager, decode_files
+from kiln.repository.manager import RepositoryManager, check_model_name, decode_files
 from kiln.repository.poll import RepositoryPoller
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class Server:
         self.live = True
         self.shutting_down = False
         self.started = False
+        self.trace = TraceSettings()
+        self.log_settings = LogSettings()
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -169,6 +172,17 @@ class Server:
         else:
             runtimes = self.repository.runtimes()
         return {"model_stats": [r.stats.to_json(r.name, r.version_str) for r in runtimes]}
+
+    # ---- trace / log settings --------------------------------------------------------
+    def trace_settings(
+        self, model: str = "", updates: dict[str, list[str]] | None = None
+    ) -> dict[str, list[str]]:
+        """Read (and with ``updates``, change) the global or one model's trace settings."""
+        if model and model not in self.repository.entries:
+            check_model_name(model)
+            if model not in self.repository.model_names():
+                raise not_found(f"Request for unknown model: '{model}' is not found")
+        return self.trace.update(model, updates) if updates else self.trace.get(model)
 
     # ---- repository ------------------------------------------------------------------
     def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:

@@ -1,14 +1,43 @@
-"""gRPC listener. Until the KServe v2 gRPC service lands every RPC answers UNIMPLEMENTED."""
+"""The gRPC listener: Triton's inference service and the standard health service, on the
+event loop that also runs HTTP."""
 
 from __future__ import annotations
 
 import grpc
 
 from kiln.core.server import Server
+from kiln.frontends.grpc.health import HealthServicer
+from kiln.frontends.grpc.servicer import InferenceServicer
+from kiln.frontends.grpc.wire import (
+    HEALTH_DESCRIPTOR,
+    HEALTH_SERVICE,
+    INFERENCE_DESCRIPTOR,
+    INFERENCE_SERVICE,
+    generic_handler,
+)
+
+# Triton's limit for both directions: gRPC's 4 MiB default is far too small for tensors,
+# and a protobuf message cannot exceed 2 GiB anyway.
+MAX_MESSAGE_BYTES = 2**31 - 1
 
 
-async def start_grpc(server: Server, host: str, port: int) -> grpc.aio.Server:
-    grpc_server = grpc.aio.server()
+async def start_grpc(
+    server: Server, host: str, port: int, max_message_bytes: int = MAX_MESSAGE_BYTES
+) -> grpc.aio.Server:
+    grpc_server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            # Without this a second server could bind the same port and steal half the calls.
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    grpc_server.add_generic_rpc_handlers(
+        (
+            generic_handler(INFERENCE_DESCRIPTOR, INFERENCE_SERVICE, InferenceServicer(server)),
+            generic_handler(HEALTH_DESCRIPTOR, HEALTH_SERVICE, HealthServicer(server)),
+        )
+    )
     bound = grpc_server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"gRPC: unable to bind {host}:{port}")

@@ -1,0 +1,143 @@
+"""Run-time trace and log settings (Triton's ``trace`` and ``logging`` extensions).
+
+Both frontends read and update the same objects here, so a setting changed over gRPC
+shows over HTTP too. Keys and value spellings are Triton's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.core.errors import KilnError, Status, invalid_arg
+
+TRACE_LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
+_TRACE_INTS = ("trace_rate", "trace_count", "log_frequency")
+_TRACE_DEFAULTS = {
+    "trace_file": [""],
+    "trace_level": ["OFF"],
+    "trace_rate": ["1000"],
+    "trace_count": ["-1"],
+    "log_frequency": ["0"],
+    "trace_mode": ["triton"],
+}
+
+
+@dataclass(slots=True)
+class TraceSettings:
+    """Global trace settings plus per-model overrides (a cleared override falls back)."""
+
+    global_: dict[str, list[str]] = field(
+        default_factory=lambda: {k: list(v) for k, v in _TRACE_DEFAULTS.items()}
+    )
+    models: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+
+    def get(self, model: str = "") -> dict[str, list[str]]:
+        merged = {k: list(v) for k, v in self.global_.items()}
+        merged.update({k: list(v) for k, v in self.models.get(model, {}).items()})
+        return merged
+
+    def update(self, model: str, updates: dict[str, list[str]]) -> dict[str, list[str]]:
+        """Apply ``updates`` (an empty list clears the key) and return the settings now."""
+        checked = {key: self._check(key, values) for key, values in updates.items()}
+        target = self.models.setdefault(model, {}) if model else self.global_
+        for key, values in checked.items():
+            if values:
+                target[key] = values
+            elif model:
+                target.pop(key, None)
+            else:
+                target[key] = list(_TRACE_DEFAULTS[key])
+        if model and not target:
+            self.models.pop(model, None)
+        return self.get(model)
+
+    @staticmethod
+    def _check(key: str, values: list[str]) -> list[str]:
+        if key not in _TRACE_DEFAULTS:
+            raise invalid_arg(
+                f"unknown trace setting '{key}'; known settings: {sorted(_TRACE_DEFAULTS)}"
+            )
+        if key == "trace_level":
+            bad = [v for v in values if v not in TRACE_LEVELS]
+            if bad:
+                raise invalid_arg(f"trace_level must be one of {list(TRACE_LEVELS)}, got {bad}")
+        elif values and len(values) != 1:
+            raise invalid_arg(f"trace setting '{key}' takes one value, got {values}")
+        elif values and key in _TRACE_INTS:
+            try:
+                int(values[0])
+            except ValueError:
+                raise invalid_arg(
+                    f"trace setting '{key}' must be an integer, got '{values[0]}'"
+                ) from None
+        elif values and key == "trace_mode" and values[0] not in ("triton", "opentelemetry"):
+            raise invalid_arg(f"trace_mode must be 'triton' or 'opentelemetry', got {values}")
+        return list(values)
+
+
+_LOG_TYPES: dict[str, type] = {
+    "log_file": str,
+    "log_info": bool,
+    "log_warning": bool,
+    "log_error": bool,
+    "log_verbose_level": int,
+    "log_format": str,
+}
+
+
+@dataclass(slots=True)
+class LogSettings:
+    """Triton's log switches, applied to the ``kiln`` logger's level."""
+
+    values: dict[str, Any] = field(
+        default_factory=lambda: {
+            "log_file": "",
+            "log_info": True,
+            "log_warning": True,
+            "log_error": True,
+            "log_verbose_level": 0,
+            "log_format": "default",
+        }
+    )
+
+    def get(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    def update(self, updates: dict[str, Any]) -> dict[str, Any]:
+        for key, value in updates.items():
+            kind = _LOG_TYPES.get(key)
+            if kind is None:
+                raise invalid_arg(
+                    f"unknown log setting '{key}'; known settings: {sorted(_LOG_TYPES)}"
+                )
+            if type(value) is not kind or (isinstance(value, int) and value < 0):
+                expected = "non-negative integer" if kind is int else kind.__name__
+                raise invalid_arg(f"log setting '{key}' must be a {expected}, got {value!r}")
+            if key == "log_format" and value not in ("default", "ISO8601"):
+                raise invalid_arg(f"log_format must be 'default' or 'ISO8601', got '{value}'")
+            if key == "log_file" and value != self.values["log_file"]:
+                # Opening arbitrary files on a client's say-so is not something kiln does.
+                raise KilnError(
+                    "changing log_file at run time is not supported: redirect kiln's output "
+                    "instead",
+                    Status.UNSUPPORTED,
+                )
+        self.values.update(updates)
+        self._apply()
+        return self.get()
+
+    def _apply(self) -> None:
+        v = self.values
+        if int(v["log_verbose_level"]) > 0:
+            level = logging.DEBUG
+        elif v["log_info"]:
+            level = logging.INFO
+        elif v["log_warning"]:
+            level = logging.WARNING
+        elif v["log_error"]:
+            level = logging.ERROR
+        else:
+            level = logging.CRITICAL + 1
+        logging.getLogger("kiln").setLevel(level)

@@ -1,0 +1,170 @@
+"""``inference.GRPCInferenceService`` on grpc.aio. It only translates: every decision is
+core's (``kiln.core.server.Server``), so gRPC and HTTP answer alike."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from google.protobuf import json_format
+
+from kiln.core.errors import KilnError
+from kiln.core.server import Server
+from kiln.frontends.grpc import grpc_service_pb2 as pb
+from kiln.frontends.grpc.codec import decode_request, encode_response, parameters_to_dict
+from kiln.frontends.grpc.errors import error_message, guarded
+from kiln.frontends.grpc.shared_memory import Context, SharedMemoryRpcs
+
+log = logging.getLogger(__name__)
+
+
+def _parse(obj: Any, message: Any) -> Any:
+    # Core speaks the HTTP JSON shapes; the proto field names are the same, so one parse
+    # keeps both frontends reporting identical numbers.
+    return json_format.ParseDict(obj, message, ignore_unknown_fields=True)
+
+
+class InferenceServicer(SharedMemoryRpcs):
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    # ---- health / metadata -----------------------------------------------------------
+    @guarded
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> Any:
+        return pb.ServerLiveResponse(live=self.server.live)
+
+    @guarded
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> Any:
+        return pb.ServerReadyResponse(ready=self.server.ready)
+
+    @guarded
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> Any:
+        return pb.ModelReadyResponse(ready=self.server.model_ready(request.name, request.version))
+
+    @guarded
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> Any:
+        return _parse(self.server.metadata(), pb.ServerMetadataResponse())
+
+    @guarded
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> Any:
+        meta = self.server.model_metadata(request.name, request.version)
+        return _parse(meta, pb.ModelMetadataResponse())
+
+    @guarded
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> Any:
+        runtime = self.server.model(request.name, request.version)
+        return pb.ModelConfigResponse(config=runtime.config)
+
+    @guarded
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> Any:
+        stats = self.server.statistics(request.name, request.version)
+        return _parse(stats, pb.ModelStatisticsResponse())
+
+    # ---- inference -------------------------------------------------------------------
+    async def _infer(self, message: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        request = decode_request(message)
+        self.resolve_inputs(request)
+        response = await self.server.infer(request)
+        encoded = encode_response(response)
+        self.write_outputs(request, response, encoded)
+        return encoded
+
+    @guarded
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> Any:
+        return await self._infer(request)
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: Context
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Every request runs as soon as it arrives; responses go back as they complete.
+        A failed request answers with ``error_message`` and the stream stays open."""
+        done: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(message: pb.ModelInferRequest) -> None:
+            try:
+                answer = pb.ModelStreamInferResponse(infer_response=await self._infer(message))
+            except Exception as exc:
+                if not isinstance(exc, KilnError):
+                    log.exception("gRPC stream request failed")
+                # the id lets a client match the error to its request
+                answer = pb.ModelStreamInferResponse(
+                    error_message=error_message(exc),
+                    infer_response=pb.ModelInferResponse(
+                        model_name=message.model_name,
+                        model_version=message.model_version,
+                        id=message.id,
+                    ),
+                )
+            await done.put(answer)
+
+        async def read() -> None:
+            try:
+                async for message in requests:
+                    task = asyncio.create_task(one(message))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                if running:
+                    await asyncio.gather(*running)
+            finally:
+                await done.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (answer := await done.get()) is not None:
+                yield answer
+            await reader  # re-raises a broken request stream
+        finally:
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
+
+    # ---- repository ------------------------------------------------------------------
+    @guarded
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> Any:
+        rows = self.server.repository_index(request.ready)
+        return _parse({"models": rows}, pb.RepositoryIndexResponse())
+
+    @guarded
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Context
+    ) -> Any:
+        params = parameters_to_dict(request.parameters)
+        await self.server.load_model(request.model_name, params)
+        return pb.RepositoryModelLoadResponse()
+
+    @guarded
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Context
+    ) -> Any:
+        params = parameters_to_dict(request.parameters)
+        await self.server.unload_model(request.model_name, params)
+        return pb.RepositoryModelUnloadResponse()
+
+    # ---- trace / log settings --------------------------------------------------------
+    @guarded
+    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Context) -> Any:
+        updates = {key: list(value.value) for key, value in request.settings.items()}
+        settings = self.server.trace_settings(request.model_name, updates)
+        response = pb.TraceSettingResponse()
+        for key, values in settings.items():
+            response.settings[key].value.extend(values)
+        return response
+
+    @guarded
+    async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> Any:
+        updates = parameters_to_dict(request.settings)
+        logs = self.server.log_settings
+        settings = logs.update(updates) if updates else logs.get()
+        response = pb.LogSettingsResponse()
+        for key, value in settings.items():
+            entry = response.settings[key]
+            if isinstance(value, bool):
+                entry.bool_param = value
+            elif isinstance(value, int):
+                entry.uint32_param = value
+            else:
+                entry.string_param = str(value)
+        return response
