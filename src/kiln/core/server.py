@@ -16,7 +16,7 @@ from kiln.config.loader import config_to_json
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.runtime import ModelRuntime
 from kiln.core.types import InferenceRequest, InferenceResponse
-from kiln.repository.manager import RepositoryManager, decode_files
+from kiln.repository.manager import RepositoryManager, check_model_name, decode_files
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ class Server:
         return self.repository.index(ready_only)
 
     async def load_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
+        check_model_name(name)  # a bad name is the precise error, whatever the mode
         if self.options.model_control_mode is not ControlMode.EXPLICIT:
             raise KilnError(
                 "explicit model load / unload is not allowed if polling is enabled"
@@ -165,6 +166,7 @@ class Server:
         await self.repository.load(name, config, files or None)
 
     async def unload_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
+        check_model_name(name)
         if self.options.model_control_mode is not ControlMode.EXPLICIT:
             raise KilnError(
                 "explicit model load / unload is not allowed: start kiln with "
