@@ -101,3 +101,40 @@ def test_signal_on_idle_server_exits_0(
     assert server.stop(sig) == 0
     assert "kiln stopped" in server.log()
     assert _refuses_connections(server.http_port)
+
+
+def test_exit_timeout_bounds_shutdown_of_a_request_that_cannot_finish(
+    make_server: type[KilnProcess], tmp_path: Path
+) -> None:
+    write_slow_model(tmp_path / "repo")
+    server = make_server(tmp_path / "repo", args=["--exit-timeout-secs", "1"]).start()
+    errors: list[str] = []
+
+    def endless_request() -> None:
+        client = httpclient.InferenceServerClient(server.http_url, network_timeout=120)
+        data = httpclient.InferInput("INPUT", [SIZE], "FP32")
+        data.set_data_from_numpy(np.zeros(SIZE, dtype=np.float32))
+        iters = httpclient.InferInput("ITERS", [1], "INT64")
+        iters.set_data_from_numpy(np.array([10**9], dtype=np.int64))  # hours of compute
+        try:
+            client.infer("slow", [data, iters])
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=endless_request, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for _ in range(600):
+        if _pending(server, "slow") >= 1:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the requests never overlapped:\n{server.log()}")
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGTERM)
+    # compute cannot finish: kiln must give up on it at the exit timeout and still exit 0
+    assert server.proc.wait(90) == 0
+    assert "exiting anyway" in server.log()
+    for t in threads:
+        t.join(30)
+    assert len(errors) == 2
