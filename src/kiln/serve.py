@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -114,13 +115,21 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
     await stop.wait()
 
     log.info("shutting down: draining in-flight requests (up to %.0fs)", options.exit_timeout_secs)
+    deadline = loop.time() + options.exit_timeout_secs
     server.shutting_down = True
     for s in servers:
         s.should_exit = True
     if grpc_server is not None:
         await grpc_server.stop(options.exit_timeout_secs)
     await asyncio.gather(*tasks, return_exceptions=True)
-    await server.stop()
+    try:
+        await asyncio.wait_for(server.stop(), max(deadline - loop.time(), 0.5))
+    except TimeoutError:
+        # A backend still computing cannot be interrupted, and interpreter exit would join
+        # its thread: leave now so the exit timeout really bounds the shutdown.
+        log.warning("models still busy after %.0fs: exiting anyway", options.exit_timeout_secs)
+        logging.shutdown()
+        os._exit(0)
     if metrics is not None:
         metrics.stop()
     log.info("kiln stopped")

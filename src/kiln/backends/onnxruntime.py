@@ -77,15 +77,22 @@ class OnnxRuntimeBackend(Backend):
                 "model '%s': auto-completed max_batch_size to 4 (set it in config.pbtxt)",
                 config.name,
             )
+        if config.max_batch_size > 0 and not batchable:
+            # Stripping a fixed first dim as "batch" would give the client the wrong shapes.
+            fixed = [t.name for t in [*ins, *outs] if not t.shape or _dims(t.shape)[0] != -1]
+            raise KilnError(
+                f"unable to autofill for '{config.name}': configuration specified "
+                f"max_batch_size {config.max_batch_size}, but the model does not support "
+                f"batching: {', '.join(repr(n) for n in fixed)} lack a variable first dimension",
+                Status.INVALID_ARG,
+            )
         skip = 1 if config.max_batch_size > 0 else 0
         if not len(config.input):
             for t in ins:
-                entry = config.input.add(name=t.name, data_type=_ORT_TYPES[t.type])
-                entry.dims.extend(_dims(t.shape)[skip:] or [1])
+                _add_tensor(config.input.add(name=t.name, data_type=_ORT_TYPES[t.type]), t, skip)
         if not len(config.output):
             for t in outs:
-                entry = config.output.add(name=t.name, data_type=_ORT_TYPES[t.type])
-                entry.dims.extend(_dims(t.shape)[skip:] or [1])
+                _add_tensor(config.output.add(name=t.name, data_type=_ORT_TYPES[t.type]), t, skip)
 
     def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
         super().__init__(config, version_dir, instance)
@@ -179,6 +186,17 @@ class OnnxRuntimeBackend(Backend):
 
     def close(self) -> None:
         del self.session
+
+
+def _add_tensor(entry: Any, tensor: Any, skip: int) -> None:
+    dims = _dims(tensor.shape)[skip:]
+    if dims:
+        entry.dims.extend(dims)
+    else:
+        # Triton: a rank-0 tensor (after the batch dim) is dims [1] for the client and an
+        # empty reshape for the model, which receives [batch] (or a scalar).
+        entry.dims.append(1)
+        entry.reshape.SetInParent()
 
 
 def _to_str(value: Any) -> Any:

@@ -164,6 +164,9 @@ def _short(text: str) -> str:
 
 def _suggest(word: str, candidates: list[str]) -> str:
     close = difflib.get_close_matches(word, candidates, n=1)
+    if not close:
+        # Enum values carry a prefix people leave out (NCHW for FORMAT_NCHW, FP32 for TYPE_FP32).
+        close = [c for c in candidates if c.upper().endswith("_" + word.upper())][:1]
     return f'; did you mean "{close[0]}"?' if close else ""
 
 

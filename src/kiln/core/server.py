@@ -189,6 +189,7 @@ class Server:
         return self.repository.index(ready_only)
 
     async def load_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
+        check_model_name(name)  # a bad name is the precise error, whatever the mode
         if self.options.model_control_mode is not ControlMode.EXPLICIT:
             raise KilnError(
                 "explicit model load / unload is not allowed if polling is enabled"
@@ -207,6 +208,7 @@ class Server:
         await self.repository.load(name, config, files or None)
 
     async def unload_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
+        check_model_name(name)
         if self.options.model_control_mode is not ControlMode.EXPLICIT:
             raise KilnError(
                 "explicit model load / unload is not allowed: start kiln with "

@@ -145,6 +145,9 @@ class RepositoryManager:
         self, name: str, config_json: str | None = None, files: dict[str, bytes] | None = None
     ) -> None:
         check_model_name(name)
+        if name not in self.entries and not files:
+            # Fails for an unknown name before an entry exists: it leaves no index row behind.
+            self.model_dir(name)
         entry = self.entries.setdefault(name, ModelEntry(name))
         async with entry.lock, self._load_slots:
             try:

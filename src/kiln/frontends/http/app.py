@@ -248,8 +248,10 @@ class HttpFrontend:
         model_routes("/stats", self.stats, ["GET"])
         for prefix in ("/v2/repository", "/v2/repository/{repository}"):
             add(prefix + "/index", self.repository_index, ["POST"])
-            add(prefix + "/models/{model}/load", self.load, ["POST"])
-            add(prefix + "/models/{model}/unload", self.unload, ["POST"])
+            # {model:path}: an encoded '/' (..%2Fetc) arrives decoded; matching it here lets
+            # core refuse the name precisely instead of a generic 404.
+            add(prefix + "/models/{model:path}/load", self.load, ["POST"])
+            add(prefix + "/models/{model:path}/unload", self.unload, ["POST"])
         shm = "/v2/systemsharedmemory"
         add(shm + "/status", self.shm_status, ["GET"])
         add(shm + "/region/{region}/status", self.shm_status, ["GET"])

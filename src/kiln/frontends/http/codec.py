@@ -196,9 +196,7 @@ def from_json(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) 
                 raise TypeError("BOOL data must be JSON booleans")
             arr = np.array(flat, dtype=np.bool_)
         else:
-            arr = np.array(data, dtype=datatype.numpy_dtype)
-            if arr.dtype == object:
-                raise TypeError("ragged nested arrays")
+            arr = _numbers(data, datatype.numpy_dtype)
     except (TypeError, ValueError, OverflowError) as exc:
         raise invalid_arg(
             f"input '{name}': unable to parse 'data' as {datatype.value}: {exc}"
@@ -209,6 +207,38 @@ def from_json(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) 
             f"{arr.size}"
         )
     return arr.reshape(shape)
+
+
+def _numbers(data: Any, dtype: np.dtype[Any]) -> np.ndarray:
+    """JSON numbers -> ``dtype``, refusing what a cast would silently change: 2.5 or true
+    for an integer tensor, strings, and integers outside the type's range."""
+    # Let NumPy infer first: its choice (bool, int, float, str, object) says what was sent.
+    arr = np.array(data)
+    if arr.size == 0:
+        return arr.astype(dtype)
+    kind = arr.dtype.kind
+    if dtype.kind in "iu":
+        if kind not in "iu" and not (kind == "O" and _all_ints(arr)):
+            raise TypeError(f"expected integers, got {_what(kind)}")
+        info = np.iinfo(dtype)
+        # Python ints compare exactly, so the range check also holds beyond int64.
+        low, high = min(arr.flat), max(arr.flat)
+        if low < info.min or high > info.max:
+            raise OverflowError(f"{low if low < info.min else high} is out of range")
+    elif kind not in "iuf":
+        raise TypeError(f"expected numbers, got {_what(kind)}")
+    return arr.astype(dtype)
+
+
+def _all_ints(arr: np.ndarray) -> bool:
+    # Integers beyond int64 (e.g. UINT64 values >= 2**63) make NumPy fall back to objects.
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in arr.flat)
+
+
+def _what(kind: str) -> str:
+    return {"b": "booleans", "f": "floats", "U": "strings", "O": "mixed values"}.get(
+        kind, "non-numbers"
+    )
 
 
 def _flatten(data: Any) -> list[Any]:

@@ -1,0 +1,144 @@
+"""ONNX auto-complete, through the repository manager that applies it (as a server loads)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto
+
+from kiln.config.model_config_pb2 import DataType as PbDataType
+from kiln.config.model_config_pb2 import ModelConfig
+from kiln.core.errors import KilnError
+from kiln.core.types import DataType, InferenceRequest, InferInput
+from kiln.repository.manager import RepositoryManager
+from tests.onnx_models import identity_model
+
+
+@pytest.fixture
+async def manager(tmp_path: Path) -> AsyncIterator[RepositoryManager]:
+    repo = RepositoryManager([tmp_path])
+    yield repo
+    await repo.unload_all()
+
+
+async def _config(manager: RepositoryManager, name: str) -> ModelConfig:
+    await manager.load(name)
+    return manager.get(name).config
+
+
+def _io(cfg: ModelConfig) -> list[tuple[str, int, list[int]]]:
+    return [(t.name, t.data_type, list(t.dims)) for t in [*cfg.input, *cfg.output]]
+
+
+async def test_batchable_model_without_config(tmp_path: Path, manager: RepositoryManager) -> None:
+    identity_model(
+        tmp_path / "m" / "1" / "model.onnx",
+        [("IMAGE", TensorProto.FLOAT, ["batch", 3, "h"]), ("IDS", TensorProto.INT64, ["n", 2])],
+        [("PROB", TensorProto.FLOAT, ["batch", 3, "h"]), ("LABEL", TensorProto.INT64, ["n", 2])],
+    )
+    cfg = await _config(manager, "m")
+    assert cfg.name == "m"
+    assert cfg.platform == "onnxruntime_onnx" and cfg.backend == "onnxruntime"
+    assert cfg.default_model_filename == "model.onnx"
+    assert cfg.max_batch_size == 4  # Triton's default-max-batch-size
+    assert _io(cfg) == [
+        ("IMAGE", PbDataType.TYPE_FP32, [3, -1]),
+        ("IDS", PbDataType.TYPE_INT64, [2]),
+        ("PROB", PbDataType.TYPE_FP32, [3, -1]),
+        ("LABEL", PbDataType.TYPE_INT64, [2]),
+    ]
+    assert cfg.HasField("dynamic_batching")  # Triton adds an empty one when batching
+    assert len(cfg.instance_group) == 1
+
+
+async def test_one_fixed_first_dim_means_no_batching(
+    tmp_path: Path, manager: RepositoryManager
+) -> None:
+    identity_model(
+        tmp_path / "m" / "1" / "model.onnx",
+        [("A", TensorProto.FLOAT, ["batch", 4]), ("B", TensorProto.BOOL, [2, 4])],
+    )
+    cfg = await _config(manager, "m")
+    assert cfg.max_batch_size == 0
+    assert not cfg.HasField("dynamic_batching")
+    assert _io(cfg) == [
+        ("A", PbDataType.TYPE_FP32, [-1, 4]),
+        ("B", PbDataType.TYPE_BOOL, [2, 4]),
+        ("OUT0", PbDataType.TYPE_FP32, [-1, 4]),
+        ("OUT1", PbDataType.TYPE_BOOL, [2, 4]),
+    ]
+
+
+async def test_config_without_io_keeps_what_it_sets(
+    tmp_path: Path, manager: RepositoryManager
+) -> None:
+    identity_model(tmp_path / "m" / "1" / "model.onnx", [("X", TensorProto.STRING, ["b", 2])])
+    (tmp_path / "m" / "config.pbtxt").write_text(
+        'platform: "onnxruntime_onnx"\nmax_batch_size: 16\n'
+        "instance_group [ { count: 2 kind: KIND_CPU } ]\n"
+    )
+    cfg = await _config(manager, "m")
+    assert cfg.max_batch_size == 16
+    assert _io(cfg) == [("X", PbDataType.TYPE_STRING, [2]), ("OUT0", PbDataType.TYPE_STRING, [2])]
+    assert cfg.instance_group[0].count == 2
+
+
+async def test_max_batch_size_one_gets_no_dynamic_batching(
+    tmp_path: Path, manager: RepositoryManager
+) -> None:
+    identity_model(tmp_path / "m" / "1" / "model.onnx", [("X", TensorProto.FLOAT, ["b", 2])])
+    (tmp_path / "m" / "config.pbtxt").write_text("max_batch_size: 1\n")
+    cfg = await _config(manager, "m")
+    assert cfg.max_batch_size == 1 and not cfg.HasField("dynamic_batching")
+
+
+async def test_config_with_io_is_not_auto_completed(
+    tmp_path: Path, manager: RepositoryManager
+) -> None:
+    identity_model(tmp_path / "m" / "1" / "model.onnx", [("X", TensorProto.FLOAT, ["b", 2])])
+    (tmp_path / "m" / "config.pbtxt").write_text(
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [ -1, 2 ] } ]\n'
+        'output [ { name: "OUT0" data_type: TYPE_FP32 dims: [ -1, 2 ] } ]\n'
+    )
+    cfg = await _config(manager, "m")
+    assert cfg.max_batch_size == 0 and not cfg.HasField("dynamic_batching")
+
+
+async def test_batching_asked_of_a_model_that_cannot_batch(
+    tmp_path: Path, manager: RepositoryManager
+) -> None:
+    identity_model(tmp_path / "m" / "1" / "model.onnx", [("X", TensorProto.FLOAT, [3, 2])])
+    (tmp_path / "m" / "config.pbtxt").write_text("max_batch_size: 8\n")
+    with pytest.raises(KilnError) as info:
+        await manager.load("m")
+    assert "failed to load 'm'" in info.value.message
+    assert "max_batch_size 8" in info.value.message and "'X'" in info.value.message
+
+
+async def test_rank_one_batchable_tensor_gets_dims_1_and_empty_reshape(
+    tmp_path: Path, manager: RepositoryManager
+) -> None:
+    identity_model(tmp_path / "m" / "1" / "model.onnx", [("X", TensorProto.FLOAT, ["b"])])
+    cfg = await _config(manager, "m")
+    assert cfg.max_batch_size == 4
+    assert list(cfg.input[0].dims) == [1] and cfg.input[0].HasField("reshape")
+    assert list(cfg.input[0].reshape.shape) == []
+    # the client sends [batch, 1]; the model sees [batch] and the answer is [batch, 1] again
+    data = np.array([[1.5], [2.5]], dtype=np.float32)
+    request = InferenceRequest("m", inputs=[InferInput("X", DataType.FP32, (2, 1), data)])
+    response = await manager.get("m").infer(request)
+    assert response.outputs[0].shape == (2, 1)
+    np.testing.assert_array_equal(response.outputs[0].data, data)
+
+
+async def test_unreadable_model_file(tmp_path: Path, manager: RepositoryManager) -> None:
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.onnx").write_bytes(b"not an onnx file")
+    with pytest.raises(KilnError) as info:
+        await manager.load("m")
+    assert "failed to load 'm'" in info.value.message
+    (row,) = manager.index()
+    assert row["state"] == "UNAVAILABLE" and "model.onnx" in row["reason"]
