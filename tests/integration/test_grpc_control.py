@@ -256,33 +256,3 @@ def test_log_settings_round_trip(
     with pytest.raises(InferenceServerException) as err:
         grpc_client.update_log_settings({"log_file": "/tmp/elsewhere.log"})
     assert err.value.status() == "StatusCode.UNIMPLEMENTED"
-
-
-def test_shared_memory_answers_unimplemented(
-    grpc_client: grpcclient.InferenceServerClient,
-) -> None:
-    calls = [
-        lambda: grpc_client.get_system_shared_memory_status(),
-        lambda: grpc_client.register_system_shared_memory("r", "/kiln_r", 64),
-        lambda: grpc_client.unregister_system_shared_memory(),
-    ]
-    for call in calls:
-        with pytest.raises(InferenceServerException) as err:
-            call()
-        assert err.value.status() == "StatusCode.UNIMPLEMENTED"
-        assert "system shared memory is not supported" in err.value.message()
-    for call in [
-        lambda: grpc_client.get_cuda_shared_memory_status(),
-        lambda: grpc_client.unregister_cuda_shared_memory(),
-    ]:
-        with pytest.raises(InferenceServerException) as err:
-            call()
-        assert err.value.status() == "StatusCode.UNIMPLEMENTED"
-        assert "CUDA shared memory is not supported" in err.value.message()
-    inputs = simple_inputs()
-    inputs[1].set_shared_memory("region0", 64)
-    with pytest.raises(InferenceServerException) as err:
-        grpc_client.infer("simple", inputs)
-    assert err.value.status() == "StatusCode.UNIMPLEMENTED"
-    assert "input 'INPUT1' names shared-memory region 'region0'" in err.value.message()
-    assert grpc_client.infer("simple", simple_inputs()).as_numpy("OUTPUT0") is not None

@@ -198,5 +198,7 @@ def encode_response(response: InferenceResponse) -> ModelInferResponse:
     for out in response.outputs:
         tensor = msg.outputs.add(name=out.name, datatype=out.datatype.value, shape=out.shape)
         set_parameters(tensor.parameters, out.parameters)
-        msg.raw_output_contents.append(to_raw(out.datatype, out.data))
+        # An output written to shared memory keeps its slot (empty) so indices stay aligned.
+        in_shm = SHM_REGION in out.parameters
+        msg.raw_output_contents.append(b"" if in_shm else to_raw(out.datatype, out.data))
     return msg

@@ -12,6 +12,7 @@ from google.protobuf import json_format
 
 from kiln.core.errors import KilnError
 from kiln.core.server import Server
+from kiln.frontends import shm_io
 from kiln.frontends.grpc import grpc_service_pb2 as pb
 from kiln.frontends.grpc.codec import decode_request, encode_response, parameters_to_dict
 from kiln.frontends.grpc.errors import error_message, guarded
@@ -65,11 +66,8 @@ class InferenceServicer(SharedMemoryRpcs):
     # ---- inference -------------------------------------------------------------------
     async def _infer(self, message: pb.ModelInferRequest) -> pb.ModelInferResponse:
         request = decode_request(message)
-        self.resolve_inputs(request)
-        response = await self.server.infer(request)
-        encoded = encode_response(response)
-        self.write_outputs(request, response, encoded)
-        return encoded
+        response = await shm_io.infer(self.server, request)
+        return encode_response(response)
 
     @guarded
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> Any:

@@ -1,10 +1,7 @@
-"""Shared-memory RPCs and the hook that resolves shared-memory tensors of a request.
-
-Not implemented yet: every RPC answers UNIMPLEMENTED with a message saying why, and a
-request that names a region is refused before it reaches a model. The system
-shared-memory step replaces :meth:`SharedMemoryRpcs.resolve_inputs` /
-:meth:`SharedMemoryRpcs.write_outputs` and the three ``SystemSharedMemory*`` methods; the
-inference servicer already calls them at the right places.
+"""Shared-memory RPCs for gRPC. Region bookkeeping and bounds checks are core's
+(:mod:`kiln.core.shm`); reading inputs from and writing outputs to regions is shared with
+HTTP (:mod:`kiln.frontends.shm_io`). CUDA shared memory needs a GPU and CUDA IPC, which
+kiln does not implement: those RPCs answer UNIMPLEMENTED with the reason.
 """
 
 from __future__ import annotations
@@ -13,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.core.errors import KilnError, Status
-from kiln.core.types import InferenceRequest, InferenceResponse
+from kiln.core.server import Server
 from kiln.frontends.grpc import grpc_service_pb2 as pb
-from kiln.frontends.grpc.codec import SHM_REGION
 from kiln.frontends.grpc.errors import guarded
 
 Context = Any  # grpc.aio.ServicerContext
@@ -26,70 +22,54 @@ def _has_gpu() -> bool:
     return Path("/dev/nvidiactl").exists()
 
 
-def _system_unsupported() -> KilnError:
-    return KilnError(
-        "system shared memory is not supported by this kiln server yet: send tensors in "
-        "raw_input_contents",
-        Status.UNSUPPORTED,
-    )
-
-
 def _cuda_unsupported() -> KilnError:
     why = "kiln does not implement CUDA IPC yet" if _has_gpu() else "this machine has no NVIDIA GPU"
     return KilnError(
-        f"CUDA shared memory is not supported: {why}; send tensors in raw_input_contents",
+        f"CUDA shared memory is not supported: {why}; use system shared memory or send "
+        "tensors in raw_input_contents",
         Status.UNSUPPORTED,
     )
 
 
 class SharedMemoryRpcs:
-    """Mixed into the inference servicer: the six shared-memory RPCs and the request hooks."""
+    """Mixed into the inference servicer: the six shared-memory RPCs."""
 
-    def resolve_inputs(self, request: InferenceRequest) -> None:
-        """Fill in the data of inputs that name a shared-memory region (none yet)."""
-        for tensor in request.inputs:
-            if SHM_REGION in tensor.parameters:
-                raise KilnError(
-                    f"input '{tensor.name}' names shared-memory region "
-                    f"'{tensor.parameters[SHM_REGION]}', but {_system_unsupported().message}",
-                    Status.UNSUPPORTED,
-                )
-        for out in request.outputs:
-            if SHM_REGION in out.parameters:
-                raise KilnError(
-                    f"output '{out.name}' names shared-memory region "
-                    f"'{out.parameters[SHM_REGION]}', but {_system_unsupported().message}",
-                    Status.UNSUPPORTED,
-                )
-
-    def write_outputs(
-        self, request: InferenceRequest, response: InferenceResponse, message: pb.ModelInferResponse
-    ) -> None:
-        """Copy outputs that asked for a region into it (none yet: resolve_inputs refused)."""
+    server: Server
 
     @guarded
     async def SystemSharedMemoryStatus(
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context
     ) -> pb.SystemSharedMemoryStatusResponse:
-        raise _system_unsupported()
+        answer = pb.SystemSharedMemoryStatusResponse()
+        for region in self.server.shm.status(request.name):
+            answer.regions[str(region["name"])].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(**region)  # type: ignore[arg-type]
+            )
+        return answer
 
     @guarded
     async def SystemSharedMemoryRegister(
         self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
     ) -> pb.SystemSharedMemoryRegisterResponse:
-        raise _system_unsupported()
+        self.server.shm.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
 
     @guarded
     async def SystemSharedMemoryUnregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
     ) -> pb.SystemSharedMemoryUnregisterResponse:
-        raise _system_unsupported()
+        self.server.shm.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
 
     @guarded
     async def CudaSharedMemoryStatus(
         self, request: pb.CudaSharedMemoryStatusRequest, context: Context
     ) -> pb.CudaSharedMemoryStatusResponse:
-        raise _cuda_unsupported()
+        if request.name:
+            raise KilnError(
+                f"Unable to find cuda shared memory region: '{request.name}'", Status.NOT_FOUND
+            )
+        return pb.CudaSharedMemoryStatusResponse()
 
     @guarded
     async def CudaSharedMemoryRegister(
@@ -101,4 +81,6 @@ class SharedMemoryRpcs:
     async def CudaSharedMemoryUnregister(
         self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
     ) -> pb.CudaSharedMemoryUnregisterResponse:
-        raise _cuda_unsupported()
+        if request.name:
+            raise _cuda_unsupported()
+        return pb.CudaSharedMemoryUnregisterResponse()
