@@ -40,6 +40,8 @@ EXTENSIONS = [
     "statistics",
     "system_shared_memory",
     "classification",
+    "trace",
+    "logging",
 ]
 
 

@@ -182,6 +182,35 @@ class HttpFrontend:
         await self.server.unload_model(request.path_params["model"], body.get("parameters"))
         return Response(status_code=200)
 
+    # ---- trace / logging -------------------------------------------------------------
+    async def trace_setting(self, request: Request) -> Response:
+        model = request.path_params.get("model", "")
+        if model:
+            self.server.model(model)  # unknown model -> 404, as for every model route
+        updates: dict[str, list[str]] = {}
+        if request.method == "POST":
+            for key, value in (await self.json_body(request)).items():
+                if value is None:
+                    updates[key] = []  # null clears the setting
+                elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+                    updates[key] = value
+                elif isinstance(value, str | int) and not isinstance(value, bool):
+                    updates[key] = [str(value)]
+                else:
+                    raise KilnError(f"trace setting '{key}' must be a string or list of strings")
+        settings = self.server.trace_settings(model, updates)
+        # Triton's JSON: trace_level is a list, every other setting a single string.
+        return json_response(
+            {k: v if k == "trace_level" else (v[0] if v else "") for k, v in settings.items()}
+        )
+
+    async def logging(self, request: Request) -> Response:
+        logs = self.server.log_settings
+        if request.method == "POST":
+            updates = await self.json_body(request)
+            return json_response(logs.update(updates) if updates else logs.get())
+        return json_response(logs.get())
+
     # ---- system shared memory --------------------------------------------------------
     async def shm_status(self, request: Request) -> Response:
         return json_response(self.server.shm.status(request.path_params.get("region", "")))
@@ -252,6 +281,9 @@ class HttpFrontend:
             # core refuse the name precisely instead of a generic 404.
             add(prefix + "/models/{model:path}/load", self.load, ["POST"])
             add(prefix + "/models/{model:path}/unload", self.unload, ["POST"])
+        add("/v2/trace/setting", self.trace_setting, ["GET", "POST"])
+        add("/v2/models/{model}/trace/setting", self.trace_setting, ["GET", "POST"])
+        add("/v2/logging", self.logging, ["GET", "POST"])
         shm = "/v2/systemsharedmemory"
         add(shm + "/status", self.shm_status, ["GET"])
         add(shm + "/region/{region}/status", self.shm_status, ["GET"])
