@@ -18,6 +18,7 @@ from kiln.core.errors import KilnError, Status, internal, unavailable
 from kiln.core.signature import ModelSignature
 from kiln.core.stats import FailureReason, ModelStats, RequestTimes, failure_reason
 from kiln.core.types import DataType, InferenceRequest, InferenceResponse, InferOutput
+from kiln.core.warmup import build_samples, run_warmup
 from kiln.scheduling.base import Instance, Job, Scheduler
 from kiln.scheduling.cache import ResponseCache, request_key
 from kiln.scheduling.direct import DirectScheduler
@@ -76,6 +77,10 @@ class ModelRuntime:
         )
         gpus = 1 if self.backend_cls.gpu_available() else 0
         specs = instance_specs(self.config, gpus)
+        # A malformed warm-up sample fails the load before any session is built.
+        samples = await loop.run_in_executor(
+            None, build_samples, self.config, self.signature, self.version_dir.parent
+        )
         instances: list[Instance] = []
         try:
             for spec in specs:
@@ -83,6 +88,8 @@ class ModelRuntime:
                     None, self.backend_cls, self.config, self.version_dir, spec
                 )
                 instances.append(Instance(backend, self.name))
+            if samples:
+                await run_warmup(samples, instances, self.signature, self._outputs)
         except BaseException:
             for inst in instances:
                 await loop.run_in_executor(None, inst.close)
