@@ -91,6 +91,14 @@ def main() -> None:
 )
 @click.option("--repository-poll-secs", default=15.0, show_default=True)
 @click.option(
+    "--cache-config",
+    "cache_config",
+    multiple=True,
+    metavar="local,KEY=VALUE",
+    help="Response cache for models with response_cache { enable: true }, as in Triton: "
+    "--cache-config local,size=BYTES.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -114,12 +122,14 @@ def serve(
     exit_timeout_secs: float,
     http_max_input_size: int,
     repository_poll_secs: float,
+    cache_config: tuple[str, ...],
     log_level: str,
 ) -> None:
     """Serve a model repository over KServe v2 HTTP/gRPC with metrics."""
     from kiln.core.server import ControlMode, ServerOptions
     from kiln.metrics.app import MetricsOptions
     from kiln.metrics.config import MetricsConfig, MetricsConfigError
+    from kiln.scheduling.cache import CacheConfig, CacheConfigError
     from kiln.serve import Endpoints
     from kiln.serve import serve as run_server
 
@@ -133,6 +143,10 @@ def serve(
         parsed_metrics_config = MetricsConfig.parse(metrics_config)
     except MetricsConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--metrics-config") from None
+    try:
+        parsed_cache_config = CacheConfig.parse(cache_config)
+    except CacheConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--cache-config") from None
     options = ServerOptions(
         model_repositories=list(model_repository),
         model_control_mode=ControlMode(model_control_mode),
@@ -141,6 +155,7 @@ def serve(
         exit_timeout_secs=exit_timeout_secs,
         max_request_bytes=http_max_input_size,
         repository_poll_secs=repository_poll_secs,
+        cache=parsed_cache_config,
     )
     metrics = MetricsOptions(
         parsed_metrics_config, metrics_interval_ms, allow_gpu_metrics, allow_cpu_metrics

@@ -1,4 +1,5 @@
-"""FP16 / BOOL / BYTES / BF16 round-trips through tiny ONNX Identity models over gRPC."""
+"""FP16 / BOOL / BYTES / BF16 round-trips through tiny ONNX Identity models over gRPC
+(and BF16 over HTTP binary too)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import onnx
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
@@ -82,17 +84,34 @@ def test_bytes_round_trip_keeps_arbitrary_utf8(identity_server: KilnProcess) -> 
     assert [v.decode() for v in got.ravel()] == list(array.ravel())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=InferenceServerException,
-    reason="kiln's onnxruntime backend holds BF16 as float32 and ORT's Python API takes no "
-    "bfloat16 array, so a BF16 ONNX model cannot run yet (the gRPC BF16 encoding itself is "
-    "unit-tested in test_grpc_codec)",
-)
+BF16_EXACT = np.array([[1.5, -2.0, 3.25, 0.0], [-0.0, 1e30, -7.5e-20, 256.0]], np.float32)
+
+
+def exactly_bf16(array: np.ndarray) -> np.ndarray:
+    # Keep only the high 16 bits so every value is exactly representable in BF16.
+    return (array.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
 def test_bf16_round_trip(identity_server: KilnProcess) -> None:
-    array = np.array([[1.5, -2.0, 3.25, 0.0]], dtype=np.float32)  # exact in BF16
+    array = exactly_bf16(BF16_EXACT)
     got = roundtrip(identity_server, "identity_bf16", array)
-    np.testing.assert_array_equal(got, array)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.uint32), array.view(np.uint32))
+
+
+def test_bf16_round_trip_http_binary(identity_server: KilnProcess) -> None:
+    array = exactly_bf16(np.random.default_rng(7).normal(size=(3, 4)).astype(np.float32))
+    client = httpclient.InferenceServerClient(identity_server.http_url)
+    item = httpclient.InferInput("INPUT", list(array.shape), "BF16")
+    item.set_data_from_numpy(array, binary_data=True)
+    wanted = httpclient.InferRequestedOutput("OUTPUT", binary_data=True)
+    result = client.infer("identity_bf16", [item], outputs=[wanted])
+    output = result.get_output("OUTPUT")
+    assert output is not None
+    assert output["datatype"] == "BF16" and output["shape"] == [3, 4]
+    got = result.as_numpy("OUTPUT")
+    assert got is not None
+    np.testing.assert_array_equal(got.view(np.uint32), array.view(np.uint32))
 
 
 def test_bf16_shape_checked_before_the_model_runs(identity_server: KilnProcess) -> None:

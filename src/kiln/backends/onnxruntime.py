@@ -6,6 +6,7 @@ instances on N threads compute in parallel.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from pathlib import Path
 from typing import Any, ClassVar
@@ -37,6 +38,8 @@ _ORT_TYPES = {
     "tensor(string)": PbDataType.TYPE_STRING,
     "tensor(bfloat16)": PbDataType.TYPE_BF16,
 }
+
+_ONNX_BFLOAT16 = 16  # onnx._ONNX_BFLOAT16, without importing onnx for one number
 
 # Triton's ORT backend: optimization.graph.level -1 = basic, 1 = extended, else all.
 _GRAPH_LEVELS = {
@@ -122,6 +125,22 @@ class OnnxRuntimeBackend(Backend):
         self._string_outputs = {
             o.name for o in self.session.get_outputs() if o.type == "tensor(string)"
         }
+        self._bf16_inputs = {
+            i.name for i in self.session.get_inputs() if i.type == "tensor(bfloat16)"
+        }
+        self._bf16_outputs = {
+            o.name for o in self.session.get_outputs() if o.type == "tensor(bfloat16)"
+        }
+        if self._bf16_outputs and self._string_inputs:
+            # BF16 outputs need IO binding (session.run cannot hand them back), and IO
+            # binding takes no string tensors: refuse at load rather than on every request.
+            raise KilnError(
+                f"model '{config.name}': the onnxruntime backend cannot run a model with both "
+                f"STRING inputs ({', '.join(sorted(self._string_inputs))}) and BF16 outputs "
+                f"({', '.join(sorted(self._bf16_outputs))}): onnxruntime's Python API binds "
+                "no string tensors",
+                Status.INVALID_ARG,
+            )
 
     @staticmethod
     def _graph_level(config: ModelConfig) -> ort.GraphOptimizationLevel:
@@ -170,19 +189,46 @@ class OnnxRuntimeBackend(Backend):
     def execute(
         self, inputs: dict[str, np.ndarray], output_names: list[str]
     ) -> dict[str, np.ndarray]:
-        feed = {}
+        feed: dict[str, Any] = {}
         for name, value in inputs.items():
             if name in self._string_inputs:
                 # ORT stringifies bytes objects as "b'..'": hand it str, keep bytes outside.
                 value = np.vectorize(_to_str, otypes=[object])(value) if value.size else value
+            elif name in self._bf16_inputs:
+                # kiln holds BF16 as float32; ORT takes the raw 16-bit pattern as an OrtValue.
+                value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                    _fp32_to_bf16_bits(value), _ONNX_BFLOAT16
+                )
             feed[name] = value
-        results = self.session.run(output_names, feed)
+        if self._bf16_outputs.intersection(output_names):
+            results = self._run_bound(feed, output_names)
+        else:
+            results = self.session.run(output_names, feed)
         out = {}
         for name, value in zip(output_names, results, strict=True):
             if name in self._string_outputs:
                 value = np.vectorize(_to_bytes, otypes=[object])(value) if value.size else value
             out[name] = value
         return out
+
+    def _run_bound(self, feed: dict[str, Any], output_names: list[str]) -> list[np.ndarray]:
+        """Run through IO binding: ``session.run`` cannot turn a BF16 output into NumPy."""
+        binding = self.session.io_binding()
+        for name, value in feed.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, value)
+        for name in output_names:
+            binding.bind_output(name, "cpu")  # host memory, so the bits can be read back
+        self.session.run_with_iobinding(binding)
+        results = []
+        for name, value in zip(output_names, binding.get_outputs(), strict=True):
+            if name in self._bf16_outputs:
+                results.append(_bf16_bits_to_fp32(_ortvalue_uint16(value)))
+            else:
+                results.append(value.numpy())
+        return results
 
     def close(self) -> None:
         del self.session
@@ -197,6 +243,26 @@ def _add_tensor(entry: Any, tensor: Any, skip: int) -> None:
         # empty reshape for the model, which receives [batch] (or a scalar).
         entry.dims.append(1)
         entry.reshape.SetInParent()
+
+
+def _fp32_to_bf16_bits(data: np.ndarray) -> np.ndarray:
+    """Truncate float32 to its high 16 bits, as the wire codecs (and tritonclient) do."""
+    bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
+    return (bits >> 16).astype(np.uint16)
+
+
+def _bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _ortvalue_uint16(value: ort.OrtValue) -> np.ndarray:
+    """Copy a 16-bit tensor out of host memory: NumPy has no bfloat16 for ``.numpy()``."""
+    shape = tuple(value.shape())
+    count = value.tensor_size_in_bytes() // 2
+    if count == 0:
+        return np.zeros(shape, dtype=np.uint16)
+    buffer = (ctypes.c_uint16 * count).from_address(value.data_ptr())
+    return np.ctypeslib.as_array(buffer).copy().reshape(shape)
 
 
 def _to_str(value: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -17,11 +18,16 @@ from kiln.core.errors import KilnError, Status, internal, unavailable
 from kiln.core.signature import ModelSignature
 from kiln.core.stats import FailureReason, ModelStats, RequestTimes, failure_reason
 from kiln.core.types import DataType, InferenceRequest, InferenceResponse, InferOutput
+from kiln.core.warmup import build_samples, run_warmup
 from kiln.scheduling.base import Instance, Job, Scheduler
+from kiln.scheduling.cache import ResponseCache, request_key
 from kiln.scheduling.direct import DirectScheduler
 from kiln.scheduling.dynamic import DynamicScheduler
 
 log = logging.getLogger(__name__)
+
+# Tells apart successive loads of one model version in the response cache's keys.
+_LOAD_IDS = itertools.count(1)
 
 
 class ModelState(enum.Enum):
@@ -40,6 +46,7 @@ class ModelRuntime:
         config: ModelConfig,
         version_dir: Path,
         backend_cls: type[Backend],
+        cache: ResponseCache | None = None,
     ) -> None:
         self.name = name
         self.version = version
@@ -57,6 +64,8 @@ class ModelRuntime:
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.cache = _model_cache(config, name, cache)
+        self._load_id = next(_LOAD_IDS)
 
     async def load(self) -> None:
         """Create every instance off the event loop, then the scheduler."""
@@ -68,6 +77,10 @@ class ModelRuntime:
         )
         gpus = 1 if self.backend_cls.gpu_available() else 0
         specs = instance_specs(self.config, gpus)
+        # A malformed warm-up sample fails the load before any session is built.
+        samples = await loop.run_in_executor(
+            None, build_samples, self.config, self.signature, self.version_dir.parent
+        )
         instances: list[Instance] = []
         try:
             for spec in specs:
@@ -75,6 +88,8 @@ class ModelRuntime:
                     None, self.backend_cls, self.config, self.version_dir, spec
                 )
                 instances.append(Instance(backend, self.name))
+            if samples:
+                await run_warmup(samples, instances, self.signature, self._outputs)
         except BaseException:
             for inst in instances:
                 await loop.run_in_executor(None, inst.close)
@@ -113,6 +128,15 @@ class ModelRuntime:
                     data = data.reshape(lead + spec.reshape)
                 inputs[tensor.name] = data
             names = [o.name for o in request.outputs] or self.signature.output_names
+            key, lookup_ns = None, 0
+            if self.cache is not None:
+                lookup_start = time.monotonic_ns()
+                key = request_key(self.name, self.version_str, request, names, self._load_id)
+                cached = self.cache.lookup(key)
+                lookup_ns = time.monotonic_ns() - lookup_start
+                if cached is not None:
+                    self.stats.record_cache_hit(times, lookup_ns, time.monotonic_ns())
+                    return self._response(request, cached)
             job = Job(inputs, names, batch, times, request.parameters)
             try:
                 raw = await self.scheduler.schedule(job)
@@ -124,17 +148,21 @@ class ModelRuntime:
                 self.stats.record_failure(times, time.monotonic_ns(), FailureReason.BACKEND)
                 log.exception("model '%s' failed", self.name)
                 raise internal(f"model '{self.name}': {type(exc).__name__}: {exc}") from exc
+            if self.cache is not None and key is not None:
+                insert_start = time.monotonic_ns()
+                self.cache.insert(key, outputs, self._load_id)
+                self.stats.record_cache_miss(lookup_ns + time.monotonic_ns() - insert_start)
             self.stats.record_success(times, batch, time.monotonic_ns())
-            return InferenceResponse(
-                model_name=self.name,
-                model_version=self.version_str,
-                id=request.id,
-                outputs=outputs,
-            )
+            return self._response(request, outputs)
         finally:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
+
+    def _response(self, request: InferenceRequest, outputs: list[InferOutput]) -> InferenceResponse:
+        return InferenceResponse(
+            model_name=self.name, model_version=self.version_str, id=request.id, outputs=outputs
+        )
 
     def _outputs(
         self, raw: dict[str, np.ndarray], names: list[str], batch: int
@@ -176,8 +204,30 @@ class ModelRuntime:
         if self.scheduler is not None:
             await self.scheduler.close()
             self.scheduler = None
+        if self.cache is not None:
+            self.cache.drop_owner(self._load_id)
         self.state = ModelState.UNAVAILABLE
         self.reason = "unloaded"
+
+
+def _model_cache(
+    config: ModelConfig, name: str, cache: ResponseCache | None
+) -> ResponseCache | None:
+    """The server's cache when this model asks for it and can use it; else None."""
+    if not config.response_cache.enable:
+        return None
+    if cache is None:
+        log.warning(
+            "model '%s' enables response_cache, but the server has no cache: start kiln "
+            "with --cache-config local,size=BYTES to cache its responses",
+            name,
+        )
+        return None
+    if config.HasField("sequence_batching"):
+        # A stateful model's answer depends on the sequence so far, not on the inputs alone.
+        log.warning("model '%s': response_cache is ignored for sequence batching", name)
+        return None
+    return cache
 
 
 def _dtype_ok(value: np.ndarray, datatype: DataType) -> bool:

@@ -21,6 +21,7 @@ from kiln.core.shm import SharedMemoryManager
 from kiln.core.types import InferenceRequest, InferenceResponse
 from kiln.repository.manager import RepositoryManager, check_model_name, decode_files
 from kiln.repository.poll import RepositoryPoller
+from kiln.scheduling.cache import CacheConfig, ResponseCache
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +55,17 @@ class ServerOptions:
     exit_timeout_secs: float = 30.0
     max_request_bytes: int = 64 * 1024 * 1024
     repository_poll_secs: float = 15.0
+    cache: CacheConfig | None = None  # --cache-config; None: no response cache at all
 
 
 class Server:
     def __init__(self, options: ServerOptions) -> None:
         self.options = options
+        self.response_cache = ResponseCache(options.cache.size) if options.cache else None
         self.repository = RepositoryManager(
-            options.model_repositories, drain_timeout=options.exit_timeout_secs
+            options.model_repositories,
+            drain_timeout=options.exit_timeout_secs,
+            response_cache=self.response_cache,
         )
         self.shm = SharedMemoryManager()
         self.poller: RepositoryPoller | None = None

@@ -121,6 +121,18 @@ class ModelStats:
             if self.observer is not None:
                 self.observer.observe_success(times, batch_size, end_ns)
 
+    def record_cache_hit(self, times: RequestTimes, lookup_ns: int, end_ns: int) -> None:
+        """A response served from the response cache: a success (as in Triton) that ran
+        no model, so no queue, compute or inference_count."""
+        with self._lock:
+            self.cache_hit.add(lookup_ns)
+            self.success.add(end_ns - times.received)
+            self.last_inference_ms = int(time.time() * 1000)
+
+    def record_cache_miss(self, lookup_and_insert_ns: int) -> None:
+        with self._lock:
+            self.cache_miss.add(lookup_and_insert_ns)
+
     def record_failure(
         self, times: RequestTimes, end_ns: int, reason: FailureReason = FailureReason.OTHER
     ) -> None:

@@ -25,6 +25,7 @@ from kiln.config.loader import (
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.runtime import ModelRuntime, ModelState
+from kiln.scheduling.cache import ResponseCache
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +86,15 @@ class ModelEntry:
 
 
 class RepositoryManager:
-    def __init__(self, repositories: list[Path], drain_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        repositories: list[Path],
+        drain_timeout: float = 30.0,
+        response_cache: ResponseCache | None = None,
+    ) -> None:
         self.repositories = [Path(r).resolve() for r in repositories]
         self.drain_timeout = drain_timeout
+        self.response_cache = response_cache  # shared by every model that enables it
         self.entries: dict[str, ModelEntry] = {}
         self._load_slots = asyncio.Semaphore(4)  # Triton's --model-load-thread-count
 
@@ -218,7 +225,9 @@ class RepositoryManager:
             raise problems[0]
 
         entry.state = ModelState.LOADING
-        new = {v: ModelRuntime(name, v, config, versions[v], cls) for v in chosen}
+        new = {
+            v: ModelRuntime(name, v, config, versions[v], cls, self.response_cache) for v in chosen
+        }
         results = await asyncio.gather(*(r.load() for r in new.values()), return_exceptions=True)
         errors = [(v, e) for v, e in zip(new, results, strict=True) if isinstance(e, BaseException)]
         if errors:

@@ -1,0 +1,219 @@
+"""Response cache: outputs of earlier identical requests, LRU within a byte budget.
+
+One cache serves the whole server (Triton's ``--cache-config local,size=BYTES``); a model
+opts in with ``response_cache { enable: true }``. A key digests the model name and version,
+every input (name, datatype, shape, bytes) and the requested outputs with their
+parameters, so two requests share an entry only when the model would see the same call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from kiln.core.types import DataType, InferenceRequest, InferOutput
+
+# Output parameters that only say how the response travels back, not what it holds:
+# a JSON client and a binary client asking the same question share one entry.
+_TRANSPORT_PARAMETERS = frozenset(
+    {"binary_data", "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"}
+)
+
+
+class CacheConfigError(ValueError):
+    """A ``--cache-config`` value kiln cannot use."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The parsed ``--cache-config`` flags (only Triton's ``local`` cache exists here)."""
+
+    size: int
+
+    @classmethod
+    def parse(cls, specs: Sequence[str]) -> CacheConfig | None:
+        """``["local,size=1048576"]`` -> ``CacheConfig(1048576)``; no flags -> None.
+
+        Triton's form is ``<cache>,<key>=<value>``; the flag may repeat, one key each time.
+        """
+        settings: dict[str, str] = {}
+        for spec in specs:
+            cache, sep, setting = spec.partition(",")
+            key, eq, value = setting.partition("=")
+            if not sep or not eq or not key.strip():
+                raise CacheConfigError(
+                    f"invalid cache config '{spec}': expected <cache>,<key>=<value>, "
+                    "e.g. local,size=1048576"
+                )
+            if cache.strip() != "local":
+                raise CacheConfigError(
+                    f"cache '{cache.strip()}' is not supported: kiln has only the 'local' "
+                    "in-memory cache"
+                )
+            settings[key.strip()] = value.strip()
+        if not settings:
+            return None
+        unknown = sorted(set(settings) - {"size"})
+        if unknown:
+            raise CacheConfigError(
+                f"unknown local cache setting(s) {', '.join(unknown)} (known: size)"
+            )
+        if "size" not in settings:
+            raise CacheConfigError("the local cache needs a size in bytes: local,size=BYTES")
+        try:
+            size = int(settings["size"])
+        except ValueError:
+            raise CacheConfigError(
+                f"local cache size must be an integer number of bytes, got '{settings['size']}'"
+            ) from None
+        if size < 0:
+            raise CacheConfigError(f"local cache size must be >= 0 bytes, got {size}")
+        return cls(size)
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    outputs: tuple[InferOutput, ...]
+    nbytes: int
+    owner: int  # the loaded model version that produced it (see ``drop_owner``)
+
+
+class ResponseCache:
+    """Thread-safe LRU of output lists; ``capacity`` bounds the bytes of cached outputs."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._nbytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return self._nbytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def lookup(self, key: bytes) -> list[InferOutput] | None:
+        """The cached outputs (fresh wrappers around read-only arrays), or None."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+        # New InferOutput objects: a caller may replace fields without touching the entry.
+        return [replace(o, parameters=dict(o.parameters)) for o in entry.outputs]
+
+    def insert(self, key: bytes, outputs: Iterable[InferOutput], owner: int = 0) -> bool:
+        """Cache ``outputs`` under ``key``, evicting the least recently used entries to fit.
+
+        Returns False (and caches nothing) when the outputs alone exceed the whole budget.
+        """
+        # Own copies: the scheduler's outputs may be views into a larger batch array that
+        # would otherwise stay alive (and uncounted) behind a small entry.
+        frozen = tuple(_frozen(o) for o in outputs)
+        nbytes = sum(_nbytes(o.data) for o in frozen)
+        if nbytes > self.capacity:
+            return False
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._nbytes -= old.nbytes
+            while self._entries and self._nbytes + nbytes > self.capacity:
+                _, evicted = self._entries.popitem(last=False)
+                self._nbytes -= evicted.nbytes
+            self._entries[key] = _Entry(frozen, nbytes, owner)
+            self._nbytes += nbytes
+        return True
+
+    def drop_owner(self, owner: int) -> int:
+        """Forget what one loaded model version cached (it is unloading); returns how many.
+
+        A reload of the same version may serve a different model file, so its answers
+        must not outlive it.
+        """
+        with self._lock:
+            gone = [k for k, e in self._entries.items() if e.owner == owner]
+            for key in gone:
+                self._nbytes -= self._entries.pop(key).nbytes
+            return len(gone)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._nbytes = 0
+
+
+def request_key(
+    model: str,
+    version: str,
+    request: InferenceRequest,
+    output_names: Sequence[str],
+    owner: int = 0,
+) -> bytes:
+    """Digest of everything that decides a response: model, version, inputs, outputs.
+
+    ``owner`` tells loads of the same version apart, so a reloaded model never answers
+    with what its predecessor computed.
+    """
+    digest = hashlib.blake2b(digest_size=32)
+    digest.update(owner.to_bytes(8, "little"))
+
+    def field(value: str | bytes) -> None:
+        # Length-prefixed, so ("ab", "c") and ("a", "bc") never digest alike.
+        raw = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value
+        digest.update(len(raw).to_bytes(8, "little"))
+        digest.update(raw)
+
+    field(model)
+    field(version)
+    # Input order on the wire does not change what the model computes.
+    for tensor in sorted(request.inputs, key=lambda t: t.name):
+        field(tensor.name)
+        field(tensor.datatype.value)
+        field(",".join(str(d) for d in tensor.shape))
+        _digest_data(digest, tensor.datatype, tensor.data)
+    requested = {o.name: o.parameters for o in request.outputs}
+    for name in output_names:
+        field(name)
+        params = requested.get(name, {})
+        for key in sorted(params):
+            if key not in _TRANSPORT_PARAMETERS:
+                field(key)
+                field(repr(params[key]))
+    return digest.digest()
+
+
+def _digest_data(digest: hashlib.blake2b, datatype: DataType, data: np.ndarray) -> None:
+    if datatype is DataType.BYTES:
+        for item in data.ravel():
+            raw = item if isinstance(item, bytes) else str(item).encode("utf-8")
+            digest.update(len(raw).to_bytes(8, "little"))
+            digest.update(raw)
+        return
+    digest.update(len(data.shape).to_bytes(8, "little"))
+    digest.update(np.ascontiguousarray(data).data)
+
+
+def _frozen(output: InferOutput) -> InferOutput:
+    data = np.array(output.data, copy=True)
+    data.flags.writeable = False  # shared by every later hit: nobody may write into it
+    return replace(output, data=data, parameters=dict(output.parameters))
+
+
+def _nbytes(data: np.ndarray) -> int:
+    if data.dtype.kind == "O":
+        # Object arrays hold pointers; the payload is the bytes objects themselves.
+        return data.nbytes + sum(len(v) if isinstance(v, bytes) else 0 for v in data.ravel())
+    return int(data.nbytes)
