@@ -143,7 +143,9 @@ class HistoryStore:
             conn.executemany("INSERT OR REPLACE INTO samples VALUES (?, ?, ?)", values)
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            # SQLITE_FULL and friends roll the transaction back themselves.
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             self._series.clear()  # ids inserted by the rolled-back transaction are gone
             for sid, metric, labels in conn.execute("SELECT id, metric, labels FROM series"):
                 self._series[(metric, labels)] = sid
@@ -227,10 +229,10 @@ class HistorySampler:
         return out
 
     def sample_once(self) -> None:
-        snap = self.source()
-        rows = self.rows(snap)
         if not self.available:
             return
+        snap = self.source()
+        rows = self.rows(snap)
         try:
             self.store.write(snap.ts, rows)
             self.samples_written += 1
@@ -239,7 +241,7 @@ class HistorySampler:
                 self.store.prune(snap.ts)
             self.error = ""
         except (sqlite3.Error, OSError) as exc:
-            self._fail(f"writing {self.options.path} failed: {exc}")
+            self._fail(f"writing {self.options.path} failed, sample dropped: {exc}")
             if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
                 try:
                     self.store.prune(snap.ts)  # budget reached: make room for the next sample
@@ -248,7 +250,7 @@ class HistorySampler:
 
     def _fail(self, message: str) -> None:
         if message != self.error:  # log each distinct failure once, not every interval
-            log.error("history: %s (serving continues; this sample is dropped)", message)
+            log.error("history: %s (serving continues)", message)
         self.error = message
 
     def start(self) -> None:
