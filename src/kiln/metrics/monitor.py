@@ -48,6 +48,13 @@ class MonitorService:
         )
 
     def snapshot(self) -> Snapshot:
+        for _ in range(3):
+            try:
+                return take_snapshot(self.metrics.registry.collect())
+            except RuntimeError:
+                # A model (un)loaded on the event loop while this thread walked the
+                # runtimes ("dictionary changed size during iteration"): read again.
+                continue
         return take_snapshot(self.metrics.registry.collect())
 
     def start(self) -> None:
