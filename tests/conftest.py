@@ -60,7 +60,9 @@ class KilnProcess:
         ]  # fmt: skip
         self.log_path = self.log_path or self.repository.parent / f"kiln-{self.http_port}.log"
         log = open(self.log_path, "wb")  # noqa: SIM115 - closed with the process
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # History's default database lives under the XDG state dir: keep it in tmp.
+        state = self.repository.parent / "state"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_STATE_HOME=str(state))
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         if wait_ready:

@@ -72,6 +72,73 @@ def main() -> None:
     "summary_quantiles, histogram_latencies; kiln's latency_buckets. May repeat.",
 )
 @click.option(
+    "--history/--no-history",
+    "history",
+    default=True,
+    show_default=True,
+    help="Sample metrics into an embedded SQLite store (GET /api/history).",
+)
+@click.option(
+    "--history-path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="History database [default: $XDG_STATE_HOME/kiln/history-<http-port>.db].",
+)
+@click.option(
+    "--history-interval-secs",
+    default=5.0,
+    show_default=True,
+    type=click.FloatRange(min=0.05),
+    help="How often history samples the metrics.",
+)
+@click.option(
+    "--history-retention",
+    default="24h",
+    show_default=True,
+    help="How long history keeps samples (Prometheus duration: 30m, 24h, 7d).",
+)
+@click.option(
+    "--history-max-mb",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Size budget of the history database; the oldest samples go first.",
+)
+@click.option(
+    "--alert-rules",
+    "alert_rules",
+    multiple=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Alert rules file (YAML, Prometheus layout); may repeat. Replaces the defaults.",
+)
+@click.option(
+    "--default-alert-rules/--no-default-alert-rules",
+    default=True,
+    show_default=True,
+    help="Evaluate kiln's shipped rules when no --alert-rules is given.",
+)
+@click.option(
+    "--alert-eval-interval-secs",
+    default=15.0,
+    show_default=True,
+    type=click.FloatRange(min=0.05),
+    help="How often alert rules are evaluated.",
+)
+@click.option(
+    "--alert-webhook",
+    "alert_webhooks",
+    multiple=True,
+    metavar="URL",
+    help="POST alert notifications (Alertmanager webhook JSON) to this URL; may repeat.",
+)
+@click.option(
+    "--alert-webhook-timeout-secs",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0.01),
+    help="Timeout of one webhook POST before it is retried.",
+)
+@click.option(
     "--strict-readiness/--no-strict-readiness",
     default=True,
     show_default=True,
@@ -118,6 +185,16 @@ def serve(
     allow_cpu_metrics: bool,
     metrics_interval_ms: int,
     metrics_config: tuple[str, ...],
+    history: bool,
+    history_path: Path | None,
+    history_interval_secs: float,
+    history_retention: str,
+    history_max_mb: int,
+    alert_rules: tuple[Path, ...],
+    default_alert_rules: bool,
+    alert_eval_interval_secs: float,
+    alert_webhooks: tuple[str, ...],
+    alert_webhook_timeout_secs: float,
     strict_readiness: bool,
     exit_timeout_secs: float,
     http_max_input_size: int,
@@ -160,10 +237,54 @@ def serve(
     metrics = MetricsOptions(
         parsed_metrics_config, metrics_interval_ms, allow_gpu_metrics, allow_cpu_metrics
     )
+    from kiln.metrics.cli_options import monitor_options
+
+    monitor = monitor_options(
+        http_port=http_port,
+        history=history,
+        history_path=history_path,
+        history_interval_secs=history_interval_secs,
+        history_retention=history_retention,
+        history_max_mb=history_max_mb,
+        alert_rules=alert_rules,
+        default_alert_rules=default_alert_rules,
+        alert_eval_interval_secs=alert_eval_interval_secs,
+        alert_webhooks=alert_webhooks,
+        alert_webhook_timeout_secs=alert_webhook_timeout_secs,
+    )
     endpoints = Endpoints(
-        host, http_port, grpc_port, metrics_port, allow_grpc, allow_metrics, metrics
+        host, http_port, grpc_port, metrics_port, allow_grpc, allow_metrics, metrics, monitor
     )
     sys.exit(run_server(options, endpoints))
+
+
+@main.group()
+def monitor() -> None:
+    """Monitoring tools for a running kiln server."""
+
+
+@monitor.command("history")
+@click.argument("url")
+@click.option(
+    "--metric",
+    "metrics",
+    multiple=True,
+    help="History metric (default: throughput, avg_request_us, avg_queue_us, "
+    "avg_compute_us, kiln_request_duration_p99_seconds); may repeat.",
+)
+@click.option("--since", default="10m", show_default=True, help="How far back (duration).")
+@click.option("--step", default=None, help="Seconds (or a duration) per row [default: auto].")
+@click.option("--model", default="", help="Only this model.")
+def monitor_history(
+    url: str, metrics: tuple[str, ...], since: str, step: str | None, model: str
+) -> None:
+    """Print a server's metrics history (GET URL/api/history) as tables."""
+    from kiln.metrics.history_cli import HistoryClientError, print_history
+
+    try:
+        print_history(url, list(metrics), since, step, model)
+    except HistoryClientError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @main.group()

@@ -18,7 +18,9 @@ import uvicorn
 
 from kiln.core.server import Server, ServerOptions
 from kiln.frontends.http.app import HttpFrontend
+from kiln.frontends.http.monitor_routes import monitor_routes
 from kiln.metrics.app import MetricsOptions, MetricsService, metrics_app
+from kiln.metrics.monitor import MonitorOptions, MonitorService
 
 log = logging.getLogger("kiln")
 
@@ -32,6 +34,7 @@ class Endpoints:
     allow_grpc: bool = True
     allow_metrics: bool = True
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
+    monitor: MonitorOptions = field(default_factory=MonitorOptions)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -65,14 +68,23 @@ def _uvicorn(app: object, host: str, port: int, timeout: float) -> _Uvicorn:
 
 async def run(options: ServerOptions, endpoints: Endpoints) -> int:
     server = Server(options)
-    http = _uvicorn(
-        HttpFrontend(server).app(), endpoints.host, endpoints.http_port, options.exit_timeout_secs
-    )
-    servers = [http]
     metrics: MetricsService | None = None
-    if endpoints.allow_metrics:
+    monitor: MonitorService | None = None
+    # History and alerts read the metrics collectors, so those run whenever any is on.
+    if endpoints.allow_metrics or endpoints.monitor.enabled:
         metrics = MetricsService(server, endpoints.metrics)
         metrics.start()
+        if endpoints.monitor.enabled:
+            external_url = f"http://{endpoints.host}:{endpoints.http_port}"
+            monitor = MonitorService(metrics, endpoints.monitor, external_url)
+    http = _uvicorn(
+        HttpFrontend(server).app(monitor_routes(monitor)),
+        endpoints.host,
+        endpoints.http_port,
+        options.exit_timeout_secs,
+    )
+    servers = [http]
+    if metrics is not None and endpoints.allow_metrics:
         servers.append(
             _uvicorn(
                 metrics_app(metrics),
@@ -110,6 +122,8 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         endpoints.host,
         endpoints.metrics_port,
     )
+    if monitor is not None:
+        monitor.start()
     await server.start()
     log.info("models loaded; server ready=%s", server.ready)
     await stop.wait()
@@ -130,6 +144,8 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         log.warning("models still busy after %.0fs: exiting anyway", options.exit_timeout_secs)
         logging.shutdown()
         os._exit(0)
+    if monitor is not None:
+        monitor.stop()
     if metrics is not None:
         metrics.stop()
     log.info("kiln stopped")

@@ -24,6 +24,7 @@ from kiln.metrics.exposition import CONTENT_TYPE, render
 from kiln.metrics.gpu import GpuCollector
 from kiln.metrics.host import HostCollector
 from kiln.metrics.observer import RuntimeMetrics
+from kiln.metrics.readiness import ReadinessCollector
 from kiln.metrics.sampler import Sampled, TelemetrySampler
 
 
@@ -44,6 +45,7 @@ class MetricsService:
         self.options = options
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ServerCollector(server.repository.runtimes, options.config))
+        self.registry.register(ReadinessCollector(server.repository))
         # process_resident_memory_bytes, process_cpu_seconds_total, open fds, start time.
         self.registry.register(ProcessCollector(registry=None))
         sources: list[Sampled] = []

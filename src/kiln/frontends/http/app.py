@@ -6,7 +6,7 @@ from __future__ import annotations
 import gzip
 import logging
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
@@ -14,7 +14,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from kiln.core.errors import KilnError, Status
 from kiln.core.server import Server
@@ -298,9 +298,13 @@ class HttpFrontend:
         add(cuda + "/region/{region}/unregister", self.cuda_shm_unsupported, ["POST"])
         return r
 
-    def app(self) -> Starlette:
+    def app(self, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
+        """``extra_routes``: non-KServe routes on the same port (e.g. ``/api/history``)."""
+
         async def http_error(request: Request, exc: Exception) -> Response:
             assert isinstance(exc, HTTPException)
             return error_response(exc.detail, exc.status_code)
 
-        return Starlette(routes=self.routes(), exception_handlers={HTTPException: http_error})
+        return Starlette(
+            routes=[*self.routes(), *extra_routes], exception_handlers={HTTPException: http_error}
+        )

@@ -1,0 +1,132 @@
+"""``/api/history`` and ``/api/alerts`` on the HTTP port (JSON; schema in docs/monitoring.md).
+
+Kept apart from the KServe routes in ``app.py``: these serve monitoring, not inference.
+SQLite reads run on a worker thread; alert state is copied under its lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sqlite3
+import time
+from datetime import datetime
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kiln.metrics.history_query import HistoryQuery, HistoryQueryError, catalog, run_query
+from kiln.metrics.monitor import MonitorService
+from kiln.metrics.promql import parse_duration
+
+DEFAULT_RANGE_S = 3600.0
+DEFAULT_POINTS = 240
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(
+        orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY), status, media_type="application/json"
+    )
+
+
+def parse_time(text: str, now: float, field: str) -> float:
+    """Unix seconds, RFC 3339, ``now`` or ``now-10m``."""
+    text = text.strip()
+    if text == "now":
+        return now
+    if text.startswith("now-"):
+        try:
+            return now - parse_duration(text[4:])
+        except ValueError as exc:
+            raise HistoryQueryError(f"'{field}': {exc}") from None
+    try:
+        value = float(text)
+        if math.isfinite(value):
+            return value
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise HistoryQueryError(
+            f"'{field}' must be unix seconds, RFC 3339, 'now' or 'now-<duration>', got '{text}'"
+        ) from None
+
+
+def parse_query(params: dict[str, str], interval_s: float, now: float) -> HistoryQuery:
+    if "metric" not in params:
+        raise HistoryQueryError("missing 'metric' (see GET /api/history/metrics)")
+    end = parse_time(params.get("end", "now"), now, "end")
+    start = parse_time(params.get("start", str(end - DEFAULT_RANGE_S)), now, "start")
+    if "step" in params:
+        text = params["step"]
+        try:
+            step = float(text)
+        except ValueError:
+            try:
+                step = parse_duration(text)
+            except ValueError:
+                raise HistoryQueryError(
+                    f"'step' must be seconds or a duration like 30s, got '{text}'"
+                ) from None
+    else:
+        step = max(interval_s, (end - start) / DEFAULT_POINTS)
+    raw = params.get("fn", "") == "raw"
+    if params.get("fn", "raw") not in ("raw", "rate"):
+        raise HistoryQueryError(f"'fn' must be 'rate' or 'raw', got '{params['fn']}'")
+    return HistoryQuery(
+        params["metric"], start, end, step, params.get("model", ""), params.get("version", ""), raw
+    )
+
+
+def monitor_routes(monitor: MonitorService | None) -> list[Route]:
+    history = monitor.history if monitor is not None else None
+    alerts = monitor.alerts if monitor is not None else None
+
+    def history_unavailable() -> Response | None:
+        if history is None:
+            return _json({"error": "history is disabled (kiln serve --no-history)"}, 503)
+        if not history.available:
+            return _json({"error": f"history is unavailable: {history.error}"}, 503)
+        return None
+
+    async def history_metrics(request: Request) -> Response:
+        down = history_unavailable()
+        if down is not None or history is None:
+            return down or _json({}, 503)
+        return _json(
+            {
+                "metrics": catalog(),
+                "interval": history.options.interval_s,
+                "retention": history.options.retention_s,
+                "path": str(history.options.path),
+                "samples_written": history.samples_written,
+                "error": history.error,
+            }
+        )
+
+    async def history_query(request: Request) -> Response:
+        down = history_unavailable()
+        if down is not None or history is None:
+            return down or _json({}, 503)
+        try:
+            q = parse_query(dict(request.query_params), history.options.interval_s, time.time())
+            result = await asyncio.to_thread(run_query, history.options.path, q)
+        except HistoryQueryError as exc:
+            return _json({"error": str(exc)}, 400)
+        except sqlite3.Error as exc:
+            return _json({"error": f"history is unavailable: {exc}"}, 503)
+        return _json(result)
+
+    async def alert_state(request: Request) -> Response:
+        if alerts is None:
+            return _json({"alerts": [], "rules": []})
+        return _json(alerts.to_json())
+
+    return [
+        Route("/api/history", history_query, methods=["GET"]),
+        Route("/api/history/metrics", history_metrics, methods=["GET"]),
+        Route("/api/alerts", alert_state, methods=["GET"]),
+    ]

@@ -1,0 +1,74 @@
+"""``kiln serve``'s history and alert flags, turned into ``MonitorOptions``.
+
+Every bad value (a rules file with an unknown metric, a bad duration, bad YAML; a bad
+retention; a webhook that is not an http(s) URL) stops ``kiln serve`` before it starts,
+naming the flag, file and line.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from pathlib import Path
+
+import click
+
+from kiln.metrics.history import HistoryOptions
+from kiln.metrics.monitor import MonitorOptions
+from kiln.metrics.notify import WebhookOptions
+from kiln.metrics.promql import parse_duration
+from kiln.metrics.rules import AlertRule, AlertRulesError, default_rules, load_rules
+
+
+def default_history_path(http_port: int) -> Path:
+    """Under the XDG state dir, one file per HTTP port: two servers never share one."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "kiln" / f"history-{http_port}.db"
+
+
+def monitor_options(
+    *,
+    http_port: int,
+    history: bool,
+    history_path: Path | None,
+    history_interval_secs: float,
+    history_retention: str,
+    history_max_mb: int,
+    alert_rules: tuple[Path, ...],
+    default_alert_rules: bool,
+    alert_eval_interval_secs: float,
+    alert_webhooks: tuple[str, ...],
+    alert_webhook_timeout_secs: float,
+) -> MonitorOptions:
+    try:
+        retention = parse_duration(history_retention)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--history-retention") from None
+    history_options = (
+        HistoryOptions(
+            history_path or default_history_path(http_port),
+            history_interval_secs,
+            retention,
+            history_max_mb * 1024 * 1024,
+        )
+        if history
+        else None
+    )
+    rules: list[AlertRule] = []
+    try:
+        for path in alert_rules:
+            rules.extend(load_rules(path))
+        if not alert_rules and default_alert_rules:
+            rules = default_rules()
+    except AlertRulesError as exc:
+        raise click.BadParameter(str(exc), param_hint="--alert-rules") from None
+    for url in alert_webhooks:
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise click.BadParameter(f"'{url}' is not an http(s) URL", param_hint="--alert-webhook")
+    return MonitorOptions(
+        history_options,
+        tuple(rules),
+        alert_eval_interval_secs,
+        WebhookOptions(tuple(alert_webhooks), alert_webhook_timeout_secs),
+    )

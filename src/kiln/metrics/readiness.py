@@ -1,0 +1,39 @@
+"""``kiln_model_ready``: 1 per ready model version, 0 otherwise (kiln's own family).
+
+Triton exports no readiness metric; without one a "model not ready" alert could only be
+written against the HTTP health endpoint. A model whose load failed has no version yet
+and is exposed with ``version=""``; a model the user explicitly unloaded is not exposed
+(it is meant to be down). Read at collect time from in-memory state only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kiln.core.runtime import ModelState
+from kiln.repository.manager import RepositoryManager
+
+
+class ReadinessCollector(Collector):
+    def __init__(self, repository: RepositoryManager) -> None:
+        self.repository = repository
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "kiln_model_ready",
+            "1 when this model version is ready to serve inferences, else 0",
+            labels=("model", "version"),
+        )
+        # list() copies: the collector also runs on history/alert threads while the
+        # event loop may be loading a model.
+        for entry in list(self.repository.entries.values()):
+            versions = list(entry.versions.values())
+            if versions:
+                for rt in versions:
+                    family.add_metric([rt.name, rt.version_str], int(rt.ready))
+            elif entry.state is ModelState.UNAVAILABLE and entry.reason != "unloaded":
+                family.add_metric([entry.name, ""], 0)
+        yield family
