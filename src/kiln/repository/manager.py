@@ -145,7 +145,10 @@ class RepositoryManager:
         return max(ready, key=lambda r: r.version)
 
     def runtimes(self) -> list[ModelRuntime]:
-        return [r for e in self.entries.values() for r in e.versions.values()]
+        # Metrics, history and alert threads call this while the event loop loads models:
+        # list(dict.values()) copies in one C call under the GIL, a generator would not.
+        entries = list(self.entries.values())
+        return [r for e in entries for r in list(e.versions.values())]
 
     # ---- load / unload ---------------------------------------------------------------
     async def load(
