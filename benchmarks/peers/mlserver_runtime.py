@@ -1,0 +1,33 @@
+"""Seldon MLServer custom runtime that runs onnxruntime on the model's ``uri``.
+
+``serving_peers.py`` points each ``model-settings.json`` at ``mlserver_runtime.OnnxRuntime``
+with ``parameters.uri`` set to the same ``model.onnx`` kiln serves.
+"""
+
+import os
+
+import onnxruntime as ort
+from mlserver import MLModel
+from mlserver.codecs import NumpyCodec
+from mlserver.types import InferenceRequest, InferenceResponse
+
+
+class OnnxRuntime(MLModel):
+    async def load(self) -> bool:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = os.cpu_count() or 1  # what kiln uses for one instance
+        uri = self.settings.parameters.uri if self.settings.parameters else None
+        self.session = ort.InferenceSession(uri, options, providers=["CPUExecutionProvider"])
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        return True
+
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        feed = {i.name: NumpyCodec.decode_input(i) for i in payload.inputs}
+        results = self.session.run(self.output_names, feed)
+        return InferenceResponse(
+            model_name=self.name,
+            outputs=[
+                NumpyCodec.encode_output(n, r)
+                for n, r in zip(self.output_names, results, strict=True)
+            ],
+        )
