@@ -115,6 +115,12 @@ class OnnxRuntimeBackend(Backend):
             options.enable_cpu_mem_arena = False
         if parameter(config, "enable_mem_pattern") == "0":
             options.enable_mem_pattern = False
+        # ORT's pool threads spin after each run by default; on a server that shares its
+        # cores with the front end that spinning steals the CPU the next request needs
+        # (measured: benchmarks/README.md). Opt back in with parameters allow_spinning "1".
+        spinning = parameter(config, "allow_spinning", "0")
+        options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
+        options.add_session_config_entry("session.inter_op.allow_spinning", spinning)
         options.graph_optimization_level = self._graph_level(config)
         self.session = ort.InferenceSession(
             str(self.model_path()), sess_options=options, providers=self._providers(config)
