@@ -266,13 +266,14 @@ class HttpFrontend:
             add("/v2/models/{model}/versions/{version}" + suffix, handler, methods)
             add("/v2/models/{model}" + suffix, handler, methods)
 
+        # The hot path first: Starlette tries routes in order, one regex each.
+        model_routes("/infer", self.infer, ["POST"])
         add("/v2", self.metadata, ["GET"])
         add("/v2/health/live", self.live, ["GET"])
         add("/v2/health/ready", self.ready, ["GET"])
         add("/v2/models/stats", self.stats, ["GET"])
         model_routes("", self.model_metadata, ["GET"])
         model_routes("/ready", self.model_ready, ["GET"])
-        model_routes("/infer", self.infer, ["POST"])
         model_routes("/config", self.model_config, ["GET"])
         model_routes("/stats", self.stats, ["GET"])
         for prefix in ("/v2/repository", "/v2/repository/{repository}"):
