@@ -18,6 +18,7 @@ from kiln.examples import (
     build_example_repository,
     example_config,
     reference_outputs,
+    reference_sequence,
 )
 
 Array = npt.NDArray[Any]
@@ -62,11 +63,32 @@ def _cnn_feeds(batch: int, rng: np.random.Generator) -> Feeds:
     return {"IMAGE": rng.uniform(0.0, 1.0, (batch, 1, 28, 28)).astype(np.float32)}
 
 
+def _sequence_feeds(batch: int, rng: np.random.Generator) -> Feeds:
+    # Control and state inputs as the sequence batcher builds them: [batch, 1] int32 each.
+    column = (batch, 1)
+    return {
+        "INPUT": rng.integers(-1000, 1000, column, dtype=np.int32),
+        "START": rng.integers(0, 2, column, dtype=np.int32),
+        "READY": rng.integers(0, 2, column, dtype=np.int32),
+        "ACC_IN": rng.integers(-1000, 1000, column, dtype=np.int32),
+    }
+
+
+def _sequence_state_feeds(batch: int, rng: np.random.Generator) -> Feeds:
+    feeds = _sequence_feeds(batch, rng)
+    return {"INPUT": feeds["INPUT"], "ACC_IN": feeds["ACC_IN"]}
+
+
+SEQUENCE_MODELS = ("simple_sequence", "simple_sequence_oldest", "simple_sequence_state")
+
 FEEDS: dict[str, Callable[[int, np.random.Generator], Feeds]] = {
     "simple": _simple_feeds,
     "simple_string": _simple_string_feeds,
     "mlp": _mlp_feeds,
     "cnn": _cnn_feeds,
+    "simple_sequence": _sequence_feeds,
+    "simple_sequence_oldest": _sequence_feeds,
+    "simple_sequence_state": _sequence_state_feeds,
 }
 
 OUTPUTS = {
@@ -74,6 +96,7 @@ OUTPUTS = {
     "simple_string": ["OUTPUT0", "OUTPUT1"],
     "mlp": ["LOGITS", "PROBABILITIES"],
     "cnn": ["PROBABILITIES"],
+    **{name: ["OUTPUT", "ACC_OUT"] for name in SEQUENCE_MODELS},
 }
 
 
@@ -108,7 +131,7 @@ def _run_and_check(repo: Path, name: str, feeds: Feeds) -> dict[str, Array]:
 
 
 def test_example_models_order() -> None:
-    assert EXAMPLE_MODELS == ("simple", "simple_string", "mlp", "cnn")
+    assert ("simple", "simple_string", "mlp", "cnn", *SEQUENCE_MODELS) == EXAMPLE_MODELS
 
 
 def test_layout(repo: Path) -> None:
@@ -187,7 +210,13 @@ CONFIG_EXPECTATIONS = {
     "simple_string": ["max_batch_size: 8", "TYPE_STRING", "INPUT0", "OUTPUT1"],
     "mlp": ["max_batch_size: 64", '"INPUT"', "dims: [ 64 ]", '"LOGITS"', '"PROBABILITIES"'],
     "cnn": ["max_batch_size: 32", '"IMAGE"', "FORMAT_NCHW", "dims: [ 1, 28, 28 ]"],
+    "simple_sequence": ["sequence_batching", "CONTROL_SEQUENCE_START", "direct { }"],
+    "simple_sequence_oldest": ["sequence_batching", "CONTROL_SEQUENCE_READY", "oldest {"],
+    "simple_sequence_state": ["sequence_batching", 'input_name: "ACC_IN"', "zero_data: true"],
 }
+
+# What the config lists as outputs: a sequence model's state output is the batcher's.
+CONFIG_OUTPUTS = {name: ["OUTPUT"] for name in SEQUENCE_MODELS}
 
 
 @pytest.mark.parametrize("name", EXAMPLE_MODELS)
@@ -200,7 +229,7 @@ def test_config_text(repo: Path, name: str) -> None:
     assert "dynamic_batching" not in text
     for fragment in CONFIG_EXPECTATIONS[name]:
         assert fragment in text, fragment
-    for output in OUTPUTS[name]:
+    for output in CONFIG_OUTPUTS.get(name, OUTPUTS[name]):
         assert f'name: "{output}"' in text
     has_labels = name in ("mlp", "cnn")
     assert ('label_filename: "labels.txt"' in text) == has_labels
@@ -268,3 +297,32 @@ def test_unknown_model(tmp_path: Path) -> None:
 def test_reference_rejects_missing_inputs() -> None:
     with pytest.raises(ValueError, match="INPUT1"):
         reference_outputs("simple", {"INPUT0": np.zeros((1, 16), np.int32)})
+
+
+@pytest.mark.parametrize("name", SEQUENCE_MODELS)
+def test_sequence_model_accumulates(repo: Path, name: str) -> None:
+    # Drive the ONNX file step by step as the batcher would, and compare with the
+    # reference's running sums (which test_model_matches_reference ties to the file).
+    session = _session(repo, name)
+    wanted = {i.name for i in session.get_inputs()}
+    values = [3, -1, 10, 7]
+    acc = np.zeros((1, 1), np.int32)
+    answers = []
+    for step, value in enumerate(values):
+        feeds = {
+            "INPUT": np.full((1, 1), value, np.int32),
+            "START": np.full((1, 1), int(step == 0), np.int32),
+            "READY": np.ones((1, 1), np.int32),
+            "ACC_IN": acc,
+        }
+        output, acc = session.run(
+            ["OUTPUT", "ACC_OUT"], {k: v for k, v in feeds.items() if k in wanted}
+        )
+        answers.append(int(output[0, 0]))
+    assert answers == reference_sequence(name, values)
+    assert answers == list(np.cumsum(values))
+
+
+def test_sequence_reference_refuses_other_models() -> None:
+    with pytest.raises(ValueError, match="mlp"):
+        reference_sequence("mlp", [1])

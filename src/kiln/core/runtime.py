@@ -23,6 +23,7 @@ from kiln.scheduling.base import Instance, Job, Scheduler
 from kiln.scheduling.cache import ResponseCache, request_key
 from kiln.scheduling.direct import DirectScheduler
 from kiln.scheduling.dynamic import DynamicScheduler
+from kiln.scheduling.sequence import SequenceScheduler
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,10 @@ class ModelRuntime:
     def _scheduler(self, instances: list[Instance]) -> Scheduler:
         if self.config.HasField("dynamic_batching"):
             return DynamicScheduler(instances, self.stats, self.name, self.config)
+        if self.config.HasField("sequence_batching"):
+            return SequenceScheduler(
+                instances, self.stats, self.name, self.config, self.version_dir.parent
+            )
         return DirectScheduler(instances, self.stats, self.name)
 
     @property

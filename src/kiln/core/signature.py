@@ -13,6 +13,7 @@ from kiln.config.model_config_pb2 import DataType as PbDataType
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import invalid_arg
 from kiln.core.types import DataType, InferenceRequest
+from kiln.scheduling.sequence_config import scheduler_inputs, state_outputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +39,13 @@ class ModelSignature:
         self.max_batch_size = config.max_batch_size
         self.inputs: dict[str, TensorSpec] = {}
         self.outputs: dict[str, TensorSpec] = {}
+        # The sequence batcher supplies control and state inputs and keeps state outputs:
+        # they are no part of what a client sends or receives.
+        own_inputs = scheduler_inputs(config)
+        own_outputs = state_outputs(config)
         for i in config.input:
+            if i.name in own_inputs:
+                continue
             self.inputs[i.name] = TensorSpec(
                 i.name,
                 DataType.from_config(_enum_name(i.data_type)),
@@ -47,6 +54,8 @@ class ModelSignature:
                 i.optional,
             )
         for o in config.output:
+            if o.name in own_outputs:
+                continue
             self.outputs[o.name] = TensorSpec(
                 o.name,
                 DataType.from_config(_enum_name(o.data_type)),

@@ -221,3 +221,55 @@ def build_cnn() -> onnx.ModelProto:
         initializer=_initializers(cnn_weights()),
     )
     return _finish(graph, "Seeded random CNN image classifier (1x28x28 images, 10 classes).")
+
+
+def build_simple_sequence() -> onnx.ModelProto:
+    """Running sum over a sequence: ``ACC_OUT = OUTPUT = ACC_IN * (1 - START) + INPUT * READY``.
+
+    An ONNX graph keeps nothing between runs, so the accumulator travels through the implicit
+    state ``ACC_IN`` -> ``ACC_OUT`` that the sequence batcher carries; the control inputs
+    START (reset) and READY (this batch row holds a real request) come from the batcher too.
+    """
+    one = numpy_helper.from_array(np.array(1, dtype=np.int32), "one")
+    dims = (1,)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Sub", ["one", "START"], ["keep"]),
+            helper.make_node("Mul", ["ACC_IN", "keep"], ["carried"]),
+            helper.make_node("Mul", ["INPUT", "READY"], ["step"]),
+            helper.make_node("Add", ["carried", "step"], ["ACC_OUT"]),
+            helper.make_node("Identity", ["ACC_OUT"], ["OUTPUT"]),
+        ],
+        "simple_sequence",
+        [
+            _value_info(name, TensorProto.INT32, dims)
+            for name in ("INPUT", "START", "READY", "ACC_IN")
+        ],
+        [
+            _value_info("OUTPUT", TensorProto.INT32, dims),
+            _value_info("ACC_OUT", TensorProto.INT32, dims),
+        ],
+        initializer=[one],
+    )
+    return _finish(graph, "Triton's classic sequence example: an accumulator (controls + state).")
+
+
+def build_simple_sequence_state() -> onnx.ModelProto:
+    """Running sum kept only in implicit state: ``ACC_OUT = OUTPUT = ACC_IN + INPUT``.
+
+    No control inputs: the batcher starts each sequence from the state's initial value.
+    """
+    dims = (1,)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["ACC_IN", "INPUT"], ["ACC_OUT"]),
+            helper.make_node("Identity", ["ACC_OUT"], ["OUTPUT"]),
+        ],
+        "simple_sequence_state",
+        [_value_info(name, TensorProto.INT32, dims) for name in ("INPUT", "ACC_IN")],
+        [
+            _value_info("OUTPUT", TensorProto.INT32, dims),
+            _value_info("ACC_OUT", TensorProto.INT32, dims),
+        ],
+    )
+    return _finish(graph, "An accumulator whose running sum is implicit sequence state.")

@@ -106,12 +106,34 @@ def _cnn(inputs: Mapping[str, Array]) -> dict[str, Array]:
     return {"PROBABILITIES": _softmax(logits).astype(np.float32)}
 
 
+def _simple_sequence(inputs: Mapping[str, Array]) -> dict[str, Array]:
+    """One step of the accumulator, state and controls given explicitly as inputs."""
+    value, start, ready, acc = (
+        x.astype(np.int32, copy=False)
+        for x in _require(inputs, "INPUT", "START", "READY", "ACC_IN")
+    )
+    total = acc * (np.int32(1) - start) + value * ready
+    return {"OUTPUT": total, "ACC_OUT": total.copy()}
+
+
+def _simple_sequence_state(inputs: Mapping[str, Array]) -> dict[str, Array]:
+    value, acc = (x.astype(np.int32, copy=False) for x in _require(inputs, "INPUT", "ACC_IN"))
+    total = acc + value
+    return {"OUTPUT": total, "ACC_OUT": total.copy()}
+
+
 _REFERENCES: dict[str, Callable[[Mapping[str, Array]], dict[str, Array]]] = {
     "simple": _simple,
     "simple_string": _simple_string,
     "mlp": _mlp,
     "cnn": _cnn,
+    "simple_sequence": _simple_sequence,
+    "simple_sequence_oldest": _simple_sequence,
+    "simple_sequence_state": _simple_sequence_state,
 }
+
+# The sequence models' client inputs are only INPUT: the batcher adds the rest.
+SEQUENCE_MODELS = ("simple_sequence", "simple_sequence_oldest", "simple_sequence_state")
 
 
 def reference_outputs(model_name: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -129,3 +151,26 @@ def reference_outputs(model_name: str, inputs: Mapping[str, np.ndarray]) -> dict
             f"unknown example model '{model_name}'; known: {', '.join(_REFERENCES)}"
         ) from None
     return reference(inputs)
+
+
+def reference_sequence(model_name: str, values: list[int]) -> list[int]:
+    """What a sequence model answers to each request of one sequence sending ``values``.
+
+    Steps the one-step reference the way the sequence batcher drives the model: START on
+    the first request, READY on every one, the state from zeros and then from ACC_OUT.
+    """
+    if model_name not in SEQUENCE_MODELS:
+        raise ValueError(f"'{model_name}' is not a sequence example; known: {SEQUENCE_MODELS}")
+    acc = np.zeros((1, 1), np.int32)
+    answers: list[int] = []
+    for step, value in enumerate(values):
+        feeds = {
+            "INPUT": np.full((1, 1), value, np.int32),
+            "START": np.full((1, 1), int(step == 0), np.int32),
+            "READY": np.ones((1, 1), np.int32),
+            "ACC_IN": acc,
+        }
+        out = reference_outputs(model_name, feeds)
+        acc = out["ACC_OUT"]
+        answers.append(int(out["OUTPUT"][0, 0]))
+    return answers

@@ -108,6 +108,60 @@ output [
 {_CPU_INSTANCE}"""
 
 
+_SEQUENCE_CONTROLS = """\
+  control_input [
+    {
+      name: "START"
+      control [ { kind: CONTROL_SEQUENCE_START  int32_false_true: [ 0, 1 ] } ]
+    },
+    {
+      name: "READY"
+      control [ { kind: CONTROL_SEQUENCE_READY  int32_false_true: [ 0, 1 ] } ]
+    }
+  ]
+"""
+
+_SEQUENCE_STATE = """\
+  state [
+    {
+      input_name: "ACC_IN"
+      output_name: "ACC_OUT"
+      data_type: TYPE_INT32
+      dims: [ 1 ]
+      initial_state: { name: "zero"  data_type: TYPE_INT32  dims: [ 1 ]  zero_data: true }
+    }
+  ]
+"""
+
+
+def _sequence_config(name: str, strategy: str, controls: bool) -> str:
+    # Only INPUT and OUTPUT are the client's: START/READY and the ACC_IN -> ACC_OUT state
+    # belong to the sequence batcher, so the config does not list them as inputs/outputs.
+    return f"""\
+name: "{name}"
+platform: "onnxruntime_onnx"
+max_batch_size: 4
+input [
+  {{
+    name: "INPUT"
+    data_type: TYPE_INT32
+    dims: [ 1 ]
+  }}
+]
+output [
+  {{
+    name: "OUTPUT"
+    data_type: TYPE_INT32
+    dims: [ 1 ]
+  }}
+]
+sequence_batching {{
+  max_sequence_idle_microseconds: 5000000
+{_SEQUENCE_CONTROLS if controls else ""}{_SEQUENCE_STATE}  {strategy}
+}}
+{_CPU_INSTANCE}"""
+
+
 @dataclass(frozen=True)
 class ExampleModel:
     name: str
@@ -127,6 +181,25 @@ _MODELS: dict[str, ExampleModel] = {
         ),
         ExampleModel("mlp", MLP_CONFIG, graphs.build_mlp, DIGIT_LABELS),
         ExampleModel("cnn", CNN_CONFIG, graphs.build_cnn, DIGIT_LABELS),
+        ExampleModel(
+            "simple_sequence",
+            _sequence_config("simple_sequence", "direct { }", controls=True),
+            graphs.build_simple_sequence,
+        ),
+        ExampleModel(
+            "simple_sequence_oldest",
+            _sequence_config(
+                "simple_sequence_oldest",
+                "oldest { max_candidate_sequences: 16  preferred_batch_size: [ 4 ] }",
+                controls=True,
+            ),
+            graphs.build_simple_sequence,
+        ),
+        ExampleModel(
+            "simple_sequence_state",
+            _sequence_config("simple_sequence_state", "direct { }", controls=False),
+            graphs.build_simple_sequence_state,
+        ),
     )
 }
 
