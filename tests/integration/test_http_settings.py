@@ -81,5 +81,5 @@ def test_extensions_are_exactly_what_kiln_serves(kiln_server: KilnProcess) -> No
     assert http["extensions"] == grpc["extensions"]
     assert set(http["extensions"]) == {
         "model_repository", "model_configuration", "binary_tensor_data", "parameters",
-        "statistics", "system_shared_memory", "classification", "trace", "logging",
+        "statistics", "system_shared_memory", "classification", "sequence", "trace", "logging",
     }  # fmt: skip

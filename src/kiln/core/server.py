@@ -41,6 +41,7 @@ EXTENSIONS = [
     "statistics",
     "system_shared_memory",
     "classification",
+    "sequence",
     "trace",
     "logging",
 ]
