@@ -258,6 +258,90 @@ def serve(
     sys.exit(run_server(options, endpoints))
 
 
+@main.command(context_settings={"show_default": True})
+@click.argument("model", required=False)
+@click.option("-m", "model_opt", default=None, help="The model (perf_analyzer's -m).")
+@click.option("-u", "--url", default=None, help="Server host:port [8000 HTTP / 8001 gRPC].")
+@click.option("-i", "--protocol", type=click.Choice(["http", "grpc"]), default="http")
+@click.option("--binary/--json-data", default=True, help="HTTP: binary tensor extension or JSON.")
+@click.option("--model-version", "-x", default="", help="Model version (default: the server's).")
+@click.option(
+    "--concurrency",
+    "--concurrency-range",
+    "concurrency",
+    default=None,
+    help="Closed loop levels 'start[:end[:step]]', e.g. 1:64:2 or 8 [1].",
+)
+@click.option(
+    "--request-rate",
+    "--request-rate-range",
+    "request_rate",
+    default=None,
+    help="Open loop: requests/s 'start[:end[:step]]' instead of concurrency.",
+)
+@click.option(
+    "--request-distribution",
+    "distribution",
+    type=click.Choice(["constant", "poisson"]),
+    default="constant",
+)
+@click.option(
+    "--max-outstanding",
+    default=64,
+    type=click.IntRange(min=1),
+    help="Open loop: sends beyond this many in flight are dropped (and reported).",
+)
+@click.option("-b", "--batch-size", default=1, type=click.IntRange(min=1))
+@click.option("--input-data", default="random", help="random | zero | FILE.json | FILE.npz")
+@click.option(
+    "--shape",
+    multiple=True,
+    metavar="NAME:D1,D2",
+    help="Dims of a variable-shape input (batch dim excluded); may repeat.",
+)
+@click.option("--shared-memory", type=click.Choice(["none", "system"]), default="none")
+@click.option(
+    "--measurement-interval-ms",
+    "--measurement-interval",
+    "-p",
+    "measurement_interval",
+    default=2000,
+    type=click.IntRange(min=1),
+    help="Length of one measurement window (ms).",
+)
+@click.option(
+    "--duration",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Measure one window of this many seconds instead of windows until stable.",
+)
+@click.option("--stability-percentage", "-s", default=10.0, type=float)
+@click.option("--max-trials", "-r", default=10, type=click.IntRange(min=1))
+@click.option(
+    "--percentile",
+    default=None,
+    type=click.IntRange(1, 99),
+    help="Judge stability on this latency percentile instead of the average.",
+)
+@click.option("--csv", "-f", "csv", default=None, type=click.Path(dir_okay=False))
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+@click.option(
+    "--plot",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="PNG of latency against throughput (needs kiln-serve[bench]).",
+)
+def bench(model: str | None, model_opt: str | None, json_path: str | None,
+          **params: object) -> None:  # fmt: skip
+    """Load-test MODEL on a KServe v2 server (kiln, Triton, ...), like perf_analyzer."""
+    from kiln.bench.cli import execute
+
+    name = model or model_opt
+    if not name:
+        raise click.UsageError("give the model: kiln bench MODEL (or -m MODEL)")
+    execute({**params, "model": name, "json": json_path})
+
+
 @main.group()
 def monitor() -> None:
     """Monitoring tools for a running kiln server."""

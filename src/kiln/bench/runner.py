@@ -1,0 +1,203 @@
+"""One ``kiln bench`` run: discover the model, build requests, measure every load level."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kiln.bench.control import Control
+from kiln.bench.inputs import ModelSpec, generate, load_file, request_shapes
+from kiln.bench.measure import Plan, Recorder, Slot, arrival_gaps, closed_loop, open_loop
+from kiln.bench.options import BenchError, BenchOptions
+from kiln.bench.options import Protocol as Wire
+from kiln.bench.shm import ClientRegion
+from kiln.bench.stats import LevelResult, Window, summarize
+from kiln.bench.transport import GrpcSlot, HttpConnection, HttpSlot, http_request
+from kiln.bench.wire import Placement, grpc_request, http_body
+
+
+class Progress(Protocol):
+    """Told about each level and each window as they happen (the CLI's progress bar)."""
+
+    def level(self, label: str, trials: int) -> None: ...
+
+    def window(self, trial: int, window: Window) -> None: ...
+
+
+@dataclass(slots=True)
+class BenchResult:
+    """Everything a run measured; ``to_json`` is the ``--json`` report."""
+
+    options: BenchOptions
+    spec: ModelSpec
+    levels: list[LevelResult] = field(default_factory=list)
+    total_requests: int = 0  # successful requests over the whole run, unmeasured ones too
+    total_errors: int = 0
+    total_dropped: int = 0
+    first_error: str | None = None
+    started: str = ""
+
+    @property
+    def encoding(self) -> str:
+        if self.options.protocol is Wire.GRPC:
+            return "grpc"
+        return "http-binary" if self.options.binary else "http-json"
+
+    def to_json(self) -> dict[str, Any]:
+        o = self.options
+        return {
+            "model": o.model,
+            "model_version": o.model_version,
+            "url": o.url,
+            "protocol": o.protocol.value,
+            "encoding": self.encoding,
+            "shared_memory": o.shared_memory,
+            "batch_size": o.batch_size,
+            "input_data": o.input_data,
+            "mode": "request_rate" if o.open_loop else "concurrency",
+            "distribution": o.distribution.value if o.open_loop else None,
+            "started": self.started,
+            "levels": [level_json(level) for level in self.levels],
+            "total": {
+                "requests": self.total_requests,
+                "errors": self.total_errors,
+                "dropped": self.total_dropped,
+                "first_error": self.first_error,
+            },
+        }
+
+
+def level_json(level: LevelResult) -> dict[str, Any]:
+    return {
+        "concurrency": level.concurrency,
+        "request_rate": level.request_rate,
+        "throughput_infer_per_sec": level.throughput,
+        "requests_per_sec": level.requests_per_sec,
+        "requests": level.requests,
+        "errors": level.errors,
+        "dropped": level.dropped,
+        "late": level.late,
+        "seconds": level.seconds,
+        "stable": level.stable,
+        "windows": level.windows,
+        "latency_us": level.latency_us,
+        "server_us": level.server_us,
+        "server_requests": level.server_requests,
+        "client_cpu_us_per_request": level.client_cpu_us_per_request,
+    }
+
+
+async def _requests(options: BenchOptions, control: Control, spec: ModelSpec,
+                    placements: list[Placement], entries: list[Any]) -> list[bytes]:  # fmt: skip
+    if options.protocol is Wire.GRPC:
+        return [grpc_request(spec, e, p) for e, p in zip(entries, placements, strict=True)]
+    path = control.model_path + "/infer"
+    out = []
+    for entry, placement in zip(entries, placements, strict=True):
+        body = http_body(spec, entry, options.binary, placement)
+        out.append(http_request("POST", control.host, path, body.body, body.headers))
+    return out
+
+
+async def run_async(options: BenchOptions, progress: Progress | None = None) -> BenchResult:
+    control = Control(options)
+    region: ClientRegion | None = None
+    try:
+        spec = await control.model_spec()
+        shapes = request_shapes(spec, options.batch_size, options.shapes)
+        path = options.input_path
+        entries = (
+            load_file(path, spec, shapes)
+            if path is not None
+            else generate(spec, shapes, options.input_data, options.seed)
+        )
+        placements = [Placement() for _ in entries]
+        if options.shared_memory == "system":
+            region = ClientRegion(spec, entries, options.batch_size)
+            await control.shm_register(region.name, region.key, region.byte_size)
+            placements = region.placements
+        requests = await _requests(options, control, spec, placements, entries)
+        result = BenchResult(
+            options, spec, started=datetime.datetime.now().isoformat("T", "seconds")
+        )
+        recorder = Recorder()
+        for level in options.request_rates or options.concurrency:
+            result.levels.append(
+                await _level(options, control, requests, recorder, level, progress)
+            )
+        result.total_requests = recorder.total_ok
+        result.total_errors = recorder.total_errors
+        result.total_dropped = recorder.total_dropped
+        result.first_error = recorder.first_error
+        return result
+    finally:
+        if region is not None:
+            # If the server went away, the object is still ours to remove.
+            with contextlib.suppress(BenchError):
+                await control.shm_unregister(region.name)
+            region.close()
+        await control.close()
+
+
+async def _level(options: BenchOptions, control: Control, requests: list[bytes],
+                 recorder: Recorder, level: float,
+                 progress: Progress | None) -> LevelResult:  # fmt: skip
+    plan = Plan(
+        options.measurement_interval_ms / 1000.0,
+        options.max_trials,
+        options.stability_percentage,
+        options.percentile,
+        options.duration_s,
+    )
+
+    def make_slot() -> Slot:
+        if options.protocol is Wire.GRPC:
+            return GrpcSlot(control.target, requests, options.timeout_s)
+        return HttpSlot(HttpConnection(control.host, control.port, options.timeout_s), requests)
+
+    on_window: Callable[[int, Window], None] = progress.window if progress else lambda t, w: None
+    trials = 1 if options.duration_s is not None else options.max_trials
+    if options.open_loop:
+        if progress:
+            progress.level(f"{level:g} req/s", trials)
+        gaps = arrival_gaps(level, options.distribution, options.seed)
+        windows, stable = await open_loop(
+            make_slot, options.max_outstanding, gaps, recorder, control.stats, plan, on_window
+        )
+        return summarize(windows, stable, options.batch_size, request_rate=level)
+    concurrency = int(level)
+    if progress:
+        progress.level(f"concurrency {concurrency}", trials)
+    slots = [make_slot() for _ in range(concurrency)]
+    try:
+        for slot in slots:
+            if isinstance(slot, HttpSlot):
+                try:
+                    await slot.connection.connect()
+                except OSError as exc:
+                    raise BenchError(
+                        f"cannot reach the server at {control.target}: {exc}"
+                    ) from None
+        windows, stable = await closed_loop(slots, recorder, control.stats, plan, on_window)
+    finally:
+        await asyncio.gather(*(s.close() for s in slots), return_exceptions=True)
+    return summarize(windows, stable, options.batch_size, concurrency=concurrency)
+
+
+def run(options: BenchOptions | None = None, /, *, progress: Progress | None = None,
+        **kwargs: Any) -> BenchResult:  # fmt: skip
+    """Run a benchmark from Python: ``run(model="simple", concurrency=[1, 2])``.
+
+    Raises ``BenchError`` when the server is unreachable, the model unknown or the options
+    do not fit the model; failed requests are counted in the result instead.
+    """
+    opts = options if options is not None else BenchOptions(**kwargs)
+    try:
+        import uvloop  # the loop kiln serves with; it costs the generator less CPU too
+    except ImportError:
+        return asyncio.run(run_async(opts, progress))
+    return uvloop.run(run_async(opts, progress))
