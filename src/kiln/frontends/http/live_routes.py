@@ -17,7 +17,7 @@ from starlette.staticfiles import StaticFiles
 
 from kiln.core.server import Server
 from kiln.dashboard import STATIC_DIR
-from kiln.frontends.http.monitor_routes import _json
+from kiln.frontends.http.app import json_response
 from kiln.metrics.app import MetricsService
 from kiln.metrics.live import LiveTracker
 from kiln.metrics.monitor import MonitorOptions, MonitorService
@@ -63,7 +63,7 @@ def live_routes(
 
     async def live(request: Request) -> Response:
         if tracker is None:
-            return _json(
+            return json_response(
                 {
                     "error": "live figures need the metrics collectors: start kiln serve "
                     "without --no-allow-metrics, or with history or alerts on"
@@ -79,7 +79,7 @@ def live_routes(
         }
         summary["alerts"] = alerts.to_json()["alerts"] if alerts is not None else []
         summary["history"] = _history_status(monitor)
-        return _json(summary)
+        return json_response(summary)
 
     async def to_page(request: Request) -> Response:
         return RedirectResponse("/dashboard/", 307)
