@@ -7,6 +7,7 @@ need() { dpkg -s "$1" >/dev/null 2>&1 || packages+=("$1"); }
 
 # (grows with the features that need real peers: prometheus, chromium, ...)
 need prometheus  # tests/integration/test_prometheus.py scrapes kiln with a real server
+need chromium    # tests/e2e/test_dashboard.py drives the dashboard in headless Chromium
 
 if [[ ${#packages[@]} -eq 0 ]]; then
     exit 0

@@ -342,9 +342,44 @@ def bench(model: str | None, model_opt: str | None, json_path: str | None,
     execute({**params, "model": name, "json": json_path})
 
 
-@main.group()
+class _MonitorGroup(click.Group):
+    """``kiln monitor URL`` is ``kiln monitor live URL``; named subcommands still win."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
+            args = ["live", *args]
+        return super().parse_args(ctx, args)
+
+
+@main.group(cls=_MonitorGroup)
 def monitor() -> None:
-    """Monitoring tools for a running kiln server."""
+    """Monitoring tools for a running kiln server.
+
+    \b
+    kiln monitor URL            live terminal view (same as: kiln monitor live URL)
+    kiln monitor history URL    metrics history as tables
+    """
+
+
+@monitor.command("live")
+@click.argument("url")
+@click.option(
+    "--interval",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds between refreshes.",
+)
+@click.option("--once", is_flag=True, help="Print one frame and exit (for scripts).")
+def monitor_live(url: str, interval: float, once: bool) -> None:
+    """Live view of a server (GET URL/api/live): rates, latency, resources, alerts."""
+    from kiln.metrics.history_cli import HistoryClientError
+    from kiln.metrics.live_cli import run_live
+
+    try:
+        run_live(url, interval, once)
+    except HistoryClientError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @monitor.command("history")

@@ -18,6 +18,7 @@ import uvicorn
 
 from kiln.core.server import Server, ServerOptions
 from kiln.frontends.http.app import HttpFrontend
+from kiln.frontends.http.live_routes import live_routes
 from kiln.frontends.http.monitor_routes import monitor_routes
 from kiln.metrics.app import MetricsOptions, MetricsService, metrics_app
 from kiln.metrics.monitor import MonitorOptions, MonitorService
@@ -78,7 +79,9 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
             external_url = f"http://{endpoints.host}:{endpoints.http_port}"
             monitor = MonitorService(metrics, endpoints.monitor, external_url)
     http = _uvicorn(
-        HttpFrontend(server).app(monitor_routes(monitor)),
+        HttpFrontend(server).app(
+            [*monitor_routes(monitor), *live_routes(server, metrics, monitor)]
+        ),
         endpoints.host,
         endpoints.http_port,
         options.exit_timeout_secs,

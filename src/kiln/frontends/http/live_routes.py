@@ -1,0 +1,91 @@
+"""``GET /api/live`` and the ``/dashboard`` page on the HTTP port (schema in docs/monitoring.md).
+
+``/api/live`` is one JSON snapshot of what a viewer needs right now: per-model state,
+totals and short-window rates, host or GPU figures, current alerts, and whether history
+is there to fill the charts' past. The dashboard and ``kiln monitor URL`` both read it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from kiln.core.server import Server
+from kiln.dashboard import STATIC_DIR
+from kiln.frontends.http.app import json_response
+from kiln.metrics.app import MetricsService
+from kiln.metrics.live import LiveTracker
+from kiln.metrics.monitor import MonitorOptions, MonitorService
+
+
+def _history_status(monitor: MonitorService | None) -> dict[str, Any]:
+    history = monitor.history if monitor is not None else None
+    if history is None:
+        return {"enabled": False, "available": False, "interval": None, "error": ""}
+    return {
+        "enabled": True,
+        "available": history.available,
+        "interval": history.options.interval_s,
+        "error": history.error,
+    }
+
+
+def merge_models(
+    index: list[dict[str, str]], figures: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Every model the repository knows (state, reason), with its figures where it has any."""
+    by_key = {(f["model"], f["version"]): f for f in figures}
+    rows: list[dict[str, Any]] = []
+    for entry in index:
+        key = (entry["name"], entry["version"])
+        row = by_key.pop(key, None) or {"model": key[0], "version": key[1], "totals": None}
+        row.setdefault("rates", None)
+        rows.append({**row, "state": entry["state"], "reason": entry["reason"]})
+    # Figures of a version no longer in the index (just unloaded): still worth showing.
+    rows.extend({**f, "state": "", "reason": ""} for f in by_key.values())
+    return rows
+
+
+def live_routes(
+    server: Server, metrics: MetricsService | None, monitor: MonitorService | None
+) -> list[BaseRoute]:
+    tracker: LiveTracker | None = None
+    if monitor is not None:
+        tracker = LiveTracker(monitor.snapshot)
+    elif metrics is not None:
+        # No history and no rules: a bare service only for its (retrying) snapshot.
+        tracker = LiveTracker(MonitorService(metrics, MonitorOptions(), "").snapshot)
+
+    async def live(request: Request) -> Response:
+        if tracker is None:
+            return json_response(
+                {
+                    "error": "live figures need the metrics collectors: start kiln serve "
+                    "without --no-allow-metrics, or with history or alerts on"
+                },
+                503,
+            )
+        summary = await asyncio.to_thread(tracker.summary)
+        summary["models"] = merge_models(server.repository_index(), summary["models"])
+        alerts = monitor.alerts if monitor is not None else None
+        summary["alerting"] = {
+            "enabled": alerts is not None,
+            "rules": len(alerts.rules) if alerts is not None else 0,
+        }
+        summary["alerts"] = alerts.to_json()["alerts"] if alerts is not None else []
+        summary["history"] = _history_status(monitor)
+        return json_response(summary)
+
+    async def to_page(request: Request) -> Response:
+        return RedirectResponse("/dashboard/", 307)
+
+    return [
+        Route("/api/live", live, methods=["GET"]),
+        Route("/dashboard", to_page, methods=["GET"]),
+        Mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard"),
+    ]
