@@ -16,6 +16,7 @@ from tritonclient.grpc import model_config_pb2 as triton_config_pb2
 from tritonclient.grpc import service_pb2 as triton_pb2
 from tritonclient.utils import InferenceServerException
 
+from kiln.examples import EXAMPLE_MODELS
 from kiln.frontends.grpc import grpc_service_pb2 as pb
 from kiln.frontends.grpc import health_pb2
 from kiln.frontends.grpc.wire import health_stub, inference_stub
@@ -109,7 +110,7 @@ def test_statistics_count_grpc_traffic_like_http_reports_it(
         grpc_client.get_inference_statistics("simple")
     )
     everything = grpc_client.get_inference_statistics()
-    assert {s.name for s in everything.model_stats} == {"simple", "simple_string", "mlp", "cnn"}
+    assert {s.name for s in everything.model_stats} == set(EXAMPLE_MODELS)
     with pytest.raises(InferenceServerException) as err:
         grpc_client.get_inference_statistics("no_such_model")
     assert err.value.status() == "StatusCode.NOT_FOUND"

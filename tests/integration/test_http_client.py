@@ -13,7 +13,7 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
-from kiln.examples import reference_outputs
+from kiln.examples import EXAMPLE_MODELS, reference_outputs
 from tests.conftest import KilnProcess
 
 RNG = np.random.default_rng(7)
@@ -160,7 +160,7 @@ async def test_aio_health_and_metadata(kiln_server: KilnProcess) -> None:
         config = await client.get_model_config("cnn")
         assert config["max_batch_size"] == 32
         index = await client.get_model_repository_index()
-        assert {r["name"] for r in index} == set(MODELS)
+        assert {r["name"] for r in index} == set(EXAMPLE_MODELS)
 
 
 def test_model_metadata_and_readiness(kiln_server: KilnProcess) -> None:
@@ -226,7 +226,7 @@ def test_statistics_move_after_requests(kiln_server: KilnProcess) -> None:
     assert {b["batch_size"] for b in after["batch_stats"]} >= {1, 3}
     assert client.get_inference_statistics("mlp", "1")["model_stats"] == [after]
     every = client.get_inference_statistics()["model_stats"]
-    assert {s["name"] for s in every} == set(MODELS)
+    assert {s["name"] for s in every} == set(EXAMPLE_MODELS)
     with pytest.raises(InferenceServerException) as info:
         client.get_inference_statistics("nope")
     assert info.value.status() == "404"

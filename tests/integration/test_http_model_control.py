@@ -19,7 +19,7 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
-from kiln.examples import reference_outputs
+from kiln.examples import EXAMPLE_MODELS, reference_outputs
 from tests.conftest import KilnProcess
 
 BROKEN_LINE = 3
@@ -90,7 +90,7 @@ def _index(client: httpclient.InferenceServerClient) -> dict[str, dict[str, str]
 def test_index_after_start(explicit_server: KilnProcess) -> None:
     client = httpclient.InferenceServerClient(explicit_server.http_url)
     index = _index(client)
-    assert set(index) == {"broken", "cnn", "mlp", "simple", "simple_string"}
+    assert set(index) == {"broken", *EXAMPLE_MODELS}
     assert (index["simple"]["state"], index["simple"]["version"]) == ("READY", "1")
     broken = index["broken"]
     assert broken["state"] == "UNAVAILABLE"

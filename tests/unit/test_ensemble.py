@@ -134,6 +134,12 @@ def test_diamond_is_valid() -> None:
     assert find_cycle(steps_of(parse_config_text(DIAMOND))) == ""
 
 
+def test_unset_model_version_means_latest() -> None:
+    text = DIAMOND.replace("model_version: -1 ", "", 1).replace("-1", "3", 1)
+    steps = steps_of(parse_config_text(text))
+    assert [s.model_version for s in steps] == ["", "3", ""]
+
+
 def test_cycle_names_steps_and_tensors() -> None:
     text = _ensemble(
         "loop",

@@ -20,7 +20,7 @@ ENSEMBLE_PLATFORM = "ensemble"
 class Step:
     index: int
     model_name: str
-    model_version: str  # "" = the latest ready version (``model_version: -1``)
+    model_version: str  # "" = the latest ready version (``model_version: -1`` or unset)
     inputs: dict[str, str]  # composing model input -> ensemble tensor
     outputs: dict[str, str]  # composing model output -> ensemble tensor
 
@@ -42,11 +42,13 @@ def is_ensemble(config: ModelConfig) -> bool:
 
 
 def steps_of(config: ModelConfig) -> tuple[Step, ...]:
+    # An omitted model_version reads as 0 (proto3): taken as "latest" like -1, since an
+    # ensemble written without it means the serving version, not a folder named 0.
     return tuple(
         Step(
             index=i,
             model_name=s.model_name,
-            model_version="" if s.model_version < 0 else str(s.model_version),
+            model_version="" if s.model_version <= 0 else str(s.model_version),
             inputs=dict(s.input_map),
             outputs=dict(s.output_map),
         )
