@@ -431,7 +431,8 @@ def repo_check(directory: Path) -> None:
 @click.option("--model", "models", multiple=True, help="Only these models (default: all).")
 @click.option("--overwrite", is_flag=True, help="Replace existing model folders.")
 def repo_example(directory: Path, models: tuple[str, ...], overwrite: bool) -> None:
-    """Build the example model repository (simple, simple_string, mlp, cnn, simple_sequence*)."""
+    """Build the example model repository (simple, simple_string, mlp, cnn,
+    simple_sequence*, image_preprocess, postprocess, cnn_pipeline)."""
     from kiln.examples import build_example_repository
 
     try:

@@ -12,6 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from kiln.config.loader import parse_config_text, validate_config
 from kiln.examples import (
     DIGIT_LABELS,
     EXAMPLE_MODELS,
@@ -23,6 +24,9 @@ from kiln.examples import (
 
 Array = npt.NDArray[Any]
 Feeds = dict[str, Array]
+
+ENSEMBLES = ("cnn_pipeline",)
+ONNX_MODELS = tuple(m for m in EXAMPLE_MODELS if m not in ENSEMBLES)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +85,16 @@ def _sequence_state_feeds(batch: int, rng: np.random.Generator) -> Feeds:
 
 SEQUENCE_MODELS = ("simple_sequence", "simple_sequence_oldest", "simple_sequence_state")
 
+
+def _raw_image_feeds(batch: int, rng: np.random.Generator) -> Feeds:
+    return {"IMAGE": rng.integers(0, 256, (batch, 28, 28, 1), dtype=np.uint8)}
+
+
+def _probabilities_feeds(batch: int, rng: np.random.Generator) -> Feeds:
+    logits = rng.standard_normal((batch, 10))
+    return {"PROBABILITIES": (np.exp(logits) / np.exp(logits).sum(1, keepdims=True)).astype("f4")}
+
+
 FEEDS: dict[str, Callable[[int, np.random.Generator], Feeds]] = {
     "simple": _simple_feeds,
     "simple_string": _simple_string_feeds,
@@ -89,6 +103,8 @@ FEEDS: dict[str, Callable[[int, np.random.Generator], Feeds]] = {
     "simple_sequence": _sequence_feeds,
     "simple_sequence_oldest": _sequence_feeds,
     "simple_sequence_state": _sequence_state_feeds,
+    "image_preprocess": _raw_image_feeds,
+    "postprocess": _probabilities_feeds,
 }
 
 OUTPUTS = {
@@ -97,6 +113,8 @@ OUTPUTS = {
     "mlp": ["LOGITS", "PROBABILITIES"],
     "cnn": ["PROBABILITIES"],
     **{name: ["OUTPUT", "ACC_OUT"] for name in SEQUENCE_MODELS},
+    "image_preprocess": ["NORMALIZED"],
+    "postprocess": ["CLASS", "SCORE"],
 }
 
 
@@ -131,20 +149,32 @@ def _run_and_check(repo: Path, name: str, feeds: Feeds) -> dict[str, Array]:
 
 
 def test_example_models_order() -> None:
-    assert ("simple", "simple_string", "mlp", "cnn", *SEQUENCE_MODELS) == EXAMPLE_MODELS
+    assert (
+        "simple",
+        "simple_string",
+        "mlp",
+        "cnn",
+        *SEQUENCE_MODELS,
+        "image_preprocess",
+        "postprocess",
+        "cnn_pipeline",
+    ) == EXAMPLE_MODELS
 
 
 def test_layout(repo: Path) -> None:
     for name in EXAMPLE_MODELS:
         assert (repo / name / "config.pbtxt").is_file()
+    for name in ONNX_MODELS:
         assert (repo / name / "1" / "model.onnx").is_file()
+    for name in ENSEMBLES:  # Triton wants a version folder even though it stays empty
+        assert list((repo / name / "1").iterdir()) == []
     assert sorted(p.name for p in repo.iterdir()) == sorted(EXAMPLE_MODELS)  # no temp dirs
     for name in ("mlp", "cnn"):
         labels = (repo / name / "labels.txt").read_text().splitlines()
         assert labels == [f"digit_{i}" for i in range(10)] == list(DIGIT_LABELS)
 
 
-@pytest.mark.parametrize("name", EXAMPLE_MODELS)
+@pytest.mark.parametrize("name", ONNX_MODELS)
 def test_onnx_checker_and_versions(repo: Path, name: str) -> None:
     model = onnx.load(str(repo / name / "1" / "model.onnx"))
     onnx.checker.check_model(model, full_check=True)
@@ -156,7 +186,7 @@ def test_onnx_checker_and_versions(repo: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5])
-@pytest.mark.parametrize("name", EXAMPLE_MODELS)
+@pytest.mark.parametrize("name", ONNX_MODELS)
 def test_model_matches_reference(repo: Path, name: str, batch: int) -> None:
     feeds = FEEDS[name](batch, np.random.default_rng(batch))
     actual = _run_and_check(repo, name, feeds)
@@ -213,13 +243,15 @@ CONFIG_EXPECTATIONS = {
     "simple_sequence": ["sequence_batching", "CONTROL_SEQUENCE_START", "direct { }"],
     "simple_sequence_oldest": ["sequence_batching", "CONTROL_SEQUENCE_READY", "oldest {"],
     "simple_sequence_state": ["sequence_batching", 'input_name: "ACC_IN"', "zero_data: true"],
+    "image_preprocess": ["TYPE_UINT8", "FORMAT_NHWC", "dims: [ 28, 28, 1 ]", '"NORMALIZED"'],
+    "postprocess": ['"PROBABILITIES"', "TYPE_INT64", '"CLASS"', '"SCORE"'],
 }
 
 # What the config lists as outputs: a sequence model's state output is the batcher's.
 CONFIG_OUTPUTS = {name: ["OUTPUT"] for name in SEQUENCE_MODELS}
 
 
-@pytest.mark.parametrize("name", EXAMPLE_MODELS)
+@pytest.mark.parametrize("name", ONNX_MODELS)
 def test_config_text(repo: Path, name: str) -> None:
     text = (repo / name / "config.pbtxt").read_text()
     assert text == example_config(name)
@@ -257,7 +289,7 @@ def test_build_is_deterministic(tmp_path: Path) -> None:
     first = build_example_repository(tmp_path / "a")
     second = build_example_repository(tmp_path / "b")
     for a, b in zip(first, second, strict=True):
-        for file in ("config.pbtxt", "1/model.onnx"):
+        for file in ("config.pbtxt", "1/model.onnx") if a.name not in ENSEMBLES else ():
             assert (a / file).read_bytes() == (b / file).read_bytes(), (a.name, file)
 
 
@@ -326,3 +358,35 @@ def test_sequence_model_accumulates(repo: Path, name: str) -> None:
 def test_sequence_reference_refuses_other_models() -> None:
     with pytest.raises(ValueError, match="mlp"):
         reference_sequence("mlp", [1])
+
+
+def _run_pipeline_in_onnxruntime(repo: Path, images: Array) -> dict[str, Array]:
+    """The three composing models in sequence, in process: what the ensemble must return."""
+    normalized = _session(repo, "image_preprocess").run(None, {"IMAGE": images})[0]
+    (probabilities,) = _session(repo, "cnn").run(None, {"IMAGE": normalized})
+    cls, score = _session(repo, "postprocess").run(None, {"PROBABILITIES": probabilities})
+    return {"CLASS": cls, "SCORE": score, "PROBABILITIES": probabilities}
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_cnn_pipeline_reference_equals_composing_models(repo: Path, batch: int) -> None:
+    images = _raw_image_feeds(batch, np.random.default_rng(10 + batch))["IMAGE"]
+    chained = _run_pipeline_in_onnxruntime(repo, images)
+    _assert_matches(chained, reference_outputs("cnn_pipeline", {"IMAGE": images}))
+    assert chained["CLASS"].shape == (batch, 1) and chained["CLASS"].dtype == np.int64
+
+
+def test_cnn_pipeline_config(repo: Path) -> None:
+    text = (repo / "cnn_pipeline" / "config.pbtxt").read_text()
+    assert text == example_config("cnn_pipeline")
+    config = parse_config_text(text)
+    assert config.platform == "ensemble" and not config.instance_group
+    steps = config.ensemble_scheduling.step
+    assert [s.model_name for s in steps] == ["image_preprocess", "cnn", "postprocess"]
+    assert all(s.model_version == -1 for s in steps)
+    # Every step reads what the step before it writes; the ensemble's IMAGE feeds the first.
+    assert dict(steps[0].input_map) == {"IMAGE": "IMAGE"}
+    assert dict(steps[1].input_map) == {"IMAGE": steps[0].output_map["NORMALIZED"]}
+    assert dict(steps[2].input_map) == {"PROBABILITIES": steps[1].output_map["PROBABILITIES"]}
+    assert {o.name for o in config.output} == {"CLASS", "SCORE", "PROBABILITIES"}
+    assert validate_config(config, "cnn_pipeline", "config.pbtxt") == []

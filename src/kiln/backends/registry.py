@@ -12,8 +12,10 @@ from kiln.core.errors import KilnError, Status
 # backend name -> (module, class, pip extra that provides it)
 _BACKENDS: dict[str, tuple[str, str, str]] = {
     "onnxruntime": ("kiln.backends.onnxruntime", "OnnxRuntimeBackend", ""),
+    # no compute of its own: its runtime schedules the composing models' steps
+    "ensemble": ("kiln.scheduling.ensemble", "EnsembleBackend", ""),
 }
-_PLATFORMS = {"onnxruntime_onnx": "onnxruntime"}
+_PLATFORMS = {"onnxruntime_onnx": "onnxruntime", "ensemble": "ensemble"}
 # file in a version folder -> backend, for configs that name neither
 _FILES = {"model.onnx": "onnxruntime"}
 

@@ -13,6 +13,7 @@ from typing import Any
 from google.protobuf import descriptor, json_format, text_format
 
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.scheduling.ensemble_graph import graph_problems
 
 __all__ = [
     "DEFAULT_CONFIG_NAME",
@@ -393,6 +394,10 @@ def validate_config(
             if not step.model_name:
                 field = f"ensemble_scheduling.step[{i}].model_name"
                 report(field, f"ensemble step {i} must specify model_name", line)
+        if is_ensemble and all(step.model_name for step in cfg.ensemble_scheduling.step):
+            # Cycles, unproduced tensors and outputs: a broken graph never loads anything.
+            for message in graph_problems(cfg):
+                report("ensemble_scheduling", message, line)
     return problems
 
 

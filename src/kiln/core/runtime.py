@@ -7,6 +7,7 @@ import enum
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,8 @@ from kiln.scheduling.base import Instance, Job, Scheduler
 from kiln.scheduling.cache import ResponseCache, request_key
 from kiln.scheduling.direct import DirectScheduler
 from kiln.scheduling.dynamic import DynamicScheduler
+from kiln.scheduling.ensemble import EnsembleScheduler, StepModel, check_composing
+from kiln.scheduling.ensemble_graph import build_graph, is_ensemble
 from kiln.scheduling.sequence import SequenceScheduler
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,7 @@ class ModelRuntime:
         version_dir: Path,
         backend_cls: type[Backend],
         cache: ResponseCache | None = None,
+        resolve: Callable[[str, str], StepModel] | None = None,
     ) -> None:
         self.name = name
         self.version = version
@@ -67,6 +71,7 @@ class ModelRuntime:
         self._idle.set()
         self.cache = _model_cache(config, name, cache)
         self._load_id = next(_LOAD_IDS)
+        self._resolve = resolve  # ensembles look their composing models up through it
 
     async def load(self) -> None:
         """Create every instance off the event loop, then the scheduler."""
@@ -76,6 +81,10 @@ class ModelRuntime:
         self.labels = await loop.run_in_executor(
             None, load_labels, self.version_dir.parent, filenames
         )
+        if is_ensemble(self.config):
+            self._load_ensemble()
+            self.load_seconds = time.perf_counter() - start
+            return
         gpus = 1 if self.backend_cls.gpu_available() else 0
         specs = instance_specs(self.config, gpus)
         # A malformed warm-up sample fails the load before any session is built.
@@ -97,6 +106,14 @@ class ModelRuntime:
             raise
         self.scheduler = self._scheduler(instances)
         self.load_seconds = time.perf_counter() - start
+        self.state = ModelState.READY
+
+    def _load_ensemble(self) -> None:
+        if self._resolve is None:
+            raise internal(f"ensemble '{self.name}' was loaded without a model repository")
+        graph = build_graph(self.config)
+        check_composing(graph, self.signature, self._resolve)
+        self.scheduler = EnsembleScheduler(graph, self.signature, self.stats, self._resolve)
         self.state = ModelState.READY
 
     def _scheduler(self, instances: list[Instance]) -> Scheduler:

@@ -33,6 +33,10 @@ NUM_CLASSES = 10
 CNN_IMAGE = (1, 28, 28)  # C, H, W (an MNIST-sized grayscale image)
 CNN_CHANNELS = (8, 16)
 CNN_KERNEL = 3
+# The cnn_pipeline ensemble takes raw 8-bit images in H, W, C order, as cameras and image
+# libraries produce them; image_preprocess turns them into the cnn's [0, 1] N, C, H, W floats.
+RAW_IMAGE = (CNN_IMAGE[1], CNN_IMAGE[2], CNN_IMAGE[0])  # H, W, C
+RAW_PIXEL_MAX = 255.0
 
 WEIGHT_SEED = 0
 
@@ -273,3 +277,38 @@ def build_simple_sequence_state() -> onnx.ModelProto:
         ],
     )
     return _finish(graph, "An accumulator whose running sum is implicit sequence state.")
+
+
+def build_image_preprocess() -> onnx.ModelProto:
+    """UINT8 [batch, 28, 28, 1] (HWC) -> FP32 [batch, 1, 28, 28] (NCHW) scaled to [0, 1]."""
+    scale = numpy_helper.from_array(np.array(RAW_PIXEL_MAX, dtype=np.float32), "pixel_max")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["IMAGE"], ["image_float"], to=TensorProto.FLOAT),
+            helper.make_node("Div", ["image_float", "pixel_max"], ["image_scaled"]),
+            helper.make_node("Transpose", ["image_scaled"], ["NORMALIZED"], perm=[0, 3, 1, 2]),
+        ],
+        "image_preprocess",
+        [_value_info("IMAGE", TensorProto.UINT8, RAW_IMAGE)],
+        [_value_info("NORMALIZED", TensorProto.FLOAT, CNN_IMAGE)],
+        initializer=[scale],
+    )
+    return _finish(graph, "Raw 8-bit HWC images to the cnn's normalized NCHW input.")
+
+
+def build_postprocess() -> onnx.ModelProto:
+    """FP32 PROBABILITIES [batch, 10] -> INT64 CLASS [batch, 1] and FP32 SCORE [batch, 1]."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("ArgMax", ["PROBABILITIES"], ["CLASS"], axis=1, keepdims=1),
+            # opset 17 still takes ReduceMax's axes as an attribute (an input from opset 18)
+            helper.make_node("ReduceMax", ["PROBABILITIES"], ["SCORE"], axes=[1], keepdims=1),
+        ],
+        "postprocess",
+        [_value_info("PROBABILITIES", TensorProto.FLOAT, (NUM_CLASSES,))],
+        [
+            _value_info("CLASS", TensorProto.INT64, (1,)),
+            _value_info("SCORE", TensorProto.FLOAT, (1,)),
+        ],
+    )
+    return _finish(graph, "Top-1 class index and its probability from a classifier's output.")

@@ -122,6 +122,30 @@ def _simple_sequence_state(inputs: Mapping[str, Array]) -> dict[str, Array]:
     return {"OUTPUT": total, "ACC_OUT": total.copy()}
 
 
+def _image_preprocess(inputs: Mapping[str, Array]) -> dict[str, Array]:
+    (x,) = _require(inputs, "IMAGE")
+    if x.ndim != 4 or x.shape[1:] != models.RAW_IMAGE:
+        raise ValueError(f"IMAGE must be [batch, {', '.join(map(str, models.RAW_IMAGE))}]")
+    # float32 division, as the model does it: x / 255 rounds the same way in both.
+    scaled = x.astype(np.float32) / np.float32(models.RAW_PIXEL_MAX)
+    return {"NORMALIZED": np.ascontiguousarray(scaled.transpose(0, 3, 1, 2))}
+
+
+def _postprocess(inputs: Mapping[str, Array]) -> dict[str, Array]:
+    (p,) = _require(inputs, "PROBABILITIES")
+    return {
+        "CLASS": p.argmax(axis=1, keepdims=True).astype(np.int64),
+        "SCORE": p.max(axis=1, keepdims=True).astype(np.float32),
+    }
+
+
+def _cnn_pipeline(inputs: Mapping[str, Array]) -> dict[str, Array]:
+    """The ensemble: image_preprocess -> cnn -> postprocess."""
+    (image,) = _require(inputs, "IMAGE")
+    probabilities = _cnn({"IMAGE": _image_preprocess({"IMAGE": image})["NORMALIZED"]})
+    return {**probabilities, **_postprocess(probabilities)}
+
+
 _REFERENCES: dict[str, Callable[[Mapping[str, Array]], dict[str, Array]]] = {
     "simple": _simple,
     "simple_string": _simple_string,
@@ -130,6 +154,9 @@ _REFERENCES: dict[str, Callable[[Mapping[str, Array]], dict[str, Array]]] = {
     "simple_sequence": _simple_sequence,
     "simple_sequence_oldest": _simple_sequence,
     "simple_sequence_state": _simple_sequence_state,
+    "image_preprocess": _image_preprocess,
+    "postprocess": _postprocess,
+    "cnn_pipeline": _cnn_pipeline,
 }
 
 # The sequence models' client inputs are only INPUT: the batcher adds the rest.

@@ -8,6 +8,8 @@ Layout per model::
 
 The configs are plain text, written the way a user would write them by hand, so that the
 example repository doubles as documentation of the config format.
+
+An ensemble (``cnn_pipeline``) has an empty version folder: its steps are other models.
 """
 
 from __future__ import annotations
@@ -162,11 +164,114 @@ sequence_batching {{
 {_CPU_INSTANCE}"""
 
 
+IMAGE_PREPROCESS_CONFIG = f"""\
+name: "image_preprocess"
+platform: "onnxruntime_onnx"
+max_batch_size: 32
+input [
+  {{
+    name: "IMAGE"
+    data_type: TYPE_UINT8
+    format: FORMAT_NHWC
+    dims: [ 28, 28, 1 ]
+  }}
+]
+output [
+  {{
+    name: "NORMALIZED"
+    data_type: TYPE_FP32
+    dims: [ 1, 28, 28 ]
+  }}
+]
+{_CPU_INSTANCE}"""
+
+POSTPROCESS_CONFIG = f"""\
+name: "postprocess"
+platform: "onnxruntime_onnx"
+max_batch_size: 32
+input [
+  {{
+    name: "PROBABILITIES"
+    data_type: TYPE_FP32
+    dims: [ 10 ]
+  }}
+]
+output [
+  {{
+    name: "CLASS"
+    data_type: TYPE_INT64
+    dims: [ 1 ]
+  }},
+  {{
+    name: "SCORE"
+    data_type: TYPE_FP32
+    dims: [ 1 ]
+  }}
+]
+{_CPU_INSTANCE}"""
+
+# Keys of input_map/output_map are the composing model's tensor names, values the
+# ensemble's own tensors: IMAGE and the outputs are the ensemble's, the rest internal.
+CNN_PIPELINE_CONFIG = """\
+name: "cnn_pipeline"
+platform: "ensemble"
+max_batch_size: 32
+input [
+  {
+    name: "IMAGE"
+    data_type: TYPE_UINT8
+    format: FORMAT_NHWC
+    dims: [ 28, 28, 1 ]
+  }
+]
+output [
+  {
+    name: "CLASS"
+    data_type: TYPE_INT64
+    dims: [ 1 ]
+  },
+  {
+    name: "SCORE"
+    data_type: TYPE_FP32
+    dims: [ 1 ]
+  },
+  {
+    name: "PROBABILITIES"
+    data_type: TYPE_FP32
+    dims: [ 10 ]
+  }
+]
+ensemble_scheduling {
+  step [
+    {
+      model_name: "image_preprocess"
+      model_version: -1
+      input_map { key: "IMAGE" value: "IMAGE" }
+      output_map { key: "NORMALIZED" value: "normalized_image" }
+    },
+    {
+      model_name: "cnn"
+      model_version: -1
+      input_map { key: "IMAGE" value: "normalized_image" }
+      output_map { key: "PROBABILITIES" value: "PROBABILITIES" }
+    },
+    {
+      model_name: "postprocess"
+      model_version: -1
+      input_map { key: "PROBABILITIES" value: "PROBABILITIES" }
+      output_map { key: "CLASS" value: "CLASS" }
+      output_map { key: "SCORE" value: "SCORE" }
+    }
+  ]
+}
+"""
+
+
 @dataclass(frozen=True)
 class ExampleModel:
     name: str
     config: str
-    build: Callable[[], onnx.ModelProto]
+    build: Callable[[], onnx.ModelProto] | None  # None: an ensemble, no model file
     labels: tuple[str, ...] | None = None
 
 
@@ -200,6 +305,9 @@ _MODELS: dict[str, ExampleModel] = {
             _sequence_config("simple_sequence_state", "direct { }", controls=False),
             graphs.build_simple_sequence_state,
         ),
+        ExampleModel("image_preprocess", IMAGE_PREPROCESS_CONFIG, graphs.build_image_preprocess),
+        ExampleModel("postprocess", POSTPROCESS_CONFIG, graphs.build_postprocess),
+        ExampleModel("cnn_pipeline", CNN_PIPELINE_CONFIG, None),
     )
 }
 
@@ -226,7 +334,8 @@ def _lookup(names: Iterable[str]) -> list[ExampleModel]:
 def _write_model(model: ExampleModel, folder: Path) -> None:
     (folder / "1").mkdir(parents=True)
     (folder / "config.pbtxt").write_text(model.config, encoding="utf-8")
-    onnx.save_model(model.build(), folder / "1" / "model.onnx")
+    if model.build is not None:
+        onnx.save_model(model.build(), folder / "1" / "model.onnx")
     if model.labels is not None:
         (folder / "labels.txt").write_text("\n".join(model.labels) + "\n", encoding="utf-8")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import logging
 import shutil
 import tempfile
@@ -26,6 +27,13 @@ from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.runtime import ModelRuntime, ModelState
 from kiln.scheduling.cache import ResponseCache
+from kiln.scheduling.ensemble_graph import is_ensemble
+
+# The ensembles whose load is waiting on this one (outermost first): a composing model that
+# is already among them would wait on its own lock, so it is refused as a cycle instead.
+_LOADING_ENSEMBLES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "kiln_loading_ensembles", default=()
+)
 
 log = logging.getLogger(__name__)
 
@@ -226,10 +234,15 @@ class RepositoryManager:
         problems = validate_config(config, name, str(config_path), text=None)
         if problems:
             raise problems[0]
+        if is_ensemble(config):
+            await self._load_composing(name, config)
 
         entry.state = ModelState.LOADING
         new = {
-            v: ModelRuntime(name, v, config, versions[v], cls, self.response_cache) for v in chosen
+            v: ModelRuntime(
+                name, v, config, versions[v], cls, self.response_cache, resolve=self.get
+            )
+            for v in chosen
         }
         results = await asyncio.gather(*(r.load() for r in new.values()), return_exceptions=True)
         errors = [(v, e) for v, e in zip(new, results, strict=True) if isinstance(e, BaseException)]
@@ -250,6 +263,45 @@ class RepositoryManager:
             await runtime.unload(self.drain_timeout)
         if old_files is not None:
             shutil.rmtree(old_files, ignore_errors=True)
+
+    async def _load_composing(self, name: str, config: ModelConfig) -> None:
+        """Load the ensemble's composing models that are not serving yet (as Triton does)."""
+        chain = (*_LOADING_ENSEMBLES.get(), name)
+        models = list(dict.fromkeys(s.model_name for s in config.ensemble_scheduling.step))
+        for model in models:
+            if model in chain:
+                path = " -> ".join((*chain, model))
+                raise invalid_arg(f"ensemble '{name}' contains itself through {path}")
+        token = _LOADING_ENSEMBLES.set(chain)
+        # The composing loads need load slots of their own: holding this one while waiting
+        # on them could deadlock when every slot is held by an ensemble.
+        self._load_slots.release()
+        try:
+            await asyncio.gather(*(self._ensure_loaded(m) for m in models))
+        finally:
+            await self._load_slots.acquire()
+            _LOADING_ENSEMBLES.reset(token)
+
+    async def _ensure_loaded(self, name: str) -> None:
+        entry = self.entries.get(name)
+        if entry is not None and entry.lock.locked():
+            async with entry.lock:  # a load in progress: its outcome decides
+                pass
+        if entry is not None and any(r.ready for r in entry.versions.values()):
+            return
+        try:
+            await self.load(name)
+        except KilnError as exc:
+            # A missing folder is a mistake in the ensemble's config, not an unknown model.
+            status = Status.INVALID_ARG if exc.status is Status.NOT_FOUND else exc.status
+            raise KilnError(f"composing model '{name}': {exc.message}", status) from exc
+
+    def _declares_ensemble(self, name: str) -> bool:
+        try:
+            path = self.model_dir(name) / CONFIG_NAME
+            return path.is_file() and is_ensemble(load_config_file(path))
+        except (KilnError, ConfigError):
+            return False  # its own load reports the problem
 
     async def unload(self, name: str) -> None:
         check_model_name(name)
@@ -273,7 +325,10 @@ class RepositoryManager:
             except KilnError as exc:
                 log.error("%s", exc.message)
 
-        await asyncio.gather(*(one(n) for n in names))
+        # Ensembles last: their composing models are then loaded once, by their own names.
+        ensembles = [n for n in names if self._declares_ensemble(n)]
+        await asyncio.gather(*(one(n) for n in names if n not in ensembles))
+        await asyncio.gather(*(one(n) for n in ensembles))
 
     async def unload_all(self) -> None:
         await asyncio.gather(*(self.unload(n) for n in list(self.entries)))
@@ -318,7 +373,7 @@ class RepositoryManager:
 
 def _complete_scheduling(config: ModelConfig) -> None:
     """Triton: a batching model with no scheduler gets an empty ``dynamic_batching``."""
-    if not len(config.instance_group):
+    if not len(config.instance_group) and not is_ensemble(config):
         config.instance_group.add(count=1)
     if (
         config.max_batch_size > 1
