@@ -58,15 +58,20 @@ def fp32_to_bf16(data: np.ndarray) -> np.ndarray:
 
 
 def from_binary(
-    name: str, datatype: DataType, shape: tuple[int, ...], buf: memoryview
+    name: str,
+    datatype: DataType,
+    shape: tuple[int, ...],
+    buf: memoryview | bytes,
+    source: str = "binary data",
 ) -> np.ndarray:
+    """Decode one tensor's little-endian bytes; ``source`` names them in errors."""
     count = element_count(shape)
     if datatype is DataType.BYTES:
         return deserialize_bytes(name, buf, count).reshape(shape)
     expected = count * datatype.itemsize
     if len(buf) != expected:
         raise invalid_arg(
-            f"input '{name}': {len(buf)} bytes of binary data, but shape {list(shape)} of "
+            f"input '{name}': {len(buf)} bytes of {source}, but shape {list(shape)} of "
             f"{datatype.value} needs {expected}"
         )
     if datatype is DataType.BF16:

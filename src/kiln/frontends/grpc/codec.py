@@ -26,7 +26,7 @@ from kiln.frontends.grpc.grpc_service_pb2 import (
     ModelInferRequest,
     ModelInferResponse,
 )
-from kiln.frontends.tensors import bf16_to_fp32, deserialize_bytes, fp32_to_bf16, serialize_bytes
+from kiln.frontends.tensors import fp32_to_bf16, from_binary, serialize_bytes
 
 # Which InferTensorContents field carries each datatype (FP16/BF16 have none: raw only).
 TYPED_FIELD = {
@@ -132,18 +132,7 @@ def decode_request(msg: ModelInferRequest) -> InferenceRequest:
 
 
 def from_raw(name: str, datatype: DataType, shape: tuple[int, ...], buf: bytes) -> np.ndarray:
-    count = element_count(shape)
-    if datatype is DataType.BYTES:
-        return deserialize_bytes(name, buf, count).reshape(shape)
-    expected = count * datatype.itemsize
-    if len(buf) != expected:
-        raise invalid_arg(
-            f"input '{name}': {len(buf)} bytes of raw_input_contents, but shape {list(shape)} "
-            f"of {datatype.value} needs {expected}"
-        )
-    if datatype is DataType.BF16:
-        return bf16_to_fp32(np.frombuffer(buf, dtype="<u2")).reshape(shape)
-    return np.frombuffer(buf, dtype=datatype.numpy_dtype.newbyteorder("<")).reshape(shape)
+    return from_binary(name, datatype, shape, buf, "raw_input_contents")
 
 
 def from_contents(
