@@ -26,7 +26,8 @@ Array = npt.NDArray[Any]
 Feeds = dict[str, Array]
 
 ENSEMBLES = ("cnn_pipeline",)
-ONNX_MODELS = tuple(m for m in EXAMPLE_MODELS if m not in ENSEMBLES)
+PYTHON_MODELS = ("python_preprocess", "repeat_int32")
+ONNX_MODELS = tuple(m for m in EXAMPLE_MODELS if m not in (*ENSEMBLES, *PYTHON_MODELS))
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,7 @@ def test_example_models_order() -> None:
         "image_preprocess",
         "postprocess",
         "cnn_pipeline",
+        *PYTHON_MODELS,
     ) == EXAMPLE_MODELS
 
 
@@ -166,6 +168,8 @@ def test_layout(repo: Path) -> None:
         assert (repo / name / "config.pbtxt").is_file()
     for name in ONNX_MODELS:
         assert (repo / name / "1" / "model.onnx").is_file()
+    for name in PYTHON_MODELS:
+        assert [p.name for p in (repo / name / "1").iterdir()] == ["model.py"]
     for name in ENSEMBLES:  # Triton wants a version folder even though it stays empty
         assert list((repo / name / "1").iterdir()) == []
     assert sorted(p.name for p in repo.iterdir()) == sorted(EXAMPLE_MODELS)  # no temp dirs
@@ -289,7 +293,7 @@ def test_build_is_deterministic(tmp_path: Path) -> None:
     first = build_example_repository(tmp_path / "a")
     second = build_example_repository(tmp_path / "b")
     for a, b in zip(first, second, strict=True):
-        for file in ("config.pbtxt", "1/model.onnx") if a.name not in ENSEMBLES else ():
+        for file in ("config.pbtxt", "1/model.onnx") if a.name in ONNX_MODELS else ():
             assert (a / file).read_bytes() == (b / file).read_bytes(), (a.name, file)
 
 

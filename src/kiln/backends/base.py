@@ -11,7 +11,7 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -30,6 +30,28 @@ class InstanceSpec:
     total_instances: int
 
 
+class ResponseSink(Protocol):
+    """Where a decoupled model's responses go, from the instance's thread, as they come."""
+
+    def send(
+        self, outputs: dict[str, np.ndarray] | None, final: bool, error: KilnError | None
+    ) -> None: ...
+
+
+class BackendRequest(Protocol):
+    """One request as a backend that takes requests unmerged sees it (``Job`` is one)."""
+
+    inputs: dict[str, np.ndarray]
+    output_names: list[str]
+    parameters: dict[str, Any]
+    request_id: str
+    sink: ResponseSink | None
+
+
+# One entry per request: its outputs, or the error that request alone failed with.
+RequestOutcome = dict[str, np.ndarray] | KilnError
+
+
 class Backend(ABC):
     """One instance of one model version. ``execute`` is called from one thread at a time."""
 
@@ -39,6 +61,9 @@ class Backend(ABC):
     platforms: ClassVar[tuple[str, ...]] = ()
     #: model file looked for in the version folder when the config names none
     default_model_filename: ClassVar[str] = ""
+    #: True: schedulers hand over each request unmerged through ``execute_requests``
+    #: (the Python backend gives a model its requests as a list, as Triton does)
+    wants_requests: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
         self.config = config
@@ -59,6 +84,10 @@ class Backend(ABC):
         self, inputs: dict[str, np.ndarray], output_names: list[str]
     ) -> dict[str, np.ndarray]:
         """Run one batch; return at least the outputs named in ``output_names``."""
+
+    def execute_requests(self, requests: list[BackendRequest]) -> list[RequestOutcome]:
+        """Run several requests as one execution; one outcome per request, in order."""
+        raise NotImplementedError(f"backend '{self.name}' takes merged batches only")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the session / device memory."""

@@ -14,10 +14,11 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "onnxruntime": ("kiln.backends.onnxruntime", "OnnxRuntimeBackend", ""),
     # no compute of its own: its runtime schedules the composing models' steps
     "ensemble": ("kiln.scheduling.ensemble", "EnsembleBackend", ""),
+    "python": ("kiln.backends.python.backend", "PythonBackend", ""),
 }
 _PLATFORMS = {"onnxruntime_onnx": "onnxruntime", "ensemble": "ensemble"}
 # file in a version folder -> backend, for configs that name neither
-_FILES = {"model.onnx": "onnxruntime"}
+_FILES = {"model.onnx": "onnxruntime", "model.py": "python"}
 
 
 def register(

@@ -7,7 +7,7 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,7 @@ from kiln.core.classification import load_labels
 from kiln.core.errors import KilnError, Status, internal, unavailable
 from kiln.core.signature import ModelSignature
 from kiln.core.stats import FailureReason, ModelStats, RequestTimes, failure_reason
+from kiln.core.stream import ResponseStream
 from kiln.core.types import DataType, InferenceRequest, InferenceResponse, InferOutput
 from kiln.core.warmup import build_samples, run_warmup
 from kiln.scheduling.base import Instance, Job, Scheduler
@@ -72,6 +73,8 @@ class ModelRuntime:
         self.cache = _model_cache(config, name, cache)
         self._load_id = next(_LOAD_IDS)
         self._resolve = resolve  # ensembles look their composing models up through it
+        # 0..N responses per request, only through the stream APIs (infer_stream)
+        self.decoupled = config.model_transaction_policy.decoupled
 
     async def load(self) -> None:
         """Create every instance off the event loop, then the scheduler."""
@@ -133,22 +136,35 @@ class ModelRuntime:
     def inflight(self) -> int:
         return self._inflight
 
+    def _inputs(self, request: InferenceRequest) -> tuple[dict[str, np.ndarray], int]:
+        """The validated request's inputs as the model takes them, and its batch size."""
+        batch = self.signature.validate(request)
+        inputs = {}
+        for tensor in request.inputs:
+            spec = self.signature.inputs[tensor.name]
+            data = tensor.data
+            if spec.reshape is not None:
+                lead = (batch,) if self.signature.max_batch_size > 0 else ()
+                data = data.reshape(lead + spec.reshape)
+            inputs[tensor.name] = data
+        return inputs, batch
+
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         times = RequestTimes(received=time.monotonic_ns())
         if self.state is not ModelState.READY or self.scheduler is None:
             raise unavailable(f"model '{self.name}' version {self.version} is not ready")
+        if self.decoupled:
+            # Triton's wording, with the way out: a decoupled model answers only on a stream.
+            raise KilnError(
+                f"model '{self.name}' uses the decoupled transaction policy: this end point "
+                "doesn't support models with decoupled transaction policy; use the gRPC "
+                "stream (ModelStreamInfer) or HTTP generate / generate_stream",
+                Status.UNSUPPORTED,
+            )
         self._inflight += 1
         self._idle.clear()
         try:
-            batch = self.signature.validate(request)
-            inputs = {}
-            for tensor in request.inputs:
-                spec = self.signature.inputs[tensor.name]
-                data = tensor.data
-                if spec.reshape is not None:
-                    lead = (batch,) if self.signature.max_batch_size > 0 else ()
-                    data = data.reshape(lead + spec.reshape)
-                inputs[tensor.name] = data
+            inputs, batch = self._inputs(request)
             names = [o.name for o in request.outputs] or self.signature.output_names
             key, lookup_ns = None, 0
             if self.cache is not None:
@@ -159,7 +175,7 @@ class ModelRuntime:
                 if cached is not None:
                     self.stats.record_cache_hit(times, lookup_ns, time.monotonic_ns())
                     return self._response(request, cached)
-            job = Job(inputs, names, batch, times, request.parameters)
+            job = Job(inputs, names, batch, times, request.parameters, request.id)
             try:
                 raw = await self.scheduler.schedule(job)
                 outputs = self._outputs(raw, names, batch)
@@ -177,6 +193,57 @@ class ModelRuntime:
             self.stats.record_success(times, batch, time.monotonic_ns())
             return self._response(request, outputs)
         finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:
+        """Every response to one request, as the model sends them (decoupled or not).
+
+        A decoupled model's responses carry ``triton_final_response``; a FINAL flag sent
+        without a response yields an empty final response only when the request asks with
+        ``triton_enable_empty_final_response``, as in Triton.
+        """
+        if not self.decoupled:
+            yield await self.infer(request)
+            return
+        times = RequestTimes(received=time.monotonic_ns())
+        if self.state is not ModelState.READY or self.scheduler is None:
+            raise unavailable(f"model '{self.name}' version {self.version} is not ready")
+        self._inflight += 1
+        self._idle.clear()
+        task: asyncio.Task[dict[str, np.ndarray]] | None = None
+        try:
+            inputs, batch = self._inputs(request)
+            names = [o.name for o in request.outputs] or self.signature.output_names
+            stream = ResponseStream(asyncio.get_running_loop())
+            job = Job(inputs, names, batch, times, request.parameters, request.id, stream)
+            task = asyncio.get_running_loop().create_task(self.scheduler.schedule(job))
+            task.add_done_callback(
+                lambda t: stream.finish(None if t.cancelled() else t.exception())
+            )
+            empty_final = bool(request.parameters.get("triton_enable_empty_final_response"))
+            try:
+                async for item in stream:
+                    if item.error is not None:
+                        raise item.error
+                    if item.outputs is None:
+                        if not (item.final and empty_final):
+                            continue
+                        outputs: list[InferOutput] = []
+                    else:
+                        present = [n for n in names if n in item.outputs]
+                        outputs = self._outputs(item.outputs, present, batch)
+                    response = self._response(request, outputs)
+                    response.parameters["triton_final_response"] = item.final
+                    yield response
+            except KilnError as exc:
+                self.stats.record_failure(times, time.monotonic_ns(), failure_reason(exc))
+                raise
+            self.stats.record_success(times, batch, time.monotonic_ns())
+        finally:
+            if task is not None and not task.done():
+                task.cancel()  # the client went away: stop waiting for the model
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()

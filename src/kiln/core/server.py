@@ -5,13 +5,16 @@ Frontends translate wire formats into calls on this object and never touch a bac
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kiln import __version__
+from kiln.backends.python import bls
 from kiln.config.loader import config_to_json
 from kiln.core.classification import classify, requested_count
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
@@ -80,6 +83,8 @@ class Server:
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        # Python models call other models (BLS) through this server's infer.
+        bls.install(self.infer, asyncio.get_running_loop())
         mode = self.options.model_control_mode
         if mode in (ControlMode.NONE, ControlMode.POLL) or "*" in self.options.load_models:
             names = self.repository.model_names()
@@ -97,6 +102,7 @@ class Server:
         if self.poller is not None:
             await self.poller.stop()
         await self.repository.unload_all()
+        bls.uninstall(self.infer)
         self.shm.close()
 
     @property
@@ -165,6 +171,20 @@ class Server:
                 for out in response.outputs
             ]
         return response
+
+    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:
+        """The responses of one request as they come: 0..N for a decoupled model, else 1."""
+        if self.shutting_down:
+            raise KilnError("server is shutting down", Status.UNAVAILABLE)
+        runtime = self.repository.get(request.model_name, request.model_version)
+        if not runtime.decoupled:
+            yield await self.infer(request)  # classification and the rest, as infer does
+            return
+        async for response in runtime.infer_stream(request):
+            yield response
+
+    def is_decoupled(self, name: str, version: str = "") -> bool:
+        return self.repository.get(name, version).decoupled
 
     # ---- statistics ------------------------------------------------------------------
     def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:

@@ -4,7 +4,7 @@
 :func:`reference_outputs` gives NumPy-only expected answers for checking a server.
 """
 
-from kiln.examples.reference import reference_outputs, reference_sequence
+from kiln.examples.reference import reference_outputs, reference_responses, reference_sequence
 from kiln.examples.repository import (
     DIGIT_LABELS,
     EXAMPLE_MODELS,
@@ -18,5 +18,6 @@ __all__ = [
     "build_example_repository",
     "example_config",
     "reference_outputs",
+    "reference_responses",
     "reference_sequence",
 ]

@@ -157,6 +157,7 @@ _REFERENCES: dict[str, Callable[[Mapping[str, Array]], dict[str, Array]]] = {
     "image_preprocess": _image_preprocess,
     "postprocess": _postprocess,
     "cnn_pipeline": _cnn_pipeline,
+    "python_preprocess": _image_preprocess,  # the same computation, in a Python model
 }
 
 # The sequence models' client inputs are only INPUT: the batcher adds the rest.
@@ -201,3 +202,16 @@ def reference_sequence(model_name: str, values: list[int]) -> list[int]:
         acc = out["ACC_OUT"]
         answers.append(int(out["OUTPUT"][0, 0]))
     return answers
+
+
+def reference_responses(
+    model_name: str, inputs: Mapping[str, np.ndarray]
+) -> list[dict[str, Array]]:
+    """The responses a decoupled example model streams for one request, in order."""
+    if model_name != "repeat_int32":
+        raise ValueError(f"'{model_name}' is not a decoupled example; known: ['repeat_int32']")
+    (values,) = _require(inputs, "IN")
+    return [
+        {"OUT": np.array([v], np.int32), "IDX": np.array([i], np.uint32)}
+        for i, v in enumerate(values.reshape(-1).astype(np.int32))
+    ]

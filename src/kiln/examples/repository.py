@@ -23,6 +23,7 @@ from pathlib import Path
 import onnx
 
 from kiln.examples import models as graphs  # 'models' is also a parameter name below
+from kiln.examples import python_models
 
 DIGIT_LABELS: tuple[str, ...] = tuple(f"digit_{i}" for i in range(graphs.NUM_CLASSES))
 
@@ -271,8 +272,9 @@ ensemble_scheduling {
 class ExampleModel:
     name: str
     config: str
-    build: Callable[[], onnx.ModelProto] | None  # None: an ensemble, no model file
+    build: Callable[[], onnx.ModelProto] | None  # None: an ensemble or a Python model
     labels: tuple[str, ...] | None = None
+    python: str | None = None  # a Python-backend model's model.py
 
 
 _MODELS: dict[str, ExampleModel] = {
@@ -308,6 +310,18 @@ _MODELS: dict[str, ExampleModel] = {
         ExampleModel("image_preprocess", IMAGE_PREPROCESS_CONFIG, graphs.build_image_preprocess),
         ExampleModel("postprocess", POSTPROCESS_CONFIG, graphs.build_postprocess),
         ExampleModel("cnn_pipeline", CNN_PIPELINE_CONFIG, None),
+        ExampleModel(
+            "python_preprocess",
+            python_models.PYTHON_PREPROCESS_CONFIG,
+            None,
+            python=python_models.PYTHON_PREPROCESS_MODEL,
+        ),
+        ExampleModel(
+            "repeat_int32",
+            python_models.REPEAT_INT32_CONFIG,
+            None,
+            python=python_models.REPEAT_INT32_MODEL,
+        ),
     )
 }
 
@@ -336,6 +350,8 @@ def _write_model(model: ExampleModel, folder: Path) -> None:
     (folder / "config.pbtxt").write_text(model.config, encoding="utf-8")
     if model.build is not None:
         onnx.save_model(model.build(), folder / "1" / "model.onnx")
+    if model.python is not None:
+        (folder / "1" / "model.py").write_text(model.python, encoding="utf-8")
     if model.labels is not None:
         (folder / "labels.txt").write_text("\n".join(model.labels) + "\n", encoding="utf-8")
 

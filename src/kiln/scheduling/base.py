@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kiln.backends.base import Backend
+from kiln.backends.base import Backend, RequestOutcome, ResponseSink
 from kiln.core.errors import KilnError, Status
 from kiln.core.stats import ModelStats, RequestTimes
 
@@ -32,6 +32,8 @@ class Job:
     batch_size: int
     times: RequestTimes
     parameters: dict[str, Any] = field(default_factory=dict)
+    request_id: str = ""
+    sink: ResponseSink | None = None  # a decoupled model's responses stream here
 
 
 class Instance:
@@ -71,6 +73,20 @@ class Instance:
                 Status.INTERNAL,
             ) from exc
         return outputs, start, time.monotonic_ns()
+
+    def execute_requests(self, jobs: list[Job]) -> tuple[list[RequestOutcome], int, int]:
+        """``execute`` for backends that take requests unmerged (``wants_requests``)."""
+        start = time.monotonic_ns()
+        try:
+            outcomes = self.backend.execute_requests(list(jobs))
+        except KilnError:
+            raise
+        except Exception as exc:
+            raise KilnError(
+                f"model '{self.model}' failed to execute: {type(exc).__name__}: {exc}",
+                Status.INTERNAL,
+            ) from exc
+        return outcomes, start, time.monotonic_ns()
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)

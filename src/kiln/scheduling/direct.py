@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from kiln.core.errors import KilnError
 from kiln.scheduling.base import Instance, Job, Scheduler
 
 
@@ -30,7 +31,11 @@ class DirectScheduler(Scheduler):
             self._waiting -= 1
         try:
             job.times.queue_end = time.monotonic_ns()
-            outputs, start, end = await instance.run(job.inputs, job.output_names)
+            if instance.backend.wants_requests:
+                outcomes, start, end = await instance.call(instance.execute_requests, [job])
+                outputs = outcomes[0]
+            else:
+                outputs, start, end = await instance.run(job.inputs, job.output_names)
         finally:
             self._free.put_nowait(instance)
         # Input preparation happened before the thread hop; the hop itself is input time.
@@ -41,4 +46,6 @@ class DirectScheduler(Scheduler):
         self.stats.record_execution(
             job.batch_size, start - job.times.queue_end, end - start, done - end
         )
+        if isinstance(outputs, KilnError):
+            raise outputs
         return outputs

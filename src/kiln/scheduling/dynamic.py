@@ -26,7 +26,9 @@ from kiln.scheduling.queue import Pending, RequestQueue, shape_key
 
 log = logging.getLogger(__name__)
 
-Outputs = list[dict[str, np.ndarray]]  # one output dict per request of a batch, in batch order
+# One output dict per request of a batch, in batch order; a backend that takes requests
+# unmerged may fail one request alone (its entry is then the error).
+Outputs = list[dict[str, np.ndarray] | KilnError]
 Outcome = Outputs | BaseException
 
 
@@ -185,9 +187,13 @@ class DynamicScheduler(Scheduler):
 
     def _compute(self, instance: Instance, jobs: list[Job]) -> Outputs:
         """On the instance's thread: merge, execute, split; stamps every request's times."""
-        inputs = merge_inputs(jobs)
-        outputs, start, end = instance.execute(inputs, output_names(jobs))
-        parts = split_outputs(outputs, jobs, self.model)
+        parts: Outputs
+        if instance.backend.wants_requests:
+            parts, start, end = instance.execute_requests(jobs)
+        else:
+            inputs = merge_inputs(jobs)
+            outputs, start, end = instance.execute(inputs, output_names(jobs))
+            parts = list(split_outputs(outputs, jobs, self.model))
         done = time.monotonic_ns()
         queue_end = jobs[0].times.queue_end
         for job in jobs:
@@ -216,8 +222,12 @@ class DynamicScheduler(Scheduler):
                 continue
             if isinstance(outcome, BaseException):
                 item.future.set_exception(self._error(outcome))
+                continue
+            part = outcome[i]
+            if isinstance(part, KilnError):
+                item.future.set_exception(self._error(part))
             else:
-                item.future.set_result(outcome[i])
+                item.future.set_result(part)
 
     def _error(self, exc: BaseException) -> KilnError:
         # One exception object per request: each caller's traceback stays its own.

@@ -76,14 +76,23 @@ class InferenceServicer(SharedMemoryRpcs):
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Every request runs as soon as it arrives; responses go back as they complete.
-        A failed request answers with ``error_message`` and the stream stays open."""
+        """Every request runs as soon as it arrives; responses go back as they complete
+        (a decoupled model's 0..N responses each as its own message). A failed request
+        answers with ``error_message`` and the stream stays open."""
         done: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
 
         async def one(message: pb.ModelInferRequest) -> None:
             try:
-                answer = pb.ModelStreamInferResponse(infer_response=await self._infer(message))
+                request = decode_request(message)
+                if self.server.is_decoupled(request.model_name, request.model_version):
+                    # 0..N messages for this request, as the model sends them
+                    async for response in self.server.infer_stream(request):
+                        reply = encode_response(response)
+                        await done.put(pb.ModelStreamInferResponse(infer_response=reply))
+                    return
+                response = await shm_io.infer(self.server, request)
+                answer = pb.ModelStreamInferResponse(infer_response=encode_response(response))
             except Exception as exc:
                 if not isinstance(exc, KilnError):
                     log.exception("gRPC stream request failed")

@@ -19,6 +19,7 @@ from starlette.routing import BaseRoute, Route
 from kiln.core.errors import KilnError, Status
 from kiln.core.server import Server
 from kiln.frontends import shm_io
+from kiln.frontends.http import generate
 from kiln.frontends.http.codec import (
     decode_raw_request,
     decode_request,
@@ -161,6 +162,12 @@ class HttpFrontend:
         out = self._compress(request, out, headers)
         return Response(out, 200, headers=headers, media_type=media)
 
+    async def generate(self, request: Request) -> Response:
+        return await generate.generate(self, request)
+
+    async def generate_stream(self, request: Request) -> Response:
+        return await generate.generate_stream(self, request)
+
     # ---- repository ------------------------------------------------------------------
     async def repository_index(self, request: Request) -> Response:
         body = await self.json_body(request)
@@ -268,6 +275,8 @@ class HttpFrontend:
 
         # The hot path first: Starlette tries routes in order, one regex each.
         model_routes("/infer", self.infer, ["POST"])
+        model_routes("/generate", self.generate, ["POST"])
+        model_routes("/generate_stream", self.generate_stream, ["POST"])
         add("/v2", self.metadata, ["GET"])
         add("/v2/health/live", self.live, ["GET"])
         add("/v2/health/ready", self.ready, ["GET"])

@@ -1,0 +1,147 @@
+"""A shared-memory arena: tensors cross the process boundary as bytes in a /dev/shm file.
+
+Each direction has its own arena and exactly one writer (the server writes requests and BLS
+answers into the *inbound* arena, the worker writes responses and BLS requests into the
+*outbound* one), so no locks are needed across processes. Only small headers
+``(name, dtype, shape, offset, nbytes)`` travel over the pipe. The writer bumps a cursor
+and resets it at the start of each execute; when a tensor does not fit, it grows the file
+(``ftruncate`` keeps what was written) and the reader remaps when a header points past the
+end of its mapping.
+
+BYTES tensors are written in Triton's serialized form: each element as a 4-byte
+little-endian length followed by its bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+import tempfile
+from typing import Any
+
+import numpy as np
+
+ALIGN = 64  # every tensor starts on a cache line
+BYTES = "BYTES"
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+# (name, dtype string or "BYTES", shape, offset, nbytes): what the pipe carries per tensor.
+Header = tuple[str, str, tuple[int, ...], int, int]
+
+
+def serialize_bytes(array: np.ndarray) -> bytes:
+    parts = []
+    for item in array.reshape(-1):
+        data = item.encode("utf-8") if isinstance(item, str) else bytes(item)
+        parts.append(struct.pack("<I", len(data)))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def deserialize_bytes(buffer: memoryview | bytes, shape: tuple[int, ...]) -> np.ndarray:
+    count = 1
+    for d in shape:
+        count *= d
+    out = np.empty(count, dtype=object)
+    view = memoryview(buffer)
+    pos = 0
+    for i in range(count):
+        (length,) = struct.unpack_from("<I", view, pos)
+        pos += 4
+        out[i] = bytes(view[pos : pos + length])
+        pos += length
+    return out.reshape(shape)
+
+
+class Arena:
+    """One mapped file; ``write`` places tensors at the cursor, ``read`` gets them back."""
+
+    def __init__(self, path: str, fd: int, owner: bool) -> None:
+        self.path = path
+        self._fd = fd
+        self.owner = owner  # the server creates (and unlinks) both arenas
+        self.size = os.fstat(fd).st_size
+        self._map: mmap.mmap | None = mmap.mmap(fd, self.size) if self.size else None
+        self.cursor = 0
+
+    @classmethod
+    def create(cls, prefix: str, size: int = 1 << 20) -> Arena:
+        fd, path = tempfile.mkstemp(prefix=prefix, dir=_SHM_DIR)
+        os.ftruncate(fd, size)
+        return cls(path, fd, owner=True)
+
+    @classmethod
+    def attach(cls, path: str) -> Arena:
+        return cls(path, os.open(path, os.O_RDWR), owner=False)
+
+    # ---- mapping ---------------------------------------------------------------------
+    def _remap(self, size: int) -> None:
+        old = self._map
+        self._map = mmap.mmap(self._fd, size)
+        self.size = size
+        if old is not None:
+            # Arrays may still view it: then it goes away with the last of them.
+            with contextlib.suppress(BufferError):
+                old.close()
+
+    def _reserve(self, nbytes: int) -> int:
+        """Room for ``nbytes`` at the cursor, growing the file if needed; its offset."""
+        offset = -(-self.cursor // ALIGN) * ALIGN
+        end = offset + nbytes
+        if end > self.size:
+            new_size = max(self.size * 2, 1 << 16)
+            while new_size < end:
+                new_size *= 2
+            os.ftruncate(self._fd, new_size)
+            self._remap(new_size)
+        self.cursor = end
+        return offset
+
+    def _ensure_mapped(self, end: int) -> None:
+        if end > self.size:  # the other side grew the file since we mapped it
+            self._remap(os.fstat(self._fd).st_size)
+
+    def reset(self) -> None:
+        self.cursor = 0
+
+    # ---- tensors ---------------------------------------------------------------------
+    def write(self, name: str, array: Any) -> Header:
+        array = np.asarray(array)
+        if array.dtype.kind in ("O", "S", "U"):
+            data = serialize_bytes(array)
+            offset = self._reserve(len(data))
+            assert self._map is not None
+            self._map[offset : offset + len(data)] = data
+            return (name, BYTES, tuple(array.shape), offset, len(data))
+        nbytes = array.nbytes
+        offset = self._reserve(nbytes)
+        if nbytes:
+            assert self._map is not None
+            target = np.ndarray(array.shape, array.dtype, buffer=self._map, offset=offset)
+            np.copyto(target, array)
+            del target  # no export left behind to block a later remap
+        return (name, array.dtype.str, tuple(array.shape), offset, nbytes)
+
+    def read(self, header: Header, copy: bool = True) -> np.ndarray:
+        """The tensor a header describes; ``copy=False`` views the arena (valid until reset)."""
+        _, dtype, shape, offset, nbytes = header
+        self._ensure_mapped(offset + nbytes)
+        if dtype == BYTES:
+            assert self._map is not None
+            return deserialize_bytes(memoryview(self._map)[offset : offset + nbytes], shape)
+        if nbytes == 0 or self._map is None:
+            return np.zeros(shape, dtype=np.dtype(dtype))
+        view = np.ndarray(shape, np.dtype(dtype), buffer=self._map, offset=offset)
+        return view.copy() if copy else view
+
+    def close(self) -> None:
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
+        os.close(self._fd)
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)

@@ -1,0 +1,290 @@
+"""The Python backend as the scheduler sees it: a thin proxy to one worker process.
+
+``execute_requests`` runs on the instance's own thread: it writes the requests' tensors
+into the worker's inbound arena, sends their headers, and serves what the worker sends back
+until its ``executed`` answer (decoupled responses, BLS calls). A worker that dies or
+overruns ``execute_timeout_secs`` fails the requests in flight and is restarted (and
+re-initialized) on a separate thread; the next execute waits for that restart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kiln.backends.base import (
+    Backend,
+    BackendRequest,
+    InstanceSpec,
+    RequestOutcome,
+    ResponseSink,
+    parameter,
+)
+from kiln.backends.python import bls
+from kiln.backends.python.process import WorkerDied, WorkerProcess, WorkerTimeout
+from kiln.config.loader import ConfigError, config_from_json, config_to_json
+from kiln.config.model_config_pb2 import ModelConfig
+from kiln.core.errors import KilnError, Status
+
+log = logging.getLogger(__name__)
+
+# pb_utils.TritonError codes -> the status a client sees
+_CODES = {
+    0: Status.UNKNOWN,
+    1: Status.INTERNAL,
+    2: Status.NOT_FOUND,
+    3: Status.INVALID_ARG,
+    4: Status.UNAVAILABLE,
+    5: Status.UNSUPPORTED,
+    6: Status.ALREADY_EXISTS,
+    7: Status.CANCELLED,
+}
+_STATUS_CODES = {status: code for code, status in _CODES.items()}
+
+AUTO_COMPLETE_TIMEOUT_S = 60.0
+
+
+def _seconds(config: ModelConfig, key: str, default: float | None) -> float | None:
+    raw = parameter(config, key)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise KilnError(
+            f"model '{config.name}': parameter {key} must be a number of seconds, got '{raw}'"
+        ) from None
+    return value if value > 0 else None
+
+
+class _Single:
+    """``execute(inputs, names)`` (warm-up, sequence batcher) as a one-request list."""
+
+    def __init__(self, inputs: dict[str, np.ndarray], output_names: list[str]) -> None:
+        self.inputs = inputs
+        self.output_names = output_names
+        self.parameters: dict[str, Any] = {}
+        self.request_id = ""
+        self.sink: ResponseSink | None = None
+
+
+class PythonBackend(Backend):
+    name: ClassVar[str] = "python"
+    default_model_filename: ClassVar[str] = "model.py"
+    wants_requests: ClassVar[bool] = True
+
+    @classmethod
+    def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:
+        path = version_dir / (config.default_model_filename or cls.default_model_filename)
+        if not path.is_file():
+            raise KilnError(f"model '{config.name}': {path} does not exist")
+        # Starting a worker costs an interpreter start: only for models that define the hook.
+        if "auto_complete_config" not in path.read_text(errors="replace"):
+            return
+        worker = WorkerProcess(path, f"{config.name}-autocomplete")
+        try:
+            worker.start()
+            worker.send(("auto_complete", json.dumps(config_to_json(config))))
+            kind, payload = worker.recv(time.monotonic() + AUTO_COMPLETE_TIMEOUT_S)
+        except (WorkerDied, WorkerTimeout) as exc:
+            raise KilnError(
+                f"model '{config.name}': auto_complete_config did not answer ({exc or 'timeout'})"
+            ) from None
+        finally:
+            worker.close(timeout=0)
+        if kind != "config":
+            raise KilnError(f"model '{config.name}': auto_complete_config failed: {payload}")
+        try:
+            config.CopyFrom(config_from_json(payload))
+        except ConfigError as exc:
+            raise KilnError(
+                f"model '{config.name}': auto_complete_config made an invalid config: {exc}"
+            ) from None
+
+    def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
+        super().__init__(config, version_dir, instance)
+        self.model = config.name
+        self.decoupled = config.model_transaction_policy.decoupled
+        self.execute_timeout = _seconds(config, "execute_timeout_secs", None)
+        self.initialize_timeout = _seconds(config, "initialize_timeout_secs", 300.0)
+        self.args = {
+            "model_config": json.dumps(config_to_json(config)),
+            "model_instance_kind": instance.kind.upper(),
+            "model_instance_name": f"{instance.name}_{instance.index}",
+            "model_instance_device_id": str(instance.device_id),
+            "model_repository": str(version_dir.parent),
+            "model_version": version_dir.name,
+            "model_name": config.name,
+        }
+        self.worker = WorkerProcess(self.model_path(), f"{config.name}-{instance.index}")
+        self._restarting: threading.Thread | None = None
+        self._restart_error: str | None = None
+        try:
+            self._start()
+        except BaseException:
+            self.worker.close(timeout=0)
+            raise
+
+    # ---- worker lifecycle ------------------------------------------------------------
+    def _start(self) -> None:
+        worker = self.worker
+        worker.start()
+        deadline = (
+            None if self.initialize_timeout is None else time.monotonic() + self.initialize_timeout
+        )
+        try:
+            worker.send(("initialize", self.args, self.decoupled))
+            kind, payload = worker.recv(deadline)
+        except WorkerDied as exc:
+            raise KilnError(f"model '{self.model}': initialize failed: {exc}") from None
+        except WorkerTimeout:
+            worker.kill()
+            raise KilnError(
+                f"model '{self.model}': initialize did not finish within "
+                f"initialize_timeout_secs={self.initialize_timeout:g}"
+            ) from None
+        if kind != "ready":
+            worker.kill()
+            raise KilnError(f"model '{self.model}': initialize failed: {payload}")
+
+    def _begin_restart(self) -> None:
+        self.worker.kill()
+
+        def restart() -> None:
+            try:
+                self._start()
+                log.warning("model '%s': Python worker restarted", self.model)
+            except Exception as exc:
+                self._restart_error = str(exc)
+                log.error("model '%s': Python worker restart failed: %s", self.model, exc)
+
+        self._restart_error = None
+        self._restarting = threading.Thread(
+            target=restart, name=f"kiln-{self.model}-restart", daemon=True
+        )
+        self._restarting.start()
+
+    def _await_restart(self) -> None:
+        if self._restarting is not None:
+            self._restarting.join()
+            self._restarting = None
+        if self._restart_error is not None:
+            self._restart_error = None
+            self._start()  # one more try: its error fails this request and names the cause
+
+    # ---- execution -------------------------------------------------------------------
+    def execute(
+        self, inputs: dict[str, np.ndarray], output_names: list[str]
+    ) -> dict[str, np.ndarray]:
+        (outcome,) = self.execute_requests([_Single(inputs, output_names)])
+        if isinstance(outcome, KilnError):
+            raise outcome
+        return outcome
+
+    def execute_requests(self, requests: list[BackendRequest]) -> list[RequestOutcome]:
+        self._await_restart()
+        worker = self.worker
+        worker.inbound.reset()
+        wire = [
+            {
+                "inputs": [worker.inbound.write(n, a) for n, a in r.inputs.items()],
+                "outputs": list(r.output_names),
+                "request_id": r.request_id,
+                "correlation_id": r.parameters.get("sequence_id", 0),
+                "parameters": json.dumps(r.parameters, default=str),
+            }
+            for r in requests
+        ]
+        deadline = None if self.execute_timeout is None else time.monotonic() + self.execute_timeout
+        try:
+            worker.send(("execute", wire))
+            while True:
+                message = worker.recv(deadline)
+                kind = message[0]
+                if kind == "executed":
+                    return self._outcomes(requests, message[1], message[2])
+                if kind == "response":
+                    self._stream(requests, *message[1:])
+                elif kind == "bls":
+                    self._bls(message[1])
+                elif kind == "error":
+                    return self._outcomes(requests, None, message[1])
+        except WorkerDied as exc:
+            self._begin_restart()
+            raise KilnError(
+                f"model '{self.model}': the Python worker stopped while executing ({exc}); "
+                "it is being restarted",
+                Status.INTERNAL,
+            ) from None
+        except WorkerTimeout:
+            self._begin_restart()
+            raise KilnError(
+                f"model '{self.model}': execute did not finish within execute_timeout_secs="
+                f"{self.execute_timeout:g}; the Python worker was killed and is being restarted",
+                Status.UNAVAILABLE,
+            ) from None
+
+    def _outcomes(
+        self, requests: list[BackendRequest], answers: Any, batch_error: str | None
+    ) -> list[RequestOutcome]:
+        if batch_error is not None:
+            message = f"model '{self.model}' failed to execute: {batch_error}"
+            return [KilnError(message, Status.INTERNAL) for _ in requests]
+        if self.decoupled:
+            return [{} for _ in requests]  # everything went out through the sinks
+        outcomes: list[RequestOutcome] = []
+        for headers, error in answers:
+            if error is not None:
+                outcomes.append(KilnError(error[0], _CODES.get(error[1], Status.INTERNAL)))
+            else:
+                outcomes.append({h[0]: self.worker.outbound.read(h) for h in headers})
+        return outcomes
+
+    def _stream(
+        self,
+        requests: list[BackendRequest],
+        index: int,
+        headers: list[Any],
+        error: tuple[str, int] | None,
+        final: bool,
+        has_response: bool,
+    ) -> None:
+        sink = requests[index].sink
+        if sink is None:
+            return  # a decoupled model run without a stream (warm-up): nobody listens
+        if error is not None:
+            sink.send(None, final, KilnError(error[0], _CODES.get(error[1], Status.INTERNAL)))
+            return
+        outputs = {h[0]: self.worker.outbound.read(h) for h in headers} if has_response else None
+        sink.send(outputs, final, None)
+
+    def _bls(self, call: dict[str, Any]) -> None:
+        worker = self.worker
+        try:
+            inputs = {h[0]: worker.outbound.read(h) for h in call["inputs"]}
+            params = json.loads(call["parameters"] or "{}")
+            outputs = bls.call(
+                call["model_name"],
+                int(call["model_version"]),
+                inputs,
+                call["outputs"],
+                call["request_id"],
+                params,
+            )
+            headers = [worker.inbound.write(n, a) for n, a in outputs.items()]
+            worker.send(("bls_result", headers, None))
+        except KilnError as exc:
+            worker.send(("bls_result", None, (exc.message, _STATUS_CODES.get(exc.status, 1))))
+        except Exception as exc:
+            worker.send(("bls_result", None, (f"{type(exc).__name__}: {exc}", 1)))
+
+    def close(self) -> None:
+        if self._restarting is not None:
+            self._restarting.join()
+        self.worker.close(timeout=10.0)

@@ -1,0 +1,331 @@
+"""kiln's ``triton_python_backend_utils``: the API a Triton Python model is written against.
+
+The worker registers this module under the name ``triton_python_backend_utils``, so an
+unchanged ``import triton_python_backend_utils as pb_utils`` finds it. Tensors are plain
+NumPy arrays here (kiln's Python backend runs on the CPU); requests sent to other models
+(BLS) and responses of decoupled models go through the worker's channel to the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from kiln.backends.python.arena import serialize_bytes
+from kiln.backends.python.autocomplete import ModelConfig
+
+__all__ = [
+    "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
+    "InferenceRequest",
+    "InferenceResponse",
+    "InferenceResponseSender",
+    "Logger",
+    "ModelConfig",
+    "Tensor",
+    "TritonError",
+    "TritonModelException",
+    "deserialize_bytes_tensor",
+    "get_input_config_by_name",
+    "get_input_tensor_by_name",
+    "get_output_config_by_name",
+    "get_output_tensor_by_name",
+    "install",
+    "serialize_byte_tensor",
+    "triton_string_to_numpy",
+]
+
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+
+# Set by the worker: carries BLS requests and decoupled responses to the server.
+_channel: Any = None
+
+_NUMPY_TYPES: dict[str, Any] = {
+    "TYPE_BOOL": np.bool_,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_UINT16": np.uint16,
+    "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_INT8": np.int8,
+    "TYPE_INT16": np.int16,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+    "TYPE_BF16": np.float32,  # held as float32, as everywhere in kiln
+}
+
+
+def install() -> None:
+    """Make ``import triton_python_backend_utils`` resolve to this module."""
+    sys.modules.setdefault("triton_python_backend_utils", sys.modules[__name__])
+
+
+def _json(parameters: dict[str, Any] | str | None) -> str:
+    return parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+
+
+class TritonError:
+    """An error a response carries; ``code`` picks the status the client sees."""
+
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE = 0, 1, 2, 3, 4
+    UNSUPPORTED, ALREADY_EXISTS, CANCELLED = 5, 6, 7
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        self._message = str(message)
+        self._code = code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+    def __repr__(self) -> str:
+        return f"TritonError({self._message!r})"
+
+
+class TritonModelException(Exception):
+    pass
+
+
+class Tensor:
+    def __init__(self, name: str, array: Any) -> None:
+        if not isinstance(array, np.ndarray):
+            raise TritonModelException(
+                f"Tensor '{name}': expected a numpy array, got {type(array).__name__}"
+            )
+        self._name = name
+        self._array = array
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+    def shape(self) -> list[int]:
+        return list(self._array.shape)
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"Tensor({self._name!r}, shape={self._array.shape}, dtype={self._array.dtype})"
+
+
+class InferenceResponse:
+    def __init__(
+        self,
+        output_tensors: list[Tensor] | None = None,
+        error: TritonError | None = None,
+        parameters: dict[str, Any] | str | None = None,
+    ) -> None:
+        self._outputs = list(output_tensors or [])
+        self._error = error
+        self._parameters = (
+            parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+        )
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._outputs
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+class InferenceResponseSender:
+    """Sends a decoupled model's responses, 0..N per request, the last flagged FINAL."""
+
+    def __init__(self, index: int) -> None:
+        self._index = index
+        self.closed = False
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        if self.closed:
+            raise TritonModelException(
+                "Unable to send response: the response sender has already sent its final "
+                "response (TRITONSERVER_RESPONSE_COMPLETE_FINAL)"
+            )
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TritonModelException(
+                f"send() takes an InferenceResponse, not {type(response).__name__}"
+            )
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if final:
+            self.closed = True
+        if _channel is None:
+            raise TritonModelException("no server channel: this model is not running in kiln")
+        _channel.send_response(self._index, response, final)
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+class InferenceRequest:
+    """A request the model receives in ``execute``, or builds to call another model (BLS)."""
+
+    def __init__(
+        self,
+        model_name: str = "",
+        inputs: list[Tensor] | None = None,
+        requested_output_names: list[str] | None = None,
+        model_version: int = -1,
+        correlation_id: int | str = 0,
+        request_id: str = "",
+        flags: int = 0,
+        timeout: int = 0,
+        parameters: dict[str, Any] | str | None = None,
+        **_: Any,  # preferred_memory, trace: meaningless on a CPU-only backend
+    ) -> None:
+        self._model_name = model_name
+        self._inputs = list(inputs or [])
+        self._outputs = list(requested_output_names or [])
+        self._model_version = model_version
+        self._correlation_id = correlation_id
+        self._request_id = request_id
+        self._flags = flags
+        self._timeout = timeout
+        self._parameters = (
+            parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+        )
+        self._sender: InferenceResponseSender | None = None
+
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def requested_output_names(self) -> list[str]:
+        return self._outputs
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def correlation_id(self) -> int | str:
+        return self._correlation_id
+
+    def model_name(self) -> str:
+        return self._model_name
+
+    def model_version(self) -> int:
+        return self._model_version
+
+    def flags(self) -> int:
+        return self._flags
+
+    def timeout(self) -> int:
+        return self._timeout
+
+    def parameters(self) -> str:
+        return self._parameters
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def get_response_sender(self) -> InferenceResponseSender:
+        if self._sender is None:
+            raise TritonModelException(
+                "get_response_sender() is only available to decoupled models "
+                "(model_transaction_policy { decoupled: true })"
+            )
+        return self._sender
+
+    def exec(self, decoupled: bool = False) -> InferenceResponse:
+        """Run this request on another model through the server; errors come back in it."""
+        if decoupled:
+            raise TritonModelException("kiln's BLS does not call decoupled models yet")
+        if _channel is None:
+            raise TritonModelException("no server channel: this model is not running in kiln")
+        response: InferenceResponse = _channel.call(self)
+        return response
+
+    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
+        # The channel answers one call at a time, so a thread keeps the caller's loop free
+        # without letting two calls interleave on the pipe.
+        return await asyncio.get_running_loop().run_in_executor(None, self.exec, decoupled)
+
+
+def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
+    return next((t for t in request.inputs() if t.name() == name), None)
+
+
+def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
+    return next((t for t in response.output_tensors() if t.name() == name), None)
+
+
+def _config_dict(model_config: Any) -> dict[str, Any]:
+    if isinstance(model_config, str):
+        loaded: dict[str, Any] = json.loads(model_config)
+        return loaded
+    return dict(model_config)
+
+
+def get_input_config_by_name(model_config: Any, name: str) -> dict[str, Any] | None:
+    return next((t for t in _config_dict(model_config).get("input", []) if t["name"] == name), None)
+
+
+def get_output_config_by_name(model_config: Any, name: str) -> dict[str, Any] | None:
+    return next(
+        (t for t in _config_dict(model_config).get("output", []) if t["name"] == name), None
+    )
+
+
+def triton_string_to_numpy(triton_type: str) -> Any:
+    try:
+        return _NUMPY_TYPES[triton_type]
+    except KeyError:
+        raise TritonModelException(f"unknown data type '{triton_type}'") from None
+
+
+def serialize_byte_tensor(array: np.ndarray) -> np.ndarray:
+    """Triton's length-prefixed BYTES serialization, as a uint8 array."""
+    return np.frombuffer(serialize_bytes(array), dtype=np.uint8)
+
+
+def deserialize_bytes_tensor(encoded: bytes | np.ndarray) -> np.ndarray:
+    raw = encoded.tobytes() if isinstance(encoded, np.ndarray) else bytes(encoded)
+    items, pos = [], 0
+    while pos < len(raw):
+        length = int.from_bytes(raw[pos : pos + 4], "little")
+        items.append(raw[pos + 4 : pos + 4 + length])
+        pos += 4 + length
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
+    return out
+
+
+class Logger:
+    """``pb_utils.Logger.log_info(...)``: lines land in the server's log."""
+
+    @classmethod
+    def log(cls, message: str) -> None:
+        # The worker's stderr is the server's: one line per message, as Triton logs them.
+        print(message, file=sys.stderr, flush=True)
+
+    @classmethod
+    def log_info(cls, message: str) -> None:
+        cls.log(f"INFO: {message}")
+
+    @classmethod
+    def log_warn(cls, message: str) -> None:
+        cls.log(f"WARNING: {message}")
+
+    @classmethod
+    def log_error(cls, message: str) -> None:
+        cls.log(f"ERROR: {message}")
+
+    @classmethod
+    def log_verbose(cls, message: str) -> None:
+        cls.log(f"VERBOSE: {message}")

@@ -1,0 +1,116 @@
+"""The server's handle on one worker process: start it, talk to it, kill it.
+
+The worker is a plain ``python -m kiln.backends.python.worker`` subprocess (not a
+multiprocessing fork: the server's threads and event loop must not be copied into it),
+connected by a socketpair that ``multiprocessing.connection`` frames. When the worker dies
+the socket closes, so a waiting ``recv`` wakes with EOF instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from kiln.backends.python.arena import Arena
+
+
+class WorkerDied(Exception):
+    """The worker exited (crash, SIGKILL, OOM) while the server waited on it."""
+
+
+class WorkerTimeout(Exception):
+    """The worker did not answer within the allowed time."""
+
+
+class WorkerProcess:
+    def __init__(self, model_path: Path, label: str) -> None:
+        self.model_path = model_path
+        self.label = label  # names the arena files, so a stray one says whose it was
+        self.inbound = Arena.create(f"kiln-py-{label}-in-")
+        self.outbound = Arena.create(f"kiln-py-{label}-out-")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.conn: Connection | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        # The worker imports kiln from wherever this server imported it.
+        src = str(Path(__file__).resolve().parents[3])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+        cmd = [
+            sys.executable, "-m", "kiln.backends.python.worker",
+            "--fd", str(theirs.fileno()),
+            "--inbound", self.inbound.path,
+            "--outbound", self.outbound.path,
+            "--model", str(self.model_path),
+        ]  # fmt: skip
+        try:
+            self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env)
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self.inbound.reset()
+        self.outbound.reset()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        assert self.conn is not None
+        try:
+            self.conn.send(message)
+        except OSError as exc:
+            raise WorkerDied(self._exit_text()) from exc
+
+    def recv(self, deadline: float | None) -> Any:
+        """The next message; ``deadline`` is a ``time.monotonic()`` value or None (wait)."""
+        assert self.conn is not None
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            if not self.conn.poll(timeout):
+                raise WorkerTimeout()
+            return self.conn.recv()
+        except (EOFError, OSError) as exc:
+            raise WorkerDied(self._exit_text()) from exc
+
+    def _exit_text(self) -> str:
+        if self.proc is None:
+            return "the worker was never started"
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "the worker closed its pipe"
+        if code < 0:
+            return f"the worker process was killed by signal {-code}"
+        return f"the worker process exited with status {code}"
+
+    def kill(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+
+    def stop(self, timeout: float) -> None:
+        """Ask the model to finalize, then make sure the process is gone."""
+        if self.proc is not None and self.proc.poll() is None and self.conn is not None:
+            try:
+                self.send(("finalize",))
+                self.recv(time.monotonic() + timeout)
+            except (WorkerDied, WorkerTimeout):
+                pass
+        self.kill()
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.stop(timeout)
+        self.inbound.close()
+        self.outbound.close()

@@ -1,0 +1,228 @@
+"""The worker process: imports the user's model.py and runs it for one instance.
+
+Started by the server as ``python -m kiln.backends.python.worker --fd N --inbound PATH
+--outbound PATH``. Messages on the pipe are small tuples; tensor bytes live in the two
+arenas (see ``arena.py``). Only the main thread receives; responses of decoupled models may
+be sent from any thread, so sending takes a lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import inspect
+import json
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from kiln.backends.python import pb_utils
+from kiln.backends.python.arena import Arena, Header
+
+ErrorInfo = tuple[str, int]  # (message, TritonError code)
+
+
+def last_line(exc: BaseException) -> str:
+    """What Triton reports for a failed model function: the traceback's last line."""
+    return traceback.format_exception_only(type(exc), exc)[-1].strip()
+
+
+class Channel:
+    """The worker's side of the pipe, as ``pb_utils`` uses it (BLS, decoupled sends)."""
+
+    def __init__(self, conn: Connection, inbound: Arena, outbound: Arena) -> None:
+        self.conn = conn
+        self.inbound = inbound
+        self.outbound = outbound
+        self.lock = threading.Lock()
+        self.open_senders = 0
+        self.finals = threading.Condition()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+    def encode(self, response: pb_utils.InferenceResponse) -> tuple[list[Header], ErrorInfo | None]:
+        error = response.error()
+        if error is not None:
+            return [], (error.message(), error.code())
+        headers = [self.outbound.write(t.name(), t.as_numpy()) for t in response.output_tensors()]
+        return headers, None
+
+    def send_response(
+        self, index: int, response: pb_utils.InferenceResponse | None, final: bool
+    ) -> None:
+        with self.lock:  # the arena's cursor is shared by every sending thread
+            headers, error = self.encode(response) if response is not None else ([], None)
+            self.conn.send(("response", index, headers, error, final, response is not None))
+        if final:
+            with self.finals:
+                self.open_senders -= 1
+                self.finals.notify_all()
+
+    def call(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        with self.lock:
+            headers = [self.outbound.write(t.name(), t.as_numpy()) for t in request.inputs()]
+            self.conn.send(
+                (
+                    "bls",
+                    {
+                        "model_name": request.model_name(),
+                        "model_version": request.model_version(),
+                        "request_id": request.request_id(),
+                        "outputs": request.requested_output_names(),
+                        "parameters": request.parameters(),
+                        "inputs": headers,
+                    },
+                )
+            )
+            kind, out_headers, error = self.conn.recv()
+        assert kind == "bls_result", kind
+        if error is not None:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(error[0], error[1]))
+        tensors = [pb_utils.Tensor(h[0], self.inbound.read(h, copy=True)) for h in out_headers]
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+class Worker:
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.model: Any = None
+        self.decoupled = False
+        self.loop = asyncio.new_event_loop()  # for `async def execute` and async_exec
+
+    def load_module(self, path: Path) -> Any:
+        # Sibling modules of model.py import as Triton allows (the version folder on the path).
+        sys.path.insert(0, str(path.parent))
+        spec = importlib.util.spec_from_file_location("model", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import {path}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, "TritonPythonModel"):
+            raise AttributeError(f"{path} defines no class TritonPythonModel")
+        return module
+
+    def auto_complete(self, path: Path, config_json: str) -> tuple[Any, ...]:
+        model_cls = self.load_module(path).TritonPythonModel
+        config = pb_utils.ModelConfig(config_json)
+        hook = getattr(model_cls, "auto_complete_config", None)
+        if hook is not None:
+            result = hook(config)
+            if isinstance(result, pb_utils.ModelConfig):
+                config = result
+        return ("config", json.dumps(config.as_dict()))
+
+    def initialize(self, path: Path, args: dict[str, str], decoupled: bool) -> tuple[Any, ...]:
+        self.decoupled = decoupled
+        self.model = self.load_module(path).TritonPythonModel()
+        if hasattr(self.model, "initialize"):
+            self.run(self.model.initialize(args))
+        return ("ready", None)
+
+    def run(self, result: Any) -> Any:
+        if inspect.isawaitable(result):
+            return self.loop.run_until_complete(result)
+        return result
+
+    def execute(self, wire_requests: list[dict[str, Any]]) -> tuple[Any, ...]:
+        channel = self.channel
+        channel.outbound.reset()
+        requests = []
+        for index, wire in enumerate(wire_requests):
+            inputs = [
+                pb_utils.Tensor(h[0], channel.inbound.read(h, copy=False)) for h in wire["inputs"]
+            ]
+            request = pb_utils.InferenceRequest(
+                inputs=inputs,
+                requested_output_names=wire["outputs"],
+                request_id=wire["request_id"],
+                correlation_id=wire["correlation_id"],
+                parameters=wire["parameters"],
+            )
+            if self.decoupled:
+                request._sender = pb_utils.InferenceResponseSender(index)
+            requests.append(request)
+        if self.decoupled:
+            with channel.finals:
+                channel.open_senders = len(requests)
+        try:
+            result = self.run(self.model.execute(requests))
+        except Exception as exc:
+            traceback.print_exc()
+            return ("executed", None, last_line(exc))
+        if self.decoupled:
+            if result is not None:
+                return ("executed", None, "a decoupled model's execute must return None")
+            # Responses may still come from the model's own threads: answer when all are final.
+            with channel.finals:
+                channel.finals.wait_for(lambda: channel.open_senders <= 0)
+            return ("executed", [], None)
+        if not isinstance(result, list | tuple) or len(result) != len(requests):
+            got = len(result) if isinstance(result, list | tuple) else type(result).__name__
+            return (
+                "executed",
+                None,
+                f"execute returned {got} responses for {len(requests)} requests "
+                "(it must return one InferenceResponse per request, in order)",
+            )
+        answers = []
+        for response in result:
+            if not isinstance(response, pb_utils.InferenceResponse):
+                return (
+                    "executed",
+                    None,
+                    f"execute returned a {type(response).__name__} where an "
+                    "InferenceResponse was expected",
+                )
+            answers.append(channel.encode(response))
+        return ("executed", answers, None)
+
+    def finalize(self) -> None:
+        if self.model is not None and hasattr(self.model, "finalize"):
+            self.run(self.model.finalize())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kiln.backends.python.worker")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--inbound", required=True)
+    parser.add_argument("--outbound", required=True)
+    parser.add_argument("--model", type=Path, required=True)
+    opts = parser.parse_args(argv)
+    pb_utils.install()
+    conn = Connection(opts.fd)
+    channel = Channel(conn, Arena.attach(opts.inbound), Arena.attach(opts.outbound))
+    pb_utils._channel = channel
+    worker = Worker(channel)
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return 0  # the server went away
+        kind = message[0]
+        try:
+            if kind == "auto_complete":
+                channel.send(worker.auto_complete(opts.model, message[1]))
+                return 0
+            if kind == "initialize":
+                channel.send(worker.initialize(opts.model, message[1], message[2]))
+            elif kind == "execute":
+                channel.send(worker.execute(message[1]))
+            elif kind == "finalize":
+                worker.finalize()
+                channel.send(("finalized", None))
+                return 0
+        except Exception as exc:
+            traceback.print_exc()
+            channel.send(("error", last_line(exc)))
+            if kind in ("auto_complete", "initialize"):
+                return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Triton's generate extension: ``POST /v2/models/{m}/generate`` and ``generate_stream``.
+
+The body is a flat JSON object: each key names a model input (its value a scalar or a
+flat list), plus optional ``id`` and ``parameters``. Each response is a flat JSON object
+too: ``model_name``, ``model_version``, and one key per output (a scalar when the output
+has one element, else a flat list). ``generate_stream`` sends every response of a
+decoupled model as a Server-Sent Event, ``data: {json}\\n\\n``; an error after the stream
+started arrives as ``data: {"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from kiln.core.errors import KilnError, invalid_arg
+from kiln.core.signature import ModelSignature
+from kiln.core.types import InferenceRequest, InferenceResponse, InferInput, element_count
+from kiln.frontends.http.codec import from_json, parse_json, to_json_data
+
+_RESERVED = ("id", "parameters")
+
+
+def decode_generate(
+    body: dict[str, Any], signature: ModelSignature, model: str, version: str
+) -> InferenceRequest:
+    params = body.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise invalid_arg("generate request: 'parameters' must be an object")
+    request = InferenceRequest(model, version, str(body.get("id", "")), parameters=params)
+    batching = signature.max_batch_size > 0
+    for key, value in body.items():
+        if key in _RESERVED:
+            continue
+        spec = signature.inputs.get(key)
+        if spec is None:
+            known = ", ".join(sorted(signature.inputs))
+            raise invalid_arg(
+                f"generate request for model '{model}': '{key}' is not an input of the "
+                f"model (inputs: {known})"
+            )
+        flat = value if isinstance(value, list) else [value]
+        fixed = all(d >= 0 for d in spec.dims)
+        if fixed and len(spec.dims) != 1 and len(flat) == element_count(spec.dims):
+            shape: tuple[int, ...] = spec.dims
+        else:
+            shape = (len(flat),)  # a flat list fills a one-dimensional input
+        if batching:
+            shape = (1, *shape)
+        data = from_json(key, spec.datatype, shape, flat)
+        request.inputs.append(InferInput(key, spec.datatype, shape, data))
+    return request
+
+
+def encode_generate(response: InferenceResponse) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model_name": response.model_name,
+        "model_version": response.model_version,
+    }
+    if response.id:
+        body["id"] = response.id
+    for out in response.outputs:
+        data = to_json_data(out.datatype, out.data)
+        values = data.tolist() if hasattr(data, "tolist") else list(data)
+        body[out.name] = values[0] if len(values) == 1 else values
+    return body
+
+
+def _dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+async def _request(frontend: Any, request: Request) -> InferenceRequest:
+    p = request.path_params
+    name, version = p["model"], p.get("version", "")
+    body = await frontend.read_body(request)
+    signature = frontend.server.model(name, version).signature
+    return decode_generate(parse_json(body), signature, name, version)
+
+
+async def generate(frontend: Any, request: Request) -> Response:
+    """One response; a decoupled model must send exactly one."""
+    req = await _request(frontend, request)
+    responses = [r async for r in frontend.server.infer_stream(req)]
+    if len(responses) != 1:
+        raise KilnError(
+            f"model '{req.model_name}' sent {len(responses)} responses to a generate request, "
+            "which expects exactly one: use generate_stream"
+        )
+    return Response(_dumps(encode_generate(responses[0])), media_type="application/json")
+
+
+async def generate_stream(frontend: Any, request: Request) -> Response:
+    req = await _request(frontend, request)
+    stream = frontend.server.infer_stream(req).__aiter__()
+    try:
+        # The first response is awaited here, so an early error keeps its HTTP status.
+        first: InferenceResponse | None = await stream.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def events() -> AsyncIterator[bytes]:
+        if first is None:
+            return
+        yield b"data: " + _dumps(encode_generate(first)) + b"\n\n"
+        try:
+            async for response in stream:
+                yield b"data: " + _dumps(encode_generate(response)) + b"\n\n"
+        except KilnError as exc:
+            yield b"data: " + _dumps({"error": exc.message}) + b"\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
