@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from kiln.examples import (
     build_example_repository,
     example_config,
     reference_outputs,
+    reference_responses,
     reference_sequence,
 )
 
@@ -394,3 +396,91 @@ def test_cnn_pipeline_config(repo: Path) -> None:
     assert dict(steps[2].input_map) == {"PROBABILITIES": steps[1].output_map["PROBABILITIES"]}
     assert {o.name for o in config.output} == {"CLASS", "SCORE", "PROBABILITIES"}
     assert validate_config(config, "cnn_pipeline", "config.pbtxt") == []
+
+
+# ---- Python-backend examples ------------------------------------------------------------
+
+
+def _load_python_model(repo: Path, name: str) -> Any:
+    """Import an example's model.py in this process, with kiln's pb_utils shim."""
+    import importlib.util
+
+    from kiln.backends.python import pb_utils
+
+    pb_utils.install()
+    spec = importlib.util.spec_from_file_location(f"example_{name}", repo / name / "1" / "model.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TritonPythonModel()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_python_preprocess_matches_image_preprocess(repo: Path, batch: int) -> None:
+    from kiln.backends.python import pb_utils
+    from kiln.config.loader import config_to_json
+
+    model = _load_python_model(repo, "python_preprocess")
+    config = parse_config_text(example_config("python_preprocess"))
+
+    model.initialize({"model_config": json.dumps(config_to_json(config))})
+    feeds = [_raw_image_feeds(batch, np.random.default_rng(i)) for i in range(2)]
+    requests = [
+        pb_utils.InferenceRequest(inputs=[pb_utils.Tensor("IMAGE", f["IMAGE"])]) for f in feeds
+    ]
+    responses = model.execute(requests)
+    assert len(responses) == 2  # one response per request of the list
+    for feed, response in zip(feeds, responses, strict=True):
+        got = {t.name(): t.as_numpy() for t in response.output_tensors()}
+        _assert_matches(got, reference_outputs("python_preprocess", feed))
+        # and equal to what the ONNX image_preprocess computes
+        onnx_out = _session(repo, "image_preprocess").run(None, feed)[0]
+        np.testing.assert_array_equal(got["NORMALIZED"], onnx_out)
+
+
+class _Collect:
+    def __init__(self) -> None:
+        self.items: list[tuple[dict[str, Array] | None, bool]] = []
+
+    def send(self, outputs: dict[str, Array] | None, final: bool, error: Any) -> None:
+        assert error is None
+        self.items.append((outputs, final))
+
+
+@pytest.mark.parametrize("values", [[4, -7, 9], []])
+def test_repeat_int32_streams_one_response_per_value(repo: Path, values: list[int]) -> None:
+    from kiln.backends.base import InstanceSpec
+    from kiln.backends.python.backend import PythonBackend
+
+    config = parse_config_text(example_config("repeat_int32"))
+    spec = InstanceSpec("repeat_int32", "cpu", 0, 0, 1)
+    backend = PythonBackend(config, repo / "repeat_int32" / "1", spec)
+    try:
+        sink = _Collect()
+
+        class Request:
+            inputs = {"IN": np.array(values, np.int32)}
+            output_names = ["OUT", "IDX"]
+            parameters: dict[str, Any] = {}
+            request_id = "r"
+
+        Request.sink = sink  # type: ignore[attr-defined]
+        assert backend.execute_requests([Request()]) == [{}]  # type: ignore[list-item]
+    finally:
+        backend.close()
+    expected = reference_responses("repeat_int32", {"IN": np.array(values, np.int32)})
+    assert [final for _, final in sink.items] == [False] * len(values) + [True]
+    assert sink.items[-1][0] is None  # the FINAL flag came without a response
+    for (outputs, _), want in zip(sink.items, expected, strict=False):
+        assert outputs is not None
+        _assert_matches(outputs, want)
+
+
+def test_python_example_configs(repo: Path) -> None:
+    for name in PYTHON_MODELS:
+        text = (repo / name / "config.pbtxt").read_text()
+        assert text == example_config(name)
+        config = parse_config_text(text)
+        assert config.backend == "python"
+        assert validate_config(config, name, "config.pbtxt") == []
+    assert parse_config_text(example_config("repeat_int32")).model_transaction_policy.decoupled

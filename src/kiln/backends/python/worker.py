@@ -13,6 +13,7 @@ import asyncio
 import importlib.util
 import inspect
 import json
+import signal
 import sys
 import threading
 import traceback
@@ -194,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outbound", required=True)
     parser.add_argument("--model", type=Path, required=True)
     opts = parser.parse_args(argv)
+    # Ctrl-C reaches the whole process group: the server shuts its workers down itself
+    # (finalize first), so the worker must not die of the same SIGINT mid-request.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     pb_utils.install()
     conn = Connection(opts.fd)
     channel = Channel(conn, Arena.attach(opts.inbound), Arena.attach(opts.outbound))

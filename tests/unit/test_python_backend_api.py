@@ -1,0 +1,214 @@
+"""The pb_utils shim, the shared-memory arena and auto_complete_config's ModelConfig."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kiln.backends.python import pb_utils
+from kiln.backends.python.arena import Arena, deserialize_bytes, serialize_bytes
+
+# ---- arena ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def arenas() -> Iterator[tuple[Arena, Arena]]:
+    writer = Arena.create("kiln-test-", size=4096)
+    reader = Arena.attach(writer.path)
+    yield writer, reader
+    reader.close()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(12, dtype=np.float32).reshape(3, 4),
+        np.array([[1, -2], [3, 4]], dtype=np.int64),
+        np.array([True, False, True]),
+        np.arange(6, dtype=np.float16).reshape(2, 3),
+        np.zeros((0, 5), dtype=np.int32),
+        np.array(7, dtype=np.uint8),
+        np.arange(10, dtype=np.float64)[::2],  # not contiguous
+    ],
+)
+def test_arena_roundtrip_numbers(arenas: tuple[Arena, Arena], array: np.ndarray) -> None:
+    writer, reader = arenas
+    header = writer.write("T", array)
+    assert header[0] == "T" and header[2] == array.shape
+    got = reader.read(header)
+    assert got.dtype == array.dtype
+    np.testing.assert_array_equal(got, array)
+
+
+def test_arena_roundtrip_bytes(arenas: tuple[Arena, Arena]) -> None:
+    writer, reader = arenas
+    array = np.array([[b"a", b""], ["h\u00e9llo", b"\x00\xff"]], dtype=object)
+    header = writer.write("S", array)
+    assert header[1] == "BYTES"
+    got = reader.read(header)
+    assert got.shape == (2, 2) and got.dtype == object
+    assert got.tolist() == [[b"a", b""], ["h\u00e9llo".encode(), b"\x00\xff"]]
+
+
+def test_bytes_serialization_is_length_prefixed() -> None:
+    raw = serialize_bytes(np.array([b"ab", b"c"], dtype=object))
+    assert raw == b"\x02\x00\x00\x00ab\x01\x00\x00\x00c"
+    assert deserialize_bytes(raw, (2,)).tolist() == [b"ab", b"c"]
+
+
+def test_arena_grows_and_reader_remaps(arenas: tuple[Arena, Arena]) -> None:
+    writer, reader = arenas
+    small = writer.write("A", np.arange(10, dtype=np.int32))
+    big_array = np.random.default_rng(0).standard_normal(300_000).astype(np.float32)
+    big = writer.write("B", big_array)  # far past the 4 KiB the arena started with
+    assert writer.size >= big[3] + big[4] > 4096
+    np.testing.assert_array_equal(reader.read(big), big_array)
+    np.testing.assert_array_equal(reader.read(small), np.arange(10, dtype=np.int32))
+    assert small[3] % 64 == 0 and big[3] % 64 == 0
+
+
+def test_arena_reset_reuses_space_and_view_mode(arenas: tuple[Arena, Arena]) -> None:
+    writer, reader = arenas
+    first = writer.write("A", np.ones(4, np.float32))
+    view = reader.read(first, copy=False)
+    writer.reset()
+    second = writer.write("A", np.full(4, 2, np.float32))
+    assert second[3] == first[3]
+    np.testing.assert_array_equal(view, np.full(4, 2, np.float32))  # a view sees the reuse
+
+
+def test_arena_close_unlinks_the_file() -> None:
+    arena = Arena.create("kiln-test-")
+    path = Path(arena.path)
+    assert path.exists()
+    arena.close()
+    assert not path.exists()
+
+
+# ---- pb_utils --------------------------------------------------------------------------
+
+
+def test_install_makes_the_triton_module_importable() -> None:
+    pb_utils.install()
+    module = importlib.import_module("triton_python_backend_utils")
+    assert module is pb_utils
+    assert sys.modules["triton_python_backend_utils"] is pb_utils
+
+
+def test_tensor_and_lookup_by_name() -> None:
+    a = pb_utils.Tensor("A", np.arange(3, dtype=np.int32))
+    b = pb_utils.Tensor("B", np.zeros((2, 2), np.float32))
+    request = pb_utils.InferenceRequest(
+        inputs=[a, b], requested_output_names=["OUT"], request_id="r1", parameters={"k": 1}
+    )
+    assert pb_utils.get_input_tensor_by_name(request, "B") is b
+    assert pb_utils.get_input_tensor_by_name(request, "C") is None
+    assert a.name() == "A" and a.shape() == [3] and a.is_cpu()
+    np.testing.assert_array_equal(a.as_numpy(), [0, 1, 2])
+    assert request.request_id() == "r1"
+    assert json.loads(request.parameters()) == {"k": 1}
+    assert request.requested_output_names() == ["OUT"]
+    response = pb_utils.InferenceResponse(output_tensors=[b])
+    assert pb_utils.get_output_tensor_by_name(response, "B") is b
+    assert not response.has_error() and response.error() is None
+
+
+def test_tensor_refuses_non_arrays() -> None:
+    with pytest.raises(pb_utils.TritonModelException, match=r"'X'.*numpy array.*list"):
+        pb_utils.Tensor("X", [1, 2])  # type: ignore[arg-type]
+
+
+def test_error_response() -> None:
+    error = pb_utils.TritonError("bad input", pb_utils.TritonError.INVALID_ARG)
+    response = pb_utils.InferenceResponse(error=error)
+    assert response.has_error()
+    assert response.error() is error
+    assert error.message() == "bad input" and error.code() == pb_utils.TritonError.INVALID_ARG
+
+
+def test_config_helpers() -> None:
+    config = {
+        "input": [{"name": "IN", "data_type": "TYPE_UINT8", "dims": [3]}],
+        "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [3]}],
+    }
+    for form in (config, json.dumps(config)):
+        out = pb_utils.get_output_config_by_name(form, "OUT")
+        assert out is not None and out["data_type"] == "TYPE_FP32"
+        assert pb_utils.get_input_config_by_name(form, "IN") == config["input"][0]
+        assert pb_utils.get_output_config_by_name(form, "NOPE") is None
+    assert pb_utils.triton_string_to_numpy("TYPE_FP32") is np.float32
+    assert pb_utils.triton_string_to_numpy("TYPE_STRING") is np.object_
+    with pytest.raises(pb_utils.TritonModelException, match="TYPE_NOPE"):
+        pb_utils.triton_string_to_numpy("TYPE_NOPE")
+
+
+def test_byte_tensor_helpers() -> None:
+    encoded = pb_utils.serialize_byte_tensor(np.array([b"x", b"yz"], dtype=object))
+    assert encoded.dtype == np.uint8
+    assert pb_utils.deserialize_bytes_tensor(encoded).tolist() == [b"x", b"yz"]
+
+
+def test_response_sender_only_for_decoupled_models() -> None:
+    request = pb_utils.InferenceRequest(inputs=[])
+    with pytest.raises(pb_utils.TritonModelException, match="decoupled"):
+        request.get_response_sender()
+
+
+def test_exec_outside_a_worker_says_why() -> None:
+    request = pb_utils.InferenceRequest(model_name="mlp", inputs=[])
+    with pytest.raises(pb_utils.TritonModelException, match="not running in kiln"):
+        request.exec()
+
+
+# ---- auto_complete_config's ModelConfig ---------------------------------------------------
+
+
+def test_auto_complete_fills_an_empty_config() -> None:
+    config = pb_utils.ModelConfig({"name": "m", "max_batch_size": 0, "input": [], "output": []})
+    config.set_max_batch_size(8)
+    config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [4]})
+    config.add_output({"name": "OUT", "data_type": "TYPE_FP32", "dims": [4]})
+    config.set_dynamic_batching()
+    config.set_model_transaction_policy({"decoupled": True})
+    d = config.as_dict()
+    assert d["max_batch_size"] == 8
+    assert [i["name"] for i in d["input"]] == ["IN"]
+    assert d["dynamic_batching"] == {}
+    assert d["model_transaction_policy"] == {"decoupled": True}
+
+
+def test_auto_complete_keeps_what_the_user_wrote() -> None:
+    config = pb_utils.ModelConfig(
+        json.dumps(
+            {
+                "max_batch_size": 2,
+                "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": ["4"]}],
+            }
+        )
+    )
+    config.set_max_batch_size(8)  # a smaller configured value is allowed and kept
+    config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [4], "optional": True})
+    d = config.as_dict()
+    assert d["max_batch_size"] == 2
+    assert d["input"] == [{"name": "IN", "data_type": "TYPE_FP32", "dims": ["4"], "optional": True}]
+
+
+def test_auto_complete_conflicts_name_both_values() -> None:
+    config = pb_utils.ModelConfig(
+        {"max_batch_size": 16, "input": [{"name": "IN", "data_type": "TYPE_INT32", "dims": [4]}]}
+    )
+    with pytest.raises(ValueError, match=r"max_batch_size 16.*at most 8"):
+        config.set_max_batch_size(8)
+    with pytest.raises(ValueError, match=r"'IN'.*TYPE_INT32.*TYPE_FP32"):
+        config.add_input({"name": "IN", "data_type": "TYPE_FP32"})
+    with pytest.raises(ValueError, match=r"'IN'.*dims"):
+        config.add_input({"name": "IN", "dims": [5]})
+    with pytest.raises(ValueError, match="name"):
+        config.add_output({"data_type": "TYPE_FP32"})
