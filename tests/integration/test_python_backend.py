@@ -1,0 +1,423 @@
+"""The Python backend behind a real ``kiln serve``: tritonclient HTTP and gRPC, decoupled
+streams, BLS, and each fault a user model can cause."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import textwrap
+import threading
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from kiln.examples import build_example_repository, reference_outputs, reference_responses
+from tests.conftest import KilnProcess
+
+FAULTS_MODEL = """
+import os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        action = pb_utils.get_input_tensor_by_name(requests[0], "ACTION").as_numpy()[0]
+        x = pb_utils.get_input_tensor_by_name(requests[0], "INPUT").as_numpy()
+        if action == b"raise":
+            raise ValueError("boom from execute")
+        if action == b"sleep":
+            time.sleep(30)
+        if action == b"wrong_count":
+            return []
+        if action == b"wrong_dtype":
+            x = x.astype(np.float64)
+        outputs = [pb_utils.Tensor("PID", np.array([os.getpid()], dtype=np.int64))]
+        if action != b"missing":
+            outputs.append(pb_utils.Tensor("OUTPUT", x * 2))
+        return [pb_utils.InferenceResponse(output_tensors=outputs) for _ in requests]
+"""
+
+FAULTS_CONFIG = """
+name: "py_faults"
+backend: "python"
+max_batch_size: 0
+input [ { name: "ACTION" data_type: TYPE_STRING dims: [ 1 ] },
+        { name: "INPUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ -1 ] },
+         { name: "PID" data_type: TYPE_INT64 dims: [ 1 ] } ]
+parameters { key: "execute_timeout_secs" value { string_value: "3" } }
+"""
+
+INIT_FAILS_MODEL = """
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("cannot open weights file missing.bin")
+
+    def execute(self, requests):
+        return []
+"""
+
+BLS_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT")
+            names = pb_utils.get_input_tensor_by_name(request, "TARGET").as_numpy()
+            target = names.reshape(-1)[0].decode()
+            call = pb_utils.InferenceRequest(
+                model_name=target, requested_output_names=["LOGITS"],
+                inputs=[pb_utils.Tensor("INPUT", x.as_numpy())])
+            first = call.exec()
+            if first.has_error():
+                error = pb_utils.TritonError("BLS failed: " + first.error().message())
+                responses.append(pb_utils.InferenceResponse(error=error))
+                continue
+            second = await call.async_exec()
+            a = pb_utils.get_output_tensor_by_name(first, "LOGITS").as_numpy()
+            b = pb_utils.get_output_tensor_by_name(second, "LOGITS").as_numpy()
+            assert np.array_equal(a, b)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("LOGITS", a)]))
+        return responses
+"""
+
+BLS_CONFIG = """
+name: "py_bls"
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 64 ] },
+        { name: "TARGET" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "LOGITS" data_type: TYPE_FP32 dims: [ 10 ] } ]
+"""
+
+AUTO_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.set_max_batch_size(4)
+        config.add_input({"name": "X", "data_type": "TYPE_INT32", "dims": [2]})
+        config.add_output({"name": "Y", "data_type": "TYPE_INT32", "dims": [2]})
+        return config
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y",
+                pb_utils.get_input_tensor_by_name(r, "X").as_numpy() + 1)]) for r in requests]
+"""
+
+LOADED = ["mlp", "python_preprocess", "repeat_int32", "py_faults", "py_bls", "py_auto"]
+
+
+def _python_model(repo: Path, name: str, source: str, config: str | None) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.py").write_text(textwrap.dedent(source))
+    if config is not None:
+        (repo / name / "config.pbtxt").write_text(textwrap.dedent(config))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
+    repo = tmp_path_factory.mktemp("pyrepo") / "models"
+    build_example_repository(repo, ["mlp", "python_preprocess", "repeat_int32"])
+    _python_model(repo, "py_faults", FAULTS_MODEL, FAULTS_CONFIG)
+    _python_model(repo, "py_init_fails", INIT_FAILS_MODEL, 'backend: "python"\n')
+    _python_model(repo, "py_bls", BLS_MODEL, BLS_CONFIG)
+    _python_model(repo, "py_auto", AUTO_MODEL, None)
+    args = ["--model-control-mode", "explicit"]
+    for name in LOADED:
+        args += ["--load-model", name]
+    proc = KilnProcess(repo, args).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def http(server: KilnProcess) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(server.http_url)
+
+
+@pytest.fixture
+def grpc(server: KilnProcess) -> Iterator[grpcclient.InferenceServerClient]:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    yield client
+    client.close()
+
+
+def _faults_inputs(action: str, x: np.ndarray) -> list[httpclient.InferInput]:
+    a = httpclient.InferInput("ACTION", [1], "BYTES")
+    a.set_data_from_numpy(np.array([action.encode()], dtype=object))
+    i = httpclient.InferInput("INPUT", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    return [a, i]
+
+
+def _pid(http: httpclient.InferenceServerClient) -> int:
+    x = np.arange(3, dtype=np.float32)
+    result = http.infer("py_faults", _faults_inputs("ok", x))
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT"), x * 2)
+    return int(result.as_numpy("PID")[0])
+
+
+# ---- plain inference ---------------------------------------------------------------------
+
+
+def test_python_preprocess_http_and_grpc(
+    http: httpclient.InferenceServerClient, grpc: grpcclient.InferenceServerClient
+) -> None:
+    images = np.random.default_rng(3).integers(0, 256, (3, 28, 28, 1), dtype=np.uint8)
+    want = reference_outputs("python_preprocess", {"IMAGE": images})["NORMALIZED"]
+    hi = httpclient.InferInput("IMAGE", list(images.shape), "UINT8")
+    hi.set_data_from_numpy(images, binary_data=True)
+    np.testing.assert_allclose(http.infer("python_preprocess", [hi]).as_numpy("NORMALIZED"), want)
+    gi = grpcclient.InferInput("IMAGE", list(images.shape), "UINT8")
+    gi.set_data_from_numpy(images)
+    got = grpc.infer("python_preprocess", [gi]).as_numpy("NORMALIZED")
+    np.testing.assert_allclose(got, want)
+
+
+def test_concurrent_requests_each_get_their_own_answer(server: KilnProcess) -> None:
+    # The dynamic batcher hands the model lists of requests: each must come back alone.
+    rng = np.random.default_rng(5)
+    batches = [rng.integers(0, 256, (1 + i % 3, 28, 28, 1), dtype=np.uint8) for i in range(8)]
+    client = httpclient.InferenceServerClient(server.http_url, concurrency=8)
+    pending = []
+    for images in batches:
+        tensor = httpclient.InferInput("IMAGE", list(images.shape), "UINT8")
+        tensor.set_data_from_numpy(images)
+        pending.append(client.async_infer("python_preprocess", [tensor]))
+    for images, request in zip(batches, pending, strict=True):
+        want = reference_outputs("python_preprocess", {"IMAGE": images})["NORMALIZED"]
+        np.testing.assert_allclose(request.get_result().as_numpy("NORMALIZED"), want)
+    client.close()
+
+
+def test_large_tensor_grows_the_arena(http: httpclient.InferenceServerClient) -> None:
+    x = np.random.default_rng(1).standard_normal(1_500_000).astype(np.float32)  # 6 MB
+    result = http.infer("py_faults", _faults_inputs("ok", x))
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT"), x * 2)
+
+
+def test_auto_complete_config_filled_the_config(http: httpclient.InferenceServerClient) -> None:
+    config = http.get_model_config("py_auto")
+    assert config["max_batch_size"] == 4
+    assert [i["name"] for i in config["input"]] == ["X"]
+    x = httpclient.InferInput("X", [2, 2], "INT32")
+    x.set_data_from_numpy(np.array([[1, 2], [3, 4]], np.int32))
+    np.testing.assert_array_equal(http.infer("py_auto", [x]).as_numpy("Y"), [[2, 3], [4, 5]])
+
+
+# ---- BLS -----------------------------------------------------------------------------------
+
+
+def _bls_inputs(target: str, x: np.ndarray) -> list[httpclient.InferInput]:
+    i = httpclient.InferInput("INPUT", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    t = httpclient.InferInput("TARGET", [x.shape[0], 1], "BYTES")
+    t.set_data_from_numpy(np.array([[target.encode()]] * x.shape[0], dtype=object))
+    return [i, t]
+
+
+def test_bls_calls_mlp(http: httpclient.InferenceServerClient) -> None:
+    x = np.random.default_rng(2).integers(0, 17, (2, 64)).astype(np.float32)
+    got = http.infer("py_bls", _bls_inputs("mlp", x)).as_numpy("LOGITS")
+    np.testing.assert_allclose(got, reference_outputs("mlp", {"INPUT": x})["LOGITS"], rtol=1e-4)
+
+
+def test_bls_error_comes_back_in_the_response(http: httpclient.InferenceServerClient) -> None:
+    x = np.zeros((1, 64), np.float32)
+    with pytest.raises(InferenceServerException, match=r"BLS failed: .*nope") as info:
+        http.infer("py_bls", _bls_inputs("nope", x))
+    assert info.value.status() == "500"
+
+
+# ---- decoupled ------------------------------------------------------------------------------
+
+
+def test_decoupled_grpc_stream(grpc: grpcclient.InferenceServerClient) -> None:
+    results: queue.Queue[Any] = queue.Queue()
+    grpc.start_stream(callback=lambda result, error: results.put((result, error)))
+    sent = {"a": [3, 1, 4], "b": [], "c": [7]}
+    for request_id, values in sent.items():
+        tensor = grpcclient.InferInput("IN", [len(values)], "INT32")
+        tensor.set_data_from_numpy(np.array(values, np.int32))
+        grpc.async_stream_infer(
+            "repeat_int32", [tensor], request_id=request_id, enable_empty_final_response=True
+        )
+    got: dict[str, list[dict[str, np.ndarray]]] = {k: [] for k in sent}
+    open_ids = set(sent)
+    while open_ids:
+        result, error = results.get(timeout=30)
+        assert error is None, error
+        response = result.get_response()
+        params = response.parameters
+        if params["triton_final_response"].bool_param:
+            assert not response.outputs  # the empty final response closes the request
+            open_ids.remove(response.id)
+            continue
+        got[response.id].append({n: result.as_numpy(n) for n in ("OUT", "IDX")})
+    grpc.stop_stream()
+    for request_id, values in sent.items():
+        want = reference_responses("repeat_int32", {"IN": np.array(values, np.int32)})
+        assert len(got[request_id]) == len(want)
+        for g, w in zip(got[request_id], want, strict=True):
+            np.testing.assert_array_equal(g["OUT"], w["OUT"])
+            np.testing.assert_array_equal(g["IDX"], w["IDX"])
+
+
+def test_decoupled_stream_error_keeps_the_stream_open(
+    grpc: grpcclient.InferenceServerClient,
+) -> None:
+    results: queue.Queue[Any] = queue.Queue()
+    grpc.start_stream(callback=lambda result, error: results.put((result, error)))
+    bad = grpcclient.InferInput("IN", [2], "FP32")
+    bad.set_data_from_numpy(np.zeros(2, np.float32))
+    grpc.async_stream_infer("repeat_int32", [bad], request_id="bad")
+    _, error = results.get(timeout=30)
+    assert error is not None and "IN" in str(error) and "FP32" in str(error)
+    good = grpcclient.InferInput("IN", [1], "INT32")
+    good.set_data_from_numpy(np.array([9], np.int32))
+    grpc.async_stream_infer("repeat_int32", [good], request_id="good")
+    result, error = results.get(timeout=30)
+    grpc.stop_stream()
+    assert error is None and result.as_numpy("OUT").tolist() == [9]
+
+
+def test_decoupled_http_generate_stream(server: KilnProcess) -> None:
+    url = f"http://{server.http_url}/v2/models/repeat_int32/generate_stream"
+    with requests.post(url, json={"IN": [5, 6, 7]}, stream=True, timeout=30) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = [
+            json.loads(line[len("data: ") :])
+            for line in resp.iter_lines(decode_unicode=True)
+            if line.startswith("data: ")
+        ]
+    assert [(e["OUT"], e["IDX"]) for e in events] == [(5, 0), (6, 1), (7, 2)]
+    assert all(e["model_name"] == "repeat_int32" for e in events)
+
+
+def test_http_generate(server: KilnProcess) -> None:
+    base = f"http://{server.http_url}/v2/models/repeat_int32"
+    one = requests.post(base + "/generate", json={"IN": [42]}, timeout=30)
+    assert one.status_code == 200 and one.json()["OUT"] == 42
+    many = requests.post(base + "/generate", json={"IN": [1, 2]}, timeout=30)
+    assert many.status_code == 400 and "generate_stream" in many.json()["error"]
+    unknown = requests.post(base + "/generate", json={"NOPE": 1}, timeout=30)
+    assert unknown.status_code == 400 and "'NOPE' is not an input" in unknown.json()["error"]
+    plain = requests.post(
+        f"http://{server.http_url}/v2/models/py_auto/generate", json={"X": [1, 2]}, timeout=30
+    )
+    assert plain.status_code == 200 and plain.json()["Y"] == [2, 3]
+
+
+def test_infer_on_a_decoupled_model_is_refused(
+    http: httpclient.InferenceServerClient, grpc: grpcclient.InferenceServerClient
+) -> None:
+    tensor = httpclient.InferInput("IN", [1], "INT32")
+    tensor.set_data_from_numpy(np.array([1], np.int32))
+    with pytest.raises(InferenceServerException, match="decoupled transaction policy"):
+        http.infer("repeat_int32", [tensor])
+    gtensor = grpcclient.InferInput("IN", [1], "INT32")
+    gtensor.set_data_from_numpy(np.array([1], np.int32))
+    with pytest.raises(InferenceServerException, match="decoupled transaction policy"):
+        grpc.infer("repeat_int32", [gtensor])
+
+
+# ---- faults ----------------------------------------------------------------------------------
+
+
+def test_initialize_failure_reason_in_the_index(http: httpclient.InferenceServerClient) -> None:
+    with pytest.raises(InferenceServerException, match="RuntimeError: cannot open weights file"):
+        http.load_model("py_init_fails")
+    (row,) = [r for r in http.get_model_repository_index() if r["name"] == "py_init_fails"]
+    assert row["state"] == "UNAVAILABLE"
+    assert row["reason"].endswith("RuntimeError: cannot open weights file missing.bin")
+    assert http.is_model_ready("python_preprocess")  # the others keep serving
+
+
+def test_execute_raises_batch_fails_worker_lives(http: httpclient.InferenceServerClient) -> None:
+    pid = _pid(http)
+    with pytest.raises(InferenceServerException, match="py_faults") as info:
+        http.infer("py_faults", _faults_inputs("raise", np.zeros(1, np.float32)))
+    assert "ValueError: boom from execute" in str(info.value)
+    assert info.value.status() == "500"
+    assert _pid(http) == pid
+
+
+@pytest.mark.parametrize(
+    ("action", "message"),
+    [
+        ("wrong_count", "returned 0 responses for 1 requests"),
+        ("wrong_dtype", "'OUTPUT' as float64.*TYPE_FP32"),
+        ("missing", "did not produce output 'OUTPUT'"),
+    ],
+)
+def test_bad_responses_name_model_and_output(
+    http: httpclient.InferenceServerClient, action: str, message: str
+) -> None:
+    with pytest.raises(InferenceServerException, match=f"py_faults.*{message}"):
+        http.infer("py_faults", _faults_inputs(action, np.ones(2, np.float32)))
+    _pid(http)  # and the model keeps serving
+
+
+def test_sigkill_mid_request_fails_it_and_restarts(
+    server: KilnProcess, http: httpclient.InferenceServerClient
+) -> None:
+    pid = _pid(http)
+    errors: list[BaseException] = []
+
+    def slow() -> None:
+        try:
+            http_slow = httpclient.InferenceServerClient(server.http_url)
+            http_slow.infer("py_faults", _faults_inputs("sleep", np.ones(1, np.float32)))
+        except InferenceServerException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    threading.Event().wait(0.5)  # let the request reach the worker (either way it must fail)
+    os.kill(pid, signal.SIGKILL)
+    thread.join(30)
+    assert len(errors) == 1 and "py_faults" in str(errors[0])
+    assert _pid(http) != pid  # a new, re-initialized worker answers
+
+
+def test_hang_hits_execute_timeout_and_restarts(http: httpclient.InferenceServerClient) -> None:
+    pid = _pid(http)
+    with pytest.raises(InferenceServerException, match="execute_timeout_secs=3") as info:
+        http.infer("py_faults", _faults_inputs("sleep", np.ones(1, np.float32)))
+    assert "py_faults" in str(info.value)
+    assert _pid(http) != pid
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the hung worker is gone
+
+
+def test_unload_finalizes_and_stops_workers(server: KilnProcess) -> None:
+    client = httpclient.InferenceServerClient(server.http_url)
+    pid = _pid(client)
+    client.unload_model("py_faults")
+    wait = partial(threading.Event().wait, 0.1)
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        wait()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    client.load_model("py_faults")
+    _pid(client)
