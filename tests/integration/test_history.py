@@ -49,6 +49,9 @@ def test_history_is_queryable_and_survives_a_restart(
 ) -> None:
     db = tmp_path / "h.db"
     first = make_server(simple_repo, args=[*FAST, "--history-path", str(db)]).start()
+    # A sample from before the requests: the average below is a ratio of two deltas, which
+    # a loaded machine could otherwise leave without a "before" point.
+    wait_for(lambda: _has(first, 0.0), 30, "a sample before any request")
     assert infer_simple(first, 5) == 5
     wait_for(lambda: _has(first, 5.0), 30, "5 successes in history")
     status, body = get_json(first, "/api/history", metric="avg_request_us", model="simple")
