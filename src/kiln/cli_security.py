@@ -51,6 +51,9 @@ _OPTIONS = [
                  help="Send CORS headers for this browser origin; may repeat. Off by default."),
     click.option("--http-timeout-keep-alive", type=click.FloatRange(min=0.1), default=30.0,
                  show_default=True, help="Close idle keep-alive connections after this long."),
+    click.option("--http-header-timeout-secs", type=click.FloatRange(min=0.01), default=30.0,
+                 show_default=True,
+                 help="Close a connection whose request headers take longer (slowloris)."),
     click.option("--http-read-timeout-secs", type=click.FloatRange(min=0), default=60.0,
                  show_default=True,
                  help="A request body must arrive within this long (408 beyond; 0: none)."),
@@ -122,5 +125,6 @@ def build_security(p: dict[str, Any]) -> SecurityOptions:
         http_timeout_keep_alive=p["http_timeout_keep_alive"],
         http_limit_concurrency=p["http_limit_concurrency"],
         http_read_timeout_secs=p["http_read_timeout_secs"],
+        http_header_timeout_secs=p["http_header_timeout_secs"],
         grpc_max_message_bytes=p["grpc_max_message_bytes"],
     )

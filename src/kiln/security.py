@@ -71,6 +71,8 @@ class SecurityOptions:
     http_timeout_keep_alive: float = 30.0
     # uvicorn: beyond this many open connections/tasks new requests get 503 (0: no limit).
     http_limit_concurrency: int = 0
+    # kiln: a request's headers must arrive within this long of its first byte (slowloris).
+    http_header_timeout_secs: float = 30.0
     # kiln: a request body must arrive within this long (408 beyond; 0: no limit).
     http_read_timeout_secs: float = 60.0
     grpc_max_message_bytes: int = 2**31 - 1

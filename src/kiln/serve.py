@@ -55,10 +55,6 @@ class _Uvicorn(uvicorn.Server):
         pass
 
 
-# A request's headers must arrive within this long of its first byte (slowloris).
-HEADER_TIMEOUT_SECS = 30.0
-
-
 def _uvicorn(
     app: object,
     host: str,
@@ -82,7 +78,7 @@ def _uvicorn(
         host=host,
         port=port,
         loop="none",
-        http=header_timeout_protocol(HEADER_TIMEOUT_SECS),
+        http=header_timeout_protocol(sec.http_header_timeout_secs),
         lifespan="off",
         log_level="warning",
         access_log=False,
