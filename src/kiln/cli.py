@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from kiln import __version__
+from kiln.cli_security import build_security, security_options
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -171,6 +173,7 @@ def main() -> None:
     default="info",
     show_default=True,
 )
+@security_options
 def serve(
     model_repository: tuple[Path, ...],
     model_control_mode: str,
@@ -201,8 +204,11 @@ def serve(
     repository_poll_secs: float,
     cache_config: tuple[str, ...],
     log_level: str,
+    **security_params: Any,
 ) -> None:
-    """Serve a model repository over KServe v2 HTTP/gRPC with metrics."""
+    """Serve a model repository over KServe v2 HTTP/gRPC with metrics.
+
+    Security (API keys, restricted APIs, TLS, CORS, limits): see docs/security.md."""
     from kiln.core.server import ControlMode, ServerOptions
     from kiln.metrics.app import MetricsOptions
     from kiln.metrics.config import MetricsConfig, MetricsConfigError
@@ -233,7 +239,10 @@ def serve(
         max_request_bytes=http_max_input_size,
         repository_poll_secs=repository_poll_secs,
         cache=parsed_cache_config,
+        max_input_tensors=security_params["max_input_tensors"],
+        max_tensor_elements=security_params["max_tensor_elements"],
     )
+    security = build_security(security_params)
     metrics = MetricsOptions(
         parsed_metrics_config, metrics_interval_ms, allow_gpu_metrics, allow_cpu_metrics
     )
@@ -253,7 +262,15 @@ def serve(
         alert_webhook_timeout_secs=alert_webhook_timeout_secs,
     )
     endpoints = Endpoints(
-        host, http_port, grpc_port, metrics_port, allow_grpc, allow_metrics, metrics, monitor
+        host,
+        http_port,
+        grpc_port,
+        metrics_port,
+        allow_grpc,
+        allow_metrics,
+        metrics,
+        monitor,
+        security,
     )
     sys.exit(run_server(options, endpoints))
 

@@ -13,15 +13,20 @@ import os
 import signal
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
+from starlette.middleware.cors import CORSMiddleware
 
 from kiln.core.server import Server, ServerOptions
+from kiln.frontends.http.access import AccessMiddleware
 from kiln.frontends.http.app import HttpFrontend
 from kiln.frontends.http.live_routes import live_routes
 from kiln.frontends.http.monitor_routes import monitor_routes
+from kiln.frontends.http.slow_clients import header_timeout_protocol
 from kiln.metrics.app import MetricsOptions, MetricsService, metrics_app
 from kiln.metrics.monitor import MonitorOptions, MonitorService
+from kiln.security import SecurityOptions
 
 log = logging.getLogger("kiln")
 
@@ -36,6 +41,7 @@ class Endpoints:
     allow_metrics: bool = True
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
     monitor: MonitorOptions = field(default_factory=MonitorOptions)
+    security: SecurityOptions = field(default_factory=SecurityOptions)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -49,22 +55,64 @@ class _Uvicorn(uvicorn.Server):
         pass
 
 
-def _uvicorn(app: object, host: str, port: int, timeout: float) -> _Uvicorn:
+def _uvicorn(
+    app: object,
+    host: str,
+    port: int,
+    timeout: float,
+    security: SecurityOptions | None = None,
+) -> _Uvicorn:
+    """``security``: the main HTTP listener's TLS and limits; None for the metrics port."""
+    sec = security or SecurityOptions()
+    tls: dict[str, object] = {}
+    if security is not None and security.http_tls is not None:
+        t = security.http_tls
+        tls = {
+            "ssl_certfile": str(t.certfile),
+            "ssl_keyfile": str(t.keyfile),
+            "ssl_ca_certs": str(t.ca_certs) if t.ca_certs else None,
+            "ssl_cert_reqs": t.cert_reqs,
+        }
     config = uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=host,
         port=port,
         loop="none",
-        http="httptools",
+        http=header_timeout_protocol(sec.http_header_timeout_secs),
         lifespan="off",
         log_level="warning",
         access_log=False,
-        timeout_keep_alive=30,
+        timeout_keep_alive=sec.http_timeout_keep_alive,  # type: ignore[arg-type]
+        limit_concurrency=sec.http_limit_concurrency or None,
         timeout_graceful_shutdown=int(max(timeout, 1)),
         server_header=False,
         date_header=False,
+        **tls,  # type: ignore[arg-type]
     )
     return _Uvicorn(config)
+
+
+def _http_app(server: Server, routes: list[Any], security: SecurityOptions) -> Any:
+    """The HTTP app inside its access check, inside CORS (so browsers' preflight requests,
+    which carry no credentials, are answered before the key is asked for)."""
+    app: Any = HttpFrontend(server, security.http_read_timeout_secs).app(routes)
+    if security.http_access.enabled:
+        app = AccessMiddleware(app, security.http_access)
+    if security.cors_origins:
+        app = CORSMiddleware(
+            app,
+            allow_origins=list(security.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=[
+                "authorization",
+                "x-api-key",
+                "content-type",
+                "inference-header-content-length",
+                "content-encoding",
+            ],
+            expose_headers=["inference-header-content-length"],
+        )
+    return app
 
 
 async def run(options: ServerOptions, endpoints: Endpoints) -> int:
@@ -78,13 +126,15 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         if endpoints.monitor.enabled:
             external_url = f"http://{endpoints.host}:{endpoints.http_port}"
             monitor = MonitorService(metrics, endpoints.monitor, external_url)
+    security = endpoints.security
     http = _uvicorn(
-        HttpFrontend(server).app(
-            [*monitor_routes(monitor), *live_routes(server, metrics, monitor)]
+        _http_app(
+            server, [*monitor_routes(monitor), *live_routes(server, metrics, monitor)], security
         ),
         endpoints.host,
         endpoints.http_port,
         options.exit_timeout_secs,
+        security,
     )
     servers = [http]
     if metrics is not None and endpoints.allow_metrics:
@@ -100,7 +150,14 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
     if endpoints.allow_grpc:
         from kiln.frontends.grpc.server import start_grpc
 
-        grpc_server = await start_grpc(server, endpoints.host, endpoints.grpc_port)
+        grpc_server = await start_grpc(
+            server,
+            endpoints.host,
+            endpoints.grpc_port,
+            security.grpc_max_message_bytes,
+            access=security.grpc_access,
+            tls=security.grpc_tls,
+        )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -50,7 +50,8 @@ def test_version_dirs_ignore_non_numeric_and_leading_zero(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    "name", ["", ".", "..", ".hidden", "../etc", "a/b", "a\\b", "x\x00y", "a" * 256]
+    "name",
+    ["", ".", "..", ".hidden", "../etc", "a/b", "a\\b", "x\x00y", "a" * 256, "ünïcode", "a b"],
 )
 def test_check_model_name_refuses_escapes(name: str) -> None:
     with pytest.raises(KilnError) as info:
@@ -59,7 +60,7 @@ def test_check_model_name_refuses_escapes(name: str) -> None:
     assert "invalid model name" in info.value.message
 
 
-@pytest.mark.parametrize("name", ["simple", "my-model_2", "a.b", "ünïcode"])
+@pytest.mark.parametrize("name", ["simple", "my-model_2", "a.b", "a" * 255])
 def test_check_model_name_accepts_folder_names(name: str) -> None:
     check_model_name(name)
 

@@ -19,6 +19,7 @@ class Status(enum.Enum):
     INTERNAL = "INTERNAL"
     UNSUPPORTED = "UNSUPPORTED"
     UNAVAILABLE = "UNAVAILABLE"
+    REQUEST_TIMEOUT = "REQUEST_TIMEOUT"  # HTTP-only: a client too slow to send its body
 
     @property
     def http_status(self) -> int:
@@ -42,6 +43,7 @@ _HTTP = {
     Status.INTERNAL: 500,
     Status.UNSUPPORTED: 501,
     Status.UNAVAILABLE: 503,
+    Status.REQUEST_TIMEOUT: 408,
 }
 
 # Triton's mapping (src/grpc/grpc_utils.cc), plus the HTTP-only statuses kiln has.
@@ -57,6 +59,7 @@ _GRPC = {
     Status.INTERNAL: "INTERNAL",
     Status.UNSUPPORTED: "UNIMPLEMENTED",
     Status.UNAVAILABLE: "UNAVAILABLE",
+    Status.REQUEST_TIMEOUT: "DEADLINE_EXCEEDED",
 }
 
 

@@ -21,6 +21,7 @@ from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.runtime import ModelRuntime
 from kiln.core.settings import LogSettings, TraceSettings
 from kiln.core.shm import SharedMemoryManager
+from kiln.core.signature import check_request_limits
 from kiln.core.types import InferenceRequest, InferenceResponse
 from kiln.repository.manager import RepositoryManager, check_model_name, decode_files
 from kiln.repository.poll import RepositoryPoller
@@ -60,6 +61,8 @@ class ServerOptions:
     max_request_bytes: int = 64 * 1024 * 1024
     repository_poll_secs: float = 15.0
     cache: CacheConfig | None = None  # --cache-config; None: no response cache at all
+    max_input_tensors: int = 0  # --max-input-tensors; 0: no limit (Triton has none)
+    max_tensor_elements: int = 0  # --max-tensor-elements; 0: no limit
 
 
 class Server:
@@ -158,6 +161,8 @@ class Server:
         if self.shutting_down:
             raise KilnError("server is shutting down", Status.UNAVAILABLE)
         runtime = self.repository.get(request.model_name, request.model_version)
+        opts = self.options
+        check_request_limits(request, opts.max_input_tensors, opts.max_tensor_elements)
         counts = {
             o.name: n for o in request.outputs if (n := requested_count(o.name, o.parameters))
         }

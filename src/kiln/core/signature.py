@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kiln.config.model_config_pb2 import DataType as PbDataType
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import invalid_arg
-from kiln.core.types import DataType, InferenceRequest
+from kiln.core.types import DataType, InferenceRequest, element_count
 from kiln.scheduling.sequence_config import scheduler_inputs, state_outputs
 
 
@@ -136,3 +136,23 @@ def _matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
 
 def _enum_name(value: int) -> str:
     return PbDataType.Name(value)
+
+
+def check_request_limits(request: InferenceRequest, max_tensors: int, max_elements: int) -> None:
+    """Server-wide limits (``--max-input-tensors``, ``--max-tensor-elements``; 0 = none),
+    checked before the model's own signature so every model and frontend agrees."""
+    model = request.model_name
+    if max_tensors and len(request.inputs) > max_tensors:
+        raise invalid_arg(
+            f"inference request for model '{model}' has {len(request.inputs)} inputs, more "
+            f"than the server's limit of {max_tensors} (--max-input-tensors)"
+        )
+    if max_elements:
+        for tensor in request.inputs:
+            count = element_count(tensor.shape)
+            if count > max_elements:
+                raise invalid_arg(
+                    f"input '{tensor.name}' for model '{model}' has {count} elements (shape "
+                    f"{_fmt(tensor.shape)}), more than the server's limit of {max_elements} "
+                    "(--max-tensor-elements)"
+                )

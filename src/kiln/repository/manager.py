@@ -26,6 +26,7 @@ from kiln.config.loader import (
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.runtime import ModelRuntime, ModelState
+from kiln.repository.safety import check_config_paths, check_model_name, check_tree_inside
 from kiln.scheduling.cache import ResponseCache
 from kiln.scheduling.ensemble_graph import is_ensemble
 
@@ -38,21 +39,6 @@ _LOADING_ENSEMBLES: contextvars.ContextVar[tuple[str, ...]] = contextvars.Contex
 log = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.pbtxt"
-
-
-def check_model_name(name: str) -> None:
-    """Refuse names that could escape the repository, before touching the file system."""
-    if (
-        not name
-        or name in (".", "..")
-        or name.startswith(".")
-        or any(c in name for c in ("/", "\\", "\x00"))
-        or len(name) > 255
-    ):
-        raise invalid_arg(
-            f"invalid model name '{name}': a model name is one folder of the repository "
-            "(no path separators, no leading '.')"
-        )
 
 
 def version_dirs(model_dir: Path) -> dict[int, Path]:
@@ -203,6 +189,8 @@ class RepositoryManager:
             model_dir = files_dir
         else:
             model_dir = self.model_dir(name)
+            # model_dir is <resolved repository>/<name>: its parent is the repository.
+            check_tree_inside(model_dir, model_dir.parent, name)
         config_path = model_dir / CONFIG_NAME
         text: str | None = None
         if config_json is not None:
@@ -229,8 +217,10 @@ class RepositoryManager:
         if not versions:
             raise KilnError(f"failed to load '{name}', no version is available", Status.INVALID_ARG)
         chosen = select_versions(config, list(versions))
+        check_config_paths(config, name)  # before auto-complete reads any named file
         cls.auto_complete_config(config, versions[chosen[-1]])
         _complete_scheduling(config)
+        check_config_paths(config, name)
         problems = validate_config(config, name, str(config_path), text=None)
         if problems:
             raise problems[0]

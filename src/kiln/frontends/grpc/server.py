@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import grpc
 
+from kiln.core.access import AccessPolicy
 from kiln.core.server import Server
+from kiln.frontends.grpc.access import AccessInterceptor
 from kiln.frontends.grpc.health import HealthServicer
 from kiln.frontends.grpc.servicer import InferenceServicer
 from kiln.frontends.grpc.wire import (
@@ -15,6 +17,7 @@ from kiln.frontends.grpc.wire import (
     INFERENCE_SERVICE,
     generic_handler,
 )
+from kiln.security import GrpcTls
 
 # Triton's limit for both directions: gRPC's 4 MiB default is far too small for tensors,
 # and a protobuf message cannot exceed 2 GiB anyway.
@@ -22,15 +25,22 @@ MAX_MESSAGE_BYTES = 2**31 - 1
 
 
 async def start_grpc(
-    server: Server, host: str, port: int, max_message_bytes: int = MAX_MESSAGE_BYTES
+    server: Server,
+    host: str,
+    port: int,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    access: AccessPolicy | None = None,
+    tls: GrpcTls | None = None,
 ) -> grpc.aio.Server:
+    interceptors = [AccessInterceptor(access)] if access is not None and access.enabled else []
     grpc_server = grpc.aio.server(
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             # Without this a second server could bind the same port and steal half the calls.
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     grpc_server.add_generic_rpc_handlers(
         (
@@ -38,7 +48,11 @@ async def start_grpc(
             generic_handler(HEALTH_DESCRIPTOR, HEALTH_SERVICE, HealthServicer(server)),
         )
     )
-    bound = grpc_server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if tls is not None:
+        bound = grpc_server.add_secure_port(address, tls.credentials())  # type: ignore[arg-type]
+    else:
+        bound = grpc_server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"gRPC: unable to bind {host}:{port}")
     await grpc_server.start()

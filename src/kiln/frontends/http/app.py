@@ -3,6 +3,7 @@ decision is core's. Paths follow Triton's router (``src/http_server.cc``)."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import logging
 import zlib
@@ -26,6 +27,7 @@ from kiln.frontends.http.codec import (
     encode_response,
     parse_json,
 )
+from kiln.frontends.http.openapi import openapi_document
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +46,11 @@ def error_response(message: str, status: int) -> Response:
 
 
 class HttpFrontend:
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, read_timeout_secs: float = 0.0) -> None:
         self.server = server
         self.max_body = server.options.max_request_bytes
+        # A body trickling in slower than this is cut off (slow-client protection); 0: none.
+        self.read_timeout = read_timeout_secs
 
     # ---- plumbing --------------------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
@@ -57,7 +61,26 @@ class HttpFrontend:
                 "(--http-max-input-size)",
                 Status.PAYLOAD_TOO_LARGE,
             )
-        chunks, total = [], 0
+        chunks: list[bytes] = []
+        try:
+            async with asyncio.timeout(self.read_timeout or None):
+                await self._read_chunks(request, chunks)
+        except TimeoutError:
+            raise KilnError(
+                f"request body not received within {self.read_timeout:g}s "
+                "(--http-read-timeout-secs)",
+                Status.REQUEST_TIMEOUT,
+            ) from None
+        body = b"".join(chunks)
+        encoding = request.headers.get("content-encoding", "").lower()
+        if encoding in ("gzip", "deflate"):
+            body = self._decompress(body, encoding)
+        elif encoding not in ("", "identity"):
+            raise KilnError(f"unsupported Content-Encoding '{encoding}'", Status.UNSUPPORTED)
+        return body
+
+    async def _read_chunks(self, request: Request, chunks: list[bytes]) -> None:
+        total = 0
         async for chunk in request.stream():
             total += len(chunk)
             if total > self.max_body:
@@ -67,13 +90,6 @@ class HttpFrontend:
                     Status.PAYLOAD_TOO_LARGE,
                 )
             chunks.append(chunk)
-        body = b"".join(chunks)
-        encoding = request.headers.get("content-encoding", "").lower()
-        if encoding in ("gzip", "deflate"):
-            body = self._decompress(body, encoding)
-        elif encoding not in ("", "identity"):
-            raise KilnError(f"unsupported Content-Encoding '{encoding}'", Status.UNSUPPORTED)
-        return body
 
     def _decompress(self, body: bytes, encoding: str) -> bytes:
         wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
@@ -218,6 +234,9 @@ class HttpFrontend:
             return json_response(logs.update(updates) if updates else logs.get())
         return json_response(logs.get())
 
+    async def openapi(self, request: Request) -> Response:
+        return json_response(openapi_document())
+
     # ---- system shared memory --------------------------------------------------------
     async def shm_status(self, request: Request) -> Response:
         return json_response(self.server.shm.status(request.path_params.get("region", "")))
@@ -294,6 +313,7 @@ class HttpFrontend:
         add("/v2/trace/setting", self.trace_setting, ["GET", "POST"])
         add("/v2/models/{model}/trace/setting", self.trace_setting, ["GET", "POST"])
         add("/v2/logging", self.logging, ["GET", "POST"])
+        add("/v2/openapi.json", self.openapi, ["GET"])
         shm = "/v2/systemsharedmemory"
         add(shm + "/status", self.shm_status, ["GET"])
         add(shm + "/region/{region}/status", self.shm_status, ["GET"])

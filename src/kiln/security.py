@@ -1,0 +1,78 @@
+"""Security settings of ``kiln serve`` as one value: who may call (see
+:mod:`kiln.core.access`), TLS for each listener, CORS, and the HTTP listener's limits."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.core.access import AccessPolicy
+
+
+class TlsConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class HttpTls:
+    """uvicorn's TLS: ``client_auth`` none | optional | required (mTLS)."""
+
+    certfile: Path
+    keyfile: Path
+    ca_certs: Path | None = None
+    client_auth: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.client_auth != "none" and self.ca_certs is None:
+            raise TlsConfigError("--ssl-client-auth needs --ssl-ca-certs (the clients' CA)")
+
+    @property
+    def cert_reqs(self) -> int:
+        return {
+            "none": ssl.CERT_NONE,
+            "optional": ssl.CERT_OPTIONAL,
+            "required": ssl.CERT_REQUIRED,
+        }[self.client_auth]
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcTls:
+    """Triton's ``--grpc-server-cert/--grpc-server-key/--grpc-root-cert/--grpc-use-ssl-mutual``."""
+
+    server_cert: Path
+    server_key: Path
+    root_cert: Path | None = None
+    mutual: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mutual and self.root_cert is None:
+            raise TlsConfigError("--grpc-use-ssl-mutual needs --grpc-root-cert (the clients' CA)")
+
+    def credentials(self) -> object:
+        import grpc
+
+        root = self.root_cert.read_bytes() if self.root_cert else None
+        return grpc.ssl_server_credentials(
+            [(self.server_key.read_bytes(), self.server_cert.read_bytes())],
+            root_certificates=root,
+            require_client_auth=self.mutual,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SecurityOptions:
+    http_access: AccessPolicy = field(default_factory=AccessPolicy)
+    grpc_access: AccessPolicy = field(default_factory=AccessPolicy)
+    http_tls: HttpTls | None = None
+    grpc_tls: GrpcTls | None = None
+    cors_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
+    # uvicorn: idle keep-alive connections close after this long.
+    http_timeout_keep_alive: float = 30.0
+    # uvicorn: beyond this many open connections/tasks new requests get 503 (0: no limit).
+    http_limit_concurrency: int = 0
+    # kiln: a request's headers must arrive within this long of its first byte (slowloris).
+    http_header_timeout_secs: float = 30.0
+    # kiln: a request body must arrive within this long (408 beyond; 0: no limit).
+    http_read_timeout_secs: float = 60.0
+    grpc_max_message_bytes: int = 2**31 - 1
