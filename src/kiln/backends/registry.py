@@ -14,10 +14,24 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "onnxruntime": ("kiln.backends.onnxruntime", "OnnxRuntimeBackend", ""),
     # no compute of its own: its runtime schedules the composing models' steps
     "ensemble": ("kiln.scheduling.ensemble", "EnsembleBackend", ""),
+    # importing it imports torch: a missing torch becomes the install hint below
+    "pytorch": ("kiln.backends.pytorch", "PyTorchBackend", "torch"),
+    # imports tensorrt only when an engine loads, so its refusals can name the GPU too
+    "tensorrt": ("kiln.backends.tensorrt", "TensorRTBackend", "tensorrt"),
 }
-_PLATFORMS = {"onnxruntime_onnx": "onnxruntime", "ensemble": "ensemble"}
+_PLATFORMS = {
+    "onnxruntime_onnx": "onnxruntime",
+    "ensemble": "ensemble",
+    "pytorch_libtorch": "pytorch",
+    "tensorrt_plan": "tensorrt",
+}
 # file in a version folder -> backend, for configs that name neither
-_FILES = {"model.onnx": "onnxruntime"}
+_FILES = {
+    "model.onnx": "onnxruntime",
+    "model.pt": "pytorch",
+    "model.pt2": "pytorch",
+    "model.plan": "tensorrt",
+}
 
 
 def register(
