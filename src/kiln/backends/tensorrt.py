@@ -36,28 +36,31 @@ _INSTALL = "install kiln-serve[tensorrt] (the tensorrt package and a CUDA build 
 
 
 def _modules(model: str) -> tuple[Any, Any]:
-    """(tensorrt, torch), or a refusal naming what this machine lacks."""
+    """(tensorrt, torch), or one refusal naming everything this machine lacks."""
+    missing = []
     torch: Any
     try:
         import torch
     except ImportError:
         torch = None
     if torch is None or not torch.cuda.is_available():
-        raise KilnError(
-            f"model '{model}': the tensorrt backend runs engines on an NVIDIA GPU and this "
-            "machine has no usable one (engines are GPU-specific: build and serve them on "
-            "the GPU model they are for)",
-            Status.UNAVAILABLE,
+        missing.append(
+            "an NVIDIA GPU, and this machine has no usable one (engines are GPU-specific: "
+            "build and serve them on the GPU model they are for)"
         )
+    trt: Any = None
     try:
         import tensorrt
+
+        trt = tensorrt
     except ImportError as exc:
+        missing.append(f"the TensorRT Python runtime ({exc}): {_INSTALL}")
+    if missing:
         raise KilnError(
-            f"model '{model}': the tensorrt backend needs the TensorRT Python runtime "
-            f"({exc}): {_INSTALL}",
+            f"model '{model}': the tensorrt backend needs " + "; and ".join(missing),
             Status.UNAVAILABLE,
-        ) from exc
-    return tensorrt, torch
+        )
+    return trt, torch
 
 
 def _load_engine(config: ModelConfig, version_dir: Path, device_id: int) -> tuple[Any, Any]:
