@@ -41,7 +41,8 @@ def test_repo_example_builds_loadable_models(
     for name in EXAMPLE_MODELS:
         assert f"built {repo / name}" in result.stdout
         # an ensemble's version folder stays empty: its steps are the other models
-        assert (repo / name / "1" / "model.onnx").is_file() or name == "cnn_pipeline"
+        model_file = "model.pt" if name == "torch_mlp" else "model.onnx"
+        assert (repo / name / "1" / model_file).is_file() or name == "cnn_pipeline"
     assert check_repository(repo) == []
 
     again = kiln("repo", "example", str(repo), "--model", "simple")

@@ -26,7 +26,8 @@ Array = npt.NDArray[Any]
 Feeds = dict[str, Array]
 
 ENSEMBLES = ("cnn_pipeline",)
-ONNX_MODELS = tuple(m for m in EXAMPLE_MODELS if m not in ENSEMBLES)
+TORCH_MODELS = ("torch_mlp",)  # TorchScript, tested in test_examples_torch.py
+ONNX_MODELS = tuple(m for m in EXAMPLE_MODELS if m not in (*ENSEMBLES, *TORCH_MODELS))
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,7 @@ def test_example_models_order() -> None:
         "image_preprocess",
         "postprocess",
         "cnn_pipeline",
+        "torch_mlp",
     ) == EXAMPLE_MODELS
 
 
@@ -289,7 +291,8 @@ def test_build_is_deterministic(tmp_path: Path) -> None:
     first = build_example_repository(tmp_path / "a")
     second = build_example_repository(tmp_path / "b")
     for a, b in zip(first, second, strict=True):
-        for file in ("config.pbtxt", "1/model.onnx") if a.name not in ENSEMBLES else ():
+        onnx_files = ("config.pbtxt", "1/model.onnx") if a.name in ONNX_MODELS else ()
+        for file in onnx_files:
             assert (a / file).read_bytes() == (b / file).read_bytes(), (a.name, file)
 
 
