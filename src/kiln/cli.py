@@ -449,15 +449,19 @@ def repo_check(directory: Path) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace existing model folders.")
 def repo_example(directory: Path, models: tuple[str, ...], overwrite: bool) -> None:
     """Build the example model repository (simple, simple_string, mlp, cnn,
-    simple_sequence*, image_preprocess, postprocess, cnn_pipeline)."""
+    simple_sequence*, image_preprocess, postprocess, cnn_pipeline, torch_mlp)."""
     from kiln.examples import build_example_repository
+    from kiln.examples.repository import unavailable_examples
 
     try:
         built = build_example_repository(directory, models or None, overwrite=overwrite)
+        skipped = unavailable_examples(models or None)
     except (ValueError, FileExistsError) as exc:
         raise click.ClickException(str(exc)) from exc
     for path in built:
         click.echo(f"built {path}")
+    for name, reason in skipped.items():
+        click.echo(f"skipped {name} ({reason})")
 
 
 if __name__ == "__main__":  # pragma: no cover

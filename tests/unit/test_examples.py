@@ -29,7 +29,10 @@ Feeds = dict[str, Array]
 
 ENSEMBLES = ("cnn_pipeline",)
 PYTHON_MODELS = ("python_preprocess", "repeat_int32")
-ONNX_MODELS = tuple(m for m in EXAMPLE_MODELS if m not in (*ENSEMBLES, *PYTHON_MODELS))
+TORCH_MODELS = ("torch_mlp",)  # TorchScript, tested in test_examples_torch.py
+ONNX_MODELS = tuple(
+    m for m in EXAMPLE_MODELS if m not in (*ENSEMBLES, *PYTHON_MODELS, *TORCH_MODELS)
+)
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +165,7 @@ def test_example_models_order() -> None:
         "postprocess",
         "cnn_pipeline",
         *PYTHON_MODELS,
+        "torch_mlp",
     ) == EXAMPLE_MODELS
 
 
@@ -295,7 +299,8 @@ def test_build_is_deterministic(tmp_path: Path) -> None:
     first = build_example_repository(tmp_path / "a")
     second = build_example_repository(tmp_path / "b")
     for a, b in zip(first, second, strict=True):
-        for file in ("config.pbtxt", "1/model.onnx") if a.name in ONNX_MODELS else ():
+        onnx_files = ("config.pbtxt", "1/model.onnx") if a.name in ONNX_MODELS else ()
+        for file in onnx_files:
             assert (a / file).read_bytes() == (b / file).read_bytes(), (a.name, file)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from kiln.backends.base import Backend, InstanceSpec, cpu_count, parameter
+from kiln.backends.ort_providers import execution_providers
 from kiln.config.model_config_pb2 import DataType as PbDataType
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status
@@ -123,7 +124,11 @@ class OnnxRuntimeBackend(Backend):
         options.add_session_config_entry("session.inter_op.allow_spinning", spinning)
         options.graph_optimization_level = self._graph_level(config)
         self.session = ort.InferenceSession(
-            str(self.model_path()), sess_options=options, providers=self._providers(config)
+            str(self.model_path()),
+            sess_options=options,
+            providers=execution_providers(
+                config, instance.kind, instance.device_id, ort.get_available_providers()
+            ),
         )
         self._string_inputs = {
             i.name for i in self.session.get_inputs() if i.type == "tensor(string)"
@@ -163,34 +168,6 @@ class OnnxRuntimeBackend(Backend):
         if level == 1:
             return _GRAPH_LEVELS["extended"]
         return _GRAPH_LEVELS["all"]
-
-    def _providers(self, config: ModelConfig) -> list[Any]:
-        if self.instance.kind != "gpu":
-            return ["CPUExecutionProvider"]
-        available = ort.get_available_providers()
-        if "CUDAExecutionProvider" not in available:
-            raise KilnError(
-                f"model '{config.name}' asks for KIND_GPU but onnxruntime has no CUDA execution "
-                "provider (install kiln-serve[gpu] on a machine with an NVIDIA GPU)",
-                Status.UNAVAILABLE,
-            )
-        device = {"device_id": self.instance.device_id}
-        providers: list[Any] = []
-        for acc in config.optimization.execution_accelerators.gpu_execution_accelerator:
-            if acc.name == "tensorrt" and "TensorrtExecutionProvider" in available:
-                opts: dict[str, Any] = dict(device)
-                params = dict(acc.parameters)
-                if params.get("precision_mode") == "FP16":
-                    opts["trt_fp16_enable"] = True
-                if "max_workspace_size_bytes" in params:
-                    opts["trt_max_workspace_size"] = int(params["max_workspace_size_bytes"])
-                if "trt_engine_cache_path" in params:
-                    opts["trt_engine_cache_enable"] = True
-                    opts["trt_engine_cache_path"] = params["trt_engine_cache_path"]
-                providers.append(("TensorrtExecutionProvider", opts))
-        providers.append(("CUDAExecutionProvider", device))
-        providers.append("CPUExecutionProvider")
-        return providers
 
     def execute(
         self, inputs: dict[str, np.ndarray], output_names: list[str]

@@ -15,10 +15,25 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     # no compute of its own: its runtime schedules the composing models' steps
     "ensemble": ("kiln.scheduling.ensemble", "EnsembleBackend", ""),
     "python": ("kiln.backends.python.backend", "PythonBackend", ""),
+    # importing it imports torch: a missing torch becomes the install hint below
+    "pytorch": ("kiln.backends.pytorch", "PyTorchBackend", "torch"),
+    # imports tensorrt only when an engine loads, so its refusals can name the GPU too
+    "tensorrt": ("kiln.backends.tensorrt", "TensorRTBackend", "tensorrt"),
 }
-_PLATFORMS = {"onnxruntime_onnx": "onnxruntime", "ensemble": "ensemble"}
+_PLATFORMS = {
+    "onnxruntime_onnx": "onnxruntime",
+    "ensemble": "ensemble",
+    "pytorch_libtorch": "pytorch",
+    "tensorrt_plan": "tensorrt",
+}
 # file in a version folder -> backend, for configs that name neither
-_FILES = {"model.onnx": "onnxruntime", "model.py": "python"}
+_FILES = {
+    "model.onnx": "onnxruntime",
+    "model.py": "python",
+    "model.pt": "pytorch",
+    "model.pt2": "pytorch",
+    "model.plan": "tensorrt",
+}
 
 
 def register(

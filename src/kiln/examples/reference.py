@@ -146,6 +146,12 @@ def _cnn_pipeline(inputs: Mapping[str, Array]) -> dict[str, Array]:
     return {**probabilities, **_postprocess(probabilities)}
 
 
+def _torch_mlp(inputs: Mapping[str, Array]) -> dict[str, Array]:
+    # The mlp under Triton's <name>__<index> tensor names (see the torch_mlp config).
+    out = _mlp({"INPUT": _require(inputs, "INPUT__0")[0]})
+    return {"LOGITS__0": out["LOGITS"], "PROBABILITIES__1": out["PROBABILITIES"]}
+
+
 _REFERENCES: dict[str, Callable[[Mapping[str, Array]], dict[str, Array]]] = {
     "simple": _simple,
     "simple_string": _simple_string,
@@ -158,6 +164,7 @@ _REFERENCES: dict[str, Callable[[Mapping[str, Array]], dict[str, Array]]] = {
     "postprocess": _postprocess,
     "cnn_pipeline": _cnn_pipeline,
     "python_preprocess": _image_preprocess,  # the same computation, in a Python model
+    "torch_mlp": _torch_mlp,
 }
 
 # The sequence models' client inputs are only INPUT: the batcher adds the rest.

@@ -14,6 +14,8 @@ An ensemble (``cnn_pipeline``) has an empty version folder: its steps are other 
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
@@ -24,6 +26,8 @@ import onnx
 
 from kiln.examples import models as graphs  # 'models' is also a parameter name below
 from kiln.examples import python_models
+
+log = logging.getLogger(__name__)
 
 DIGIT_LABELS: tuple[str, ...] = tuple(f"digit_{i}" for i in range(graphs.NUM_CLASSES))
 
@@ -81,6 +85,33 @@ output [
   }},
   {{
     name: "PROBABILITIES"
+    data_type: TYPE_FP32
+    dims: [ 10 ]
+    label_filename: "labels.txt"
+  }}
+]
+{_CPU_INSTANCE}"""
+
+# The mlp as TorchScript, named with Triton's <name>__<index> convention for PyTorch models.
+TORCH_MLP_CONFIG = f"""\
+name: "torch_mlp"
+platform: "pytorch_libtorch"
+max_batch_size: 64
+input [
+  {{
+    name: "INPUT__0"
+    data_type: TYPE_FP32
+    dims: [ 64 ]
+  }}
+]
+output [
+  {{
+    name: "LOGITS__0"
+    data_type: TYPE_FP32
+    dims: [ 10 ]
+  }},
+  {{
+    name: "PROBABILITIES__1"
     data_type: TYPE_FP32
     dims: [ 10 ]
     label_filename: "labels.txt"
@@ -275,6 +306,16 @@ class ExampleModel:
     build: Callable[[], onnx.ModelProto] | None  # None: an ensemble or a Python model
     labels: tuple[str, ...] | None = None
     python: str | None = None  # a Python-backend model's model.py
+    # A model file that is not ONNX: writes it into the version folder.
+    write: Callable[[Path], object] | None = None
+    # Python module the writer needs; without it the model is skipped, not an error.
+    requires: str = ""
+
+
+def _write_torch_mlp(version_dir: Path) -> object:
+    from kiln.examples.torch_models import write_torchscript_mlp
+
+    return write_torchscript_mlp(version_dir)
 
 
 _MODELS: dict[str, ExampleModel] = {
@@ -322,6 +363,14 @@ _MODELS: dict[str, ExampleModel] = {
             None,
             python=python_models.REPEAT_INT32_MODEL,
         ),
+        ExampleModel(
+            "torch_mlp",
+            TORCH_MLP_CONFIG,
+            None,
+            DIGIT_LABELS,
+            write=_write_torch_mlp,
+            requires="torch",
+        ),
     )
 }
 
@@ -345,6 +394,16 @@ def _lookup(names: Iterable[str]) -> list[ExampleModel]:
     return [_MODELS[name] for name in wanted]
 
 
+def unavailable_examples(models: Iterable[str] | None = None) -> dict[str, str]:
+    """Example models this environment cannot build, with why (an optional extra missing)."""
+    selected = _lookup(EXAMPLE_MODELS if models is None else models)
+    return {
+        m.name: f"needs {m.requires}: pip install kiln-serve[{m.requires}]"
+        for m in selected
+        if m.requires and importlib.util.find_spec(m.requires) is None
+    }
+
+
 def _write_model(model: ExampleModel, folder: Path) -> None:
     (folder / "1").mkdir(parents=True)
     (folder / "config.pbtxt").write_text(model.config, encoding="utf-8")
@@ -352,6 +411,8 @@ def _write_model(model: ExampleModel, folder: Path) -> None:
         onnx.save_model(model.build(), folder / "1" / "model.onnx")
     if model.python is not None:
         (folder / "1" / "model.py").write_text(model.python, encoding="utf-8")
+    if model.write is not None:
+        model.write(folder / "1")
     if model.labels is not None:
         (folder / "labels.txt").write_text("\n".join(model.labels) + "\n", encoding="utf-8")
 
@@ -387,9 +448,11 @@ def build_example_repository(
     """Write example models into the model repository ``dest`` (created if missing).
 
     ``models`` selects and orders the models (default: all of :data:`EXAMPLE_MODELS`).
-    Returns the model folders written. Raises ``ValueError`` for an unknown model name and
-    ``FileExistsError`` if a model folder already exists and ``overwrite`` is false; both
-    are checked before anything is written, so a refused call leaves ``dest`` untouched.
+    Returns the model folders written; a model whose optional extra is not installed
+    (``torch_mlp`` without torch) is skipped with a logged warning. Raises ``ValueError``
+    for an unknown model name and ``FileExistsError`` if a model folder already exists and
+    ``overwrite`` is false; both are checked before anything is written, so a refused call
+    leaves ``dest`` untouched.
     """
     if isinstance(models, str):
         models = [models]  # a lone name, not an iterable of one-letter names
@@ -403,4 +466,7 @@ def build_example_repository(
                 "pass overwrite=True to replace them"
             )
     root.mkdir(parents=True, exist_ok=True)
-    return [_install(model, root) for model in selected]
+    skipped = unavailable_examples(m.name for m in selected)
+    for name, reason in skipped.items():
+        log.warning("example model '%s' skipped: %s", name, reason)
+    return [_install(model, root) for model in selected if model.name not in skipped]
