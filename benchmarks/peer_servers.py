@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,10 +93,12 @@ def missing_reason(peer: str) -> str | None:
     return None
 
 
-def start_kiln(repo: Path, work: Path) -> ServerProcess:
+def start_kiln(repo: Path, work: Path, named_threads: bool = False) -> ServerProcess:
+    """``named_threads``: run through ``named_threads.py`` so /proc shows thread names."""
     http, grpc_port = free_port(), free_port()
+    launcher = [str(Path(__file__).with_name("named_threads.py"))] if named_threads else ["-m"]
     cmd = [
-        sys.executable, "-m", "kiln", "serve", "--model-repository", str(repo),
+        sys.executable, *launcher, "kiln", "serve", "--model-repository", str(repo),
         "--http-port", str(http), "--grpc-port", str(grpc_port),
         "--metrics-port", str(free_port()), "--log-level", "warning",
     ]  # fmt: skip
@@ -114,7 +117,15 @@ def _venv_paths(venv: Path) -> tuple[str, str]:
     return out[0], out[1]
 
 
-def start_triton(repo: Path, models: tuple[str, ...], work: Path) -> ServerProcess:
+def start_triton(
+    repo: Path,
+    models: tuple[str, ...],
+    work: Path,
+    model_file: str = "triton_model.py",
+    edit_config: Callable[[str], str] = lambda text: text,
+) -> ServerProcess:
+    """``model_file`` (under ``peers/``) becomes each ``model.py``; ``edit_config`` may add
+    e.g. ``dynamic_batching`` to the generated ``config.pbtxt``."""
     venv = BENCH / "pytriton"
     site, libdir = _venv_paths(venv)
     shipped = Path(site) / "pytriton" / "tritonserver"
@@ -124,8 +135,8 @@ def start_triton(repo: Path, models: tuple[str, ...], work: Path) -> ServerProce
         shutil.copytree(repo / model, triton_repo / model)
         config = triton_repo / model / "config.pbtxt"
         text = config.read_text().replace('platform: "onnxruntime_onnx"', 'backend: "python"')
-        config.write_text(text)
-        shutil.copy(PEERS / "triton_model.py", triton_repo / model / "1" / "model.py")
+        config.write_text(edit_config(text))
+        shutil.copy(PEERS / model_file, triton_repo / model / "1" / "model.py")
     # The wheel keeps one python-backend stub per Python version; Triton looks for the stub
     # next to libtriton_python.so, so assemble a backend directory with the matching one.
     backends = work / "triton_backends" / "python"
@@ -151,7 +162,10 @@ def start_triton(repo: Path, models: tuple[str, ...], work: Path) -> ServerProce
     return ServerProcess("Triton", _spawn(cmd, log, env), http, grpc_port, log)
 
 
-def start_mlserver(repo: Path, models: tuple[str, ...], work: Path) -> ServerProcess:
+def start_mlserver(
+    repo: Path, models: tuple[str, ...], work: Path, extra: dict[str, object] | None = None
+) -> ServerProcess:
+    """``extra``: more model-settings fields, e.g. adaptive batching's ``max_batch_size``."""
     root = work / "mlserver_models"
     root.mkdir()
     shutil.copy(PEERS / "mlserver_runtime.py", root)
@@ -161,12 +175,17 @@ def start_mlserver(repo: Path, models: tuple[str, ...], work: Path) -> ServerPro
         "metrics_port": free_port(), "parallel_workers": 0, "debug": False,
     }  # fmt: skip
     (root / "settings.json").write_text(json.dumps(settings))
+    extra = dict(extra or {})
+    more_parameters: dict[str, object] = dict(extra.pop("parameters", {}))  # type: ignore[call-overload]
     for model in models:
         (root / model).mkdir()
+        parameters: dict[str, object] = {"uri": str(repo / model / "1" / "model.onnx")}
+        parameters.update(more_parameters)
         model_settings = {
             "name": model,
             "implementation": "mlserver_runtime.OnnxRuntime",
-            "parameters": {"uri": str(repo / model / "1" / "model.onnx")},
+            "parameters": parameters,
+            **extra,
         }
         (root / model / "model-settings.json").write_text(json.dumps(model_settings))
     env = dict(os.environ, PYTHONPATH=str(root))

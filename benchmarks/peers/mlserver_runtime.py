@@ -16,7 +16,11 @@ class OnnxRuntime(MLModel):
     async def load(self) -> bool:
         options = ort.SessionOptions()
         options.intra_op_num_threads = os.cpu_count() or 1  # what kiln uses for one instance
-        uri = self.settings.parameters.uri if self.settings.parameters else None
+        params = self.settings.parameters
+        uri = params.uri if params else None
+        # batching.py turns spinning off as kiln does by default (parameters.extra).
+        spinning = str((params.extra or {}).get("allow_spinning", "1")) if params else "1"
+        options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
         self.session = ort.InferenceSession(uri, options, providers=["CPUExecutionProvider"])
         self.output_names = [o.name for o in self.session.get_outputs()]
         return True

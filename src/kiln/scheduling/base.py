@@ -54,8 +54,11 @@ class Instance:
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` on this instance's thread (a scheduler's merge + execute + split)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, fn, *args)
+        return await self.submit(fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Hand ``fn`` to this instance's thread now; the future resolves on the loop."""
+        return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def execute(
         self, inputs: dict[str, np.ndarray], output_names: list[str]

@@ -170,15 +170,20 @@ class DynamicScheduler(Scheduler):
             item.job.times.queue_end = now
         seq = self._formed
         self._formed += 1
-        task = asyncio.get_running_loop().create_task(self._execute(instance, batch, seq))
+        # Submitted here, not from inside the task: a new task first runs on the loop's next
+        # iteration, which under load is milliseconds away (measured: benchmarks/README.md).
+        running = instance.submit(self._compute, instance, [p.job for p in batch])
+        task = asyncio.get_running_loop().create_task(self._execute(instance, batch, seq, running))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
     # ---- execution ---------------------------------------------------------------------
-    async def _execute(self, instance: Instance, batch: list[Pending], seq: int) -> None:
+    async def _execute(
+        self, instance: Instance, batch: list[Pending], seq: int, running: asyncio.Future[Outputs]
+    ) -> None:
         outcome: Outcome
         try:
-            outcome = await instance.call(self._compute, instance, [p.job for p in batch])
+            outcome = await running
         except Exception as exc:
             outcome = exc
         finally:
