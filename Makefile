@@ -17,7 +17,7 @@ STAMP := $(VENV)/.kiln-installed
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c requirements/constraints.txt -e '.[test,torch]'
+	$(BIN)/python -m pip install --quiet -c requirements/constraints.txt -e '.[test,torch,llm]'
 	touch $(STAMP)
 
 setup: $(STAMP)

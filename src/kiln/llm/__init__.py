@@ -1,0 +1,1 @@
+"""kiln's LLM engine: continuous batching over a paged KV cache (see docs/llm.md)."""

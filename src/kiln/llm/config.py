@@ -1,0 +1,104 @@
+"""Value objects: the model's shape (from ``config.json``) and the engine's limits."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.core.errors import KilnError, Status
+
+# Architectures whose weights and forward pass are Llama's skeleton (names differ only).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArgs:
+    """What the forward pass needs from a Hugging Face ``config.json``."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelArgs:
+        archs = raw.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise KilnError(
+                f"llm backend: architecture '{arch}' is not supported "
+                f"(kiln runs {', '.join(SUPPORTED_ARCHITECTURES)})",
+                Status.INVALID_ARG,
+            )
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        # transformers >= 5 nests theta and scaling under ``rope_parameters``
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=None if rope_type == "default" else rope,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2 has q/k/v biases without saying so in its config
+            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def load(cls, folder: Path) -> ModelArgs:
+        path = folder / "config.json"
+        if not path.is_file():
+            raise KilnError(f"llm backend: no config.json in {folder}", Status.INVALID_ARG)
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """The engine's limits, named as vLLM names them."""
+
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    #: blocks in the KV cache; 0: derived from ``kv_cache_memory_bytes``
+    num_gpu_blocks: int = 0
+    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    #: 0: the model's ``max_position_embeddings``
+    max_model_len: int = 0
+    max_waiting: int = 1024
+    dtype: str = "float32"
+    device: str = "cpu"
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def check(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise KilnError(
+                    f"llm backend: {name} must be positive, got {getattr(self, name)}",
+                    Status.INVALID_ARG,
+                )

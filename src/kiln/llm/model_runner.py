@@ -1,0 +1,125 @@
+"""Loads the weights, owns the KV-cache tensors, and runs one scheduled step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kiln.core.errors import KilnError, Status
+from kiln.llm.attention import AttentionMetadata
+from kiln.llm.config import EngineConfig, ModelArgs
+from kiln.llm.models.llama import LlamaForCausalLM
+from kiln.llm.sampler import sample
+from kiln.llm.scheduler import SchedulerOutput
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise KilnError(f"llm backend: no *.safetensors file in {folder}", Status.INVALID_ARG)
+    expected = set(model.state_dict())
+    seen: set[str] = set()
+    for path in files:
+        tensors = load_file(str(path))
+        unknown = set(tensors) - expected
+        if unknown:
+            raise KilnError(
+                f"llm backend: {path.name} holds weights kiln's "
+                f"{model.args.architecture} does not have: {sorted(unknown)[:5]}",
+                Status.INVALID_ARG,
+            )
+        model.load_state_dict(tensors, strict=False)
+        seen |= set(tensors)
+    missing = expected - seen
+    if model.args.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise KilnError(
+            f"llm backend: weights missing from {folder}: {sorted(missing)[:5]}",
+            Status.INVALID_ARG,
+        )
+
+
+class ModelRunner:
+    def __init__(self, folder: Path, args: ModelArgs, config: EngineConfig) -> None:
+        if config.dtype not in DTYPES:
+            raise KilnError(
+                f"llm backend: dtype '{config.dtype}' is not one of {sorted(DTYPES)}",
+                Status.INVALID_ARG,
+            )
+        self.args = args
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        with torch.device("meta"):
+            model = LlamaForCausalLM(args, config.max_model_len)
+        model = model.to_empty(device=self.device)
+        # rope tables are computed, not loaded: rebuild them off the meta device
+        model.model.rotary_emb.rebuild(self.device)
+        load_weights(model, folder)
+        if args.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        self.model = model.to(self.dtype).eval()
+        self.block_bytes = (
+            2
+            * args.num_hidden_layers
+            * config.block_size
+            * args.num_key_value_heads
+            * args.head_dim
+            * self.dtype.itemsize
+        )
+        self.num_blocks = config.num_gpu_blocks or max(
+            config.kv_cache_memory_bytes // self.block_bytes, 1
+        )
+        # one allocation for all layers; each layer's attention gets views into it
+        self.kv_cache = torch.zeros(
+            2,
+            args.num_hidden_layers,
+            self.num_blocks,
+            config.block_size,
+            args.num_key_value_heads,
+            args.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache = self.kv_cache[0, i]
+            attn.v_cache = self.kv_cache[1, i]
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> list[int | None]:
+        """Run the step; a sampled token for each sequence whose step reaches its end (its
+        prompt is fully computed), None for a prompt chunk that does not."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logit_index: list[int] = []
+        samplers = []
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            if start + n == seq.num_tokens:
+                logit_index.append(len(input_ids) - 1)
+                samplers.append(seq)
+        meta = AttentionMetadata.build(
+            [s.block_table for s in out.seqs],
+            [s.num_computed_tokens for s in out.seqs],
+            out.num_new_tokens,
+            self.config.block_size,
+            self.device,
+        )
+        dev = self.device
+        logits = self.model(
+            torch.tensor(input_ids, device=dev),
+            torch.tensor(positions, device=dev),
+            meta,
+            torch.tensor(logit_index, dtype=torch.long, device=dev),
+        )
+        sampled = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
+        by_seq = dict(zip((s.seq_id for s in samplers), sampled, strict=True))
+        return [by_seq.get(s.seq_id) for s in out.seqs]

@@ -1,0 +1,1 @@
+"""Model definitions (PyTorch forward passes written for kiln's paged attention)."""

@@ -1,0 +1,81 @@
+"""Rotary position embeddings, with the scaling schemes Llama-family configs use."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kiln.core.errors import KilnError, Status
+
+
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> torch.Tensor:
+    # explicit CPU: a model built under `torch.device("meta")` still needs real numbers
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (theta ** (steps / head_dim))
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3(inv_freq, scaling)
+    raise KilnError(
+        f"llm backend: rope scaling '{kind}' is not supported (default, linear, llama3)",
+        Status.INVALID_ARG,
+    )
+
+
+def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    factor = float(s["factor"])
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin tables for every position up to ``max_positions``, looked up per token."""
+
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
+        super().__init__()
+        self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        self.max_positions = max_positions
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.rebuild(torch.device("cpu"))
+
+    def rebuild(self, device: torch.device) -> None:
+        """Compute the tables on ``device`` (they are not weights: a model built on the meta
+        device gets them here)."""
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1).to(device)
+        self.cos = emb.cos()
+        self.sin = emb.sin()
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` [T, H, D], ``k`` [T, Hkv, D]; rotate-half layout, as HF checkpoints store."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,119 @@
+"""Iteration-level (continuous) batching with a token budget per step.
+
+Every step each sequence is given tokens to run so that its ``num_computed_tokens`` catches
+up with its ``num_tokens`` (vLLM V1's formulation): a prompt's prefill, one token of decode,
+or a chunk of a long prompt when the budget runs short, all in the same batch. Running
+sequences go first, in admission order; waiting ones join between steps while the budget,
+``max_num_seqs`` and the free blocks allow. When a running sequence needs a block and none
+is free, the latest-admitted sequence is preempted: its blocks are freed and it returns to
+the head of the waiting queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kiln.core.errors import KilnError, Status
+from kiln.llm.block_manager import BlockManager
+from kiln.llm.config import EngineConfig
+from kiln.llm.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work: ``num_new_tokens[i]`` tokens of ``seqs[i]`` to run."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.config.max_waiting:
+            raise KilnError(
+                f"llm engine: the waiting queue is full ({self.config.max_waiting} requests)",
+                Status.UNAVAILABLE,
+            )
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.block_manager.free(seq)
+                    seq.finish("abort")
+                    return seq
+        return None
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        # Admitting while preempting would thrash: the blocks just freed belong to the
+        # preempted sequence, now first in line.
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                break  # strict FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def remove_finished(self) -> list[Sequence]:
+        """Drop (and free) the running sequences that finished this step."""
+        done = [s for s in self.running if s.is_finished]
+        if done:
+            self.running = [s for s in self.running if not s.is_finished]
+            for seq in done:
+                self.block_manager.free(seq)
+        return done

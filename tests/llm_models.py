@@ -1,0 +1,100 @@
+"""Tiny Hugging Face-format LLM folders built at test time: random Llama/Qwen2 weights
+saved by ``transformers`` and a byte-level BPE tokenizer trained by ``tokenizers``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+VOCAB = 300
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "kiln serves models with continuous batching and a paged kv cache",
+    "hello world, this is a tiny tokenizer for tests",
+    "a sequence of tokens is generated one step at a time",
+]
+
+
+def build_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 8,
+        special_tokens=["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(SENTENCES * 4, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def build_tiny_llm(folder: Path, arch: str = "llama", **overrides: Any) -> Path:
+    """A 2-layer, hidden-64 model with GQA (4 query heads, 2 KV heads) and random weights."""
+    import torch
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(folder)
+    eos = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]["</s>"]
+    shape: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=eos,
+        bos_token_id=0,
+        tie_word_embeddings=False,
+    )
+    shape.update(overrides)
+    if arch == "qwen2":
+        config = transformers.Qwen2Config(**shape)
+        model_cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.LlamaConfig(**shape)
+        model_cls = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    model = model_cls(config)
+    # random init gives tiny logits; widen them so greedy picks are far from ties
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def reference_generate(folder: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens from ``transformers`` (the reference kiln must match)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), torch_dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
