@@ -24,6 +24,7 @@ from kiln.frontends.http.app import HttpFrontend
 from kiln.frontends.http.live_routes import live_routes
 from kiln.frontends.http.monitor_routes import monitor_routes
 from kiln.frontends.http.slow_clients import header_timeout_protocol
+from kiln.frontends.openai.routes import openai_routes
 from kiln.metrics.app import MetricsOptions, MetricsService, metrics_app
 from kiln.metrics.monitor import MonitorOptions, MonitorService
 from kiln.security import SecurityOptions
@@ -129,7 +130,13 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
     security = endpoints.security
     http = _uvicorn(
         _http_app(
-            server, [*monitor_routes(monitor), *live_routes(server, metrics, monitor)], security
+            server,
+            [
+                *monitor_routes(monitor),
+                *live_routes(server, metrics, monitor),
+                *openai_routes(server),
+            ],
+            security,
         ),
         endpoints.host,
         endpoints.http_port,

@@ -19,6 +19,8 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "pytorch": ("kiln.backends.pytorch", "PyTorchBackend", "torch"),
     # imports tensorrt only when an engine loads, so its refusals can name the GPU too
     "tensorrt": ("kiln.backends.tensorrt", "TensorRTBackend", "tensorrt"),
+    # kiln's LLM engine over a Hugging Face folder; served on /v1/* (frontends/openai)
+    "llm": ("kiln.llm.backend", "LLMBackend", "llm"),
 }
 _PLATFORMS = {
     "onnxruntime_onnx": "onnxruntime",

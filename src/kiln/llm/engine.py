@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kiln.core.errors import KilnError, Status
@@ -30,7 +30,8 @@ class EngineStats:
     num_steps: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
-    per_step_tokens: list[int] = field(default_factory=list)
+    #: the most tokens one step ran (the budget bounds it)
+    max_step_tokens: int = 0
 
 
 class LLMEngine:
@@ -86,7 +87,7 @@ class LLMEngine:
             return []
         sampled = self.runner.run(out)
         self.stats.num_steps += 1
-        self.stats.per_step_tokens.append(out.total_tokens)
+        self.stats.max_step_tokens = max(self.stats.max_step_tokens, out.total_tokens)
         results: list[RequestOutput] = []
         for seq, n, token in zip(out.seqs, out.num_new_tokens, sampled, strict=True):
             seq.num_computed_tokens += n

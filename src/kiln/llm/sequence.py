@@ -5,8 +5,10 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the OpenAI frontend reads SamplingParams without loading torch
+    import torch
 
 _SEQ_IDS = itertools.count()
 
@@ -55,6 +57,8 @@ class Sequence:
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
         if self.params.seed is not None:
+            import torch
+
             self.generator = torch.Generator()
             self.generator.manual_seed(self.params.seed)
 

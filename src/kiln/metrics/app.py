@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from kiln.core.server import Server
 from kiln.core.stats import ModelStats
+from kiln.llm.metrics import LLMCollector
 from kiln.metrics.collector import ServerCollector
 from kiln.metrics.config import MetricsConfig
 from kiln.metrics.exposition import CONTENT_TYPE, render
@@ -46,6 +47,7 @@ class MetricsService:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ServerCollector(server.repository.runtimes, options.config))
         self.registry.register(ReadinessCollector(server.repository))
+        self.registry.register(LLMCollector(server.repository.runtimes))
         # process_resident_memory_bytes, process_cpu_seconds_total, open fds, start time.
         self.registry.register(ProcessCollector(registry=None))
         sources: list[Sampled] = []

@@ -1,0 +1,181 @@
+"""OpenAI request bodies -> checked values; OpenAI's error shape.
+
+Only translation lives here: the engine enforces the context length and the queue bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.core.errors import KilnError, Status
+from kiln.llm.sequence import SamplingParams
+
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class OpenAIError(Exception):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = (
+            message,
+            status,
+            param,
+            code,
+            type_,
+        )
+
+    @classmethod
+    def from_kiln(cls, exc: KilnError) -> OpenAIError:
+        status = exc.status.http_status
+        type_ = "invalid_request_error" if status < 500 else "server_error"
+        if exc.status is Status.UNAVAILABLE:
+            type_ = "service_unavailable"
+        return cls(str(exc), status, type_=type_)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    model: str
+    prompt: str | list[int]  # text, or token ids (completions only)
+    max_tokens: int | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...]
+    echo: bool = False
+
+
+def _number(body: dict[str, Any], key: str, default: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise OpenAIError(f"'{key}' must be a number, got {value!r}", param=key)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OpenAIError(f"'{key}' must be an integer, got {value!r}", param=key)
+    return value
+
+
+def _common(body: dict[str, Any], prompt: str | list[int], max_key: str) -> GenerationRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError("'model' is required and must be a string", param="model")
+    temperature = _number(body, "temperature", 1.0)
+    if temperature < 0:
+        raise OpenAIError(f"temperature must be >= 0, got {temperature}", param="temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise OpenAIError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    top_k = _integer(body, "top_k") or 0
+    if top_k < -1:
+        raise OpenAIError(f"top_k must be -1 (off) or positive, got {top_k}", param="top_k")
+    max_tokens = _integer(body, max_key)
+    if max_tokens is None and max_key != "max_tokens":
+        max_tokens = _integer(body, "max_tokens")
+    if max_tokens is not None and max_tokens <= 0:
+        raise OpenAIError(f"{max_key} must be at least 1, got {max_tokens}", param=max_key)
+    n = _integer(body, "n")
+    if n not in (None, 1):
+        raise OpenAIError("kiln generates one choice per request: 'n' must be 1", param="n")
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+        raise OpenAIError("'stop' must be a string or up to 4 non-empty strings", param="stop")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise OpenAIError("'stream_options' must be an object", param="stream_options")
+    params = SamplingParams(
+        max_tokens=max_tokens or 1,  # the default is settled once the prompt's length is known
+        temperature=temperature,
+        top_k=max(top_k, 0),
+        top_p=top_p,
+        seed=_integer(body, "seed"),
+        stop_token_ids=tuple(body.get("stop_token_ids") or ()),
+        ignore_eos=bool(body.get("ignore_eos", False)),
+    )
+    return GenerationRequest(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        params=params,
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(options.get("include_usage", False)),
+        stop=stops,
+        echo=bool(body.get("echo", False)),
+    )
+
+
+def completion_request(body: dict[str, Any]) -> GenerationRequest:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise OpenAIError(
+                "'prompt' must be a string or a list of token ids (one prompt per request)",
+                param="prompt",
+            )
+    elif not isinstance(prompt, str) or not prompt:
+        raise OpenAIError("'prompt' must be a non-empty string or token ids", param="prompt")
+    return _common(body, prompt, "max_tokens")
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("'messages' must be a non-empty list", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise OpenAIError(
+                f"messages[{i}] must be an object with a 'role' in {list(_ROLES)}",
+                param=f"messages[{i}].role",
+            )
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: kiln serves text only
+            texts = [p.get("text") for p in content if isinstance(p, dict)]
+            if len(texts) != len(content) or not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(t, str)
+                for p, t in zip(content, texts, strict=True)
+            ):
+                raise OpenAIError(
+                    f"messages[{i}].content: only text parts are supported",
+                    param=f"messages[{i}].content",
+                )
+            content = "".join(t for t in texts if isinstance(t, str))
+        if not isinstance(content, str):
+            raise OpenAIError(
+                f"messages[{i}].content must be a string or a list of text parts",
+                param=f"messages[{i}].content",
+            )
+        out.append({**m, "content": content})
+    return out
+
+
+def chat_request(body: dict[str, Any], rendered_prompt: str) -> GenerationRequest:
+    return _common(body, rendered_prompt, "max_completion_tokens")

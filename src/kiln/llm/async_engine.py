@@ -1,0 +1,134 @@
+"""The engine's step loop on its own thread, streaming outputs to asyncio callers.
+
+The event loop never computes: it hands requests and aborts to the thread through a queue,
+and the thread posts each step's outputs back with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from kiln.core.errors import KilnError, Status
+from kiln.llm.engine import LLMEngine, RequestOutput
+from kiln.llm.sequence import SamplingParams
+
+log = logging.getLogger("kiln.llm")
+_IDS = itertools.count()
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | KilnError]
+
+    def put(self, item: RequestOutput | KilnError) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, name: str = "llm") -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | str | None] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"kiln-llm-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Outputs as the steps produce them; leaving early (a closed client) aborts the
+        request and frees its blocks."""
+        self.engine.check_request(len(prompt), params)
+        config = self.engine.config
+        with self._lock:
+            if len(self._streams) >= config.max_waiting + config.max_num_seqs:
+                raise KilnError(
+                    f"llm engine: {len(self._streams)} requests in flight, the queue is full",
+                    Status.UNAVAILABLE,
+                )
+            rid = request_id or f"req-{next(_IDS)}"
+            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+            self._streams[rid] = stream
+        self._send(_Add(rid, prompt, params))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, KilnError):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._send(rid)  # abort
+            with self._lock:
+                self._streams.pop(rid, None)
+
+    def _send(self, command: _Add | str | None) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def close(self) -> None:
+        self._send(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                while True:
+                    command = self._commands.get_nowait()
+                    if command is None:
+                        return
+                    self._apply(command)
+            except queue.Empty:
+                pass
+            if not self.engine.has_work():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug or a device error: fail what is in flight
+                log.exception("llm engine step failed")
+                self._fail_all(KilnError(f"llm engine step failed: {exc}", Status.INTERNAL))
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+
+    def _apply(self, command: _Add | str) -> None:
+        if isinstance(command, str):
+            self.engine.abort(command)
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params)
+        except KilnError as exc:
+            stream = self._streams.get(command.request_id)
+            if stream is not None:
+                stream.put(exc)
+
+    def _fail_all(self, error: KilnError) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort(rid)
+            stream.put(error)

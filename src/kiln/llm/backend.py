@@ -1,0 +1,85 @@
+"""``backend: "llm"``: a Hugging Face folder served by kiln's engine.
+
+The version folder (``<repository>/<model>/1/``) holds ``config.json``, ``*.safetensors``
+and the tokenizer files. Requests come through the OpenAI frontend (``/v1/*``), which
+finds the engine with :func:`engine_for`; the KServe v2 ``infer`` path is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+
+from kiln.backends.base import Backend, InstanceSpec, parameter
+from kiln.config.model_config_pb2 import ModelConfig
+from kiln.core.errors import KilnError, Status
+from kiln.llm.async_engine import AsyncEngine
+from kiln.llm.config import EngineConfig
+from kiln.llm.engine import LLMEngine
+from kiln.llm.tokenizer import Tokenizer
+
+_INT_PARAMETERS = (
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "num_gpu_blocks",
+    "kv_cache_memory_bytes",
+    "max_model_len",
+    "max_waiting",
+)
+
+
+def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
+    out = EngineConfig()
+    for key in _INT_PARAMETERS:
+        raw = parameter(config, key)
+        if raw is None:
+            continue
+        try:
+            setattr(out, key, int(raw))
+        except ValueError:
+            raise KilnError(
+                f"model '{config.name}': parameter {key} must be an integer, got '{raw}'",
+                Status.INVALID_ARG,
+            ) from None
+    out.dtype = parameter(config, "dtype", out.dtype) or out.dtype
+    out.device = f"cuda:{instance.device_id}" if instance.kind == "gpu" else "cpu"
+    return out
+
+
+class LLMBackend(Backend):
+    name = "llm"
+    platforms: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
+        super().__init__(config, version_dir, instance)
+        folder = Path(parameter(config, "model_path", "") or version_dir)
+        self.tokenizer = Tokenizer(folder)
+        self.engine = LLMEngine(folder, engine_config(config, instance))
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and eos not in self.engine.args.eos_token_ids:
+            # chat models often end turns with the tokenizer's eos, not config.json's
+            self.engine.args = replace(
+                self.engine.args, eos_token_ids=(*self.engine.args.eos_token_ids, eos)
+            )
+        self.async_engine = AsyncEngine(self.engine, config.name)
+
+    @classmethod
+    def gpu_available(cls) -> bool:
+        import torch
+
+        return bool(torch.cuda.is_available())
+
+    def execute(
+        self, inputs: dict[str, np.ndarray], output_names: list[str]
+    ) -> dict[str, np.ndarray]:
+        raise KilnError(
+            f"model '{self.config.name}' is an LLM: use /v1/completions or /v1/chat/completions",
+            Status.UNSUPPORTED,
+        )
+
+    def close(self) -> None:
+        self.async_engine.close()

@@ -1,0 +1,55 @@
+"""``kiln_llm_*`` families (vLLM's names under kiln's prefix), read at scrape time from the
+engines of the loaded llm models. Importing this module does not import torch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LABELS = ("model_name",)
+
+
+def _engines(runtimes: Iterable[Any]) -> Iterator[tuple[str, Any]]:
+    for rt in runtimes:
+        for instance in getattr(getattr(rt, "scheduler", None), "instances", ()):
+            if getattr(instance.backend, "name", "") == "llm":
+                yield rt.name, instance.backend.engine
+
+
+class LLMCollector(Collector):
+    def __init__(self, runtimes: Callable[[], Iterable[Any]]) -> None:
+        self.runtimes = runtimes
+
+    def collect(self) -> Iterator[Metric]:
+        running = GaugeMetricFamily(
+            "kiln_llm_num_requests_running", "Requests in the running batch", labels=LABELS
+        )
+        waiting = GaugeMetricFamily(
+            "kiln_llm_num_requests_waiting", "Requests waiting to be scheduled", labels=LABELS
+        )
+        usage = GaugeMetricFamily(
+            "kiln_llm_kv_cache_usage_perc",
+            "KV-cache usage: 1 means all blocks are held by sequences",
+            labels=LABELS,
+        )
+        preemptions = CounterMetricFamily(
+            "kiln_llm_num_preemptions", "Cumulative number of preemptions", labels=LABELS
+        )
+        prompt = CounterMetricFamily(
+            "kiln_llm_prompt_tokens", "Prefill tokens processed", labels=LABELS
+        )
+        generation = CounterMetricFamily(
+            "kiln_llm_generation_tokens", "Generation tokens processed", labels=LABELS
+        )
+        for name, engine in _engines(self.runtimes()):
+            sched = engine.scheduler
+            running.add_metric([name], len(sched.running))
+            waiting.add_metric([name], len(sched.waiting))
+            usage.add_metric([name], engine.block_manager.usage())
+            preemptions.add_metric([name], sched.num_preemptions)
+            prompt.add_metric([name], engine.stats.num_prompt_tokens)
+            generation.add_metric([name], engine.stats.num_generation_tokens)
+        yield from (running, waiting, usage, preemptions, prompt, generation)

@@ -1,0 +1,104 @@
+"""Text <-> token ids with a Hugging Face ``tokenizer.json``, and the chat template.
+
+The template comes from ``chat_template.jinja`` or ``tokenizer_config.json`` and is
+rendered in Jinja's sandbox: it is code shipped with the model, not trusted code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kiln.core.errors import KilnError, Status
+
+
+def _token_text(value: Any) -> str:
+    # tokenizer_config.json writes special tokens as strings or as {"content": ...}
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
+
+
+class Tokenizer:
+    def __init__(self, folder: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise KilnError(f"llm backend: no tokenizer.json in {folder}", Status.INVALID_ARG)
+        self._tok = HFTokenizer.from_file(str(path))
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.chat_template = self._template(folder, config)
+
+    @staticmethod
+    def _template(folder: Path, config: dict[str, Any]) -> str | None:
+        jinja_file = folder / "chat_template.jinja"
+        if jinja_file.is_file():
+            return jinja_file.read_text()
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        return template if isinstance(template, str) else None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tok.token_to_id(self.eos_token) if self.eos_token else None
+
+    def encode(self, text: str) -> list[int]:
+        # special tokens in a rendered chat template are already in the text
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        text: str = self._tok.decode(ids, skip_special_tokens=True)
+        return text
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        if self.chat_template is None:
+            raise KilnError(
+                "this model's tokenizer has no chat template: use /v1/completions",
+                Status.INVALID_ARG,
+            )
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except TemplateError as exc:
+            raise KilnError(f"chat template: {exc}", Status.INVALID_ARG) from exc
+
+
+class IncrementalDetokenizer:
+    """Text for a growing list of token ids, released only when it is whole: a byte-level
+    token can end in the middle of a UTF-8 character."""
+
+    __slots__ = ("_ids", "_sent", "_tok")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._sent = 0
+
+    def add(self, ids: list[int], final: bool = False) -> str:
+        self._ids.extend(ids)
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        delta = text[self._sent :]
+        self._sent = len(text)
+        return delta
