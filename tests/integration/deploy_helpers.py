@@ -70,9 +70,12 @@ def run_container(
 ) -> subprocess.Popen[bytes]:
     """Start a container's command line here: ``kiln`` is this interpreter's, the
     container's paths (``mounts``) map to local folders, 0.0.0.0 binds to loopback."""
+    prefix: list[str] = []
     if argv[0] == "kiln":
-        argv = [sys.executable, "-m", "kiln", *argv[1:]]
-    local = []
+        # The interpreter's own path is never a container path (the checkout may live
+        # under /tmp, which is also a mount below).
+        prefix, argv = [sys.executable, "-m", "kiln"], argv[1:]
+    local = list(prefix)
     for arg in argv:
         arg = arg.replace("0.0.0.0", "127.0.0.1")
         for inside, outside in mounts.items():
