@@ -130,3 +130,59 @@ def make_server(tmp_path: Path) -> Iterator[type[KilnProcess]]:
     yield _Tracked
     for server in started:
         server.stop(timeout=10)
+
+
+@dataclass
+class DigitsFiles:
+    """Trained digits models (ONNX, TorchScript, weights) and their data files, built once."""
+
+    root: Path
+    mlp_onnx: Path
+    mlp_torchscript: Path
+    mlp_weights: Path
+    cnn_onnx: Path
+    calibration: Path
+    validation: Path
+    labels: Path
+    image_calibration: Path
+    image_validation: Path
+    reference_accuracy: float
+
+
+@pytest.fixture(scope="session")
+def digits_files(tmp_path_factory: pytest.TempPathFactory) -> DigitsFiles:
+    """A real MLP and CNN trained on scikit-learn's digits at test time, exported to ONNX."""
+    import numpy as np
+    import torch
+
+    from kiln.optimize.export import export
+    from tests import digits
+
+    root = tmp_path_factory.mktemp("digits")
+    data = digits.load_digits()
+    mlp = digits.train(digits.DigitsMLP(), data.train_x, data.train_y)
+    cnn = digits.train(digits.DigitsCNN(), digits.images(data.train_x), data.train_y, steps=60)
+    files = DigitsFiles(
+        root=root,
+        mlp_onnx=root / "mlp.onnx",
+        mlp_torchscript=root / "mlp.pt",
+        mlp_weights=root / "mlp_weights.pth",
+        cnn_onnx=root / "cnn.onnx",
+        calibration=root / "calibration.npy",
+        validation=root / "validation.npy",
+        labels=root / "labels.npy",
+        image_calibration=root / "image_calibration.npy",
+        image_validation=root / "image_validation.npy",
+        reference_accuracy=digits.accuracy(mlp, data.test_x, data.test_y),
+    )
+    # The TorchScript exporter is several times faster than dynamo; dynamo has its own test.
+    export(mlp, {"INPUT": (1, 64)}, files.mlp_onnx, dynamo=False)
+    export(cnn, {"IMAGE": (1, 1, 8, 8)}, files.cnn_onnx, dynamo=False)
+    torch.jit.trace(mlp, torch.zeros(1, 64)).save(str(files.mlp_torchscript))
+    torch.save(mlp.state_dict(), files.mlp_weights)
+    np.save(files.calibration, data.train_x[:256])
+    np.save(files.validation, data.test_x)
+    np.save(files.labels, data.test_y)
+    np.save(files.image_calibration, digits.images(data.train_x[:256]))
+    np.save(files.image_validation, digits.images(data.test_x))
+    return files

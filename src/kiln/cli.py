@@ -11,6 +11,7 @@ import click
 
 from kiln import __version__
 from kiln.cli_security import build_security, security_options
+from kiln.optimize.cli import optimize_options
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -357,6 +358,20 @@ def bench(model: str | None, model_opt: str | None, json_path: str | None,
     if not name:
         raise click.UsageError("give the model: kiln bench MODEL (or -m MODEL)")
     execute({**params, "model": name, "json": json_path})
+
+
+@main.command(context_settings={"show_default": True})
+@optimize_options
+def optimize(**params: Any) -> None:
+    """Build, check, profile and pick the fastest accurate deployment of MODEL.
+
+    MODEL is an ONNX file, a TorchScript file, or a PyTorch module:factory reference
+    (with --input-shape). Writes REPO/NAME/{config.pbtxt,1/model.onnx} and report.{json,md,html};
+    exits 2 when no candidate meets the constraints.
+    """
+    from kiln.optimize.cli import execute as run_optimize
+
+    run_optimize(params)
 
 
 class _MonitorGroup(click.Group):

@@ -1,0 +1,51 @@
+"""``kiln optimize``: from a trained model to the fastest deployment within an accuracy budget.
+
+Candidates (FP32 graph levels, INT8 dynamic, INT8 static QDQ) are built, checked against the FP32
+reference on validation data, profiled, and the best one is written as a model repository entry
+with a report. See docs/optimize.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from kiln.optimize.types import Objective, OptimizeError, OptimizeOptions
+
+if TYPE_CHECKING:
+    from kiln.optimize.pipeline import Outcome
+
+__all__ = ["Objective", "OptimizeError", "OptimizeOptions", "Outcome", "optimize"]
+
+
+def optimize(
+    model: str | Path,
+    calibration_data: str | Path,
+    validation_data: str | Path,
+    output_repository: str | Path,
+    **options: Any,
+) -> Outcome:
+    """Python entry point of ``kiln optimize``; keyword options as in :class:`OptimizeOptions`."""
+    from kiln.optimize.pipeline import optimize as run
+
+    return run(
+        OptimizeOptions(
+            model=str(model),
+            calibration_data=str(calibration_data),
+            validation_data=str(validation_data),
+            output_repository=Path(output_repository),
+            **options,
+        )
+    )
+
+
+class _CallableModule(ModuleType):
+    """Lets ``kiln.optimize(...)`` call the pipeline while ``kiln.optimize.*`` stays a package."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Outcome:
+        return optimize(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,110 @@
+"""The ``kiln optimize`` command's options, parsed into :class:`OptimizeOptions`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kiln.optimize.types import OptimizeError, OptimizeOptions
+
+EXIT_UNMET = 2  # ran fine, but no candidate met the constraints
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter(f"'{text}' is not a comma-separated list of positive integers")
+    return sizes
+
+
+def optimize_options(f: Any) -> Any:
+    opts = [
+        click.argument("model"),
+        click.option("--calibration-data", required=True, help=".npy/.npz file or folder."),
+        click.option("--validation-data", required=True, help=".npy/.npz file or folder."),
+        click.option("--labels", default=None, help="Class labels (.npy) for the validation data."),
+        click.option("--max-accuracy-drop", default=0.01, type=click.FloatRange(min=0)),
+        click.option("--latency-budget-ms", default=None, type=click.FloatRange(min=0)),
+        click.option(
+            "--objective", type=click.Choice(["latency", "throughput"]), default="latency"
+        ),
+        click.option("--batch-sizes", default="1,8,32", help="Profiled batch sizes, e.g. 1,8,32."),
+        click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu"),
+        click.option(
+            "--output-repository", required=True, type=click.Path(file_okay=False, path_type=Path)
+        ),
+        click.option("--name", default=None, help="Model name in the repository [MODEL's stem]."),
+        click.option(
+            "--input-shape",
+            "input_shapes",
+            multiple=True,
+            metavar="NAME:1,D1,...",
+            help="PyTorch models: an example input (float32, batch first); repeat.",
+        ),
+        click.option(
+            "--candidates",
+            default="",
+            help="Only candidates matching these comma-separated globs (int8-static-*).",
+        ),
+        click.option(
+            "--profile-seconds",
+            default=0.25,
+            type=click.FloatRange(min=0.01),
+            help="Timing window per candidate and batch size.",
+        ),
+        click.option(
+            "--threads",
+            default=1,
+            type=click.IntRange(min=1),
+            help="ONNX Runtime intra-op threads, when profiling and in config.pbtxt.",
+        ),
+        click.option("--no-progress", is_flag=True, help="No progress bar."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def execute(params: dict[str, Any]) -> None:
+    from kiln.optimize.export import parse_input_shape
+    from kiln.optimize.pipeline import optimize
+
+    try:
+        shapes = dict(parse_input_shape(s) for s in params["input_shapes"])
+        options = OptimizeOptions(
+            model=params["model"],
+            calibration_data=params["calibration_data"],
+            validation_data=params["validation_data"],
+            output_repository=params["output_repository"],
+            labels=params["labels"],
+            name=params["name"],
+            max_accuracy_drop=params["max_accuracy_drop"],
+            latency_budget_ms=params["latency_budget_ms"],
+            objective=params["objective"],
+            batch_sizes=_batch_sizes(params["batch_sizes"]),
+            device=params["device"],
+            input_shapes=shapes,
+            candidates=tuple(c.strip() for c in params["candidates"].split(",") if c.strip()),
+            profile_seconds=params["profile_seconds"],
+            threads=params["threads"],
+            progress=not params["no_progress"] and sys.stderr.isatty(),
+        )
+        outcome = optimize(options)
+    except OptimizeError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    report = outcome.report
+    click.echo(f"report: {outcome.model_dir / 'report.md'}")
+    if outcome.chosen is None:
+        click.echo(f"no candidate met the constraints: {report['why']}", err=True)
+        if report["closest"]:
+            click.echo(f"closest: {report['closest']}", err=True)
+        sys.exit(EXIT_UNMET)
+    click.echo(f"chosen: {outcome.chosen} ({report['why']})")
+    click.echo(f"model repository entry: {outcome.model_dir}")

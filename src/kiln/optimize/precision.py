@@ -1,0 +1,127 @@
+"""Reduced-precision candidates: INT8 dynamic, INT8 static QDQ (calibrated), and GPU-only ones.
+
+Static quantization writes QDQ (QuantizeLinear/DequantizeLinear pairs), the format ONNX
+Runtime's CPU kernels fuse and TensorRT >= 10 consumes for explicit INT8 (TensorRT 11 removed
+the calibrator API), so one calibrated model serves both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from onnxruntime.quantization import (
+    CalibrationDataReader,
+    CalibrationMethod,
+    QuantFormat,
+    QuantType,
+    quantize_dynamic,
+    quantize_static,
+)
+
+from kiln.optimize.data import Batch, sample_count, slice_batch
+from kiln.optimize.types import Candidate
+
+METHODS = {
+    "minmax": CalibrationMethod.MinMax,
+    "entropy": CalibrationMethod.Entropy,
+    "percentile": CalibrationMethod.Percentile,
+}
+
+
+class BatchReader(CalibrationDataReader):
+    """Feeds the calibration set to ``quantize_static`` in fixed-size batches."""
+
+    def __init__(self, data: Batch, batch_size: int = 32) -> None:
+        self._data = data
+        self._batch_size = batch_size
+        self._iter = self._batches()
+
+    def _batches(self) -> Iterator[Batch]:
+        n = sample_count(self._data)
+        for start in range(0, n, self._batch_size):
+            yield slice_batch(self._data, start, start + self._batch_size)
+
+    def get_next(self) -> Batch | None:  # type: ignore[override]
+        return next(self._iter, None)
+
+    def rewind(self) -> None:
+        self._iter = self._batches()
+
+
+def preprocess(source: Path, workdir: Path) -> Path:
+    """ONNX Runtime's recommended pre-quantization pass; the original model when it fails."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    out = workdir / "preprocessed.onnx"
+    try:
+        quant_pre_process(str(source), str(out), skip_symbolic_shape=True)
+    except Exception as exc:  # an optional pass: quantizing the raw model still works
+        logging.getLogger(__name__).info("quantization pre-processing skipped: %s", exc)
+        return source
+    return out
+
+
+def build_int8_dynamic(source: Path, workdir: Path) -> Candidate:
+    out = workdir / "int8-dynamic.onnx"
+    candidate = Candidate(
+        "int8-dynamic",
+        "int8-dynamic",
+        "INT8 weights, activations quantized at run time (quantize_dynamic)",
+    )
+    start = time.perf_counter()
+    quantize_dynamic(str(source), str(out), weight_type=QuantType.QInt8)
+    candidate.build_seconds = time.perf_counter() - start
+    candidate.path = out
+    return candidate
+
+
+def static_names() -> list[tuple[str, str, bool]]:
+    return [
+        (f"int8-static-{method}-{'per-channel' if pc else 'per-tensor'}", method, pc)
+        for method in METHODS
+        for pc in (False, True)
+    ]
+
+
+def build_int8_static(
+    source: Path, workdir: Path, calibration: Batch, method: str, per_channel: bool
+) -> Candidate:
+    granularity = "per-channel" if per_channel else "per-tensor"
+    name = f"int8-static-{method}-{granularity}"
+    out = workdir / f"{name}.onnx"
+    candidate = Candidate(
+        name,
+        "int8-static",
+        f"INT8 QDQ, {method} calibration, {granularity} weights (quantize_static)",
+    )
+    start = time.perf_counter()
+    quantize_static(
+        str(source),
+        str(out),
+        BatchReader(calibration),
+        quant_format=QuantFormat.QDQ,
+        per_channel=per_channel,
+        activation_type=QuantType.QInt8,
+        weight_type=QuantType.QInt8,
+        calibrate_method=METHODS[method],
+        # Symmetric activations: what TensorRT requires for the same QDQ model on a GPU.
+        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+    )
+    candidate.build_seconds = time.perf_counter() - start
+    candidate.path = out
+    return candidate
+
+
+def gpu_candidates(reason: str) -> list[Candidate]:
+    """Candidates that need an NVIDIA GPU, listed so the report shows what was not tried."""
+    rows = [
+        ("fp16", "fp16", "FP16 weights and compute, float32 I/O kept (CUDA only)"),
+        ("tensorrt-fp16", "tensorrt", "TensorRT engine, strongly typed FP16"),
+        ("tensorrt-int8-qdq", "tensorrt", "TensorRT engine built from the INT8 QDQ model"),
+        ("ort-cuda", "ort-cuda", "ONNX Runtime CUDA execution provider"),
+        ("ort-tensorrt", "ort-trt", "ONNX Runtime TensorRT execution provider"),
+    ]
+    return [Candidate(n, k, d, skipped=reason) for n, k, d in rows]

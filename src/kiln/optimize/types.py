@@ -1,0 +1,109 @@
+"""Value objects shared by the optimize pipeline: options, candidates, measurements, results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Objective = Literal["latency", "throughput"]
+
+
+class OptimizeError(Exception):
+    """A user-facing failure of ``kiln optimize`` (bad model, bad data, export failure)."""
+
+
+@dataclass(slots=True)
+class OptimizeOptions:
+    """What a user asks of ``kiln optimize``; the CLI and :func:`kiln.optimize` build this."""
+
+    model: str
+    calibration_data: str
+    validation_data: str
+    output_repository: Path
+    labels: str | None = None
+    name: str | None = None
+    max_accuracy_drop: float = 0.01
+    latency_budget_ms: float | None = None
+    objective: Objective = "latency"
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    device: str = "cpu"
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    candidates: tuple[str, ...] = ()  # name filters (fnmatch); empty = all
+    profile_seconds: float = 0.25  # per candidate and batch size
+    threads: int = 1
+    progress: bool = True
+    workdir: Path | None = None
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One way to run the model: a file plus how ONNX Runtime should load it."""
+
+    name: str
+    kind: str  # fp32 | int8-dynamic | int8-static | fp16 | tensorrt | ort-cuda | ort-trt
+    description: str
+    graph_level: str = "all"  # ONNX Runtime graph optimization level when serving
+    path: Path | None = None
+    build_seconds: float = 0.0
+    skipped: str | None = None  # why it could not run here
+    error: str | None = None  # why building or running it failed
+
+
+@dataclass(slots=True)
+class Accuracy:
+    """A candidate's outputs against the FP32 reference on the validation data."""
+
+    max_abs_error: float
+    max_rel_error: float
+    cosine_similarity: float
+    top1_agreement: float | None
+    task_accuracy: float | None
+    drop: float  # what --max-accuracy-drop bounds (see accuracy.accuracy_drop)
+    drop_metric: str
+
+
+@dataclass(slots=True)
+class BatchProfile:
+    batch_size: int
+    p50_ms: float
+    p99_ms: float
+    throughput: float  # inferences (samples) per second
+    iterations: int
+
+
+@dataclass(slots=True)
+class Profile:
+    batches: list[BatchProfile]
+    rss_mb: float  # host RSS the loaded, warmed session added
+    file_size_mb: float
+
+    def at(self, batch_size: int) -> BatchProfile:
+        return next(b for b in self.batches if b.batch_size == batch_size)
+
+
+@dataclass(slots=True)
+class Result:
+    """Everything known about one candidate after the run."""
+
+    candidate: Candidate
+    accuracy: Accuracy | None = None
+    profile: Profile | None = None
+    status: str = "pending"  # accepted | rejected | skipped | failed | over-budget | chosen
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        c = self.candidate
+        return {
+            "name": c.name,
+            "kind": c.kind,
+            "description": c.description,
+            "graph_level": c.graph_level,
+            "status": self.status,
+            "reason": self.reason,
+            "build_seconds": c.build_seconds,
+            "accuracy": asdict(self.accuracy) if self.accuracy else None,
+            "profile": asdict(self.profile) if self.profile else None,
+        }
