@@ -94,11 +94,18 @@ def percentiles(latencies: list[float]) -> tuple[float, float]:
     return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
 
 
-def run_raw(repo: Path, model: str, concurrency: int, duration: float) -> Result:
+def run_raw(
+    repo: Path,
+    model: str,
+    concurrency: int,
+    duration: float,
+    feed: dict[str, np.ndarray] | None = None,
+) -> Result:
+    """``feed`` defaults to :func:`batch1_inputs` of ``model``."""
     session = ort.InferenceSession(
         str(repo / model / "1" / "model.onnx"), providers=["CPUExecutionProvider"]
     )
-    feed = batch1_inputs(model)
+    feed = batch1_inputs(model) if feed is None else feed
     for _ in range(50):  # warm-up
         session.run(None, feed)
     latencies: list[list[float]] = [[] for _ in range(concurrency)]

@@ -27,7 +27,7 @@ from kiln.examples import (
 Array = npt.NDArray[Any]
 Feeds = dict[str, Array]
 
-ENSEMBLES = ("cnn_pipeline",)
+ENSEMBLES = ("cnn_pipeline", "python_pipeline")
 PYTHON_MODELS = ("python_preprocess", "repeat_int32")
 TORCH_MODELS = ("torch_mlp",)  # TorchScript, tested in test_examples_torch.py
 ONNX_MODELS = tuple(
@@ -164,7 +164,9 @@ def test_example_models_order() -> None:
         "image_preprocess",
         "postprocess",
         "cnn_pipeline",
-        *PYTHON_MODELS,
+        "python_preprocess",
+        "python_pipeline",
+        "repeat_int32",
         "torch_mlp",
     ) == EXAMPLE_MODELS
 
@@ -387,20 +389,42 @@ def test_cnn_pipeline_reference_equals_composing_models(repo: Path, batch: int) 
     assert chained["CLASS"].shape == (batch, 1) and chained["CLASS"].dtype == np.int64
 
 
-def test_cnn_pipeline_config(repo: Path) -> None:
-    text = (repo / "cnn_pipeline" / "config.pbtxt").read_text()
-    assert text == example_config("cnn_pipeline")
+PIPELINE_FIRST_STEP = {"cnn_pipeline": "image_preprocess", "python_pipeline": "python_preprocess"}
+
+
+@pytest.mark.parametrize("name", ENSEMBLES)
+def test_pipeline_config(repo: Path, name: str) -> None:
+    text = (repo / name / "config.pbtxt").read_text()
+    assert text == example_config(name)
     config = parse_config_text(text)
+    assert config.name == name
     assert config.platform == "ensemble" and not config.instance_group
     steps = config.ensemble_scheduling.step
-    assert [s.model_name for s in steps] == ["image_preprocess", "cnn", "postprocess"]
+    assert [s.model_name for s in steps] == [PIPELINE_FIRST_STEP[name], "cnn", "postprocess"]
     assert all(s.model_version == -1 for s in steps)
     # Every step reads what the step before it writes; the ensemble's IMAGE feeds the first.
     assert dict(steps[0].input_map) == {"IMAGE": "IMAGE"}
     assert dict(steps[1].input_map) == {"IMAGE": steps[0].output_map["NORMALIZED"]}
     assert dict(steps[2].input_map) == {"PROBABILITIES": steps[1].output_map["PROBABILITIES"]}
     assert {o.name for o in config.output} == {"CLASS", "SCORE", "PROBABILITIES"}
-    assert validate_config(config, "cnn_pipeline", "config.pbtxt") == []
+    assert validate_config(config, name, "config.pbtxt") == []
+
+
+def test_pipelines_differ_only_in_first_step() -> None:
+    # python_pipeline is cnn_pipeline with the Python preprocessing model swapped in, so
+    # their answers must be equal: the text says so line by line.
+    cnn = example_config("cnn_pipeline").splitlines()
+    python = example_config("python_pipeline").splitlines()
+    differing = [(a, b) for a, b in zip(cnn, python, strict=True) if a != b]
+    assert differing == [
+        ('name: "cnn_pipeline"', 'name: "python_pipeline"'),
+        ('      model_name: "image_preprocess"', '      model_name: "python_preprocess"'),
+    ]
+    # The composing Python model fits the ensemble's batch size and tensors.
+    step = parse_config_text(example_config("python_preprocess"))
+    assert (
+        step.max_batch_size >= parse_config_text(example_config("python_pipeline")).max_batch_size
+    )
 
 
 # ---- Python-backend examples ------------------------------------------------------------

@@ -164,6 +164,7 @@ _REFERENCES: dict[str, Callable[[Mapping[str, Array]], dict[str, Array]]] = {
     "postprocess": _postprocess,
     "cnn_pipeline": _cnn_pipeline,
     "python_preprocess": _image_preprocess,  # the same computation, in a Python model
+    "python_pipeline": _cnn_pipeline,  # so the same pipeline, with python_preprocess first
     "torch_mlp": _torch_mlp,
 }
 

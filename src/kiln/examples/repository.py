@@ -9,7 +9,8 @@ Layout per model::
 The configs are plain text, written the way a user would write them by hand, so that the
 example repository doubles as documentation of the config format.
 
-An ensemble (``cnn_pipeline``) has an empty version folder: its steps are other models.
+An ensemble (``cnn_pipeline``, ``python_pipeline``) has an empty version folder: its steps
+are other models.
 """
 
 from __future__ import annotations
@@ -242,61 +243,69 @@ output [
 ]
 {_CPU_INSTANCE}"""
 
+
 # Keys of input_map/output_map are the composing model's tensor names, values the
 # ensemble's own tensors: IMAGE and the outputs are the ensemble's, the rest internal.
-CNN_PIPELINE_CONFIG = """\
-name: "cnn_pipeline"
+# The two example pipelines differ only in their first step: image_preprocess (ONNX) or
+# python_preprocess (the same computation in a Python-backend model).
+def _pipeline_config(name: str, preprocess: str) -> str:
+    return f"""\
+name: "{name}"
 platform: "ensemble"
 max_batch_size: 32
 input [
-  {
+  {{
     name: "IMAGE"
     data_type: TYPE_UINT8
     format: FORMAT_NHWC
     dims: [ 28, 28, 1 ]
-  }
+  }}
 ]
 output [
-  {
+  {{
     name: "CLASS"
     data_type: TYPE_INT64
     dims: [ 1 ]
-  },
-  {
+  }},
+  {{
     name: "SCORE"
     data_type: TYPE_FP32
     dims: [ 1 ]
-  },
-  {
+  }},
+  {{
     name: "PROBABILITIES"
     data_type: TYPE_FP32
     dims: [ 10 ]
-  }
+  }}
 ]
-ensemble_scheduling {
+ensemble_scheduling {{
   step [
-    {
-      model_name: "image_preprocess"
+    {{
+      model_name: "{preprocess}"
       model_version: -1
-      input_map { key: "IMAGE" value: "IMAGE" }
-      output_map { key: "NORMALIZED" value: "normalized_image" }
-    },
-    {
+      input_map {{ key: "IMAGE" value: "IMAGE" }}
+      output_map {{ key: "NORMALIZED" value: "normalized_image" }}
+    }},
+    {{
       model_name: "cnn"
       model_version: -1
-      input_map { key: "IMAGE" value: "normalized_image" }
-      output_map { key: "PROBABILITIES" value: "PROBABILITIES" }
-    },
-    {
+      input_map {{ key: "IMAGE" value: "normalized_image" }}
+      output_map {{ key: "PROBABILITIES" value: "PROBABILITIES" }}
+    }},
+    {{
       model_name: "postprocess"
       model_version: -1
-      input_map { key: "PROBABILITIES" value: "PROBABILITIES" }
-      output_map { key: "CLASS" value: "CLASS" }
-      output_map { key: "SCORE" value: "SCORE" }
-    }
+      input_map {{ key: "PROBABILITIES" value: "PROBABILITIES" }}
+      output_map {{ key: "CLASS" value: "CLASS" }}
+      output_map {{ key: "SCORE" value: "SCORE" }}
+    }}
   ]
-}
+}}
 """
+
+
+CNN_PIPELINE_CONFIG = _pipeline_config("cnn_pipeline", "image_preprocess")
+PYTHON_PIPELINE_CONFIG = _pipeline_config("python_pipeline", "python_preprocess")
 
 
 @dataclass(frozen=True)
@@ -357,6 +366,7 @@ _MODELS: dict[str, ExampleModel] = {
             None,
             python=python_models.PYTHON_PREPROCESS_MODEL,
         ),
+        ExampleModel("python_pipeline", PYTHON_PIPELINE_CONFIG, None),
         ExampleModel(
             "repeat_int32",
             python_models.REPEAT_INT32_CONFIG,
