@@ -199,6 +199,7 @@ def summarize(
         "duration_s": opts.duration,
         "workers": opts.workers,
         "timeout_s": opts.timeout,
+        "server_args": opts.server_arg,
         "requests": {
             k: kinds[k]
             for k in ("sent", "ok", "failed_expected", "failed_unexpected", "wrong", "hung", "lost")
@@ -268,12 +269,15 @@ def main() -> int:
     parser.add_argument("--check-every", type=int, default=3, help="check every Nth answer")
     parser.add_argument("--max-rss-growth", type=float, default=0.20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--server-arg", action="append", default=[], help="extra `kiln serve` flag; may repeat"
+    )
     parser.add_argument("--json", type=Path, help="write the figures here")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kiln-soak-") as tmp:
         work = Path(tmp)
         build_example_repository(work / "models")
-        server = SoakServer(work / "models", work)
+        server = SoakServer(work / "models", work, extra_args=tuple(opts.server_arg))
         server.start()
         try:
             models = [

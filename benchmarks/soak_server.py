@@ -31,6 +31,7 @@ class SoakServer:
     workdir: Path
     http_port: int = 0
     grpc_port: int = 0
+    extra_args: tuple[str, ...] = ()  # more `kiln serve` flags (e.g. --no-history)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -59,6 +60,7 @@ class SoakServer:
             "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
             "--metrics-port", str(free_port()),
             "--history-path", str(self.workdir / "history.db"),
+            *self.extra_args,
         ]  # fmt: skip
         with open(self.log_path, "wb") as log:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
