@@ -150,10 +150,18 @@ def sample_rss(
             return
 
 
+# An ensemble fails with its composing model: a kill or unload of a step is felt by both.
+COMPOSED_OF = {
+    "cnn_pipeline": ("image_preprocess", "cnn", "postprocess"),
+    "python_pipeline": ("python_preprocess", "cnn", "postprocess"),
+}
+
+
 def expected(outcome: Outcome, events: list[Event]) -> bool:
+    affected = {outcome.model, *COMPOSED_OF.get(outcome.model, ())}
     for event in events:
         end = (event.end or time.monotonic()) + GRACE_S
-        if event.model == outcome.model and outcome.start <= end and outcome.end >= event.start:
+        if event.model in affected and outcome.start <= end and outcome.end >= event.start:
             return True
     return False
 

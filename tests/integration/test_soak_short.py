@@ -53,7 +53,10 @@ def test_every_failure_is_an_expected_one(soak: dict[str, Any]) -> None:
     unexpected = [e for e in soak["errors"] if not e["expected"]]
     assert unexpected == []
     for error in soak["errors"]:  # and they are the ones the events explain
-        assert error["model"] in {"python_preprocess", "repeat_int32", "simple_string", "mlp"}
+        # (the ensemble whose Python step's worker was killed fails with it)
+        assert error["model"] in {
+            "python_preprocess", "repeat_int32", "simple_string", "mlp", "python_pipeline",
+        }  # fmt: skip
 
 
 def test_the_events_happened_and_the_worker_came_back(soak: dict[str, Any]) -> None:
