@@ -69,9 +69,10 @@ class KilnProcess:
             self.wait_ready(timeout)
         return self
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = 60.0, path: str = "/v2/health/ready") -> None:
+        """Poll ``path`` until it answers 200 (fail early if the process exits)."""
         deadline = time.monotonic() + timeout
-        url = f"http://{self.http_url}/v2/health/ready"
+        url = f"http://{self.http_url}{path}"
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:

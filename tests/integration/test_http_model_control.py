@@ -7,8 +7,6 @@ import json
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,20 +27,7 @@ BROKEN_CONFIG = 'name: "broken"\nplatform: "onnxruntime_onnx"\nmax_batch_sise: 8
 def wait_model_ready(server: KilnProcess, model: str, timeout: float = 60.0) -> None:
     """Server readiness stays false while a model is broken (strict readiness), so wait on
     the model instead."""
-    deadline = time.monotonic() + timeout
-    url = f"http://{server.http_url}/v2/models/{model}/ready"
-    while time.monotonic() < deadline:
-        assert server.proc is not None
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"kiln serve exited:\n{server.log()}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"model {model} not ready:\n{server.log()}")
+    server.wait_ready(timeout, path=f"/v2/models/{model}/ready")
 
 
 @pytest.fixture(scope="module")

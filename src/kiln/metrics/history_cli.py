@@ -31,8 +31,8 @@ def base_url(url: str) -> str:
     return url.rstrip("/")
 
 
-def fetch_history(url: str, params: dict[str, str], timeout: float = 10.0) -> dict[str, Any]:
-    full = f"{base_url(url)}/api/history?{urllib.parse.urlencode(params)}"
+def fetch_json(full: str, timeout: float = 10.0) -> dict[str, Any]:
+    """GET a kiln JSON endpoint; every failure becomes a HistoryClientError with the URL."""
     try:
         with urllib.request.urlopen(full, timeout=timeout) as resp:
             return dict(json.loads(resp.read()))
@@ -42,8 +42,12 @@ def fetch_history(url: str, params: dict[str, str], timeout: float = 10.0) -> di
         except ValueError:
             message = ""
         raise HistoryClientError(f"{full}: HTTP {exc.code}: {message}") from None
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, ValueError) as exc:
         raise HistoryClientError(f"cannot reach {full}: {exc}") from None
+
+
+def fetch_history(url: str, params: dict[str, str], timeout: float = 10.0) -> dict[str, Any]:
+    return fetch_json(f"{base_url(url)}/api/history?{urllib.parse.urlencode(params)}", timeout)
 
 
 def _series_name(labels: dict[str, str]) -> str:

@@ -6,10 +6,7 @@ redraws one rich frame: per-model rates, host or GPU figures, alerts.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from datetime import datetime
 from typing import Any
 
@@ -18,24 +15,13 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kiln.metrics.history_cli import HistoryClientError, base_url
+from kiln.metrics.history_cli import HistoryClientError, base_url, fetch_json
 
 MiB, GiB = 2**20, 2**30
 
 
 def fetch_live(url: str, timeout: float = 10.0) -> dict[str, Any]:
-    full = f"{base_url(url)}/api/live"
-    try:
-        with urllib.request.urlopen(full, timeout=timeout) as resp:
-            return dict(json.loads(resp.read()))
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.loads(exc.read()).get("error", "")
-        except ValueError:
-            message = ""
-        raise HistoryClientError(f"{full}: HTTP {exc.code}: {message}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise HistoryClientError(f"cannot reach {full}: {exc}") from None
+    return fetch_json(f"{base_url(url)}/api/live", timeout)
 
 
 def _n(v: float | None, digits: int = 1, scale: float = 1.0) -> str:
