@@ -7,10 +7,12 @@ event loop: each instance owns one worker thread, so ``instance_group.count`` = 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -36,15 +38,59 @@ class Job:
     sink: ResponseSink | None = None  # a decoupled model's responses stream here
 
 
+class _Worker:
+    """One thread running what it is handed, in order, and resolving the caller's future on
+    its event loop. Leaner than a one-worker ``ThreadPoolExecutor`` (no work-item object,
+    shutdown locks or idle semaphore per call): this hand-off happens once per batch."""
+
+    _STOP = object()
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], args: tuple[Any, ...]) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put((loop, future, fn, args))
+        return future
+
+    def _main(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is self._STOP:
+                return
+            loop, future, fn, args = item
+            try:
+                result, error = fn(*args), None
+            except BaseException as exc:  # delivered to the awaiting coroutine
+                result, error = None, exc
+            # A closed loop raises RuntimeError: nobody is waiting any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, future, result, error)
+
+    def shutdown(self) -> None:
+        self._queue.put(self._STOP)
+        self._thread.join()
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class Instance:
     """A backend plus the one thread it computes on."""
 
     def __init__(self, backend: Backend, model: str) -> None:
         self.backend = backend
         self.model = model
-        self.executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"kiln-{model}-{backend.instance.index}"
-        )
+        self._worker = _Worker(f"kiln-{model}-{backend.instance.index}")
 
     async def run(
         self, inputs: dict[str, np.ndarray], output_names: list[str]
@@ -58,7 +104,7 @@ class Instance:
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Hand ``fn`` to this instance's thread now; the future resolves on the loop."""
-        return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return self._worker.submit(fn, args)
 
     def execute(
         self, inputs: dict[str, np.ndarray], output_names: list[str]
@@ -92,7 +138,7 @@ class Instance:
         return outcomes, start, time.monotonic_ns()
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True)
+        self._worker.shutdown()
         self.backend.close()
 
 

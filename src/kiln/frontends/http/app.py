@@ -13,25 +13,27 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Receive
 
 from kiln.core.errors import KilnError, Status
 from kiln.core.server import Server
 from kiln.frontends import shm_io
 from kiln.frontends.http import generate
 from kiln.frontends.http.codec import (
+    HEADER_LENGTH,
     decode_raw_request,
     decode_request,
     encode_response,
     parse_json,
 )
+from kiln.frontends.http.fast_infer import FastInfer
 from kiln.frontends.http.openapi import openapi_document
 
 log = logging.getLogger(__name__)
 
-HEADER_LENGTH = "inference-header-content-length"
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -54,42 +56,62 @@ class HttpFrontend:
 
     # ---- plumbing --------------------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
-        declared = request.headers.get("content-length")
+        h = request.headers
+        return await self.read_asgi_body(
+            h.get("content-length"), h.get("content-encoding", ""), request.receive
+        )
+
+    async def read_asgi_body(self, declared: str | None, encoding: str, receive: Receive) -> bytes:
+        """The whole body of a request from its ASGI ``receive``: bounded in size and time,
+        and inflated when ``encoding`` (its Content-Encoding) says so."""
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
             raise KilnError(
                 f"request body of {declared} bytes exceeds the limit of {self.max_body} bytes "
                 "(--http-max-input-size)",
                 Status.PAYLOAD_TOO_LARGE,
             )
-        chunks: list[bytes] = []
-        try:
-            async with asyncio.timeout(self.read_timeout or None):
-                await self._read_chunks(request, chunks)
-        except TimeoutError:
-            raise KilnError(
-                f"request body not received within {self.read_timeout:g}s "
-                "(--http-read-timeout-secs)",
-                Status.REQUEST_TIMEOUT,
-            ) from None
-        body = b"".join(chunks)
-        encoding = request.headers.get("content-encoding", "").lower()
-        if encoding in ("gzip", "deflate"):
-            body = self._decompress(body, encoding)
-        elif encoding not in ("", "identity"):
-            raise KilnError(f"unsupported Content-Encoding '{encoding}'", Status.UNSUPPORTED)
+        message = await receive()  # uvicorn: at once when the body is already buffered
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        body = self._check_size(message.get("body", b""))
+        if message.get("more_body", False):
+            chunks = [body]
+            try:
+                async with asyncio.timeout(self.read_timeout or None):
+                    await self._read_chunks(receive, chunks, len(body))
+            except TimeoutError:
+                raise KilnError(
+                    f"request body not received within {self.read_timeout:g}s "
+                    "(--http-read-timeout-secs)",
+                    Status.REQUEST_TIMEOUT,
+                ) from None
+            body = b"".join(chunks)
+        if encoding:
+            encoding = encoding.lower()
+            if encoding in ("gzip", "deflate"):
+                body = self._decompress(body, encoding)
+            elif encoding != "identity":
+                raise KilnError(f"unsupported Content-Encoding '{encoding}'", Status.UNSUPPORTED)
         return body
 
-    async def _read_chunks(self, request: Request, chunks: list[bytes]) -> None:
-        total = 0
-        async for chunk in request.stream():
+    def _check_size(self, body: bytes, before: int = 0) -> bytes:
+        if before + len(body) > self.max_body:
+            raise KilnError(
+                f"request body exceeds the limit of {self.max_body} bytes (--http-max-input-size)",
+                Status.PAYLOAD_TOO_LARGE,
+            )
+        return body
+
+    async def _read_chunks(self, receive: Receive, chunks: list[bytes], total: int) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            chunk = self._check_size(message.get("body", b""), total)
             total += len(chunk)
-            if total > self.max_body:
-                raise KilnError(
-                    f"request body exceeds the limit of {self.max_body} bytes "
-                    "(--http-max-input-size)",
-                    Status.PAYLOAD_TOO_LARGE,
-                )
             chunks.append(chunk)
+            if not message.get("more_body", False):
+                return
 
     def _decompress(self, body: bytes, encoding: str) -> bytes:
         wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
@@ -106,8 +128,8 @@ class HttpFrontend:
         return out
 
     @staticmethod
-    def _compress(request: Request, body: bytes, headers: dict[str, str]) -> bytes:
-        accept = request.headers.get("accept-encoding", "")
+    def _compress(accept: str, body: bytes, headers: dict[str, str]) -> bytes:
+        """``accept``: the request's Accept-Encoding."""
         if "gzip" in accept:
             headers["Content-Encoding"] = "gzip"
             return gzip.compress(body, compresslevel=1)
@@ -149,10 +171,22 @@ class HttpFrontend:
 
     # ---- inference -------------------------------------------------------------------
     async def infer(self, request: Request) -> Response:
-        p = request.path_params
-        name, version = p["model"], p.get("version", "")
+        p, h = request.path_params, request.headers
         body = await self.read_body(request)
-        raw_length = request.headers.get(HEADER_LENGTH)
+        out, headers = await self.infer_body(
+            p["model"],
+            p.get("version", ""),
+            body,
+            h.get(HEADER_LENGTH),
+            h.get("accept-encoding", ""),
+        )
+        return Response(out, 200, headers=headers)
+
+    async def infer_body(
+        self, name: str, version: str, body: bytes, raw_length: str | None, accept: str
+    ) -> tuple[bytes, dict[str, str]]:
+        """One inference from a request body to a response body and its headers; shared by
+        the Starlette route and the fast path (:mod:`kiln.frontends.http.fast_infer`)."""
         if raw_length is None:
             req = decode_request(body, None, name, version)
         else:
@@ -172,11 +206,12 @@ class HttpFrontend:
         headers: dict[str, str] = {}
         if json_length is not None:
             headers["Inference-Header-Content-Length"] = str(json_length)
-            media = "application/octet-stream"
+            headers["Content-Type"] = "application/octet-stream"
         else:
-            media = "application/json"
-        out = self._compress(request, out, headers)
-        return Response(out, 200, headers=headers, media_type=media)
+            headers["Content-Type"] = "application/json"
+        if accept:
+            out = self._compress(accept, out, headers)
+        return out, headers
 
     async def generate(self, request: Request) -> Response:
         return await generate.generate(self, request)
@@ -328,13 +363,15 @@ class HttpFrontend:
         add(cuda + "/region/{region}/unregister", self.cuda_shm_unsupported, ["POST"])
         return r
 
-    def app(self, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
-        """``extra_routes``: non-KServe routes on the same port (e.g. ``/api/history``)."""
+    def app(self, extra_routes: Sequence[BaseRoute] = ()) -> ASGIApp:
+        """``extra_routes``: non-KServe routes on the same port (e.g. ``/api/history``).
+        Inference takes the fast path; the rest goes through Starlette."""
 
         async def http_error(request: Request, exc: Exception) -> Response:
             assert isinstance(exc, HTTPException)
             return error_response(exc.detail, exc.status_code)
 
-        return Starlette(
+        routes = Starlette(
             routes=[*self.routes(), *extra_routes], exception_handlers={HTTPException: http_error}
         )
+        return FastInfer(self, routes)

@@ -26,6 +26,9 @@ from kiln.frontends.tensors import from_binary, to_binary
 
 _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
+# Triton's binary tensor extension: the JSON header's length when binary data follows it.
+HEADER_LENGTH = "inference-header-content-length"
+
 
 def _shape(tensor: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):

@@ -1,0 +1,86 @@
+"""The inference route without Starlette: ``POST /v2/models/{m}[/versions/{v}]/infer``.
+
+Starlette's middleware stack, router, ``Request`` and ``Response`` cost about as much CPU
+per request as kiln's own decode → schedule → encode path for a small model (measured
+in-process: ~190 µs against ~85 µs per request at concurrency 32). The route that carries
+nearly all the traffic therefore goes straight from ASGI to
+:meth:`HttpFrontend.infer_body`, with the same body limits, errors and headers as every
+other route; everything else falls through to the Starlette app. Access control and CORS
+wrap this app from the outside, so they apply to the fast path unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING
+
+import orjson
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kiln.core.errors import KilnError
+from kiln.frontends.http.codec import HEADER_LENGTH
+
+if TYPE_CHECKING:
+    from kiln.frontends.http.app import HttpFrontend
+
+log = logging.getLogger(__name__)
+
+# Starlette's ``{param}`` is ``[^/]+``; uvicorn has already percent-decoded ``path``.
+_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
+_WANTED = {
+    b"content-length": "content-length",
+    b"content-encoding": "content-encoding",
+    HEADER_LENGTH.encode(): HEADER_LENGTH,
+    b"accept-encoding": "accept-encoding",
+}
+
+
+class FastInfer:
+    def __init__(self, frontend: HttpFrontend, app: ASGIApp) -> None:
+        self.frontend = frontend
+        self.app = app  # every other route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            match = _INFER.fullmatch(scope["path"])
+            if match is not None:
+                await self._infer(match, scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    async def _infer(
+        self, match: re.Match[str], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        headers: dict[str, str] = {}
+        for key, value in scope["headers"]:
+            name = _WANTED.get(key)
+            if name is not None:
+                headers[name] = value.decode("latin-1")
+        try:
+            body = await self.frontend.read_asgi_body(
+                headers.get("content-length"), headers.get("content-encoding", ""), receive
+            )
+            out, extra = await self.frontend.infer_body(
+                match[1],
+                match[2] or "",
+                body,
+                headers.get(HEADER_LENGTH),
+                headers.get("accept-encoding", ""),
+            )
+            status = 200
+        except ClientDisconnect:
+            return  # nobody to answer
+        except KilnError as exc:
+            status, out = exc.status.http_status, orjson.dumps({"error": exc.message})
+            extra = {"Content-Type": "application/json"}
+        except Exception as exc:  # never let one request take the server down
+            log.exception("unhandled error on %s", scope["path"])
+            status = 500
+            out = orjson.dumps({"error": f"internal error: {type(exc).__name__}: {exc}"})
+            extra = {"Content-Type": "application/json"}
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+        raw.append((b"content-length", str(len(out)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send({"type": "http.response.body", "body": out})
