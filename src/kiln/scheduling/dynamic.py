@@ -1,7 +1,9 @@
 """The dynamic batcher (``dynamic_batching {}``): queued requests become batches.
 
-One asyncio task forms batches; it takes a batch only once an instance is free, so while
-every instance computes, requests pile up and the next batch grows by itself. A batch is
+Batches form in plain loop callbacks, not a task: ``_pump`` runs (once per loop
+iteration at most) when a request arrives, an instance frees up, a delay or timeout
+expires. It takes a batch only once an instance is free, so while every instance
+computes, requests pile up and the next batch grows by itself. A batch is
 sent as soon as it is full (``max_batch_size``) or reaches a ``preferred_batch_size``;
 otherwise it waits for more until its oldest request has waited
 ``max_queue_delay_microseconds``. Merging, compute and splitting run on the instance's
@@ -11,8 +13,10 @@ own thread, so the event loop never copies a tensor.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections import deque
 
 import numpy as np
 
@@ -49,19 +53,16 @@ class DynamicScheduler(Scheduler):
         self.preserve_ordering = db.preserve_ordering
         self.policy = QueuePolicy.from_config(model, db)
         self.queue = RequestQueue(self.policy)
-        self._free: asyncio.Queue[Instance] = asyncio.Queue()
-        for inst in instances:
-            self._free.put_nowait(inst)
-        self._changed = asyncio.Event()
+        self._free: deque[Instance] = deque(instances)  # first free, first used
         self._closing = False
-        self._running: set[asyncio.Task[None]] = set()
+        self._pump_soon = False  # a _pump is already scheduled for this loop iteration
+        self._timer: asyncio.TimerHandle | None = None  # wakes _pump when a delay expires
+        self._timer_at = 0  # its deadline, monotonic ns
+        self._running: set[asyncio.Future[Outputs]] = set()
         self._formed = 0  # batches formed so far: the next batch's sequence number
         self._released = 0  # preserve_ordering: the next batch allowed to answer
         self._finished: dict[int, tuple[list[Pending], Outcome]] = {}
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"kiln-batcher-{model}"
-        )
-        self._task.add_done_callback(self._on_batcher_exit)
+        self._loop = asyncio.get_running_loop()
 
     @property
     def pending(self) -> int:
@@ -84,7 +85,7 @@ class DynamicScheduler(Scheduler):
         self.queue.push(item)
         if timeout_ns:
             item.timer = loop.call_later(timeout_ns / 1e9, self._on_timeout, item)
-        self._changed.set()
+        self._kick()
         try:
             return await item.future
         except asyncio.CancelledError:
@@ -92,45 +93,55 @@ class DynamicScheduler(Scheduler):
             if item.timer is not None:
                 item.timer.cancel()
             if self.queue.remove(item):
-                self._changed.set()
+                self._kick()
             raise
 
     def _on_timeout(self, item: Pending) -> None:
         item.timer = None
         if self.policy.levels[item.level - 1].delay_on_timeout:
             if self.queue.delay(item):
-                self._changed.set()
+                self._kick()
         elif self.queue.remove(item):
             if not item.future.done():
                 # Triton's exact text: clients written for Triton compare it.
                 item.future.set_exception(unavailable("Request timeout expired"))
-            self._changed.set()
+            self._kick()
 
     # ---- batch formation ---------------------------------------------------------------
-    async def _run(self) -> None:
-        while True:
-            instance = await self._free.get()
-            batch = await self._next_batch()
-            if batch is None:
-                self._free.put_nowait(instance)
-                return
-            self._dispatch(instance, batch)
+    def _kick(self) -> None:
+        """Form batches on this loop iteration's tail: requests that arrive together (one
+        read can parse several) get the chance to share a batch."""
+        if not self._pump_soon:
+            self._pump_soon = True
+            self._loop.call_soon(self._pump)
 
-    async def _next_batch(self) -> list[Pending] | None:
-        loop = asyncio.get_running_loop()
-        while True:
-            self._changed.clear()
-            if not len(self.queue):
-                if self._closing:
-                    return None
-                await self._changed.wait()
-                continue
-            count, deadline = self.plan(time.monotonic_ns())
-            if count:
-                return self.queue.pop_front(count)
-            wake = loop.call_later((deadline - time.monotonic_ns()) / 1e9, self._changed.set)
-            await self._changed.wait()
-            wake.cancel()
+    def _pump(self) -> None:
+        self._pump_soon = False
+        try:
+            while self._free and len(self.queue):
+                count, deadline = self.plan(time.monotonic_ns())
+                if not count:
+                    self._wake_at(deadline)
+                    return
+                self._dispatch(self._free.popleft(), self.queue.pop_front(count))
+        except Exception as exc:  # a bug here must not leave callers waiting forever
+            log.error("model '%s': batcher failed", self.model, exc_info=exc)
+            for item in self.queue.pop_front(len(self.queue)):
+                if not item.future.done():
+                    item.future.set_exception(internal(f"model '{self.model}': batcher failed"))
+
+    def _wake_at(self, deadline_ns: int) -> None:
+        if self._timer is not None:
+            if self._timer_at <= deadline_ns:
+                return  # an earlier wake-up re-plans anyway
+            self._timer.cancel()
+        self._timer_at = deadline_ns
+        delay = max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)
+        self._timer = self._loop.call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._pump()
 
     def plan(self, now_ns: int) -> tuple[int, int]:
         """``(n, 0)``: send the first n queued requests now; ``(0, t)``: wait until t.
@@ -170,25 +181,27 @@ class DynamicScheduler(Scheduler):
             item.job.times.queue_end = now
         seq = self._formed
         self._formed += 1
-        # Submitted here, not from inside the task: a new task first runs on the loop's next
-        # iteration, which under load is milliseconds away (measured: benchmarks/README.md).
+        # Handed to the instance's thread at once; completion comes back as a callback, so
+        # a batch costs no task and no extra loop iteration (measured: benchmarks/README.md).
         running = instance.submit(self._compute, instance, [p.job for p in batch])
-        task = asyncio.get_running_loop().create_task(self._execute(instance, batch, seq, running))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        self._running.add(running)
+        running.add_done_callback(functools.partial(self._on_done, instance, batch, seq))
 
     # ---- execution ---------------------------------------------------------------------
-    async def _execute(
-        self, instance: Instance, batch: list[Pending], seq: int, running: asyncio.Future[Outputs]
+    def _on_done(
+        self, instance: Instance, batch: list[Pending], seq: int, done: asyncio.Future[Outputs]
     ) -> None:
+        self._running.discard(done)
+        self._free.append(instance)  # a failed batch does not take the instance down
         outcome: Outcome
-        try:
-            outcome = await running
-        except Exception as exc:
-            outcome = exc
-        finally:
-            self._free.put_nowait(instance)  # a failed batch does not take the instance down
+        if done.cancelled():
+            outcome = asyncio.CancelledError()
+        else:
+            error = done.exception()
+            outcome = error if error is not None else done.result()
         self._finish(seq, batch, outcome)
+        if len(self.queue):
+            self._pump()
 
     def _compute(self, instance: Instance, jobs: list[Job]) -> Outputs:
         """On the instance's thread: merge, execute, split; stamps every request's times."""
@@ -241,22 +254,18 @@ class DynamicScheduler(Scheduler):
         return internal(f"model '{self.model}' failed to execute: {type(exc).__name__}: {exc}")
 
     # ---- shutdown ----------------------------------------------------------------------
-    def _on_batcher_exit(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or task.exception() is None:
-            return
-        log.error("model '%s': batcher stopped", self.model, exc_info=task.exception())
-        for item in self.queue.pop_front(len(self.queue)):
-            if not item.future.done():
-                item.future.set_exception(internal(f"model '{self.model}': batcher stopped"))
-
     def flush(self) -> None:
         self._closing = True
-        self._changed.set()
+        self._kick()
 
     async def close(self) -> None:
         """Run what is still queued (without waiting out delays), then close instances."""
         self.flush()
-        await asyncio.gather(self._task, return_exceptions=True)
-        if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
+        while len(self.queue) or self._running:
+            if self._running:
+                await asyncio.gather(*self._running, return_exceptions=True)
+            else:
+                await asyncio.sleep(0)  # let the scheduled _pump dispatch the rest
+        if self._timer is not None:
+            self._timer.cancel()
         await super().close()
