@@ -21,6 +21,7 @@ from starlette.middleware.cors import CORSMiddleware
 from kiln.core.server import Server, ServerOptions
 from kiln.frontends.http.access import AccessMiddleware
 from kiln.frontends.http.app import HttpFrontend
+from kiln.frontends.http.fast_protocol import fast_infer_protocol
 from kiln.frontends.http.live_routes import live_routes
 from kiln.frontends.http.monitor_routes import monitor_routes
 from kiln.frontends.http.slow_clients import header_timeout_protocol
@@ -62,8 +63,10 @@ def _uvicorn(
     port: int,
     timeout: float,
     security: SecurityOptions | None = None,
+    fast: HttpFrontend | None = None,
 ) -> _Uvicorn:
-    """``security``: the main HTTP listener's TLS and limits; None for the metrics port."""
+    """``security``: the main HTTP listener's TLS and limits; None for the metrics port.
+    ``fast``: answer inference inside the HTTP protocol with this frontend."""
     sec = security or SecurityOptions()
     tls: dict[str, object] = {}
     if security is not None and security.http_tls is not None:
@@ -74,12 +77,15 @@ def _uvicorn(
             "ssl_ca_certs": str(t.ca_certs) if t.ca_certs else None,
             "ssl_cert_reqs": t.cert_reqs,
         }
+    protocol = header_timeout_protocol(sec.http_header_timeout_secs)
+    if fast is not None:
+        protocol = fast_infer_protocol(protocol, fast)
     config = uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=host,
         port=port,
         loop="none",
-        http=header_timeout_protocol(sec.http_header_timeout_secs),
+        http=protocol,
         lifespan="off",
         log_level="warning",
         access_log=False,
@@ -93,10 +99,10 @@ def _uvicorn(
     return _Uvicorn(config)
 
 
-def _http_app(server: Server, routes: list[Any], security: SecurityOptions) -> Any:
+def _http_app(frontend: HttpFrontend, routes: list[Any], security: SecurityOptions) -> Any:
     """The HTTP app inside its access check, inside CORS (so browsers' preflight requests,
     which carry no credentials, are answered before the key is asked for)."""
-    app: Any = HttpFrontend(server, security.http_read_timeout_secs).app(routes)
+    app: Any = frontend.app(routes)
     if security.http_access.enabled:
         app = AccessMiddleware(app, security.http_access)
     if security.cors_origins:
@@ -128,9 +134,12 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
             external_url = f"http://{endpoints.host}:{endpoints.http_port}"
             monitor = MonitorService(metrics, endpoints.monitor, external_url)
     security = endpoints.security
+    frontend = HttpFrontend(server, security.http_read_timeout_secs)
+    # API keys and CORS wrap the ASGI app: with either, inference takes the ASGI fast path.
+    plain = not security.http_access.enabled and not security.cors_origins
     http = _uvicorn(
         _http_app(
-            server,
+            frontend,
             [
                 *monitor_routes(monitor),
                 *live_routes(server, metrics, monitor),
@@ -142,6 +151,7 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         endpoints.http_port,
         options.exit_timeout_secs,
         security,
+        fast=frontend if plain else None,
     )
     servers = [http]
     if metrics is not None and endpoints.allow_metrics:

@@ -86,12 +86,15 @@ class HttpFrontend:
                     Status.REQUEST_TIMEOUT,
                 ) from None
             body = b"".join(chunks)
-        if encoding:
-            encoding = encoding.lower()
-            if encoding in ("gzip", "deflate"):
-                body = self._decompress(body, encoding)
-            elif encoding != "identity":
-                raise KilnError(f"unsupported Content-Encoding '{encoding}'", Status.UNSUPPORTED)
+        return self.decode_body(body, encoding) if encoding else body
+
+    def decode_body(self, body: bytes, encoding: str) -> bytes:
+        """``body`` inflated as its Content-Encoding says (gzip, deflate or identity)."""
+        encoding = encoding.lower()
+        if encoding in ("gzip", "deflate"):
+            return self._decompress(body, encoding)
+        if encoding not in ("", "identity"):
+            raise KilnError(f"unsupported Content-Encoding '{encoding}'", Status.UNSUPPORTED)
         return body
 
     def _check_size(self, body: bytes, before: int = 0) -> bytes:

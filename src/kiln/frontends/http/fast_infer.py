@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Starlette's ``{param}`` is ``[^/]+``; uvicorn has already percent-decoded ``path``.
-_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
-_WANTED = {
+INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
+WANTED_HEADERS = {
     b"content-length": "content-length",
     b"content-encoding": "content-encoding",
     HEADER_LENGTH.encode(): HEADER_LENGTH,
@@ -44,7 +44,7 @@ class FastInfer:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            match = _INFER.fullmatch(scope["path"])
+            match = INFER_PATH.fullmatch(scope["path"])
             if match is not None:
                 await self._infer(match, scope, receive, send)
                 return
@@ -55,32 +55,45 @@ class FastInfer:
     ) -> None:
         headers: dict[str, str] = {}
         for key, value in scope["headers"]:
-            name = _WANTED.get(key)
+            name = WANTED_HEADERS.get(key)
             if name is not None:
                 headers[name] = value.decode("latin-1")
         try:
             body = await self.frontend.read_asgi_body(
                 headers.get("content-length"), headers.get("content-encoding", ""), receive
             )
-            out, extra = await self.frontend.infer_body(
-                match[1],
-                match[2] or "",
-                body,
-                headers.get(HEADER_LENGTH),
-                headers.get("accept-encoding", ""),
-            )
-            status = 200
         except ClientDisconnect:
             return  # nobody to answer
         except KilnError as exc:
-            status, out = exc.status.http_status, orjson.dumps({"error": exc.message})
-            extra = {"Content-Type": "application/json"}
-        except Exception as exc:  # never let one request take the server down
-            log.exception("unhandled error on %s", scope["path"])
-            status = 500
-            out = orjson.dumps({"error": f"internal error: {type(exc).__name__}: {exc}"})
-            extra = {"Content-Type": "application/json"}
+            status, out, extra = error(exc)
+        else:
+            status, out, extra = await answer(
+                self.frontend, match[1], match[2] or "", body, headers
+            )
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
         raw.append((b"content-length", str(len(out)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": raw})
         await send({"type": "http.response.body", "body": out})
+
+
+def error(exc: KilnError) -> tuple[int, bytes, dict[str, str]]:
+    body = orjson.dumps({"error": exc.message})
+    return exc.status.http_status, body, {"Content-Type": "application/json"}
+
+
+async def answer(
+    frontend: HttpFrontend, name: str, version: str, body: bytes, headers: dict[str, str]
+) -> tuple[int, bytes, dict[str, str]]:
+    """(status, body, headers) of one inference whose request body has been read (and
+    inflated); ``headers``: the request's, as ``WANTED_HEADERS`` names them. Never raises."""
+    try:
+        out, extra = await frontend.infer_body(
+            name, version, body, headers.get(HEADER_LENGTH), headers.get("accept-encoding", "")
+        )
+        return 200, out, extra
+    except KilnError as exc:
+        return error(exc)
+    except Exception as exc:  # never let one request take the server down
+        log.exception("unhandled error on model '%s'", name)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        return 500, orjson.dumps({"error": message}), {"Content-Type": "application/json"}

@@ -1,0 +1,180 @@
+"""``POST .../infer`` answered inside uvicorn's HTTP protocol, without an ASGI cycle.
+
+uvicorn builds a scope, a ``RequestResponseCycle``, an ``asyncio.Event`` and a task per
+request, and passes the body and the response through ASGI messages: about 50 µs of CPU
+per request under load and over 100 µs for a lone request, where a bare httptools
+protocol needs ~15 µs (measured on the 2-vCPU dev VM; benchmarks/README.md). The
+inference route carries nearly all of a server's traffic, so this protocol takes it over
+at the parser's callbacks: it collects the body, runs the same ``answer`` as the ASGI fast
+path and writes the response bytes itself. Everything else (every other route, and
+inference requests this path does not take: chunked or oversized bodies, ``Expect:
+100-continue``, percent-encoded paths, requests over the concurrency limit) is left to
+uvicorn unchanged. Ordering of pipelined requests, graceful shutdown, keep-alive and the
+header timeout keep working because the in-flight request stands in ``self.cycle`` as
+uvicorn's own cycle would.
+
+Only used when no API keys and no CORS are configured: those wrap the ASGI app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from kiln.core.errors import KilnError, Status
+from kiln.frontends.http.app import HttpFrontend
+from kiln.frontends.http.fast_infer import INFER_PATH, WANTED_HEADERS, answer, error
+
+
+class _Nothing:
+    def set(self) -> None:  # uvicorn calls cycle.message_event.set() when a connection drops
+        pass
+
+
+class _FastCycle:
+    """What uvicorn reads of ``self.cycle`` while a fast request is in flight."""
+
+    __slots__ = ("body", "disconnected", "headers", "keep_alive", "match", "response_complete")
+    message_event = _Nothing()
+
+    def __init__(self, match: Any, headers: dict[str, str], keep_alive: bool) -> None:
+        self.match = match
+        self.headers = headers
+        self.keep_alive = keep_alive
+        self.body: list[bytes] = []
+        self.disconnected = False
+        self.response_complete = False
+
+
+def fast_infer_protocol(
+    base: type[HttpToolsProtocol], frontend: HttpFrontend
+) -> type[HttpToolsProtocol]:
+    max_body = frontend.max_body
+    read_timeout = frontend.read_timeout
+
+    class FastInferProtocol(base):  # type: ignore[valid-type,misc]
+        _fast_rx: _FastCycle | None = None  # a fast request whose body is arriving
+        _read_timer: asyncio.TimerHandle | None = None
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            # Arm the body timeout only when a body spans reads: most bodies arrive whole.
+            if self._fast_rx is not None and self._read_timer is None and read_timeout:
+                self._read_timer = self.loop.call_later(read_timeout, self._body_too_slow)
+
+        def on_headers_complete(self) -> None:
+            cycle = self._fast_cycle()
+            if cycle is None:
+                super().on_headers_complete()
+                return
+            self._disarm()  # the header timeout, as the base class does
+            self._fast_rx = cycle
+            self.cycle = cycle  # type: ignore[assignment]
+
+        def _fast_cycle(self) -> _FastCycle | None:
+            if self.parser.get_method() != b"POST" or self.expect_100_continue:
+                return None
+            if self.cycle is not None and not self.cycle.response_complete:
+                return None  # pipelined behind a response in flight: uvicorn queues it
+            limit = self.limit_concurrency
+            if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+                return None  # uvicorn answers 503
+            path = httptools.parse_url(self.url).path
+            if b"%" in path:
+                return None
+            match = INFER_PATH.fullmatch(path.decode("latin-1"))
+            if match is None:
+                return None
+            headers: dict[str, str] = {}
+            for key, value in self.headers:
+                name = WANTED_HEADERS.get(key)
+                if name is not None:
+                    headers[name] = value.decode("latin-1")
+            length = headers.get("content-length")
+            if length is None or not length.isdigit() or int(length) > max_body:
+                return None  # chunked or too large: the ASGI path reads and refuses it
+            keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+            return _FastCycle(match, headers, keep_alive)
+
+        def on_body(self, body: bytes) -> None:
+            if self._fast_rx is not None:
+                self._fast_rx.body.append(body)
+            else:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            cycle = self._fast_rx
+            if cycle is None:
+                super().on_message_complete()
+                return
+            self._fast_rx = None
+            self._cancel_read_timer()
+            task = self.loop.create_task(self._serve(cycle))
+            task.add_done_callback(self.tasks.discard)
+            self.tasks.add(task)
+
+        async def _serve(self, cycle: _FastCycle) -> None:
+            headers, match = cycle.headers, cycle.match
+            try:
+                body = b"".join(cycle.body)
+                if "content-encoding" in headers:
+                    body = frontend.decode_body(body, headers["content-encoding"])
+            except KilnError as exc:
+                status, out, extra = error(exc)
+            else:
+                status, out, extra = await answer(frontend, match[1], match[2] or "", body, headers)
+            self._respond(cycle, status, out, extra)
+            if self.flow.write_paused and not self.transport.is_closing():
+                await self.flow.drain()  # a slow reader: don't start its next request yet
+            self._complete(cycle)
+
+        def _respond(
+            self, cycle: _FastCycle, status: int, out: bytes, extra: dict[str, str]
+        ) -> None:
+            if cycle.disconnected or self.transport.is_closing():
+                return
+            parts = [STATUS_LINE[status]]
+            for name, value in self.server_state.default_headers:
+                parts += [name, b": ", value, b"\r\n"]
+            for key, text in extra.items():
+                parts += [key.encode("latin-1"), b": ", text.encode("latin-1"), b"\r\n"]
+            parts += [b"content-length: ", str(len(out)).encode(), b"\r\n"]
+            if not cycle.keep_alive:
+                parts.append(b"connection: close\r\n")
+            parts += [b"\r\n", out]
+            self.transport.write(b"".join(parts))
+
+        def _complete(self, cycle: _FastCycle) -> None:
+            cycle.response_complete = True
+            if not cycle.keep_alive and not self.transport.is_closing():
+                self.transport.close()
+            self.on_response_complete()  # keep-alive timer, or the next pipelined request
+
+        def _body_too_slow(self) -> None:
+            self._read_timer = None
+            cycle = self._fast_rx
+            if cycle is None or self.transport.is_closing():
+                return
+            self._fast_rx = None
+            cycle.keep_alive = False  # the rest of the body would be read as a request
+            exc = KilnError(
+                f"request body not received within {read_timeout:g}s (--http-read-timeout-secs)",
+                Status.REQUEST_TIMEOUT,
+            )
+            self._respond(cycle, *error(exc))
+            self._complete(cycle)
+
+        def _cancel_read_timer(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_read_timer()
+            self._fast_rx = None
+            super().connection_lost(exc)
+
+    return FastInferProtocol
