@@ -79,7 +79,8 @@ def _uvicorn(
         }
     protocol = header_timeout_protocol(sec.http_header_timeout_secs)
     if fast is not None:
-        protocol = fast_infer_protocol(protocol, fast)
+        access = sec.http_access if sec.http_access.enabled else None
+        protocol = fast_infer_protocol(protocol, fast, access, bool(sec.cors_origins))
     config = uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=host,
@@ -135,8 +136,6 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
             monitor = MonitorService(metrics, endpoints.monitor, external_url)
     security = endpoints.security
     frontend = HttpFrontend(server, security.http_read_timeout_secs)
-    # API keys and CORS wrap the ASGI app: with either, inference takes the ASGI fast path.
-    plain = not security.http_access.enabled and not security.cors_origins
     http = _uvicorn(
         _http_app(
             frontend,
@@ -151,7 +150,7 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         endpoints.http_port,
         options.exit_timeout_secs,
         security,
-        fast=frontend if plain else None,
+        fast=frontend,
     )
     servers = [http]
     if metrics is not None and endpoints.allow_metrics:

@@ -13,7 +13,9 @@ uvicorn unchanged. Ordering of pipelined requests, graceful shutdown, keep-alive
 header timeout keep working because the in-flight request stands in ``self.cycle`` as
 uvicorn's own cycle would.
 
-Only used when no API keys and no CORS are configured: those wrap the ASGI app.
+API keys and restricted API groups are checked here exactly as the access middleware
+checks them; a request that carries an ``Origin`` header while CORS is configured goes
+to the ASGI app, whose CORS middleware adds the headers a browser needs.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import asyncio
 from typing import Any
 
 import httptools
+import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from kiln.core.access import AccessPolicy, ApiGroup
 from kiln.core.errors import KilnError, Status
 from kiln.frontends.http.app import HttpFrontend
 from kiln.frontends.http.fast_infer import INFER_PATH, WANTED_HEADERS, answer, error
@@ -37,12 +41,22 @@ class _Nothing:
 class _FastCycle:
     """What uvicorn reads of ``self.cycle`` while a fast request is in flight."""
 
-    __slots__ = ("body", "disconnected", "headers", "keep_alive", "match", "response_complete")
+    __slots__ = (
+        "body", "disconnected", "headers", "keep_alive", "match", "raw_headers",
+        "response_complete",
+    )  # fmt: skip
     message_event = _Nothing()
 
-    def __init__(self, match: Any, headers: dict[str, str], keep_alive: bool) -> None:
+    def __init__(
+        self,
+        match: Any,
+        headers: dict[str, str],
+        keep_alive: bool,
+        raw_headers: list[tuple[bytes, bytes]],
+    ) -> None:
         self.match = match
         self.headers = headers
+        self.raw_headers = raw_headers  # every header, for the access check
         self.keep_alive = keep_alive
         self.body: list[bytes] = []
         self.disconnected = False
@@ -50,8 +64,12 @@ class _FastCycle:
 
 
 def fast_infer_protocol(
-    base: type[HttpToolsProtocol], frontend: HttpFrontend
+    base: type[HttpToolsProtocol],
+    frontend: HttpFrontend,
+    access: AccessPolicy | None = None,
+    cors: bool = False,
 ) -> type[HttpToolsProtocol]:
+    """``access``: the HTTP access policy when it is enabled; ``cors``: CORS is configured."""
     max_body = frontend.max_body
     read_timeout = frontend.read_timeout
 
@@ -93,11 +111,13 @@ def fast_infer_protocol(
                 name = WANTED_HEADERS.get(key)
                 if name is not None:
                     headers[name] = value.decode("latin-1")
+                elif cors and key == b"origin":
+                    return None  # a browser's request: CORS headers come from the ASGI app
             length = headers.get("content-length")
             if length is None or not length.isdigit() or int(length) > max_body:
                 return None  # chunked or too large: the ASGI path reads and refuses it
             keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
-            return _FastCycle(match, headers, keep_alive)
+            return _FastCycle(match, headers, keep_alive, self.headers)
 
         def on_body(self, body: bytes) -> None:
             if self._fast_rx is not None:
@@ -118,6 +138,8 @@ def fast_infer_protocol(
 
         async def _serve(self, cycle: _FastCycle) -> None:
             headers, match = cycle.headers, cycle.match
+            if access is not None and self._denied(cycle):
+                return
             try:
                 body = b"".join(cycle.body)
                 if "content-encoding" in headers:
@@ -130,6 +152,20 @@ def fast_infer_protocol(
             if self.flow.write_paused and not self.transport.is_closing():
                 await self.flow.drain()  # a slow reader: don't start its next request yet
             self._complete(cycle)
+
+        def _denied(self, cycle: _FastCycle) -> bool:
+            assert access is not None
+            every = {k.decode("latin-1"): v.decode("latin-1") for k, v in cycle.raw_headers}
+            denial = access.check(ApiGroup.INFERENCE, every.get)
+            if denial is None:
+                return False
+            extra = {"Content-Type": "application/json"}
+            status = 403
+            if denial.kind == "unauthenticated":
+                status, extra["WWW-Authenticate"] = 401, "Bearer"
+            self._respond(cycle, status, orjson.dumps({"error": denial.message}), extra)
+            self._complete(cycle)
+            return True
 
         def _respond(
             self, cycle: _FastCycle, status: int, out: bytes, extra: dict[str, str]
