@@ -144,6 +144,8 @@ def test_generate_stream_sends_the_text_in_chunks(http: Http) -> None:
         ({"text_input": PROMPT, "parameters": {"temperature": -1}}, ["temperature"]),
         ({"text_input": PROMPT, "presence_penalty": 2.5}, ["presence_penalty"]),
         ({"text_input": PROMPT, "parameters": {"min_p": 2}}, ["min_p"]),
+        ({"text_input": PROMPT, "stop": 5}, ["stop"]),
+        ({"text_input": PROMPT, "parameters": {"stream": "yes"}}, ["stream", "boolean"]),
         ({"text_input": PROMPT, "parameters": {"max_tokens": 1000}}, ["max_tokens"]),
         ({"text_input": PROMPT, "parameters": {"stream": True}}, ["generate_stream"]),
         ({"text_input": PROMPT, "sampling_parameters": "{oops"}, ["sampling_parameters"]),

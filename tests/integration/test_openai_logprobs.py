@@ -181,3 +181,17 @@ def test_bad_chat_logprobs_are_400(
         )  # type: ignore[call-overload]
     body = info.value.body
     assert isinstance(body, dict) and body["param"] == param
+
+
+def test_echoed_prompt_shifts_the_text_offsets(client: openai.OpenAI) -> None:
+    prompt = "the quick brown fox"
+    reply = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=5, temperature=0, echo=True, logprobs=1
+    )
+    choice = reply.choices[0]
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    assert lp is not None and lp.text_offset is not None and lp.tokens is not None
+    # the prompt's tokens get no logprobs: the first offset is the completion's start
+    assert lp.text_offset[0] == len(prompt)
+    assert len(lp.tokens) == reply.usage.completion_tokens  # type: ignore[union-attr]

@@ -111,8 +111,8 @@ def decode(body: dict[str, Any], llm: LLMBackend, model: str, version: str) -> L
         if not isinstance(value, bool):
             raise invalid_arg(f"generate request: '{key}' must be a boolean, got {value!r}")
         flags[key] = value
-    stop = fields.get("stop") or ()
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    stop = fields.get("stop") or []
+    stops = tuple([stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [None])
     if not all(isinstance(s, str) and s for s in stops):
         raise invalid_arg("generate request: 'stop' must be a string or a list of strings")
     try:

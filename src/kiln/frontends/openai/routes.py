@@ -156,7 +156,9 @@ async def _sse(
 async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat: bool) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     deltas = run(llm, ids, req.params, req.stop)
-    echoed = req.prompt if not chat and req.echo and isinstance(req.prompt, str) else ""
+    # a stream does not repeat the prompt, so its text offsets start at 0
+    echo = not chat and not req.stream and req.echo and isinstance(req.prompt, str)
+    echoed = req.prompt if echo and isinstance(req.prompt, str) else ""
     logprobs = _logprobs_format(llm, req, chat, echoed)
     if req.stream:
         events = _sse(deltas, req, chat, rid, logprobs)
