@@ -115,8 +115,8 @@ def test_new_requests_join_between_steps(llama: Path, expected: list[list[int]])
     ):
         seq.num_computed_tokens += n
         assert tok is not None
-        seq.append(tok)
-        outputs[seq.request_id].append(tok)
+        seq.append(tok.token_id)
+        outputs[seq.request_id].append(tok.token_id)
     while engine.has_work():
         for r in engine.step():
             outputs[r.request_id].extend(r.new_token_ids)

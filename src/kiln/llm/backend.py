@@ -1,8 +1,8 @@
 """``backend: "llm"``: a Hugging Face folder served by kiln's engine.
 
 The version folder (``<repository>/<model>/1/``) holds ``config.json``, ``*.safetensors``
-and the tokenizer files. Requests come through the OpenAI frontend (``/v1/*``), which
-finds the engine with :func:`engine_for`; the KServe v2 ``infer`` path is refused.
+and the tokenizer files. Requests come through the OpenAI frontend (``/v1/*``) or Triton's
+generate extension (``/v2/models/{m}/generate``); the KServe v2 ``infer`` path is refused.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ class LLMBackend(Backend):
         self, inputs: dict[str, np.ndarray], output_names: list[str]
     ) -> dict[str, np.ndarray]:
         raise KilnError(
-            f"model '{self.config.name}' is an LLM: use /v1/completions or /v1/chat/completions",
+            f"model '{self.config.name}' is an LLM: use /v1/completions, /v1/chat/completions "
+            f"or /v2/models/{self.config.name}/generate",
             Status.UNSUPPORTED,
         )
 

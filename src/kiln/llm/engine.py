@@ -9,6 +9,7 @@ from kiln.core.errors import KilnError, Status
 from kiln.llm.block_manager import BlockManager
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.model_runner import ModelRunner
+from kiln.llm.sampler import TokenLogprobs
 from kiln.llm.scheduler import Scheduler
 from kiln.llm.sequence import SamplingParams, Sequence
 
@@ -23,6 +24,8 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    #: one entry per new token when the request asked for logprobs
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -89,10 +92,11 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.max_step_tokens = max(self.stats.max_step_tokens, out.total_tokens)
         results: list[RequestOutput] = []
-        for seq, n, token in zip(out.seqs, out.num_new_tokens, sampled, strict=True):
+        for seq, n, sampled_token in zip(out.seqs, out.num_new_tokens, sampled, strict=True):
             seq.num_computed_tokens += n
-            if token is None:
+            if sampled_token is None:
                 continue  # a prompt chunk: nothing to report yet
+            token = sampled_token.token_id
             if seq.num_output_tokens == 0:
                 self.stats.num_prompt_tokens += seq.num_prompt_tokens
             seq.append(token)
@@ -107,6 +111,7 @@ class LLMEngine:
                     seq.finish_reason,
                     seq.num_prompt_tokens,
                     seq.num_output_tokens,
+                    None if sampled_token.logprobs is None else [sampled_token.logprobs],
                 )
             )
         self.scheduler.remove_finished()

@@ -10,7 +10,7 @@ from kiln.core.errors import KilnError, Status
 from kiln.llm.attention import AttentionMetadata
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.models.llama import LlamaForCausalLM
-from kiln.llm.sampler import sample
+from kiln.llm.sampler import SampledToken, sample
 from kiln.llm.scheduler import SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -92,7 +92,7 @@ class ModelRunner:
             attn.v_cache = self.kv_cache[1, i]
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> list[int | None]:
+    def run(self, out: SchedulerOutput) -> list[SampledToken | None]:
         """Run the step; a sampled token for each sequence whose step reaches its end (its
         prompt is fully computed), None for a prompt chunk that does not."""
         input_ids: list[int] = []
@@ -120,6 +120,6 @@ class ModelRunner:
             meta,
             torch.tensor(logit_index, dtype=torch.long, device=dev),
         )
-        sampled = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
+        sampled = sample(logits, samplers)
         by_seq = dict(zip((s.seq_id for s in samplers), sampled, strict=True))
         return [by_seq.get(s.seq_id) for s in out.seqs]

@@ -1,41 +1,158 @@
-"""Pick the next token per sequence: greedy, or temperature / top-k / top-p sampling with a
-per-request generator, so a request with a ``seed`` gets the same tokens whatever else
-shares its batch."""
+"""Pick the next token for every sequence of a step, in one batch of tensor operations.
+
+The order is vLLM's: penalties (repetition, frequency, presence) on the raw logits, then
+greedy rows take the argmax; the others are divided by their temperature, filtered by
+min-p, then top-k and top-p, and drawn. Every parameter is per row. A draw is an
+exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which picks token ``i`` with
+probability ``p_i``; a request with a ``seed`` draws its ``q`` from its own generator, so it
+gets the same tokens whatever else shares its batch.
+
+Logprobs are those of the model's raw distribution (``log_softmax`` of the logits before
+penalties, temperature and filtering), as vLLM returns by default.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kiln.llm.sequence import SamplingParams
+from kiln.llm.sequence import Sequence
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
-    """``logits`` [B, vocab] (one row per sequence that samples this step)."""
-    greedy = logits.argmax(dim=-1).tolist()
-    tokens: list[int] = []
-    for row, p, gen, best in zip(logits, params, generators, greedy, strict=True):
-        if p.temperature == 0.0:
-            tokens.append(int(best))
-            continue
-        probs = _filtered_probs(row.float() / p.temperature, p.top_k, p.top_p)
-        # multinomial draws on the CPU: a CPU generator works for any device's logits
-        choice = torch.multinomial(probs.cpu(), 1, generator=gen)
-        tokens.append(int(choice.item()))
-    return tokens
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The sampled token's logprob and the ``top`` most likely tokens, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
-def _filtered_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+    """``logits`` [B, vocab]: one row per sequence of ``seqs`` that samples this step."""
+    if not seqs:
+        return []
+    logits = logits.float()
+    params = [s.params for s in seqs]
+    wants_logprobs = any(p.logprobs is not None for p in params)
+    raw = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+    if any(
+        p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
+    ):
+        logits = apply_penalties(logits, seqs)
+    tokens = logits.argmax(dim=-1)
+    if any(p.temperature > 0 for p in params):
+        tokens = torch.where(_greedy_mask(seqs, logits.device), tokens, _draw(logits, seqs))
+    ids = [int(t) for t in tokens.tolist()]
+    if raw is None:
+        return [SampledToken(t) for t in ids]
+    return [SampledToken(t, lp) for t, lp in zip(ids, _logprobs(raw, ids, seqs), strict=True)]
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _greedy_mask(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    return torch.tensor([s.params.temperature == 0 for s in seqs], device=device)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition penalty (Hugging Face's, over prompt and output tokens): a seen token's
+    positive logit is divided by it, a negative one multiplied. Frequency and presence
+    penalties (OpenAI's, over output tokens): subtract ``frequency · count`` and
+    ``presence · (count > 0)``."""
+    batch, vocab = logits.shape
+    dev = logits.device
+    counts = torch.zeros(batch, vocab, dtype=torch.float32, device=dev)
+    rows, ids = _flatten([s.output_token_ids for s in seqs], dev)
+    counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+    in_output = counts > 0
+    repetition = [s.params.repetition_penalty for s in seqs]
+    if any(r != 1.0 for r in repetition):
+        seen = in_output.clone()
+        prompts = [s.token_ids[: s.num_prompt_tokens] for s in seqs]
+        rows, ids = _flatten(prompts, dev)
+        seen[rows, ids] = True
+        factor = torch.where(seen, _column(repetition, dev), 1.0)
+        logits = torch.where(logits > 0, logits / factor, logits * factor)
+    frequency = _column([s.params.frequency_penalty for s in seqs], dev)
+    presence = _column([s.params.presence_penalty for s in seqs], dev)
+    return logits - frequency * counts - presence * in_output
+
+
+def _flatten(lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs of ragged per-row token lists, for one scatter."""
+    rows = [i for i, ids in enumerate(lists) for _ in ids]
+    flat = [t for ids in lists for t in ids]
+    return (
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(flat, dtype=torch.long, device=device),
+    )
+
+
+def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    dev = logits.device
+    params = [s.params for s in seqs]
+    # greedy rows are divided by 1: their draw is thrown away
+    logits = logits / _column([p.temperature or 1.0 for p in params], dev)
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        probs = torch.softmax(logits, dim=-1)
+        floor = _column(min_p, dev) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
     probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # keep the smallest set whose mass reaches top_p (the top token always stays)
-        before = torch.cumsum(sorted_probs, 0) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        probs = probs / probs.sum()
-    return probs
+    return (probs / _exponentials(probs, seqs)).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    dev = logits.device
+    ordered, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[1], device=dev).unsqueeze(0)
+    k = torch.tensor(top_k, device=dev).unsqueeze(1)
+    ordered = ordered.masked_fill(rank >= k, float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    # keep the smallest prefix whose mass reaches top_p: the mass *before* a token decides,
+    # so the most likely token always stays
+    before = torch.cumsum(probs, dim=-1) - probs
+    ordered = ordered.masked_fill(before >= _column(top_p, dev), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, ordered)
+
+
+def _exponentials(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    q = torch.empty_like(probs).exponential_()
+    for i, seq in enumerate(seqs):
+        if seq.generator is not None and seq.params.temperature > 0:
+            # a CPU generator serves any device's logits; only seeded rows pay the copy
+            row = torch.empty(probs.shape[1], dtype=probs.dtype)
+            q[i] = row.exponential_(generator=seq.generator).to(probs.device)
+    return q
+
+
+def _logprobs(
+    raw: torch.Tensor, ids: list[int], seqs: list[Sequence]
+) -> list[TokenLogprobs | None]:
+    k = max(s.params.logprobs or 0 for s in seqs)
+    chosen = raw.gather(1, torch.tensor(ids, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
+    top_values, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+    values, indices = top_values.tolist(), top_ids.tolist()
+    out: list[TokenLogprobs | None] = []
+    for i, seq in enumerate(seqs):
+        n = seq.params.logprobs
+        if n is None:
+            out.append(None)
+            continue
+        top = tuple(zip(indices[i][:n], values[i][:n], strict=True))
+        out.append(TokenLogprobs(ids[i], chosen[i], top))
+    return out

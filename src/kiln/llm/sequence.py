@@ -15,15 +15,21 @@ _SEQ_IDS = itertools.count()
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-request decoding settings (OpenAI's names). ``temperature == 0``: greedy."""
+    """Per-request decoding settings (OpenAI's and vLLM's names). ``temperature == 0``:
+    greedy. ``logprobs``: how many top alternatives to return per token (None: no logprobs)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
 
 class SequenceStatus(enum.Enum):

@@ -20,6 +20,18 @@ def _token_text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE writes each byte as a printable character: printable Latin-1
+    bytes stand for themselves, the others are shifted past 255. The inverse map gives a
+    token's exact bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1)]
+    printable += range(ord("\xae"), ord("\xff") + 1)
+    chars = {b: chr(b) for b in printable}
+    shifted = (b for b in range(256) if b not in chars)
+    chars.update({b: chr(256 + i) for i, b in enumerate(shifted)})
+    return {c: b for b, c in chars.items()}
+
+
 class Tokenizer:
     def __init__(self, folder: Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer
@@ -33,6 +45,8 @@ class Tokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.chat_template = self._template(folder, config)
+        decoder = json.loads(path.read_text()).get("decoder") or {}
+        self._byte_level = _byte_level_alphabet() if decoder.get("type") == "ByteLevel" else None
 
     @staticmethod
     def _template(folder: Path, config: dict[str, Any]) -> str | None:
@@ -57,6 +71,19 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         text: str = self._tok.decode(ids, skip_special_tokens=True)
         return text
+
+    def token_text(self, token_id: int) -> str:
+        """One token alone as text (special tokens included), as logprobs show it."""
+        text: str = self._tok.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's exact bytes: part of a UTF-8 character for some byte-level tokens."""
+        piece = self._tok.id_to_token(token_id)
+        alphabet = self._byte_level
+        if alphabet is not None and piece is not None and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        return self.token_text(token_id).encode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         if self.chat_template is None:

@@ -5,7 +5,8 @@ flat list), plus optional ``id`` and ``parameters``. Each response is a flat JSO
 too: ``model_name``, ``model_version``, and one key per output (a scalar when the output
 has one element, else a flat list). ``generate_stream`` sends every response of a
 decoupled model as a Server-Sent Event, ``data: {json}\\n\\n``; an error after the stream
-started arrives as ``data: {"error": "..."}``.
+started arrives as ``data: {"error": "..."}``. Models of ``backend: "llm"`` take text
+instead (``llm_generate``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from starlette.responses import Response, StreamingResponse
 from kiln.core.errors import KilnError, invalid_arg
 from kiln.core.signature import ModelSignature
 from kiln.core.types import InferenceRequest, InferenceResponse, InferInput, element_count
+from kiln.frontends.http import llm_generate
 from kiln.frontends.http.codec import from_json, parse_json, to_json_data
 
 _RESERVED = ("id", "parameters")
@@ -84,6 +86,9 @@ async def _request(frontend: Any, request: Request) -> InferenceRequest:
 
 async def generate(frontend: Any, request: Request) -> Response:
     """One response; a decoupled model must send exactly one."""
+    llm = llm_generate.find_llm(frontend.server, request)
+    if llm is not None:
+        return await llm_generate.generate(frontend, request, llm)
     req = await _request(frontend, request)
     responses = [r async for r in frontend.server.infer_stream(req)]
     if len(responses) != 1:
@@ -95,6 +100,9 @@ async def generate(frontend: Any, request: Request) -> Response:
 
 
 async def generate_stream(frontend: Any, request: Request) -> Response:
+    llm = llm_generate.find_llm(frontend.server, request)
+    if llm is not None:
+        return await llm_generate.generate_stream(frontend, request, llm)
     req = await _request(frontend, request)
     stream = frontend.server.infer_stream(req).__aiter__()
     try:

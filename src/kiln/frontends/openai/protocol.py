@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.core.errors import KilnError, Status
+from kiln.llm.params import InvalidField, integer, sampling_fields
 from kiln.llm.sequence import SamplingParams
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -63,43 +64,43 @@ class GenerationRequest:
     echo: bool = False
 
 
-def _number(body: dict[str, Any], key: str, default: float) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise OpenAIError(f"'{key}' must be a number, got {value!r}", param=key)
-    return float(value)
+MAX_LOGPROBS = 20
 
 
-def _integer(body: dict[str, Any], key: str) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise OpenAIError(f"'{key}' must be an integer, got {value!r}", param=key)
-    return value
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many top alternatives per token: completions' ``logprobs: int``, or chat's
+    ``logprobs: true`` with ``top_logprobs: int``; None when logprobs are off."""
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise OpenAIError(f"'logprobs' must be a boolean, got {wanted!r}", param="logprobs")
+        key, count = "top_logprobs", integer(body, "top_logprobs")
+        if count is not None and not wanted:
+            raise OpenAIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        count = (count or 0) if wanted else None
+    else:
+        key, count = "logprobs", integer(body, "logprobs")
+    if count is not None and not 0 <= count <= MAX_LOGPROBS:
+        raise OpenAIError(f"{key} must be in [0, {MAX_LOGPROBS}], got {count}", param=key)
+    return count
 
 
-def _common(body: dict[str, Any], prompt: str | list[int], max_key: str) -> GenerationRequest:
+def _common(
+    body: dict[str, Any], prompt: str | list[int], max_key: str, chat: bool
+) -> GenerationRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise OpenAIError("'model' is required and must be a string", param="model")
-    temperature = _number(body, "temperature", 1.0)
-    if temperature < 0:
-        raise OpenAIError(f"temperature must be >= 0, got {temperature}", param="temperature")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise OpenAIError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    top_k = _integer(body, "top_k") or 0
-    if top_k < -1:
-        raise OpenAIError(f"top_k must be -1 (off) or positive, got {top_k}", param="top_k")
-    max_tokens = _integer(body, max_key)
-    if max_tokens is None and max_key != "max_tokens":
-        max_tokens = _integer(body, "max_tokens")
+    try:
+        fields = sampling_fields(body)
+        max_tokens = integer(body, max_key)
+        if max_tokens is None and max_key != "max_tokens":
+            max_tokens = integer(body, "max_tokens")
+        n = integer(body, "n")
+    except InvalidField as exc:
+        raise OpenAIError(exc.message, param=exc.field) from None
     if max_tokens is not None and max_tokens <= 0:
         raise OpenAIError(f"{max_key} must be at least 1, got {max_tokens}", param=max_key)
-    n = _integer(body, "n")
     if n not in (None, 1):
         raise OpenAIError("kiln generates one choice per request: 'n' must be 1", param="n")
     stop = body.get("stop")
@@ -111,12 +112,8 @@ def _common(body: dict[str, Any], prompt: str | list[int], max_key: str) -> Gene
         raise OpenAIError("'stream_options' must be an object", param="stream_options")
     params = SamplingParams(
         max_tokens=max_tokens or 1,  # the default is settled once the prompt's length is known
-        temperature=temperature,
-        top_k=max(top_k, 0),
-        top_p=top_p,
-        seed=_integer(body, "seed"),
-        stop_token_ids=tuple(body.get("stop_token_ids") or ()),
-        ignore_eos=bool(body.get("ignore_eos", False)),
+        logprobs=_logprobs(body, chat),
+        **fields,
     )
     return GenerationRequest(
         model=model,
@@ -142,7 +139,7 @@ def completion_request(body: dict[str, Any]) -> GenerationRequest:
             )
     elif not isinstance(prompt, str) or not prompt:
         raise OpenAIError("'prompt' must be a non-empty string or token ids", param="prompt")
-    return _common(body, prompt, "max_tokens")
+    return _common(body, prompt, "max_tokens", chat=False)
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -178,4 +175,4 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def chat_request(body: dict[str, Any], rendered_prompt: str) -> GenerationRequest:
-    return _common(body, rendered_prompt, "max_completion_tokens")
+    return _common(body, rendered_prompt, "max_completion_tokens", chat=True)

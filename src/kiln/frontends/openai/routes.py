@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +16,7 @@ from starlette.routing import BaseRoute, Route
 from kiln.core.errors import KilnError
 from kiln.core.server import Server
 from kiln.frontends.openai.generation import Delta, run
+from kiln.frontends.openai.logprobs import CompletionLogprobs, chat_logprobs
 from kiln.frontends.openai.protocol import (
     GenerationRequest,
     OpenAIError,
@@ -26,6 +27,9 @@ from kiln.frontends.openai.protocol import (
 
 if TYPE_CHECKING:  # importing the backend imports torch
     from kiln.llm.backend import LLMBackend
+    from kiln.llm.sampler import TokenLogprobs
+
+LogprobsFormat = Callable[[list["TokenLogprobs"]], dict[str, Any]]
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -99,32 +103,48 @@ def _usage(d: Delta) -> dict[str, int]:
     }
 
 
+def _logprobs_format(
+    llm: LLMBackend, req: GenerationRequest, chat: bool, echoed: str
+) -> LogprobsFormat | None:
+    if req.params.logprobs is None:
+        return None
+    if chat:
+        return lambda entries: chat_logprobs(llm.tokenizer, entries)
+    return CompletionLogprobs(llm.tokenizer, len(echoed))
+
+
 async def _sse(
-    deltas: AsyncIterator[Delta], req: GenerationRequest, chat: bool, rid: str
+    deltas: AsyncIterator[Delta],
+    req: GenerationRequest,
+    chat: bool,
+    rid: str,
+    logprobs: LogprobsFormat | None,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": kind, "created": created, "model": req.model}
 
-    def chunk(text: str | None, reason: str | None, first: bool = False) -> bytes:
+    def chunk(d: Delta | None) -> bytes:
+        text = d.text if d else None
         if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if d is None else {}
             if text:
                 delta["content"] = text
             choice: dict[str, Any] = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text or ""}
-        choice.update(logprobs=None, finish_reason=reason)
+        lp = logprobs(d.logprobs) if logprobs is not None and d is not None else None
+        choice.update(logprobs=lp, finish_reason=d.finish_reason if d else None)
         return b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
 
     if chat:
-        yield chunk(None, None, first=True)
+        yield chunk(None)
     last: Delta | None = None
     try:
         async for d in deltas:
             last = d
             if d.text or d.finish_reason:
-                yield chunk(d.text, d.finish_reason)
+                yield chunk(d)
     except KilnError as exc:
         yield b"data: " + orjson.dumps(OpenAIError.from_kiln(exc).body()) + b"\n\n"
     if req.include_usage and last is not None:
@@ -136,12 +156,18 @@ async def _sse(
 async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat: bool) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     deltas = run(llm, ids, req.params, req.stop)
+    # a stream does not repeat the prompt, so its text offsets start at 0
+    echo = not chat and not req.stream and req.echo and isinstance(req.prompt, str)
+    echoed = req.prompt if echo and isinstance(req.prompt, str) else ""
+    logprobs = _logprobs_format(llm, req, chat, echoed)
     if req.stream:
-        return StreamingResponse(_sse(deltas, req, chat, rid), media_type="text/event-stream")
-    text, last = [], None
+        events = _sse(deltas, req, chat, rid, logprobs)
+        return StreamingResponse(events, media_type="text/event-stream")
+    text, entries, last = [], [], None
     try:
         async for d in deltas:
             text.append(d.text)
+            entries.extend(d.logprobs)
             last = d
     except KilnError as exc:
         raise OpenAIError.from_kiln(exc) from None
@@ -150,9 +176,9 @@ async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat
     if chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": content}}
     else:
-        prefix = req.prompt if req.echo and isinstance(req.prompt, str) else ""
-        choice = {"index": 0, "text": prefix + content}
-    choice.update(logprobs=None, finish_reason=last.finish_reason)
+        choice = {"index": 0, "text": echoed + content}
+    lp = logprobs(entries) if logprobs is not None else None
+    choice.update(logprobs=lp, finish_reason=last.finish_reason)
     return _json(
         {
             "id": rid,

@@ -1,0 +1,223 @@
+"""Triton's generate extension on ``backend: "llm"`` models, shaped as Triton's vLLM and
+TensorRT-LLM backends answer it.
+
+Request: ``{"text_input": "...", "parameters": {"max_tokens": 16, "temperature": 0}}``.
+Sampling fields may also sit at the top level, as the generate extension maps top-level
+keys to inputs (TensorRT-LLM's ensemble takes ``max_tokens``, ``temperature``... as
+inputs); vLLM's ``sampling_parameters`` JSON string is read too. Response: ``model_name``,
+``model_version``, ``text_output``, plus ``finish_reason`` / ``num_input_tokens`` /
+``num_output_tokens`` when ``return_finish_reason`` / ``return_num_input_tokens`` /
+``return_num_output_tokens`` ask for them. ``generate`` returns the prompt followed by the
+completion unless ``exclude_input_in_output`` is true (vLLM backend's default);
+``generate_stream`` sends one event per chunk of new text, never the prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from kiln.core.errors import KilnError, Status, invalid_arg
+from kiln.frontends.http.codec import parse_json
+from kiln.frontends.openai.generation import Delta, run
+from kiln.llm.params import SAMPLING_FIELDS, InvalidField, integer, sampling_fields
+from kiln.llm.sequence import SamplingParams
+
+if TYPE_CHECKING:  # importing the backend imports torch
+    from kiln.llm.backend import LLMBackend
+
+_FLAGS = (
+    "stream",
+    "exclude_input_in_output",
+    "return_finish_reason",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+)
+_KNOWN = frozenset((*SAMPLING_FIELDS, *_FLAGS, "max_tokens", "stop"))
+DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, which Triton's vLLM backend keeps
+
+
+@dataclass(slots=True)
+class LLMGenerateRequest:
+    model_name: str
+    model_version: str
+    id: str
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    flags: dict[str, bool]
+    #: ``"stream": false`` given (generate_stream then sends one event)
+    explicit_no_stream: bool = False
+
+
+def find_llm(server: Any, request: Request) -> LLMBackend | None:
+    """The llm backend serving the request's model, or None for any other backend (an
+    unknown model raises Triton's not-found error)."""
+    p = request.path_params
+    runtime = server.model(p["model"], p.get("version", ""))
+    if runtime.config.backend != "llm":
+        return None
+    for instance in getattr(runtime.scheduler, "instances", ()):
+        if instance.backend.name == "llm":
+            backend: LLMBackend = instance.backend
+            return backend
+    raise KilnError(f"model '{runtime.name}' is not ready", Status.UNAVAILABLE)
+
+
+def _fields(body: dict[str, Any], model: str) -> dict[str, Any]:
+    params = body.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise invalid_arg("generate request: 'parameters' must be an object")
+    fields = dict(params)
+    raw = body.get("sampling_parameters")
+    if raw is not None:
+        try:
+            extra = orjson.loads(raw) if isinstance(raw, str) else None
+        except orjson.JSONDecodeError:
+            extra = None
+        if not isinstance(extra, dict):
+            raise invalid_arg(
+                "generate request: 'sampling_parameters' must be a JSON object string"
+            )
+        fields.update(extra)
+    fields.update({k: v for k, v in body.items() if k not in ("text_input", "id", "parameters")})
+    fields.pop("sampling_parameters", None)
+    unknown = sorted(set(fields) - _KNOWN)
+    if unknown:
+        raise invalid_arg(
+            f"generate request for model '{model}': unknown field '{unknown[0]}' "
+            f"(known: text_input, {', '.join(sorted(_KNOWN))})"
+        )
+    return fields
+
+
+def decode(body: dict[str, Any], llm: LLMBackend, model: str, version: str) -> LLMGenerateRequest:
+    text = body.get("text_input")
+    if isinstance(text, list) and len(text) == 1:
+        text = text[0]  # the generate extension's flat one-element list
+    if not isinstance(text, str) or not text:
+        raise invalid_arg(f"generate request for model '{model}': 'text_input' must be a string")
+    fields = _fields(body, model)
+    flags: dict[str, bool] = {}
+    for key in _FLAGS:
+        value = fields.get(key, False)
+        if not isinstance(value, bool):
+            raise invalid_arg(f"generate request: '{key}' must be a boolean, got {value!r}")
+        flags[key] = value
+    stop = fields.get("stop") or []
+    stops = tuple([stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [None])
+    if not all(isinstance(s, str) and s for s in stops):
+        raise invalid_arg("generate request: 'stop' must be a string or a list of strings")
+    try:
+        sampling = sampling_fields(fields)
+        max_tokens = integer(fields, "max_tokens")
+    except InvalidField as exc:
+        raise invalid_arg(f"generate request for model '{model}': {exc.message}") from None
+    ids = llm.tokenizer.encode(text)
+    limit = llm.engine.config.max_model_len
+    room = limit - len(ids)
+    if max_tokens is not None and (max_tokens <= 0 or max_tokens > max(room, 1)):
+        raise invalid_arg(
+            f"generate request for model '{model}': max_tokens must be in [1, {max(room, 1)}] "
+            f"(the context holds {limit} tokens, the prompt has {len(ids)}), got {max_tokens}"
+        )
+    params = SamplingParams(
+        max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, max(room, 1)), **sampling
+    )
+    llm.engine.check_request(len(ids), params)
+    rid = str(body.get("id", ""))
+    no_stream = fields.get("stream") is False
+    return LLMGenerateRequest(model, version, rid, text, ids, params, stops, flags, no_stream)
+
+
+def _payload(req: LLMGenerateRequest, text: str, d: Delta, tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"model_name": req.model_name, "model_version": req.model_version}
+    if req.id:
+        body["id"] = req.id
+    body["text_output"] = text
+    if req.flags["return_finish_reason"] and d.finish_reason is not None:
+        body["finish_reason"] = d.finish_reason
+    if req.flags["return_num_input_tokens"]:
+        body["num_input_tokens"] = d.prompt_tokens
+    if req.flags["return_num_output_tokens"]:
+        body["num_output_tokens"] = tokens
+    return body
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+async def _decoded(frontend: Any, request: Request, llm: LLMBackend) -> LLMGenerateRequest:
+    p = request.path_params
+    runtime = frontend.server.model(p["model"], p.get("version", ""))
+    body = parse_json(await frontend.read_body(request))
+    return decode(body, llm, p["model"], runtime.version_str)
+
+
+async def _whole(llm: LLMBackend, req: LLMGenerateRequest) -> dict[str, Any]:
+    texts: list[str] = []
+    last: Delta | None = None
+    async with aclosing(run(llm, req.prompt_ids, req.params, req.stop)) as deltas:
+        async for d in deltas:
+            texts.append(d.text)
+            last = d
+    assert last is not None  # the engine always ends a request with a finished output
+    prefix = "" if req.flags["exclude_input_in_output"] else req.prompt
+    return _payload(req, prefix + "".join(texts), last, last.completion_tokens)
+
+
+async def generate(frontend: Any, request: Request, llm: LLMBackend) -> Response:
+    req = await _decoded(frontend, request, llm)
+    if req.flags["stream"]:
+        raise invalid_arg(
+            f"model '{req.model_name}': 'stream': true sends several responses, "
+            "which generate cannot: use generate_stream"
+        )
+    return Response(orjson.dumps(await _whole(llm, req)), media_type="application/json")
+
+
+async def generate_stream(frontend: Any, request: Request, llm: LLMBackend) -> Response:
+    """One event per chunk of new text; with ``"stream": false``, one event with the whole
+    output, as Triton's vLLM backend answers a non-streaming request."""
+    req = await _decoded(frontend, request, llm)
+    if not req.flags["stream"] and req.explicit_no_stream:
+        body = await _whole(llm, req)
+
+        async def one() -> AsyncIterator[bytes]:
+            yield _event(body)
+
+        return StreamingResponse(one(), media_type="text/event-stream")
+    deltas = run(llm, req.prompt_ids, req.params, req.stop)
+    # the first delta is awaited here, so an error the engine raises keeps its HTTP status
+    try:
+        first = await deltas.__anext__()
+    except BaseException:
+        await deltas.aclose()
+        raise
+
+    async def events() -> AsyncIterator[bytes]:
+        sent = 0
+        async with aclosing(deltas):
+            pending: Delta | None = first
+            while pending is not None:
+                d = pending
+                if d.text or d.finish_reason:
+                    yield _event(_payload(req, d.text, d, d.completion_tokens - sent))
+                    sent = d.completion_tokens
+                try:
+                    pending = await deltas.__anext__()
+                except StopAsyncIteration:
+                    pending = None
+                except KilnError as exc:
+                    yield _event({"error": exc.message})
+                    pending = None
+
+    return StreamingResponse(events(), media_type="text/event-stream")

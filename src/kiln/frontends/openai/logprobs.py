@@ -1,0 +1,58 @@
+"""Token logprobs in OpenAI's two shapes: the completions API's parallel lists and the chat
+API's list of per-token objects."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # importing the engine imports torch
+    from kiln.llm.sampler import TokenLogprobs
+    from kiln.llm.tokenizer import Tokenizer
+
+
+def chat_logprobs(tok: Tokenizer, entries: list[TokenLogprobs]) -> dict[str, Any]:
+    """``choices[i].logprobs`` of a chat completion (or of one streamed chunk)."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        return {
+            "token": tok.token_text(token_id),
+            "logprob": logprob,
+            "bytes": list(tok.token_bytes(token_id)),
+        }
+
+    content = [
+        {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+        for e in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+class CompletionLogprobs:
+    """``choices[i].logprobs`` of a text completion. ``text_offset`` counts characters from
+    the start of the choice's text (after the prompt when it is echoed), across chunks."""
+
+    __slots__ = ("_offset", "_tok")
+
+    def __init__(self, tok: Tokenizer, offset: int = 0) -> None:
+        self._tok = tok
+        self._offset = offset
+
+    def __call__(self, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        tokens: list[str] = []
+        offsets: list[int] = []
+        tops: list[dict[str, float]] = []
+        for e in entries:
+            text = self._tok.token_text(e.token_id)
+            tokens.append(text)
+            offsets.append(self._offset)
+            self._offset += len(text)
+            # as vLLM: the top alternatives, and the chosen token even when it is not one
+            top = {self._tok.token_text(t): lp for t, lp in e.top}
+            top.setdefault(text, e.logprob)
+            tops.append(top)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }

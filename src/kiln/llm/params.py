@@ -1,0 +1,99 @@
+"""Sampling fields of a request body (OpenAI's or Triton's generate) -> checked values.
+
+Both frontends read the same names with the same ranges, so the checks live here once; a
+bad value raises :class:`InvalidField`, which names the field for the frontend's error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kiln.core.errors import KilnError, Status
+
+#: the fields :func:`sampling_fields` reads
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+)
+
+
+class InvalidField(KilnError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message, Status.INVALID_ARG)
+        self.field = field
+
+
+def number(body: Mapping[str, Any], key: str, default: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidField(key, f"'{key}' must be a number, got {value!r}")
+    return float(value)
+
+
+def integer(body: Mapping[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidField(key, f"'{key}' must be an integer, got {value!r}")
+    return value
+
+
+def _in_range(key: str, value: float, low: float, high: float) -> float:
+    if not low <= value <= high:
+        raise InvalidField(key, f"{key} must be in [{low:g}, {high:g}], got {value:g}")
+    return value
+
+
+def sampling_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of :class:`~kiln.llm.sequence.SamplingParams` (all but
+    ``max_tokens`` and ``logprobs``, whose defaults and names differ per API)."""
+    temperature = number(body, "temperature", 1.0)
+    if temperature < 0:
+        raise InvalidField("temperature", f"temperature must be >= 0, got {temperature}")
+    top_p = number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise InvalidField("top_p", f"top_p must be in (0, 1], got {top_p}")
+    top_k = integer(body, "top_k") or 0
+    if top_k < -1:
+        raise InvalidField("top_k", f"top_k must be -1 (off) or positive, got {top_k}")
+    repetition = number(body, "repetition_penalty", 1.0)
+    if repetition <= 0:
+        raise InvalidField(
+            "repetition_penalty", f"repetition_penalty must be > 0, got {repetition:g}"
+        )
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
+    ):
+        raise InvalidField("stop_token_ids", "'stop_token_ids' must be a list of integers")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise InvalidField("ignore_eos", f"'ignore_eos' must be a boolean, got {ignore_eos!r}")
+    return {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": max(top_k, 0),
+        "min_p": _in_range("min_p", number(body, "min_p", 0.0), 0.0, 1.0),
+        "repetition_penalty": repetition,
+        "presence_penalty": _in_range(
+            "presence_penalty", number(body, "presence_penalty", 0.0), -2.0, 2.0
+        ),
+        "frequency_penalty": _in_range(
+            "frequency_penalty", number(body, "frequency_penalty", 0.0), -2.0, 2.0
+        ),
+        "seed": integer(body, "seed"),
+        "stop_token_ids": tuple(stop_ids),
+        "ignore_eos": ignore_eos,
+    }
