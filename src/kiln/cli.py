@@ -403,13 +403,19 @@ def monitor() -> None:
     help="Seconds between refreshes.",
 )
 @click.option("--once", is_flag=True, help="Print one frame and exit (for scripts).")
-def monitor_live(url: str, interval: float, once: bool) -> None:
+@click.option(
+    "--api-key",
+    envvar="KILN_API_KEY",
+    default=None,
+    help="API key of a server started with --api-key [env: KILN_API_KEY].",
+)
+def monitor_live(url: str, interval: float, once: bool, api_key: str | None) -> None:
     """Live view of a server (GET URL/api/live): rates, latency, resources, alerts."""
     from kiln.metrics.history_cli import HistoryClientError
     from kiln.metrics.live_cli import run_live
 
     try:
-        run_live(url, interval, once)
+        run_live(url, interval, once, api_key=api_key)
     except HistoryClientError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -426,14 +432,25 @@ def monitor_live(url: str, interval: float, once: bool) -> None:
 @click.option("--since", default="10m", show_default=True, help="How far back (duration).")
 @click.option("--step", default=None, help="Seconds (or a duration) per row [default: auto].")
 @click.option("--model", default="", help="Only this model.")
+@click.option(
+    "--api-key",
+    envvar="KILN_API_KEY",
+    default=None,
+    help="API key of a server started with --api-key [env: KILN_API_KEY].",
+)
 def monitor_history(
-    url: str, metrics: tuple[str, ...], since: str, step: str | None, model: str
+    url: str,
+    metrics: tuple[str, ...],
+    since: str,
+    step: str | None,
+    model: str,
+    api_key: str | None,
 ) -> None:
     """Print a server's metrics history (GET URL/api/history) as tables."""
     from kiln.metrics.history_cli import HistoryClientError, print_history
 
     try:
-        print_history(url, list(metrics), since, step, model)
+        print_history(url, list(metrics), since, step, model, api_key=api_key)
     except HistoryClientError as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -229,3 +229,27 @@ def test_server_keeps_serving_after_refusals(secured: KilnProcess) -> None:
         client.infer("simple", _inputs(httpclient), headers={**AUTH}).as_numpy("OUTPUT1")
         is not None
     )
+
+
+def test_kiln_monitor_sends_the_api_key(secured: KilnProcess) -> None:
+    """``kiln monitor`` against a server with API keys: refused with a hint without a key,
+    served with ``--api-key`` or ``KILN_API_KEY``."""
+    import os
+    import subprocess
+    import sys
+
+    def monitor(*extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "kiln", "monitor", "live", secured.http_url, "--once",
+               "--interval", "0.2", *extra]  # fmt: skip
+        full_env = {k: v for k, v in os.environ.items() if k != "KILN_API_KEY"}
+        full_env.update({"COLUMNS": "200", **(env or {})})
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=full_env)
+
+    refused = monitor()
+    assert refused.returncode != 0
+    assert "HTTP 401" in refused.stderr and "--api-key" in refused.stderr
+    wrong = monitor("--api-key", "nope")
+    assert wrong.returncode != 0 and "wrong API key" in wrong.stderr
+    for ok in (monitor("--api-key", KEY), monitor(env={"KILN_API_KEY": KEY})):
+        assert ok.returncode == 0, ok.stderr
+        assert "alerts:" in ok.stdout and "simple" in ok.stdout  # a whole frame, with the model

@@ -31,23 +31,32 @@ def base_url(url: str) -> str:
     return url.rstrip("/")
 
 
-def fetch_json(full: str, timeout: float = 10.0) -> dict[str, Any]:
-    """GET a kiln JSON endpoint; every failure becomes a HistoryClientError with the URL."""
+def fetch_json(full: str, timeout: float = 10.0, api_key: str | None = None) -> dict[str, Any]:
+    """GET a kiln JSON endpoint; every failure becomes a HistoryClientError with the URL.
+    ``api_key``: sent as ``Authorization: Bearer`` (servers started with --api-key)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(full, timeout=timeout) as resp:
+        request = urllib.request.Request(full, headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             return dict(json.loads(resp.read()))
     except urllib.error.HTTPError as exc:
         try:
             message = json.loads(exc.read()).get("error", "")
         except ValueError:
             message = ""
+        if exc.code == 401:
+            hint = "wrong API key" if api_key else "pass --api-key KEY or set KILN_API_KEY"
+            message = f"{message} ({hint})"
         raise HistoryClientError(f"{full}: HTTP {exc.code}: {message}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise HistoryClientError(f"cannot reach {full}: {exc}") from None
 
 
-def fetch_history(url: str, params: dict[str, str], timeout: float = 10.0) -> dict[str, Any]:
-    return fetch_json(f"{base_url(url)}/api/history?{urllib.parse.urlencode(params)}", timeout)
+def fetch_history(
+    url: str, params: dict[str, str], timeout: float = 10.0, api_key: str | None = None
+) -> dict[str, Any]:
+    query = urllib.parse.urlencode(params)
+    return fetch_json(f"{base_url(url)}/api/history?{query}", timeout, api_key)
 
 
 def _series_name(labels: dict[str, str]) -> str:
@@ -84,6 +93,7 @@ def print_history(
     step: str | None,
     model: str,
     console: Console | None = None,
+    api_key: str | None = None,
 ) -> None:
     console = console or Console()
     for metric in metrics or DEFAULT_METRICS:
@@ -92,4 +102,4 @@ def print_history(
             params["step"] = step
         if model:
             params["model"] = model
-        console.print(history_table(fetch_history(url, params)))
+        console.print(history_table(fetch_history(url, params, api_key=api_key)))

@@ -20,8 +20,8 @@ from kiln.metrics.history_cli import HistoryClientError, base_url, fetch_json
 MiB, GiB = 2**20, 2**30
 
 
-def fetch_live(url: str, timeout: float = 10.0) -> dict[str, Any]:
-    return fetch_json(f"{base_url(url)}/api/live", timeout)
+def fetch_live(url: str, timeout: float = 10.0, api_key: str | None = None) -> dict[str, Any]:
+    return fetch_json(f"{base_url(url)}/api/live", timeout, api_key)
 
 
 def _n(v: float | None, digits: int = 1, scale: float = 1.0) -> str:
@@ -117,13 +117,19 @@ def frame(url: str, summary: dict[str, Any]) -> RenderableType:
     return Group(header, models_table(summary), resources_table(summary), alerts_text(summary))
 
 
-def run_live(url: str, interval: float, once: bool, console: Console | None = None) -> None:
+def run_live(
+    url: str,
+    interval: float,
+    once: bool,
+    console: Console | None = None,
+    api_key: str | None = None,
+) -> None:
     console = console or Console()
-    summary = fetch_live(url)
+    summary = fetch_live(url, api_key=api_key)
     if once:
         if summary["window_s"] == 0:  # nobody asked before: a second reading gives rates
             time.sleep(interval)
-            summary = fetch_live(url)
+            summary = fetch_live(url, api_key=api_key)
         console.print(frame(url, summary))
         return
     with Live(frame(url, summary), console=console, auto_refresh=False) as live:
@@ -131,7 +137,7 @@ def run_live(url: str, interval: float, once: bool, console: Console | None = No
             while True:
                 time.sleep(interval)
                 try:
-                    view: RenderableType = frame(url, fetch_live(url))
+                    view: RenderableType = frame(url, fetch_live(url, api_key=api_key))
                 except HistoryClientError as exc:  # keep trying: the server may restart
                     view = Text(f"{exc} (retrying every {interval:g}s)", style="red")
                 live.update(view, refresh=True)
