@@ -171,3 +171,33 @@ def test_latency_histograms_count_requests_and_tokens(llama: Path) -> None:
     buckets, total = latency.inter_token_latency.snapshot()
     assert buckets[-1] == ("+Inf", 28.0) and total > 0
     assert [c for _, c in buckets] == sorted(c for _, c in buckets)
+
+
+# -- config.pbtxt parameters ------------------------------------------------------------------
+
+
+def _config(params: dict[str, str]) -> EngineConfig:
+    from google.protobuf import text_format
+
+    from kiln.backends.base import InstanceSpec
+    from kiln.config.model_config_pb2 import ModelConfig
+    from kiln.llm.backend import engine_config
+
+    text = 'name: "m" backend: "llm" ' + " ".join(
+        f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()
+    )
+    spec = InstanceSpec(name="m_0", kind="cpu", device_id=0, index=0, total_instances=1)
+    config = engine_config(text_format.Parse(text, ModelConfig()), spec)
+    config.check()
+    return config
+
+
+def test_engine_parameters_from_config_pbtxt() -> None:
+    default = _config({})
+    assert default.enable_prefix_caching and default.scheduling_policy == "fcfs"
+    config = _config({"enable_prefix_caching": "False", "scheduling_policy": "priority"})
+    assert not config.enable_prefix_caching and config.scheduling_policy == "priority"
+    with pytest.raises(KilnError, match="model 'm': parameter enable_prefix_caching must be"):
+        _config({"enable_prefix_caching": "sometimes"})
+    with pytest.raises(KilnError, match="scheduling_policy must be one of fcfs, priority"):
+        _config({"scheduling_policy": "lifo"})

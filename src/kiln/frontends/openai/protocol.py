@@ -61,6 +61,8 @@ class GenerationRequest:
     include_usage: bool
     stop: tuple[str, ...]
     echo: bool = False
+    #: vLLM's request priority: lower runs earlier (``scheduling_policy: priority`` only)
+    priority: int = 0
 
 
 def _number(body: dict[str, Any], key: str, default: float) -> float:
@@ -100,8 +102,8 @@ def _common(body: dict[str, Any], prompt: str | list[int], max_key: str) -> Gene
     if max_tokens is not None and max_tokens <= 0:
         raise OpenAIError(f"{max_key} must be at least 1, got {max_tokens}", param=max_key)
     n = _integer(body, "n")
-    if n not in (None, 1):
-        raise OpenAIError("kiln generates one choice per request: 'n' must be 1", param="n")
+    if n is not None and n < 1:
+        raise OpenAIError(f"n must be at least 1, got {n}", param="n")
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
@@ -117,6 +119,7 @@ def _common(body: dict[str, Any], prompt: str | list[int], max_key: str) -> Gene
         seed=_integer(body, "seed"),
         stop_token_ids=tuple(body.get("stop_token_ids") or ()),
         ignore_eos=bool(body.get("ignore_eos", False)),
+        n=n or 1,
     )
     return GenerationRequest(
         model=model,
@@ -127,6 +130,7 @@ def _common(body: dict[str, Any], prompt: str | list[int], max_key: str) -> Gene
         include_usage=bool(options.get("include_usage", False)),
         stop=stops,
         echo=bool(body.get("echo", False)),
+        priority=_integer(body, "priority") or 0,
     )
 
 

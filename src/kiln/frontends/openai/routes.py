@@ -84,18 +84,28 @@ def _prepare(llm: LLMBackend, req: GenerationRequest, default_max: int | None) -
             code="context_length_exceeded",
         )
     req.params = replace(req.params, max_tokens=max(max_tokens, 1))
+    for param, check in (
+        ("n", lambda: llm.engine.check_n(req.params.n)),
+        ("priority", lambda: llm.engine.check_priority(req.priority)),
+    ):
+        try:
+            check()
+        except KilnError as exc:
+            raise OpenAIError(str(exc), param=param) from None
     try:
-        llm.engine.check_request(len(ids), req.params)
+        llm.engine.check_request(len(ids), req.params, req.priority)
     except KilnError as exc:
         raise OpenAIError(str(exc), param="prompt", code="context_length_exceeded") from None
     return ids
 
 
-def _usage(d: Delta) -> dict[str, int]:
+def _usage(prompt_tokens: int, completion: dict[int, int]) -> dict[str, int]:
+    """``completion``: tokens per choice index (their sum is the request's)."""
+    total = sum(completion.values())
     return {
-        "prompt_tokens": d.prompt_tokens,
-        "completion_tokens": d.completion_tokens,
-        "total_tokens": d.prompt_tokens + d.completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": total,
+        "total_tokens": prompt_tokens + total,
     }
 
 
@@ -106,61 +116,73 @@ async def _sse(
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": kind, "created": created, "model": req.model}
 
-    def chunk(text: str | None, reason: str | None, first: bool = False) -> bytes:
+    def chunk(index: int, text: str | None, reason: str | None, first: bool = False) -> bytes:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": index, "text": text or ""}
         choice.update(logprobs=None, finish_reason=reason)
         return b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
 
     if chat:
-        yield chunk(None, None, first=True)
-    last: Delta | None = None
+        for index in range(req.params.n):
+            yield chunk(index, None, None, first=True)
+    completion: dict[int, int] = {}
+    prompt_tokens = 0
     try:
         async for d in deltas:
-            last = d
+            completion[d.index] = d.completion_tokens
+            prompt_tokens = d.prompt_tokens
             if d.text or d.finish_reason:
-                yield chunk(d.text, d.finish_reason)
+                yield chunk(d.index, d.text, d.finish_reason)
     except KilnError as exc:
         yield b"data: " + orjson.dumps(OpenAIError.from_kiln(exc).body()) + b"\n\n"
-    if req.include_usage and last is not None:
-        final = {**head, "choices": [], "usage": _usage(last)}
+    if req.include_usage and completion:
+        final = {**head, "choices": [], "usage": _usage(prompt_tokens, completion)}
         yield b"data: " + orjson.dumps(final) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 
 async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat: bool) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    deltas = run(llm, ids, req.params, req.stop)
+    deltas = run(llm, ids, req.params, req.stop, req.priority)
     if req.stream:
         return StreamingResponse(_sse(deltas, req, chat, rid), media_type="text/event-stream")
-    text, last = [], None
+    n = req.params.n
+    texts: list[list[str]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    completion: dict[int, int] = {}
     try:
         async for d in deltas:
-            text.append(d.text)
-            last = d
+            texts[d.index].append(d.text)
+            reasons[d.index] = d.finish_reason or reasons[d.index]
+            completion[d.index] = d.completion_tokens
     except KilnError as exc:
         raise OpenAIError.from_kiln(exc) from None
-    assert last is not None
-    content = "".join(text)
-    if chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": content}}
-    else:
-        prefix = req.prompt if req.echo and isinstance(req.prompt, str) else ""
-        choice = {"index": 0, "text": prefix + content}
-    choice.update(logprobs=None, finish_reason=last.finish_reason)
+    choices: list[dict[str, Any]] = []
+    for index in range(n):
+        content = "".join(texts[index])
+        if chat:
+            choice: dict[str, Any] = {
+                "index": index,
+                "message": {"role": "assistant", "content": content},
+            }
+        else:
+            prefix = req.prompt if req.echo and isinstance(req.prompt, str) else ""
+            choice = {"index": index, "text": prefix + content}
+        choice.update(logprobs=None, finish_reason=reasons[index])
+        choices.append(choice)
     return _json(
         {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": req.model,
-            "choices": [choice],
-            "usage": _usage(last),
+            "choices": choices,
+            "usage": _usage(len(ids), completion),
         }
     )
 
