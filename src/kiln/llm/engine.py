@@ -104,7 +104,8 @@ class LLMEngine:
         vocab = self.args.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise KilnError(f"prompt token ids must be in [0, {vocab})", Status.INVALID_ARG)
-        state = RequestState(priority, arrival_time or time.monotonic(), num_live=params.n)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        state = RequestState(priority, arrival, num_live=params.n)
         eos = self.args.eos_token_ids
         seq = Sequence(request_id, list(prompt_token_ids), params, eos, request=state)
         seq.forks = [
