@@ -131,6 +131,22 @@ def test_bad_completion_requests_are_400(
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=1).choices
 
 
+def test_priority_under_fcfs_is_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model="tiny", prompt="hi", max_tokens=2, extra_body={"priority": 1}
+        )
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == "priority"
+    assert "priority 1 was given but priority scheduling is not enabled" in body["message"]
+    assert "scheduling_policy" in body["message"]
+    # priority 0 is the default and always accepted
+    reply = client.completions.create(
+        model="tiny", prompt="hi", max_tokens=1, extra_body={"priority": 0}
+    )
+    assert reply.choices
+
+
 def test_unknown_model_is_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="nope", prompt="hi", max_tokens=2)

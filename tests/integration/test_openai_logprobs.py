@@ -69,7 +69,10 @@ def test_completion_logprobs_match_transformers(client: openai.OpenAI, folder: P
     chunks = list(client.completions.create(stream=True, extra_body={"ignore_eos": True}, **kw))  # type: ignore[call-overload]
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [t for s in streamed for t in s.tokens or []] == lp.tokens
-    assert [v for s in streamed for v in s.token_logprobs or []] == lp.token_logprobs
+    # (approximately: the second request reuses the first one's cached prefix KV, so its
+    # logits come from a different, numerically equivalent, computation)
+    streamed_lp = [v for s in streamed for v in s.token_logprobs or []]
+    assert streamed_lp == pytest.approx(lp.token_logprobs, abs=1e-5)
     assert [o for s in streamed for o in s.text_offset or []] == lp.text_offset
 
 
@@ -104,7 +107,9 @@ def test_chat_logprobs_and_bytes(client: openai.OpenAI, folder: Path) -> None:
         if c.choices and c.choices[0].logprobs
         for e in c.choices[0].logprobs.content or []
     ]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    # approximately: this request reuses the first one's cached prefix KV
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
 
 
 def test_no_logprobs_unless_asked(client: openai.OpenAI) -> None:

@@ -110,13 +110,12 @@ def test_new_requests_join_between_steps(llama: Path, expected: list[list[int]])
     # "a" decodes one token while "b" prefills, in the same step
     assert [s.request_id for s in joined.seqs] == ["a", "b"]
     assert joined.num_new_tokens == [1, len(PROMPTS[1])]
-    for seq, n, tok in zip(
-        joined.seqs, joined.num_new_tokens, engine.runner.run(joined), strict=True
-    ):
+    sampled = engine.runner.run(joined)
+    for seq, n in zip(joined.seqs, joined.num_new_tokens, strict=True):
         seq.num_computed_tokens += n
-        assert tok is not None
-        seq.append(tok.token_id)
-        outputs[seq.request_id].append(tok.token_id)
+        tok = sampled[seq.seq_id].token_id
+        seq.append(tok)
+        outputs[seq.request_id].append(tok)
     while engine.has_work():
         for r in engine.step():
             outputs[r.request_id].extend(r.new_token_ids)

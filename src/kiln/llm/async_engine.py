@@ -11,6 +11,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -36,12 +37,20 @@ class _Add:
     request_id: str
     prompt: list[int]
     params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+    index: int | None = None  # one sample of the request, or all of them
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, name: str = "llm") -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | str | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -53,11 +62,17 @@ class AsyncEngine:
         return len(self._streams)
 
     async def generate(
-        self, prompt: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Outputs as the steps produce them; leaving early (a closed client) aborts the
+        """Outputs as the steps produce them (``index`` tells the ``n`` samples apart); it
+        ends when every sample has finished. Leaving early (a closed client) aborts the
         request and frees its blocks."""
-        self.engine.check_request(len(prompt), params)
+        arrival = time.monotonic()  # TTFT and queue time count from here, as vLLM's do
+        self.engine.check_request(len(prompt), params, priority)
         config = self.engine.config
         with self._lock:
             if len(self._streams) >= config.max_waiting + config.max_num_seqs:
@@ -68,23 +83,27 @@ class AsyncEngine:
             rid = request_id or f"req-{next(_IDS)}"
             stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
             self._streams[rid] = stream
-        self._send(_Add(rid, prompt, params))
-        finished = False
+        self._send(_Add(rid, prompt, params, priority, arrival))
+        unfinished = params.n
         try:
-            while not finished:
+            while unfinished:
                 item = await stream.queue.get()
                 if isinstance(item, KilnError):
-                    finished = True
+                    unfinished = 0
                     raise item
-                finished = item.finished
+                unfinished -= item.finished
                 yield item
         finally:
-            if not finished:
-                self._send(rid)  # abort
+            if unfinished:
+                self._send(_Abort(rid))
             with self._lock:
                 self._streams.pop(rid, None)
 
-    def _send(self, command: _Add | str | None) -> None:
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Stop one sample of a request (a stop string matched it) or the whole request."""
+        self._send(_Abort(request_id, index))
+
+    def _send(self, command: _Add | _Abort | None) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -117,12 +136,18 @@ class AsyncEngine:
                 if stream is not None:
                     stream.put(out)
 
-    def _apply(self, command: _Add | str) -> None:
-        if isinstance(command, str):
-            self.engine.abort(command)
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort(command.request_id, command.index)
             return
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params)
+            self.engine.add_request(
+                command.request_id,
+                command.prompt,
+                command.params,
+                command.priority,
+                command.arrival_time,
+            )
         except KilnError as exc:
             stream = self._streams.get(command.request_id)
             if stream is not None:

@@ -30,6 +30,7 @@ _INT_PARAMETERS = (
     "max_model_len",
     "max_waiting",
 )
+_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
@@ -46,6 +47,19 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
                 Status.INVALID_ARG,
             ) from None
     out.dtype = parameter(config, "dtype", out.dtype) or out.dtype
+    caching = parameter(config, "enable_prefix_caching")
+    if caching is not None:
+        flag = _BOOLEANS.get(caching.strip().lower())
+        if flag is None:
+            raise KilnError(
+                f"model '{config.name}': parameter enable_prefix_caching must be true or "
+                f"false, got '{caching}'",
+                Status.INVALID_ARG,
+            )
+        out.enable_prefix_caching = flag
+    policy = parameter(config, "scheduling_policy")
+    if policy is not None:
+        out.scheduling_policy = policy.strip().lower()
     out.device = f"cuda:{instance.device_id}" if instance.kind == "gpu" else "cpu"
     return out
 

@@ -11,6 +11,7 @@ from kiln.core.errors import KilnError, Status
 
 # Architectures whose weights and forward pass are Llama's skeleton (names differ only).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,10 @@ class EngineConfig:
     max_waiting: int = 1024
     dtype: str = "float32"
     device: str = "cpu"
+    #: reuse the KV of full blocks shared with earlier requests (vLLM V1's default: on)
+    enable_prefix_caching: bool = True
+    #: ``fcfs``, or ``priority`` (requests' ``priority`` field, lower first)
+    scheduling_policy: str = "fcfs"
     extra: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -102,3 +107,9 @@ class EngineConfig:
                     f"llm backend: {name} must be positive, got {getattr(self, name)}",
                     Status.INVALID_ARG,
                 )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise KilnError(
+                f"llm backend: scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got '{self.scheduling_policy}'",
+                Status.INVALID_ARG,
+            )

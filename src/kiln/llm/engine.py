@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm.block_manager import BlockManager
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.model_runner import ModelRunner
-from kiln.llm.sampler import TokenLogprobs
+from kiln.llm.sampler import SampledToken, TokenLogprobs
 from kiln.llm.scheduler import Scheduler
-from kiln.llm.sequence import SamplingParams, Sequence
+from kiln.llm.sequence import RequestState, SamplingParams, Sequence
+from kiln.llm.stats import LatencyStats
 
 
 @dataclass(slots=True)
@@ -26,6 +28,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     #: one entry per new token when the request asked for logprobs
     logprobs: list[TokenLogprobs] | None = None
+    #: which of the request's ``n`` samples (the OpenAI choice ``index``)
+    index: int = 0
 
 
 @dataclass(slots=True)
@@ -35,6 +39,7 @@ class EngineStats:
     num_generation_tokens: int = 0
     #: the most tokens one step ran (the budget bounds it)
     max_step_tokens: int = 0
+    latency: LatencyStats = field(default_factory=LatencyStats)
 
 
 class LLMEngine:
@@ -47,11 +52,13 @@ class LLMEngine:
         # A sequence alone must always fit in the cache, or preemption could never help it.
         config.max_model_len = min(config.max_model_len, self.runner.num_blocks * config.block_size)
         self.config = config
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.block_manager)
         self.stats = EngineStats()
 
-    def check_request(self, prompt_len: int, params: SamplingParams) -> None:
+    def check_request(self, prompt_len: int, params: SamplingParams, priority: int = 0) -> None:
         """Refuse what can never be served, before it takes a place in the queue."""
         limit = self.config.max_model_len
         if prompt_len == 0:
@@ -66,20 +73,64 @@ class LLMEngine:
             raise KilnError(
                 f"max_tokens must be at least 1, got {params.max_tokens}", Status.INVALID_ARG
             )
+        self.check_n(params.n)
+        self.check_priority(priority)
+
+    def check_n(self, n: int) -> None:
+        # the n samples of a request run together: they must fit in one running batch
+        if not 1 <= n <= self.config.max_num_seqs:
+            raise KilnError(
+                f"n must be between 1 and max_num_seqs ({self.config.max_num_seqs}), got {n}",
+                Status.INVALID_ARG,
+            )
+
+    def check_priority(self, priority: int) -> None:
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise KilnError(
+                f"priority {priority} was given but priority scheduling is not enabled: the "
+                f"model's scheduling_policy is '{self.config.scheduling_policy}' (set the "
+                "parameter scheduling_policy to 'priority' to use request priorities)",
+                Status.INVALID_ARG,
+            )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
     ) -> Sequence:
-        self.check_request(len(prompt_token_ids), params)
+        """Queue a request; with ``params.n > 1`` its other samples wait on the returned
+        sequence and are forked from it when its prompt is done."""
+        self.check_request(len(prompt_token_ids), params, priority)
         vocab = self.args.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise KilnError(f"prompt token ids must be in [0, {vocab})", Status.INVALID_ARG)
-        seq = Sequence(request_id, list(prompt_token_ids), params, self.args.eos_token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        state = RequestState(priority, arrival, num_live=params.n)
+        eos = self.args.eos_token_ids
+        seq = Sequence(request_id, list(prompt_token_ids), params, eos, request=state)
+        seq.forks = [
+            Sequence(request_id, list(prompt_token_ids), params, eos, index=i, request=state)
+            for i in range(1, params.n)
+        ]
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id) is not None
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Abort the request (or its sample ``index`` alone)."""
+        removed = self.scheduler.abort(request_id, index)
+        now = time.monotonic()
+        for seq in removed:
+            self._retire(seq, now)
+        return bool(removed)
+
+    def _retire(self, seq: Sequence, now: float) -> None:
+        state = seq.request
+        state.num_live -= 1
+        if state.num_live == 0:  # the request's last sample has left the engine
+            self.stats.latency.e2e_request_latency.observe(now - state.arrival_time)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -88,34 +139,61 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.seqs:
             return []
+        latency = self.stats.latency
+        now = time.monotonic()
+        for seq in out.seqs:
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = now
+                latency.request_queue_time.observe(now - seq.request.arrival_time)
         sampled = self.runner.run(out)
+        now = time.monotonic()
         self.stats.num_steps += 1
         self.stats.max_step_tokens = max(self.stats.max_step_tokens, out.total_tokens)
         results: list[RequestOutput] = []
-        for seq, n, sampled_token in zip(out.seqs, out.num_new_tokens, sampled, strict=True):
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
-            if sampled_token is None:
+            self.block_manager.cache_blocks(seq)
+            token = sampled.get(seq.seq_id)
+            if token is None:
                 continue  # a prompt chunk: nothing to report yet
-            token = sampled_token.token_id
-            if seq.num_output_tokens == 0:
+            if seq.num_output_tokens == 0 and seq.index == 0:
                 self.stats.num_prompt_tokens += seq.num_prompt_tokens
-            seq.append(token)
-            self.stats.num_generation_tokens += 1
-            if not seq.is_finished and seq.num_tokens >= self.config.max_model_len:
-                seq.finish("length")
-            results.append(
-                RequestOutput(
-                    seq.request_id,
-                    [token],
-                    seq.is_finished,
-                    seq.finish_reason,
-                    seq.num_prompt_tokens,
-                    seq.num_output_tokens,
-                    None if sampled_token.logprobs is None else [sampled_token.logprobs],
-                )
-            )
-        self.scheduler.remove_finished()
+            samples = [seq, *seq.forks]
+            for child in seq.forks:
+                self.block_manager.fork(seq, child)
+                child.num_computed_tokens = seq.num_computed_tokens
+                child.status = seq.status
+                self.scheduler.running.append(child)
+            seq.forks = []
+            for sample in samples:
+                results.append(self._append(sample, sampled[sample.seq_id], now))
+        for seq in self.scheduler.remove_finished():
+            self._retire(seq, now)
         return results
+
+    def _append(self, seq: Sequence, sampled: SampledToken, now: float) -> RequestOutput:
+        token = sampled.token_id
+        latency = self.stats.latency
+        if seq.last_token_time is not None:
+            latency.inter_token_latency.observe(now - seq.last_token_time)
+        elif seq.request.first_token_time is None:
+            seq.request.first_token_time = now
+            latency.time_to_first_token.observe(now - seq.request.arrival_time)
+        seq.last_token_time = now
+        seq.append(token)
+        self.stats.num_generation_tokens += 1
+        if not seq.is_finished and seq.num_tokens >= self.config.max_model_len:
+            seq.finish("length")
+        return RequestOutput(
+            seq.request_id,
+            [token],
+            seq.is_finished,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            logprobs=None if sampled.logprobs is None else [sampled.logprobs],
+            index=seq.index,
+        )
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

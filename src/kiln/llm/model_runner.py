@@ -92,9 +92,19 @@ class ModelRunner:
             attn.v_cache = self.kv_cache[1, i]
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> list[SampledToken | None]:
-        """Run the step; a sampled token for each sequence whose step reaches its end (its
-        prompt is fully computed), None for a prompt chunk that does not."""
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: every layer's K and V of block ``src`` into block ``dst``."""
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=self.device)
+            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> dict[int, SampledToken]:
+        """Run the step; a sampled token (by ``seq_id``) for each sequence whose step reaches
+        its end (its prompt is fully computed), none for a prompt chunk that does not. The
+        samples waiting to be forked from a sequence draw from its logits too."""
+        self.copy_blocks(out.copies)
         input_ids: list[int] = []
         positions: list[int] = []
         logit_index: list[int] = []
@@ -104,8 +114,9 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             if start + n == seq.num_tokens:
-                logit_index.append(len(input_ids) - 1)
-                samplers.append(seq)
+                for target in (seq, *seq.forks):
+                    logit_index.append(len(input_ids) - 1)
+                    samplers.append(target)
         meta = AttentionMetadata.build(
             [s.block_table for s in out.seqs],
             [s.num_computed_tokens for s in out.seqs],
@@ -121,5 +132,4 @@ class ModelRunner:
             torch.tensor(logit_index, dtype=torch.long, device=dev),
         )
         sampled = sample(logits, samplers)
-        by_seq = dict(zip((s.seq_id for s in samplers), sampled, strict=True))
-        return [by_seq.get(s.seq_id) for s in out.seqs]
+        return dict(zip((s.seq_id for s in samplers), sampled, strict=True))

@@ -4,9 +4,12 @@ Every step each sequence is given tokens to run so that its ``num_computed_token
 up with its ``num_tokens`` (vLLM V1's formulation): a prompt's prefill, one token of decode,
 or a chunk of a long prompt when the budget runs short, all in the same batch. Running
 sequences go first, in admission order; waiting ones join between steps while the budget,
-``max_num_seqs`` and the free blocks allow. When a running sequence needs a block and none
-is free, the latest-admitted sequence is preempted: its blocks are freed and it returns to
-the head of the waiting queue to be recomputed.
+``max_num_seqs`` and the free blocks allow, starting from the longest chain of their blocks
+already in the prefix cache. The waiting queue is served in arrival order (``fcfs``) or by
+(``priority``, arrival) under the ``priority`` policy. When a running sequence needs a block
+and none is free, a sequence is preempted: the latest admitted (``fcfs``) or the one with
+the worst (priority, arrival); its blocks are freed and it returns to the waiting queue to
+be recomputed.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    #: copy-on-write block copies (src, dst) to make before the step runs
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -52,15 +57,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def abort(self, request_id: str, index: int | None = None) -> list[Sequence]:
+        """Remove the request's sequences (or its sample ``index`` alone) and free them.
+        Samples still waiting to be forked from an aborted sequence go with it."""
+        removed: list[Sequence] = []
         for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
+            for seq in [s for s in queue if s.request_id == request_id]:
+                if index is None or seq.index == index:
                     queue.remove(seq)
                     self.block_manager.free(seq)
-                    seq.finish("abort")
-                    return seq
-        return None
+                    removed.append(seq)
+        for seq in list(removed):
+            removed.extend(seq.forks)
+            seq.forks = []
+        for seq in removed:
+            seq.finish("abort")
+        return removed
+
+    def _victim(self) -> Sequence:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda s: s.sort_key)
+        return self.running[-1]
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -70,7 +87,14 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
-                victim = self.running.pop()
+                victim = self._victim()
+                at = self.running.index(victim)
+                del self.running[at]
+                if at < i:  # scheduled earlier in this step (priority): take it back
+                    k = out.seqs.index(victim)
+                    budget += out.num_new_tokens.pop(k)
+                    del out.seqs[k]
+                    i -= 1
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -81,25 +105,33 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= n
             i += 1
+        self._admit(out, budget)
+        out.copies = self.block_manager.take_copies({s.seq_id for s in out.seqs})
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
         # Admitting while preempting would thrash: the blocks just freed belong to the
         # preempted sequence, now first in line.
-        while (
-            not out.preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        if out.preempted:
+            return
+        if self.config.scheduling_policy == "priority":
+            self.waiting = deque(sorted(self.waiting, key=lambda s: s.sort_key))
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
-                break  # strict FCFS: nobody overtakes the head of the queue
+            # a request's n samples all run once its prompt is done: room for all of them
+            if len(self.running) + 1 + len(seq.forks) > self.config.max_num_seqs:
+                break
+            hits = self.block_manager.find_cached(seq)
+            computed = len(hits) * self.block_manager.block_size
+            n = min(seq.num_tokens - computed, budget)
+            if not self.block_manager.admit(seq, hits, computed + n):
+                break  # nobody overtakes the head of the queue
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
-        return out
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

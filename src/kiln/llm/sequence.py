@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,12 +31,27 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    #: samples of the prompt (OpenAI's ``n``); sample ``i`` draws with ``seed + i``
+    n: int = 1
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """What the ``n`` sequences of one request share: its place in the queue and the times
+    its latency histograms are measured from (``time.monotonic()``)."""
+
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    #: sequences of the request not yet finished or aborted
+    num_live: int = 1
 
 
 @dataclass(slots=True, eq=False)
@@ -59,6 +75,19 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    #: which of the request's ``n`` samples this is (the OpenAI choice ``index``)
+    index: int = 0
+    request: RequestState = field(default_factory=RequestState)
+    #: samples 1..n-1, waiting for this sequence's prompt: they are forked from it (sharing
+    #: its blocks) when it samples its first token
+    forks: list[Sequence] = field(default_factory=list)
+    #: leading blocks of ``block_table`` known to the prefix cache (hit, or registered)
+    num_cached_blocks: int = 0
+    #: chained hash of each full block of ``token_ids`` (filled in as blocks fill up)
+    block_hashes: list[int] = field(default_factory=list)
+    #: the prefix cache's content key of each cached leading block (chains the next one)
+    chain_keys: list[int] = field(default_factory=list)
+    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -66,7 +95,13 @@ class Sequence:
             import torch
 
             self.generator = torch.Generator()
-            self.generator.manual_seed(self.params.seed)
+            # distinct, reproducible streams for the n samples of one seeded request
+            self.generator.manual_seed(self.params.seed + self.index)
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """The ``priority`` policy's order: lower priority value, then earlier arrival."""
+        return (self.request.priority, self.request.arrival_time, self.seq_id)
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,7 @@ applied to the detokenized text."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -21,36 +22,64 @@ class Delta:
     text: str
     finish_reason: str | None
     prompt_tokens: int
+    #: tokens generated so far by this choice
     completion_tokens: int
+    #: the choice (one of the request's ``n`` samples)
+    index: int = 0
     #: the logprobs of the tokens this delta releases (when the request asked for them)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _Choice:
+    detok: IncrementalDetokenizer
+    pending: str = ""
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    done: bool = False
+
+
 async def run(
-    llm: LLMBackend, prompt_ids: list[int], params: SamplingParams, stops: tuple[str, ...]
+    llm: LLMBackend,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    stops: tuple[str, ...],
+    priority: int = 0,
 ) -> AsyncGenerator[Delta, None]:
-    detok = IncrementalDetokenizer(llm.tokenizer)
+    """Deltas of every choice, interleaved as the steps produce them; each choice ends with
+    one delta that carries its ``finish_reason``."""
     # a stop string may straddle two tokens: hold back what could be its beginning
     hold = max((len(s) for s in stops), default=1) - 1
-    pending = ""
-    pending_logprobs: list[TokenLogprobs] = []
-    completion = 0
-    async with aclosing(llm.async_engine.generate(prompt_ids, params)) as outputs:
+    choices = [_Choice(IncrementalDetokenizer(llm.tokenizer)) for _ in range(params.n)]
+    left = params.n
+    rid = f"oai-{uuid.uuid4().hex}"
+    prompt_len = len(prompt_ids)
+    engine = llm.async_engine
+    async with aclosing(engine.generate(prompt_ids, params, rid, priority)) as outputs:
         async for out in outputs:
+            c = choices[out.index]
+            if c.done:
+                continue  # a stop string ended it; its abort is on the way
             completion = out.num_output_tokens
-            pending += detok.add(out.new_token_ids, final=out.finished)
-            pending_logprobs.extend(out.logprobs or ())
+            c.pending += c.detok.add(out.new_token_ids, final=out.finished)
+            c.pending_logprobs.extend(out.logprobs or ())
+            reason = out.finish_reason if out.finished else None
             for stop in stops:
-                at = pending.find(stop)
+                at = c.pending.find(stop)
                 if at >= 0:
-                    # leaving the loop closes the generator, which aborts the sequence
-                    yield Delta(pending[:at], "stop", len(prompt_ids), completion, pending_logprobs)
+                    c.pending, reason = c.pending[:at], "stop"
+                    if not out.finished and left > 1:
+                        engine.abort(rid, out.index)  # the other choices go on
+                    break
+            if reason is not None:
+                c.done, left = True, left - 1
+                logprobs = c.pending_logprobs
+                yield Delta(c.pending, reason, prompt_len, completion, out.index, logprobs)
+                if not left:
+                    # leaving the loop closes the generator, which aborts what is left
                     return
-            if out.finished:
-                reason = out.finish_reason
-                yield Delta(pending, reason, len(prompt_ids), completion, pending_logprobs)
-                return
-            cut = len(pending) - hold
+                continue
+            cut = len(c.pending) - hold
             if cut > 0:
-                yield Delta(pending[:cut], None, len(prompt_ids), completion, pending_logprobs)
-                pending, pending_logprobs = pending[cut:], []
+                text, logprobs = c.pending[:cut], c.pending_logprobs
+                c.pending, c.pending_logprobs = c.pending[cut:], []
+                yield Delta(text, None, prompt_len, completion, out.index, logprobs)

@@ -62,6 +62,8 @@ class GenerationRequest:
     include_usage: bool
     stop: tuple[str, ...]
     echo: bool = False
+    #: vLLM's request priority: lower runs earlier (``scheduling_policy: priority`` only)
+    priority: int = 0
 
 
 MAX_LOGPROBS = 20
@@ -97,12 +99,13 @@ def _common(
         if max_tokens is None and max_key != "max_tokens":
             max_tokens = integer(body, "max_tokens")
         n = integer(body, "n")
+        priority = integer(body, "priority") or 0
     except InvalidField as exc:
         raise OpenAIError(exc.message, param=exc.field) from None
     if max_tokens is not None and max_tokens <= 0:
         raise OpenAIError(f"{max_key} must be at least 1, got {max_tokens}", param=max_key)
-    if n not in (None, 1):
-        raise OpenAIError("kiln generates one choice per request: 'n' must be 1", param="n")
+    if n is not None and n < 1:
+        raise OpenAIError(f"n must be at least 1, got {n}", param="n")
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
@@ -113,6 +116,7 @@ def _common(
     params = SamplingParams(
         max_tokens=max_tokens or 1,  # the default is settled once the prompt's length is known
         logprobs=_logprobs(body, chat),
+        n=n or 1,
         **fields,
     )
     return GenerationRequest(
@@ -124,6 +128,7 @@ def _common(
         include_usage=bool(options.get("include_usage", False)),
         stop=stops,
         echo=bool(body.get("echo", False)),
+        priority=priority,
     )
 
 

@@ -88,18 +88,28 @@ def _prepare(llm: LLMBackend, req: GenerationRequest, default_max: int | None) -
             code="context_length_exceeded",
         )
     req.params = replace(req.params, max_tokens=max(max_tokens, 1))
+    for param, check in (
+        ("n", lambda: llm.engine.check_n(req.params.n)),
+        ("priority", lambda: llm.engine.check_priority(req.priority)),
+    ):
+        try:
+            check()
+        except KilnError as exc:
+            raise OpenAIError(str(exc), param=param) from None
     try:
-        llm.engine.check_request(len(ids), req.params)
+        llm.engine.check_request(len(ids), req.params, req.priority)
     except KilnError as exc:
         raise OpenAIError(str(exc), param="prompt", code="context_length_exceeded") from None
     return ids
 
 
-def _usage(d: Delta) -> dict[str, int]:
+def _usage(prompt_tokens: int, completion: dict[int, int]) -> dict[str, int]:
+    """``completion``: tokens per choice index (their sum is the request's)."""
+    total = sum(completion.values())
     return {
-        "prompt_tokens": d.prompt_tokens,
-        "completion_tokens": d.completion_tokens,
-        "total_tokens": d.prompt_tokens + d.completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": total,
+        "total_tokens": prompt_tokens + total,
     }
 
 
@@ -118,75 +128,93 @@ async def _sse(
     req: GenerationRequest,
     chat: bool,
     rid: str,
-    logprobs: LogprobsFormat | None,
+    formats: list[LogprobsFormat | None],
 ) -> AsyncIterator[bytes]:
+    """``formats``: each choice's logprobs formatter (None: no logprobs asked)."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": kind, "created": created, "model": req.model}
 
-    def chunk(d: Delta | None) -> bytes:
+    def chunk(index: int, d: Delta | None) -> bytes:
         text = d.text if d else None
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if d is None else {}
             if text:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
-        lp = logprobs(d.logprobs) if logprobs is not None and d is not None else None
+            choice = {"index": index, "text": text or ""}
+        fmt = formats[index]
+        lp = fmt(d.logprobs) if fmt is not None and d is not None else None
         choice.update(logprobs=lp, finish_reason=d.finish_reason if d else None)
         return b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
 
     if chat:
-        yield chunk(None)
-    last: Delta | None = None
+        for index in range(req.params.n):
+            yield chunk(index, None)
+    completion: dict[int, int] = {}
+    prompt_tokens = 0
     try:
         async for d in deltas:
-            last = d
+            completion[d.index] = d.completion_tokens
+            prompt_tokens = d.prompt_tokens
             if d.text or d.finish_reason:
-                yield chunk(d)
+                yield chunk(d.index, d)
     except KilnError as exc:
         yield b"data: " + orjson.dumps(OpenAIError.from_kiln(exc).body()) + b"\n\n"
-    if req.include_usage and last is not None:
-        final = {**head, "choices": [], "usage": _usage(last)}
+    if req.include_usage and completion:
+        final = {**head, "choices": [], "usage": _usage(prompt_tokens, completion)}
         yield b"data: " + orjson.dumps(final) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 
 async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat: bool) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    deltas = run(llm, ids, req.params, req.stop)
+    deltas = run(llm, ids, req.params, req.stop, req.priority)
+    n = req.params.n
     # a stream does not repeat the prompt, so its text offsets start at 0
     echo = not chat and not req.stream and req.echo and isinstance(req.prompt, str)
     echoed = req.prompt if echo and isinstance(req.prompt, str) else ""
-    logprobs = _logprobs_format(llm, req, chat, echoed)
+    formats = [_logprobs_format(llm, req, chat, echoed) for _ in range(n)]
     if req.stream:
-        events = _sse(deltas, req, chat, rid, logprobs)
+        events = _sse(deltas, req, chat, rid, formats)
         return StreamingResponse(events, media_type="text/event-stream")
-    text, entries, last = [], [], None
+    texts: list[list[str]] = [[] for _ in range(n)]
+    entries: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    completion: dict[int, int] = {}
     try:
         async for d in deltas:
-            text.append(d.text)
-            entries.extend(d.logprobs)
-            last = d
+            texts[d.index].append(d.text)
+            entries[d.index].extend(d.logprobs)
+            reasons[d.index] = d.finish_reason or reasons[d.index]
+            completion[d.index] = d.completion_tokens
     except KilnError as exc:
         raise OpenAIError.from_kiln(exc) from None
-    assert last is not None
-    content = "".join(text)
-    if chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": content}}
-    else:
-        choice = {"index": 0, "text": echoed + content}
-    lp = logprobs(entries) if logprobs is not None else None
-    choice.update(logprobs=lp, finish_reason=last.finish_reason)
+    choices: list[dict[str, Any]] = []
+    for index in range(n):
+        content = "".join(texts[index])
+        if chat:
+            choice: dict[str, Any] = {
+                "index": index,
+                "message": {"role": "assistant", "content": content},
+            }
+        else:
+            choice = {"index": index, "text": echoed + content}
+        fmt = formats[index]
+        choice.update(
+            logprobs=fmt(entries[index]) if fmt is not None else None,
+            finish_reason=reasons[index],
+        )
+        choices.append(choice)
     return _json(
         {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": req.model,
-            "choices": [choice],
-            "usage": _usage(last),
+            "choices": choices,
+            "usage": _usage(len(ids), completion),
         }
     )
 

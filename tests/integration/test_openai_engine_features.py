@@ -1,0 +1,164 @@
+"""``n`` choices, request priorities, prefix-cache counters and latency histograms of a
+``kiln serve`` process (``scheduling_policy: priority``), driven by the real ``openai``
+client."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+
+from tests.conftest import KilnProcess  # noqa: E402
+from tests.llm_models import build_tiny_llm  # noqa: E402
+
+CONFIG = """
+name: "tiny"
+backend: "llm"
+parameters { key: "block_size" value { string_value: "4" } }
+parameters { key: "max_num_seqs" value { string_value: "8" } }
+parameters { key: "num_gpu_blocks" value { string_value: "96" } }
+parameters { key: "scheduling_policy" value { string_value: "priority" } }
+parameters { key: "enable_prefix_caching" value { string_value: "true" } }
+"""
+LONG = "kiln serves models with continuous batching and a paged kv cache. " * 2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
+    repo = tmp_path_factory.mktemp("llm") / "repo"
+    build_tiny_llm(repo / "tiny" / "1")
+    (repo / "tiny" / "config.pbtxt").write_text(CONFIG)
+    proc = KilnProcess(repo).start(timeout=120)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(server: KilnProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
+
+
+def _scrape(server: KilnProcess) -> dict[str, float]:
+    """``name{labels}`` -> value, for the tiny model's kiln_llm_* samples."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read()
+    out: dict[str, float] = {}
+    for line in text.decode().splitlines():
+        if line.startswith("kiln_llm_") and 'model_name="tiny"' in line:
+            key, value = line.rsplit(" ", 1)
+            out[re.sub(r'model_name="tiny",?', "", key).replace("{}", "")] = float(value)
+    return out
+
+
+def test_n_greedy_completions(client: openai.OpenAI) -> None:
+    kw = dict(model="tiny", prompt="the quick brown fox", max_tokens=6, temperature=0)
+    one = client.completions.create(extra_body={"ignore_eos": True}, **kw)  # type: ignore[call-overload]
+    three = client.completions.create(n=3, extra_body={"ignore_eos": True}, **kw)  # type: ignore[call-overload]
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.text for c in three.choices} == {one.choices[0].text}
+    assert all(c.finish_reason == "length" for c in three.choices)
+    assert three.usage is not None and three.usage.completion_tokens == 18
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens  # type: ignore[union-attr]
+    assert three.usage.total_tokens == three.usage.prompt_tokens + 18
+
+
+def test_n_stop_string_ends_each_choice(client: openai.OpenAI) -> None:
+    kw = dict(model="tiny", prompt="hello world", max_tokens=12, temperature=0)
+    whole = client.completions.create(extra_body={"ignore_eos": True}, **kw)  # type: ignore[call-overload]
+    text = whole.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), f"no usable stop string in {text!r}"
+    got = client.completions.create(n=2, stop=[stop], extra_body={"ignore_eos": True}, **kw)  # type: ignore[call-overload]
+    want = text[: text.find(stop)]
+    assert [(c.index, c.text, c.finish_reason) for c in got.choices] == [
+        (0, want, "stop"),
+        (1, want, "stop"),
+    ]
+
+
+def test_n_seeded_chat_stream_matches_the_whole_reply(client: openai.OpenAI) -> None:
+    kw = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=5,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
+    whole = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+    assert [c.index for c in whole.choices] == [0, 1]
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)  # type: ignore[call-overload]
+    )
+    texts = ["", ""]
+    roles, reasons = set(), {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.delta.role:
+                roles.add(c.index)
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert roles == {0, 1} and reasons == {0: "length", 1: "length"}
+    assert texts == [c.message.content for c in whole.choices]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert usage.completion_tokens == 16 == whole.usage.completion_tokens  # type: ignore[union-attr]
+
+
+def test_priority_is_accepted_under_the_priority_policy(client: openai.OpenAI) -> None:
+    for priority in (-3, 0, 7):
+        reply = client.completions.create(
+            model="tiny", prompt="kiln", max_tokens=2, extra_body={"priority": priority}
+        )
+        assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        ({"n": 0}, "n", "n must be at least 1, got 0"),
+        ({"n": 9}, "n", "n must be between 1 and max_num_seqs (8), got 9"),
+        ({"priority": "high"}, "priority", "'priority' must be an integer"),
+    ],
+)
+def test_bad_n_and_priority_are_400(
+    client: openai.OpenAI, extra: dict[str, object], param: str, message: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body=extra)
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == param
+    assert message in body["message"]
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=1).choices
+
+
+def test_metrics_count_prefix_hits_and_latencies(
+    client: openai.OpenAI, server: KilnProcess
+) -> None:
+    before = _scrape(server)
+    for suffix in (" one", " two"):
+        client.completions.create(
+            model="tiny", prompt=LONG + suffix, max_tokens=3, extra_body={"ignore_eos": True}
+        )
+    after = _scrape(server)
+    grew = lambda name: after[name] - before.get(name, 0.0)  # noqa: E731
+    assert grew("kiln_llm_prefix_cache_queries_total") > 0
+    hits = grew("kiln_llm_prefix_cache_hits_total")
+    assert hits > 0 and hits % 4 == 0  # whole blocks of the shared prefix
+    for name in (
+        "kiln_llm_time_to_first_token_seconds",
+        "kiln_llm_e2e_request_latency_seconds",
+        "kiln_llm_request_queue_time_seconds",
+    ):
+        assert grew(name + "_count") == 2
+        assert grew(f'{name}_bucket{{le="+Inf"}}') == 2
+        assert after[name + "_sum"] > 0
+    assert grew("kiln_llm_inter_token_latency_seconds_count") == 4  # 2 gaps per request
+    assert 'kiln_llm_time_to_first_token_seconds_bucket{le="0.001"}' in after
+    assert 'kiln_llm_e2e_request_latency_seconds_bucket{le="7680.0"}' in after

@@ -1,0 +1,203 @@
+"""``n`` samples sharing their prompt's blocks (copy-on-write), the ``priority`` policy, the
+block accounting under a mix of everything, and the latency histograms."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from kiln.core.errors import KilnError
+from kiln.llm.config import EngineConfig
+from kiln.llm.engine import LLMEngine
+from kiln.llm.sequence import SamplingParams
+from tests.llm_models import build_tiny_llm, reference_generate
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPT = [5, 17, 42, 99, 3, 8, 13]  # 7 tokens: the last of two 4-token blocks is partial
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llm(tmp_path_factory.mktemp("llama"))
+
+
+def _engine(folder: Path, **kw: object) -> LLMEngine:
+    return LLMEngine(folder, EngineConfig(block_size=4, **kw))  # type: ignore[arg-type]
+
+
+def _drain(engine: LLMEngine) -> dict[tuple[str, int], list[int]]:
+    """Step to the end; tokens per (request, sample index); invariants after each step."""
+    out: dict[tuple[str, int], list[int]] = {}
+    while engine.has_work():
+        for r in engine.step():
+            out.setdefault((r.request_id, r.index), []).extend(r.new_token_ids)
+        engine.block_manager.check(engine.scheduler.running + list(engine.scheduler.waiting))
+    return out
+
+
+def _all_released(engine: LLMEngine) -> None:
+    bm = engine.block_manager
+    bm.check([])
+    assert bm.num_free_blocks == bm.num_blocks and bm.usage() == 0.0
+
+
+# -- n > 1 ------------------------------------------------------------------------------------
+
+
+def test_n_greedy_samples_share_the_prompt_and_copy_on_write(llama: Path) -> None:
+    engine = _engine(llama)
+    copies: list[tuple[int, int]] = []
+    copy_blocks = engine.runner.copy_blocks
+    engine.runner.copy_blocks = lambda c: (copies.extend(c), copy_blocks(c))[1]  # type: ignore[method-assign]
+    seq = engine.add_request("r", PROMPT, replace(GREEDY, n=3))
+    first = engine.step()  # the prompt, once; three first tokens from its logits
+    assert [r.index for r in first] == [0, 1, 2]
+    samples = [seq, *(s for s in engine.scheduler.running if s is not seq)]
+    assert [s.index for s in samples] == [0, 1, 2]
+    assert all(s.block_table == seq.block_table for s in samples)
+    assert all(engine.block_manager.blocks[b].ref_count == 3 for b in seq.block_table)
+    got = _drain(engine)
+    want = reference_generate(llama, PROMPT, 8)
+    assert [[r.new_token_ids[0], *got[("r", r.index)]] for r in first] == [want] * 3
+    # two samples copied the shared partial block; the last writer wrote in place
+    assert len(copies) == 2 and len({src for src, _ in copies}) == 1
+    _all_released(engine)
+
+
+def test_seeded_samples_draw_with_seed_plus_index(llama: Path) -> None:
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=40, n=3)
+    engine = _engine(llama)
+    engine.add_request("r", PROMPT, params)
+    got = _drain(engine)
+    for i in range(3):
+        alone = SamplingParams(max_tokens=8, temperature=1.0, seed=40 + i)
+        assert got[("r", i)] == _engine(llama).generate([PROMPT], alone)[0]
+    assert len({tuple(v) for v in got.values()}) > 1  # distinct streams, not one copied
+    _all_released(engine)
+
+
+def test_n_is_bounded_by_max_num_seqs(llama: Path) -> None:
+    engine = _engine(llama, max_num_seqs=2)
+    with pytest.raises(KilnError, match=r"n must be between 1 and max_num_seqs \(2\), got 3"):
+        engine.add_request("r", PROMPT, SamplingParams(n=3))
+
+
+# -- priority ---------------------------------------------------------------------------------
+
+
+def test_priority_policy_admits_by_priority_then_arrival(llama: Path) -> None:
+    engine = _engine(llama, scheduling_policy="priority", max_num_seqs=1)
+    for rid, priority in (("a", 3), ("b", 1), ("c", 2), ("d", 1), ("e", -5)):
+        engine.add_request(rid, PROMPT, SamplingParams(max_tokens=2, temperature=0.0), priority)
+    order: list[str] = []
+    while engine.has_work():
+        for r in engine.step():
+            if r.request_id not in order:
+                order.append(r.request_id)
+    assert order == ["e", "b", "d", "c", "a"]
+
+
+def test_fcfs_admits_in_arrival_order_and_refuses_priorities(llama: Path) -> None:
+    engine = _engine(llama, max_num_seqs=1)
+    for rid in "xyz":
+        engine.add_request(rid, PROMPT, SamplingParams(max_tokens=2, temperature=0.0))
+    assert [k[0] for k in _drain(engine)] == ["x", "y", "z"]
+    with pytest.raises(KilnError, match="priority 2 was given but priority scheduling is not"):
+        engine.add_request("p", PROMPT, GREEDY, priority=2)
+
+
+@pytest.mark.parametrize(("policy", "victim"), [("fcfs", "late"), ("priority", "early")])
+def test_preemption_victim_follows_the_policy(llama: Path, policy: str, victim: str) -> None:
+    # 10 blocks of 4: two 7-token prompts growing by 16 tokens each cannot both fit
+    engine = _engine(llama, num_gpu_blocks=10, scheduling_policy=policy)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    early = engine.add_request("early", PROMPT, params, priority=5 if policy == "priority" else 0)
+    first = engine.step()[0].new_token_ids
+    late = engine.add_request("late", PROMPT[::-1], params)
+    got = _drain(engine)
+    got[("early", 0)][:0] = first
+    preempted = {s.request_id for s in (early, late) if s.num_preemptions}
+    assert preempted == {victim}
+    assert got[("early", 0)] == reference_generate(llama, PROMPT, 16)
+    assert got[("late", 0)] == reference_generate(llama, PROMPT[::-1], 16)
+    _all_released(engine)
+
+
+# -- accounting and histograms ------------------------------------------------------------------
+
+
+def test_accounting_survives_a_mix_of_everything(llama: Path) -> None:
+    # few blocks, shared prefixes, n > 1, aborts of a sample and of a request, preemption
+    engine = _engine(llama, num_gpu_blocks=14, max_num_batched_tokens=16)
+    prefix = list(range(60, 76))
+    sample = SamplingParams(max_tokens=12, temperature=0.8, seed=1, n=3)
+    engine.add_request("n3", [*prefix, 1, 2], sample)
+    engine.add_request("g", [*prefix, 3], GREEDY)
+    engine.add_request("gone", [*prefix, 4, 5, 6], GREEDY)
+    engine.add_request("n2", [*prefix, 7], SamplingParams(max_tokens=10, temperature=0.0, n=2))
+    live = lambda: engine.scheduler.running + list(engine.scheduler.waiting)  # noqa: E731
+    step = 0
+    while engine.has_work():
+        engine.step()
+        step += 1
+        if step == 3:
+            assert engine.abort("n3", 1)  # one sample
+            assert engine.abort("gone")  # a whole request
+        if step == 4:
+            engine.add_request("late", [*prefix, 9], SamplingParams(max_tokens=4, n=2, seed=2))
+        engine.block_manager.check(live())
+    assert engine.block_manager.stats.hits > 0
+    assert engine.scheduler.num_preemptions > 0
+    _all_released(engine)
+    # every request left the engine once: one end-to-end sample each
+    assert engine.stats.latency.e2e_request_latency.count == 5
+
+
+def test_latency_histograms_count_requests_and_tokens(llama: Path) -> None:
+    engine = _engine(llama)
+    engine.generate([PROMPT, PROMPT[:3]], GREEDY)
+    engine.add_request("n", PROMPT, replace(GREEDY, n=2))
+    _drain(engine)
+    latency = engine.stats.latency
+    assert latency.time_to_first_token.count == 3  # one per request, not per sample
+    assert latency.request_queue_time.count == 3
+    assert latency.e2e_request_latency.count == 3
+    # every token but each sample's first: 2 requests x 7 + 2 samples x 7
+    assert latency.inter_token_latency.count == 28
+    buckets, total = latency.inter_token_latency.snapshot()
+    assert buckets[-1] == ("+Inf", 28.0) and total > 0
+    assert [c for _, c in buckets] == sorted(c for _, c in buckets)
+
+
+# -- config.pbtxt parameters ------------------------------------------------------------------
+
+
+def _config(params: dict[str, str]) -> EngineConfig:
+    from google.protobuf import text_format
+
+    from kiln.backends.base import InstanceSpec
+    from kiln.config.model_config_pb2 import ModelConfig
+    from kiln.llm.backend import engine_config
+
+    text = 'name: "m" backend: "llm" ' + " ".join(
+        f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()
+    )
+    spec = InstanceSpec(name="m_0", kind="cpu", device_id=0, index=0, total_instances=1)
+    config = engine_config(text_format.Parse(text, ModelConfig()), spec)
+    config.check()
+    return config
+
+
+def test_engine_parameters_from_config_pbtxt() -> None:
+    default = _config({})
+    assert default.enable_prefix_caching and default.scheduling_policy == "fcfs"
+    config = _config({"enable_prefix_caching": "False", "scheduling_policy": "priority"})
+    assert not config.enable_prefix_caching and config.scheduling_policy == "priority"
+    with pytest.raises(KilnError, match="model 'm': parameter enable_prefix_caching must be"):
+        _config({"enable_prefix_caching": "sometimes"})
+    with pytest.raises(KilnError, match="scheduling_policy must be one of fcfs, priority"):
+        _config({"scheduling_policy": "lifo"})
