@@ -150,6 +150,16 @@ def test_full_queue_and_expired_timeout_answer_503_and_queued_requests_still_run
     stats = client.get_inference_statistics("mlp")["model_stats"][0]
     assert [int(b["batch_size"]) for b in stats["batch_stats"]] == [3]  # the two merged
     assert int(stats["inference_stats"]["fail"]["count"]) == 2
+    # Both are the scheduler's refusals: Triton's REJECTED reason on /metrics.
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as resp:
+        text = resp.read().decode()
+    rejected = re.search(
+        r'^nv_inference_request_failure\{(?=[^}]*model="mlp")(?=[^}]*reason="REJECTED")[^}]*\} '
+        r"(\S+)$",
+        text,
+        re.M,
+    )
+    assert rejected is not None and float(rejected.group(1)) == 2
     # The server keeps serving: other models, and mlp once its queue has room again.
     assert client.is_model_ready("simple")
     assert infer(client, mlp_input(64, seed=5)).as_numpy("LOGITS").shape == (64, 10)

@@ -492,6 +492,7 @@ def test_repeat_int32_streams_one_response_per_value(repo: Path, values: list[in
             output_names = ["OUT", "IDX"]
             parameters: dict[str, Any] = {}
             request_id = "r"
+            deadline_ns = 0
 
         Request.sink = sink  # type: ignore[attr-defined]
         assert backend.execute_requests([Request()]) == [{}]  # type: ignore[list-item]

@@ -74,6 +74,7 @@ class _Req:
         self.parameters: dict[str, object] = {}
         self.request_id = ""
         self.sink = None
+        self.deadline_ns = 0
 
 
 def test_execute_one_and_many(backend: PythonBackend) -> None:

@@ -46,6 +46,7 @@ class BackendRequest(Protocol):
     parameters: dict[str, Any]
     request_id: str
     sink: ResponseSink | None
+    deadline_ns: int  # time.monotonic_ns() by which it must be answered; 0 = none
 
 
 # One entry per request: its outputs, or the error that request alone failed with.

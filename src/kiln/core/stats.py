@@ -46,7 +46,7 @@ class RequestTimes:
 class FailureReason(enum.Enum):
     """Triton's ``reason`` label on ``nv_inference_request_failure``."""
 
-    REJECTED = "REJECTED"  # refused by the scheduler (queue full, queue timeout)
+    REJECTED = "REJECTED"  # refused by the scheduler (queue full, request timeout expired)
     CANCELED = "CANCELED"
     BACKEND = "BACKEND"  # the model itself failed to execute or produced bad outputs
     OTHER = "OTHER"

@@ -36,6 +36,9 @@ class Job:
     parameters: dict[str, Any] = field(default_factory=dict)
     request_id: str = ""
     sink: ResponseSink | None = None  # a decoupled model's responses stream here
+    # time.monotonic_ns() by which it must be answered, 0 = none: set by the dynamic
+    # batcher from its queue policy; the Python backend also bounds execution by it.
+    deadline_ns: int = 0
 
 
 class _Worker:

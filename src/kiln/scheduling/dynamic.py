@@ -85,6 +85,10 @@ class DynamicScheduler(Scheduler):
         self.queue.push(item)
         if timeout_ns:
             item.timer = loop.call_later(timeout_ns / 1e9, self._on_timeout, item)
+            if not self.policy.levels[level - 1].delay_on_timeout:
+                # The same bound then holds while it executes, where a backend can enforce
+                # it (the Python backend kills a worker that overruns it).
+                job.deadline_ns = item.enqueued_ns + timeout_ns
         self._kick()
         try:
             return await item.future

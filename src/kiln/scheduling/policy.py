@@ -72,17 +72,20 @@ class QueuePolicy:
         return priority
 
     def timeout_ns(self, level: int, parameters: dict[str, Any]) -> int:
-        """How long the request may wait in the queue; 0 = forever.
+        """How long the request may wait in the queue (and, where REJECT, run); 0 = forever.
 
-        As in Triton, a request's own ``timeout`` (microseconds) replaces the level's
-        default only where the level's policy sets ``allow_timeout_override``; otherwise it
-        is ignored, so one client cannot loosen the operator's bound.
+        As in Triton, a request's own ``timeout`` (microseconds) counts only where the
+        level's policy sets ``allow_timeout_override``, and then may only shorten the
+        level's default: one client cannot loosen the operator's bound. Unlike Triton, it
+        also applies when the default is 0 (none); Triton then ignores it.
         """
         policy = self.levels[level - 1]
         if policy.allow_timeout_override and "timeout" in parameters:
-            requested = _uint("timeout", parameters["timeout"], self.model)
-            if requested:
-                return requested * 1000
+            requested = _uint("timeout", parameters["timeout"], self.model) * 1000
+            if requested and (
+                not policy.default_timeout_ns or requested < policy.default_timeout_ns
+            ):
+                return requested
         return policy.default_timeout_ns
 
 

@@ -2,9 +2,11 @@
 
 ``execute_requests`` runs on the instance's own thread: it writes the requests' tensors
 into the worker's inbound arena, sends their headers, and serves what the worker sends back
-until its ``executed`` answer (decoupled responses, BLS calls). A worker that dies or
-overruns ``execute_timeout_secs`` fails the requests in flight and is restarted (and
-re-initialized) on a separate thread; the next execute waits for that restart.
+until its ``executed`` answer (decoupled responses, BLS calls). A worker that dies, or
+overruns its batch's deadline (the earliest request ``timeout``, or ``execute_timeout_secs``:
+see ``deadline.py``), fails the requests in flight and is restarted (and re-initialized) on
+a separate thread; the next execute waits for that restart, but no longer than its own
+requests' deadlines.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 
@@ -27,6 +29,7 @@ from kiln.backends.base import (
     parameter,
 )
 from kiln.backends.python import bls
+from kiln.backends.python.deadline import batch_deadline, expired, not_started, timed_out
 from kiln.backends.python.process import WorkerDied, WorkerProcess, WorkerTimeout
 from kiln.config.loader import ConfigError, config_from_json, config_to_json
 from kiln.config.model_config_pb2 import ModelConfig
@@ -48,6 +51,8 @@ _CODES = {
 _STATUS_CODES = {status: code for code, status in _CODES.items()}
 
 AUTO_COMPLETE_TIMEOUT_S = 60.0
+# A worker that overran its deadline gets SIGTERM, then SIGKILL if still there after this.
+KILL_GRACE_S = 0.5
 
 
 def _seconds(config: ModelConfig, key: str, default: float | None) -> float | None:
@@ -72,6 +77,7 @@ class _Single:
         self.parameters: dict[str, Any] = {}
         self.request_id = ""
         self.sink: ResponseSink | None = None
+        self.deadline_ns = 0
 
 
 class PythonBackend(Backend):
@@ -154,10 +160,11 @@ class PythonBackend(Backend):
             raise KilnError(f"model '{self.model}': initialize failed: {payload}")
 
     def _begin_restart(self) -> None:
-        self.worker.kill()
-
+        # Killing (with its grace) happens on the restart thread: the requests that failed
+        # get their answers now, not after the worker is gone.
         def restart() -> None:
             try:
+                self.worker.kill(KILL_GRACE_S)
                 self._start()
                 log.warning("model '%s': Python worker restarted", self.model)
             except Exception as exc:
@@ -170,13 +177,35 @@ class PythonBackend(Backend):
         )
         self._restarting.start()
 
-    def _await_restart(self) -> None:
-        if self._restarting is not None:
-            self._restarting.join()
-            self._restarting = None
+    def _await_restart(
+        self, requests: list[BackendRequest], outcomes: list[RequestOutcome | None]
+    ) -> None:
+        """Wait for a restart in progress; a request whose deadline passes meanwhile fails.
+
+        When all of them have failed first, the restart goes on and the next call waits.
+        """
+        thread = self._restarting
+        while thread is not None and thread.is_alive():
+            waiting = [r.deadline_ns for r, o in zip(requests, outcomes, strict=True) if o is None]
+            if not waiting:
+                return
+            if 0 in waiting:  # one of them has no deadline: wait for the worker
+                thread.join()
+                break
+            thread.join(max(0.0, min(waiting) / 1e9 - time.monotonic()))
+            self._fail_expired(requests, outcomes)
+        self._restarting = None
         if self._restart_error is not None:
             self._restart_error = None
             self._start()  # one more try: its error fails this request and names the cause
+
+    def _fail_expired(
+        self, requests: list[BackendRequest], outcomes: list[RequestOutcome | None]
+    ) -> None:
+        now = time.monotonic_ns()
+        for i, request in enumerate(requests):
+            if outcomes[i] is None and expired(request.deadline_ns, now):
+                outcomes[i] = not_started(self.model)
 
     # ---- execution -------------------------------------------------------------------
     def execute(
@@ -188,7 +217,24 @@ class PythonBackend(Backend):
         return outcome
 
     def execute_requests(self, requests: list[BackendRequest]) -> list[RequestOutcome]:
-        self._await_restart()
+        outcomes: list[RequestOutcome | None] = [None] * len(requests)
+        try:
+            self._await_restart(requests, outcomes)
+        except KilnError as exc:  # the worker could not be started again
+            return [o if o is not None else KilnError(exc.message, exc.status) for o in outcomes]
+        self._fail_expired(requests, outcomes)  # e.g. they waited out a restart
+        live = [i for i, o in enumerate(outcomes) if o is None]
+        if live:
+            try:
+                done = self._run([requests[i] for i in live])
+            except KilnError as exc:
+                done = [KilnError(exc.message, exc.status) for _ in live]
+            for i, outcome in zip(live, done, strict=True):
+                outcomes[i] = outcome
+        return cast(list[RequestOutcome], outcomes)  # every entry is set by now
+
+    def _run(self, requests: list[BackendRequest]) -> list[RequestOutcome]:
+        """One ``execute`` of the worker; a lost worker raises for the whole batch."""
         worker = self.worker
         worker.inbound.reset()
         wire = [
@@ -201,11 +247,13 @@ class PythonBackend(Backend):
             }
             for r in requests
         ]
-        deadline = None if self.execute_timeout is None else time.monotonic() + self.execute_timeout
+        deadline = batch_deadline(
+            (r.deadline_ns for r in requests), time.monotonic_ns(), self.execute_timeout
+        )
         try:
             worker.send(("execute", wire))
             while True:
-                message = worker.recv(deadline)
+                message = worker.recv(deadline.seconds)
                 kind = message[0]
                 if kind == "executed":
                     return self._outcomes(requests, message[1], message[2])
@@ -224,6 +272,9 @@ class PythonBackend(Backend):
             ) from None
         except WorkerTimeout:
             self._begin_restart()
+            if deadline.from_request:
+                now = time.monotonic_ns()
+                return [*timed_out(self.model, [r.deadline_ns for r in requests], now)]
             raise KilnError(
                 f"model '{self.model}': execute did not finish within execute_timeout_secs="
                 f"{self.execute_timeout:g}; the Python worker was killed and is being restarted",

@@ -8,6 +8,7 @@ the socket closes, so a waiting ``recv`` wakes with EOF instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -91,14 +92,22 @@ class WorkerProcess:
             return f"the worker process was killed by signal {-code}"
         return f"the worker process exited with status {code}"
 
-    def kill(self) -> None:
+    def kill(self, grace: float = 0.0) -> None:
+        """End the process: SIGTERM and up to ``grace`` seconds to go, then SIGKILL."""
         if self.conn is not None:
             self.conn.close()
             self.conn = None
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-        if self.proc is not None:
-            self.proc.wait()
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None and grace > 0:
+            proc.terminate()
+            # Still there after the grace: it ignores SIGTERM (a handler of the model's own).
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
     def stop(self, timeout: float) -> None:
         """Ask the model to finalize, then make sure the process is gone."""
