@@ -136,13 +136,19 @@ def test_cnn_static_int8_within_budget(digits_files: DigitsFiles, tmp_path: Path
     outcome = optimize(
         digits_files.cnn_onnx, digits_files.image_calibration, digits_files.image_validation,
         tmp_path / "repo", labels=str(digits_files.labels), name="cnn", progress=False,
-        candidates=("fp32-all", "int8-static-*"), profile_seconds=0.03, batch_sizes=(1, 4),
-        tune_serving=False,
+        candidates=("fp32-all", "int8-static-*", "int8-u8s8-minmax-*"), profile_seconds=0.03,
+        batch_sizes=(1, 4), tune_serving=False,
     )  # fmt: skip
     assert outcome.ok
-    statics = [r for r in outcome.report["candidates"] if r["kind"] == "int8-static"]
+    rows = outcome.report["candidates"]
+    statics = [r for r in rows if r["kind"] == "int8-static"]
     assert len(statics) == 6
-    for row in statics:
+    u8s8 = [r for r in rows if r["kind"] == "int8-u8s8"]
+    assert {r["name"] for r in u8s8} == {
+        "int8-u8s8-minmax-per-tensor",
+        "int8-u8s8-minmax-per-channel",
+    }
+    for row in statics + u8s8:
         assert row["accuracy"]["task_accuracy"] is not None
         assert (row["status"] in ("accepted", "chosen")) == (row["accuracy"]["drop"] <= 0.01)
     assert (tmp_path / "repo" / "cnn" / "config.pbtxt").read_text().count("dims: [ 1, 8, 8 ]")

@@ -58,11 +58,10 @@ def _builders(source: Path, work: Path, calib: Batch, threads: int
         return pre[0]
 
     builders.append(("int8-dynamic", lambda: precision.build_int8_dynamic(prepared(), work)))
-    for name, method, per_channel in precision.static_names():
-        builders.append(
-            (name, lambda m=method, pc=per_channel: precision.build_int8_static(  # type: ignore[misc]
-                prepared(), work, calib, m, pc))
-        )  # fmt: skip
+    for name, method, per_channel, form in precision.static_names():
+        build = partial(precision.build_int8_static, method=method, per_channel=per_channel,
+                        form=form)  # fmt: skip
+        builders.append((name, lambda b=build: b(prepared(), work, calib)))  # type: ignore[misc]
     return builders
 
 

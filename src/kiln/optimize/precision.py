@@ -79,24 +79,42 @@ def build_int8_dynamic(source: Path, workdir: Path) -> Candidate:
     return candidate
 
 
-def static_names() -> list[tuple[str, str, bool]]:
+# Two QDQ forms: "static" (int8 activations, symmetric) is what TensorRT takes on a GPU; "u8s8"
+# (uint8 asymmetric activations, int8 weights) is what ONNX Runtime's x86 CPU kernels run
+# fastest. Measured on the digits CNNs (AVX512-VNNI Xeon, ORT 1.31): symmetric int8 activations
+# ran 2-5x slower than u8s8 at batch 32; see benchmarks/README.md.
+STATIC_FORMS = {"static": "int8-static", "u8s8": "int8-u8s8"}
+
+
+def static_names() -> list[tuple[str, str, bool, str]]:
+    """(name, method, per_channel, form) of every static INT8 candidate."""
     return [
-        (f"int8-static-{method}-{'per-channel' if pc else 'per-tensor'}", method, pc)
+        (f"int8-{form}-{method}-{'per-channel' if pc else 'per-tensor'}", method, pc, form)
+        for form in STATIC_FORMS
         for method in METHODS
         for pc in (False, True)
     ]
 
 
 def build_int8_static(
-    source: Path, workdir: Path, calibration: Batch, method: str, per_channel: bool
+    source: Path,
+    workdir: Path,
+    calibration: Batch,
+    method: str,
+    per_channel: bool,
+    form: str = "static",
 ) -> Candidate:
     granularity = "per-channel" if per_channel else "per-tensor"
-    name = f"int8-static-{method}-{granularity}"
+    name = f"int8-{form}-{method}-{granularity}"
     out = workdir / f"{name}.onnx"
+    tensorrt_form = form == "static"
+    activations = "int8 symmetric" if tensorrt_form else "uint8 asymmetric"
     candidate = Candidate(
         name,
-        "int8-static",
-        f"INT8 QDQ, {method} calibration, {granularity} weights (quantize_static)",
+        STATIC_FORMS[form],
+        f"INT8 QDQ, {activations} activations, {method} calibration, {granularity} weights "
+        "(quantize_static)",
+        precision="int8",
     )
     start = time.perf_counter()
     quantize_static(
@@ -105,11 +123,10 @@ def build_int8_static(
         BatchReader(calibration),
         quant_format=QuantFormat.QDQ,
         per_channel=per_channel,
-        activation_type=QuantType.QInt8,
+        activation_type=QuantType.QInt8 if tensorrt_form else QuantType.QUInt8,
         weight_type=QuantType.QInt8,
         calibrate_method=METHODS[method],
-        # Symmetric activations: what TensorRT requires for the same QDQ model on a GPU.
-        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+        extra_options={"ActivationSymmetric": tensorrt_form, "WeightSymmetric": True},
     )
     candidate.build_seconds = time.perf_counter() - start
     candidate.path = out
