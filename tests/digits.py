@@ -58,6 +58,22 @@ class DigitsCNN(nn.Module):
         return self.head(self.features(x).flatten(1))
 
 
+class DigitsWideCNN(nn.Module):
+    """The CNN at 4x the channels (32, 64): still trains in seconds, and its convolutions, not
+    per-op overhead, dominate at batch 32 (benchmarks/optimize_digits.py's third model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2),
+        )  # fmt: skip
+        self.head = nn.Linear(64 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
 def train(model: nn.Module, x: np.ndarray, y: np.ndarray, steps: int = 100) -> nn.Module:
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the test machine's cores are shared: threads only contend

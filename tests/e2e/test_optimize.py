@@ -15,7 +15,8 @@ import tritonclient.http as httpclient
 
 from tests.conftest import DigitsFiles, KilnProcess
 
-QUICK = ["--profile-seconds", "0.03", "--batch-sizes", "1,8", "--no-progress"]
+QUICK = ["--profile-seconds", "0.03", "--batch-sizes", "1,8", "--no-progress", "--tune-seconds",
+         "0.05"]  # fmt: skip
 FEW = "fp32-basic,fp32-all,int8-dynamic,int8-static-minmax-*"
 
 
@@ -71,18 +72,83 @@ def test_mlp_end_to_end_served(
     assert float(np.mean(served.argmax(1) == labels)) >= 0.75
 
 
+def test_serving_config_is_tuned_through_the_scheduler(
+    digits_files: DigitsFiles, tmp_path: Path, make_server: type[KilnProcess]
+) -> None:
+    repo = tmp_path / "repo"
+    done = run_optimize(
+        digits_files.mlp_onnx, "--calibration-data", digits_files.calibration,
+        "--validation-data", digits_files.validation, "--output-repository", repo,
+        "--name", "tuned", "--candidates", "fp32-all", "--device", "cuda", *QUICK,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads((repo / "tuned" / "report.json").read_text())
+    serving = report["serving"]
+    assert serving["tuned"] and f"serving config: {serving['chosen']['label']}" in done.stdout
+    grid = serving["grid"]
+    # Instance count 1..2 x (no batching, delay 0/100/500/1000 us), each really driven.
+    assert len(grid) == 10
+    assert {(p["config"]["instances"], p["config"]["max_queue_delay_us"]) for p in grid} == {
+        (n, d) for n in (1, 2) for d in (None, 0, 100, 500, 1000)
+    }
+    assert all(p["requests"] > 0 and p["errors"] == 0 for p in grid)
+    best = serving["chosen"]
+    assert best["throughput"] == max(p["throughput"] for p in grid)  # no budget given
+    config = (repo / "tuned" / "config.pbtxt").read_text()
+    assert f"count: {best['config']['instances']}, kind: KIND_CPU" in config
+    if best["config"]["max_queue_delay_us"] is None:
+        assert "dynamic_batching" not in config
+    else:
+        assert f"max_queue_delay_microseconds: {best['config']['max_queue_delay_us']}" in config
+        assert "preferred_batch_size: [ 8 ]" in config
+    md = (repo / "tuned" / "report.md").read_text()
+    assert "## Serving config" in md and f"{best['label']} (chosen)" in md
+    if not Path("/dev/nvidia0").exists():
+        # --device cuda on a machine without a GPU: each GPU candidate says what it lacks.
+        rows = {r["name"]: r for r in report["candidates"]}
+        for name in ("fp16", "ort-cuda", "tensorrt-fp32", "tensorrt-int8-qdq"):
+            assert rows[name]["status"] == "skipped" and rows[name]["reason"]
+
+    server = make_server(repo).start()
+    client = httpclient.InferenceServerClient(server.http_url)
+    assert client.is_model_ready("tuned")
+    cfg = client.get_model_config("tuned")
+    assert len(cfg["instance_group"]) == 1
+    assert int(cfg["instance_group"][0]["count"]) == best["config"]["instances"]
+
+
+def test_no_tune_serving_keeps_the_plain_config(digits_files: DigitsFiles, tmp_path: Path) -> None:
+    from kiln import optimize
+
+    outcome = optimize(
+        digits_files.mlp_onnx, digits_files.calibration, digits_files.validation,
+        tmp_path / "repo", name="plain", progress=False, candidates=("fp32-all",),
+        profile_seconds=0.02, batch_sizes=(1, 4), tune_serving=False,
+    )  # fmt: skip
+    assert outcome.report["serving"] == {"tuned": False, "why": "--no-tune-serving", "grid": []}
+    config = (tmp_path / "repo" / "plain" / "config.pbtxt").read_text()
+    assert "dynamic_batching" not in config and "count: 1, kind: KIND_CPU" in config
+
+
 def test_cnn_static_int8_within_budget(digits_files: DigitsFiles, tmp_path: Path) -> None:
     from kiln import optimize
 
     outcome = optimize(
         digits_files.cnn_onnx, digits_files.image_calibration, digits_files.image_validation,
         tmp_path / "repo", labels=str(digits_files.labels), name="cnn", progress=False,
-        candidates=("fp32-all", "int8-static-*"), profile_seconds=0.03, batch_sizes=(1, 4),
+        candidates=("fp32-all", "int8-static-*", "int8-u8s8-minmax-*"), profile_seconds=0.03,
+        batch_sizes=(1, 4), tune_serving=False,
     )  # fmt: skip
     assert outcome.ok
-    statics = [r for r in outcome.report["candidates"] if r["kind"] == "int8-static"]
+    rows = outcome.report["candidates"]
+    statics = [r for r in rows if r["kind"] == "int8-static"]
     assert len(statics) == 6
-    for row in statics:
+    u8s8 = [r for r in rows if r["kind"] == "int8-u8s8"]
+    assert {r["name"] for r in u8s8} == {
+        "int8-u8s8-minmax-per-tensor",
+        "int8-u8s8-minmax-per-channel",
+    }
+    for row in statics + u8s8:
         assert row["accuracy"]["task_accuracy"] is not None
         assert (row["status"] in ("accepted", "chosen")) == (row["accuracy"]["drop"] <= 0.01)
     assert (tmp_path / "repo" / "cnn" / "config.pbtxt").read_text().count("dims: [ 1, 8, 8 ]")
@@ -98,7 +164,7 @@ def test_guard_rejects_badly_calibrated_int8(digits_files: DigitsFiles, tmp_path
     outcome = optimize(
         digits_files.mlp_onnx, tiny, digits_files.validation, tmp_path / "repo",
         labels=str(digits_files.labels), progress=False, profile_seconds=0.02, batch_sizes=(1,),
-        candidates=("fp32-all", "int8-static-minmax-per-tensor"),
+        candidates=("fp32-all", "int8-static-minmax-per-tensor"), tune_serving=False,
     )  # fmt: skip
     rows = {r["name"]: r for r in outcome.report["candidates"]}
     bad = rows["int8-static-minmax-per-tensor"]

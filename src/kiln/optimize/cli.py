@@ -64,6 +64,28 @@ def optimize_options(f: Any) -> Any:
             type=click.IntRange(min=1),
             help="ONNX Runtime intra-op threads, when profiling and in config.pbtxt.",
         ),
+        click.option(
+            "--keep-io-types/--no-keep-io-types",
+            default=True,
+            help="FP16 candidates keep float32 inputs and outputs [keep].",
+        ),
+        click.option(
+            "--no-tune-serving",
+            is_flag=True,
+            help="Do not search instance count / dynamic batching for the chosen candidate.",
+        ),
+        click.option(
+            "--tune-seconds",
+            default=0.5,
+            type=click.FloatRange(min=0.01),
+            help="Closed-loop load per serving config when tuning.",
+        ),
+        click.option(
+            "--tune-concurrency",
+            default=None,
+            type=click.IntRange(min=1),
+            help="Concurrent in-process callers when tuning [largest --batch-sizes].",
+        ),
         click.option("--no-progress", is_flag=True, help="No progress bar."),
     ]
     for opt in reversed(opts):
@@ -94,6 +116,10 @@ def execute(params: dict[str, Any]) -> None:
             profile_seconds=params["profile_seconds"],
             threads=params["threads"],
             progress=not params["no_progress"] and sys.stderr.isatty(),
+            keep_io_types=params["keep_io_types"],
+            tune_serving=not params["no_tune_serving"],
+            tune_seconds=params["tune_seconds"],
+            tune_concurrency=params["tune_concurrency"],
         )
         outcome = optimize(options)
     except OptimizeError as exc:
@@ -108,3 +134,6 @@ def execute(params: dict[str, Any]) -> None:
         sys.exit(EXIT_UNMET)
     click.echo(f"chosen: {outcome.chosen} ({report['why']})")
     click.echo(f"model repository entry: {outcome.model_dir}")
+    serving = report["serving"]
+    if serving["tuned"]:
+        click.echo(f"serving config: {serving['chosen']['label']} ({serving['why']})")

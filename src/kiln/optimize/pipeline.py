@@ -8,17 +8,26 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kiln.optimize import graph, precision
+from kiln.optimize import gpu, graph, precision
 from kiln.optimize.accuracy import compare, task_accuracy, verdict
 from kiln.optimize.data import Batch, load_data, load_labels
 from kiln.optimize.deploy import write_entry
 from kiln.optimize.profile import profile
 from kiln.optimize.report import write_reports
 from kiln.optimize.select import select
-from kiln.optimize.session import check_batch_axis, check_onnx, input_specs, open_session, run_all
+from kiln.optimize.session import (
+    check_batch_axis,
+    check_onnx,
+    input_specs,
+    open_runner,
+    open_session,
+    run_all,
+)
+from kiln.optimize.tune import ServingPoint, Tuning, tune
 from kiln.optimize.types import Candidate, OptimizeError, OptimizeOptions, Result
 
 
@@ -49,11 +58,10 @@ def _builders(source: Path, work: Path, calib: Batch, threads: int
         return pre[0]
 
     builders.append(("int8-dynamic", lambda: precision.build_int8_dynamic(prepared(), work)))
-    for name, method, per_channel in precision.static_names():
-        builders.append(
-            (name, lambda m=method, pc=per_channel: precision.build_int8_static(  # type: ignore[misc]
-                prepared(), work, calib, m, pc))
-        )  # fmt: skip
+    for name, method, per_channel, form in precision.static_names():
+        build = partial(precision.build_int8_static, method=method, per_channel=per_channel,
+                        form=form)  # fmt: skip
+        builders.append((name, lambda b=build: b(prepared(), work, calib)))  # type: ignore[misc]
     return builders
 
 
@@ -79,6 +87,54 @@ def _wanted(name: str, filters: tuple[str, ...]) -> bool:
     return not filters or any(fnmatch.fnmatch(name, f) for f in filters)
 
 
+def _gpu_builders(options: OptimizeOptions, source: Path, work: Path, batch_sizes: list[int],
+                  valid: Batch, cpu_results: list[Result], reasons: dict[str, str | None]
+                  ) -> tuple[list[tuple[str, Callable[[], Candidate]]], list[Result]]:  # fmt: skip
+    """Builders for the GPU candidates this machine can build; skipped results for the rest."""
+    from kiln.optimize import engine
+
+    fp16: list[Path] = []
+
+    def fp16_model() -> Path:  # converted once, shared by fp16 and tensorrt-fp16
+        if not fp16:
+            fp16.append(precision.build_fp16(source, work, "fp16", options.keep_io_types))
+        return fp16[0]
+
+    qdq = sorted((r for r in cpu_results if r.candidate.kind == "int8-static"
+                  and r.status == "accepted" and r.accuracy is not None),
+                 key=lambda r: r.accuracy.drop if r.accuracy else 0.0)  # fmt: skip
+    builders: list[tuple[str, Callable[[], Candidate]]] = []
+    skipped: list[Result] = []
+    for spec in gpu.GPU_CANDIDATES:
+        reason = reasons[spec.name]
+        if reason is None and spec.precision == "int8" and not qdq:
+            reason = "no INT8 static QDQ candidate passed the accuracy guard to build it from"
+        if reason is not None:
+            skipped.append(Result(gpu.candidate(spec, reason), status="skipped", reason=reason))
+            continue
+        if not _wanted(spec.name, options.candidates):
+            continue
+
+        def build(spec: gpu.GpuCandidate = spec) -> Candidate:
+            c = gpu.candidate(spec)
+            start = time.perf_counter()
+            if spec.runtime == "tensorrt":
+                onnx_path: Path | None = source
+                if spec.precision == "fp16":
+                    onnx_path = fp16_model()
+                elif spec.precision == "int8":  # the most accurate calibrated QDQ model
+                    onnx_path = qdq[0].candidate.path
+                    c.description += f" ({qdq[0].candidate.name})"
+                assert onnx_path is not None
+                return engine.build_candidate(c, onnx_path, work, batch_sizes, valid)
+            c.path = fp16_model() if spec.kind == "fp16" else source
+            c.build_seconds = time.perf_counter() - start
+            return c
+
+        builders.append((spec.name, build))
+    return builders, skipped
+
+
 def optimize(options: OptimizeOptions) -> Outcome:
     """Run the whole pipeline; raise :class:`OptimizeError` on bad model or data."""
     from kiln.optimize.export import resolve_model
@@ -100,31 +156,61 @@ def optimize(options: OptimizeOptions) -> Outcome:
         check_batch_axis(reference, valid, batch_sizes)
         ref_out = run_all(reference, valid)
         name = options.name or Path(options.model.split(":")[0]).stem
+        max_batch = batch_sizes[-1]
+        cuda = options.device == "cuda"
+        reasons = gpu.skip_reasons(options.device, gpu.probe() if cuda else None)
+        memory = gpu.GpuMemory.open() if cuda else None
+
+        def runner(c: Candidate) -> Any:
+            return open_runner(c, options.threads, max_batch, work / "ort-trt-cache")
+
         builders = [(n, b) for n, b in _builders(source, work, calib, options.threads)
                     if _wanted(n, options.candidates)]  # fmt: skip
+        gpu_total = sum(r is None for r in reasons.values())
         built: list[Result] = []
-        with _progress(options.progress, 2 * len(builders) + 1) as step:
+        with _progress(options.progress, 2 * (len(builders) + gpu_total) + 1) as step:
             step("baseline FP32")
-            baseline = profile(source, "all", valid, batch_sizes, options.profile_seconds,
-                               options.threads)  # fmt: skip
-            for cand_name, build in builders:
-                step(f"build {cand_name}")
-                result = _build_and_guard(build, cand_name, ref_out, valid, labels, options)
-                built.append(result)
-                step(f"profile {cand_name}")
-                if result.status == "accepted":
-                    assert result.candidate.path is not None
-                    result.profile = profile(result.candidate.path, result.candidate.graph_level,
-                                             valid, batch_sizes, options.profile_seconds,
-                                             options.threads)  # fmt: skip
-        gpu = precision.gpu_candidates(_gpu_reason(options.device))
-        results = built + [Result(c, status="skipped", reason=c.skipped or "") for c in gpu]
+            baseline = profile(lambda: open_session(source, "all", options.threads), source,
+                               valid, batch_sizes, options.profile_seconds, memory)  # fmt: skip
+
+            def run_builders(todo: list[tuple[str, Callable[[], Candidate]]]) -> None:
+                for cand_name, build in todo:
+                    step(f"build {cand_name}")
+                    result = _build_and_guard(build, cand_name, ref_out, valid, labels, options,
+                                              runner)  # fmt: skip
+                    built.append(result)
+                    step(f"profile {cand_name}")
+                    if result.status == "accepted":
+                        c = result.candidate
+                        assert c.path is not None
+                        opener = partial(runner, c)
+                        result.profile = profile(opener, c.path, valid, batch_sizes,
+                                                 options.profile_seconds, memory)  # fmt: skip
+
+            run_builders(builders)
+            gpu_todo, skipped = _gpu_builders(options, source, work, batch_sizes, valid, built,
+                                              reasons)  # fmt: skip
+            run_builders(gpu_todo)
+        if memory is not None:
+            memory.close()
+        results = built + skipped
         selection = select(results, options.objective, options.latency_budget_ms)
         model_dir = options.output_repository / name
+        serving: dict[str, Any] = {"tuned": False, "why": "nothing was chosen", "grid": []}
         if selection.chosen is not None:
             selection.chosen.status = "chosen"
-            write_entry(options.output_repository, name, selection.chosen.candidate,
-                        batch_sizes[-1], options.threads)  # fmt: skip
+            chosen_c = selection.chosen.candidate
+            config = None
+            if options.tune_serving:
+                tuning = tune(chosen_c, name, work / "tune", valid, batch_sizes, options.threads,
+                              options.tune_concurrency or max_batch, options.tune_seconds,
+                              options.latency_budget_ms)  # fmt: skip
+                config = tuning.best.config if tuning.best else None
+                serving = _serving_json(tuning, options, max_batch)
+            else:
+                serving = {"tuned": False, "why": "--no-tune-serving", "grid": []}
+            write_entry(options.output_repository, name, chosen_c, max_batch, options.threads,
+                        config)  # fmt: skip
         report = {
             "name": name,
             "model": options.model,
@@ -148,11 +234,29 @@ def optimize(options: OptimizeOptions) -> Outcome:
             "closest": selection.closest.candidate.name if selection.closest else None,
             "why": selection.why,
             "candidates": [r.to_json() for r in results],
+            "serving": serving,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         write_reports(model_dir, report)
         chosen = selection.chosen.candidate.name if selection.chosen else None
         return Outcome(report, model_dir, chosen)
+
+
+def _serving_json(tuning: Tuning, options: OptimizeOptions, max_batch: int) -> dict[str, Any]:
+    best = tuning.best
+    return {
+        "tuned": best is not None,
+        "why": tuning.why,
+        "concurrency": options.tune_concurrency or max_batch,
+        "seconds_per_config": options.tune_seconds,
+        "max_batch_size": max_batch,
+        "chosen": _point(best) if best else None,
+        "grid": [_point(p) for p in tuning.grid],
+    }
+
+
+def _point(point: ServingPoint) -> dict[str, Any]:
+    return {"label": point.config.label(), **_asdict(point)}
 
 
 def _asdict(value: object) -> Any:
@@ -161,14 +265,9 @@ def _asdict(value: object) -> Any:
     return asdict(value)  # type: ignore[call-overload]
 
 
-def _gpu_reason(device: str) -> str:
-    if device == "cpu":
-        return "needs an NVIDIA GPU (--device cuda); this run is --device cpu"
-    return "GPU candidates are not implemented by kiln optimize yet"
-
-
 def _build_and_guard(build: Callable[[], Candidate], name: str, reference: list[Any],
-                     valid: Batch, labels: Any, options: OptimizeOptions) -> Result:  # fmt: skip
+                     valid: Batch, labels: Any, options: OptimizeOptions,
+                     runner: Callable[[Candidate], Any]) -> Result:  # fmt: skip
     try:
         candidate = build()
     except Exception as exc:
@@ -176,8 +275,12 @@ def _build_and_guard(build: Callable[[], Candidate], name: str, reference: list[
         return Result(failed, status="failed", reason=f"build failed: {_first_line(exc)}")
     try:
         assert candidate.path is not None
-        outputs = run_all(open_session(candidate.path, candidate.graph_level, options.threads),
-                          valid)  # fmt: skip
+        session = runner(candidate)
+        # Chunks no larger than the largest profiled batch: a TensorRT profile's maximum.
+        outputs = run_all(session, valid, max(options.batch_sizes))
+        close = getattr(session, "close", None)
+        if close is not None:
+            close()
     except Exception as exc:
         return Result(candidate, status="failed", reason=f"does not run: {_first_line(exc)}")
     accuracy = compare(reference, outputs, labels)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from kiln.optimize.data import Batch, tile_to
-from kiln.optimize.session import open_session
+from kiln.optimize.gpu import GpuMemory
 from kiln.optimize.types import BatchProfile, Profile
 
 _WARMUP = 3
@@ -56,14 +58,33 @@ def time_batch(run: object, feed: Batch, batch_size: int, seconds: float) -> Bat
 
 
 def profile(
-    path: Path, level: str, data: Batch, batch_sizes: list[int], seconds: float, threads: int
+    open_runner: Callable[[], Any],
+    path: Path,
+    data: Batch,
+    batch_sizes: list[int],
+    seconds: float,
+    gpu: GpuMemory | None = None,
 ) -> Profile:
+    """Time what ``open_runner()`` returns (anything with ``InferenceSession.run``'s shape)."""
     gc.collect()
     before = rss_mb()
-    session = open_session(path, level, threads)
-    batches = [time_batch(session.run, tile_to(data, size), size, seconds) for size in batch_sizes]
+    gpu_before = gpu.read_mb() if gpu is not None else None
+    runner = open_runner()
+    batches = [time_batch(runner.run, tile_to(data, size), size, seconds) for size in batch_sizes]
     grown = max(0.0, rss_mb() - before)
-    del session
+    gpu_after = gpu.read_mb() if gpu is not None else None
+    gpu_mb = (
+        max(0.0, gpu_after - gpu_before)
+        if gpu_after is not None and gpu_before is not None
+        else None
+    )
+    close = getattr(runner, "close", None)
+    if close is not None:
+        close()
+    del runner
     return Profile(
-        batches=batches, rss_mb=grown, file_size_mb=path.stat().st_size / (1024.0 * 1024.0)
+        batches=batches,
+        rss_mb=grown,
+        file_size_mb=path.stat().st_size / (1024.0 * 1024.0),
+        gpu_mb=gpu_mb,
     )

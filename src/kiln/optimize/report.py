@@ -47,6 +47,10 @@ def before_after(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     rows.append(("model file (MB)", _fmt(size_b), _fmt(size_a), f"{size_b - size_a:+.3f} MB saved"))
     rss_b, rss_a = base["profile"]["rss_mb"], after["profile"]["rss_mb"]
     rows.append(("host RSS added (MB)", _fmt(rss_b, 1), _fmt(rss_a, 1), f"{rss_b - rss_a:+.1f} MB"))
+    gpu_b, gpu_a = base["profile"].get("gpu_mb"), after["profile"].get("gpu_mb")
+    if gpu_b is not None or gpu_a is not None:
+        saved = f"{gpu_b - gpu_a:+.1f} MB" if gpu_b is not None and gpu_a is not None else ""
+        rows.append(("GPU memory added (MB)", _fmt(gpu_b, 1), _fmt(gpu_a, 1), saved))
     acc = after["accuracy"]
     if acc["task_accuracy"] is not None:
         rows.append(
@@ -67,14 +71,15 @@ def candidate_rows(report: dict[str, Any]) -> list[list[str]]:
             r["name"], r["status"], _fmt(acc["drop"], 4) if acc else "-",
             _fmt(acc["max_abs_error"], 4) if acc else "-",
             _fmt(at["p50_ms"]) if at else "-", _fmt(at["p99_ms"]) if at else "-",
-            _fmt(prof["file_size_mb"]) if prof else "-", _fmt(r["build_seconds"], 2),
+            _fmt(prof["file_size_mb"]) if prof else "-",
+            _fmt(prof.get("gpu_mb"), 1) if prof else "-", _fmt(r["build_seconds"], 2),
             r["reason"],
         ])  # fmt: skip
     return rows
 
 
 _HEAD = ["candidate", "status", "accuracy drop", "max abs err", "p50 ms (b{b})", "p99 ms (b{b})",
-         "size MB", "build s", "reason"]  # fmt: skip
+         "size MB", "GPU MB", "build s", "reason"]  # fmt: skip
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -100,7 +105,33 @@ def markdown(report: dict[str, Any]) -> str:
               "|" + "---|" * len(head)]  # fmt: skip
     lines += ["| " + " | ".join(cell.replace("|", "/") for cell in r) + " |"
               for r in candidate_rows(report)]  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + serving_lines(report)) + "\n"
+
+
+def serving_lines(report: dict[str, Any]) -> list[str]:
+    """The serving-config search: the grid, each point's numbers, the one written."""
+    serving = report.get("serving") or {}
+    if not serving.get("grid"):
+        why = serving.get("why", "not run")
+        return ["", "## Serving config", "", f"Not tuned: {why}."]
+    lines = ["", "## Serving config", "",
+             f"Measured through kiln's scheduler in process: {serving['concurrency']} concurrent "
+             f"callers, one sample per request, {serving['seconds_per_config']} s per config, "
+             f"max_batch_size {serving['max_batch_size']}.", ""]  # fmt: skip
+    chosen = serving["chosen"]["label"] if serving.get("chosen") else None
+    if chosen:
+        lines += [f"**Written to config.pbtxt: {chosen}** ({serving['why']})", ""]
+    else:
+        lines += [f"Nothing written: {serving['why']}", ""]
+    lines += ["| config | requests/s | p50 ms | p99 ms | requests | errors |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for p in serving["grid"]:
+        mark = " (chosen)" if p["label"] == chosen else ""
+        lines.append(
+            f"| {p['label']}{mark} | {p['throughput']:.0f} | {_fmt(p['p50_ms'])} | "
+            f"{_fmt(p['p99_ms'])} | {p['requests']} | {p['errors']} |"
+        )
+    return lines
 
 
 def plots(report: dict[str, Any]) -> dict[str, str]:

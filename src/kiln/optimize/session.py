@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
 from kiln.optimize.data import ORT_NUMPY, Batch, InputSpec, sample_count, slice_batch
-from kiln.optimize.types import OptimizeError
+from kiln.optimize.types import Candidate, OptimizeError
 
 LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -85,3 +86,31 @@ def check_batch_axis(session: ort.InferenceSession, data: Batch, batch_sizes: li
                     f"output '{meta.name}' has shape {list(out.shape)} for a batch of {size}: "
                     "its first dimension must be the batch"
                 )
+
+
+def open_runner(candidate: Candidate, threads: int, max_batch_size: int, cache_dir: Path) -> Any:
+    """Something with ``InferenceSession.run``'s shape that runs ``candidate`` where it runs.
+
+    GPU ONNX candidates get the execution providers kiln's ONNX Runtime backend derives from
+    the very ``config.pbtxt`` the candidate would be deployed with, so what is measured is
+    what is served.
+    """
+    assert candidate.path is not None
+    if candidate.runtime == "cpu":
+        return open_session(candidate.path, candidate.graph_level, threads)
+    if candidate.runtime == "tensorrt":
+        from kiln.optimize.engine import EngineRunner
+
+        return EngineRunner(candidate.path, max_batch_size)
+    from kiln.backends.ort_providers import execution_providers
+    from kiln.config.loader import parse_config_text
+    from kiln.optimize.deploy import config_text
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    config = parse_config_text(
+        config_text("optimize", candidate, max_batch_size, threads, cache_dir=cache_dir)
+    )
+    providers = execution_providers(config, "gpu", 0, ort.get_available_providers())
+    return ort.InferenceSession(
+        str(candidate.path), session_options(candidate.graph_level, threads), providers=providers
+    )

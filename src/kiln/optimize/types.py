@@ -34,6 +34,10 @@ class OptimizeOptions:
     threads: int = 1
     progress: bool = True
     workdir: Path | None = None
+    keep_io_types: bool = True  # FP16 candidates keep float32 inputs/outputs
+    tune_serving: bool = True  # search dynamic batching / instance count for the chosen one
+    tune_seconds: float = 0.5  # closed-loop load per serving config
+    tune_concurrency: int | None = None  # in-process callers; None: the largest batch size
 
 
 @dataclass(slots=True)
@@ -44,10 +48,32 @@ class Candidate:
     kind: str  # fp32 | int8-dynamic | int8-static | fp16 | tensorrt | ort-cuda | ort-trt
     description: str
     graph_level: str = "all"  # ONNX Runtime graph optimization level when serving
+    # Where it runs: cpu (ORT CPU EP) | cuda (ORT CUDA EP) | ort-tensorrt (ORT TensorRT EP)
+    # | tensorrt (a serialized engine, run by kiln's TensorRT backend).
+    runtime: str = "cpu"
+    precision: str = "fp32"  # fp32 | fp16 | int8; ort-tensorrt: the EP's precision_mode
+    built_from: Path | None = None  # a TensorRT engine: the ONNX model it was built from
     path: Path | None = None
     build_seconds: float = 0.0
     skipped: str | None = None  # why it could not run here
     error: str | None = None  # why building or running it failed
+
+
+@dataclass(frozen=True, slots=True)
+class ServingConfig:
+    """The serving fields kiln optimize tunes in ``config.pbtxt``."""
+
+    instances: int
+    max_queue_delay_us: int | None  # None: no dynamic_batching (each request runs alone)
+    preferred_batch_sizes: tuple[int, ...] = ()
+
+    def label(self) -> str:
+        if self.max_queue_delay_us is None:
+            return f"{self.instances} instance(s), no dynamic batching"
+        return (
+            f"{self.instances} instance(s), dynamic batching, preferred "
+            f"{list(self.preferred_batch_sizes)}, max delay {self.max_queue_delay_us} us"
+        )
 
 
 @dataclass(slots=True)
@@ -77,6 +103,7 @@ class Profile:
     batches: list[BatchProfile]
     rss_mb: float  # host RSS the loaded, warmed session added
     file_size_mb: float
+    gpu_mb: float | None = None  # GPU memory the loaded, warmed model added (NVML); None: CPU
 
     def at(self, batch_size: int) -> BatchProfile:
         return next(b for b in self.batches if b.batch_size == batch_size)
@@ -101,6 +128,7 @@ class Result:
             "kind": c.kind,
             "description": c.description,
             "graph_level": c.graph_level,
+            "runtime": c.runtime,
             "status": self.status,
             "reason": self.reason,
             "build_seconds": c.build_seconds,
