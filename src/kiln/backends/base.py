@@ -65,6 +65,9 @@ class Backend(ABC):
     #: True: schedulers hand over each request unmerged through ``execute_requests``
     #: (the Python backend gives a model its requests as a list, as Triton does)
     wants_requests: ClassVar[bool] = False
+    #: True when a call may run on the event loop's thread if it is short enough (CPU
+    #: compute that needs nothing else from the server); see ``Instance.submit``.
+    inline_capable: bool = False
 
     def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
         self.config = config

@@ -130,6 +130,8 @@ class OnnxRuntimeBackend(Backend):
                 config, instance.kind, instance.device_id, ort.get_available_providers()
             ),
         )
+        # Only CPU work may run inline on the loop: a GPU run waits on the device.
+        self.inline_capable = self.session.get_providers() == ["CPUExecutionProvider"]
         self._string_inputs = {
             i.name for i in self.session.get_inputs() if i.type == "tensor(string)"
         }

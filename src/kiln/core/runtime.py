@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.backends.base import Backend, instance_specs
+from kiln.backends.base import Backend, instance_specs, parameter
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.classification import load_labels
 from kiln.core.errors import KilnError, Status, internal, unavailable
@@ -21,7 +21,7 @@ from kiln.core.stats import FailureReason, ModelStats, RequestTimes, failure_rea
 from kiln.core.stream import ResponseStream
 from kiln.core.types import DataType, InferenceRequest, InferenceResponse, InferOutput
 from kiln.core.warmup import build_samples, run_warmup
-from kiln.scheduling.base import Instance, Job, Scheduler
+from kiln.scheduling.base import INLINE_MAX_US, Instance, Job, Scheduler
 from kiln.scheduling.cache import ResponseCache, request_key
 from kiln.scheduling.direct import DirectScheduler
 from kiln.scheduling.dynamic import DynamicScheduler
@@ -100,7 +100,7 @@ class ModelRuntime:
                 backend = await loop.run_in_executor(
                     None, self.backend_cls, self.config, self.version_dir, spec
                 )
-                instances.append(Instance(backend, self.name))
+                instances.append(Instance(backend, self.name, self._inline_max_us()))
             if samples:
                 await run_warmup(samples, instances, self.signature, self._outputs)
         except BaseException:
@@ -110,6 +110,17 @@ class ModelRuntime:
         self.scheduler = self._scheduler(instances)
         self.load_seconds = time.perf_counter() - start
         self.state = ModelState.READY
+
+    def _inline_max_us(self) -> int:
+        """Model parameter ``inline_execution_max_us`` (see ``Instance``)."""
+        raw = parameter(self.config, "inline_execution_max_us", str(INLINE_MAX_US))
+        if raw is None or not raw.strip().isdigit():
+            raise KilnError(
+                f"model '{self.name}': parameters.inline_execution_max_us must be an integer "
+                f">= 0 (microseconds; 0 = always use the instance thread), got '{raw}'",
+                Status.INVALID_ARG,
+            )
+        return int(raw)
 
     def _load_ensemble(self) -> None:
         if self._resolve is None:

@@ -87,13 +87,31 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_result(result)
 
 
-class Instance:
-    """A backend plus the one thread it computes on."""
+#: ``inline_execution_max_us`` default: calls whose compute takes less than this run on the
+#: event loop's thread (see ``Instance.submit``).
+INLINE_MAX_US = 200
 
-    def __init__(self, backend: Backend, model: str) -> None:
+
+class Instance:
+    """A backend plus the one thread it computes on.
+
+    A call normally goes to the instance's own thread. Handing it over costs two thread
+    wake-ups and two GIL hand-offs, and the GIL comes back only when the busy event loop
+    lets go of it: for a model that computes in tens of microseconds that hand-off, not
+    the model, dominates (measured: benchmarks/README.md). So when the backend runs on the
+    CPU (``inline_capable``) and the average CPU time of its recent calls is under
+    ``inline_max_us`` (model parameter ``inline_execution_max_us``, 0 = never), the call
+    runs right away on the loop's thread instead: the loop is held for about as long as it
+    takes to parse one request. A call that runs longer pushes the average up and the next
+    ones go back to the thread."""
+
+    def __init__(self, backend: Backend, model: str, inline_max_us: int = INLINE_MAX_US) -> None:
         self.backend = backend
         self.model = model
         self._worker = _Worker(f"kiln-{model}-{backend.instance.index}")
+        self.inline_max_ns = inline_max_us * 1000 if backend.inline_capable else 0
+        self.call_ns: float | None = None  # moving average of a call's CPU time, ns
+        self.inline_calls = 0  # calls that ran on the loop's thread (tests, diagnostics)
 
     async def run(
         self, inputs: dict[str, np.ndarray], output_names: list[str]
@@ -106,8 +124,32 @@ class Instance:
         return await self.submit(fn, *args)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """Hand ``fn`` to this instance's thread now; the future resolves on the loop."""
-        return self._worker.submit(fn, args)
+        """Run ``fn`` for this instance now: inline when it is short (see the class), else
+        on the instance's thread. The future resolves on the loop either way."""
+        if self.call_ns is not None and self.call_ns < self.inline_max_ns:
+            future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+            start = time.thread_time_ns()
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:  # delivered to the awaiting coroutine, as from the thread
+                future.set_exception(exc)
+            self._observe(time.thread_time_ns() - start)
+            self.inline_calls += 1
+            return future
+        return self._worker.submit(self._timed, (fn, args))
+
+    def _timed(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        # CPU time of this thread, not wall time: waiting for the GIL is not the model's
+        # cost, and on the loop's thread the call would not wait for it.
+        start = time.thread_time_ns()
+        try:
+            return fn(*args)
+        finally:
+            self._observe(time.thread_time_ns() - start)
+
+    def _observe(self, ns: int) -> None:
+        previous = self.call_ns
+        self.call_ns = float(ns) if previous is None else 0.8 * previous + 0.2 * ns
 
     def execute(
         self, inputs: dict[str, np.ndarray], output_names: list[str]
