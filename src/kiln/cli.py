@@ -349,6 +349,12 @@ def serve(
     type=click.Path(dir_okay=False),
     help="PNG of latency against throughput (needs kiln-serve[bench]).",
 )
+@click.option(
+    "--api-key",
+    envvar="KILN_API_KEY",
+    default=None,
+    help="API key of a server started with --api-key [env: KILN_API_KEY].",
+)
 def bench(model: str | None, model_opt: str | None, json_path: str | None,
           **params: object) -> None:  # fmt: skip
     """Load-test MODEL on a KServe v2 server (kiln, Triton, ...), like perf_analyzer."""

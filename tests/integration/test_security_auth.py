@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -253,3 +254,33 @@ def test_kiln_monitor_sends_the_api_key(secured: KilnProcess) -> None:
     for ok in (monitor("--api-key", KEY), monitor(env={"KILN_API_KEY": KEY})):
         assert ok.returncode == 0, ok.stderr
         assert "alerts:" in ok.stdout and "simple" in ok.stdout  # a whole frame, with the model
+
+
+@pytest.mark.parametrize("grpc", [False, True])
+def test_kiln_bench_sends_the_api_key(secured: KilnProcess, tmp_path: Path, grpc: bool) -> None:
+    """``kiln bench`` against a server with API keys: a clear failure without the key; with
+    ``--api-key`` (or ``KILN_API_KEY``) every request is authorised and counted."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    url = secured.grpc_url if grpc else secured.http_url
+    flags = ["-i", "grpc"] if grpc else []
+    report = tmp_path / "bench.json"
+
+    def bench(*extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "kiln", "bench", "simple", "-u", url, *flags,
+               "--concurrency", "1", "--duration", "0.5", "--json", str(report),
+               *extra]  # fmt: skip
+        full_env = {k: v for k, v in os.environ.items() if k != "KILN_API_KEY"}
+        full_env.update(env or {})
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=full_env)
+
+    refused = bench()
+    assert refused.returncode != 0
+    assert "401" in refused.stderr or "UNAUTHENTICATED" in refused.stderr, refused.stderr
+    for done in (bench("--api-key", KEY), bench(env={"KILN_API_KEY": KEY})):
+        assert done.returncode == 0, done.stderr
+        total = json.loads(report.read_text())["total"]
+        assert total["requests"] > 0 and total["errors"] == 0

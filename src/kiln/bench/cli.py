@@ -80,6 +80,7 @@ def execute(params: dict[str, object]) -> None:
             stability_percentage=float(str(params["stability_percentage"])),
             max_trials=int(str(params["max_trials"])),
             percentile=params["percentile"],  # type: ignore[arg-type]
+            api_key=str(params["api_key"]) if params.get("api_key") else None,
         )
         plot = params["plot"]
         if plot is not None:  # fail before measuring, not after

@@ -102,7 +102,8 @@ class Control:
 
     async def _get(self, path: str, body: bytes = b"", method: str = "GET") -> tuple[int, bytes]:
         try:
-            return await self._http.send(http_request(method, self.host, path, body, {}))
+            request = http_request(method, self.host, path, body, self.options.auth_headers())
+            return await self._http.send(request)
         except (OSError, RequestError) as exc:
             raise self._unreachable(exc) from None
 
@@ -114,7 +115,7 @@ class Control:
             response_deserializer=response_type.FromString,
         )
         try:
-            return await call(request, timeout=30.0)
+            return await call(request, timeout=30.0, metadata=self.options.grpc_metadata())
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.UNAVAILABLE:
                 raise self._unreachable(exc.details() or exc.code().name) from None

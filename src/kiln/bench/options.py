@@ -92,6 +92,15 @@ class BenchOptions:
     percentile: int | None = None  # stability on this latency percentile instead of avg
     seed: int = 0
     timeout_s: float = 30.0  # per request; a request past it counts as an error
+    api_key: str | None = None  # sent as "Authorization: Bearer" (HTTP header, gRPC metadata)
+
+    def auth_headers(self) -> dict[str, str]:
+        """HTTP headers of every request: the API key when one is set."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def grpc_metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """gRPC call metadata (lowercase keys): the API key when one is set."""
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else None
 
     def __post_init__(self) -> None:
         if not self.url:

@@ -99,7 +99,8 @@ async def _requests(options: BenchOptions, control: Control, spec: ModelSpec,
     out = []
     for entry, placement in zip(entries, placements, strict=True):
         body = http_body(spec, entry, options.binary, placement)
-        out.append(http_request("POST", control.host, path, body.body, body.headers))
+        headers = {**body.headers, **options.auth_headers()}
+        out.append(http_request("POST", control.host, path, body.body, headers))
     return out
 
 
@@ -156,7 +157,7 @@ async def _level(options: BenchOptions, control: Control, requests: list[bytes],
 
     def make_slot() -> Slot:
         if options.protocol is Wire.GRPC:
-            return GrpcSlot(control.target, requests, options.timeout_s)
+            return GrpcSlot(control.target, requests, options.timeout_s, options.grpc_metadata())
         return HttpSlot(HttpConnection(control.host, control.port, options.timeout_s), requests)
 
     on_window: Callable[[int, Window], None] = progress.window if progress else lambda t, w: None

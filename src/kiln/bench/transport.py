@@ -141,16 +141,23 @@ class HttpSlot:
 class GrpcSlot:
     """A worker's channel; requests are serialised ``ModelInferRequest`` bytes."""
 
-    def __init__(self, target: str, requests: Sequence[bytes], timeout_s: float) -> None:
+    def __init__(
+        self,
+        target: str,
+        requests: Sequence[bytes],
+        timeout_s: float,
+        metadata: tuple[tuple[str, str], ...] | None = None,
+    ) -> None:
         self.channel = grpc.aio.insecure_channel(target)
         self.call = self.channel.unary_unary(MODEL_INFER)
         self.requests, self.next, self.timeout_s = requests, 0, timeout_s
+        self.metadata = metadata
 
     async def infer(self) -> None:
         request = self.requests[self.next]
         self.next = (self.next + 1) % len(self.requests)
         try:
-            await self.call(request, timeout=self.timeout_s)
+            await self.call(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             raise RequestError(f"gRPC {exc.code().name}: {exc.details()}") from None
 
