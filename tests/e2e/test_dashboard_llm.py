@@ -9,8 +9,10 @@ import re
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from playwright.sync_api import Browser
@@ -177,8 +179,21 @@ def _tokens_per_s(server: KilnProcess) -> Callable[[], float | None]:
     return read
 
 
+def _generated(server: KilnProcess) -> int:
+    """The engine's counter from /metrics: always fresh (/api/live shares its readings)."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    found = re.search(r'^kiln_llm_generation_tokens_total\{model_name="tiny"\} (\S+)$', text, re.M)
+    assert found, "kiln_llm_generation_tokens_total not exposed"
+    return int(float(found.group(1)))
+
+
+def _live_settled(server: KilnProcess, generated: int) -> dict[str, Any] | None:
+    [tiny] = get_json(server, "/api/live")[1]["llm"]
+    return tiny if tiny["generation_tokens"] == generated else None
+
+
 def test_api_live_history_and_kiln_monitor_show_the_llm(server: KilnProcess) -> None:
-    _, before = get_json(server, "/api/live")  # also the baseline for the next reading
+    before = _generated(server)
     with Traffic(server) as traffic:
         wait_for(_tokens_per_s(server), 30, "generation tokens/s in /api/live")
         _, live = get_json(server, "/api/live")
@@ -187,11 +202,11 @@ def test_api_live_history_and_kiln_monitor_show_the_llm(server: KilnProcess) -> 
     assert set(tiny) == LLM_KEYS and tiny["model"] == "tiny"
     assert tiny["prompt_tokens"] > 0 and tiny["generation_tokens"] > 0
     assert 0 <= tiny["kv_cache_usage"] <= 1 and tiny["preemptions"] == 0
-    # Every token the clients received was counted, and nothing else.
-    _, after = get_json(server, "/api/live")
-    [old], [new] = before["llm"], after["llm"]
-    assert new["generation_tokens"] - old["generation_tokens"] == traffic.tokens
-    assert (new["running"], new["waiting"]) == (0, 0)
+    # Every token the clients received is counted, and nothing else, once /api/live
+    # takes a reading after the traffic (it reuses one for up to half a second).
+    expected = before + traffic.tokens
+    settled = wait_for(lambda: _live_settled(server, expected), 10, f"{expected} tokens")
+    assert (settled["running"], settled["waiting"]) == (0, 0)
 
     row = _llm_row(frame)  # model, running, waiting, KV %, prompt tok/s, gen tok/s, ...
     assert row[0] == "tiny" and float(row[5]) > 0 and 0 <= float(row[3]) <= 100
