@@ -5,20 +5,17 @@ firing alert, loads nothing from outside kiln, and copes with history and alerts
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
-from playwright.sync_api import Browser, ConsoleMessage, Page, Request, sync_playwright
+from playwright.sync_api import Browser
 
 from kiln.examples import build_example_repository
 from tests.conftest import KilnProcess
+from tests.e2e.conftest import TIMEOUT_MS, Watched
 from tests.integration.monitor_helpers import infer_simple
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
-TIMEOUT_MS = 30_000
 RULES = """\
 groups:
   - name: dashboard-test
@@ -33,66 +30,10 @@ groups:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    assert CHROMIUM.exists(), "Debian chromium is missing: run `make system-deps`"
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(
-            executable_path=str(CHROMIUM),
-            args=[
-                "--headless", "--no-sandbox", "--disable-gpu",
-                "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--no-first-run",
-            ],
-        )  # fmt: skip
-        yield b
-        b.close()
-
-
-@pytest.fixture(scope="module")
 def simple_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("dashboard") / "model_repository"
     build_example_repository(root, ["simple", "mlp"])
     return root
-
-
-class Watched:
-    """A page plus what it logged and asked for, to assert no errors and no outside hosts."""
-
-    def __init__(self, browser: Browser) -> None:
-        self.page: Page = browser.new_page(viewport={"width": 1400, "height": 1100})
-        self.errors: list[str] = []
-        self.hosts: set[str] = set()
-        self.page.on("console", self._console)
-        self.page.on("pageerror", lambda exc: self.errors.append(f"pageerror: {exc}"))
-        self.page.on("request", self._request)
-
-    def _console(self, msg: ConsoleMessage) -> None:
-        if msg.type == "error":
-            self.errors.append(msg.text)
-
-    def _request(self, req: Request) -> None:
-        parts = urlsplit(req.url)
-        if parts.scheme != "data":
-            self.hosts.add(parts.hostname or req.url)
-
-    def chart(self, chart_id: str) -> dict[str, float]:
-        """Series name -> the largest value uPlot holds for it, for one chart."""
-        result: dict[str, float] = self.page.evaluate(
-            """(id) => { const c = window.kilnDashboard.charts.get(id);
-                 if (!c || !c.plot) return {};
-                 return Object.fromEntries(c.plot.series.slice(1).map((s, i) =>
-                   [s.label, Math.max(...c.plot.data[i + 1].filter((v) => v != null))])); }""",
-            chart_id,
-        )
-        return result
-
-    def wait_chart_positive(self, chart_id: str) -> None:
-        self.page.wait_for_function(
-            """(id) => { const c = window.kilnDashboard.charts.get(id);
-                 return c && c.plot && c.plot.data.slice(1).flat().some((v) => v > 0); }""",
-            arg=chart_id,
-            timeout=TIMEOUT_MS,
-        )
 
 
 def _keep_inferring(server: KilnProcess, stop: threading.Event) -> threading.Thread:
@@ -127,6 +68,10 @@ def test_dashboard_draws_real_traffic_and_a_firing_alert(
     requests_cell.filter(has_text=str(sent)).wait_for(timeout=TIMEOUT_MS)
     assert w.page.locator('#models tr[data-model="mlp"] td.requests').inner_text() == "0"
     assert w.page.locator('#models tr[data-model="simple"] td.state-READY').count() == 1
+    # No llm model: no LLM section, and no LLM chart was made
+    assert w.page.evaluate("window.kilnDashboard.summary().llm") == []
+    assert w.page.locator("#llm-panel").is_hidden()
+    assert w.page.locator("#llm-charts .chart").count() == 0
 
     firing = w.page.locator('#alerts li.firing[data-alert="SimpleBusy"]')
     firing.wait_for(timeout=TIMEOUT_MS)
@@ -173,6 +118,7 @@ def test_dashboard_without_history_or_alerts_says_so_and_shows_live_data(
     w.page.goto(f"http://{server.http_url}/dashboard/")
     w.page.locator("#notes").filter(has_text="History is off").wait_for(timeout=TIMEOUT_MS)
     assert w.page.locator("#alerts").inner_text() == "alerting is off (no rules loaded)"
+    assert w.page.locator("#llm-panel").is_hidden()
     stop = threading.Event()
     thread = _keep_inferring(server, stop)
     try:

@@ -151,3 +151,14 @@ def test_histogram_quantile_over_a_rate_window() -> None:
     expr = parse(f"histogram_quantile(0.5, sum by (model, version, le) (rate({name}[1m])))")
     # in the window every new request fell in (0.5, 1]: the median is its middle
     assert evaluate(expr, w) == {MLP: pytest.approx(0.75)}
+
+
+def test_rules_may_name_the_llm_engine_series() -> None:
+    tiny: Labels = (("model_name", "tiny"),)
+    usage = parse("kiln_llm_kv_cache_usage_perc > 0.9")
+    assert evaluate(usage, [snap(0, kiln_llm_kv_cache_usage_perc={tiny: 0.95})]) == {tiny: 0.95}
+    name = "kiln_llm_time_to_first_token_seconds_bucket"
+    fast, inf = (("le", "0.1"), *tiny), (("le", "+Inf"), *tiny)
+    ttft = [snap(0, **{name: {fast: 0, inf: 0}}), snap(10, **{name: {fast: 4, inf: 4}})]
+    p99 = parse(f"histogram_quantile(0.99, sum by (model_name, le) (rate({name}[1m])))")
+    assert evaluate(p99, ttft) == {tiny: pytest.approx(0.099)}

@@ -3,7 +3,8 @@
 Every ``--history-interval-secs`` the sampler takes a snapshot of the exported series
 (the same ones /metrics serves) and stores a chosen subset: raw counters (rates, mean
 latency, queue vs compute and batch size are derived at query time, so nothing is lost
-to a fixed window), gauges, and p50/p99 over the interval from kiln's latency histogram.
+to a fixed window), gauges, and p50/p99 over the interval from kiln's latency histograms
+(requests, and the LLM engine's time to first token, inter-token and e2e latency).
 
 Durability and bounds: WAL journal (a crash mid-write leaves the last committed samples
 readable), one transaction per sample, rows older than ``--history-retention`` pruned, and
@@ -60,10 +61,28 @@ STORED_METRICS = (
     "nv_gpu_power_usage",
     "nv_energy_consumption",
     "kiln_gpu_temperature_celsius",
+    # LLM engine (label model_name): load and throughput; rates are derived at query time.
+    "kiln_llm_num_requests_running",
+    "kiln_llm_num_requests_waiting",
+    "kiln_llm_kv_cache_usage_perc",
+    "kiln_llm_num_preemptions_total",
+    "kiln_llm_prompt_tokens_total",
+    "kiln_llm_generation_tokens_total",
+    "kiln_llm_prefix_cache_queries_total",
+    "kiln_llm_prefix_cache_hits_total",
 )
-# Computed per sampling interval from the delta of kiln_request_duration_seconds buckets.
-QUANTILES = {"kiln_request_duration_p50_seconds": 0.5, "kiln_request_duration_p99_seconds": 0.99}
-_BUCKETS = "kiln_request_duration_seconds_bucket"
+_TTFT, _ITL = "kiln_llm_time_to_first_token_seconds", "kiln_llm_inter_token_latency_seconds"
+# name -> (histogram family, quantile): computed per sampling interval from the delta of
+# the family's buckets, so each row describes the requests of that interval only.
+QUANTILES: dict[str, tuple[str, float]] = {
+    "kiln_request_duration_p50_seconds": ("kiln_request_duration_seconds", 0.5),
+    "kiln_request_duration_p99_seconds": ("kiln_request_duration_seconds", 0.99),
+    "kiln_llm_time_to_first_token_p50_seconds": (_TTFT, 0.5),
+    "kiln_llm_time_to_first_token_p99_seconds": (_TTFT, 0.99),
+    "kiln_llm_inter_token_latency_p50_seconds": (_ITL, 0.5),
+    "kiln_llm_inter_token_latency_p99_seconds": (_ITL, 0.99),
+    "kiln_llm_e2e_request_latency_p50_seconds": ("kiln_llm_e2e_request_latency_seconds", 0.5),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +218,7 @@ class HistorySampler:
         self.store = HistoryStore(options)
         self.error = ""  # last storage error, shown by /api/history/metrics
         self.samples_written = 0
-        self._prev_buckets: dict[Labels, float] = {}
+        self._prev_buckets: dict[str, dict[Labels, float]] = {}  # family -> le labels -> v
         self._last_prune = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -215,15 +234,18 @@ class HistorySampler:
             for labels, v in snap.series(metric).items()
             if not math.isnan(v)
         ]
-        buckets = snap.series(_BUCKETS)
-        delta = {
-            labels: v - self._prev_buckets[labels] if v >= self._prev_buckets[labels] else v
-            for labels, v in buckets.items()
-            if labels in self._prev_buckets
-        }
-        self._prev_buckets = dict(buckets)
-        for name, q in QUANTILES.items():
-            for labels, v in histogram_quantile(q, delta).items():
+        deltas: dict[str, dict[Labels, float]] = {}
+        for family in {family for family, _ in QUANTILES.values()}:
+            buckets = snap.series(family + "_bucket")
+            prev = self._prev_buckets.get(family, {})
+            deltas[family] = {
+                labels: v - prev[labels] if v >= prev[labels] else v
+                for labels, v in buckets.items()
+                if labels in prev
+            }
+            self._prev_buckets[family] = dict(buckets)
+        for name, (family, q) in QUANTILES.items():
+            for labels, v in histogram_quantile(q, deltas[family]).items():
                 if not math.isnan(v):  # no request finished in this interval
                     out.append((name, labels, v))
         return out

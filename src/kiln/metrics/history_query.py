@@ -3,8 +3,9 @@
 Each returned point ``[t, v]`` summarizes the samples in ``[t, t + step)``:
 
 - a gauge is averaged (latency quantiles take the maximum: a p99 must not be diluted);
-- a counter becomes a per-second rate (increase / elapsed time between samples, a
-  restart's reset counted from zero), or its last raw value with ``fn=raw``;
+- a counter (or an alias of one: ``throughput``, ``llm_generation_tokens_per_s``) becomes a
+  per-second rate (increase / elapsed time between samples, a restart's reset counted
+  from zero), or its last raw value with ``fn=raw``;
 - a derived metric is a ratio of counter increases per model version (mean queue µs =
   Δqueue_us / Δsuccess, average batch = Δinference_count / Δexec_count, ...).
 
@@ -65,8 +66,23 @@ DERIVED: dict[str, tuple[tuple[str, ...], tuple[str, ...], str, str]] = {
         "",
         "failed / all requests",
     ),
+    "llm_prefix_cache_hit_rate": (
+        ("kiln_llm_prefix_cache_hits_total",),
+        ("kiln_llm_prefix_cache_queries_total",),
+        "",
+        "LLM prompt tokens found in the prefix cache / looked up",
+    ),
 }
-ALIASES = {"throughput": "nv_inference_count"}  # inferences per second
+# name -> (stored counter, unit, meaning): a counter's rate under a readable name.
+ALIASES: dict[str, tuple[str, str, str]] = {
+    "throughput": ("nv_inference_count", "1/s", "inferences/s"),
+    "llm_generation_tokens_per_s": (
+        "kiln_llm_generation_tokens_total",
+        "1/s",
+        "LLM generated tokens/s",
+    ),
+    "llm_prompt_tokens_per_s": ("kiln_llm_prompt_tokens_total", "1/s", "LLM prefill tokens/s"),
+}
 
 
 class HistoryQueryError(ValueError):
@@ -94,7 +110,8 @@ def metric_kind(name: str) -> str:
 
 def catalog() -> list[dict[str, str]]:
     out = [{"name": n, "kind": "ratio", "unit": d[2], "help": d[3]} for n, d in DERIVED.items()]
-    out.append({"name": "throughput", "kind": "rate", "unit": "1/s", "help": "inferences/s"})
+    for name, (_, unit, meaning) in ALIASES.items():
+        out.append({"name": name, "kind": "rate", "unit": unit, "help": meaning})
     for name in (*STORED_METRICS, *QUANTILES):
         out.append({"name": name, "kind": metric_kind(name), "unit": "", "help": ""})
     return out
@@ -132,7 +149,8 @@ def _fetch(
     out: dict[str, Points] = {}
     for sid, labels in conn.execute("SELECT id, labels FROM series WHERE metric = ?", (metric,)):
         d = json.loads(labels)
-        if (q.model and d.get("model") != q.model) or (q.version and d.get("version") != q.version):
+        model = d.get("model", d.get("model_name"))  # LLM engine series: model_name
+        if (q.model and model != q.model) or (q.version and d.get("version") != q.version):
             continue
         rows = conn.execute(
             "SELECT ts, value FROM samples WHERE series_id = ? AND ts >= ? AND ts <= ? ORDER BY ts",
@@ -167,7 +185,8 @@ def _increments(q: HistoryQuery, pts: Points) -> dict[int, tuple[float, float]]:
 
 def _labels_key(labels_json: str) -> str:
     d = json.loads(labels_json)
-    return json.dumps({k: d[k] for k in ("model", "version") if k in d}, sort_keys=True)
+    keep = ("model", "version", "model_name")
+    return json.dumps({k: d[k] for k in keep if k in d}, sort_keys=True)
 
 
 def _series(q: HistoryQuery, per_bucket: dict[str, dict[int, float]]) -> list[dict[str, Any]]:
@@ -203,7 +222,7 @@ def run_query(path: Path, q: HistoryQuery) -> dict[str, Any]:
             for key, buckets in sums.items():
                 result[key] = {b: n / d for b, (n, d) in buckets.items() if d > 0}
         else:
-            metric = ALIASES.get(q.metric, q.metric)
+            metric = ALIASES[q.metric][0] if q.metric in ALIASES else q.metric
             for labels, pts in _fetch(conn, metric, q, lead).items():
                 if kind == "rate":
                     result[labels] = {

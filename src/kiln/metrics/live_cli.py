@@ -1,7 +1,8 @@
 """``kiln monitor URL``: the dashboard's live figures in a terminal (for people on SSH).
 
 Reads ``GET URL/api/live`` (schema in docs/monitoring.md) every ``interval`` seconds and
-redraws one rich frame: per-model rates, host or GPU figures, alerts.
+redraws one rich frame: per-model rates, the LLM engine's figures when an llm model is
+loaded, host or GPU figures, alerts.
 """
 
 from __future__ import annotations
@@ -54,6 +55,33 @@ def models_table(summary: dict[str, Any]) -> Table:
             # the window's batch size when it had executions, else the lifetime average
             _n(r.get("avg_batch_size") or t.get("avg_batch_size"), 2),
             str(t.get("pending", 0)),
+        )
+    return table
+
+
+def llm_table(summary: dict[str, Any]) -> Table:
+    table = Table(title=f"LLM engine (rates over the last {summary['window_s']:.0f} s)")
+    table.add_column("model")
+    for name in (
+        "running", "waiting", "KV cache %", "prompt tok/s", "gen tok/s", "prefix hit %",
+        "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "preemptions",
+    ):  # fmt: skip
+        table.add_column(name, justify="right")
+    for m in summary["llm"]:
+        preempted = m["preemptions"]
+        table.add_row(
+            m["model"],
+            str(m["running"]),
+            str(m["waiting"]),
+            _n(m["kv_cache_usage"], 1, 100),
+            _n(m["prompt_tokens_per_s"]),
+            _n(m["generation_tokens_per_s"]),
+            _n(m["prefix_cache_hit_rate"], 1, 100),
+            _n(m["ttft_p50_ms"]),
+            _n(m["ttft_p99_ms"]),
+            _n(m["itl_p50_ms"]),
+            _n(m["itl_p99_ms"]),
+            Text(str(preempted), style="yellow" if preempted else ""),
         )
     return table
 
@@ -114,7 +142,10 @@ def frame(url: str, summary: dict[str, Any]) -> RenderableType:
     )
     when = datetime.fromtimestamp(summary["ts"]).strftime("%H:%M:%S")
     header = Text(f"kiln {base_url(url)}  ·  {when}  ·  {history}", style="bold")
-    return Group(header, models_table(summary), resources_table(summary), alerts_text(summary))
+    parts: list[RenderableType] = [header, models_table(summary)]
+    if summary.get("llm"):  # only when an llm model is loaded (and from servers that know)
+        parts.append(llm_table(summary))
+    return Group(*parts, resources_table(summary), alerts_text(summary))
 
 
 def run_live(

@@ -21,6 +21,10 @@ _HISTOGRAMS = (
     "kiln_request_duration_seconds",
     "kiln_batch_size",
     "nv_inference_first_response_histogram_ms",
+    "kiln_llm_time_to_first_token_seconds",
+    "kiln_llm_inter_token_latency_seconds",
+    "kiln_llm_e2e_request_latency_seconds",
+    "kiln_llm_request_queue_time_seconds",
 )
 _SUMMARIES = tuple(
     f"nv_inference_{p}_summary_us"
@@ -45,6 +49,11 @@ COUNTERS: frozenset[str] = frozenset(
         "nv_cache_miss_duration_per_model",
         "nv_energy_consumption",
         "process_cpu_seconds_total",
+        "kiln_llm_num_preemptions_total",
+        "kiln_llm_prompt_tokens_total",
+        "kiln_llm_generation_tokens_total",
+        "kiln_llm_prefix_cache_queries_total",
+        "kiln_llm_prefix_cache_hits_total",
         *(f"{h}_{s}" for h in _HISTOGRAMS for s in ("bucket", "sum", "count")),
         *(f"{h}_{s}" for h in _SUMMARIES for s in ("sum", "count")),
     }
@@ -63,6 +72,9 @@ GAUGES: frozenset[str] = frozenset(
         "process_max_fds",
         "process_start_time_seconds",
         "kiln_gpu_clock_event_active",
+        "kiln_llm_num_requests_running",
+        "kiln_llm_num_requests_waiting",
+        "kiln_llm_kv_cache_usage_perc",
         *_SUMMARIES,
         *(name for _, name, _, is_counter in GPU_FAMILIES if not is_counter),
     }

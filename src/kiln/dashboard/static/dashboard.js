@@ -18,6 +18,9 @@
   const scaled = (v, k) => (v == null ? null : v * k);
   const hist = (metric, name, scale = 1) => ({ metric, name, scale });
   const byModel = (suffix = "") => (l) => (l.model ? modelName(l) + suffix : "server" + suffix);
+  // The LLM engine's figures are per model (label model_name), not per version.
+  const perLLM = (s, pick, suffix = "") => Object.fromEntries((s.llm || []).map((m) => [m.model + suffix, pick(m)]));
+  const byLLM = (suffix = "") => (l) => (l.model_name || "llm") + suffix;
 
   // Chart definitions: live(summary) -> {series: value}; history: /api/history queries.
   const SERVING = [
@@ -32,6 +35,16 @@
       history: [hist("avg_queue_us", byModel(" queue")), hist("avg_compute_us", byModel(" compute"))] },
     { id: "batch", title: "Average batch size (inferences per execution)",
       live: (s) => perModel(s, (r) => r.avg_batch_size), history: [hist("avg_batch_size", byModel())] },
+  ];
+  const LLM = [
+    { id: "llm-tokens", title: "LLM generation (tokens/s)",
+      live: (s) => perLLM(s, (m) => m.generation_tokens_per_s), history: [hist("llm_generation_tokens_per_s", byLLM())] },
+    { id: "llm-kv-cache", title: "LLM KV-cache usage (%)",
+      live: (s) => perLLM(s, (m) => scaled(m.kv_cache_usage, 100)), history: [hist("kiln_llm_kv_cache_usage_perc", byLLM(), 100)] },
+    { id: "llm-ttft", title: "LLM time to first token p50 / p99 (ms)",
+      live: (s) => ({ ...perLLM(s, (m) => m.ttft_p50_ms, " p50"), ...perLLM(s, (m) => m.ttft_p99_ms, " p99") }),
+      history: [hist("kiln_llm_time_to_first_token_p50_seconds", byLLM(" p50"), 1e3),
+                hist("kiln_llm_time_to_first_token_p99_seconds", byLLM(" p99"), 1e3)] },
   ];
   const GPU = [
     { id: "gpu-util", title: "GPU utilization (%)", live: (s) => perGpu(s, (g) => scaled(g.utilization, 100)),
@@ -56,6 +69,7 @@
   let rangeS = RANGES["5m"];
   let resourcesKind = null; // "gpu" | "cpu", decided by the first summary
   let last = null; // the latest /api/live summary
+  let llmCharts = false; // made when the first llm model shows up
 
   function makeChart(container, def) {
     const el = document.createElement("div");
@@ -140,6 +154,39 @@
     if (!models.length) tbody.innerHTML = '<tr><td colspan="9" class="muted">no models in the repository</td></tr>';
   }
 
+  function renderLLM(list) {
+    const tbody = $("#llm tbody");
+    tbody.textContent = "";
+    for (const m of list) {
+      const tr = document.createElement("tr");
+      tr.dataset.model = m.model;
+      cell(tr, m.model);
+      cell(tr, m.running, "num running");
+      cell(tr, m.waiting, "num waiting");
+      cell(tr, fmt(scaled(m.kv_cache_usage, 100)), "num kv-cache");
+      cell(tr, fmt(m.prompt_tokens_per_s), "num prompt-tps");
+      tr.lastChild.title = `${m.prompt_tokens} prompt tokens since load`;
+      cell(tr, fmt(m.generation_tokens_per_s), "num generation-tps");
+      tr.lastChild.title = `${m.generation_tokens} generated tokens since load`;
+      cell(tr, fmt(scaled(m.prefix_cache_hit_rate, 100)), "num prefix-hit");
+      cell(tr, fmt(m.ttft_p50_ms), "num ttft-p50");
+      cell(tr, fmt(m.ttft_p99_ms), "num ttft-p99");
+      cell(tr, fmt(m.itl_p50_ms), "num itl-p50");
+      cell(tr, m.preemptions, "num preemptions");
+      tbody.append(tr);
+    }
+  }
+
+  // Shows the LLM section only while an llm model is loaded; returns charts made just now.
+  function ensureLLM(s) {
+    const list = s.llm || [];
+    $("#llm-panel").hidden = !list.length;
+    if (!list.length || llmCharts) return [];
+    llmCharts = true;
+    for (const def of LLM) makeChart($("#llm-charts"), def);
+    return LLM.map((def) => charts.get(def.id));
+  }
+
   function renderAlerts(s) {
     const ul = $("#alerts");
     ul.textContent = "";
@@ -197,8 +244,11 @@
       $("#status").textContent = "cannot read /api/live: " + err.message;
       return;
     }
+    const first = last === null;
     last = s;
     ensureResources(s);
+    const fresh = ensureLLM(s);
+    if (fresh.length && !first) loadHistory(fresh); // an llm model loaded after the page opened
     if (s.window_s > 0) {
       for (const chart of charts.values()) {
         for (const [name, v] of Object.entries(chart.def.live(s))) addPoint(chart, name, s.ts, v);
@@ -206,17 +256,18 @@
     }
     charts.forEach(render);
     renderModels(s.models);
+    renderLLM(s.llm || []);
     renderAlerts(s);
     renderNotes(s);
     const when = new Date(s.ts * 1000).toLocaleTimeString();
     $("#status").textContent = `updated ${when} · rates over the last ${fmt(s.window_s, 0)} s`;
   }
 
-  async function loadHistory() {
+  async function loadHistory(only = null) {
     if (!last || !last.history.available) return;
     const range = Object.keys(RANGES).find((k) => RANGES[k] === rangeS);
     const jobs = [];
-    for (const chart of charts.values()) {
+    for (const chart of only || charts.values()) {
       for (const h of chart.def.history) {
         const url = `/api/history?metric=${encodeURIComponent(h.metric)}&start=now-${range}`;
         jobs.push(fetch(url, { cache: "no-store" }).then((r) => (r.ok ? r.json() : null)).then((res) => {
@@ -228,7 +279,7 @@
       }
     }
     await Promise.allSettled(jobs);
-    charts.forEach(render);
+    (only || charts).forEach(render);
   }
 
   function pickRange(button) {
