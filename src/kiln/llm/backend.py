@@ -47,16 +47,30 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
                 Status.INVALID_ARG,
             ) from None
     out.dtype = parameter(config, "dtype", out.dtype) or out.dtype
-    caching = parameter(config, "enable_prefix_caching")
-    if caching is not None:
-        flag = _BOOLEANS.get(caching.strip().lower())
+    for key in ("enable_prefix_caching", "enforce_eager"):
+        raw = parameter(config, key)
+        if raw is None:
+            continue
+        flag = _BOOLEANS.get(raw.strip().lower())
         if flag is None:
             raise KilnError(
-                f"model '{config.name}': parameter enable_prefix_caching must be true or "
-                f"false, got '{caching}'",
+                f"model '{config.name}': parameter {key} must be true or false, got '{raw}'",
                 Status.INVALID_ARG,
             )
-        out.enable_prefix_caching = flag
+        setattr(out, key, flag)
+    backend = parameter(config, "attention_backend")
+    if backend is not None:
+        out.attention_backend = backend.strip().lower()
+    sizes = parameter(config, "cuda_graph_sizes")
+    if sizes is not None:
+        try:
+            out.cuda_graph_sizes = tuple(int(s) for s in sizes.replace(",", " ").split())
+        except ValueError:
+            raise KilnError(
+                f"model '{config.name}': parameter cuda_graph_sizes must be integers "
+                f"separated by commas or spaces, got '{sizes}'",
+                Status.INVALID_ARG,
+            ) from None
     policy = parameter(config, "scheduling_policy")
     if policy is not None:
         out.scheduling_policy = policy.strip().lower()

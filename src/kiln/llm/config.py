@@ -12,6 +12,7 @@ from kiln.core.errors import KilnError, Status
 # Architectures whose weights and forward pass are Llama's skeleton (names differ only).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "torch", "flex")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: ``fcfs``, or ``priority`` (requests' ``priority`` field, lower first)
     scheduling_policy: str = "fcfs"
+    #: ``auto`` (flex on CUDA, torch elsewhere), ``torch`` (portable SDPA) or ``flex``
+    attention_backend: str = "auto"
+    #: no CUDA graphs: every step runs eagerly (vLLM's name)
+    enforce_eager: bool = False
+    #: decode batch sizes to capture as CUDA graphs; empty: 1, 2, 4, ... up to max_num_seqs
+    cuda_graph_sizes: tuple[int, ...] = ()
     extra: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -111,5 +118,17 @@ class EngineConfig:
             raise KilnError(
                 f"llm backend: scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                 f"got '{self.scheduling_policy}'",
+                Status.INVALID_ARG,
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise KilnError(
+                f"llm backend: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got '{self.attention_backend}'",
+                Status.INVALID_ARG,
+            )
+        if any(s <= 0 for s in self.cuda_graph_sizes):
+            raise KilnError(
+                "llm backend: cuda_graph_sizes must be positive, got "
+                f"{list(self.cuda_graph_sizes)}",
                 Status.INVALID_ARG,
             )

@@ -8,7 +8,9 @@ import torch
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm.attention import AttentionMetadata
+from kiln.llm.attention_flex import FlexMetadata, resolve_attention_backend
 from kiln.llm.config import EngineConfig, ModelArgs
+from kiln.llm.cuda_graphs import DecodeGraphs, capture_sizes
 from kiln.llm.models.llama import LlamaForCausalLM
 from kiln.llm.sampler import SampledToken, sample
 from kiln.llm.scheduler import SchedulerOutput
@@ -76,11 +78,16 @@ class ModelRunner:
         self.num_blocks = config.num_gpu_blocks or max(
             config.kv_cache_memory_bytes // self.block_bytes, 1
         )
+        self.attention_backend = resolve_attention_backend(
+            config.attention_backend, self.device, config.block_size
+        )
+        # flex: one scratch page past the pool's, written only by CUDA graphs' dummy rows
+        scratch = 1 if self.attention_backend == "flex" else 0
         # one allocation for all layers; each layer's attention gets views into it
         self.kv_cache = torch.zeros(
             2,
             args.num_hidden_layers,
-            self.num_blocks,
+            self.num_blocks + scratch,
             config.block_size,
             args.num_key_value_heads,
             args.head_dim,
@@ -90,6 +97,12 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
+        self.graphs: DecodeGraphs | None = None
+        # graphs need the flex backend's fixed-shape metadata, and a GPU
+        use_graphs = self.attention_backend == "flex" and not config.enforce_eager
+        if use_graphs and self.device.type == "cuda" and torch.cuda.is_available():
+            sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
+            self.graphs = DecodeGraphs(self, sizes)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -117,19 +130,36 @@ class ModelRunner:
                 for target in (seq, *seq.forks):
                     logit_index.append(len(input_ids) - 1)
                     samplers.append(target)
-        meta = AttentionMetadata.build(
-            [s.block_table for s in out.seqs],
-            [s.num_computed_tokens for s in out.seqs],
-            out.num_new_tokens,
-            self.config.block_size,
-            self.device,
-        )
+        logits = self.graphs.run(out, input_ids, positions) if self.graphs else None
+        if logits is None:
+            logits = self._eager(out, input_ids, positions, logit_index)
+        sampled = sample(logits, samplers)
+        return dict(zip((s.seq_id for s in samplers), sampled, strict=True))
+
+    def _eager(
+        self,
+        out: SchedulerOutput,
+        input_ids: list[int],
+        positions: list[int],
+        logit_index: list[int],
+    ) -> torch.Tensor:
+        tables = [s.block_table for s in out.seqs]
+        computed = [s.num_computed_tokens for s in out.seqs]
+        meta: AttentionMetadata | FlexMetadata
+        if self.attention_backend == "flex":
+            pages = self.kv_cache.shape[2]
+            meta = FlexMetadata.build(
+                tables, computed, out.num_new_tokens, self.config.block_size, pages, self.device
+            )
+        else:
+            meta = AttentionMetadata.build(
+                tables, computed, out.num_new_tokens, self.config.block_size, self.device
+            )
         dev = self.device
-        logits = self.model(
+        logits: torch.Tensor = self.model(
             torch.tensor(input_ids, device=dev),
             torch.tensor(positions, device=dev),
             meta,
             torch.tensor(logit_index, dtype=torch.long, device=dev),
         )
-        sampled = sample(logits, samplers)
-        return dict(zip((s.seq_id for s in samplers), sampled, strict=True))
+        return logits

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.llm.attention import AttentionMetadata, paged_attention
+from kiln.llm.attention_flex import FlexMetadata, flex_paged_attention
 from kiln.llm.config import ModelArgs
 from kiln.llm.models.rope import RotaryEmbedding
 
@@ -52,14 +53,17 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         x: torch.Tensor,
         rope: RotaryEmbedding,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | FlexMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
+        if isinstance(meta, FlexMetadata):
+            out = flex_paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
+        else:
+            out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
         result: torch.Tensor = self.o_proj(out.reshape(t, -1))
         return result
 
@@ -89,7 +93,7 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         x: torch.Tensor,
         rope: RotaryEmbedding,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | FlexMetadata,
     ) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), rope, meta)
         out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
@@ -123,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | FlexMetadata,
         logit_index: torch.Tensor,
     ) -> torch.Tensor:
         """Logits [len(logit_index), vocab] for the flat tokens ``logit_index`` picks."""

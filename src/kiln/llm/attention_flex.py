@@ -1,0 +1,289 @@
+"""Flex-attention backend: ``torch.nn.attention.flex_attention`` reads K/V straight from
+the paged cache, steered by a ``BlockMask`` built from the block tables.
+
+The whole cache, flattened to ``[1, Hkv, num_slots, D]``, is the key sequence of every
+query row; nothing is gathered per sequence. Sparsity comes from the ``BlockMask``, whose
+KV block is one cache page (``block_size`` slots): for each sequence it lists the physical
+pages of its block table, in logical order, split into *full* pages (every slot visible to
+every query of the 128-row query block: no mask evaluated) and *partial* ones (the causal
+edge, where ``mask_mod`` decides). ``mask_mod`` maps a physical slot back to a logical
+position through an inverse block table (-1: not this sequence's page), so it is correct
+on its own: the eager CPU implementation ignores the sparsity and evaluates it everywhere.
+
+Sequences of a step go in two groups, each a padded batch: decodes (one query each, the
+shape CUDA graphs capture) and prefills/chunks (up to the longest chunk). The mask is
+causal aligned to the bottom right by absolute positions, as in the portable backend.
+
+On CUDA ``flex_attention`` is compiled (Triton kernels); on CPU it runs eagerly, which
+materialises scores over every cache slot: correct, but only for small caches (tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from kiln.core.errors import KilnError, Status
+
+#: rows per query block of the BlockMask (the compiled kernels' default tile)
+Q_BLOCK = 128
+_compiled: Callable[..., Any] | None = None
+
+
+def resolve_attention_backend(name: str, device: torch.device, block_size: int) -> str:
+    """``torch`` or ``flex`` for the configured name: ``auto`` is flex on CUDA, where its
+    kernels are compiled, and the portable backend elsewhere."""
+    if name == "torch":
+        return "torch"
+    cuda_pages_ok = block_size >= 16  # a page must fill a tensor-core tile (BLOCK_N >= 16)
+    if name == "auto":
+        return "flex" if device.type == "cuda" and cuda_pages_ok else "torch"
+    if device.type == "cuda" and not cuda_pages_ok:
+        raise KilnError(
+            f"llm backend: attention_backend 'flex' on CUDA needs block_size >= 16, "
+            f"got {block_size}",
+            Status.INVALID_ARG,
+        )
+    return "flex"
+
+
+@dataclass(slots=True)
+class FlexGroup:
+    """One padded batch of sequences and the BlockMask that steers it."""
+
+    #: [B, Lq] flat index of each query row among the step's new tokens (padding: 0)
+    token_index: torch.Tensor
+    #: [B, Lq] True where the row is a real query
+    query_valid: torch.Tensor
+    #: [B] absolute position of each sequence's first query
+    q_start: torch.Tensor
+    #: [B, pages] logical page of each physical page, -1 where not the sequence's
+    page_to_logical: torch.Tensor
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    full_kv_num_blocks: torch.Tensor
+    full_kv_indices: torch.Tensor
+    block_mask: BlockMask
+    #: decode groups have Lq == 1 and every row valid, so they avoid boolean indexing
+    #: (whose data-dependent shape a CUDA graph cannot capture)
+    is_decode: bool
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [
+            self.token_index,
+            self.query_valid,
+            self.q_start,
+            self.page_to_logical,
+            self.kv_num_blocks,
+            self.kv_indices,
+            self.full_kv_num_blocks,
+            self.full_kv_indices,
+        ]
+
+
+@dataclass(slots=True)
+class FlexMetadata:
+    """Built once per step by the model runner; read by every layer."""
+
+    #: [T] flat KV slot of each new token
+    slot_mapping: torch.Tensor
+    groups: list[FlexGroup]
+    compiled: bool
+    kernel_options: dict[str, Any] | None
+
+    def copy_(self, other: FlexMetadata) -> None:
+        """Overwrite these tensors in place with ``other``'s (same shapes): how a captured
+        CUDA graph, which reads fixed addresses, gets each step's metadata."""
+        self.slot_mapping.copy_(other.slot_mapping, non_blocking=True)
+        for mine, theirs in zip(self.groups, other.groups, strict=True):
+            for dst, src in zip(mine.tensors(), theirs.tensors(), strict=True):
+                dst.copy_(src, non_blocking=True)
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        num_computed: list[int],
+        num_new: list[int],
+        block_size: int,
+        num_pages: int,
+        device: torch.device,
+        max_pages_per_seq: int = 0,
+    ) -> FlexMetadata:
+        """``num_pages``: pages in the cache tensor (the scratch page included);
+        ``max_pages_per_seq``: pad the BlockMask index width to it (CUDA graphs need fixed
+        shapes; 0: as wide as this step needs)."""
+        starts = [0]
+        for n in num_new[:-1]:
+            starts.append(starts[-1] + n)
+        slots: list[int] = []
+        for table, c, n in zip(block_tables, num_computed, num_new, strict=True):
+            slots.extend(
+                table[p // block_size] * block_size + p % block_size for p in range(c, c + n)
+            )
+        compiled = device.type == "cuda"
+        decode = [i for i, n in enumerate(num_new) if n == 1]
+        prefill = [i for i, n in enumerate(num_new) if n > 1]
+        groups = []
+        for members in (decode, prefill):
+            if members:
+                groups.append(
+                    _build_group(
+                        [block_tables[i] for i in members],
+                        [num_computed[i] for i in members],
+                        [num_new[i] for i in members],
+                        [starts[i] for i in members],
+                        block_size,
+                        num_pages,
+                        device,
+                        max_pages_per_seq,
+                        pad_queries=compiled,
+                    )
+                )
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
+            groups=groups,
+            compiled=compiled,
+            # one BlockMask KV block is one page; the kernel's KV tile must not span pages
+            kernel_options={"BLOCK_N": block_size} if compiled else None,
+        )
+
+
+def _build_group(
+    tables: list[list[int]],
+    computed: list[int],
+    new: list[int],
+    starts: list[int],
+    block_size: int,
+    num_pages: int,
+    device: torch.device,
+    max_pages_per_seq: int,
+    pad_queries: bool,
+) -> FlexGroup:
+    batch = len(new)
+    lq = max(new)
+    if pad_queries and lq > 1:
+        # a few distinct shapes, so the compiled kernels are not rebuilt for every length
+        lq = 1 << (lq - 1).bit_length()
+    nq = -(-lq // Q_BLOCK)
+    pages = [-(-(c + n) // block_size) for c, n in zip(computed, new, strict=True)]
+    width = max(max_pages_per_seq, *pages)
+    kv_num = torch.zeros(batch, 1, nq, dtype=torch.int32)
+    kv_idx = torch.zeros(batch, 1, nq, width, dtype=torch.int32)
+    full_num = torch.zeros(batch, 1, nq, dtype=torch.int32)
+    full_idx = torch.zeros(batch, 1, nq, width, dtype=torch.int32)
+    to_logical = torch.full((batch, num_pages), -1, dtype=torch.int32)
+    for b, (table, c, n) in enumerate(zip(tables, computed, new, strict=True)):
+        used = table[: -(-(c + n) // block_size)]
+        to_logical[b, torch.tensor(used, dtype=torch.long)] = torch.arange(
+            len(used), dtype=torch.int32
+        )
+        for j in range(nq):
+            first = j * Q_BLOCK
+            if first >= n:
+                break  # query blocks of padding rows visit nothing
+            p0 = c + first
+            p1 = c + min(first + Q_BLOCK, n) - 1
+            n_full = (p0 + 1) // block_size  # pages whose every slot is <= p0
+            n_seen = p1 // block_size + 1
+            full_num[b, 0, j] = n_full
+            full_idx[b, 0, j, :n_full] = torch.tensor(table[:n_full], dtype=torch.int32)
+            kv_num[b, 0, j] = n_seen - n_full
+            kv_idx[b, 0, j, : n_seen - n_full] = torch.tensor(
+                table[n_full:n_seen], dtype=torch.int32
+            )
+    i = torch.arange(lq)
+    new_t = torch.tensor(new, dtype=torch.long)
+    valid = i[None, :] < new_t[:, None]
+    index = torch.where(valid, torch.tensor(starts)[:, None] + i[None, :], 0)
+    q_start = torch.tensor(computed, dtype=torch.int32).to(device)
+    to_logical = to_logical.to(device)
+    mask_mod = _paged_causal(q_start, to_logical, block_size)
+    kv_num, kv_idx, full_num, full_idx = (
+        t.to(device) for t in (kv_num, kv_idx, full_num, full_idx)
+    )
+    mask = BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=(Q_BLOCK, block_size),
+        mask_mod=mask_mod,
+        seq_lengths=(lq, num_pages * block_size),
+        compute_q_blocks=False,
+    )
+    return FlexGroup(
+        token_index=index.to(device),
+        query_valid=valid.to(device),
+        q_start=q_start,
+        page_to_logical=to_logical,
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=full_num,
+        full_kv_indices=full_idx,
+        block_mask=mask,
+        is_decode=lq == 1,
+    )
+
+
+def _paged_causal(
+    q_start: torch.Tensor, to_logical: torch.Tensor, block_size: int
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    # The closure reads the tensors, not copies: a CUDA graph's static metadata is updated
+    # in place and the captured kernels see the new values.
+    def mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        logical = to_logical[b, kv_idx // block_size]
+        kv_pos = logical * block_size + kv_idx % block_size
+        return (logical >= 0) & (kv_pos <= q_start[b] + q_idx)
+
+    return mask_mod
+
+
+def _flex() -> Callable[..., Any]:
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(flex_attention, fullgraph=True)
+    return _compiled
+
+
+def flex_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: FlexMetadata,
+) -> torch.Tensor:
+    """Same contract as ``paged_attention``: ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D];
+    caches [pages, block_size, Hkv, D]. Returns [T, H, D]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+    v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+    # [1, Hkv, slots, D] views of the whole cache; batch 1 broadcasts over the queries
+    keys = k_flat.permute(1, 0, 2).unsqueeze(0)
+    values = v_flat.permute(1, 0, 2).unsqueeze(0)
+    attend = _flex() if meta.compiled else cast("Callable[..., Any]", flex_attention)
+    out = torch.empty_like(q)
+    for g in meta.groups:
+        queries = q[g.token_index].transpose(1, 2)  # [B, H, Lq, D]
+        o = attend(
+            queries,
+            keys,
+            values,
+            block_mask=g.block_mask,
+            enable_gqa=True,
+            kernel_options=meta.kernel_options,
+        ).transpose(1, 2)  # [B, Lq, H, D]
+        if g.is_decode:
+            out[g.token_index[:, 0]] = o[:, 0]
+        else:
+            out[g.token_index[g.query_valid]] = o[g.query_valid]
+    return out

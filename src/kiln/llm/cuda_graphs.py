@@ -1,0 +1,161 @@
+"""CUDA graphs for decode steps (vLLM's ``cuda_graph_sizes``; ``enforce_eager`` disables).
+
+A decode step launches hundreds of small kernels whose CPU launch cost, not the GPU, bounds
+small batches. For each capture size (1, 2, 4, 8, ... up to ``max_num_seqs``) the model's
+forward pass is recorded once into a ``torch.cuda.CUDAGraph`` over static buffers: token
+ids, positions and the flex backend's metadata (block tables padded to the most pages a
+sequence can hold). A pure-decode step of ``b`` sequences copies its inputs into the
+buffers of the smallest size >= ``b`` and replays; the rows beyond ``b`` are dummy
+sequences whose one-token context lives in a scratch page no real sequence owns. Anything
+else (a prefill or chunk in the batch, a batch larger than every size) runs eagerly.
+
+``capture=False`` runs the same static-buffer path without recording a graph: how the
+padding and in-place metadata updates are tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kiln.llm.attention_flex import FlexMetadata
+
+if TYPE_CHECKING:
+    from kiln.llm.model_runner import ModelRunner
+    from kiln.llm.scheduler import SchedulerOutput
+
+
+def capture_sizes(max_num_seqs: int, configured: Seq[int] = ()) -> list[int]:
+    """The batch sizes to capture, ascending: the configured ones up to ``max_num_seqs``,
+    or powers of two up to it and ``max_num_seqs`` itself."""
+    if configured:
+        return sorted({s for s in configured if 0 < s <= max_num_seqs})
+    sizes = {max_num_seqs}
+    size = 1
+    while size < max_num_seqs:
+        sizes.add(size)
+        size *= 2
+    return sorted(sizes)
+
+
+def pick_size(sizes: Seq[int], batch: int) -> int | None:
+    """The smallest captured size that holds ``batch`` sequences (None: run eagerly)."""
+    return next((s for s in sizes if s >= batch), None)
+
+
+def is_pure_decode(out: SchedulerOutput) -> bool:
+    """A step a decode graph can run: one new token per sequence, each sampled once."""
+    return bool(out.seqs) and all(
+        n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and not seq.forks
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True)
+    )
+
+
+def pad_decode_batch(
+    tables: list[list[int]], computed: list[int], size: int, scratch_page: int
+) -> tuple[list[list[int]], list[int]]:
+    """Block tables and context offsets of ``size`` rows: the real ones, then dummies whose
+    single token sits at position 0 of the scratch page."""
+    pad = size - len(tables)
+    return tables + [[scratch_page]] * pad, computed + [0] * pad
+
+
+@dataclass(slots=True)
+class _Graph:
+    meta: FlexMetadata
+    logits: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class DecodeGraphs:
+    def __init__(self, runner: ModelRunner, sizes: list[int], capture: bool = True) -> None:
+        self.runner = runner
+        self.sizes = sizes
+        self.capture = capture
+        self.block_size = runner.config.block_size
+        self.scratch_page = runner.num_blocks
+        self.max_pages = -(-runner.config.max_model_len // self.block_size)
+        biggest = max(sizes)
+        dev = runner.device
+        self.input_ids = torch.zeros(biggest, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(biggest, dtype=torch.long, device=dev)
+        self.logit_index = torch.arange(biggest, device=dev)
+        #: decode steps served from the static buffers (replayed, or run over them uncaptured)
+        self.num_replays = 0
+        self.graphs = {size: _Graph(self._metadata([], [], size)) for size in sizes}
+        if capture:
+            self._capture_all()
+
+    def _metadata(self, tables: list[list[int]], computed: list[int], size: int) -> FlexMetadata:
+        tables, computed = pad_decode_batch(tables, computed, size, self.scratch_page)
+        return FlexMetadata.build(
+            tables,
+            computed,
+            [1] * size,
+            self.block_size,
+            self.scratch_page + 1,
+            self.runner.device,
+            max_pages_per_seq=self.max_pages,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        model = self.runner.model
+        logits: torch.Tensor = model(
+            self.input_ids[:size],
+            self.positions[:size],
+            self.graphs[size].meta,
+            self.logit_index[:size],
+        )
+        return logits
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        # Largest first, all in one memory pool: smaller graphs reuse the larger ones' memory.
+        pool = torch.cuda.graph_pool_handle()
+        for size in sorted(self.sizes, reverse=True):
+            # Warm up on a side stream (as PyTorch's docs ask): the first calls compile the
+            # flex kernels and let allocators settle, none of which may happen in capture.
+            # The dummy rows only ever write the scratch page.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(size)
+            torch.cuda.current_stream().wait_stream(side)
+            entry = self.graphs[size]
+            entry.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(entry.graph, pool=pool):
+                entry.logits = self._forward(size)
+        torch.cuda.synchronize()
+
+    def run(
+        self, out: SchedulerOutput, input_ids: list[int], positions: list[int]
+    ) -> torch.Tensor | None:
+        """Logits [len(out.seqs), vocab] from a graph, or None when the step must run
+        eagerly."""
+        if not is_pure_decode(out):
+            return None
+        batch = len(out.seqs)
+        size = pick_size(self.sizes, batch)
+        if size is None:
+            return None
+        entry = self.graphs[size]
+        pad = [0] * (size - batch)
+        self.input_ids[:size].copy_(torch.tensor(input_ids + pad), non_blocking=True)
+        self.positions[:size].copy_(torch.tensor(positions + pad), non_blocking=True)
+        step = self._metadata(
+            [s.block_table for s in out.seqs], [s.num_computed_tokens for s in out.seqs], size
+        )
+        entry.meta.copy_(step)
+        self.num_replays += 1
+        if entry.graph is None:
+            logits = self._forward(size)
+        else:
+            entry.graph.replay()
+            assert entry.logits is not None
+            logits = entry.logits
+        # a copy: the next replay overwrites the graph's output buffer
+        return logits[:batch].clone()

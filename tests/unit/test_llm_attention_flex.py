@@ -1,0 +1,142 @@
+"""The flex-attention backend on CPU (eager ``flex_attention``): greedy tokens identical to
+``transformers`` through chunked prefill and mixed prefill+decode steps, and the BlockMask's
+block-level sparsity checked against the dense causal mask (the eager path ignores it, the
+compiled GPU kernels rely on it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kiln.llm.attention_flex import Q_BLOCK, FlexMetadata
+from kiln.llm.config import EngineConfig
+from kiln.llm.engine import LLMEngine
+from kiln.llm.sampler import SampledToken
+from kiln.llm.scheduler import SchedulerOutput
+from kiln.llm.sequence import SamplingParams
+from tests.llm_models import build_tiny_llm, reference_generate
+
+# eager flex_attention warns once that it is not compiled: that is the point on CPU
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+# eager flex_attention costs ~0.1 s a call on CPU whatever the size: few, short requests
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 17, 42, 99, 3], list(range(7, 26)), [250]]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llm(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def expected(llama: Path) -> list[list[int]]:
+    return [reference_generate(llama, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def flex_engine(folder: Path, **kw: int) -> LLMEngine:
+    # a small cache: eager flex scores every slot of it
+    config = EngineConfig(attention_backend="flex", num_gpu_blocks=24, **kw)  # type: ignore[arg-type]
+    return LLMEngine(folder, config)
+
+
+def test_flex_chunked_prefill_and_mixed_steps_match_transformers(
+    llama: Path, expected: list[list[int]]
+) -> None:
+    engine = flex_engine(llama, max_num_batched_tokens=7)
+    assert engine.runner.attention_backend == "flex"
+    steps: list[list[int]] = []
+    run = engine.runner.run
+
+    def observed(out: SchedulerOutput) -> dict[int, SampledToken]:
+        steps.append(list(out.num_new_tokens))
+        return run(out)
+
+    engine.runner.run = observed  # type: ignore[method-assign]
+    assert engine.generate(PROMPTS, GREEDY) == expected
+    # prompt chunks ran beside decodes, and a chunk started mid-page
+    assert any(1 in s and any(n > 1 for n in s) for s in steps)
+    assert engine.stats.max_step_tokens <= 7
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_flex_prefix_cache_hit_and_qwen2(tmp_path: Path) -> None:
+    folder = build_tiny_llm(tmp_path / "q", arch="qwen2")
+    shared = list(range(40, 76))  # two full 16-token pages reused by the second request
+    prompts = [[*shared, 3], [*shared, 9, 4]]
+    want = [reference_generate(folder, p, 6) for p in prompts]
+    engine = flex_engine(folder)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert engine.generate(prompts[:1], params) == want[:1]
+    assert engine.generate(prompts[1:], params) == want[1:]
+    assert engine.block_manager.stats.hits >= 32
+
+
+def _dense_truth(
+    tables: list[list[int]], computed: list[int], new: list[int], bs: int, pages: int, lq: int
+) -> torch.Tensor:
+    """[B, Lq, slots]: row r of sequence b (position computed+r) sees its own slots at
+    positions <= its own; padding rows see nothing."""
+    truth = torch.zeros(len(new), lq, pages * bs, dtype=torch.bool)
+    for b, (table, c, n) in enumerate(zip(tables, computed, new, strict=True)):
+        for r in range(n):
+            for p in range(c + r + 1):
+                truth[b, r, table[p // bs] * bs + p % bs] = True
+    return truth
+
+
+def test_block_mask_sparsity_matches_the_dense_causal_mask() -> None:
+    bs, pages = 4, 80
+    # shared prefix page 7, a chunk starting mid-page, a prefill over two query blocks
+    tables = [[7, 2, 9], [7, 11, 3, 5], list(range(20, 60)), [1, 0]]
+    computed = [6, 3, 0, 5]
+    new = [5, 10, Q_BLOCK + 30, 2]
+    meta = FlexMetadata.build(tables, computed, new, bs, pages, CPU)
+    (group,) = meta.groups
+    lq = group.token_index.shape[1]
+    truth = _dense_truth(tables, computed, new, bs, pages, lq)
+    # mask_mod alone is exact on real rows (the eager path relies on it)
+    b, q, kv = torch.meshgrid(
+        torch.arange(len(new)), torch.arange(lq), torch.arange(pages * bs), indexing="ij"
+    )
+    mask_mod = group.block_mask.mask_mod
+    dense = mask_mod(b, torch.zeros_like(b), q, kv)
+    valid = group.query_valid[:, :, None]
+    assert torch.equal(dense & valid, truth)
+    # block level: full blocks all visible, partial ones hold the rest, nothing is missed
+    nq = -(-lq // Q_BLOCK)
+    for bi in range(len(new)):
+        for j in range(nq):
+            rows = truth[bi, j * Q_BLOCK : (j + 1) * Q_BLOCK].view(-1, pages, bs)
+            real = group.query_valid[bi, j * Q_BLOCK : (j + 1) * Q_BLOCK]
+            n_full = int(group.full_kv_num_blocks[bi, 0, j])
+            n_part = int(group.kv_num_blocks[bi, 0, j])
+            full = group.full_kv_indices[bi, 0, j, :n_full].tolist()
+            part = group.kv_indices[bi, 0, j, :n_part].tolist()
+            assert not set(full) & set(part)
+            for page in full:
+                assert rows[real][:, page].all()
+            seen = {p for p in range(pages) if rows[:, p].any()}
+            assert seen == set(full) | set(part)
+
+
+def test_decodes_and_prefills_go_in_separate_groups() -> None:
+    meta = FlexMetadata.build([[0], [1, 2], [3]], [4, 0, 2], [1, 20, 1], 16, 8, CPU)
+    decode, prefill = meta.groups
+    assert decode.is_decode and decode.token_index[:, 0].tolist() == [0, 21]
+    assert not prefill.is_decode and prefill.token_index[0, :20].tolist() == list(range(1, 21))
+    assert meta.slot_mapping.tolist() == [4] + [16 + i for i in range(16)] + [32, 33, 34, 35, 50]
+    assert meta.kernel_options is None and not meta.compiled
+
+
+def test_unknown_attention_backend_is_refused(llama: Path) -> None:
+    from kiln.core.errors import KilnError
+
+    with pytest.raises(KilnError, match="attention_backend must be one of auto, torch, flex"):
+        LLMEngine(llama, EngineConfig(attention_backend="flash"))
+    assert LLMEngine(llama, EngineConfig(num_gpu_blocks=8)).runner.attention_backend == "torch"

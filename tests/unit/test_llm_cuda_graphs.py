@@ -1,0 +1,127 @@
+"""CUDA-graph decode, the device-independent parts: capture sizes, bucket choice, padding,
+the eager-fallback decision, and the static-buffer path itself run uncaptured on CPU
+(token-identical to ``transformers``). Capture and replay are tested in tests/gpu."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kiln.core.errors import KilnError
+from kiln.llm.config import EngineConfig
+from kiln.llm.cuda_graphs import (
+    DecodeGraphs,
+    capture_sizes,
+    is_pure_decode,
+    pad_decode_batch,
+    pick_size,
+)
+from kiln.llm.engine import LLMEngine
+from kiln.llm.scheduler import SchedulerOutput
+from kiln.llm.sequence import SamplingParams, Sequence
+from tests.llm_models import build_tiny_llm, reference_generate
+from tests.unit.test_llm_scheduling import _config
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def test_capture_sizes_are_powers_of_two_up_to_max_num_seqs() -> None:
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert capture_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert capture_sizes(1) == [1]
+    # configured sizes: deduplicated, sorted, bounded by max_num_seqs
+    assert capture_sizes(16, (8, 1, 8, 32, 3)) == [1, 3, 8]
+
+
+def test_pick_size_takes_the_smallest_bucket_that_fits() -> None:
+    sizes = [1, 2, 4, 8]
+    assert [pick_size(sizes, b) for b in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert pick_size(sizes, 9) is None
+
+
+def test_padding_rows_point_at_the_scratch_page() -> None:
+    tables, computed = pad_decode_batch([[3, 4], [7]], [20, 2], 4, scratch_page=99)
+    assert tables == [[3, 4], [7], [99], [99]]
+    assert computed == [20, 2, 0, 0]
+
+
+def _seq(prompt: int, computed: int, output: int = 0) -> Sequence:
+    seq = Sequence("r", list(range(prompt)), SamplingParams(max_tokens=4), ())
+    for t in range(output):
+        seq.append(t)
+    seq.num_computed_tokens = computed
+    return seq
+
+
+def test_only_pure_decode_steps_use_graphs() -> None:
+    decoding = _seq(5, 5, output=1)
+    assert is_pure_decode(SchedulerOutput([decoding], [1]))
+    # a one-token prompt chunk that does not reach the end is not a decode
+    assert not is_pure_decode(SchedulerOutput([_seq(5, 3)], [1]))
+    assert not is_pure_decode(SchedulerOutput([decoding, _seq(5, 0)], [1, 5]))
+    forked = _seq(1, 0)
+    forked.forks = [_seq(1, 0)]
+    assert not is_pure_decode(SchedulerOutput([forked], [1]))
+    assert not is_pure_decode(SchedulerOutput())
+
+
+def test_static_buffer_decode_matches_transformers(tmp_path: Path) -> None:
+    folder = build_tiny_llm(tmp_path / "m")
+    prompts = [[5, 17, 42, 99, 3], list(range(7, 26)), [250], [9, 8, 7], [1, 2]]
+    lengths = [6, 4, 5, 3, 2]  # the batch shrinks as requests finish: 5, 4, 3, 1 rows
+    want = [reference_generate(folder, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    engine = LLMEngine(
+        folder, EngineConfig(attention_backend="flex", num_gpu_blocks=16, max_num_seqs=8)
+    )
+    assert engine.runner.graphs is None  # no GPU: never captured
+    graphs = DecodeGraphs(engine.runner, [1, 2, 4], capture=False)
+    engine.runner.graphs = graphs
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    assert engine.generate(prompts, params) == want
+    # 5 rows ran eagerly (no bucket); 4, 3 (padded to 4), 2 and 1 through the buffers
+    assert graphs.num_replays == 4
+    # the dummy rows wrote the scratch page, which the block manager never hands out
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    scratch = engine.runner.kv_cache[:, :, graphs.scratch_page]
+    assert scratch.abs().sum() > 0
+    assert torch.equal(graphs.logit_index, torch.arange(4))
+
+
+# -- config.pbtxt parameters and backend choice ----------------------------------------
+
+
+def test_attention_and_cuda_graph_parameters_from_config_pbtxt() -> None:
+    default = _config({})
+    assert default.attention_backend == "auto" and not default.enforce_eager
+    assert default.cuda_graph_sizes == ()
+    config = _config(
+        {"attention_backend": "Flex", "enforce_eager": "true", "cuda_graph_sizes": "1, 2,8 16"}
+    )
+    assert config.attention_backend == "flex" and config.enforce_eager
+    assert config.cuda_graph_sizes == (1, 2, 8, 16)
+    with pytest.raises(KilnError, match="attention_backend must be one of auto, torch, flex"):
+        _config({"attention_backend": "flash"})
+    with pytest.raises(KilnError, match="model 'm': parameter enforce_eager must be true or"):
+        _config({"enforce_eager": "maybe"})
+    with pytest.raises(KilnError, match="model 'm': parameter cuda_graph_sizes must be integers"):
+        _config({"cuda_graph_sizes": "1,two"})
+    with pytest.raises(KilnError, match=r"cuda_graph_sizes must be positive, got \[1, 0\]"):
+        _config({"cuda_graph_sizes": "1 0"})
+
+
+def test_flex_backend_resolution() -> None:
+    from kiln.llm.attention_flex import resolve_attention_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_attention_backend("auto", cpu, 16) == "torch"
+    assert resolve_attention_backend("auto", cuda, 16) == "flex"
+    # pages smaller than a tensor-core tile keep the portable backend on CUDA
+    assert resolve_attention_backend("auto", cuda, 8) == "torch"
+    assert resolve_attention_backend("flex", cpu, 4) == "flex"
+    assert resolve_attention_backend("torch", cuda, 16) == "torch"
+    with pytest.raises(KilnError, match="'flex' on CUDA needs block_size >= 16, got 8"):
+        resolve_attention_backend("flex", cuda, 8)
