@@ -5,6 +5,7 @@ client."""
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -162,3 +163,44 @@ def test_metrics_count_prefix_hits_and_latencies(
     assert grew("kiln_llm_inter_token_latency_seconds_count") == 4  # 2 gaps per request
     assert 'kiln_llm_time_to_first_token_seconds_bucket{le="0.001"}' in after
     assert 'kiln_llm_e2e_request_latency_seconds_bucket{le="7680.0"}' in after
+
+
+def _triton_stats(server: KilnProcess) -> dict[str, int]:
+    import json
+
+    url = f"http://{server.http_url}/v2/models/tiny/stats"
+    doc = json.loads(urllib.request.urlopen(url).read())["model_stats"][0]
+    inf = doc["inference_stats"]
+    return {"success": inf["success"]["count"], "fail": inf["fail"]["count"],
+            "inferences": doc["inference_count"]}  # fmt: skip
+
+
+def test_openai_requests_count_in_triton_statistics(
+    server: KilnProcess, client: openai.OpenAI
+) -> None:
+    """Requests through /v1 count in the model's statistics endpoint (and so in the
+    dashboard's Models table and nv_inference_*), like requests through /v2 do."""
+    import requests
+
+    before = _triton_stats(server)
+    client.completions.create(model="tiny", prompt="hello", max_tokens=3)
+    chunks = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+    )
+    assert list(chunks)
+    after = _triton_stats(server)
+    assert after["success"] - before["success"] == 2
+    assert after["inferences"] - before["inferences"] == 2
+    # a client that leaves mid-stream is a failure (CANCELED), not a success
+    url = f"http://{server.http_url}/v1/completions"
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 200, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with requests.post(url, json=body, stream=True, timeout=30) as resp:
+        next(resp.iter_lines())
+    for _ in range(200):  # the server notices the disconnect at its next write
+        if _triton_stats(server)["fail"] > after["fail"]:
+            break
+        time.sleep(0.05)
+    final = _triton_stats(server)
+    assert final["fail"] - after["fail"] == 1
+    assert final["success"] == after["success"]

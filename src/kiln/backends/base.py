@@ -11,12 +11,15 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
 from kiln.config.model_config_pb2 import ModelConfig, ModelInstanceGroup
 from kiln.core.errors import KilnError, Status
+
+if TYPE_CHECKING:
+    from kiln.core.stats import ModelStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,9 @@ class Backend(ABC):
     #: True when a call may run on the event loop's thread if it is short enough (CPU
     #: compute that needs nothing else from the server); see ``Instance.submit``.
     inline_capable: bool = False
+    #: the model version's statistics, set by its runtime at load: for backends that serve
+    #: requests outside the schedulers (the llm backend's OpenAI and generate routes)
+    model_stats: ModelStats | None = None
 
     def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
         self.config = config

@@ -100,6 +100,7 @@ class ModelRuntime:
                 backend = await loop.run_in_executor(
                     None, self.backend_cls, self.config, self.version_dir, spec
                 )
+                backend.model_stats = self.stats
                 instances.append(Instance(backend, self.name, self._inline_max_us()))
             if samples:
                 await run_warmup(samples, instances, self.signature, self._outputs)

@@ -3,12 +3,15 @@ applied to the detokenized text."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kiln.core.stats import FailureReason, RequestTimes, failure_reason
 from kiln.llm.sequence import SamplingParams
 from kiln.llm.tokenizer import IncrementalDetokenizer
 
@@ -46,7 +49,41 @@ async def run(
     priority: int = 0,
 ) -> AsyncGenerator[Delta, None]:
     """Deltas of every choice, interleaved as the steps produce them; each choice ends with
-    one delta that carries its ``finish_reason``."""
+    one delta that carries its ``finish_reason``. The request counts in the model's Triton
+    statistics (success, or a failure with its reason; a caller that stops reading early
+    is CANCELED) with its whole time as compute: the engine's own histograms
+    (``kiln_llm_*``) split queue, first token and decode."""
+    stats = llm.model_stats
+    times = RequestTimes(received=time.monotonic_ns())
+    times.queue_end = times.input_end = times.received
+    outcome: FailureReason | None = FailureReason.CANCELED
+    try:
+        # closed explicitly so that a caller leaving early aborts the sequence at once
+        async with aclosing(_run(llm, prompt_ids, params, stops, priority)) as deltas:
+            async for delta in deltas:
+                yield delta
+        outcome = None
+    except BaseException as exc:
+        if not isinstance(exc, GeneratorExit | asyncio.CancelledError):
+            outcome = failure_reason(exc)
+        raise
+    finally:
+        if stats is not None:
+            end = time.monotonic_ns()
+            times.infer_end = times.output_end = end
+            if outcome is None:
+                stats.record_success(times, 1, end)
+            else:
+                stats.record_failure(times, end, outcome)
+
+
+async def _run(
+    llm: LLMBackend,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    stops: tuple[str, ...],
+    priority: int,
+) -> AsyncGenerator[Delta, None]:
     # a stop string may straddle two tokens: hold back what could be its beginning
     hold = max((len(s) for s in stops), default=1) - 1
     choices = [_Choice(IncrementalDetokenizer(llm.tokenizer)) for _ in range(params.n)]
