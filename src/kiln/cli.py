@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from kiln import __version__
+from kiln.cli_bench_openai import OPENAI_ONLY, check_flags, openai_options
 from kiln.cli_security import build_security, security_options
 from kiln.optimize.cli import optimize_options
 
@@ -278,7 +279,7 @@ def serve(
 
 @main.command(context_settings={"show_default": True})
 @click.argument("model", required=False)
-@click.option("-m", "model_opt", default=None, help="The model (perf_analyzer's -m).")
+@click.option("-m", "--model", "model_opt", default=None, help="The model (perf_analyzer's -m).")
 @click.option("-u", "--url", default=None, help="Server host:port [8000 HTTP / 8001 gRPC].")
 @click.option("-i", "--protocol", type=click.Choice(["http", "grpc"]), default="http")
 @click.option("--binary/--json-data", default=True, help="HTTP: binary tensor extension or JSON.")
@@ -295,7 +296,8 @@ def serve(
     "--request-rate-range",
     "request_rate",
     default=None,
-    help="Open loop: requests/s 'start[:end[:step]]' instead of concurrency.",
+    help="Open loop: requests/s 'start[:end[:step]]' instead of concurrency "
+    "(--openai: one rate, or inf [default] to send every request at once).",
 )
 @click.option(
     "--request-distribution",
@@ -347,17 +349,28 @@ def serve(
     "--plot",
     default=None,
     type=click.Path(dir_okay=False),
-    help="PNG of latency against throughput (needs kiln-serve[bench]).",
+    help="PNG of latency against throughput (--openai: latency histograms); "
+    "needs kiln-serve[bench].",
 )
-@click.option(
-    "--api-key",
-    envvar="KILN_API_KEY",
-    default=None,
-    help="API key of a server started with --api-key [env: KILN_API_KEY].",
-)
+@openai_options
 def bench(model: str | None, model_opt: str | None, json_path: str | None,
           **params: object) -> None:  # fmt: skip
-    """Load-test MODEL on a KServe v2 server (kiln, Triton, ...), like perf_analyzer."""
+    """Load-test MODEL on a KServe v2 server (kiln, Triton, ...), like perf_analyzer.
+
+    With --openai URL: a serving benchmark of an OpenAI-compatible LLM server (kiln, vLLM,
+    ...), like vllm bench serve.
+    """
+    ctx = click.get_current_context()
+    openai_url = params.pop("openai_url")
+    check_flags(ctx, openai=openai_url is not None)
+    if openai_url is not None:
+        from kiln.bench.openai_cli import execute as execute_openai
+
+        execute_openai({**params, "openai_url": openai_url, "model": model or model_opt,
+                        "json_path": json_path})  # fmt: skip
+        return
+    for key in OPENAI_ONLY:
+        params.pop(key)
     from kiln.bench.cli import execute
 
     name = model or model_opt

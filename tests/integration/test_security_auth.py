@@ -273,7 +273,8 @@ def test_kiln_bench_sends_the_api_key(secured: KilnProcess, tmp_path: Path, grpc
         cmd = [sys.executable, "-m", "kiln", "bench", "simple", "-u", url, *flags,
                "--concurrency", "1", "--duration", "0.5", "--json", str(report),
                *extra]  # fmt: skip
-        full_env = {k: v for k, v in os.environ.items() if k != "KILN_API_KEY"}
+        drop = ("KILN_API_KEY", "OPENAI_API_KEY")
+        full_env = {k: v for k, v in os.environ.items() if k not in drop}
         full_env.update(env or {})
         return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=full_env)
 
