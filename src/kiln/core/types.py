@@ -37,6 +37,10 @@ class DataType(enum.Enum):
         except ValueError:
             raise ValueError(f"unknown datatype '{name}'") from None
 
+    # Members are singletons compared by identity, so identity hashing is exact; Enum's own
+    # __hash__ is a Python-level call, and these are dict keys on every request's path.
+    __hash__ = object.__hash__
+
     @classmethod
     def from_config(cls, name: str) -> DataType:
         """``TYPE_FP32`` -> FP32, ``TYPE_STRING`` -> BYTES."""
