@@ -17,7 +17,14 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from kiln.bench.options import BenchError, BenchOptions, Distribution, Protocol, parse_range
+from kiln.bench.options import (
+    BenchError,
+    BenchOptions,
+    Distribution,
+    Protocol,
+    parse_range,
+    require_plotting,
+)
 from kiln.bench.options import parse_shape as _parse_shape
 from kiln.bench.report import print_table, write_csv, write_json, write_plot
 from kiln.bench.runner import run
@@ -83,11 +90,7 @@ def execute(params: dict[str, object]) -> None:
             api_key=str(params["api_key"]) if params.get("api_key") else None,
         )
         plot = params["plot"]
-        if plot is not None:  # fail before measuring, not after
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                raise BenchError("--plot needs matplotlib: install kiln-serve[bench]") from None
+        require_plotting(plot)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TextColumn("{task.fields[status]}"))  # fmt: skip
         with Progress(*columns, console=err, transient=True) as bar:

@@ -53,7 +53,7 @@ def execute(params: dict[str, Any]) -> None:
     from kiln.bench.llm_dataset import Endpoint
     from kiln.bench.llm_report import print_table, write_csv, write_json, write_plot
     from kiln.bench.openai import OpenAIBenchOptions, run
-    from kiln.bench.options import BenchError
+    from kiln.bench.options import BenchError, require_plotting
 
     console = Console() if sys.stdout.isatty() else Console(width=120)
     err = Console(stderr=True)
@@ -77,11 +77,7 @@ def execute(params: dict[str, Any]) -> None:
             api_key=str(params.get("api_key") or ""),
         )
         plot = params.get("plot")
-        if plot is not None:  # fail before measuring, not after
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                raise BenchError("--plot needs matplotlib: install kiln-serve[bench]") from None
+        require_plotting(plot)
         columns = (TextColumn("requests"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TextColumn("{task.fields[status]}"))  # fmt: skip
         with Progress(*columns, console=err, transient=True) as bar:

@@ -11,6 +11,16 @@ class BenchError(Exception):
     """A problem that stops the run before or outside measuring (exit status 2)."""
 
 
+def require_plotting(plot: object) -> None:
+    """With ``--plot``, fail before measuring (not after) when matplotlib is missing."""
+    if plot is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BenchError("--plot needs matplotlib: install kiln-serve[bench]") from None
+
+
 class Protocol(enum.Enum):
     HTTP = "http"
     GRPC = "grpc"
