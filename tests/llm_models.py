@@ -98,3 +98,12 @@ def reference_generate(folder: Path, prompt: list[int], max_new_tokens: int) -> 
             pad_token_id=0,
         )
     return [int(t) for t in out[0, len(prompt) :]]
+
+
+def tiny_llm_repository(root: Path, config: str, name: str = "tiny") -> Path:
+    """A model repository under ``root`` holding one tiny llm model ``name`` (version 1)
+    with ``config`` as its config.pbtxt; returns the repository folder."""
+    repo = root / "repo"
+    build_tiny_llm(repo / name / "1")
+    (repo / name / "config.pbtxt").write_text(config)
+    return repo

@@ -24,7 +24,7 @@ from tests.integration.monitor_helpers import get_json, wait_for
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
-from tests.llm_models import build_tiny_llm  # noqa: E402
+from tests.llm_models import tiny_llm_repository  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 CONFIG = """
@@ -47,10 +47,9 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     root = tmp_path_factory.mktemp("llm-dashboard")
-    build_tiny_llm(root / "repo" / "tiny" / "1")
-    (root / "repo" / "tiny" / "config.pbtxt").write_text(CONFIG)
+    repo = tiny_llm_repository(root, CONFIG)
     args = ["--history-interval-secs", "0.2", "--history-path", str(root / "h.db")]
-    proc = KilnProcess(root / "repo", args=[*args, "--no-allow-grpc"]).start(timeout=120)
+    proc = KilnProcess(repo, args=[*args, "--no-allow-grpc"]).start(timeout=120)
     yield proc
     proc.stop()
 

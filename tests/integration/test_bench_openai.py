@@ -21,7 +21,7 @@ from kiln.bench import BenchError
 from kiln.bench.llm_dataset import Endpoint, random_prompts
 from kiln.bench.openai import run
 from tests.conftest import KilnProcess, free_port
-from tests.llm_models import VOCAB, build_tiny_llm
+from tests.llm_models import VOCAB, tiny_llm_repository
 
 CONFIG = """
 name: "tiny"
@@ -35,9 +35,7 @@ parameters { key: "num_gpu_blocks" value { string_value: "128" } }
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     """A server only this module talks to, so counter deltas are ours alone."""
-    repo = tmp_path_factory.mktemp("llm-bench") / "repo"
-    build_tiny_llm(repo / "tiny" / "1")
-    (repo / "tiny" / "config.pbtxt").write_text(CONFIG)
+    repo = tiny_llm_repository(tmp_path_factory.mktemp("llm-bench"), CONFIG)
     proc = KilnProcess(repo, args=["--no-history"]).start(timeout=120)
     yield proc
     proc.stop()

@@ -16,7 +16,7 @@ import requests
 
 from tests.conftest import KilnProcess
 from tests.integration.test_openai_api import CONFIG, _metric
-from tests.llm_models import build_tiny_llm
+from tests.llm_models import tiny_llm_repository
 
 PROMPT = "the quick brown fox"
 GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -24,9 +24,7 @@ GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
-    repo = tmp_path_factory.mktemp("llm") / "repo"
-    build_tiny_llm(repo / "tiny" / "1")
-    (repo / "tiny" / "config.pbtxt").write_text(CONFIG)
+    repo = tiny_llm_repository(tmp_path_factory.mktemp("llm"), CONFIG)
     proc = KilnProcess(repo).start(timeout=120)
     yield proc
     proc.stop()

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
 from tests.conftest import KilnProcess  # noqa: E402
-from tests.llm_models import build_tiny_llm  # noqa: E402
+from tests.llm_models import tiny_llm_repository  # noqa: E402
 
 CONFIG = """
 name: "tiny"
@@ -28,9 +28,7 @@ parameters { key: "dtype" value { string_value: "float32" } }
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
-    repo = tmp_path_factory.mktemp("llm") / "repo"
-    build_tiny_llm(repo / "tiny" / "1")
-    (repo / "tiny" / "config.pbtxt").write_text(CONFIG)
+    repo = tiny_llm_repository(tmp_path_factory.mktemp("llm"), CONFIG)
     proc = KilnProcess(repo).start(timeout=120)
     yield proc
     proc.stop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -12,16 +11,14 @@ pytest.importorskip("transformers")
 
 from tests.conftest import KilnProcess  # noqa: E402
 from tests.integration.test_openai_api import CONFIG  # noqa: E402
-from tests.llm_models import build_tiny_llm  # noqa: E402
+from tests.llm_models import tiny_llm_repository  # noqa: E402
 
 KEY = "sk-kiln-test-key"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
-    repo: Path = tmp_path_factory.mktemp("llm_auth") / "repo"
-    build_tiny_llm(repo / "tiny" / "1")
-    (repo / "tiny" / "config.pbtxt").write_text(CONFIG)
+    repo = tiny_llm_repository(tmp_path_factory.mktemp("llm_auth"), CONFIG)
     proc = KilnProcess(repo, args=["--api-key", KEY]).start(timeout=120)
     yield proc
     proc.stop()

@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
 from tests.conftest import KilnProcess  # noqa: E402
-from tests.llm_models import build_tiny_llm  # noqa: E402
+from tests.llm_models import tiny_llm_repository  # noqa: E402
 
 CONFIG = """
 name: "tiny"
@@ -31,9 +31,7 @@ LONG = "kiln serves models with continuous batching and a paged kv cache. " * 2
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
-    repo = tmp_path_factory.mktemp("llm") / "repo"
-    build_tiny_llm(repo / "tiny" / "1")
-    (repo / "tiny" / "config.pbtxt").write_text(CONFIG)
+    repo = tiny_llm_repository(tmp_path_factory.mktemp("llm"), CONFIG)
     proc = KilnProcess(repo).start(timeout=120)
     yield proc
     proc.stop()
