@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,21 @@ def test_chat_template_and_incremental_decoding(folder: Path) -> None:
     pieces = [detok.add([i]) for i in ids]
     assert "".join(pieces) == "héllo wörld, the quick fox"
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_incremental_decoding_equals_decoding_the_whole_output(folder: Path) -> None:
+    # Random ids, byte-level pieces of multi-byte characters included: the streamed deltas
+    # join to exactly what one decode of the whole list gives, token by token or in chunks.
+    tok = Tokenizer(folder)
+    rng = random.Random(0)
+    ids = tok.encode("héllo wörld, ünïcödé — 日本語 the quick brown fox " * 3)
+    for trial in range(20):
+        seq = ids[: rng.randrange(1, len(ids))] + [rng.randrange(0, 200) for _ in range(30)]
+        detok = IncrementalDetokenizer(tok)
+        pieces, i = [], 0
+        while i < len(seq):
+            step = 1 if trial % 2 else rng.randrange(1, 4)
+            chunk = seq[i : i + step]
+            i += step
+            pieces.append(detok.add(chunk, final=i >= len(seq)))
+        assert "".join(pieces) == tok.decode(seq), trial

@@ -7,6 +7,7 @@ and the thread posts each step's outputs back with ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -23,10 +24,18 @@ log = logging.getLogger("kiln.llm")
 _IDS = itertools.count()
 
 
+_Queue = asyncio.Queue[RequestOutput | KilnError]
+
+
+def _put_all(items: list[tuple[_Queue, RequestOutput]]) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | KilnError]
+    queue: _Queue
 
     def put(self, item: RequestOutput | KilnError) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -131,10 +140,19 @@ class AsyncEngine:
                 log.exception("llm engine step failed")
                 self._fail_all(KilnError(f"llm engine step failed: {exc}", Status.INTERNAL))
                 continue
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """One cross-thread call per step and event loop, not one per request: with 64
+        requests in flight that is 64x fewer wake-ups of the loop and GIL hand-offs."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):

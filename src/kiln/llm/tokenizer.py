@@ -112,20 +112,27 @@ class Tokenizer:
 
 class IncrementalDetokenizer:
     """Text for a growing list of token ids, released only when it is whole: a byte-level
-    token can end in the middle of a UTF-8 character."""
+    token can end in the middle of a UTF-8 character.
 
-    __slots__ = ("_ids", "_sent", "_tok")
+    Each call decodes a short window, not the whole sequence (which made streaming cost
+    grow with the square of the output length): the ids from ``_prefix`` (a few tokens
+    already released, kept so that a tokenizer's leading-space and merge rules see the
+    same context) to the end, minus the text those prefix tokens make alone."""
+
+    __slots__ = ("_ids", "_prefix", "_read", "_tok")
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._ids: list[int] = []
-        self._sent = 0
+        self._prefix = 0  # the window starts here
+        self._read = 0  # ids before this are released as text
 
     def add(self, ids: list[int], final: bool = False) -> str:
         self._ids.extend(ids)
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd") and not final:
-            return ""
-        delta = text[self._sent :]
-        self._sent = len(text)
-        return delta
+        window = self._ids[self._prefix :]
+        before = self._tok.decode(window[: self._read - self._prefix])
+        text = self._tok.decode(window)
+        if (text.endswith("\ufffd") and not final) or len(text) <= len(before):
+            return ""  # an unfinished character, or nothing visible yet
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before) :]
