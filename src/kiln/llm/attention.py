@@ -1,12 +1,22 @@
 """Portable paged attention: scatter new K/V into the block pool, gather each sequence's
 keys through its block table, run ``scaled_dot_product_attention`` on CPU or GPU.
 
+Cache layout (this backend): ``[num_blocks, num_kv_heads, block_size, head_dim]``. A block
+keeps each KV head's keys together, so gathering a sequence's blocks head by head (one
+``index_select`` row per block and head) writes them straight into SDPA's
+``[batch, kv_heads, keys, head_dim]`` layout, contiguous: the kernel then streams them
+without a transpose or a copy of its own.
+
 A step mixes decodes (one new token each) and prefills (a prompt or a chunk of one), and
 padding them into one batch would cost ``batch x longest prompt x longest context``. So:
 
-- decodes go in a few batched groups of similar context length (sorted, then cut where
-  padding to the group's longest would waste more than ``MAX_PADDING``): the key gather,
-  the step's main memory traffic, stays close to the keys that exist;
+- decodes go in small batched groups of similar context length (sorted, then cut where
+  padding to the group's longest would waste more than ``MAX_PADDING`` or the group holds
+  ``MAX_GROUP_SEQS``). Each group's keys are gathered into one reused workspace and
+  attended at once, while they are still in the CPU's cache: the gather writes them and
+  SDPA reads them back from there instead of from memory. The GQA group of query heads
+  that share a KV head is folded into the query length (``[b, Hkv, H / Hkv, D]``), which
+  turns the kernel's per-head matrix-vector products into one small matrix product.
 - each prefill runs alone. A fresh prompt attends to its own new K/V with SDPA's
   ``is_causal`` (queries and keys are the same length, so top-left alignment is right) and
   touches no cache; a later chunk, or a prompt whose prefix is already cached, gathers its
@@ -25,6 +35,35 @@ import torch.nn.functional as F
 #: a decode group is closed when padding its keys to its longest sequence would exceed
 #: this fraction of its real keys
 MAX_PADDING = 0.25
+#: ... or when it holds this many sequences: a group's gathered keys should stay in the
+#: CPU's cache until SDPA reads them (on the 2-vCPU Xeon of benchmarks/llm_cpu.py, groups
+#: of 16 were fastest between 1 and 64, for contexts of 150 to 300 tokens)
+MAX_GROUP_SEQS = 16
+
+
+class KVWorkspace:
+    """Reused buffers for a decode group's gathered keys and values. A fresh tensor of a few
+    MB per group and layer goes back to the OS when freed (glibc maps large blocks), and
+    every page of the next one faults in again: that cost as much as the copy itself."""
+
+    def __init__(self) -> None:
+        self.keys = torch.empty(0)
+        self.values = torch.empty(0)
+
+    def reserve(self, rows: int, block_size: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device) -> None:  # fmt: skip
+        """Room for ``rows`` gathered (block, head) rows."""
+        keys = self.keys
+        if (
+            keys.shape[0] < rows
+            or keys.shape[1:] != (block_size, head_dim)
+            or keys.dtype != dtype
+            or keys.device != device
+        ):
+            # headroom: contexts grow a token a step, and each reallocation faults pages in
+            shape = (rows + rows // 2, block_size, head_dim)
+            self.keys = torch.empty(shape, dtype=dtype, device=device)
+            self.values = torch.empty(shape, dtype=dtype, device=device)
 
 
 @dataclass(slots=True)
@@ -33,10 +72,13 @@ class DecodeGroup:
 
     #: [b] index of each sequence's token among the step's flat tokens
     token_index: torch.Tensor
-    #: [b, nb] physical blocks of each sequence (padding: block 0, masked out)
-    block_tables: torch.Tensor
+    #: [b * Hkv * nb] row of each (sequence, KV head, block) in the cache viewed as
+    #: [num_blocks * Hkv, block_size, D] (padding: block 0, masked out)
+    rows: torch.Tensor
     #: [b, 1, 1, nb * block_size] True where the key position holds a token
     mask: torch.Tensor
+    #: blocks per sequence (nb)
+    width: int
 
 
 @dataclass(slots=True)
@@ -57,10 +99,14 @@ class PrefillChunk:
 class AttentionMetadata:
     """Built once per step by the model runner; read by every layer."""
 
-    #: [T] flat KV slot (block_id * block_size + offset) of each new token
-    slot_mapping: torch.Tensor
+    #: [T * Hkv] row of each new token's key (per KV head) in the cache viewed as
+    #: [num_blocks * Hkv * block_size, D]
+    kv_rows: torch.Tensor
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    workspace: KVWorkspace
+    #: the most (block, head) rows one decode group gathers
+    max_rows: int = 0
 
     @classmethod
     def build(
@@ -70,14 +116,17 @@ class AttentionMetadata:
         num_new: list[int],
         block_size: int,
         device: torch.device,
+        num_kv_heads: int,
+        workspace: KVWorkspace,
     ) -> AttentionMetadata:
-        slots: list[int] = []
+        per_block = num_kv_heads * block_size  # cache rows per block
+        slots: list[int] = []  # row of each new token's first KV head
         decode_rows: list[tuple[int, int, list[int]]] = []  # (context, flat index, table)
         prefills: list[PrefillChunk] = []
         start = 0
         for table, computed, n in zip(block_tables, num_computed, num_new, strict=True):
             slots.extend(
-                table[p // block_size] * block_size + p % block_size
+                table[p // block_size] * per_block + p % block_size
                 for p in range(computed, computed + n)
             )
             if n == 1 and computed > 0:
@@ -86,20 +135,32 @@ class AttentionMetadata:
                 prefills.append(_prefill(start, n, computed, table, block_size, device))
             start += n
         decode_rows.sort(key=lambda row: row[0])
-        decodes = [_decode_group(g, block_size, device) for g in _groups(decode_rows, block_size)]
-        slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-        return cls(slot_mapping=slot_mapping, decodes=decodes, prefills=prefills)
+        decodes = [_decode_group(g, block_size, num_kv_heads, device)
+                   for g in _groups(decode_rows, block_size)]  # fmt: skip
+        heads = torch.arange(num_kv_heads, dtype=torch.long) * block_size
+        kv_rows = (torch.tensor(slots, dtype=torch.long)[:, None] + heads).flatten()
+        return cls(
+            kv_rows=kv_rows.to(device),
+            decodes=decodes,
+            prefills=prefills,
+            workspace=workspace,
+            max_rows=max((g.rows.shape[0] for g in decodes), default=0),
+        )
 
 
 def _groups(rows: list[tuple[int, int, list[int]]],
             block_size: int) -> list[list[tuple[int, int, list[int]]]]:  # fmt: skip
-    """Cut rows sorted by context length where padding to the longest would be wasteful."""
+    """Cut rows sorted by context length where padding to the longest would be wasteful,
+    or where the group is full."""
     groups: list[list[tuple[int, int, list[int]]]] = []
     current: list[tuple[int, int, list[int]]] = []
     real = 0
     for row in rows:
         blocks = -(-row[0] // block_size)
-        if current and (len(current) + 1) * blocks > (1 + MAX_PADDING) * (real + blocks):
+        if current and (
+            len(current) >= MAX_GROUP_SEQS
+            or (len(current) + 1) * blocks > (1 + MAX_PADDING) * (real + blocks)
+        ):
             groups.append(current)
             current, real = [], 0
         current.append(row)
@@ -109,16 +170,23 @@ def _groups(rows: list[tuple[int, int, list[int]]],
     return groups
 
 
-def _decode_group(rows: list[tuple[int, int, list[int]]], block_size: int,
+def _decode_group(rows: list[tuple[int, int, list[int]]], block_size: int, num_kv_heads: int,
                   device: torch.device) -> DecodeGroup:  # fmt: skip
     width = -(-rows[-1][0] // block_size)  # sorted: the last row is the longest
-    tables = [table[:width] + [0] * (width - len(table[:width])) for _, _, table in rows]
+    tables = torch.tensor(
+        [table[:width] + [0] * (width - len(table[:width])) for _, _, table in rows],
+        dtype=torch.long,
+    )
+    heads = torch.arange(num_kv_heads, dtype=torch.long)
+    # (sequence, head, block) -> row block * Hkv + head of the [NB * Hkv, bs, D] view
+    cache_rows = (tables[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
     context = torch.tensor([ctx for ctx, _, _ in rows])
     mask = torch.arange(width * block_size)[None, :] < context[:, None]
     return DecodeGroup(
         token_index=torch.tensor([i for _, i, _ in rows], dtype=torch.long, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+        rows=cache_rows.to(device),
         mask=mask[:, None, None, :].to(device),
+        width=width,
     )
 
 
@@ -139,6 +207,12 @@ def _prefill(start: int, n: int, computed: int, table: list[int], block_size: in
     )
 
 
+def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                head_dim: int) -> tuple[int, int, int, int]:  # fmt: skip
+    """One layer's K (or V) pool in this backend's layout."""
+    return (num_blocks, num_kv_heads, block_size, head_dim)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -148,37 +222,50 @@ def paged_attention(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] for the step's new tokens; caches
-    [num_blocks, block_size, Hkv, D]. Returns [T, H, D]."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-    v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+    [num_blocks, Hkv, block_size, D]. Returns [T, H, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    new_k = k.reshape(-1, head_dim).to(k_cache.dtype)
+    new_v = v.reshape(-1, head_dim).to(v_cache.dtype)
+    k_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, new_k)
+    v_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, new_v)
     out = torch.empty_like(q)
+    k_rows = k_cache.view(-1, block_size, head_dim)
+    v_rows = v_cache.view(-1, block_size, head_dim)
+    ws = meta.workspace
+    if meta.decodes:
+        ws.reserve(meta.max_rows, block_size, head_dim, k_cache.dtype, k_cache.device)
     for g in meta.decodes:
-        # whole blocks are gathered (one index per block, not per token)
-        keys = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [b, Hkv, Lk, D]
-        values = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2)
-        queries = q[g.token_index][:, :, None]  # [b, H, 1, D]
+        b = g.token_index.shape[0]
+        n = g.rows.shape[0]
+        keys = torch.index_select(k_rows, 0, g.rows, out=ws.keys[:n])
+        values = torch.index_select(v_rows, 0, g.rows, out=ws.values[:n])
+        length = g.width * block_size
+        # the query heads sharing a KV head ride as that head's query rows
+        queries = q[g.token_index].view(b, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(
-            queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=g.mask, enable_gqa=True
+            queries,
+            keys.view(b, num_kv_heads, length, head_dim).to(q.dtype),
+            values.view(b, num_kv_heads, length, head_dim).to(q.dtype),
+            attn_mask=g.mask,
         )
-        out[g.token_index] = o[:, :, 0]
+        out.index_copy_(0, g.token_index, o.view(b, num_heads, head_dim))
     for p in meta.prefills:
         span = slice(p.start, p.start + p.length)
         queries = q[span].transpose(0, 1)[None]  # [1, H, n, D]
         if p.block_table is None:
-            keys, values = k[span], v[span]
+            keys, values = k[span].transpose(0, 1), v[span].transpose(0, 1)
             causal, mask = True, None
         else:
             total = p.num_computed + p.length
-            keys = k_cache[p.block_table].flatten(0, 1)[:total]
-            values = v_cache[p.block_table].flatten(0, 1)[:total]
+            keys = k_cache[p.block_table].transpose(0, 1).flatten(1, 2)[:, :total]
+            values = v_cache[p.block_table].transpose(0, 1).flatten(1, 2)[:, :total]
             causal, mask = False, p.mask
         o = F.scaled_dot_product_attention(
             queries,
-            keys.transpose(0, 1)[None].to(q.dtype),
-            values.transpose(0, 1)[None].to(q.dtype),
+            keys[None].to(q.dtype),
+            values[None].to(q.dtype),
             attn_mask=mask,
             is_causal=causal,
             enable_gqa=True,

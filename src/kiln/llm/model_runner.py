@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from kiln.core.errors import KilnError, Status
-from kiln.llm.attention import AttentionMetadata
+from kiln.llm.attention import AttentionMetadata, KVWorkspace, cache_shape
 from kiln.llm.attention_flex import FlexMetadata, resolve_attention_backend
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.cuda_graphs import DecodeGraphs, capture_sizes
@@ -67,6 +67,7 @@ class ModelRunner:
         if args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         self.model = model.to(self.dtype).eval()
+        self.model.fuse()
         self.block_bytes = (
             2
             * args.num_hidden_layers
@@ -83,17 +84,17 @@ class ModelRunner:
         )
         # flex: one scratch page past the pool's, written only by CUDA graphs' dummy rows
         scratch = 1 if self.attention_backend == "flex" else 0
+        pages = self.num_blocks + scratch
+        bs, heads, dim = config.block_size, args.num_key_value_heads, args.head_dim
+        # flex reads the whole pool as one key sequence, slot by slot ([pages, bs, Hkv, D]);
+        # the portable backend gathers head by head ([pages, Hkv, bs, D], see attention.py)
+        flex = self.attention_backend == "flex"
+        layer = (pages, bs, heads, dim) if flex else cache_shape(pages, bs, heads, dim)
         # one allocation for all layers; each layer's attention gets views into it
         self.kv_cache = torch.zeros(
-            2,
-            args.num_hidden_layers,
-            self.num_blocks + scratch,
-            config.block_size,
-            args.num_key_value_heads,
-            args.head_dim,
-            dtype=self.dtype,
-            device=self.device,
+            2, args.num_hidden_layers, *layer, dtype=self.dtype, device=self.device
         )
+        self.workspace = KVWorkspace()
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
@@ -153,7 +154,13 @@ class ModelRunner:
             )
         else:
             meta = AttentionMetadata.build(
-                tables, computed, out.num_new_tokens, self.config.block_size, self.device
+                tables,
+                computed,
+                out.num_new_tokens,
+                self.config.block_size,
+                self.device,
+                self.args.num_key_value_heads,
+                self.workspace,
             )
         dev = self.device
         logits: torch.Tensor = self.model(

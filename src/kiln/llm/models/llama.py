@@ -14,7 +14,7 @@ from torch import nn
 from kiln.llm.attention import AttentionMetadata, paged_attention
 from kiln.llm.attention_flex import FlexMetadata, flex_paged_attention
 from kiln.llm.config import ModelArgs
-from kiln.llm.models.rope import RotaryEmbedding
+from kiln.llm.models.rope import RotaryEmbedding, rotate
 
 
 class RMSNorm(nn.Module):
@@ -42,24 +42,38 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(args.hidden_size, q_size, bias=bias)
         self.k_proj = nn.Linear(args.hidden_size, kv_size, bias=bias)
         self.v_proj = nn.Linear(args.hidden_size, kv_size, bias=bias)
+        #: q, k and v in one matrix product, once the checkpoint is loaded (``fuse``)
+        self.qkv_proj: nn.Linear | None = None
         # Llama's attention_bias covers o_proj too; Qwen2's q/k/v biases do not
         o_bias = bias and args.architecture != "Qwen2ForCausalLM"
         self.o_proj = nn.Linear(q_size, args.hidden_size, bias=o_bias)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
+    def fuse(self) -> None:
+        """Replace q/k/v_proj (the checkpoint's names) by one projection: one matrix product
+        a layer instead of three small ones. Its rows are theirs, stacked: each output is
+        the same dot product as before."""
+        self.qkv_proj = _stack(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,
-        rope: RotaryEmbedding,
         meta: AttentionMetadata | FlexMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(t, h + 2 * hkv, d)
+            # q and k rotate together: one pass over both
+            qk = rotate(qkv[:, : h + hkv], *rope)
+            q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv :]
+        else:
+            q = rotate(self.q_proj(x).view(t, h, d), *rope)
+            k = rotate(self.k_proj(x).view(t, hkv, d), *rope)
+            v = self.v_proj(x).view(t, hkv, d)
         if isinstance(meta, FlexMetadata):
             out = flex_paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
         else:
@@ -68,15 +82,44 @@ class Attention(nn.Module):
         return result
 
 
+def _stack(*parts: nn.Linear) -> nn.Linear:
+    first = parts[0]
+    out = sum(p.out_features for p in parts)
+    fused = nn.Linear(
+        first.in_features,
+        out,
+        bias=first.bias is not None,
+        device=first.weight.device,
+        dtype=first.weight.dtype,
+    )
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused
+
+
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        #: gate and up in one matrix product, once the checkpoint is loaded (``fuse``)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """One projection for gate and up (as ``Attention.fuse``)."""
+        self.gate_up_proj = _stack(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        hidden = F.silu(gate)
+        out: torch.Tensor = self.down_proj(hidden.mul_(up))
         return out
 
 
@@ -90,12 +133,11 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,
-        rope: RotaryEmbedding,
         meta: AttentionMetadata | FlexMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rope, meta)
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
         out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
 
@@ -120,6 +162,13 @@ class LlamaForCausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def fuse(self) -> None:
+        """Fuse every layer's projections (after the checkpoint is loaded into the
+        separate ones)."""
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)):
+                module.fuse()
+
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.modules() if isinstance(m, Attention)]
 
@@ -132,8 +181,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits [len(logit_index), vocab] for the flat tokens ``logit_index`` picks."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb.lookup(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(positions, x, self.model.rotary_emb, meta)
+            x = layer(rope, x, meta)
         hidden = self.model.norm(x[logit_index])
         logits: torch.Tensor = self.lm_head(hidden)
         return logits

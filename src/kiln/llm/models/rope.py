@@ -67,15 +67,26 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos = emb.cos()
         self.sin = emb.sin()
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q`` [T, H, D], ``k`` [T, Hkv, D]; rotate-half layout, as HF checkpoints store."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """cos and *signed* sin ``[T, 1, D]`` of the step's tokens, looked up once per step
+        for every layer. The sin's first half is negated so that ``rotate`` needs no
+        negation of its own: ``-x2 * s == x2 * -s`` exactly, so the result is bit for bit
+        the rotate-half formula's."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        half = sin.shape[-1] // 2
+        sin[..., :half].neg_()
+        return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [T, heads, D] rotated by its tokens' positions (``RotaryEmbedding.lookup``);
+    rotate-half layout, as HF checkpoints store."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    # not addcmul: its fused multiply-add rounds differently from transformers' formula
+    out = x * cos
+    out += swapped.mul_(signed_sin)
+    return out

@@ -1,0 +1,82 @@
+"""The portable paged attention against a dense per-sequence reference, on random K/V in
+randomly placed blocks: decodes of varied context lengths (several decode groups, padded
+rows masked), a fresh prompt, and a prompt chunk that continues a cached prefix."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.llm import attention
+from kiln.llm.attention import AttentionMetadata, KVWorkspace, cache_shape, paged_attention
+
+H, HKV, D, BS, NUM_BLOCKS = 4, 2, 8, 4, 96
+CPU = torch.device("cpu")
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
+    """One sequence: ``q`` [n, H, D] at positions offset.., ``k``/``v`` [offset + n, Hkv, D]."""
+    n, total = q.shape[0], k.shape[0]
+    keep = torch.arange(total)[None, :] <= torch.arange(offset, offset + n)[:, None]
+    rep = H // HKV
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(rep, dim=1).transpose(0, 1),
+        v.repeat_interleave(rep, dim=1).transpose(0, 1),
+        attn_mask=keep,
+    )
+    return o.transpose(0, 1)
+
+
+def test_paged_attention_matches_dense_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    # small groups, so that this handful of decodes makes several of them
+    monkeypatch.setattr(attention, "MAX_GROUP_SEQS", 3)
+    k_cache = torch.zeros(cache_shape(NUM_BLOCKS, BS, HKV, D))
+    v_cache = torch.zeros_like(k_cache)
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    # (tokens already cached, new tokens): 7 decodes, a fresh prompt, a continued chunk
+    shapes = [(1, 1), (3, 1), (4, 1), (5, 1), (9, 1), (17, 1), (30, 1), (0, 6), (8, 5)]
+    tables, full_k, full_v = [], [], []
+    for cached, new in shapes:
+        table = [free.pop() for _ in range(-(-(cached + new) // BS))]
+        keys, values = torch.randn(cached + new, HKV, D), torch.randn(cached + new, HKV, D)
+        for p in range(cached):  # the earlier steps' keys, written where the table says
+            k_cache[table[p // BS], :, p % BS] = keys[p]
+            v_cache[table[p // BS], :, p % BS] = values[p]
+        tables.append(table)
+        full_k.append(keys)
+        full_v.append(values)
+    q = torch.randn(sum(n for _, n in shapes), H, D)
+    k = torch.cat([keys[c:] for keys, (c, _) in zip(full_k, shapes, strict=True)])
+    v = torch.cat([values[c:] for values, (c, _) in zip(full_v, shapes, strict=True)])
+    meta = AttentionMetadata.build(
+        tables, [c for c, _ in shapes], [n for _, n in shapes], BS, CPU, HKV, KVWorkspace()
+    )
+    assert len(meta.decodes) >= 3 and len(meta.prefills) == 2
+    out = paged_attention(q, k, v, k_cache, v_cache, meta)
+    start = 0
+    for (cached, new), keys, values, table in zip(shapes, full_k, full_v, tables, strict=True):
+        want = _dense(q[start : start + new], keys, values, cached)
+        torch.testing.assert_close(out[start : start + new], want, rtol=1e-5, atol=1e-5)
+        # the new tokens' K/V were written into the sequence's blocks
+        for p in range(cached, cached + new):
+            assert torch.equal(k_cache[table[p // BS], :, p % BS], keys[p])
+            assert torch.equal(v_cache[table[p // BS], :, p % BS], values[p])
+        start += new
+
+
+def test_workspace_grows_and_is_reused() -> None:
+    ws = KVWorkspace()
+    ws.reserve(10, BS, D, torch.float32, CPU)
+    first = ws.keys
+    assert first.shape[0] >= 10 and first.shape[1:] == (BS, D)
+    ws.reserve(8, BS, D, torch.float32, CPU)
+    assert ws.keys is first  # big enough: kept
+    ws.reserve(first.shape[0] + 1, BS, D, torch.float32, CPU)
+    assert ws.keys.shape[0] > first.shape[0] and ws.values.shape == ws.keys.shape
