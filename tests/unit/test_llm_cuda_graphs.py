@@ -103,7 +103,7 @@ def test_attention_and_cuda_graph_parameters_from_config_pbtxt() -> None:
     )
     assert config.attention_backend == "flex" and config.enforce_eager
     assert config.cuda_graph_sizes == (1, 2, 8, 16)
-    with pytest.raises(KilnError, match="attention_backend must be one of auto, torch, flex"):
+    with pytest.raises(KilnError, match="attention_backend must be one of auto, torch, cpu, flex"):
         _config({"attention_backend": "flash"})
     with pytest.raises(KilnError, match="model 'm': parameter enforce_eager must be true or"):
         _config({"enforce_eager": "maybe"})
@@ -117,7 +117,8 @@ def test_flex_backend_resolution() -> None:
     from kiln.llm.attention_flex import resolve_attention_backend
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert resolve_attention_backend("auto", cpu, 16) == "torch"
+    assert resolve_attention_backend("auto", cpu, 16) == "cpu"  # numba is installed here
+    assert resolve_attention_backend("auto", cpu, 16, torch.bfloat16) == "torch"
     assert resolve_attention_backend("auto", cuda, 16) == "flex"
     # pages smaller than a tensor-core tile keep the portable backend on CUDA
     assert resolve_attention_backend("auto", cuda, 8) == "torch"
@@ -125,3 +126,20 @@ def test_flex_backend_resolution() -> None:
     assert resolve_attention_backend("torch", cuda, 16) == "torch"
     with pytest.raises(KilnError, match="'flex' on CUDA needs block_size >= 16, got 8"):
         resolve_attention_backend("flex", cuda, 8)
+
+
+def test_cpu_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kiln.llm import attention_cpu
+    from kiln.llm.attention_flex import resolve_attention_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_attention_backend("cpu", cpu, 16) == "cpu"
+    with pytest.raises(KilnError, match="'cpu' needs dtype float32, got bfloat16"):
+        resolve_attention_backend("cpu", cpu, 16, torch.bfloat16)
+    with pytest.raises(KilnError, match="'cpu' runs on the CPU, not on cuda"):
+        resolve_attention_backend("cpu", cuda, 16)
+    # without numba: auto keeps the portable backend, an explicit 'cpu' says what is missing
+    monkeypatch.setattr(attention_cpu, "numba", None)
+    assert resolve_attention_backend("auto", cpu, 16) == "torch"
+    with pytest.raises(KilnError, match=r"needs numba: pip install 'kiln-serve\[llm\]'"):
+        resolve_attention_backend("cpu", cpu, 16)

@@ -49,10 +49,12 @@ def test_single_requests_match_transformers(llama: Path, expected: list[list[int
     _all_returned(engine)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_batched_requests_of_different_lengths_match(
-    llama: Path, expected: list[list[int]]
+    llama: Path, expected: list[list[int]], backend: str
 ) -> None:
-    engine = _engine(llama)
+    engine = LLMEngine(llama, EngineConfig(attention_backend=backend))
+    assert engine.runner.attention_backend == backend
     assert engine.generate(PROMPTS, GREEDY) == expected
     # every step after the first mixed several sequences in one batch
     assert engine.stats.num_steps < sum(GREEDY.max_tokens for _ in PROMPTS)

@@ -1,6 +1,7 @@
-"""The portable paged attention against a dense per-sequence reference, on random K/V in
-randomly placed blocks: decodes of varied context lengths (several decode groups, padded
-rows masked), a fresh prompt, and a prompt chunk that continues a cached prefix."""
+"""Paged attention against a dense per-sequence reference, on random K/V in randomly placed
+blocks: decodes of varied context lengths (several decode groups, padded rows masked; or
+all of them in the ``cpu`` backend's kernel, which reads the blocks in place), a fresh
+prompt, and a prompt chunk that continues a cached prefix."""
 
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
     return o.transpose(0, 1)
 
 
-def test_paged_attention_matches_dense_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "cpu-kernel"])
+def test_paged_attention_matches_dense_attention(
+    monkeypatch: pytest.MonkeyPatch, fused: bool
+) -> None:
     torch.manual_seed(0)
     rng = random.Random(0)
     # small groups, so that this handful of decodes makes several of them
@@ -56,9 +60,14 @@ def test_paged_attention_matches_dense_attention(monkeypatch: pytest.MonkeyPatch
     k = torch.cat([keys[c:] for keys, (c, _) in zip(full_k, shapes, strict=True)])
     v = torch.cat([values[c:] for values, (c, _) in zip(full_v, shapes, strict=True)])
     meta = AttentionMetadata.build(
-        tables, [c for c, _ in shapes], [n for _, n in shapes], BS, CPU, HKV, KVWorkspace()
-    )
-    assert len(meta.decodes) >= 3 and len(meta.prefills) == 2
+        tables, [c for c, _ in shapes], [n for _, n in shapes], BS, CPU, HKV, KVWorkspace(),
+        fused_decode=fused,
+    )  # fmt: skip
+    if fused:
+        assert meta.fused is not None and meta.fused.tables.shape[0] == 7 and not meta.decodes
+    else:
+        assert len(meta.decodes) >= 3 and meta.fused is None
+    assert len(meta.prefills) == 2
     out = paged_attention(q, k, v, k_cache, v_cache, meta)
     start = 0
     for (cached, new), keys, values, table in zip(shapes, full_k, full_v, tables, strict=True):

@@ -32,6 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kiln.llm import attention_cpu
+from kiln.llm.attention_cpu import FusedDecode
+
 #: a decode group is closed when padding its keys to its longest sequence would exceed
 #: this fraction of its real keys
 MAX_PADDING = 0.25
@@ -107,6 +110,9 @@ class AttentionMetadata:
     workspace: KVWorkspace
     #: the most (block, head) rows one decode group gathers
     max_rows: int = 0
+    #: the ``cpu`` backend: all decodes for its kernel, which reads the blocks in place
+    #: (then ``decodes`` is empty)
+    fused: FusedDecode | None = None
 
     @classmethod
     def build(
@@ -118,6 +124,7 @@ class AttentionMetadata:
         device: torch.device,
         num_kv_heads: int,
         workspace: KVWorkspace,
+        fused_decode: bool = False,
     ) -> AttentionMetadata:
         per_block = num_kv_heads * block_size  # cache rows per block
         slots: list[int] = []  # row of each new token's first KV head
@@ -134,6 +141,9 @@ class AttentionMetadata:
             else:
                 prefills.append(_prefill(start, n, computed, table, block_size, device))
             start += n
+        fused = None
+        if fused_decode and decode_rows:
+            fused, decode_rows = FusedDecode.build(decode_rows, block_size), []
         decode_rows.sort(key=lambda row: row[0])
         decodes = [_decode_group(g, block_size, num_kv_heads, device)
                    for g in _groups(decode_rows, block_size)]  # fmt: skip
@@ -145,6 +155,7 @@ class AttentionMetadata:
             prefills=prefills,
             workspace=workspace,
             max_rows=max((g.rows.shape[0] for g in decodes), default=0),
+            fused=fused,
         )
 
 
@@ -233,6 +244,8 @@ def paged_attention(
     out = torch.empty_like(q)
     k_rows = k_cache.view(-1, block_size, head_dim)
     v_rows = v_cache.view(-1, block_size, head_dim)
+    if meta.fused is not None:
+        attention_cpu.decode(q, k_cache, v_cache, meta.fused, out)
     ws = meta.workspace
     if meta.decodes:
         ws.reserve(meta.max_rows, block_size, head_dim, k_cache.dtype, k_cache.device)

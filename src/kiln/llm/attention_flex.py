@@ -28,16 +28,27 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from kiln.core.errors import KilnError, Status
+from kiln.llm import attention_cpu
 
 #: rows per query block of the BlockMask (the compiled kernels' default tile)
 Q_BLOCK = 128
 _compiled: Callable[..., Any] | None = None
 
 
-def resolve_attention_backend(name: str, device: torch.device, block_size: int) -> str:
-    """``torch`` or ``flex`` for the configured name: ``auto`` is flex on CUDA, where its
-    kernels are compiled, and the portable backend elsewhere."""
+def resolve_attention_backend(
+    name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.float32
+) -> str:
+    """``torch``, ``cpu`` or ``flex`` for the configured name: ``auto`` is flex on CUDA,
+    where its kernels are compiled, the fused CPU kernel on the CPU when numba is installed
+    and the cache is float32, and the portable backend otherwise."""
     if name == "torch":
+        return "torch"
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        problem = _cpu_backend_problem(device, dtype)
+        if problem is None:
+            return "cpu"
+        if name == "cpu":
+            raise KilnError(f"llm backend: attention_backend 'cpu' {problem}", Status.INVALID_ARG)
         return "torch"
     cuda_pages_ok = block_size >= 16  # a page must fill a tensor-core tile (BLOCK_N >= 16)
     if name == "auto":
@@ -49,6 +60,16 @@ def resolve_attention_backend(name: str, device: torch.device, block_size: int) 
             Status.INVALID_ARG,
         )
     return "flex"
+
+
+def _cpu_backend_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cpu":
+        return f"runs on the CPU, not on {device.type}"
+    if dtype != torch.float32:
+        return f"needs dtype float32, got {str(dtype).removeprefix('torch.')}"
+    if not attention_cpu.available():
+        return "needs numba: pip install 'kiln-serve[llm]'"
+    return None
 
 
 @dataclass(slots=True)

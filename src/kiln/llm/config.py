@@ -12,7 +12,7 @@ from kiln.core.errors import KilnError, Status
 # Architectures whose weights and forward pass are Llama's skeleton (names differ only).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-ATTENTION_BACKENDS = ("auto", "torch", "flex")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flex")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from kiln.core.errors import KilnError, Status
+from kiln.llm import attention_cpu
 from kiln.llm.attention import AttentionMetadata, KVWorkspace, cache_shape
 from kiln.llm.attention_flex import FlexMetadata, resolve_attention_backend
 from kiln.llm.config import EngineConfig, ModelArgs
@@ -80,8 +81,10 @@ class ModelRunner:
             config.kv_cache_memory_bytes // self.block_bytes, 1
         )
         self.attention_backend = resolve_attention_backend(
-            config.attention_backend, self.device, config.block_size
+            config.attention_backend, self.device, config.block_size, self.dtype
         )
+        if self.attention_backend == "cpu":
+            attention_cpu.warm_up()
         # flex: one scratch page past the pool's, written only by CUDA graphs' dummy rows
         scratch = 1 if self.attention_backend == "flex" else 0
         pages = self.num_blocks + scratch
@@ -161,6 +164,7 @@ class ModelRunner:
                 self.device,
                 self.args.num_key_value_heads,
                 self.workspace,
+                fused_decode=self.attention_backend == "cpu",
             )
         dev = self.device
         logits: torch.Tensor = self.model(

@@ -1,0 +1,155 @@
+"""Decode attention on the CPU straight from the paged cache (``attention_backend: cpu``).
+
+The portable backend (``attention.py``) gathers every decoding sequence's keys and values
+out of their blocks into a dense tensor each layer and step, then runs SDPA over it: the
+K/V bytes are read, written and read again, and on a CPU that memory traffic, not the
+arithmetic, is most of a decode step (benchmarks/README.md, "LLM engine"). This kernel walks
+each sequence's block table and reads every key and value once, in place, with an online
+softmax (running maximum and sum, rescaled block by block), the way vLLM's CPU and GPU
+paged-attention kernels do.
+
+It is compiled with numba (``kiln-serve[llm]``) when first used; without numba, or for a
+cache dtype other than float32, the engine keeps the portable backend. Prefill chunks
+still go through SDPA (``attention.py``): a prompt attends to its own new keys, which need
+no gather.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+try:  # numba is in the llm extra; the portable backend works without it
+    import numba
+except ImportError:  # pragma: no cover - exercised where numba is not installed
+    numba = None  # type: ignore[assignment]
+
+
+def available() -> bool:
+    return numba is not None
+
+
+@dataclass(slots=True)
+class FusedDecode:
+    """Every decoding sequence of a step (one new token each), for the kernel."""
+
+    #: [b] index of each sequence's token among the step's flat tokens
+    token_index: torch.Tensor
+    #: [b, max blocks] int32 block table of each sequence (padded with 0, never read)
+    tables: np.ndarray
+    #: [b] int32 tokens in each sequence's context, the new one included
+    context: np.ndarray
+
+    @classmethod
+    def build(cls, rows: list[tuple[int, int, list[int]]], block_size: int) -> FusedDecode:
+        """``rows``: (context length, flat token index, block table) per sequence."""
+        width = max(-(-ctx // block_size) for ctx, _, _ in rows)
+        tables = np.zeros((len(rows), width), dtype=np.int32)
+        for i, (ctx, _, table) in enumerate(rows):
+            used = -(-ctx // block_size)
+            tables[i, :used] = table[:used]
+        return cls(
+            token_index=torch.tensor([i for _, i, _ in rows], dtype=torch.long),
+            tables=tables,
+            context=np.array([ctx for ctx, _, _ in rows], dtype=np.int32),
+        )
+
+
+def _kernel(q: Any, k_cache: Any, v_cache: Any, tables: Any, context: Any, out: Any) -> None:
+    """``q`` [b, Hkv, G, D] (already scaled), caches [blocks, Hkv, bs, D], ``out`` like q.
+
+    For each (sequence, KV head): the G query heads sharing that KV head read each key and
+    value row once; softmax is online (running max ``m`` and sum ``l``, the accumulator
+    rescaled when the max grows), so nothing of size context is materialised."""
+    b_count, kv_heads, group, dim = q.shape
+    block_size = k_cache.shape[2]
+    scores = np.empty((group, block_size), dtype=np.float32)
+    acc = np.empty((group, dim), dtype=np.float32)
+    m = np.empty(group, dtype=np.float32)
+    l_sum = np.empty(group, dtype=np.float32)
+    for b in range(b_count):
+        n = context[b]
+        blocks = (n + block_size - 1) // block_size
+        for h in range(kv_heads):
+            for g in range(group):
+                m[g] = -np.inf
+                l_sum[g] = 0.0
+                for d in range(dim):
+                    acc[g, d] = 0.0
+            for j in range(blocks):
+                block = tables[b, j]
+                count = min(block_size, n - j * block_size)
+                for g in range(group):
+                    top = m[g]
+                    for t in range(count):
+                        s = np.float32(0.0)
+                        for d in range(dim):
+                            s += q[b, h, g, d] * k_cache[block, h, t, d]
+                        scores[g, t] = s
+                        if s > top:
+                            top = s
+                    # the first block: m is -inf and the (empty) accumulator stays 0
+                    correction = math.exp(m[g] - top) if m[g] > -np.inf else np.float32(0.0)
+                    l_sum[g] *= correction
+                    for d in range(dim):
+                        acc[g, d] *= correction
+                    for t in range(count):
+                        p = np.float32(math.exp(scores[g, t] - top))
+                        l_sum[g] += p
+                        for d in range(dim):
+                            acc[g, d] += p * v_cache[block, h, t, d]
+                    m[g] = top
+            for g in range(group):
+                inverse = np.float32(1.0) / l_sum[g]
+                for d in range(dim):
+                    out[b, h, g, d] = acc[g, d] * inverse
+
+
+# fastmath lets LLVM vectorise the dot products (reassociation); nogil lets the server's
+# event loop run while a step computes; cache: compiled once per machine, not per start.
+_compiled = (
+    numba.njit(fastmath=True, nogil=True, cache=True, boundscheck=False)(_kernel)
+    if numba is not None
+    else None
+)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) before the first request waits for it."""
+    if _compiled is None:
+        return
+    q = np.zeros((1, 1, 1, 8), dtype=np.float32)
+    cache = np.ones((1, 1, 4, 8), dtype=np.float32)
+    _compiled(q, cache, cache, np.zeros((1, 1), np.int32), np.ones(1, np.int32), q.copy())
+
+
+def decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    fused: FusedDecode,
+    out: torch.Tensor,
+) -> None:
+    """Attention of every decoding sequence's new token; ``q`` [T, H, D] (the step's new
+    tokens), caches [num_blocks, Hkv, block_size, D] float32; results go into ``out``."""
+    assert _compiled is not None, "the cpu attention backend needs numba"
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[1]
+    b = fused.token_index.shape[0]
+    # query head i reads KV head i // G: [b, H, D] viewed as [b, Hkv, G, D]
+    queries = (q[fused.token_index] * (1.0 / math.sqrt(head_dim))).contiguous()
+    queries = queries.view(b, kv_heads, num_heads // kv_heads, head_dim)
+    result = np.empty(queries.shape, dtype=np.float32)
+    _compiled(
+        queries.numpy(),
+        k_cache.numpy(),
+        v_cache.numpy(),
+        fused.tables,
+        fused.context,
+        result,
+    )
+    out.index_copy_(0, fused.token_index, torch.from_numpy(result).view(b, num_heads, head_dim))
