@@ -137,6 +137,6 @@ def test_decodes_and_prefills_go_in_separate_groups() -> None:
 def test_unknown_attention_backend_is_refused(llama: Path) -> None:
     from kiln.core.errors import KilnError
 
-    with pytest.raises(KilnError, match="attention_backend must be one of auto, torch, flex"):
+    with pytest.raises(KilnError, match="attention_backend must be one of auto, torch, cpu, flex"):
         LLMEngine(llama, EngineConfig(attention_backend="flash"))
-    assert LLMEngine(llama, EngineConfig(num_gpu_blocks=8)).runner.attention_backend == "torch"
+    assert LLMEngine(llama, EngineConfig(num_gpu_blocks=8)).runner.attention_backend == "cpu"
