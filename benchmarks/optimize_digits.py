@@ -11,7 +11,7 @@ runs, and ``fp32-all``'s "speedup" -- the baseline's own graph at the same setti
 distance from 1.00x is measurement noise.
 
     .venv/bin/python benchmarks/optimize_digits.py [--repeats 3] [--profile-seconds 1.0]
-        [--profile-rounds 5] [--models mlp,wide_mlp] [--json out.json]
+        [--profile-rounds 20] [--models mlp,wide_mlp] [--json out.json]
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3, help="whole optimize runs per model")
     parser.add_argument("--profile-seconds", type=float, default=1.0)
-    parser.add_argument("--profile-rounds", type=int, default=5,
+    parser.add_argument("--profile-rounds", type=int, default=20,
                         help="interleaved rounds the profile window is split into")  # fmt: skip
     parser.add_argument("--models", default="mlp,cnn,wide_cnn,wide_mlp")
     parser.add_argument("--json", type=Path, default=None, help="write every report here")

@@ -66,6 +66,19 @@ def test_summarize_takes_the_quietest_rounds_median_and_pools_p99() -> None:
     assert bp.throughput == pytest.approx(2 * 10 / (0.009 + 0.002))
 
 
+def test_summarize_against_a_reference_scales_by_the_median_round_ratio() -> None:
+    reference = [[0.002] * 4, [0.001] * 4, [0.002] * 4]  # the machine: slow, fast, slow
+    runner = [[0.001] * 4, [0.0005] * 4, [0.004] * 4]  # half the reference, but one outlier
+    bp = summarize(1, runner, reference)
+    # Ratios 0.5, 0.5, 2.0 -> 0.5; the reference's quietest round is 1 ms.
+    assert bp.p50_ms == pytest.approx(0.5)
+    assert bp.throughput == pytest.approx(1000.0 * 2.0)
+    assert bp.round_p50_ms == pytest.approx([1.0, 0.5, 4.0])  # raw, unscaled
+    assert bp.p99_ms == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="one window per round"):
+        summarize(1, runner, reference[:2])
+
+
 def test_round_order_rotates_so_each_runner_leads_once() -> None:
     orders = [round_order(3, r) for r in range(3)]
     assert orders == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
@@ -134,3 +147,20 @@ def test_profile_all_closes_runners_when_one_fails(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="cannot load"):
         profile_all(timed, DATA, [1], seconds=0.01, rounds=2, clock=clock)
     assert good.closed
+
+
+def test_a_fast_moment_caught_by_one_runner_does_not_decide(tmp_path: Path) -> None:
+    """The machine is slow (2 ms a call) but for the moment one runner's round-1 window ran (1 ms).
+    The lowest window would call that runner 2x faster than the same-cost baseline; paired
+    round for round with the baseline, it is not."""
+    clock, log = FakeClock(), []
+    state = {"round": 0}
+    base = FakeRunner("base", 0.001, clock, log, lambda _now: True, burst=0.001)
+    same = FakeRunner("same", 0.001, clock, log, lambda _now: state["round"] != 1, burst=0.001)
+    profiles = profile_all(_timed([base, same], tmp_path), DATA, [1], seconds=0.2, rounds=4,
+                           on_round=lambda r: state.update(round=r), clock=clock)  # fmt: skip
+    b, s = profiles[0].batches[0], profiles[1].batches[0]
+    assert min(s.round_p50_ms) == pytest.approx(1.0)  # what the lowest window would report
+    assert b.p50_ms == pytest.approx(2.0)
+    assert s.p50_ms == pytest.approx(2.0)
+    assert s.throughput == pytest.approx(b.throughput)

@@ -1,13 +1,24 @@
 """Profile candidates: latency percentiles and throughput per batch size, memory, file size.
 
-All runners (the FP32 baseline and every accepted candidate) are timed together, in
+All runners (the FP32 baseline first, then every accepted candidate) are timed together, in
 interleaved rounds: each round gives every runner, in a rotated order, one window of
-``seconds / rounds`` per batch size. Two reasons, both measured on a shared 2-core machine
-(benchmarks/README.md): one window per candidate, taken minutes apart, let a burst of someone
-else's load make the baseline's own graph look 1.5x slower than itself; and load only ever adds
-time. So every runner gets the same number of windows spread over the same span of the run,
-and a batch size's p50 is the **lowest per-window median** (the quietest window the runner
-had). p99 pools every timed call, so a latency budget is checked against the noisy tail too.
+``seconds / rounds`` per batch size. On a shared machine the speed of the machine itself
+changes for seconds at a time (benchmarks/optimize_digits.py on a shared 2-core container: the
+same CNN graph ran a batch of 32 in 0.17 ms or 0.32 ms depending on the moment), so:
+
+- One window per runner, taken minutes apart, compared moments, not models: the baseline's own
+  graph "was" 1.5x faster than the baseline. Every runner now gets windows spread over the
+  same span of the run, and the baseline gets one in every round.
+- Neither the lowest nor the median per-window figure is safe alone: when fast moments are
+  rare, whoever happened to catch one wins; when they are half the time, the median flips.
+  Comparing within a round is: each round's median of a runner is divided by the reference's
+  (the baseline's) median of the same round, and a runner's p50 is the reference's p50 times
+  the median of those ratios. The reference's own p50 is its lowest per-round median (load
+  only adds time), so every p50 reads as "on this machine at its quietest in this run".
+- p99 pools every timed call of the runner, unscaled, so a latency budget is checked against
+  the real tail, noise included. Throughput is paired with the reference like p50.
+
+``round_p50_ms`` keeps each round's raw median: their spread is the noise.
 The total stays runners x batch sizes x ``seconds``, plus a short warm-up per window.
 """
 
@@ -67,15 +78,35 @@ def time_window(run: Callable[..., Any], feed: Batch, seconds: float,
     return times
 
 
-def summarize(batch_size: int, windows: Sequence[Sequence[float]]) -> BatchProfile:
-    """One batch size's figures from its windows (seconds per call, one list per round)."""
+def _round_figures(batch_size: int, windows: Sequence[Sequence[float]]
+                   ) -> tuple[list[float], list[float]]:  # fmt: skip
+    """Per round: the median in ms, and the rate in samples per second."""
     medians = [float(np.median(w)) * 1000.0 for w in windows]
+    rates = [batch_size * len(w) / float(np.sum(w)) for w in windows]
+    return medians, rates
+
+
+def summarize(batch_size: int, windows: Sequence[Sequence[float]],
+              reference: Sequence[Sequence[float]] | None = None) -> BatchProfile:  # fmt: skip
+    """One batch size's figures from its windows (seconds per call, one list per round).
+
+    Without ``reference`` (the reference itself): the lowest per-round median and the highest
+    per-round rate. With it (the reference's windows, round for round): the reference's figures
+    times this runner's median per-round ratio to it.
+    """
+    medians, rates = _round_figures(batch_size, windows)
+    if reference is None:
+        p50, rate = min(medians), max(rates)
+    else:
+        ref_medians, ref_rates = _round_figures(batch_size, reference)
+        if len(ref_medians) != len(medians):
+            raise ValueError("the reference must have one window per round, as the runner")
+        p50 = min(ref_medians) * float(np.median(np.divide(medians, ref_medians)))
+        rate = max(ref_rates) * float(np.median(np.divide(rates, ref_rates)))
     pooled = np.concatenate([np.asarray(w, dtype=np.float64) for w in windows]) * 1000.0
-    # The quietest window's rate, for the same reason p50 is its median.
-    rate = max(batch_size * len(w) / float(np.sum(w)) for w in windows)
     return BatchProfile(
         batch_size=batch_size,
-        p50_ms=min(medians),
+        p50_ms=p50,
         p99_ms=float(np.percentile(pooled, 99)),
         throughput=rate,
         iterations=int(pooled.size),
@@ -102,7 +133,8 @@ def profile_all(
 ) -> list[Profile]:
     """Profile every runner in ``timed`` in ``rounds`` interleaved rounds; one Profile each.
 
-    Runners are opened in the first round, in order, and stay open until the last one is
+    ``timed[0]`` is the reference the others are paired with, round for round (see the module
+    docstring). Runners are opened in the first round, in order, and stay open until the last one is
     timed, so host RSS / GPU memory is what each one added when it was opened and warmed (its
     first round), with those before it already loaded.
     """
@@ -148,7 +180,10 @@ def profile_all(
         runners.clear()
     return [
         Profile(
-            batches=[summarize(size, windows[i][size]) for size in batch_sizes],
+            batches=[
+                summarize(size, windows[i][size], windows[0][size] if i else None)
+                for size in batch_sizes
+            ],
             rss_mb=rss[i],
             file_size_mb=t.path.stat().st_size / (1024.0 * 1024.0),
             gpu_mb=gpu_mb[i],

@@ -92,12 +92,15 @@ class Accuracy:
 
 @dataclass(slots=True)
 class BatchProfile:
+    """One batch size's figures. p50 and throughput are paired with the baseline round for round
+    (profile.py), so they compare runners; p99 is every timed call's, unscaled."""
+
     batch_size: int
     p50_ms: float
     p99_ms: float
     throughput: float  # inferences (samples) per second
     iterations: int
-    # The median of each interleaved profiling round (profile.py): their spread is the noise.
+    # Each interleaved round's raw median (profile.py): their spread is the noise.
     round_p50_ms: list[float] = field(default_factory=list)
 
 
