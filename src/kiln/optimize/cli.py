@@ -56,7 +56,13 @@ def optimize_options(f: Any) -> Any:
             "--profile-seconds",
             default=0.25,
             type=click.FloatRange(min=0.01),
-            help="Timing window per candidate and batch size.",
+            help="Timing window per candidate and batch size, over all rounds.",
+        ),
+        click.option(
+            "--profile-rounds",
+            default=5,
+            type=click.IntRange(min=1),
+            help="Interleaved rounds the window is split into; p50 is the best round's [5].",
         ),
         click.option(
             "--threads",
@@ -114,6 +120,7 @@ def execute(params: dict[str, Any]) -> None:
             input_shapes=shapes,
             candidates=tuple(c.strip() for c in params["candidates"].split(",") if c.strip()),
             profile_seconds=params["profile_seconds"],
+            profile_rounds=params["profile_rounds"],
             threads=params["threads"],
             progress=not params["no_progress"] and sys.stderr.isatty(),
             keep_io_types=params["keep_io_types"],

@@ -16,7 +16,7 @@ from kiln.optimize import gpu, graph, precision
 from kiln.optimize.accuracy import compare, task_accuracy, verdict
 from kiln.optimize.data import Batch, load_data, load_labels
 from kiln.optimize.deploy import write_entry
-from kiln.optimize.profile import profile
+from kiln.optimize.profile import Timed, profile_all
 from kiln.optimize.report import write_reports
 from kiln.optimize.select import select
 from kiln.optimize.session import (
@@ -168,29 +168,34 @@ def optimize(options: OptimizeOptions) -> Outcome:
                     if _wanted(n, options.candidates)]  # fmt: skip
         gpu_total = sum(r is None for r in reasons.values())
         built: list[Result] = []
-        with _progress(options.progress, 2 * (len(builders) + gpu_total) + 1) as step:
-            step("baseline FP32")
-            baseline = profile(lambda: open_session(source, "all", options.threads), source,
-                               valid, batch_sizes, options.profile_seconds, memory)  # fmt: skip
+        rounds = max(1, options.profile_rounds)
+        with _progress(options.progress, len(builders) + gpu_total + rounds) as step:
 
             def run_builders(todo: list[tuple[str, Callable[[], Candidate]]]) -> None:
                 for cand_name, build in todo:
                     step(f"build {cand_name}")
-                    result = _build_and_guard(build, cand_name, ref_out, valid, labels, options,
-                                              runner)  # fmt: skip
-                    built.append(result)
-                    step(f"profile {cand_name}")
-                    if result.status == "accepted":
-                        c = result.candidate
-                        assert c.path is not None
-                        opener = partial(runner, c)
-                        result.profile = profile(opener, c.path, valid, batch_sizes,
-                                                 options.profile_seconds, memory)  # fmt: skip
+                    built.append(_build_and_guard(build, cand_name, ref_out, valid, labels,
+                                                  options, runner))  # fmt: skip
 
             run_builders(builders)
             gpu_todo, skipped = _gpu_builders(options, source, work, batch_sizes, valid, built,
                                               reasons)  # fmt: skip
             run_builders(gpu_todo)
+            # The baseline is timed with the candidates, in the same interleaved rounds, so a
+            # burst of load on a shared machine cannot favour whichever was timed at a quiet
+            # moment (profile.py).
+            accepted = [r for r in built if r.status == "accepted"]
+            timed = [Timed(lambda: open_session(source, "all", options.threads), source)]
+            for result in accepted:
+                assert result.candidate.path is not None
+                timed.append(Timed(partial(runner, result.candidate), result.candidate.path))
+            profiles = profile_all(
+                timed, valid, batch_sizes, options.profile_seconds, rounds, memory,
+                on_round=lambda r: step(f"profile round {r + 1}/{rounds}"),
+            )  # fmt: skip
+            baseline = profiles[0]
+            for result, measured in zip(accepted, profiles[1:], strict=True):
+                result.profile = measured
         if memory is not None:
             memory.close()
         results = built + skipped

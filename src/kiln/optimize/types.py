@@ -30,7 +30,8 @@ class OptimizeOptions:
     device: str = "cpu"
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     candidates: tuple[str, ...] = ()  # name filters (fnmatch); empty = all
-    profile_seconds: float = 0.25  # per candidate and batch size
+    profile_seconds: float = 0.25  # per candidate and batch size, over all rounds
+    profile_rounds: int = 5  # interleaved rounds that window is split into (profile.py)
     threads: int = 1
     progress: bool = True
     workdir: Path | None = None
@@ -91,11 +92,16 @@ class Accuracy:
 
 @dataclass(slots=True)
 class BatchProfile:
+    """One batch size's figures. p50 and throughput are paired with the baseline round for round
+    (profile.py), so they compare runners; p99 is every timed call's, unscaled."""
+
     batch_size: int
     p50_ms: float
     p99_ms: float
     throughput: float  # inferences (samples) per second
     iterations: int
+    # Each interleaved round's raw median (profile.py): their spread is the noise.
+    round_p50_ms: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
