@@ -234,6 +234,26 @@ def process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_ticks() -> list[int]:
+    """The machine's /proc/stat CPU counters (user nice system idle iowait irq softirq
+    steal ...)."""
+    return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+
+
+def steal_pct(before: list[int], after: list[int]) -> float:
+    """Share of the machine's CPU time the hypervisor gave to other guests meanwhile: on a
+    shared VM a busy host slows every figure down, and not all of them equally."""
+    delta = [b - a for a, b in zip(before, after, strict=True)]
+    return 100.0 * delta[7] / max(sum(delta[:8]), 1)
+
+
+def _with_steal(run: Any, *args: Any) -> dict[str, Any]:
+    before = cpu_ticks()
+    result: dict[str, Any] = run(*args)
+    result["steal_pct"] = steal_pct(before, cpu_ticks())
+    return result
+
+
 def machine() -> dict[str, Any]:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
                 .splitlines() if line.startswith("model name")), platform.processor())  # fmt: skip
@@ -270,14 +290,14 @@ def main() -> None:
         work = Path(tmp)
         folder = build_model(work / "repo" / "bench" / "1")
         if "engine" not in skip:
-            report["engine"] = [run_engine(folder, requests, int(b))
+            report["engine"] = [_with_steal(run_engine, folder, requests, int(b))
                                 for b in args.block_sizes.split(",")]  # fmt: skip
             print("engine", json.dumps(report["engine"], indent=1), flush=True)
         if "http" not in skip:
-            report["http"] = run_http(folder, requests, work, 16)
+            report["http"] = _with_steal(run_http, folder, requests, work, 16)
             print("http", json.dumps(report["http"], indent=1), flush=True)
         if "hf" not in skip:
-            report["transformers"] = [run_transformers(folder, requests, int(b))
+            report["transformers"] = [_with_steal(run_transformers, folder, requests, int(b))
                                       for b in args.hf_batch_sizes.split(",")]  # fmt: skip
             print("transformers", json.dumps(report["transformers"], indent=1), flush=True)
     report["machine"]["loadavg_end"] = os.getloadavg()
@@ -288,6 +308,8 @@ def main() -> None:
             else report[key]["output_tok_s"] / best["output_tok_s"]
             for name, key in (("engine_vs_hf", "engine"), ("http_vs_hf", "http")) if key in report
         }  # fmt: skip
+        if "engine" in report:  # by CPU seconds: less disturbed by other load than wall time
+            report["ratios"]["engine_vs_hf_cpu_s"] = best["cpu_s"] / report["engine"][0]["cpu_s"]
         print("ratios", report["ratios"])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
