@@ -32,9 +32,16 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
     return o.transpose(0, 1)
 
 
+#: (tokens already cached, new tokens): 7 decodes, a fresh prompt, a continued chunk; the
+#: decodes consecutive (the kernel reads and writes slices) or not (gather and scatter)
+DECODES_FIRST = [(1, 1), (3, 1), (4, 1), (5, 1), (9, 1), (17, 1), (30, 1), (0, 6), (8, 5)]
+INTERLEAVED = [(1, 1), (3, 1), (0, 6), (4, 1), (5, 1), (9, 1), (8, 5), (17, 1), (30, 1)]
+
+
+@pytest.mark.parametrize("shapes", [DECODES_FIRST, INTERLEAVED], ids=["first", "interleaved"])
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "cpu-kernel"])
 def test_paged_attention_matches_dense_attention(
-    monkeypatch: pytest.MonkeyPatch, fused: bool
+    monkeypatch: pytest.MonkeyPatch, fused: bool, shapes: list[tuple[int, int]]
 ) -> None:
     torch.manual_seed(0)
     rng = random.Random(0)
@@ -44,8 +51,6 @@ def test_paged_attention_matches_dense_attention(
     v_cache = torch.zeros_like(k_cache)
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
-    # (tokens already cached, new tokens): 7 decodes, a fresh prompt, a continued chunk
-    shapes = [(1, 1), (3, 1), (4, 1), (5, 1), (9, 1), (17, 1), (30, 1), (0, 6), (8, 5)]
     tables, full_k, full_v = [], [], []
     for cached, new in shapes:
         table = [free.pop() for _ in range(-(-(cached + new) // BS))]
@@ -65,6 +70,7 @@ def test_paged_attention_matches_dense_attention(
     )  # fmt: skip
     if fused:
         assert meta.fused is not None and meta.fused.tables.shape[0] == 7 and not meta.decodes
+        assert (meta.fused.start == 0) == (shapes is DECODES_FIRST)
     else:
         assert len(meta.decodes) >= 3 and meta.fused is None
     assert len(meta.prefills) == 2

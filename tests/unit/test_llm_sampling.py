@@ -160,3 +160,17 @@ def test_seed_repeats_with_penalties_and_min_p(llama: Path) -> None:
     alone = LLMEngine(llama, EngineConfig()).generate([[1, 2, 3]], params)[0]
     batched = LLMEngine(llama, EngineConfig()).generate([[4, 5], [1, 2, 3]], [other, params])
     assert batched[1] == alone
+
+
+def test_greedy_argmax_matches_torch_on_ties_and_nan() -> None:
+    from kiln.llm.sampler import _argmax
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, VOCAB)
+    logits[1, 7] = logits[1, 250] = 1e4  # a tie: the first index wins
+    logits[2, 40] = float("nan")  # NaN is the maximum for torch
+    logits[3] = 0.0  # all equal
+    non_contiguous = torch.randn(VOCAB, 6).t()
+    for x in (logits, non_contiguous):
+        assert torch.equal(_argmax(x), x.argmax(dim=-1))
+    assert _argmax(logits)[1] == 7 and _argmax(logits)[2] == 40

@@ -43,6 +43,9 @@ class FusedDecode:
     tables: np.ndarray
     #: [b] int32 tokens in each sequence's context, the new one included
     context: np.ndarray
+    #: when the tokens are consecutive among the step's (a step of decodes alone, the usual
+    #: case), the first one's index: ``decode`` then reads and writes slices, no gather
+    start: int | None = None
 
     @classmethod
     def build(cls, rows: list[tuple[int, int, list[int]]], block_size: int) -> FusedDecode:
@@ -52,10 +55,13 @@ class FusedDecode:
         for i, (ctx, _, table) in enumerate(rows):
             used = -(-ctx // block_size)
             tables[i, :used] = table[:used]
+        index = [i for _, i, _ in rows]
+        consecutive = index == list(range(index[0], index[0] + len(index)))
         return cls(
-            token_index=torch.tensor([i for _, i, _ in rows], dtype=torch.long),
+            token_index=torch.tensor(index, dtype=torch.long),
             tables=tables,
             context=np.array([ctx for ctx, _, _ in rows], dtype=np.int32),
+            start=index[0] if consecutive else None,
         )
 
 
@@ -140,16 +146,20 @@ def decode(
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
     b = fused.token_index.shape[0]
+    scale = 1.0 / math.sqrt(head_dim)
     # query head i reads KV head i // G: [b, H, D] viewed as [b, Hkv, G, D]
-    queries = (q[fused.token_index] * (1.0 / math.sqrt(head_dim))).contiguous()
-    queries = queries.view(b, kv_heads, num_heads // kv_heads, head_dim)
-    result = np.empty(queries.shape, dtype=np.float32)
-    _compiled(
-        queries.numpy(),
-        k_cache.numpy(),
-        v_cache.numpy(),
-        fused.tables,
-        fused.context,
-        result,
-    )
+    shape = (b, kv_heads, num_heads // kv_heads, head_dim)
+    start = fused.start
+    if start is not None and out.is_contiguous():
+        # consecutive tokens: slice the queries and let the kernel write its results straight
+        # into ``out`` (a contiguous view), no gather and no scatter
+        queries = (q[start : start + b] * scale).contiguous().view(shape)
+        target = out[start : start + b].view(shape).numpy()
+        _compiled(queries.numpy(), k_cache.numpy(), v_cache.numpy(), fused.tables,
+                  fused.context, target)  # fmt: skip
+        return
+    queries = (q[fused.token_index] * scale).contiguous().view(shape)
+    result = np.empty(shape, dtype=np.float32)
+    _compiled(queries.numpy(), k_cache.numpy(), v_cache.numpy(), fused.tables, fused.context,
+              result)  # fmt: skip
     out.index_copy_(0, fused.token_index, torch.from_numpy(result).view(b, num_heads, head_dim))

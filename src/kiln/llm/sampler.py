@@ -47,13 +47,22 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
     ):
         logits = apply_penalties(logits, seqs)
-    tokens = logits.argmax(dim=-1)
+    tokens = _argmax(logits)
     if any(p.temperature > 0 for p in params):
         tokens = torch.where(_greedy_mask(seqs, logits.device), tokens, _draw(logits, seqs))
     ids = [int(t) for t in tokens.tolist()]
     if raw is None:
         return [SampledToken(t) for t in ids]
     return [SampledToken(t, lp) for t, lp in zip(ids, _logprobs(raw, ids, seqs), strict=True)]
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax. On the CPU numpy's is ~10x faster than torch's (single thread, 64 x
+    4096 float32: 56 us vs 640 us); both return the first maximum (or first NaN), so the
+    tokens are the same."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
@@ -113,7 +122,7 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if any(k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
         logits = _top_k_top_p(logits, top_k, top_p)
     probs = torch.softmax(logits, dim=-1)
-    return (probs / _exponentials(probs, seqs)).argmax(dim=-1)
+    return _argmax(probs / _exponentials(probs, seqs))
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

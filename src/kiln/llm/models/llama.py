@@ -16,6 +16,11 @@ from kiln.llm.attention_flex import FlexMetadata, flex_paged_attention
 from kiln.llm.config import ModelArgs
 from kiln.llm.models.rope import RotaryEmbedding, rotate
 
+#: ``F.rms_norm`` (float32) is faster than the op-by-op formula for decode-sized batches
+#: (single thread, hidden 256: 54 vs 83 us at 64 tokens) but not for long prefills (1.2 vs
+#: 1.1 ms at 2,048 tokens), so only steps up to this many tokens use it
+RMS_NORM_FUSED_MAX_TOKENS = 256
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -24,6 +29,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= RMS_NORM_FUSED_MAX_TOKENS and x.dtype == torch.float32:
+            # the same operations in one call (bit-identical results): fewer dispatches
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # in float32 whatever the model dtype: bf16 variance loses too much
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
