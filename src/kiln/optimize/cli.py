@@ -62,7 +62,7 @@ def optimize_options(f: Any) -> Any:
             "--profile-rounds",
             default=5,
             type=click.IntRange(min=1),
-            help="Interleaved rounds the window is split into; p50 is the best round's [5].",
+            help="Interleaved rounds of the window; baseline and candidates alternate [5].",
         ),
         click.option(
             "--threads",
