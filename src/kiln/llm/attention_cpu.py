@@ -149,17 +149,18 @@ def decode(
     scale = 1.0 / math.sqrt(head_dim)
     # query head i reads KV head i // G: [b, H, D] viewed as [b, Hkv, G, D]
     shape = (b, kv_heads, num_heads // kv_heads, head_dim)
-    start = fused.start
-    if start is not None and out.is_contiguous():
+    start = fused.start if out.is_contiguous() else None
+    sliced = start is not None
+    if start is not None:
         # consecutive tokens: slice the queries and let the kernel write its results straight
         # into ``out`` (a contiguous view), no gather and no scatter
-        queries = (q[start : start + b] * scale).contiguous().view(shape)
+        picked = q[start : start + b]
         target = out[start : start + b].view(shape).numpy()
-        _compiled(queries.numpy(), k_cache.numpy(), v_cache.numpy(), fused.tables,
-                  fused.context, target)  # fmt: skip
-        return
-    queries = (q[fused.token_index] * scale).contiguous().view(shape)
-    result = np.empty(shape, dtype=np.float32)
+    else:
+        picked = q[fused.token_index]
+        target = np.empty(shape, dtype=np.float32)
+    queries = (picked * scale).contiguous().view(shape)
     _compiled(queries.numpy(), k_cache.numpy(), v_cache.numpy(), fused.tables, fused.context,
-              result)  # fmt: skip
-    out.index_copy_(0, fused.token_index, torch.from_numpy(result).view(b, num_heads, head_dim))
+              target)  # fmt: skip
+    if not sliced:
+        out.index_copy_(0, fused.token_index, torch.from_numpy(target).view(b, num_heads, head_dim))
