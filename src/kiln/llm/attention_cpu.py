@@ -65,14 +65,61 @@ class FusedDecode:
         )
 
 
+def _prefetch_intrinsic() -> Any:
+    """``prefetch_l2(array, i)``: ask the CPU to start loading the cache line holding the
+    flat (C-order) element ``i`` of ``array`` into L2 (``prefetcht1``). A hint: it never
+    faults and returns nothing."""
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    @intrinsic  # type: ignore[untyped-decorator]
+    def prefetch_l2(typingctx: Any, array: Any, index: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            byte_ptr = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fn = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]),
+                "llvm.prefetch.p0i8",
+            )
+            address = builder.bitcast(builder.gep(data, [args[1]]), byte_ptr)
+            # read (0), locality 2 (prefetcht1: L2; measured better here than L1 or
+            # non-temporal), data cache (1)
+            builder.call(fn, [address, i32(0), i32(2), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(array, index), codegen
+
+    return prefetch_l2
+
+
+_prefetch_l2 = _prefetch_intrinsic() if numba is not None else None
+
+#: floats in one 64-byte cache line
+_LINE = 16
+
+
 def _kernel(q: Any, k_cache: Any, v_cache: Any, tables: Any, context: Any, out: Any) -> None:
     """``q`` [b, Hkv, G, D] (already scaled), caches [blocks, Hkv, bs, D], ``out`` like q.
 
     For each (sequence, KV head): the G query heads sharing that KV head read each key and
     value row once; softmax is online (running max ``m`` and sum ``l``, the accumulator
-    rescaled when the max grows), so nothing of size context is materialised."""
+    rescaled when the max grows), so nothing of size context is materialised.
+
+    The K/V bytes come from memory, not cache (a step reads every layer's whole context),
+    and waiting for them was as long as the arithmetic. So while the G query heads work on
+    one (block, head), the kernel prefetches the next one's keys and values, a few cache
+    lines per key row: the loads overlap the arithmetic (microbenchmark in
+    benchmarks/README.md, "LLM engine")."""
     b_count, kv_heads, group, dim = q.shape
     block_size = k_cache.shape[2]
+    head_floats = block_size * dim  # one head's keys (or values) in one block
+    block_floats = kv_heads * head_floats
+    k_flat = k_cache.reshape(-1)
+    v_flat = v_cache.reshape(-1)
+    lines_per_row = max(dim // _LINE, 1)
     scores = np.empty((group, block_size), dtype=np.float32)
     acc = np.empty((group, dim), dtype=np.float32)
     m = np.empty(group, dtype=np.float32)
@@ -88,16 +135,38 @@ def _kernel(q: Any, k_cache: Any, v_cache: Any, tables: Any, context: Any, out: 
                     acc[g, d] = 0.0
             for j in range(blocks):
                 block = tables[b, j]
+                # what this loop reads next: this head's next block, else the next head's
+                # first block, else the next sequence's
+                if j + 1 < blocks:
+                    upcoming = tables[b, j + 1] * block_floats + h * head_floats
+                elif h + 1 < kv_heads:
+                    upcoming = tables[b, 0] * block_floats + (h + 1) * head_floats
+                elif b + 1 < b_count:
+                    upcoming = tables[b + 1, 0] * block_floats
+                else:
+                    upcoming = -1
                 count = min(block_size, n - j * block_size)
                 for g in range(group):
                     top = m[g]
                     for t in range(count):
+                        if g == 0 and upcoming >= 0:
+                            row = upcoming + t * dim
+                            for c in range(lines_per_row):
+                                _prefetch_l2(k_flat, row + c * _LINE)
+                                _prefetch_l2(v_flat, row + c * _LINE)
                         s = np.float32(0.0)
                         for d in range(dim):
                             s += q[b, h, g, d] * k_cache[block, h, t, d]
                         scores[g, t] = s
                         if s > top:
                             top = s
+                    if g == 0 and upcoming >= 0:
+                        # a partly filled last block: the rows it does not hold
+                        for t in range(count, block_size):
+                            row = upcoming + t * dim
+                            for c in range(lines_per_row):
+                                _prefetch_l2(k_flat, row + c * _LINE)
+                                _prefetch_l2(v_flat, row + c * _LINE)
                     # the first block: m is -inf and the (empty) accumulator stays 0
                     correction = math.exp(m[g] - top) if m[g] > -np.inf else np.float32(0.0)
                     l_sum[g] *= correction
