@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from kiln.core.errors import KilnError, Status
-from kiln.llm import attention_cpu
+from kiln.llm import attention_cpu, cpu_ops
 from kiln.llm.attention import AttentionMetadata, KVWorkspace, cache_shape
 from kiln.llm.attention_flex import FlexMetadata, resolve_attention_backend
 from kiln.llm.config import EngineConfig, ModelArgs
@@ -85,6 +85,8 @@ class ModelRunner:
         )
         if self.attention_backend == "cpu":
             attention_cpu.warm_up()
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            cpu_ops.warm_up()
         # flex: one scratch page past the pool's, written only by CUDA graphs' dummy rows
         scratch = 1 if self.attention_backend == "flex" else 0
         pages = self.num_blocks + scratch

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.llm import cpu_ops
 from kiln.llm.attention import AttentionMetadata, paged_attention
 from kiln.llm.attention_flex import FlexMetadata, flex_paged_attention
 from kiln.llm.config import ModelArgs
@@ -29,6 +30,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.usable(x):
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         if x.shape[0] <= RMS_NORM_FUSED_MAX_TOKENS and x.dtype == torch.float32:
             # the same operations in one call (bit-identical results): fewer dispatches
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -37,6 +40,15 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out: torch.Tensor = self.weight * h.to(x.dtype)
         return out
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual += x`` (in place: the caller owns ``residual``), then the norm of the
+        sum: the residual stream's add and the next norm in one pass on CPU float32
+        (``cpu_ops``), the same two steps in torch elsewhere."""
+        if cpu_ops.usable(residual):
+            return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        residual.add_(x)
+        return self.forward(residual)
 
 
 class Attention(nn.Module):
@@ -143,11 +155,22 @@ class DecoderLayer(nn.Module):
         self,
         rope: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         meta: AttentionMetadata | FlexMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return out
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` is the previous layer's output, not yet added to the ``residual`` stream
+        (None for the first layer, whose ``x`` is the embeddings); returns this layer's
+        output and the stream, for the next layer to add (vLLM's layout: each add is fused
+        with the norm that follows it)."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(rope, h, meta)
+        h = self.post_attention_layernorm.add_forward(h, residual)
+        out: torch.Tensor = self.mlp(h)
+        return out, residual
 
 
 class Backbone(nn.Module):
@@ -190,8 +213,11 @@ class LlamaForCausalLM(nn.Module):
         """Logits [len(logit_index), vocab] for the flat tokens ``logit_index`` picks."""
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb.lookup(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            x = layer(rope, x, meta)
-        hidden = self.model.norm(x[logit_index])
+            x, residual = layer(rope, x, residual, meta)
+        assert residual is not None, "a model has at least one layer"
+        # only the rows that are sampled: their last add and the final norm
+        hidden = self.model.norm.add_forward(x[logit_index], residual[logit_index])
         logits: torch.Tensor = self.lm_head(hidden)
         return logits

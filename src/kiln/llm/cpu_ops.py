@@ -1,0 +1,102 @@
+"""Fused float32 CPU kernels for the small per-layer operations of a step (numba).
+
+On a CPU a decode step's tensors are small ([batch, hidden], tens of kilobytes) and each
+torch operation on them costs more in dispatch and memory passes than in arithmetic: the
+residual add and RMSNorm of one layer are five operations (add, pow, mean, rsqrt, two
+multiplications). ``add_rms_norm`` does them in one pass over each row, the way vLLM's
+``fused_add_rms_norm`` does: the residual stream is updated in place and the normalised
+rows are written out.
+
+Each row is computed on its own, in a fixed order, so a token's result does not depend on
+how many other tokens share its step (a decode and a prefill agree bit for bit). The sum of
+squares is accumulated in float64, so the result is at least as accurate as torch's float32
+mean; it is not bit-identical to it (torch sums in a different order), which moves a
+logit by about one float32 rounding step (tested against ``transformers``).
+
+Used by the Llama skeleton on CPU float32 when numba is installed (``kiln-serve[llm]``);
+elsewhere the model keeps torch's operations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+try:  # numba is in the llm extra; the torch path works without it
+    import numba
+except ImportError:  # pragma: no cover - exercised where numba is not installed
+    numba = None  # type: ignore[assignment]
+
+
+def _add_rms_norm(x: Any, residual: Any, weight: Any, eps: float, out: Any) -> None:
+    """``residual += x`` then ``out = weight * residual / sqrt(mean(residual**2) + eps)``,
+    row by row; ``x`` None-like (zero rows) is not allowed: use ``_rms_norm``."""
+    rows, size = residual.shape
+    for r in range(rows):
+        total = 0.0
+        for i in range(size):
+            value = residual[r, i] + x[r, i]
+            residual[r, i] = value
+            total += np.float64(value) * np.float64(value)
+        scale = np.float32(1.0 / np.sqrt(np.float32(total / size) + np.float32(eps)))
+        for i in range(size):
+            out[r, i] = weight[i] * (residual[r, i] * scale)
+
+
+def _rms_norm(x: Any, weight: Any, eps: float, out: Any) -> None:
+    rows, size = x.shape
+    for r in range(rows):
+        total = 0.0
+        for i in range(size):
+            total += np.float64(x[r, i]) * np.float64(x[r, i])
+        scale = np.float32(1.0 / np.sqrt(np.float32(total / size) + np.float32(eps)))
+        for i in range(size):
+            out[r, i] = weight[i] * (x[r, i] * scale)
+
+
+# fastmath lets LLVM vectorise the sums (reassociation); the order it picks is fixed by the
+# compiled loop and the row length, so a row's result still does not depend on its step
+_jit = (
+    numba.njit(nogil=True, cache=True, boundscheck=False, fastmath=True)
+    if numba is not None
+    else None
+)
+_add_rms_norm_compiled = _jit(_add_rms_norm) if _jit is not None else None
+_rms_norm_compiled = _jit(_rms_norm) if _jit is not None else None
+
+
+def usable(x: torch.Tensor) -> bool:
+    """These kernels apply: numba is installed and ``x`` is a float32 CPU tensor."""
+    return numba is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``residual += x`` (in place) and return the RMS-normalised ``residual``; 2-D float32
+    CPU tensors, ``residual`` contiguous and owned by the caller."""
+    assert _add_rms_norm_compiled is not None, "cpu_ops needs numba"
+    out = torch.empty_like(residual)
+    _add_rms_norm_compiled(
+        x.contiguous().numpy(), residual.numpy(), weight.detach().numpy(), eps, out.numpy()
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    assert _rms_norm_compiled is not None, "cpu_ops needs numba"
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _rms_norm_compiled(x.numpy(), weight.detach().numpy(), eps, out.numpy())
+    return out
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) before the first request waits for it."""
+    if numba is None:
+        return
+    x = torch.ones(1, 4)
+    add_rms_norm(x, x.clone(), torch.ones(4), 1e-6)
+    rms_norm(x, torch.ones(4), 1e-6)
