@@ -28,6 +28,7 @@ import os
 import platform
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -254,6 +255,29 @@ def _with_steal(run: Any, *args: Any) -> dict[str, Any]:
     return result
 
 
+def run_pairs(
+    folder: Path, requests: list[Request], args: argparse.Namespace, hf: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Engine and transformers alternated ``args.pairs`` times: a slow spell of the host
+    then hits one pair, not one side of every comparison."""
+    block = int(args.block_sizes.split(",")[0])
+    batch = max(hf, key=lambda r: r["output_tok_s"])["batch"]
+    pairs = []
+    for i in range(args.pairs):
+        engine = _with_steal(run_engine, folder, requests, block)
+        reference = _with_steal(run_transformers, folder, requests, batch)
+        pair = {
+            "engine_tok_s": engine["output_tok_s"],
+            "hf_tok_s": reference["output_tok_s"],
+            "ratio": engine["output_tok_s"] / reference["output_tok_s"],
+            "ratio_cpu_s": reference["cpu_s"] / engine["cpu_s"],
+            "steal_pct": (engine["steal_pct"], reference["steal_pct"]),
+        }
+        print(f"pair {i + 1}/{args.pairs}", json.dumps(pair), flush=True)
+        pairs.append(pair)
+    return pairs
+
+
 def machine() -> dict[str, Any]:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
                 .splitlines() if line.startswith("model name")), platform.processor())  # fmt: skip
@@ -270,6 +294,13 @@ def main() -> None:
     ap.add_argument("--hf-batch-sizes", default="8,16,64")
     ap.add_argument("--block-sizes", default="16,8", help="engine runs (a), one per size")
     ap.add_argument("--skip", default="", help="comma list of: engine,http,hf")
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="then N more engine (first block size) / transformers (best batch) runs, "
+        "alternated: each pair's ratio and their median, less exposed to a noisy host",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     lo_in, hi_in = (int(x) for x in args.input_range.split(":"))
@@ -300,6 +331,8 @@ def main() -> None:
             report["transformers"] = [_with_steal(run_transformers, folder, requests, int(b))
                                       for b in args.hf_batch_sizes.split(",")]  # fmt: skip
             print("transformers", json.dumps(report["transformers"], indent=1), flush=True)
+        if args.pairs and "engine" in report and "transformers" in report:
+            report["pairs"] = run_pairs(folder, requests, args, report["transformers"])
     report["machine"]["loadavg_end"] = os.getloadavg()
     if "transformers" in report:
         best = max(report["transformers"], key=lambda r: r["output_tok_s"])
@@ -310,6 +343,10 @@ def main() -> None:
         }  # fmt: skip
         if "engine" in report:  # by CPU seconds: less disturbed by other load than wall time
             report["ratios"]["engine_vs_hf_cpu_s"] = best["cpu_s"] / report["engine"][0]["cpu_s"]
+        if report.get("pairs"):
+            ratios = sorted(p["ratio"] for p in report["pairs"])
+            report["ratios"]["engine_vs_hf_pairs"] = ratios
+            report["ratios"]["engine_vs_hf_pairs_median"] = statistics.median(ratios)
         print("ratios", report["ratios"])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

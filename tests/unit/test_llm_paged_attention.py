@@ -33,12 +33,16 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
 
 
 #: (tokens already cached, new tokens): 7 decodes, a fresh prompt, a continued chunk; the
-#: decodes consecutive (the kernel reads and writes slices) or not (gather and scatter)
+#: decodes first or interleaved with the prompts; or decodes alone (then the cpu kernel
+#: writes their keys and values into the cache itself, with no separate copy)
 DECODES_FIRST = [(1, 1), (3, 1), (4, 1), (5, 1), (9, 1), (17, 1), (30, 1), (0, 6), (8, 5)]
 INTERLEAVED = [(1, 1), (3, 1), (0, 6), (4, 1), (5, 1), (9, 1), (8, 5), (17, 1), (30, 1)]
+DECODES_ONLY = [(1, 1), (3, 1), (4, 1), (5, 1), (9, 1), (17, 1), (30, 1)]
 
 
-@pytest.mark.parametrize("shapes", [DECODES_FIRST, INTERLEAVED], ids=["first", "interleaved"])
+@pytest.mark.parametrize(
+    "shapes", [DECODES_FIRST, INTERLEAVED, DECODES_ONLY], ids=["first", "interleaved", "only"]
+)
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "cpu-kernel"])
 def test_paged_attention_matches_dense_attention(
     monkeypatch: pytest.MonkeyPatch, fused: bool, shapes: list[tuple[int, int]]
@@ -68,12 +72,16 @@ def test_paged_attention_matches_dense_attention(
         tables, [c for c, _ in shapes], [n for _, n in shapes], BS, CPU, HKV, KVWorkspace(),
         fused_decode=fused,
     )  # fmt: skip
+    starts = [sum(n for _, n in shapes[:i]) for i in range(len(shapes))]
+    decoding = [start for start, (c, n) in zip(starts, shapes, strict=True) if n == 1 and c]
     if fused:
         assert meta.fused is not None and meta.fused.tables.shape[0] == 7 and not meta.decodes
-        assert (meta.fused.start == 0) == (shapes is DECODES_FIRST)
+        assert meta.fused.rows.tolist() == decoding
+        # decodes alone: no cache rows to copy, the kernel writes them
+        assert (meta.kv_rows.numel() == 0) == (shapes is DECODES_ONLY)
     else:
         assert len(meta.decodes) >= 3 and meta.fused is None
-    assert len(meta.prefills) == 2
+    assert len(meta.prefills) == len(shapes) - 7
     out = paged_attention(q, k, v, k_cache, v_cache, meta)
     start = 0
     for (cached, new), keys, values, table in zip(shapes, full_k, full_v, tables, strict=True):

@@ -127,20 +127,22 @@ class AttentionMetadata:
         fused_decode: bool = False,
     ) -> AttentionMetadata:
         per_block = num_kv_heads * block_size  # cache rows per block
-        slots: list[int] = []  # row of each new token's first KV head
         decode_rows: list[tuple[int, int, list[int]]] = []  # (context, flat index, table)
         prefills: list[PrefillChunk] = []
         start = 0
         for table, computed, n in zip(block_tables, num_computed, num_new, strict=True):
-            slots.extend(
-                table[p // block_size] * per_block + p % block_size
-                for p in range(computed, computed + n)
-            )
             if n == 1 and computed > 0:
                 decode_rows.append((computed + 1, start, table))
             else:
                 prefills.append(_prefill(start, n, computed, table, block_size, device))
             start += n
+        slots: list[int] = []  # row of each new token's first KV head
+        if not (fused_decode and not prefills):  # the cpu kernel writes decodes' K/V itself
+            for table, computed, n in zip(block_tables, num_computed, num_new, strict=True):
+                slots.extend(
+                    table[p // block_size] * per_block + p % block_size
+                    for p in range(computed, computed + n)
+                )
         fused = None
         if fused_decode and decode_rows:
             fused, decode_rows = FusedDecode.build(decode_rows, block_size), []
@@ -237,15 +239,18 @@ def paged_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    new_k = k.reshape(-1, head_dim).to(k_cache.dtype)
-    new_v = v.reshape(-1, head_dim).to(v_cache.dtype)
-    k_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, new_k)
-    v_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, new_v)
+    if meta.fused is None or meta.prefills:
+        # the cpu kernel writes its decoding tokens' K/V itself: a step of decodes alone
+        # skips this copy (prefill rows need it; the kernel's rows are written twice, alike)
+        new_k = k.reshape(-1, head_dim).to(k_cache.dtype)
+        new_v = v.reshape(-1, head_dim).to(v_cache.dtype)
+        k_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, new_k)
+        v_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, new_v)
     out = torch.empty_like(q)
     k_rows = k_cache.view(-1, block_size, head_dim)
     v_rows = v_cache.view(-1, block_size, head_dim)
     if meta.fused is not None:
-        attention_cpu.decode(q, k_cache, v_cache, meta.fused, out)
+        attention_cpu.decode(q, k, v, k_cache, v_cache, meta.fused, out)
     ws = meta.workspace
     if meta.decodes:
         ws.reserve(meta.max_rows, block_size, head_dim, k_cache.dtype, k_cache.device)

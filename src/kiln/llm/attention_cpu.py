@@ -37,15 +37,12 @@ def available() -> bool:
 class FusedDecode:
     """Every decoding sequence of a step (one new token each), for the kernel."""
 
-    #: [b] index of each sequence's token among the step's flat tokens
-    token_index: torch.Tensor
+    #: [b] int64 index of each sequence's token among the step's flat tokens
+    rows: np.ndarray
     #: [b, max blocks] int32 block table of each sequence (padded with 0, never read)
     tables: np.ndarray
     #: [b] int32 tokens in each sequence's context, the new one included
     context: np.ndarray
-    #: when the tokens are consecutive among the step's (a step of decodes alone, the usual
-    #: case), the first one's index: ``decode`` then reads and writes slices, no gather
-    start: int | None = None
 
     @classmethod
     def build(cls, rows: list[tuple[int, int, list[int]]], block_size: int) -> FusedDecode:
@@ -55,13 +52,10 @@ class FusedDecode:
         for i, (ctx, _, table) in enumerate(rows):
             used = -(-ctx // block_size)
             tables[i, :used] = table[:used]
-        index = [i for _, i, _ in rows]
-        consecutive = index == list(range(index[0], index[0] + len(index)))
         return cls(
-            token_index=torch.tensor(index, dtype=torch.long),
+            rows=np.array([i for _, i, _ in rows], dtype=np.int64),
             tables=tables,
             context=np.array([ctx for ctx, _, _ in rows], dtype=np.int32),
-            start=index[0] if consecutive else None,
         )
 
 
@@ -101,31 +95,59 @@ _prefetch_l2 = _prefetch_intrinsic() if numba is not None else None
 _LINE = 16
 
 
-def _kernel(q: Any, k_cache: Any, v_cache: Any, tables: Any, context: Any, out: Any) -> None:
-    """``q`` [b, Hkv, G, D] (already scaled), caches [blocks, Hkv, bs, D], ``out`` like q.
+def _kernel(
+    q: Any,
+    k_new: Any,
+    v_new: Any,
+    rows: Any,
+    k_cache: Any,
+    v_cache: Any,
+    tables: Any,
+    context: Any,
+    scale: float,
+    out: Any,
+) -> None:
+    """``q`` [T, H, D] and ``k_new``/``v_new`` [T, Hkv, D]: the step's new tokens (strided
+    views are fine); sequence ``b``'s token is row ``rows[b]``. Caches [blocks, Hkv, bs, D];
+    ``out`` [T, H, D] gets the rows of the decoding tokens. Query head ``h * G + g`` reads
+    KV head ``h``.
 
-    For each (sequence, KV head): the G query heads sharing that KV head read each key and
-    value row once; softmax is online (running max ``m`` and sum ``l``, the accumulator
-    rescaled when the max grows), so nothing of size context is materialised.
+    First each sequence's new key and value go into their slot of its last block (so a
+    decode-only step needs no separate cache write). Then, for each (sequence, KV head):
+    the G query heads sharing that KV head read each key and value row once; softmax is
+    online (running max ``m`` and sum ``l``, the accumulator rescaled when the max grows),
+    so nothing of size context is materialised.
 
     The K/V bytes come from memory, not cache (a step reads every layer's whole context),
     and waiting for them was as long as the arithmetic. So while the G query heads work on
     one (block, head), the kernel prefetches the next one's keys and values, a few cache
     lines per key row: the loads overlap the arithmetic (microbenchmark in
-    benchmarks/README.md, "LLM engine")."""
-    b_count, kv_heads, group, dim = q.shape
-    block_size = k_cache.shape[2]
+    benchmarks/llm_attention_cpu.py)."""
+    b_count = rows.shape[0]
+    kv_heads, block_size, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // kv_heads
+    for b in range(b_count):
+        last = context[b] - 1
+        slot_block = tables[b, last // block_size]
+        for h in range(kv_heads):
+            for d in range(dim):
+                k_cache[slot_block, h, last % block_size, d] = k_new[rows[b], h, d]
+                v_cache[slot_block, h, last % block_size, d] = v_new[rows[b], h, d]
     head_floats = block_size * dim  # one head's keys (or values) in one block
     block_floats = kv_heads * head_floats
     k_flat = k_cache.reshape(-1)
     v_flat = v_cache.reshape(-1)
     lines_per_row = max(dim // _LINE, 1)
     scores = np.empty((group, block_size), dtype=np.float32)
+    # this (sequence, KV head)'s query rows, contiguous: ``q`` may be a strided view, and a
+    # dot product over a stride LLVM cannot see is not vectorised
+    query = np.empty((group, dim), dtype=np.float32)
     acc = np.empty((group, dim), dtype=np.float32)
     m = np.empty(group, dtype=np.float32)
     l_sum = np.empty(group, dtype=np.float32)
     for b in range(b_count):
         n = context[b]
+        token = rows[b]
         blocks = (n + block_size - 1) // block_size
         for h in range(kv_heads):
             for g in range(group):
@@ -133,6 +155,7 @@ def _kernel(q: Any, k_cache: Any, v_cache: Any, tables: Any, context: Any, out: 
                 l_sum[g] = 0.0
                 for d in range(dim):
                     acc[g, d] = 0.0
+                    query[g, d] = q[token, h * group + g, d] * scale
             for j in range(blocks):
                 block = tables[b, j]
                 # what this loop reads next: this head's next block, else the next head's
@@ -156,7 +179,7 @@ def _kernel(q: Any, k_cache: Any, v_cache: Any, tables: Any, context: Any, out: 
                                 _prefetch_l2(v_flat, row + c * _LINE)
                         s = np.float32(0.0)
                         for d in range(dim):
-                            s += q[b, h, g, d] * k_cache[block, h, t, d]
+                            s += query[g, d] * k_cache[block, h, t, d]
                         scores[g, t] = s
                         if s > top:
                             top = s
@@ -181,7 +204,7 @@ def _kernel(q: Any, k_cache: Any, v_cache: Any, tables: Any, context: Any, out: 
             for g in range(group):
                 inverse = np.float32(1.0) / l_sum[g]
                 for d in range(dim):
-                    out[b, h, g, d] = acc[g, d] * inverse
+                    out[token, h * group + g, d] = acc[g, d] * inverse
 
 
 # fastmath lets LLVM vectorise the dot products (reassociation); nogil lets the server's
@@ -197,39 +220,32 @@ def warm_up() -> None:
     """Compile (or load from numba's cache) before the first request waits for it."""
     if _compiled is None:
         return
-    q = np.zeros((1, 1, 1, 8), dtype=np.float32)
+    # the layouts of a real step: q, k and v are strided views of the fused projection's
+    # output (one compiled specialisation per layout)
+    qkv = np.zeros((1, 3, 8), dtype=np.float32)
     cache = np.ones((1, 1, 4, 8), dtype=np.float32)
-    _compiled(q, cache, cache, np.zeros((1, 1), np.int32), np.ones(1, np.int32), q.copy())
+    rows = np.zeros(1, np.int64)
+    tables = np.zeros((1, 1), np.int32)
+    out = np.zeros((1, 1, 8), dtype=np.float32)
+    _compiled(qkv[:, :1], qkv[:, 1:2], qkv[:, 2:], rows, cache, cache.copy(), tables,
+              np.ones(1, np.int32), 1.0, out)  # fmt: skip
 
 
 def decode(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     fused: FusedDecode,
     out: torch.Tensor,
 ) -> None:
-    """Attention of every decoding sequence's new token; ``q`` [T, H, D] (the step's new
-    tokens), caches [num_blocks, Hkv, block_size, D] float32; results go into ``out``."""
+    """Attention of every decoding sequence's new token, after writing its key and value into
+    the cache. ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] (the step's new tokens, strided views
+    allowed), caches [num_blocks, Hkv, block_size, D] float32; results go into the decoding
+    rows of ``out`` ([T, H, D], contiguous)."""
     assert _compiled is not None, "the cpu attention backend needs numba"
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[1]
-    b = fused.token_index.shape[0]
-    scale = 1.0 / math.sqrt(head_dim)
-    # query head i reads KV head i // G: [b, H, D] viewed as [b, Hkv, G, D]
-    shape = (b, kv_heads, num_heads // kv_heads, head_dim)
-    start = fused.start if out.is_contiguous() else None
-    sliced = start is not None
-    if start is not None:
-        # consecutive tokens: slice the queries and let the kernel write its results straight
-        # into ``out`` (a contiguous view), no gather and no scatter
-        picked = q[start : start + b]
-        target = out[start : start + b].view(shape).numpy()
-    else:
-        picked = q[fused.token_index]
-        target = np.empty(shape, dtype=np.float32)
-    queries = (picked * scale).contiguous().view(shape)
-    _compiled(queries.numpy(), k_cache.numpy(), v_cache.numpy(), fused.tables, fused.context,
-              target)  # fmt: skip
-    if not sliced:
-        out.index_copy_(0, fused.token_index, torch.from_numpy(target).view(b, num_heads, head_dim))
+    assert out.is_contiguous()
+    scale = 1.0 / math.sqrt(q.shape[2])
+    _compiled(q.numpy(), k.numpy(), v.numpy(), fused.rows, k_cache.numpy(), v_cache.numpy(),
+              fused.tables, fused.context, scale, out.numpy())  # fmt: skip
