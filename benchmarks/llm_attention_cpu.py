@@ -14,7 +14,9 @@ Three timings, each the median of 7 rounds of 10 steps:
 - ``hot``: the same kernel with every block table pointing into 4 blocks (cache-resident):
   its arithmetic alone;
 - ``stream``: a loop that only reads every key and value of the same blocks (a sum), cold:
-  what moving the bytes costs with this access pattern on one core.
+  what moving the bytes costs with this access pattern on one core;
+- ``kernel xN``: the kernel with its sequences split over the machine's N cores (what the
+  engine runs when torch has N threads).
 
 If the kernel's time is near ``stream`` it is memory-bound; near ``hot`` + ``stream`` the
 loads and the arithmetic do not overlap.
@@ -94,6 +96,10 @@ def main() -> None:
     def attend(layer: int, tables: np.ndarray) -> None:
         kernel(q, k_new, v_new, rows, ks[layer], vs[layer], tables, context, scale, out)
 
+    def attend_parallel(layer: int, tables: np.ndarray) -> None:
+        args = (q, k_new, v_new, rows, ks[layer], vs[layer], tables, context, scale, out)
+        attention_cpu._compiled_parallel(threads, *args)
+
     def read(layer: int, tables: np.ndarray) -> None:
         stream(ks[layer], vs[layer], tables, context, out)
 
@@ -102,6 +108,9 @@ def main() -> None:
             fn(layer, tables)
 
     runs = {"kernel": (attend, cold), "hot": (attend, hot), "stream": (read, cold)}
+    threads = min(os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS)
+    if threads > 1:  # the kernel's sequences split over every core (engine: torch's threads)
+        runs[f"kernel x{threads}"] = (attend_parallel, cold)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for fn, tables in runs.values():
         step(fn, tables)  # compile, first touch
@@ -124,7 +133,7 @@ def main() -> None:
         median = statistics.median(values)
         result[name] = {"ms_per_layer": median * 1e3, "gb_s": layer_bytes / median / 1e9}
         rate = layer_bytes / median / 1e9
-        print(f"  {name:7s} {median * 1e3:6.2f} ms a layer   {rate:5.1f} GB/s")
+        print(f"  {name:9s} {median * 1e3:6.2f} ms a layer   {rate:5.1f} GB/s")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

@@ -103,3 +103,36 @@ def test_workspace_grows_and_is_reused() -> None:
     assert ws.keys is first  # big enough: kept
     ws.reserve(first.shape[0] + 1, BS, D, torch.float32, CPU)
     assert ws.keys.shape[0] > first.shape[0] and ws.values.shape == ws.keys.shape
+
+
+def test_cpu_kernel_splits_its_sequences_over_torchs_threads() -> None:
+    """With torch on two threads the kernel deals the sequences to two threads; each row is
+    computed by the same code either way, so the results are the same bits, and every
+    sequence's new K/V is written once."""
+    torch.manual_seed(3)
+    rng = random.Random(3)
+    contexts = [rng.randint(1, 60) for _ in range(9)]
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(c + 1) // BS))] for c in contexts]
+    cache = torch.randn(cache_shape(NUM_BLOCKS, BS, HKV, D))
+    q = torch.randn(len(contexts), H, D)
+    k, v = torch.randn(len(contexts), HKV, D), torch.randn(len(contexts), HKV, D)
+    outs, caches = [], []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            k_cache, v_cache = cache.clone(), cache.clone() * 2
+            meta = AttentionMetadata.build(
+                tables, contexts, [1] * len(contexts), BS, CPU, HKV, KVWorkspace(),
+                fused_decode=True,
+            )  # fmt: skip
+            outs.append(paged_attention(q, k, v, k_cache, v_cache, meta))
+            caches.append((k_cache, v_cache))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    for i, (c, table) in enumerate(zip(contexts, tables, strict=True)):
+        assert torch.equal(caches[1][0][table[c // BS], :, c % BS], k[i])

@@ -95,7 +95,9 @@ _prefetch_l2 = _prefetch_intrinsic() if numba is not None else None
 _LINE = 16
 
 
-def _kernel(
+def _attend(
+    first: int,
+    stride: int,
     q: Any,
     k_new: Any,
     v_new: Any,
@@ -107,10 +109,11 @@ def _kernel(
     scale: float,
     out: Any,
 ) -> None:
-    """``q`` [T, H, D] and ``k_new``/``v_new`` [T, Hkv, D]: the step's new tokens (strided
-    views are fine); sequence ``b``'s token is row ``rows[b]``. Caches [blocks, Hkv, bs, D];
-    ``out`` [T, H, D] gets the rows of the decoding tokens. Query head ``h * G + g`` reads
-    KV head ``h``.
+    """Sequences ``first``, ``first + stride``, ... of the step (a thread's share; all of
+    them for ``0, 1``). ``q`` [T, H, D] and ``k_new``/``v_new`` [T, Hkv, D]: the step's new
+    tokens (strided views are fine); sequence ``b``'s token is row ``rows[b]``. Caches
+    [blocks, Hkv, bs, D]; ``out`` [T, H, D] gets the rows of the decoding tokens. Query
+    head ``h * G + g`` reads KV head ``h``.
 
     First each sequence's new key and value go into their slot of its last block (so a
     decode-only step needs no separate cache write). Then, for each (sequence, KV head):
@@ -126,7 +129,7 @@ def _kernel(
     b_count = rows.shape[0]
     kv_heads, block_size, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // kv_heads
-    for b in range(b_count):
+    for b in range(first, b_count, stride):
         last = context[b] - 1
         slot_block = tables[b, last // block_size]
         for h in range(kv_heads):
@@ -145,7 +148,7 @@ def _kernel(
     acc = np.empty((group, dim), dtype=np.float32)
     m = np.empty(group, dtype=np.float32)
     l_sum = np.empty(group, dtype=np.float32)
-    for b in range(b_count):
+    for b in range(first, b_count, stride):
         n = context[b]
         token = rows[b]
         blocks = (n + block_size - 1) // block_size
@@ -164,8 +167,8 @@ def _kernel(
                     upcoming = tables[b, j + 1] * block_floats + h * head_floats
                 elif h + 1 < kv_heads:
                     upcoming = tables[b, 0] * block_floats + (h + 1) * head_floats
-                elif b + 1 < b_count:
-                    upcoming = tables[b + 1, 0] * block_floats
+                elif b + stride < b_count:
+                    upcoming = tables[b + stride, 0] * block_floats
                 else:
                     upcoming = -1
                 count = min(block_size, n - j * block_size)
@@ -209,8 +212,36 @@ def _kernel(
 
 # fastmath lets LLVM vectorise the dot products (reassociation); nogil lets the server's
 # event loop run while a step computes; cache: compiled once per machine, not per start.
-_compiled = (
-    numba.njit(fastmath=True, nogil=True, cache=True, boundscheck=False)(_kernel)
+_jit = (
+    numba.njit(fastmath=True, nogil=True, cache=True, boundscheck=False)
+    if numba is not None
+    else None
+)
+_attend_compiled = _jit(_attend) if _jit is not None else None
+
+
+def _serial(
+    q: Any, k_new: Any, v_new: Any, rows: Any, k_cache: Any, v_cache: Any, tables: Any,
+    context: Any, scale: float, out: Any,
+) -> None:  # fmt: skip
+    _attend_compiled(0, 1, q, k_new, v_new, rows, k_cache, v_cache, tables, context, scale, out)
+
+
+def _parallel(
+    threads: int, q: Any, k_new: Any, v_new: Any, rows: Any, k_cache: Any, v_cache: Any,
+    tables: Any, context: Any, scale: float, out: Any,
+) -> None:  # fmt: skip
+    """The sequences dealt round-robin to ``threads`` threads (contexts are mixed, so each
+    gets a similar share of the bytes); each thread owns its sequences' rows of ``out``
+    and their cache slots."""
+    for first in numba.prange(threads):
+        _attend_compiled(first, threads, q, k_new, v_new, rows, k_cache, v_cache, tables,
+                         context, scale, out)  # fmt: skip
+
+
+_compiled = _jit(_serial) if _jit is not None else None
+_compiled_parallel = (
+    numba.njit(fastmath=True, nogil=True, cache=True, parallel=True)(_parallel)
     if numba is not None
     else None
 )
@@ -227,8 +258,11 @@ def warm_up() -> None:
     rows = np.zeros(1, np.int64)
     tables = np.zeros((1, 1), np.int32)
     out = np.zeros((1, 1, 8), dtype=np.float32)
-    _compiled(qkv[:, :1], qkv[:, 1:2], qkv[:, 2:], rows, cache, cache.copy(), tables,
-              np.ones(1, np.int32), 1.0, out)  # fmt: skip
+    args = (qkv[:, :1], qkv[:, 1:2], qkv[:, 2:], rows, cache, cache.copy(), tables,
+            np.ones(1, np.int32), 1.0, out)  # fmt: skip
+    _compiled(*args)
+    if _compiled_parallel is not None and torch.get_num_threads() > 1:
+        _compiled_parallel(2, *args)
 
 
 def decode(
@@ -244,8 +278,14 @@ def decode(
     the cache. ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] (the step's new tokens, strided views
     allowed), caches [num_blocks, Hkv, block_size, D] float32; results go into the decoding
     rows of ``out`` ([T, H, D], contiguous)."""
-    assert _compiled is not None, "the cpu attention backend needs numba"
+    assert _compiled is not None and _compiled_parallel is not None, "needs numba"
     assert out.is_contiguous()
     scale = 1.0 / math.sqrt(q.shape[2])
-    _compiled(q.numpy(), k.numpy(), v.numpy(), fused.rows, k_cache.numpy(), v_cache.numpy(),
-              fused.tables, fused.context, scale, out.numpy())  # fmt: skip
+    args = (q.numpy(), k.numpy(), v.numpy(), fused.rows, k_cache.numpy(), v_cache.numpy(),
+            fused.tables, fused.context, scale, out.numpy())  # fmt: skip
+    # as many threads as torch's matrix products use (OMP_NUM_THREADS / torch.set_num_threads)
+    threads = min(torch.get_num_threads(), fused.rows.shape[0], numba.config.NUMBA_NUM_THREADS)
+    if threads > 1:
+        _compiled_parallel(threads, *args)
+    else:
+        _compiled(*args)
