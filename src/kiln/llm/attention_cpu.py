@@ -284,7 +284,8 @@ def decode(
     args = (q.numpy(), k.numpy(), v.numpy(), fused.rows, k_cache.numpy(), v_cache.numpy(),
             fused.tables, fused.context, scale, out.numpy())  # fmt: skip
     # as many threads as torch's matrix products use (OMP_NUM_THREADS / torch.set_num_threads)
-    threads = min(torch.get_num_threads(), fused.rows.shape[0], numba.config.NUMBA_NUM_THREADS)
+    pool = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+    threads = min(torch.get_num_threads(), fused.rows.shape[0], pool)
     if threads > 1:
         _compiled_parallel(threads, *args)
     else:
