@@ -5,7 +5,8 @@ torch operation on them costs more in dispatch and memory passes than in arithme
 residual add and RMSNorm of one layer are five operations (add, pow, mean, rsqrt, two
 multiplications). ``add_rms_norm`` does them in one pass over each row, the way vLLM's
 ``fused_add_rms_norm`` does: the residual stream is updated in place and the normalised
-rows are written out.
+rows are written out. ``rotate_`` applies RoPE to the fused q/k/v projection's output in
+place (bit-identical to the torch formula).
 
 Each row is computed on its own, in a fixed order, so a token's result does not depend on
 how many other tokens share its step (a decode and a prefill agree bit for bit). The sum of
@@ -56,6 +57,23 @@ def _rms_norm(x: Any, weight: Any, eps: float, out: Any) -> None:
             out[r, i] = weight[i] * (x[r, i] * scale)
 
 
+def _rotate(x: Any, cos: Any, signed_sin: Any, heads: int) -> None:
+    """Rotate-half RoPE in place on heads ``0..heads`` of ``x`` [T, H, D]; ``cos`` and
+    ``signed_sin`` [T, D] (``RotaryEmbedding.lookup``'s, the sin's first half negated)."""
+    tokens, _, dim = x.shape
+    half = dim // 2
+    for t in range(tokens):
+        for h in range(heads):
+            for i in range(half):
+                first = x[t, h, i]
+                second = x[t, h, i + half]
+                # the formula's own two products and one sum, in its order: no fused
+                # multiply-add (this function is compiled without fastmath), so the bits
+                # are torch's ``x * cos + rotate_half(x) * sin``
+                x[t, h, i] = first * cos[t, i] + second * signed_sin[t, i]
+                x[t, h, i + half] = second * cos[t, i + half] + first * signed_sin[t, i + half]
+
+
 # fastmath lets LLVM vectorise the sums (reassociation); the order it picks is fixed by the
 # compiled loop and the row length, so a row's result still does not depend on its step
 _jit = (
@@ -65,6 +83,9 @@ _jit = (
 )
 _add_rms_norm_compiled = _jit(_add_rms_norm) if _jit is not None else None
 _rms_norm_compiled = _jit(_rms_norm) if _jit is not None else None
+_rotate_compiled = (
+    numba.njit(nogil=True, cache=True, boundscheck=False)(_rotate) if numba is not None else None
+)
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -93,6 +114,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int) -> None:
+    """``rope.rotate`` in place on the first ``heads`` heads of ``x`` [T, H, D] (a fresh
+    projection output): one pass, no temporaries."""
+    assert _rotate_compiled is not None, "cpu_ops needs numba"
+    t, d = x.shape[0], x.shape[2]
+    _rotate_compiled(x.numpy(), cos.reshape(t, d).numpy(), signed_sin.reshape(t, d).numpy(), heads)
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) before the first request waits for it."""
     if numba is None:
@@ -100,3 +129,4 @@ def warm_up() -> None:
     x = torch.ones(1, 4)
     add_rms_norm(x, x.clone(), torch.ones(4), 1e-6)
     rms_norm(x, torch.ones(4), 1e-6)
+    rotate_(torch.ones(1, 3, 4), torch.ones(1, 1, 4), torch.ones(1, 1, 4), 2)

@@ -87,9 +87,14 @@ class Attention(nn.Module):
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x).view(t, h + 2 * hkv, d)
-            # q and k rotate together: one pass over both
-            qk = rotate(qkv[:, : h + hkv], *rope)
-            q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv :]
+            if cpu_ops.usable(qkv):
+                # q and k rotate in place, in one pass (the projection's output is ours)
+                cpu_ops.rotate_(qkv, *rope, h + hkv)
+                q, k, v = qkv[:, :h], qkv[:, h : h + hkv], qkv[:, h + hkv :]
+            else:
+                # q and k rotate together: one pass over both
+                qk = rotate(qkv[:, : h + hkv], *rope)
+                q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv :]
         else:
             q = rotate(self.q_proj(x).view(t, h, d), *rope)
             k = rotate(self.k_proj(x).view(t, hkv, d), *rope)
