@@ -2,8 +2,8 @@
 
 The worker is a plain ``python -m kiln.backends.python.worker`` subprocess (not a
 multiprocessing fork: the server's threads and event loop must not be copied into it),
-connected by a socketpair that ``multiprocessing.connection`` frames. When the worker dies
-the socket closes, so a waiting ``recv`` wakes with EOF instead of hanging.
+connected by a socketpair that ``wire.Wire`` frames. When the worker dies the socket
+closes, so a waiting ``recv`` wakes with EOF instead of hanging.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import socket
 import subprocess
 import sys
 import time
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from kiln.backends.python.arena import Arena
+from kiln.backends.python.wire import Wire
 
 
 class WorkerDied(Exception):
@@ -36,7 +36,7 @@ class WorkerProcess:
         self.inbound = Arena.create(f"kiln-py-{label}-in-")
         self.outbound = Arena.create(f"kiln-py-{label}-out-")
         self.proc: subprocess.Popen[bytes] | None = None
-        self.conn: Connection | None = None
+        self.conn: Wire | None = None
 
     @property
     def pid(self) -> int | None:
@@ -59,7 +59,7 @@ class WorkerProcess:
             self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env)
         finally:
             theirs.close()
-        self.conn = Connection(ours.detach())
+        self.conn = Wire(ours)
         self.inbound.reset()
         self.outbound.reset()
 
@@ -75,7 +75,7 @@ class WorkerProcess:
         assert self.conn is not None
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            if not self.conn.poll(timeout):
+            if timeout is not None and not self.conn.poll(timeout):
                 raise WorkerTimeout()
             return self.conn.recv()
         except (EOFError, OSError) as exc:

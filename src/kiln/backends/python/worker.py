@@ -14,15 +14,16 @@ import importlib.util
 import inspect
 import json
 import signal
+import socket
 import sys
 import threading
 import traceback
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from kiln.backends.python import pb_utils
 from kiln.backends.python.arena import Arena, Header
+from kiln.backends.python.wire import Wire
 
 ErrorInfo = tuple[str, int]  # (message, TritonError code)
 
@@ -35,7 +36,7 @@ def last_line(exc: BaseException) -> str:
 class Channel:
     """The worker's side of the pipe, as ``pb_utils`` uses it (BLS, decoupled sends)."""
 
-    def __init__(self, conn: Connection, inbound: Arena, outbound: Arena) -> None:
+    def __init__(self, conn: Wire, inbound: Arena, outbound: Arena) -> None:
         self.conn = conn
         self.inbound = inbound
         self.outbound = outbound
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     # (finalize first), so the worker must not die of the same SIGINT mid-request.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pb_utils.install()
-    conn = Connection(opts.fd)
+    conn = Wire(socket.socket(fileno=opts.fd))
     channel = Channel(conn, Arena.attach(opts.inbound), Arena.attach(opts.outbound))
     pb_utils._channel = channel
     worker = Worker(channel)
