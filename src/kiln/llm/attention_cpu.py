@@ -17,6 +17,7 @@ no gather.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,6 +241,7 @@ def _parallel(
 
 
 _compiled = _jit(_serial) if _jit is not None else None
+_PARALLEL_LOCK = threading.Lock()
 _compiled_parallel = (
     numba.njit(fastmath=True, nogil=True, cache=True, parallel=True)(_parallel)
     if numba is not None
@@ -262,7 +264,8 @@ def warm_up() -> None:
             np.ones(1, np.int32), 1.0, out)  # fmt: skip
     _compiled(*args)
     if _compiled_parallel is not None and torch.get_num_threads() > 1:
-        _compiled_parallel(2, *args)
+        with _PARALLEL_LOCK:
+            _compiled_parallel(2, *args)
 
 
 def decode(
@@ -287,6 +290,9 @@ def decode(
     pool = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
     threads = min(torch.get_num_threads(), fused.rows.shape[0], pool)
     if threads > 1:
-        _compiled_parallel(threads, *args)
+        # numba's fallback threading layer (workqueue, when neither OpenMP nor TBB loads) must
+        # not be entered by two threads at once: two LLM models' engine threads would
+        with _PARALLEL_LOCK:
+            _compiled_parallel(threads, *args)
     else:
         _compiled(*args)
