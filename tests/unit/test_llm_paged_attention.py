@@ -6,6 +6,7 @@ prompt, and a prompt chunk that continues a cached prefix."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -136,3 +137,44 @@ def test_cpu_kernel_splits_its_sequences_over_torchs_threads() -> None:
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     for i, (c, table) in enumerate(zip(contexts, tables, strict=True)):
         assert torch.equal(caches[1][0][table[c // BS], :, c % BS], k[i])
+
+
+def test_two_engines_can_run_the_threaded_kernel_at_once() -> None:
+    """Two LLM models step on their own engine threads: concurrent calls of the threaded
+    kernel must each get their own right answer."""
+    torch.manual_seed(4)
+    rng = random.Random(4)
+    contexts = [rng.randint(1, 60) for _ in range(8)]
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(c + 1) // BS))] for c in contexts]
+    meta = AttentionMetadata.build(
+        tables, contexts, [1] * len(contexts), BS, CPU, HKV, KVWorkspace(), fused_decode=True
+    )
+    jobs = []
+    for _ in range(2):
+        cache = torch.randn(cache_shape(NUM_BLOCKS, BS, HKV, D))
+        q = torch.randn(len(contexts), H, D)
+        k, v = torch.randn(len(contexts), HKV, D), torch.randn(len(contexts), HKV, D)
+        jobs.append((q, k, v, cache))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = [paged_attention(q, k, v, c.clone(), c.clone(), meta) for q, k, v, c in jobs]
+        got: list[list[torch.Tensor]] = [[], []]
+
+        def run(i: int) -> None:
+            torch.set_num_threads(2)  # per thread, as each engine thread has
+            q, k, v, c = jobs[i]
+            for _ in range(20):
+                got[i].append(paged_attention(q, k, v, c.clone(), c.clone(), meta))
+
+        workers = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(2):
+        assert len(got[i]) == 20 and all(torch.equal(out, want[i]) for out in got[i])
