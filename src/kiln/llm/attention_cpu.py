@@ -124,8 +124,9 @@ def _attend(
 
     The K/V bytes come from memory, not cache (a step reads every layer's whole context),
     and waiting for them was as long as the arithmetic. So while the G query heads work on
-    one (block, head), the kernel prefetches the next one's keys and values, a few cache
-    lines per key row: the loads overlap the arithmetic (microbenchmark in
+    one (block, head), the kernel prefetches the next one's keys (during the first query
+    head's pass) and values (during the last one's), a few cache lines per key row: the
+    loads overlap the arithmetic, and few are in flight at once (microbenchmark in
     benchmarks/llm_attention_cpu.py)."""
     b_count = rows.shape[0]
     kv_heads, block_size, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -176,10 +177,13 @@ def _attend(
                 for g in range(group):
                     top = m[g]
                     for t in range(count):
-                        if g == 0 and upcoming >= 0:
+                        if upcoming >= 0 and g == 0:
                             row = upcoming + t * dim
                             for c in range(lines_per_row):
                                 _prefetch_l2(k_flat, row + c * _LINE)
+                        if upcoming >= 0 and g == group - 1:
+                            row = upcoming + t * dim
+                            for c in range(lines_per_row):
                                 _prefetch_l2(v_flat, row + c * _LINE)
                         s = np.float32(0.0)
                         for d in range(dim):
@@ -187,13 +191,15 @@ def _attend(
                         scores[g, t] = s
                         if s > top:
                             top = s
-                    if g == 0 and upcoming >= 0:
+                    if upcoming >= 0 and (g == 0 or g == group - 1):
                         # a partly filled last block: the rows it does not hold
                         for t in range(count, block_size):
                             row = upcoming + t * dim
                             for c in range(lines_per_row):
-                                _prefetch_l2(k_flat, row + c * _LINE)
-                                _prefetch_l2(v_flat, row + c * _LINE)
+                                if g == 0:
+                                    _prefetch_l2(k_flat, row + c * _LINE)
+                                if g == group - 1:
+                                    _prefetch_l2(v_flat, row + c * _LINE)
                     # the first block: m is -inf and the (empty) accumulator stays 0
                     correction = math.exp(m[g] - top) if m[g] > -np.inf else np.float32(0.0)
                     l_sum[g] *= correction
