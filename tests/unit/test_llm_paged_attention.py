@@ -178,3 +178,29 @@ def test_two_engines_can_run_the_threaded_kernel_at_once() -> None:
         torch.set_num_threads(threads)
     for i in range(2):
         assert len(got[i]) == 20 and all(torch.equal(out, want[i]) for out in got[i])
+
+
+def test_warm_up_compiles_what_a_real_step_calls() -> None:
+    """The engine warms the kernel up at load: a real step (q, k, v strided views of the
+    fused projection) must not compile anything more, or the first request waits seconds."""
+    from kiln.llm import attention_cpu
+
+    attention_cpu.warm_up()
+    assert attention_cpu._compiled is not None
+    before = len(attention_cpu._compiled.signatures)
+    torch.manual_seed(5)
+    contexts = [3, 9, 17]
+    tables = [[i * 8 + j for j in range(8)] for i in range(len(contexts))]
+    qkv = torch.randn(len(contexts), H + 2 * HKV, D)  # one token each, q/k/v fused
+    q, k, v = qkv[:, :H], qkv[:, H : H + HKV], qkv[:, H + HKV :]
+    cache = torch.randn(cache_shape(NUM_BLOCKS, BS, HKV, D))
+    meta = AttentionMetadata.build(
+        tables, contexts, [1] * len(contexts), BS, CPU, HKV, KVWorkspace(), fused_decode=True
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        paged_attention(q, k, v, cache.clone(), cache.clone(), meta)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(attention_cpu._compiled.signatures) == before

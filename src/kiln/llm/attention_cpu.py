@@ -260,12 +260,14 @@ def warm_up() -> None:
     if _compiled is None:
         return
     # the layouts of a real step: q, k and v are strided views of the fused projection's
-    # output (one compiled specialisation per layout)
-    qkv = np.zeros((1, 3, 8), dtype=np.float32)
+    # output (one compiled specialisation per layout). Two tokens: a [1, 1, D] slice would
+    # count as contiguous, compile the contiguous variant, and leave the strided one to the
+    # first request (seconds)
+    qkv = np.zeros((2, 3, 8), dtype=np.float32)
     cache = np.ones((1, 1, 4, 8), dtype=np.float32)
     rows = np.zeros(1, np.int64)
     tables = np.zeros((1, 1), np.int32)
-    out = np.zeros((1, 1, 8), dtype=np.float32)
+    out = np.zeros((2, 1, 8), dtype=np.float32)
     args = (qkv[:, :1], qkv[:, 1:2], qkv[:, 2:], rows, cache, cache.copy(), tables,
             np.ones(1, np.int32), 1.0, out)  # fmt: skip
     _compiled(*args)
