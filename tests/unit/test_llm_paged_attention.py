@@ -106,16 +106,26 @@ def test_workspace_grows_and_is_reused() -> None:
     assert ws.keys.shape[0] > first.shape[0] and ws.values.shape == ws.keys.shape
 
 
+def _decodes(seed: int, count: int) -> tuple[list[int], list[list[int]], AttentionMetadata]:
+    """``count`` sequences of random context, one new token each, in random blocks: their
+    contexts, block tables and the ``cpu`` kernel's metadata."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    contexts = [rng.randint(1, 60) for _ in range(count)]
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(c + 1) // BS))] for c in contexts]
+    meta = AttentionMetadata.build(
+        tables, contexts, [1] * count, BS, CPU, HKV, KVWorkspace(), fused_decode=True
+    )
+    return contexts, tables, meta
+
+
 def test_cpu_kernel_splits_its_sequences_over_torchs_threads() -> None:
     """With torch on two threads the kernel deals the sequences to two threads; each row is
     computed by the same code either way, so the results are the same bits, and every
     sequence's new K/V is written once."""
-    torch.manual_seed(3)
-    rng = random.Random(3)
-    contexts = [rng.randint(1, 60) for _ in range(9)]
-    free = list(range(NUM_BLOCKS))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-(c + 1) // BS))] for c in contexts]
+    contexts, tables, meta = _decodes(3, 9)
     cache = torch.randn(cache_shape(NUM_BLOCKS, BS, HKV, D))
     q = torch.randn(len(contexts), H, D)
     k, v = torch.randn(len(contexts), HKV, D), torch.randn(len(contexts), HKV, D)
@@ -125,10 +135,6 @@ def test_cpu_kernel_splits_its_sequences_over_torchs_threads() -> None:
         for n in (1, 2):
             torch.set_num_threads(n)
             k_cache, v_cache = cache.clone(), cache.clone() * 2
-            meta = AttentionMetadata.build(
-                tables, contexts, [1] * len(contexts), BS, CPU, HKV, KVWorkspace(),
-                fused_decode=True,
-            )  # fmt: skip
             outs.append(paged_attention(q, k, v, k_cache, v_cache, meta))
             caches.append((k_cache, v_cache))
     finally:
@@ -142,15 +148,7 @@ def test_cpu_kernel_splits_its_sequences_over_torchs_threads() -> None:
 def test_two_engines_can_run_the_threaded_kernel_at_once() -> None:
     """Two LLM models step on their own engine threads: concurrent calls of the threaded
     kernel must each get their own right answer."""
-    torch.manual_seed(4)
-    rng = random.Random(4)
-    contexts = [rng.randint(1, 60) for _ in range(8)]
-    free = list(range(NUM_BLOCKS))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-(c + 1) // BS))] for c in contexts]
-    meta = AttentionMetadata.build(
-        tables, contexts, [1] * len(contexts), BS, CPU, HKV, KVWorkspace(), fused_decode=True
-    )
+    contexts, _, meta = _decodes(4, 8)
     jobs = []
     for _ in range(2):
         cache = torch.randn(cache_shape(NUM_BLOCKS, BS, HKV, D))
