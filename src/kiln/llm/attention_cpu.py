@@ -248,6 +248,8 @@ def _parallel(
 
 _compiled = _jit(_serial) if _jit is not None else None
 _PARALLEL_LOCK = threading.Lock()
+#: numba's thread pool, fixed when numba is imported
+_POOL = int(numba.config.NUMBA_NUM_THREADS) if numba is not None else 1  # type: ignore[attr-defined]
 _compiled_parallel = (
     numba.njit(fastmath=True, nogil=True, cache=True, parallel=True)(_parallel)
     if numba is not None
@@ -295,8 +297,7 @@ def decode(
     args = (q.numpy(), k.numpy(), v.numpy(), fused.rows, k_cache.numpy(), v_cache.numpy(),
             fused.tables, fused.context, scale, out.numpy())  # fmt: skip
     # as many threads as torch's matrix products use (OMP_NUM_THREADS / torch.set_num_threads)
-    pool = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
-    threads = min(torch.get_num_threads(), fused.rows.shape[0], pool)
+    threads = min(torch.get_num_threads(), fused.rows.shape[0], _POOL)
     if threads > 1:
         # numba's fallback threading layer (workqueue, when neither OpenMP nor TBB loads) must
         # not be entered by two threads at once: two LLM models' engine threads would

@@ -31,30 +31,22 @@ except ImportError:  # pragma: no cover - exercised where numba is not installed
     numba = None  # type: ignore[assignment]
 
 
-def _add_rms_norm(x: Any, residual: Any, weight: Any, eps: float, out: Any) -> None:
-    """``residual += x`` then ``out = weight * residual / sqrt(mean(residual**2) + eps)``,
-    row by row; ``x`` None-like (zero rows) is not allowed: use ``_rms_norm``."""
+def _rms_norm_rows(x: Any, residual: Any, add: bool, weight: Any, eps: float, out: Any) -> None:
+    """Row by row: with ``add``, ``residual += x`` first (in place); then ``out = weight *
+    residual / sqrt(mean(residual**2) + eps)``. Without ``add`` ``x`` is not read and
+    ``residual`` (the rows to normalise) is not written."""
     rows, size = residual.shape
     for r in range(rows):
         total = 0.0
         for i in range(size):
-            value = residual[r, i] + x[r, i]
-            residual[r, i] = value
+            value = residual[r, i]
+            if add:
+                value += x[r, i]
+                residual[r, i] = value
             total += np.float64(value) * np.float64(value)
         scale = np.float32(1.0 / np.sqrt(np.float32(total / size) + np.float32(eps)))
         for i in range(size):
             out[r, i] = weight[i] * (residual[r, i] * scale)
-
-
-def _rms_norm(x: Any, weight: Any, eps: float, out: Any) -> None:
-    rows, size = x.shape
-    for r in range(rows):
-        total = 0.0
-        for i in range(size):
-            total += np.float64(x[r, i]) * np.float64(x[r, i])
-        scale = np.float32(1.0 / np.sqrt(np.float32(total / size) + np.float32(eps)))
-        for i in range(size):
-            out[r, i] = weight[i] * (x[r, i] * scale)
 
 
 def _rotate(x: Any, cos: Any, signed_sin: Any, heads: int) -> None:
@@ -81,8 +73,7 @@ _jit = (
     if numba is not None
     else None
 )
-_add_rms_norm_compiled = _jit(_add_rms_norm) if _jit is not None else None
-_rms_norm_compiled = _jit(_rms_norm) if _jit is not None else None
+_rms_norm_compiled = _jit(_rms_norm_rows) if _jit is not None else None
 _rotate_compiled = (
     numba.njit(nogil=True, cache=True, boundscheck=False)(_rotate) if numba is not None else None
 )
@@ -98,19 +89,19 @@ def add_rms_norm(
 ) -> torch.Tensor:
     """``residual += x`` (in place) and return the RMS-normalised ``residual``; 2-D float32
     CPU tensors, ``residual`` contiguous and owned by the caller."""
-    assert _add_rms_norm_compiled is not None, "cpu_ops needs numba"
+    assert _rms_norm_compiled is not None, "cpu_ops needs numba"
     out = torch.empty_like(residual)
-    _add_rms_norm_compiled(
-        x.contiguous().numpy(), residual.numpy(), weight.detach().numpy(), eps, out.numpy()
+    _rms_norm_compiled(
+        x.contiguous().numpy(), residual.numpy(), True, weight.detach().numpy(), eps, out.numpy()
     )
     return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     assert _rms_norm_compiled is not None, "cpu_ops needs numba"
-    x = x.contiguous()
+    rows = x.contiguous().numpy()
     out = torch.empty_like(x)
-    _rms_norm_compiled(x.numpy(), weight.detach().numpy(), eps, out.numpy())
+    _rms_norm_compiled(rows, rows, False, weight.detach().numpy(), eps, out.numpy())
     return out
 
 

@@ -43,13 +43,11 @@ class Wire:
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         self.sock.sendall(_HEADER.pack(len(payload)) + payload)
 
-    def poll(self, timeout: float | None) -> bool:
-        """Whether a message (or the peer's end) can be read within ``timeout`` seconds
-        (None: wait for it)."""
+    def poll(self, timeout: float) -> bool:
+        """Whether a message (or the peer's end) can be read within ``timeout`` seconds.
+        Without a deadline, call ``recv``: it blocks."""
         if self._complete() is not None:
             return True
-        if timeout is None:
-            return True  # ``recv`` blocks
         # rounded up: waking a fraction of a millisecond early would report a deadline
         # as missed before it is
         return bool(self._poller.poll(max(0, math.ceil(timeout * 1000))))
