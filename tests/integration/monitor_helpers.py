@@ -7,7 +7,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from typing import Any, TypeVar
 
 import numpy as np
@@ -48,7 +48,9 @@ def wait_for(predicate: Callable[[], T | None], timeout: float, what: str) -> T:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         result = predicate()
-        if result is not None and result is not False:
+        # An empty container is "not yet" too: ``rows and max(rows) > n`` yields [] early.
+        empty = isinstance(result, Sized) and not isinstance(result, str) and len(result) == 0
+        if result is not None and result is not False and not empty:
             return result
         time.sleep(0.05)
     raise TimeoutError(f"{what}: not seen within {timeout}s")
