@@ -68,6 +68,9 @@ def build_tiny_llm(folder: Path, arch: str = "llama", **overrides: Any) -> Path:
     if arch == "qwen2":
         config = transformers.Qwen2Config(**shape)
         model_cls = transformers.Qwen2ForCausalLM
+    elif arch == "mistral":
+        config = transformers.MistralConfig(**shape)
+        model_cls = transformers.MistralForCausalLM
     else:
         config = transformers.LlamaConfig(**shape)
         model_cls = transformers.LlamaForCausalLM

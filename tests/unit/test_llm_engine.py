@@ -9,7 +9,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kiln.llm.config import EngineConfig
+from kiln.core.errors import KilnError
+from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.engine import LLMEngine
 from kiln.llm.sequence import SamplingParams
 from tests.llm_models import build_tiny_llm, reference_generate
@@ -198,3 +199,35 @@ def test_qwen2_matches_transformers(tmp_path: Path) -> None:
     want = [reference_generate(folder, p, 8) for p in PROMPTS[:2]]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert _engine(folder).generate(PROMPTS[:2], params) == want
+
+
+@pytest.mark.parametrize("window", [None, 4096])
+def test_mistral_matches_transformers(tmp_path: Path, window: int | None) -> None:
+    folder = build_tiny_llm(tmp_path / "m", arch="mistral", sliding_window=window)
+    want = [reference_generate(folder, p, 8) for p in PROMPTS[:2]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = _engine(folder)
+    assert engine.config.max_model_len == 256  # a window wider than the context changes nothing
+    assert engine.generate(PROMPTS[:2], params) == want
+
+
+def test_a_sliding_window_caps_the_context(tmp_path: Path) -> None:
+    """Inside its window, Mistral's attention is causal attention: kiln serves exactly that
+    far, equal to transformers, and refuses prompts that would need the window to slide."""
+    folder = build_tiny_llm(tmp_path / "m", arch="mistral", sliding_window=48)
+    engine = _engine(folder)
+    assert engine.config.max_model_len == 48
+    prompt = list(range(30, 70))  # 40 tokens: 8 more fit in the window
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert engine.generate([prompt], params) == [reference_generate(folder, prompt, 8)]
+    with pytest.raises(KilnError, match="maximum context length is 48 tokens"):
+        engine.check_request(48, params)
+    _all_returned(engine)
+
+
+def test_qwen2_window_counts_only_when_used(tmp_path: Path) -> None:
+    args = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+            "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "sliding_window": 32}  # fmt: skip
+    assert ModelArgs.from_dict(args).sliding_window is None
+    assert ModelArgs.from_dict({**args, "use_sliding_window": True}).sliding_window == 32

@@ -34,6 +34,9 @@ class ModelArgs:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
+    #: Mistral's (and Qwen2's, when ``use_sliding_window``) attention window: a token sees
+    #: only the last ``sliding_window`` positions. None: full causal attention.
+    sliding_window: int | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelArgs:
@@ -52,6 +55,9 @@ class ModelArgs:
         theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         eos = raw.get("eos_token_id")
+        window = raw.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+            window = None  # Qwen2 configs carry a window they do not use
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             architecture=arch,
@@ -70,6 +76,7 @@ class ModelArgs:
             # Qwen2 has q/k/v biases without saying so in its config
             attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,
+            sliding_window=int(window) if window else None,
         )
 
     @classmethod

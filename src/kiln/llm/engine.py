@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -14,6 +15,8 @@ from kiln.llm.sampler import SampledToken, TokenLogprobs
 from kiln.llm.scheduler import Scheduler
 from kiln.llm.sequence import RequestState, SamplingParams, Sequence
 from kiln.llm.stats import LatencyStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -48,6 +51,19 @@ class LLMEngine:
         config.check()
         self.args = ModelArgs.load(folder)
         config.max_model_len = config.max_model_len or self.args.max_position_embeddings
+        window = self.args.sliding_window
+        if window is not None and config.max_model_len > window:
+            # Within the window, sliding-window attention is plain causal attention: capping
+            # the context there keeps every attention backend exact (vLLM did the same before
+            # it had windowed kernels) rather than silently attending too far.
+            log.warning(
+                "llm: %s has a %d-token sliding window; max_model_len capped from %d to %d",
+                self.args.architecture,
+                window,
+                config.max_model_len,
+                window,
+            )
+            config.max_model_len = window
         self.runner = ModelRunner(folder, self.args, config)
         # A sequence alone must always fit in the cache, or preemption could never help it.
         config.max_model_len = min(config.max_model_len, self.runner.num_blocks * config.block_size)
