@@ -7,6 +7,7 @@ keyed by output name.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -98,6 +99,14 @@ class Backend(ABC):
     def execute_requests(self, requests: list[BackendRequest]) -> list[RequestOutcome]:
         """Run several requests as one execution; one outcome per request, in order."""
         raise NotImplementedError(f"backend '{self.name}' takes merged batches only")
+
+    def start_requests(
+        self, requests: list[BackendRequest]
+    ) -> asyncio.Future[list[RequestOutcome]] | None:
+        """On the event loop's thread: start ``execute_requests`` without blocking and
+        return a future the loop resolves (a backend whose work happens in another process
+        needs no thread of its own to wait for it); None: run it on the instance's thread."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the session / device memory."""

@@ -78,6 +78,12 @@ class _Worker:
         self._thread.join()
 
 
+def _failed(error: BaseException) -> asyncio.Future[Any]:
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    future.set_exception(error)
+    return future
+
+
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
     if future.cancelled():
         return
@@ -112,6 +118,7 @@ class Instance:
         self.inline_max_ns = inline_max_us * 1000 if backend.inline_capable else 0
         self.call_ns: float | None = None  # moving average of a call's CPU time, ns
         self.inline_calls = 0  # calls that ran on the loop's thread (tests, diagnostics)
+        self.loop_driven_calls = 0  # batches the backend ran from the loop (same)
 
     async def run(
         self, inputs: dict[str, np.ndarray], output_names: list[str]
@@ -161,11 +168,7 @@ class Instance:
         except KilnError:
             raise
         except Exception as exc:
-            # The backend's own message, naming the model: only this batch fails.
-            raise KilnError(
-                f"model '{self.model}' failed to execute: {type(exc).__name__}: {exc}",
-                Status.INTERNAL,
-            ) from exc
+            raise self._failure(exc) from exc
         return outputs, start, time.monotonic_ns()
 
     def execute_requests(self, jobs: list[Job]) -> tuple[list[RequestOutcome], int, int]:
@@ -176,11 +179,45 @@ class Instance:
         except KilnError:
             raise
         except Exception as exc:
-            raise KilnError(
-                f"model '{self.model}' failed to execute: {type(exc).__name__}: {exc}",
-                Status.INTERNAL,
-            ) from exc
+            raise self._failure(exc) from exc
         return outcomes, start, time.monotonic_ns()
+
+    def submit_requests(
+        self, jobs: list[Job]
+    ) -> asyncio.Future[tuple[list[RequestOutcome], int, int]]:
+        """``execute_requests`` for this instance: driven from the loop when the backend
+        can (``Backend.start_requests``), else on the instance's thread."""
+        start = time.monotonic_ns()
+        try:
+            started = self.backend.start_requests(list(jobs))
+        except KilnError as exc:
+            started = _failed(exc)
+        except Exception as exc:
+            started = _failed(self._failure(exc))
+        if started is None:
+            return self.submit(self.execute_requests, jobs)
+        self.loop_driven_calls += 1
+        future: asyncio.Future[tuple[list[RequestOutcome], int, int]]
+        future = asyncio.get_running_loop().create_future()
+
+        def done(outcomes: asyncio.Future[list[RequestOutcome]]) -> None:
+            if future.cancelled():
+                return
+            error = outcomes.exception()
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result((outcomes.result(), start, time.monotonic_ns()))
+
+        started.add_done_callback(done)
+        return future
+
+    def _failure(self, exc: Exception) -> KilnError:
+        """A backend's unexpected exception, naming the model: only this batch fails."""
+        return KilnError(
+            f"model '{self.model}' failed to execute: {type(exc).__name__}: {exc}",
+            Status.INTERNAL,
+        )
 
     def close(self) -> None:
         self._worker.shutdown()

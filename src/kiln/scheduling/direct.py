@@ -32,7 +32,7 @@ class DirectScheduler(Scheduler):
         try:
             job.times.queue_end = time.monotonic_ns()
             if instance.backend.wants_requests:
-                outcomes, start, end = await instance.call(instance.execute_requests, [job])
+                outcomes, start, end = await instance.submit_requests([job])
                 outputs = outcomes[0]
             else:
                 outputs, start, end = await instance.run(job.inputs, job.output_names)

@@ -17,6 +17,7 @@ import functools
 import logging
 import time
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ class DynamicScheduler(Scheduler):
         self._pump_soon = False  # a _pump is already scheduled for this loop iteration
         self._timer: asyncio.TimerHandle | None = None  # wakes _pump when a delay expires
         self._timer_at = 0  # its deadline, monotonic ns
-        self._running: set[asyncio.Future[Outputs]] = set()
+        self._running: set[asyncio.Future[Any]] = set()
         self._formed = 0  # batches formed so far: the next batch's sequence number
         self._released = 0  # preserve_ordering: the next batch allowed to answer
         self._finished: dict[int, tuple[list[Pending], Outcome]] = {}
@@ -187,9 +188,18 @@ class DynamicScheduler(Scheduler):
         self._formed += 1
         # Handed to the instance's thread at once; completion comes back as a callback, so
         # a batch costs no task and no extra loop iteration (measured: benchmarks/README.md).
-        running = instance.submit(self._compute, instance, [p.job for p in batch])
+        jobs = [p.job for p in batch]
+        running: asyncio.Future[Any]
+        if instance.backend.wants_requests:
+            # Unmerged requests; a backend may drive them from the loop (Python backend).
+            running = instance.submit_requests(jobs)
+            running.add_done_callback(
+                functools.partial(self._on_requests_done, instance, batch, seq)
+            )
+        else:
+            running = instance.submit(self._compute, instance, jobs)
+            running.add_done_callback(functools.partial(self._on_done, instance, batch, seq))
         self._running.add(running)
-        running.add_done_callback(functools.partial(self._on_done, instance, batch, seq))
 
     # ---- execution ---------------------------------------------------------------------
     def _on_done(
@@ -207,15 +217,35 @@ class DynamicScheduler(Scheduler):
         if len(self.queue):
             self._pump()
 
+    def _on_requests_done(
+        self,
+        instance: Instance,
+        batch: list[Pending],
+        seq: int,
+        done: asyncio.Future[tuple[Outputs, int, int]],
+    ) -> None:
+        parts: asyncio.Future[Outputs] = asyncio.get_running_loop().create_future()
+        if done.cancelled():
+            parts.cancel()
+        elif (error := done.exception()) is not None:
+            parts.set_exception(error)
+        else:
+            outcomes, start, end = done.result()
+            self._stamp([p.job for p in batch], start, end)
+            parts.set_result(outcomes)
+        self._running.discard(done)
+        self._on_done(instance, batch, seq, parts)
+
     def _compute(self, instance: Instance, jobs: list[Job]) -> Outputs:
         """On the instance's thread: merge, execute, split; stamps every request's times."""
-        parts: Outputs
-        if instance.backend.wants_requests:
-            parts, start, end = instance.execute_requests(jobs)
-        else:
-            inputs = merge_inputs(jobs)
-            outputs, start, end = instance.execute(inputs, output_names(jobs))
-            parts = list(split_outputs(outputs, jobs, self.model))
+        inputs = merge_inputs(jobs)
+        outputs, start, end = instance.execute(inputs, output_names(jobs))
+        parts: Outputs = list(split_outputs(outputs, jobs, self.model))
+        self._stamp(jobs, start, end)
+        return parts
+
+    def _stamp(self, jobs: list[Job], start: int, end: int) -> None:
+        """Every request's times and the batch's statistics, once it has run."""
         done = time.monotonic_ns()
         queue_end = jobs[0].times.queue_end
         for job in jobs:
@@ -224,7 +254,6 @@ class DynamicScheduler(Scheduler):
             job.times.output_end = done
         size = sum(job.batch_size for job in jobs)
         self.stats.record_execution(size, start - queue_end, end - start, done - end)
-        return parts
 
     def _finish(self, seq: int, batch: list[Pending], outcome: Outcome) -> None:
         if not self.preserve_ordering:

@@ -1,16 +1,19 @@
 """The Python backend as the scheduler sees it: a thin proxy to one worker process.
 
-``execute_requests`` runs on the instance's own thread: it writes the requests' tensors
-into the worker's inbound arena, sends their headers, and serves what the worker sends back
-until its ``executed`` answer (decoupled responses, BLS calls). A worker that dies, or
-overruns its batch's deadline (the earliest request ``timeout``, or ``execute_timeout_secs``:
-see ``deadline.py``), fails the requests in flight and is restarted (and re-initialized) on
-a separate thread; the next execute waits for that restart, but no longer than its own
-requests' deadlines.
+A batch writes the requests' tensors into the worker's inbound arena, sends their headers,
+and serves what the worker sends back until its ``executed`` answer (decoupled responses,
+BLS calls). Normally the event loop does this itself (``start_requests``, ``loopcall.py``):
+no instance thread sits between the loop and the worker. ``execute_requests`` does the same
+on the instance's thread, for warm-up, the sequence batcher, and the first batch after a
+restart. A worker that dies, or overruns its batch's deadline (the earliest request
+``timeout``, or ``execute_timeout_secs``: see ``deadline.py``), fails the requests in
+flight and is restarted (and re-initialized) on a separate thread; the next execute waits
+for that restart, but no longer than its own requests' deadlines.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -29,7 +32,14 @@ from kiln.backends.base import (
     parameter,
 )
 from kiln.backends.python import bls
-from kiln.backends.python.deadline import batch_deadline, expired, not_started, timed_out
+from kiln.backends.python.deadline import (
+    BatchDeadline,
+    batch_deadline,
+    expired,
+    not_started,
+    timed_out,
+)
+from kiln.backends.python.loopcall import LoopCall
 from kiln.backends.python.process import WorkerDied, WorkerProcess, WorkerTimeout
 from kiln.config.loader import ConfigError, config_from_json, config_to_json
 from kiln.config.model_config_pb2 import ModelConfig
@@ -233,13 +243,27 @@ class PythonBackend(Backend):
                 outcomes[i] = outcome
         return cast(list[RequestOutcome], outcomes)  # every entry is set by now
 
-    def _run(self, requests: list[BackendRequest]) -> list[RequestOutcome]:
-        """One ``execute`` of the worker; a lost worker raises for the whole batch."""
-        worker = self.worker
-        worker.inbound.reset()
-        wire = [
+    def start_requests(
+        self, requests: list[BackendRequest]
+    ) -> asyncio.Future[list[RequestOutcome]] | None:
+        """Run the batch from the event loop's thread (see ``loopcall.py``); None when it
+        must go through the instance thread: a restart is in progress or just failed,
+        which that path waits for within the requests' deadlines."""
+        if self._restarting is not None or self.worker.conn is None:
+            return None
+        outcomes: list[RequestOutcome | None] = [None] * len(requests)
+        self._fail_expired(requests, outcomes)
+        call = LoopCall(self, asyncio.get_running_loop(), requests, outcomes)
+        call.start(self.execute_timeout)
+        return call.future
+
+    def _wire(self, requests: list[BackendRequest]) -> list[dict[str, Any]]:
+        """The requests as the worker takes them: tensors into the inbound arena."""
+        inbound = self.worker.inbound
+        inbound.reset()
+        return [
             {
-                "inputs": [worker.inbound.write(n, a) for n, a in r.inputs.items()],
+                "inputs": [inbound.write(n, a) for n, a in r.inputs.items()],
                 "outputs": list(r.output_names),
                 "request_id": r.request_id,
                 "correlation_id": r.parameters.get("sequence_id", 0),
@@ -247,6 +271,31 @@ class PythonBackend(Backend):
             }
             for r in requests
         ]
+
+    def _died(self, exc: WorkerDied) -> KilnError:
+        return KilnError(
+            f"model '{self.model}': the Python worker stopped while executing ({exc}); "
+            "it is being restarted",
+            Status.INTERNAL,
+        )
+
+    def _overran(
+        self, requests: list[BackendRequest], deadline: BatchDeadline
+    ) -> list[RequestOutcome]:
+        if deadline.from_request:
+            now = time.monotonic_ns()
+            return [*timed_out(self.model, [r.deadline_ns for r in requests], now)]
+        error = KilnError(
+            f"model '{self.model}': execute did not finish within execute_timeout_secs="
+            f"{self.execute_timeout:g}; the Python worker was killed and is being restarted",
+            Status.UNAVAILABLE,
+        )
+        return [KilnError(error.message, error.status) for _ in requests]
+
+    def _run(self, requests: list[BackendRequest]) -> list[RequestOutcome]:
+        """One ``execute`` of the worker; a lost worker raises for the whole batch."""
+        worker = self.worker
+        wire = self._wire(requests)
         deadline = batch_deadline(
             (r.deadline_ns for r in requests), time.monotonic_ns(), self.execute_timeout
         )
@@ -265,21 +314,10 @@ class PythonBackend(Backend):
                     return self._outcomes(requests, None, message[1])
         except WorkerDied as exc:
             self._begin_restart()
-            raise KilnError(
-                f"model '{self.model}': the Python worker stopped while executing ({exc}); "
-                "it is being restarted",
-                Status.INTERNAL,
-            ) from None
+            raise self._died(exc) from None
         except WorkerTimeout:
             self._begin_restart()
-            if deadline.from_request:
-                now = time.monotonic_ns()
-                return [*timed_out(self.model, [r.deadline_ns for r in requests], now)]
-            raise KilnError(
-                f"model '{self.model}': execute did not finish within execute_timeout_secs="
-                f"{self.execute_timeout:g}; the Python worker was killed and is being restarted",
-                Status.UNAVAILABLE,
-            ) from None
+            return self._overran(requests, deadline)
 
     def _outcomes(
         self, requests: list[BackendRequest], answers: Any, batch_error: str | None

@@ -55,15 +55,32 @@ class Wire:
     def recv(self) -> Any:
         """The next message, waiting for it; ``EOFError`` when the peer has closed."""
         while True:
-            size = self._complete()
-            if size is not None:
-                begin = self._start + _HEADER.size
-                message = pickle.loads(memoryview(self._buffer)[begin : begin + size])
-                self._start = begin + size
-                if self._start == self._end:
-                    self._start = self._end = 0
+            ready, message = self.take()
+            if ready:
                 return message
-            self._fill()
+            self.fill()
+
+    def take(self) -> tuple[bool, Any]:
+        """``(True, message)`` for the next message if all of it is buffered, else
+        ``(False, None)``: what an event loop calls after ``fill`` (``recv`` without the
+        wait)."""
+        size = self._complete()
+        if size is None:
+            return False, None
+        begin = self._start + _HEADER.size
+        message = pickle.loads(memoryview(self._buffer)[begin : begin + size])
+        self._start = begin + size
+        if self._start == self._end:
+            self._start = self._end = 0
+        return True, message
+
+    @property
+    def pending(self) -> int:
+        """Bytes received and not yet taken as messages."""
+        return self._end - self._start
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
 
     def close(self) -> None:
         self.sock.close()
@@ -76,8 +93,10 @@ class Wire:
         (size,) = _HEADER.unpack_from(self._buffer, self._start)
         return size if available >= _HEADER.size + size else None
 
-    def _fill(self) -> None:
-        """Read what the socket has (blocking until something comes), making room first."""
+    def fill(self) -> None:
+        """Read what the socket has (blocking until something comes: an event loop calls it
+        only once the socket is readable), making room first; ``EOFError`` at the peer's
+        end."""
         if self._end == len(self._buffer):
             pending = self._end - self._start
             needed = pending + _HEADER.size

@@ -1,0 +1,256 @@
+"""The Python backend driven from the event loop (``loopcall.py``): framing, outcomes,
+faults, BLS and decoupled streaming, against a real worker process and a real ``Instance``."""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from socket import socketpair
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kiln.backends.base import InstanceSpec
+from kiln.backends.python.backend import PythonBackend
+from kiln.backends.python.wire import Wire
+from kiln.config.loader import parse_config_text
+from kiln.core.errors import KilnError, Status
+from kiln.core.stats import RequestTimes
+from kiln.scheduling.base import Instance, Job
+
+# Input values steer the model: -1 raises, -3 sleeps (so it can be killed mid-request),
+# -4 makes a BLS call (no server here: it gets an error response back), else doubles.
+MODEL = """
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
+            first = x.reshape(-1)[0]
+            if first == -1:
+                raise ValueError("negative one is not allowed")
+            if first == -3:
+                time.sleep(30)
+            if first == -4:
+                bls = pb_utils.InferenceRequest(
+                    model_name="elsewhere", requested_output_names=["OUT"],
+                    inputs=[pb_utils.Tensor("IN", x)])
+                reply = bls.exec()
+                out.append(pb_utils.InferenceResponse(error=reply.error()))
+                continue
+            out.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUT", x * 2)]))
+        return out
+"""
+
+STREAM = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
+            sender = r.get_response_sender()
+            for i in range(3):
+                sender.send(pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor("OUT", x + i)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+CONFIG = """
+name: "double"
+backend: "python"
+max_batch_size: 4
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+
+SPEC = InstanceSpec(name="double_0", kind="cpu", device_id=0, index=0, total_instances=1)
+
+
+def test_take_after_each_fill_returns_whole_messages_in_order() -> None:
+    """The loop's way of reading (``fill`` once the socket is readable, then ``take`` until
+    nothing is whole): bytes arriving one at a time, and a message larger than the buffer."""
+    ours, theirs = socketpair()
+    reader = Wire(ours)
+    big = b"x" * 200_000  # past the 64 KiB initial buffer: it must grow
+    messages = [("response", 0, [], None, False, True), ("bls", {"blob": big}),
+                ("executed", [([], None)], None)]  # fmt: skip
+    stream = b"".join(_framed(m) for m in messages)
+    got: list[Any] = []
+    i = 0
+    while i < len(stream):
+        step = 1 if i < 400 else 4096  # every split of the small ones, then faster
+        theirs.sendall(stream[i : i + step])
+        i += step
+        # as the loop does: one fill per readiness (a fill may leave bytes in the socket
+        # when the buffer is full; the socket then stays readable)
+        while select.select([ours], [], [], 0)[0]:
+            reader.fill()
+            while (item := reader.take())[0]:
+                got.append(item[1])
+    assert got == messages
+    assert reader.pending == 0
+    assert reader.take() == (False, None)
+    theirs.close()
+    with pytest.raises(EOFError):
+        reader.fill()
+    reader.close()
+
+
+def _framed(message: Any) -> bytes:
+    """A message as ``Wire.send`` puts it on the socket."""
+    sender, sink = socketpair()
+    Wire(sender).send(message)
+    sender.close()
+    data = b""
+    while chunk := sink.recv(1 << 20):
+        data += chunk
+    sink.close()
+    return data
+
+
+def _model(tmp_path: Path, source: str = MODEL) -> Path:
+    version = tmp_path / "double" / "1"
+    version.mkdir(parents=True)
+    (version / "model.py").write_text(textwrap.dedent(source))
+    return version
+
+
+@pytest.fixture
+def instance(tmp_path: Path) -> Iterator[Instance]:
+    config = parse_config_text(
+        CONFIG + 'parameters { key: "execute_timeout_secs" value { string_value: "2" } }'
+    )
+    inst = Instance(PythonBackend(config, _model(tmp_path), SPEC), "double")
+    yield inst
+    inst.close()
+
+
+def _job(value: float, deadline_ns: int = 0, sink: Any = None) -> Job:
+    job = Job({"IN": np.full((1, 2), value, np.float32)}, ["OUT"], 1, RequestTimes())
+    job.deadline_ns = deadline_ns
+    job.sink = sink
+    return job
+
+
+async def _run(instance: Instance, jobs: list[Job]) -> list[Any]:
+    outcomes, start, end = await instance.submit_requests(jobs)
+    assert start <= end
+    return outcomes
+
+
+async def test_a_batch_runs_from_the_loop_without_the_instance_thread(
+    instance: Instance,
+) -> None:
+    outcomes = await _run(instance, [_job(1), _job(2), _job(3)])
+    assert [o["OUT"].tolist() for o in outcomes] == [[[2, 2]], [[4, 4]], [[6, 6]]]
+    assert instance.loop_driven_calls == 1
+    assert instance.call_ns is None  # the instance's thread never timed a call
+
+
+async def test_execute_raising_fails_that_batch_and_the_next_one_runs(
+    instance: Instance,
+) -> None:
+    outcomes = await _run(instance, [_job(-1), _job(1)])
+    for error in outcomes:
+        assert isinstance(error, KilnError) and error.status is Status.INTERNAL
+        assert "model 'double'" in error.message and "negative one" in error.message
+    assert (await _run(instance, [_job(5)]))[0]["OUT"].tolist() == [[10, 10]]
+    assert instance.loop_driven_calls == 2
+
+
+async def test_worker_killed_mid_request_fails_it_and_is_restarted(instance: Instance) -> None:
+    backend = instance.backend
+    assert isinstance(backend, PythonBackend)
+    old = backend.worker.pid
+    running = asyncio.ensure_future(_run(instance, [_job(-3)]))
+    await asyncio.sleep(0.3)  # the worker is asleep inside execute
+    assert backend.worker.proc is not None
+    backend.worker.proc.kill()
+    (error,) = await asyncio.wait_for(running, 30)
+    assert isinstance(error, KilnError) and error.status is Status.INTERNAL
+    assert "model 'double'" in error.message and "signal 9" in error.message
+    # The next batch waits for the restart (on the thread path), later ones use the loop.
+    assert (await _run(instance, [_job(1)]))[0]["OUT"].tolist() == [[2, 2]]
+    assert (await _run(instance, [_job(2)]))[0]["OUT"].tolist() == [[4, 4]]
+    assert backend.worker.pid != old
+    assert instance.loop_driven_calls == 2  # the killed batch and the last one
+
+
+async def test_execute_timeout_kills_the_worker_and_answers_unavailable(
+    instance: Instance,
+) -> None:
+    backend = instance.backend
+    assert isinstance(backend, PythonBackend)
+    old = backend.worker.pid
+    (error,) = await asyncio.wait_for(_run(instance, [_job(-3)]), 30)
+    assert isinstance(error, KilnError) and error.status is Status.UNAVAILABLE
+    assert "execute_timeout_secs=2" in error.message
+    assert (await _run(instance, [_job(1)]))[0]["OUT"].tolist() == [[2, 2]]
+    assert backend.worker.pid != old
+
+
+async def test_a_request_whose_deadline_passed_in_the_queue_is_not_sent(
+    instance: Instance,
+) -> None:
+    past = time.monotonic_ns() - 1
+    outcomes = await _run(instance, [_job(1), _job(2, deadline_ns=past), _job(3)])
+    assert outcomes[0]["OUT"].tolist() == [[2, 2]]
+    assert isinstance(outcomes[1], KilnError) and outcomes[1].status is Status.UNAVAILABLE
+    assert "Request timeout expired" in outcomes[1].message
+    assert outcomes[2]["OUT"].tolist() == [[6, 6]]
+
+
+async def test_a_bls_call_is_answered_off_the_loop(instance: Instance) -> None:
+    # No server runs here: the BLS call comes back as an error response, and the loop,
+    # which the call would block if it ran there, keeps running meanwhile.
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.ensure_future(tick())
+    (error,) = await asyncio.wait_for(_run(instance, [_job(-4)]), 30)
+    ticker.cancel()
+    assert isinstance(error, KilnError)
+    assert "no server is running" in error.message and "elsewhere" in error.message
+    assert ticks > 0
+    assert instance.loop_driven_calls == 1
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.items: list[tuple[list[list[float]] | None, bool]] = []
+
+    def send(self, outputs: dict[str, np.ndarray] | None, final: bool, error: Any) -> None:
+        assert error is None
+        self.items.append((None if outputs is None else outputs["OUT"].tolist(), final))
+
+
+async def test_decoupled_responses_stream_from_the_loop(tmp_path: Path) -> None:
+    config = parse_config_text(CONFIG + "model_transaction_policy { decoupled: true }")
+    instance = Instance(PythonBackend(config, _model(tmp_path, STREAM), SPEC), "double")
+    try:
+        sinks = [_Sink(), _Sink()]
+        outcomes = await _run(instance, [_job(1, sink=sinks[0]), _job(10, sink=sinks[1])])
+        assert outcomes == [{}, {}]
+        assert sinks[0].items == [([[1, 1]], False), ([[2, 2]], False), ([[3, 3]], False),
+                                  (None, True)]  # fmt: skip
+        assert [i[0] for i in sinks[1].items[:3]] == [[[10, 10]], [[11, 11]], [[12, 12]]]
+        assert instance.loop_driven_calls == 1
+    finally:
+        instance.close()
