@@ -44,6 +44,8 @@ class Endpoints:
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
     monitor: MonitorOptions = field(default_factory=MonitorOptions)
     security: SecurityOptions = field(default_factory=SecurityOptions)
+    # "kiln" (its own HTTP/2 + gRPC protocol) or "grpcio" (grpc.aio), see docs/grpc.md
+    grpc_implementation: str = "kiln"
 
 
 class _Uvicorn(uvicorn.Server):
@@ -173,6 +175,7 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
             security.grpc_max_message_bytes,
             access=security.grpc_access,
             tls=security.grpc_tls,
+            implementation=endpoints.grpc_implementation,
         )
 
     stop = asyncio.Event()
