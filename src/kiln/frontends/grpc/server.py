@@ -46,7 +46,7 @@ async def start_grpc(
         return await _start_grpcio(server, host, port, max_message_bytes, access, tls)
     if implementation != "kiln":
         raise ValueError(f"unknown gRPC implementation '{implementation}'")
-    from kiln.frontends.grpc.h2.calls import Dispatcher
+    from kiln.frontends.grpc.h2.dispatch import Dispatcher
     from kiln.frontends.grpc.h2.routes import service_routes
     from kiln.frontends.grpc.h2.server import H2GrpcServer
 

@@ -1,5 +1,6 @@
-"""gRPC calls on HTTP/2 streams: request headers checked once, the servicer's method run
-in a task, its answer written back, and the context object the servicers use.
+"""One gRPC call on an HTTP/2 stream: the servicer's method run in a task, its request
+messages read from the stream, its answer written back, and the context object the
+servicers use.
 
 A servicer method is what grpc.aio would call: ``async def Method(request, context)`` for
 a unary response, an async generator for a streaming one; a streaming request arrives as
@@ -19,11 +20,10 @@ from typing import Any
 
 import grpc
 
-from kiln.core.access import AccessPolicy, ApiGroup
+from kiln.core.access import ApiGroup
 from kiln.frontends.grpc.h2 import rpc
 from kiln.frontends.grpc.h2.connection import Connection
-from kiln.frontends.grpc.h2.frames import PROTOCOL_ERROR
-from kiln.frontends.grpc.h2.hpack import Header, encode_int, literal
+from kiln.frontends.grpc.h2.hpack import Header
 from kiln.frontends.grpc.h2.streams import Stream
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,6 @@ INFLATE_INLINE_BYTES = 2**18
 STREAM_BACKLOG = 16
 
 _CODES: dict[Any, int] = {code: code.value[0] for code in grpc.StatusCode}
-_CONNECTION_HEADERS = frozenset(
-    (b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade")
-)
-_ENCODINGS = frozenset((b"identity", b"gzip", b"deflate"))
 
 
 class Abort(grpc.aio.AbortError):  # type: ignore[misc]
@@ -64,114 +60,33 @@ class Route:
     group: ApiGroup
 
 
-def _http_error(status: bytes) -> bytes:
-    return encode_int(8, 7, 0x80) if status == b"200" else literal(b":status", status)
-
-
-class Dispatcher:
-    """Turns each new stream into a :class:`Call` (or an immediate refusal)."""
-
-    def __init__(
-        self, routes: list[Route], max_message_bytes: int, access: AccessPolicy | None
-    ) -> None:
-        self.routes = {route.path: route for route in routes}
-        self.max_message_bytes = max_message_bytes
-        self.access = access if access is not None and access.enabled else None
-        self.calls: set[Call] = set()  # running handler tasks, for shutdown
-
-    def open(
-        self, conn: Connection, stream: Stream, headers: list[Header], end_stream: bool
-    ) -> None:
-        method = path = timeout = encoding = None
-        content_type = b""
-        regular = False
-        for name, value in headers:
-            if name[:1] == b":":
-                if regular:
-                    return conn.reset(stream, PROTOCOL_ERROR)  # pseudo-header after fields
-                if name == b":path":
-                    path = value
-                elif name == b":method":
-                    method = value
-                elif name not in (b":scheme", b":authority"):
-                    return conn.reset(stream, PROTOCOL_ERROR)
-                continue
-            regular = True
-            if name == b"content-type":
-                content_type = value
-            elif name == b"grpc-timeout":
-                timeout = value
-            elif name == b"grpc-encoding":
-                encoding = value
-            elif name in _CONNECTION_HEADERS or name != name.lower():
-                return conn.reset(stream, PROTOCOL_ERROR)  # malformed (§8.2.2)
-            elif name == b"te" and value != b"trailers":
-                return conn.reset(stream, PROTOCOL_ERROR)
-        if not path:
-            return conn.reset(stream, PROTOCOL_ERROR)
-        if method != b"POST":
-            return conn.send_headers(stream, literal(b":status", b"405"), end_stream=True)
-        if not content_type.startswith(b"application/grpc"):
-            return conn.send_headers(stream, literal(b":status", b"415"), end_stream=True)
-        route = self.routes.get(path)
-        if route is None:
-            return _refuse(conn, stream, rpc.UNIMPLEMENTED, f"Method not found: {path.decode()}")
-        if self.access is not None:
-            metadata = {
-                k.decode("latin-1"): v.decode("latin-1")
-                for k, v in headers
-                if not k.endswith(b"-bin") and k[:1] != b":"
-            }
-            denial = self.access.check(route.group, metadata.get)
-            if denial is not None:
-                code = rpc.UNAUTHENTICATED if denial.kind == "unauthenticated" else rpc.UNAVAILABLE
-                return _refuse(conn, stream, code, denial.message)
-        if encoding is not None and encoding not in _ENCODINGS:
-            return _refuse(
-                conn,
-                stream,
-                rpc.UNIMPLEMENTED,
-                f"Compression algorithm '{encoding.decode('latin-1')}' is not supported",
-            )
-        call = Call(self, conn, stream, route, headers, encoding)
-        stream.handler = call
-        if timeout is not None:
-            seconds = rpc.parse_timeout(timeout)
-            if seconds is not None:
-                call.set_deadline(seconds)
-        if route.client_streaming:
-            call.start()
-        if end_stream:
-            call.on_end()
-
-
-def _refuse(conn: Connection, stream: Stream, code: int, message: str) -> None:
-    conn.send_headers(stream, rpc.status_block(code, message, trailers_only=True), True)
-
-
 class Call:
     __slots__ = (
-        "_cancelled", "_code", "_details", "_withheld", "conn", "deadline", "dispatcher", "done",
-        "encoding", "headers", "headers_sent", "messages", "queue", "reader", "route", "stream",
-        "task", "timer",
+        "_cancelled", "_code", "_details", "_withheld", "conn", "deadline", "done", "encoding",
+        "headers", "headers_sent", "limit", "messages", "queue", "reader", "registry", "route",
+        "stream", "task", "timer",
     )  # fmt: skip
 
     def __init__(
         self,
-        dispatcher: Dispatcher,
         conn: Connection,
         stream: Stream,
         route: Route,
-        headers: list[Header],
+        headers: tuple[Header, ...],
         encoding: bytes | None,
+        limit: int,
+        registry: set[Call],
     ) -> None:
-        self.dispatcher = dispatcher
+        """``limit``: the largest message either way; ``registry``: where the call is
+        while its task runs (the server cancels what is left there at shutdown)."""
         self.conn = conn
         self.stream = stream
         self.route = route
         self.headers = headers
         self.encoding = encoding
-        self.reader = rpc.MessageReader(dispatcher.max_message_bytes)
+        self.limit = limit
+        self.registry = registry
+        self.reader = rpc.MessageReader(limit)
         self.messages: list[tuple[int, bytes]] = []  # a unary request's message(s)
         self.queue: asyncio.Queue[tuple[int, bytes] | None] | None = (
             asyncio.Queue() if route.client_streaming else None
@@ -226,7 +141,7 @@ class Call:
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
-        self.dispatcher.calls.add(self)
+        self.registry.add(self)
 
     def set_deadline(self, seconds: float) -> None:
         loop = asyncio.get_running_loop()
@@ -295,7 +210,7 @@ class Call:
             self.finish(rpc.UNKNOWN, f"Unexpected error in RPC handling: {type(exc).__name__}")
         finally:
             self._stop_timer()
-            self.dispatcher.calls.discard(self)
+            self.registry.discard(self)
 
     def _parse(self, flag: int, payload: bytes) -> Any:
         """The request message; a coroutine when it must be decompressed first."""
@@ -310,7 +225,7 @@ class Call:
         encoding = self.encoding
         if encoding is None or encoding == b"identity":
             raise Abort(rpc.INTERNAL, "compressed message without a grpc-encoding")
-        limit = self.dispatcher.max_message_bytes
+        limit = self.limit
         try:
             if len(payload) > INFLATE_INLINE_BYTES:
                 raw = await asyncio.to_thread(rpc.inflate, payload, encoding, limit)
@@ -336,7 +251,7 @@ class Call:
             yield (await message) if asyncio.iscoroutine(message) else message
 
     def _check_size(self, body: bytes) -> None:
-        limit = self.dispatcher.max_message_bytes
+        limit = self.limit
         if len(body) > limit:
             raise Abort(
                 rpc.RESOURCE_EXHAUSTED, f"Sent message larger than max ({len(body)} vs. {limit})"

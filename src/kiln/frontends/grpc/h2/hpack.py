@@ -1,9 +1,10 @@
 """HPACK (RFC 7541): a complete decoder and the small encoder a gRPC server needs.
 
 The decoder keeps the dynamic table the client's encoder builds. After the first request
-on a connection a gRPC client sends almost every field as a one-byte index into that
-table, so the common path is a table lookup per field. Huffman-coded literals (the first
-request's strings, a changing ``grpc-timeout``) are decoded once and remembered.
+on a connection a gRPC client sends every field as a one-byte index into that table, and
+the same block for every call to one method: a block made only of indexed fields (which
+leave the table as it is) is decoded once and remembered until the table changes.
+Huffman-coded literals (the first request's strings) are decoded once and remembered too.
 
 The encoder sends every field as a literal without indexing, with a static-table name
 where there is one: the server never adds to the client's decoder table, so nothing the
@@ -47,6 +48,7 @@ ENTRY_OVERHEAD = 32  # §4.1
 # more, and a decoder must not loop on however many continuation bytes a peer sends.
 _MAX_INT_SHIFT = 28
 _HUFFMAN_CACHE_SIZE = 512
+_BLOCK_CACHE_SIZE = 64
 
 
 class HpackError(ValueError):
@@ -93,7 +95,7 @@ class Decoder:
     """One connection's decoder. ``max_table_size``: our SETTINGS_HEADER_TABLE_SIZE, the
     most the client's size updates may ask for."""
 
-    __slots__ = ("_entries", "_huffman", "_limit", "_max_size", "_size")
+    __slots__ = ("_blocks", "_entries", "_huffman", "_limit", "_max_size", "_size")
 
     def __init__(self, max_table_size: int = 4096) -> None:
         self._entries: list[Header] = []  # newest last: dynamic index i is entries[-i]
@@ -101,6 +103,8 @@ class Decoder:
         self._max_size = max_table_size
         self._limit = max_table_size
         self._huffman: dict[bytes, bytes] = {}
+        # indexed-only blocks -> their fields, valid while the dynamic table is unchanged
+        self._blocks: dict[bytes, tuple[Header, ...]] = {}
 
     @property
     def table(self) -> list[Header]:
@@ -122,6 +126,7 @@ class Decoder:
         return self._entries[-dynamic]
 
     def _add(self, name: bytes, value: bytes) -> None:
+        self._blocks.clear()
         size = len(name) + len(value) + ENTRY_OVERHEAD
         entries = self._entries
         while entries and self._size + size > self._max_size:
@@ -134,6 +139,7 @@ class Decoder:
     def _resize(self, size: int) -> None:
         if size > self._limit:
             raise HpackError(f"table size update to {size} above the limit {self._limit}")
+        self._blocks.clear()
         self._max_size = size
         entries = self._entries
         while entries and self._size > size:
@@ -162,12 +168,16 @@ class Decoder:
             self._huffman[raw] = text
         return text, end
 
-    def decode(self, data: bytes) -> list[Header]:
+    def decode(self, data: bytes) -> tuple[Header, ...]:
+        cached = self._blocks.get(data)
+        if cached is not None:
+            return cached
         headers: list[Header] = []
         append = headers.append
         pos = 0
         end = len(data)
         fields_seen = False
+        indexed_only = True
         while pos < end:
             byte = data[pos]
             if byte & 0x80:  # indexed field (§6.1)
@@ -178,6 +188,7 @@ class Decoder:
                     index, pos = decode_int(data, pos, 7)
                 append(self._field(index))
             elif byte & 0x40:  # literal with incremental indexing (§6.2.1)
+                indexed_only = False
                 index, pos = decode_int(data, pos, 6)
                 if index:
                     name = self._field(index)[0]
@@ -191,8 +202,10 @@ class Decoder:
                     raise HpackError("table size update after the first field")
                 size, pos = decode_int(data, pos, 5)
                 self._resize(size)
+                indexed_only = False
                 continue
             else:  # literal without indexing / never indexed (§6.2.2, §6.2.3)
+                indexed_only = False
                 index, pos = decode_int(data, pos, 4)
                 if index:
                     name = self._field(index)[0]
@@ -201,7 +214,12 @@ class Decoder:
                 value, pos = self._string(data, pos)
                 append((name, value))
             fields_seen = True
-        return headers
+        result = tuple(headers)
+        if indexed_only and data:
+            if len(self._blocks) >= _BLOCK_CACHE_SIZE:
+                self._blocks.clear()
+            self._blocks[data] = result
+        return result
 
 
 def literal(name: bytes, value: bytes) -> bytes:

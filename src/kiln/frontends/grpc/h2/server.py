@@ -8,8 +8,8 @@ import logging
 import ssl
 
 from kiln.frontends.grpc.h2 import rpc
-from kiln.frontends.grpc.h2.calls import Dispatcher
 from kiln.frontends.grpc.h2.connection import Connection
+from kiln.frontends.grpc.h2.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 

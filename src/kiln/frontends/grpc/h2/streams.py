@@ -25,7 +25,9 @@ class StreamHandler(Protocol):
 
 
 class Dispatcher(Protocol):
-    def open(self, conn: Any, stream: Stream, headers: list[Header], end_stream: bool) -> None:
+    def open(
+        self, conn: Any, stream: Stream, headers: tuple[Header, ...], end_stream: bool
+    ) -> None:
         """A new request: set ``stream.handler``, or answer at once."""
 
 
