@@ -388,3 +388,21 @@ def test_stop_lets_in_flight_calls_finish_and_refuses_new_streams(
         assert r1.status == rpc.UNAVAILABLE
         stopping.join(10)
     assert server.seen.cancelled == ["sleep"]
+
+
+def test_frames_after_end_stream_reset_the_stream(server: InProcessServer) -> None:
+    with RawH2(server.port) as raw:
+        raw.unary(1, "/t/Sleep")
+        assert server.seen.started.wait(10)
+        raw.data(1, b"more")  # the request was complete: STREAM_CLOSED
+        assert raw.response(1).reset == f.STREAM_CLOSED
+        for _ in range(200):
+            if server.seen.cancelled:
+                break
+            time.sleep(0.05)
+        assert server.seen.cancelled == ["sleep"]
+        raw.unary(3, "/t/Sleep")
+        raw.headers(3, [(b"x-trailer", b"1")], end_stream=True)  # trailers after the end
+        assert raw.response(3).reset == f.STREAM_CLOSED
+        raw.unary(5, "/t/Echo", b"fine")
+        assert raw.response(5).data == message(b"fine")

@@ -50,8 +50,16 @@ SERVER_PREFACE = f.settings_frame(SERVER_SETTINGS) + f.window_update(
 
 
 class Connection(asyncio.Protocol):
-    def __init__(self, dispatcher: Dispatcher, on_close: Callable[[Connection], None]) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        on_open: Callable[[Connection], None] = lambda conn: None,
+        on_close: Callable[[Connection], None] = lambda conn: None,
+    ) -> None:
+        """``on_open``/``on_close``: the server's bookkeeping of live connections (a TLS
+        connection counts from its completed handshake: one that fails never opens)."""
         self.dispatcher = dispatcher
+        self._on_open = on_open
         self._on_close = on_close
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -84,6 +92,7 @@ class Connection(asyncio.Protocol):
             family = "ipv6" if ":" in str(peer[0]) else "ipv4"
             self.peer = f"{family}:{peer[0]}:{peer[1]}"
         self.transport.write(SERVER_PREFACE)
+        self._on_open(self)
         loop = asyncio.get_running_loop()
         self._preface_timer = loop.call_later(PREFACE_TIMEOUT, self._preface_expired)
 
@@ -162,6 +171,10 @@ class Connection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.close()
+            # Done as far as the server is concerned: a TLS transport may still wait for
+            # the peer's close_notify (gRPC clients often never send one), which must not
+            # hold up a shutdown.
+            self._on_close(self)
 
     def drain(self) -> None:
         """Graceful shutdown: GOAWAY(NO_ERROR), no new streams, close once the last one is

@@ -30,10 +30,13 @@ class H2GrpcServer:
         return [s.getsockname()[:2] for s in self._listener.sockets]
 
     def _connection(self) -> Connection:
-        conn = Connection(self.dispatcher, self._closed)
+        return Connection(self.dispatcher, self._opened, self._closed)
+
+    def _opened(self, conn: Connection) -> None:
         self.connections.add(conn)
         self._idle.clear()
-        return conn
+        if self._listener is not None and not self._listener.is_serving():
+            conn.drain()  # accepted just before the listener closed
 
     def _closed(self, conn: Connection) -> None:
         self.connections.discard(conn)
