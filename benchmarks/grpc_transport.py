@@ -6,10 +6,12 @@ For each round and implementation in turn: start ``kiln serve`` on the example r
 benchmarks' load generator (one grpc.aio channel per worker), and report the server
 process tree's CPU per request (utime + stime from /proc at the window's edges), the
 throughput and p50/p99. Implementations alternate so that drift on a shared machine
-shows up as round-to-round spread rather than as a difference. Usage::
+shows up as round-to-round spread rather than as a difference. ``http`` in
+``--implementations`` adds HTTP/binary on the same server (kiln's fast inference path) as a
+reference. Usage::
 
     .venv/bin/python benchmarks/grpc_transport.py [--model mlp] [--concurrency 16]
-        [--duration 5] [--rounds 3]
+        [--duration 5] [--rounds 3] [--implementations grpcio,kiln,http]
 """
 
 from __future__ import annotations
@@ -23,16 +25,16 @@ import time
 import urllib.request
 from pathlib import Path
 
-from loadgen import drive_grpc
+from loadgen import Window, drive_grpc, drive_http
 from serving_baseline import batch1_inputs, free_port, percentiles
-from serving_peers import grpc_request
+from serving_peers import binary_body, grpc_request
 
 from kiln.examples import build_example_repository
 
 
 def start(
     repo: Path, model: str, implementation: str, log: Path
-) -> tuple[subprocess.Popen[bytes], int]:
+) -> tuple[subprocess.Popen[bytes], int, int]:
     http, grpc_port = free_port(), free_port()
     cmd = [
         sys.executable, "-m", "kiln", "serve", "--model-repository", str(repo),
@@ -50,7 +52,7 @@ def start(
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
                 if resp.status == 200:
-                    return proc, grpc_port
+                    return proc, http, grpc_port
         except OSError:
             pass
         time.sleep(0.1)
@@ -66,7 +68,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--implementations", default="grpcio,kiln")
     args = parser.parse_args()
-    request = grpc_request(args.model, batch1_inputs(args.model))
+    inputs = batch1_inputs(args.model)
+    request = grpc_request(args.model, inputs)
+    body, headers = binary_body(inputs)
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "models"
         build_example_repository(repo)
@@ -75,18 +79,20 @@ def main() -> None:
               f"{'client µs/req':>14}")  # fmt: skip
         for _ in range(args.rounds):
             for impl in args.implementations.split(","):
-                proc, port = start(repo, args.model, impl, Path(tmp) / f"{impl}.log")
+                server_impl = "kiln" if impl == "http" else impl
+                proc, http, port = start(repo, args.model, server_impl, Path(tmp) / f"{impl}.log")
                 try:
-                    w = asyncio.run(
-                        drive_grpc(
-                            f"127.0.0.1:{port}",
-                            request,
-                            args.concurrency,
-                            proc.pid,
-                            1.0,
-                            args.duration,
+                    if impl == "http":
+                        url = f"http://127.0.0.1:{http}/v2/models/{args.model}/infer"
+                        load = drive_http(
+                            url, body, headers, args.concurrency, proc.pid, 1.0, args.duration
                         )
-                    )
+                    else:
+                        load = drive_grpc(
+                            f"127.0.0.1:{port}", request, args.concurrency, proc.pid, 1.0,
+                            args.duration,
+                        )  # fmt: skip
+                    w: Window = asyncio.run(load)
                 finally:
                     proc.terminate()
                     proc.wait(30)

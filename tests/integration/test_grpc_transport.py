@@ -256,3 +256,18 @@ def pb_health_request() -> Any:
     from kiln.frontends.grpc import health_pb2
 
     return health_pb2.HealthCheckRequest()
+
+
+@pytest.mark.parametrize("implementation", ["kiln", "grpcio"])
+def test_grpc_port_in_use_fails_the_start(
+    make_server: type[KilnProcess], example_repo: Path, implementation: str
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--grpc-implementation", implementation, "--model-control-mode", "explicit"]
+        process = make_server(example_repo, args=args, grpc_port=port).start(wait_ready=False)
+        assert process.proc is not None
+        assert process.proc.wait(60) == 1
+    assert f"gRPC cannot listen on 127.0.0.1:{port}" in process.log()

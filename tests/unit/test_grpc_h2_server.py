@@ -17,6 +17,7 @@ from kiln.core.access import AccessPolicy
 from kiln.frontends.grpc.h2 import connection as conn_module
 from kiln.frontends.grpc.h2 import frames as f
 from kiln.frontends.grpc.h2 import rpc
+from kiln.frontends.grpc.h2.hpack import encode
 from tests.h2_client import InProcessServer, RawH2, in_process_server, message, request_headers
 
 STREAM_WINDOW = conn_module.STREAM_WINDOW
@@ -220,8 +221,6 @@ def test_message_split_across_frames(server: InProcessServer) -> None:
 
 
 def test_padded_data_and_headers(server: InProcessServer) -> None:
-    from kiln.frontends.grpc.h2.hpack import encode
-
     block = encode(request_headers("/t/Echo"))
     with RawH2(server.port) as raw:
         raw.frame(f.HEADERS, f.END_HEADERS | f.PADDED, 1, bytes([3]) + block + b"pad")
@@ -406,3 +405,16 @@ def test_frames_after_end_stream_reset_the_stream(server: InProcessServer) -> No
         assert raw.response(3).reset == f.STREAM_CLOSED
         raw.unary(5, "/t/Echo", b"fine")
         assert raw.response(5).data == message(b"fine")
+
+
+def test_header_list_over_the_limit_is_refused(server: InProcessServer) -> None:
+    big = [(b"x-big-%d" % i, b"v" * 4000) for i in range(17)]  # > 64 KiB as counted
+    with RawH2(server.port) as raw:
+        block = encode(request_headers("/t/Echo", *big))
+        raw.frame(f.HEADERS, 0, 1, block[:30000])
+        raw.frame(f.CONTINUATION, 0, 1, block[30000:60000])
+        raw.frame(f.CONTINUATION, f.END_HEADERS, 1, block[60000:])
+        r = raw.response(1)
+        assert r.status == rpc.RESOURCE_EXHAUSTED and "header list" in r.message
+        raw.unary(3, "/t/Echo", b"ok")
+        assert raw.response(3).data == message(b"ok")

@@ -34,7 +34,7 @@ MAX_CONCURRENT = 1024
 MAX_HEADER_LIST = 64 * 2**10
 # A header block (HEADERS + CONTINUATION) larger than this closes the connection: the
 # decoded list would exceed MAX_HEADER_LIST anyway, and buffering fragments is unbounded.
-MAX_HEADER_BLOCK = 4 * MAX_HEADER_LIST
+MAX_HEADER_BLOCK = 2 * MAX_HEADER_LIST
 PREFACE_TIMEOUT = 20.0
 
 SERVER_SETTINGS = {

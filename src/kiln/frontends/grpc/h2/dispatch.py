@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kiln.core.access import AccessPolicy
 from kiln.frontends.grpc.h2 import rpc
 from kiln.frontends.grpc.h2.calls import Call, Route
-from kiln.frontends.grpc.h2.connection import Connection
+from kiln.frontends.grpc.h2.connection import MAX_HEADER_LIST, Connection
 from kiln.frontends.grpc.h2.frames import PROTOCOL_ERROR
 from kiln.frontends.grpc.h2.hpack import Header, literal
 from kiln.frontends.grpc.h2.streams import Stream
@@ -85,7 +85,9 @@ class Dispatcher:
         method = path = timeout = encoding = None
         content_type = b""
         regular = False
+        size = 0
         for name, value in headers:
+            size += len(name) + len(value) + 32  # RFC 9113 §6.5.2's accounting
             if name[:1] == b":":
                 if regular:  # a pseudo-header after a regular field (RFC 9113 §8.3)
                     return _MALFORMED
@@ -109,6 +111,11 @@ class Dispatcher:
                 return _MALFORMED
         if not path:
             return _MALFORMED
+        if size > MAX_HEADER_LIST:
+            return _refusal(
+                rpc.RESOURCE_EXHAUSTED,
+                f"header list of {size} bytes exceeds the limit of {MAX_HEADER_LIST}",
+            )
         if method != b"POST":
             return Head(refusal=literal(b":status", b"405"))
         if not content_type.startswith(b"application/grpc"):
