@@ -203,8 +203,9 @@ def test_request_message_rules(server: InProcessServer) -> None:
         raw.headers(1, request_headers("/t/Echo"), end_stream=True)  # no message
         assert raw.response(1).status == rpc.INTERNAL
         raw.headers(3, request_headers("/t/Echo"))
-        raw.data(3, message(b"a") + message(b"b"), end_stream=True)  # two for a unary call
-        assert raw.response(3).status == rpc.INTERNAL
+        raw.data(3, message(b"a") + message(b"b"))  # two for a unary call: refused at once
+        r = raw.response(3)
+        assert r.status == rpc.INTERNAL and "more than one" in r.message
         raw.headers(5, request_headers("/t/Echo"))
         raw.data(5, message(b"abc")[:6], end_stream=True)  # cut short
         assert raw.response(5).status == rpc.INTERNAL
@@ -418,3 +419,11 @@ def test_header_list_over_the_limit_is_refused(server: InProcessServer) -> None:
         assert r.status == rpc.RESOURCE_EXHAUSTED and "header list" in r.message
         raw.unary(3, "/t/Echo", b"ok")
         assert raw.response(3).data == message(b"ok")
+
+
+def test_binary_metadata_that_is_not_base64_arrives_as_sent(server: InProcessServer) -> None:
+    with RawH2(server.port) as raw:
+        raw.unary(1, "/t/Echo", b"x", (b"a-bin", b"AAEC"), (b"b-bin", b"!!not base64"))
+        assert raw.response(1).status == 0
+    metadata = dict(server.seen.metadata[-1])
+    assert metadata == {"a-bin": b"\0\1\2", "b-bin": b"!!not base64"}

@@ -114,6 +114,8 @@ class Call:
         if queue is None:
             self.conn.consumed(self.stream, len(data))
             self.messages.extend(messages)
+            if len(self.messages) > 1:  # refused now: unanswered, they would pile up
+                self.finish(rpc.INTERNAL, "more than one request message for a unary method")
             return
         for message in messages:
             queue.put_nowait(message)
@@ -189,8 +191,14 @@ class Call:
                     request = await request
                 self.messages = []
             if route.server_streaming:
-                async for response in route.handler(request, self):
-                    await self._send_message(route.encode(response))
+                responses = route.handler(request, self)
+                try:
+                    async for response in responses:
+                        await self._send_message(route.encode(response))
+                finally:
+                    # now, not whenever the generator is collected: its cleanup (the
+                    # servicer's tasks for a stream) must not outlive the call
+                    await responses.aclose()
                 self.finish(self._code or rpc.OK, self._details)
             else:
                 body = route.encode(await route.handler(request, self))
@@ -294,7 +302,12 @@ class Call:
                 continue
             key = name.decode("latin-1")
             if key.endswith("-bin"):
-                out.append((key, base64.b64decode(value + b"=" * (-len(value) % 4))))
+                try:  # unpadded base64 is allowed (PROTOCOL-HTTP2.md)
+                    out.append(
+                        (key, base64.b64decode(value + b"=" * (-len(value) % 4), validate=True))
+                    )
+                except ValueError:
+                    out.append((key, value))  # not base64 after all: the bytes as sent
             else:
                 out.append((key, value.decode("latin-1")))
         return tuple(out)
