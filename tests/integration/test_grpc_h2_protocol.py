@@ -11,7 +11,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from kiln.frontends.grpc.h2 import frames as f
-from kiln.frontends.grpc.h2.connection import MAX_CONCURRENT, MAX_FRAME, MAX_HEADER_BLOCK
+from kiln.frontends.grpc.h2.connection import (
+    MAX_CONCURRENT,
+    MAX_FRAME,
+    MAX_HEADER_BLOCK,
+    MAX_RESETS_PER_SECOND,
+)
 from kiln.frontends.grpc.h2.hpack import encode
 from tests.conftest import KilnProcess
 from tests.h2_client import SERVER_LIVE, RawH2, request_headers
@@ -182,6 +187,18 @@ def test_too_many_concurrent_streams_are_refused(
         assert raw.response(2 * MAX_CONCURRENT + 1).reset == f.REFUSED_STREAM
         raw.data(1, b"\0\0\0\0\0", end_stream=True)  # the open ones still work
         assert raw.response(1).status == 0
+
+
+def test_rapid_reset_closes_the_connection(kiln_server: KilnProcess, bystander: RawH2) -> None:
+    with RawH2(kiln_server.grpc_port) as raw:
+        block = encode(request_headers(SERVER_LIVE))
+        raw.send(
+            b"".join(
+                f.frame(f.HEADERS, f.END_HEADERS, sid, block) + f.rst_stream(sid, f.CANCEL)
+                for sid in range(1, 2 * (MAX_RESETS_PER_SECOND + 10), 2)
+            )
+        )
+        assert raw.goaway()[1] == f.ENHANCE_YOUR_CALM
 
 
 def test_unknown_frame_types_and_pings_are_handled(

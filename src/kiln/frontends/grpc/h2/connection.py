@@ -36,6 +36,12 @@ MAX_HEADER_LIST = 64 * 2**10
 # decoded list would exceed MAX_HEADER_LIST anyway, and buffering fragments is unbounded.
 MAX_HEADER_BLOCK = 2 * MAX_HEADER_LIST
 PREFACE_TIMEOUT = 20.0
+LINGER = 2.0  # seconds a connection closed for an error keeps reading (see fail)
+# Streams a client may cancel in one second before the connection is closed with
+# ENHANCE_YOUR_CALM: opening and resetting streams in a loop costs the client nothing and
+# the server a call each (the "rapid reset" attack, CVE-2023-44487). Generous for real
+# cancellations.
+MAX_RESETS_PER_SECOND = 1000
 
 SERVER_SETTINGS = {
     f.ENABLE_PUSH: 0,
@@ -82,6 +88,8 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._waiters: list[asyncio.Future[None]] = []
         self._preface_timer: asyncio.TimerHandle | None = None
+        self._resets = 0
+        self._resets_since = 0.0
         self.peer = ""
 
     # ---- asyncio.Protocol ------------------------------------------------------------
@@ -165,7 +173,23 @@ class Connection(asyncio.Protocol):
         if out and self.transport is not None:
             self.transport.write(b"".join(out))
         self.write(f.goaway(self.last_stream_id, code, message.encode()[:256]))
-        self.close()
+        transport = self.transport
+        if transport is None or not transport.can_write_eof():  # TLS: close at once
+            self.close()
+            return
+        # Lingering close: closing a socket with unread input makes the kernel send a
+        # reset, and a reset can destroy the GOAWAY in the client's buffer before it is
+        # read. So: FIN after the GOAWAY, discard what still comes, close once the client
+        # closes or LINGER seconds have passed.
+        transport.write_eof()
+        self.closed = True
+        streams = list(self.streams.values())
+        self.streams.clear()
+        for stream in streams:
+            if stream.handler is not None:
+                stream.handler.on_reset()
+        asyncio.get_running_loop().call_later(LINGER, transport.close)
+        self._on_close(self)
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
@@ -468,6 +492,12 @@ class Connection(asyncio.Protocol):
         self._forget(stream)
         if stream.handler is not None:
             stream.handler.on_reset()
+        now = asyncio.get_running_loop().time()
+        if now - self._resets_since > 1.0:
+            self._resets_since, self._resets = now, 0
+        self._resets += 1
+        if self._resets > MAX_RESETS_PER_SECOND:
+            raise f.H2ConnectionError(f.ENHANCE_YOUR_CALM, "too many streams reset")
 
     def _on_settings(self, flags: int, sid: int, payload: bytes) -> None:
         if sid != 0:
