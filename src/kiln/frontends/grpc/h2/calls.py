@@ -271,8 +271,7 @@ class Call:
         self._stop_timer()
         self.headers_sent = True
         if len(body) > 2**20:  # large: the DATA goes out in two pieces, without a copy
-            self.conn.send_headers(self.stream, rpc.RESPONSE_HEADERS)
-            self.conn.send_data(self.stream, rpc.prefix(len(body)))
+            self.conn.send_data(self.stream, rpc.prefix(len(body)), rpc.RESPONSE_HEADERS)
             self.conn.send_data(self.stream, body)
             self.conn.send_trailers(self.stream, rpc.TRAILERS_OK)
         else:
@@ -283,10 +282,9 @@ class Call:
         if self.done:
             raise asyncio.CancelledError
         self._check_size(body)
-        if not self.headers_sent:
-            self.headers_sent = True
-            self.conn.send_headers(self.stream, rpc.RESPONSE_HEADERS)
-        self.conn.send_data(self.stream, rpc.prefix(len(body)) + body)
+        head = None if self.headers_sent else rpc.RESPONSE_HEADERS
+        self.headers_sent = True
+        self.conn.send_data(self.stream, rpc.prefix(len(body)) + body, head)
         await self.conn.writable(self.stream)
 
     # ---- grpc.aio.ServicerContext, the parts kiln uses -------------------------------

@@ -230,8 +230,9 @@ class Connection(asyncio.Protocol):
         if end_stream:
             self._closed_local(stream)
 
-    def send_data(self, stream: Stream, data: bytes) -> None:
-        """One DATA payload, sent now if the windows allow, else queued in order."""
+    def send_data(self, stream: Stream, data: bytes, head: bytes | None = None) -> None:
+        """One DATA payload, sent now if the windows allow, else queued in order.
+        ``head``: a header block to send first (in the same write when the data fits)."""
         n = len(data)
         if (
             not stream.pending
@@ -241,8 +242,13 @@ class Connection(asyncio.Protocol):
         ):
             self._send_window -= n
             stream.send_window -= n
-            self.write(f.frame_head(f.DATA, 0, stream.id, n) + data)
+            frame = f.frame_head(f.DATA, 0, stream.id, n) + data
+            if head is not None:
+                frame = f.headers_frames(stream.id, head, False, self.max_frame_out) + frame
+            self.write(frame)
             return
+        if head is not None:
+            self.send_headers(stream, head)
         stream.pending.append(memoryview(data))
         stream.pending_bytes += n
         self._flush(stream)
