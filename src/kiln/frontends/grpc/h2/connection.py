@@ -1,15 +1,11 @@
 """An HTTP/2 server connection (RFC 9113) as an asyncio protocol: frames in, streams
-handed to the gRPC layer, flow control both ways, and the rules that make a broken peer
-close only its own connection.
+handed to the gRPC layer, and the rules that make a broken peer close only its own
+connection. The send side (flow-controlled writes) is :mod:`.sender`.
 
 Receive side: we advertise large windows and give credit back once half of a window has
 been consumed, so a fast client never waits for us and one WINDOW_UPDATE covers many
 requests. Connection credit is returned on receipt; stream credit when the call takes the
 bytes, so a streaming call whose handler falls behind stops its own client only.
-
-Send side: DATA never exceeds the peer's connection and stream windows nor its
-MAX_FRAME_SIZE; what does not fit waits in the stream until WINDOW_UPDATE (or a larger
-SETTINGS_INITIAL_WINDOW_SIZE) gives credit, and the stream's trailers wait behind it.
 """
 
 from __future__ import annotations
@@ -21,14 +17,12 @@ from typing import Any, cast
 
 from kiln.frontends.grpc.h2 import frames as f
 from kiln.frontends.grpc.h2.hpack import Decoder, HpackError
+from kiln.frontends.grpc.h2.sender import CONNECTION_WINDOW, STREAM_WINDOW, Sender
 from kiln.frontends.grpc.h2.streams import Dispatcher, Stream
 
 log = logging.getLogger(__name__)
 
-# What we advertise. Windows are large because tensors are: a 64 MiB request moves in
-# 4 MiB steps per stream without waiting on us in between.
-STREAM_WINDOW = 4 * 2**20
-CONNECTION_WINDOW = 16 * 2**20
+# What we advertise (the windows: see sender.py).
 MAX_FRAME = 2**20
 MAX_CONCURRENT = 1024
 MAX_HEADER_LIST = 64 * 2**10
@@ -55,7 +49,7 @@ SERVER_PREFACE = f.settings_frame(SERVER_SETTINGS) + f.window_update(
 )
 
 
-class Connection(asyncio.Protocol):
+class Connection(Sender):
     def __init__(
         self,
         dispatcher: Dispatcher,
@@ -64,29 +58,17 @@ class Connection(asyncio.Protocol):
     ) -> None:
         """``on_open``/``on_close``: the server's bookkeeping of live connections (a TLS
         connection counts from its completed handshake: one that fails never opens)."""
+        super().__init__(on_close)
         self.dispatcher = dispatcher
         self._on_open = on_open
-        self._on_close = on_close
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.draining = False
-        self.streams: dict[int, Stream] = {}
         self.last_stream_id = 0
         self._reader = f.FrameReader(MAX_FRAME)
         self._decoder = Decoder()
         self._got_settings = False
         self._continuation: tuple[int, int, list[bytes], int] | None = None
-        # peer's settings
         self._peer_window = f.DEFAULT_WINDOW  # its SETTINGS_INITIAL_WINDOW_SIZE
-        self.max_frame_out = f.DEFAULT_MAX_FRAME
-        # connection-level windows
-        self._send_window = f.DEFAULT_WINDOW
-        self._recv_window = CONNECTION_WINDOW
+        self._recv_window = CONNECTION_WINDOW  # what the peer may still send us
         self._recv_unacked = 0
-        self._blocked: dict[int, Stream] = {}  # streams with DATA waiting for credit
-        self._out: list[bytes] | None = None  # batches writes made while reading
-        self._paused = False
-        self._waiters: list[asyncio.Future[None]] = []
         self._preface_timer: asyncio.TimerHandle | None = None
         self._resets = 0
         self._resets_since = 0.0
@@ -137,13 +119,6 @@ class Connection(asyncio.Protocol):
             if out and not self.closed and self.transport is not None:
                 self.transport.write(b"".join(out))
 
-    def pause_writing(self) -> None:
-        self._paused = True
-
-    def resume_writing(self) -> None:
-        self._paused = False
-        self._wake()
-
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self._preface_timer is not None:
@@ -158,12 +133,6 @@ class Connection(asyncio.Protocol):
         self._on_close(self)
 
     # ---- writing ---------------------------------------------------------------------
-    def write(self, data: bytes) -> None:
-        if self._out is not None:
-            self._out.append(data)
-        elif not self.closed and self.transport is not None:
-            self.transport.write(data)
-
     def fail(self, code: int, message: str) -> None:
         """A connection error: GOAWAY(code), every call cancelled, the socket closed."""
         if self.closed:
@@ -191,15 +160,6 @@ class Connection(asyncio.Protocol):
         asyncio.get_running_loop().call_later(LINGER, transport.close)
         self._on_close(self)
 
-    def close(self) -> None:
-        if self.transport is not None and not self.closed:
-            self.closed = True
-            self.transport.close()
-            # Done as far as the server is concerned: a TLS transport may still wait for
-            # the peer's close_notify (gRPC clients often never send one), which must not
-            # hold up a shutdown.
-            self._on_close(self)
-
     def drain(self) -> None:
         """Graceful shutdown: GOAWAY(NO_ERROR), no new streams, close once the last one is
         done."""
@@ -209,165 +169,6 @@ class Connection(asyncio.Protocol):
         self.write(f.goaway(self.last_stream_id, f.NO_ERROR))
         if not self.streams:
             self.close()
-
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
-    async def writable(self, stream: Stream) -> None:
-        """Until ``stream`` has no DATA waiting and the socket takes writes again: how a
-        streaming response keeps pace with its client."""
-        while (stream.pending or self._paused) and not self.closed and not stream.local_closed:
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            await fut
-
-    # ---- what the call layer sends ---------------------------------------------------
-    def send_headers(self, stream: Stream, block: bytes, end_stream: bool = False) -> None:
-        self.write(f.headers_frames(stream.id, block, end_stream, self.max_frame_out))
-        if end_stream:
-            self._closed_local(stream)
-
-    def send_data(self, stream: Stream, data: bytes, head: bytes | None = None) -> None:
-        """One DATA payload, sent now if the windows allow, else queued in order.
-        ``head``: a header block to send first (in the same write when the data fits)."""
-        n = len(data)
-        if (
-            not stream.pending
-            and n <= self._send_window
-            and n <= stream.send_window
-            and n <= self.max_frame_out
-        ):
-            self._send_window -= n
-            stream.send_window -= n
-            frame = f.frame_head(f.DATA, 0, stream.id, n) + data
-            if head is not None:
-                frame = f.headers_frames(stream.id, head, False, self.max_frame_out) + frame
-            self.write(frame)
-            return
-        if head is not None:
-            self.send_headers(stream, head)
-        stream.pending.append(memoryview(data))
-        stream.pending_bytes += n
-        self._flush(stream)
-
-    def send_trailers(self, stream: Stream, block: bytes) -> None:
-        """The trailers (END_STREAM), after any DATA still waiting for credit."""
-        if stream.local_closed:
-            return
-        if stream.pending:
-            stream.trailers = block
-        else:
-            self.send_headers(stream, block, end_stream=True)
-
-    def send_response(self, stream: Stream, head: bytes, data: bytes, trailers: bytes) -> None:
-        """A whole unary response (HEADERS, DATA, trailers) in one write when the data fits
-        the windows."""
-        n = len(data)
-        if n <= self._send_window and n <= stream.send_window:
-            sid = stream.id
-            size = self.max_frame_out
-            self._send_window -= n
-            stream.send_window -= n
-            out: list[bytes | memoryview] = [f.headers_frames(sid, head, False, size)]
-            if n <= size:
-                out += (f.frame_head(f.DATA, 0, sid, n), data)
-            else:
-                view = memoryview(data)
-                for i in range(0, n, size):
-                    piece = view[i : i + size]
-                    out += (f.frame_head(f.DATA, 0, sid, len(piece)), piece)
-            out.append(f.headers_frames(sid, trailers, True, size))
-            self.write(b"".join(out))
-            self._closed_local(stream)
-            return
-        self.send_headers(stream, head)
-        self.send_data(stream, data)
-        self.send_trailers(stream, trailers)
-
-    def reset(self, stream: Stream, code: int) -> None:
-        """RST_STREAM from our side; the handler is not called back."""
-        self.write(f.rst_stream(stream.id, code))
-        stream.local_closed = stream.remote_closed = True
-        self._forget(stream)
-
-    def consumed(self, stream: Stream, n: int) -> None:
-        """The call took ``n`` bytes of the stream's DATA: credit them back to the peer."""
-        if stream.remote_closed or n <= 0:
-            return
-        stream.recv_unacked += n
-        if stream.recv_unacked >= STREAM_WINDOW // 2:
-            self.write(f.window_update(stream.id, stream.recv_unacked))
-            stream.recv_window += stream.recv_unacked
-            stream.recv_unacked = 0
-
-    def _closed_local(self, stream: Stream) -> None:
-        stream.local_closed = True
-        if not stream.remote_closed:
-            # the answer is complete before the request: ask the client to stop sending
-            # (§8.1), which is how gRPC servers end a call early
-            self.write(f.rst_stream(stream.id, f.NO_ERROR))
-            stream.remote_closed = True
-        self._forget(stream)
-
-    def _forget(self, stream: Stream) -> None:
-        self.streams.pop(stream.id, None)
-        self._blocked.pop(stream.id, None)
-        if stream.pending:
-            stream.pending.clear()
-            stream.pending_bytes = 0
-            self._wake()
-        if self.draining and not self.streams:
-            self.close()
-
-    def _flush(self, stream: Stream) -> None:
-        pending = stream.pending
-        out: list[bytes | memoryview] = []
-        sid = stream.id
-        while pending:
-            allowed = min(self._send_window, stream.send_window, self.max_frame_out)
-            if allowed <= 0:
-                break
-            chunk = pending[0]
-            if len(chunk) <= allowed:
-                pending.popleft()
-                piece = chunk
-            else:
-                piece = chunk[:allowed]
-                pending[0] = chunk[allowed:]
-            n = len(piece)
-            self._send_window -= n
-            stream.send_window -= n
-            stream.pending_bytes -= n
-            out.append(f.frame_head(f.DATA, 0, sid, n))
-            out.append(piece)
-        if out:
-            self.write(b"".join(out))
-        if pending:
-            self._blocked[sid] = stream
-            return
-        self._blocked.pop(sid, None)
-        self._wake()
-        if stream.trailers is not None:
-            block, stream.trailers = stream.trailers, None
-            self.send_headers(stream, block, end_stream=True)
-
-    def _flush_blocked(self) -> None:
-        for stream in list(self._blocked.values()):
-            if self._send_window <= 0:
-                return
-            self._flush(stream)
-
-    def _reset(self, stream_id: int, code: int) -> None:
-        self.write(f.rst_stream(stream_id, code))
-        stream = self.streams.get(stream_id)
-        if stream is not None:
-            stream.local_closed = stream.remote_closed = True
-            self._forget(stream)
-            if stream.handler is not None:
-                stream.handler.on_reset()
 
     def _preface_expired(self) -> None:
         self._preface_timer = None
