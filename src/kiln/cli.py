@@ -47,6 +47,13 @@ def main() -> None:
 @click.option("--grpc-port", default=8001, show_default=True)
 @click.option("--metrics-port", default=8002, show_default=True)
 @click.option("--allow-grpc/--no-allow-grpc", default=True, show_default=True)
+@click.option(
+    "--grpc-implementation",
+    type=click.Choice(["kiln", "grpcio"]),
+    default="kiln",
+    show_default=True,
+    help="gRPC server: kiln's own HTTP/2 protocol, or grpcio's grpc.aio (the fallback).",
+)
 @click.option("--allow-metrics/--no-allow-metrics", default=True, show_default=True)
 @click.option(
     "--allow-gpu-metrics/--no-allow-gpu-metrics",
@@ -185,6 +192,7 @@ def serve(
     grpc_port: int,
     metrics_port: int,
     allow_grpc: bool,
+    grpc_implementation: str,
     allow_metrics: bool,
     allow_gpu_metrics: bool,
     allow_cpu_metrics: bool,
@@ -269,10 +277,11 @@ def serve(
         grpc_port,
         metrics_port,
         allow_grpc,
-        allow_metrics,
-        metrics,
-        monitor,
-        security,
+        allow_metrics=allow_metrics,
+        metrics=metrics,
+        monitor=monitor,
+        security=security,
+        grpc_implementation=grpc_implementation,
     )
     sys.exit(run_server(options, endpoints))
 

@@ -44,6 +44,8 @@ class Endpoints:
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
     monitor: MonitorOptions = field(default_factory=MonitorOptions)
     security: SecurityOptions = field(default_factory=SecurityOptions)
+    # "kiln" (its own HTTP/2 + gRPC protocol) or "grpcio" (grpc.aio), see docs/grpc.md
+    grpc_implementation: str = "kiln"
 
 
 class _Uvicorn(uvicorn.Server):
@@ -166,14 +168,21 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
     if endpoints.allow_grpc:
         from kiln.frontends.grpc.server import start_grpc
 
-        grpc_server = await start_grpc(
-            server,
-            endpoints.host,
-            endpoints.grpc_port,
-            security.grpc_max_message_bytes,
-            access=security.grpc_access,
-            tls=security.grpc_tls,
-        )
+        try:
+            grpc_server = await start_grpc(
+                server,
+                endpoints.host,
+                endpoints.grpc_port,
+                security.grpc_max_message_bytes,
+                access=security.grpc_access,
+                tls=security.grpc_tls,
+                implementation=endpoints.grpc_implementation,
+            )
+        except (OSError, RuntimeError) as exc:  # grpcio reports a failed bind as RuntimeError
+            log.error("gRPC cannot listen on %s:%d: %s", endpoints.host, endpoints.grpc_port, exc)
+            if metrics is not None:
+                metrics.stop()
+            return 1
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

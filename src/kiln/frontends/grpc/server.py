@@ -1,13 +1,17 @@
 """The gRPC listener: Triton's inference service and the standard health service, on the
-event loop that also runs HTTP."""
+event loop that also runs HTTP.
+
+Two implementations serve the same servicers: kiln's own HTTP/2 + gRPC protocol
+(``kiln``, the default; :mod:`kiln.frontends.grpc.h2`), and grpcio's ``grpc.aio``
+(``grpcio``), kept for a client that meets an interoperability problem with the first.
+"""
 
 from __future__ import annotations
 
-import grpc
+from typing import Protocol
 
 from kiln.core.access import AccessPolicy
 from kiln.core.server import Server
-from kiln.frontends.grpc.access import AccessInterceptor
 from kiln.frontends.grpc.health import HealthServicer
 from kiln.frontends.grpc.servicer import InferenceServicer
 from kiln.frontends.grpc.wire import (
@@ -15,13 +19,17 @@ from kiln.frontends.grpc.wire import (
     HEALTH_SERVICE,
     INFERENCE_DESCRIPTOR,
     INFERENCE_SERVICE,
-    generic_handler,
 )
 from kiln.security import GrpcTls
 
 # Triton's limit for both directions: gRPC's 4 MiB default is far too small for tensors,
 # and a protobuf message cannot exceed 2 GiB anyway.
 MAX_MESSAGE_BYTES = 2**31 - 1
+IMPLEMENTATIONS = ("kiln", "grpcio")
+
+
+class GrpcListener(Protocol):
+    async def stop(self, grace: float | None) -> None: ...
 
 
 async def start_grpc(
@@ -31,7 +39,42 @@ async def start_grpc(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     access: AccessPolicy | None = None,
     tls: GrpcTls | None = None,
-) -> grpc.aio.Server:
+    implementation: str = "kiln",
+) -> GrpcListener:
+    """Listen on ``host:port``; a port in use raises OSError."""
+    if implementation == "grpcio":
+        return await _start_grpcio(server, host, port, max_message_bytes, access, tls)
+    if implementation != "kiln":
+        raise ValueError(f"unknown gRPC implementation '{implementation}'")
+    from kiln.frontends.grpc.h2.dispatch import Dispatcher
+    from kiln.frontends.grpc.h2.routes import service_routes
+    from kiln.frontends.grpc.h2.server import H2GrpcServer
+
+    routes = [
+        *service_routes(INFERENCE_DESCRIPTOR, INFERENCE_SERVICE, InferenceServicer(server)),
+        *service_routes(HEALTH_DESCRIPTOR, HEALTH_SERVICE, HealthServicer(server)),
+    ]
+    listener = H2GrpcServer(
+        Dispatcher(routes, max_message_bytes, access),
+        tls.ssl_context() if tls is not None else None,
+    )
+    await listener.start(host, port)
+    return listener
+
+
+async def _start_grpcio(
+    server: Server,
+    host: str,
+    port: int,
+    max_message_bytes: int,
+    access: AccessPolicy | None,
+    tls: GrpcTls | None,
+) -> GrpcListener:
+    import grpc
+
+    from kiln.frontends.grpc.access import AccessInterceptor
+    from kiln.frontends.grpc.wire import generic_handler
+
     interceptors = [AccessInterceptor(access)] if access is not None and access.enabled else []
     grpc_server = grpc.aio.server(
         interceptors=interceptors,
