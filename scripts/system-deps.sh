@@ -8,6 +8,7 @@ need() { dpkg -s "$1" >/dev/null 2>&1 || packages+=("$1"); }
 # (grows with the features that need real peers: prometheus, chromium, ...)
 need prometheus  # tests/integration/test_prometheus.py scrapes kiln with a real server
 need chromium    # tests/e2e/test_dashboard.py drives the dashboard in headless Chromium
+need curl        # tests/integration/test_grpc_interop.py: an HTTP/2 client (nghttp2) that is not grpcio
 
 if [[ ${#packages[@]} -eq 0 ]]; then
     exit 0
