@@ -17,6 +17,7 @@ import pytest
 
 from kiln.backends.base import InstanceSpec
 from kiln.backends.python.backend import PythonBackend
+from kiln.backends.python.deadline import BatchDeadline
 from kiln.backends.python.wire import Wire
 from kiln.config.loader import parse_config_text
 from kiln.core.errors import KilnError, Status
@@ -199,6 +200,23 @@ async def test_execute_timeout_kills_the_worker_and_answers_unavailable(
     assert "execute_timeout_secs=2" in error.message
     assert (await _run(instance, [_job(1)]))[0]["OUT"].tolist() == [[2, 2]]
     assert backend.worker.pid != old
+
+
+async def test_a_request_timeout_overrun_names_that_request_even_if_the_timer_is_early(
+    instance: Instance,
+) -> None:
+    """The loop's timer keeps millisecond time and may fire just before the deadline by
+    ``time.monotonic_ns``: the request whose timeout set the deadline still gets Triton's
+    timeout message, its batch mate the other one (this raced in CI)."""
+    backend = instance.backend
+    assert isinstance(backend, PythonBackend)
+    soon = time.monotonic_ns() + 50_000_000  # "now" is up to 50 ms before the deadline
+    jobs = [_job(-3, deadline_ns=soon), _job(1)]
+    mine, mate = backend._overran(jobs, BatchDeadline(soon, from_request=True))
+    assert isinstance(mine, KilnError) and mine.message.startswith("Request timeout expired")
+    assert isinstance(mate, KilnError) and "another request of the same batch" in mate.message
+    hung = await asyncio.wait_for(_run(instance, [_job(-3, time.monotonic_ns() + 300_000_000)]), 30)
+    assert isinstance(hung[0], KilnError) and hung[0].message.startswith("Request timeout expired")
 
 
 async def test_a_request_whose_deadline_passed_in_the_queue_is_not_sent(

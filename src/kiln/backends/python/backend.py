@@ -283,7 +283,9 @@ class PythonBackend(Backend):
         self, requests: list[BackendRequest], deadline: BatchDeadline
     ) -> list[RequestOutcome]:
         if deadline.from_request:
-            now = time.monotonic_ns()
+            # The loop's timer may fire a little before the deadline by this clock (libuv
+            # keeps millisecond time): the request that set the deadline has expired.
+            now = max(time.monotonic_ns(), deadline.at_ns)
             return [*timed_out(self.model, [r.deadline_ns for r in requests], now)]
         error = KilnError(
             f"model '{self.model}': execute did not finish within execute_timeout_secs="
