@@ -160,11 +160,14 @@ class AttentionMetadata:
         fused = None
         if fused_decode and decode_rows:
             fused, decode_rows = FusedDecode.build(decode_rows, block_size, window), []
-        # similar numbers of blocks to gather go together (then by context, as without a
-        # window, where the two orders agree)
-        decode_rows.sort(key=lambda row: (_window_blocks(row[0], block_size, window)[1], row[0]))
+        # (blocks to gather, context, index, table), sorted: similar numbers of blocks go
+        # together (without a window, in context order as before)
+        gathers = sorted(
+            (-(-ctx // block_size) - window_start(ctx, window) // block_size, ctx, i, table)
+            for ctx, i, table in decode_rows
+        )
         decodes = [_decode_group(g, block_size, num_kv_heads, device, window)
-                   for g in _groups(decode_rows, block_size, window)]  # fmt: skip
+                   for g in _groups(gathers)]  # fmt: skip
         heads = torch.arange(num_kv_heads, dtype=torch.long) * block_size
         kv_rows = (torch.tensor(slots, dtype=torch.long)[:, None] + heads).flatten()
         return cls(
@@ -183,21 +186,19 @@ def window_start(context: int, window: int | None) -> int:
     return 0 if window is None else max(0, context - window)
 
 
-def _window_blocks(context: int, block_size: int, window: int | None) -> tuple[int, int]:
-    """(first block, number of blocks) a decode of ``context`` tokens reads."""
-    first = window_start(context, window) // block_size
-    return first, -(-context // block_size) - first
+#: a decode to gather: (blocks from its window's first to its last, context, flat index,
+#: block table)
+_Gather = tuple[int, int, int, list[int]]
 
 
-def _groups(rows: list[tuple[int, int, list[int]]], block_size: int,
-            window: int | None) -> list[list[tuple[int, int, list[int]]]]:  # fmt: skip
+def _groups(rows: list[_Gather]) -> list[list[_Gather]]:
     """Cut rows sorted by blocks to gather where padding to the longest would be wasteful,
     or where the group is full."""
-    groups: list[list[tuple[int, int, list[int]]]] = []
-    current: list[tuple[int, int, list[int]]] = []
+    groups: list[list[_Gather]] = []
+    current: list[_Gather] = []
     real = 0
     for row in rows:
-        blocks = _window_blocks(row[0], block_size, window)[1]
+        blocks = row[0]
         if current and (
             len(current) >= MAX_GROUP_SEQS
             or (len(current) + 1) * blocks > (1 + MAX_PADDING) * (real + blocks)
@@ -211,26 +212,27 @@ def _groups(rows: list[tuple[int, int, list[int]]], block_size: int,
     return groups
 
 
-def _decode_group(rows: list[tuple[int, int, list[int]]], block_size: int, num_kv_heads: int,
+def _decode_group(rows: list[_Gather], block_size: int, num_kv_heads: int,
                   device: torch.device, window: int | None) -> DecodeGroup:  # fmt: skip
-    # sorted: the last row gathers the most blocks
-    width = _window_blocks(rows[-1][0], block_size, window)[1]
-    firsts = [_window_blocks(ctx, block_size, window)[0] for ctx, _, _ in rows]
-    spans = [
-        table[first : first + width] for (_, _, table), first in zip(rows, firsts, strict=True)
-    ]
+    width = rows[-1][0]  # sorted: the last row gathers the most blocks
+    spans, firsts = [], []
+    for blocks, ctx, _, table in rows:
+        first = -(-ctx // block_size) - blocks  # its window's first block (0: none)
+        spans.append(table[first : first + width])
+        firsts.append(first)
     tables = torch.tensor([span + [0] * (width - len(span)) for span in spans], dtype=torch.long)
     heads = torch.arange(num_kv_heads, dtype=torch.long)
     # (sequence, head, block) -> row block * Hkv + head of the [NB * Hkv, bs, D] view
     cache_rows = (tables[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
-    context = torch.tensor([ctx for ctx, _, _ in rows])
-    # absolute position of each gathered slot
-    position = torch.tensor(firsts)[:, None] * block_size + torch.arange(width * block_size)
-    mask = position < context[:, None]
-    if window is not None:
-        mask &= position >= context[:, None] - window
+    context = torch.tensor([ctx for _, ctx, _, _ in rows])[:, None]
+    slots = torch.arange(width * block_size)[None, :]
+    if window is None:
+        mask = slots < context
+    else:  # the gathered slot's absolute position, against the window's two edges
+        position = torch.tensor(firsts)[:, None] * block_size + slots
+        mask = (position < context) & (position >= context - window)
     return DecodeGroup(
-        token_index=torch.tensor([i for _, i, _ in rows], dtype=torch.long, device=device),
+        token_index=torch.tensor([i for _, _, i, _ in rows], dtype=torch.long, device=device),
         rows=cache_rows.to(device),
         mask=mask[:, None, None, :].to(device),
         width=width,
