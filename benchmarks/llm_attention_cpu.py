@@ -1,6 +1,6 @@
 """kiln's CPU decode-attention kernel (``attention_backend: cpu``) against its two floors.
 
-    .venv/bin/python benchmarks/llm_attention_cpu.py [--json out.json]
+    .venv/bin/python benchmarks/llm_attention_cpu.py [--window W] [--json out.json]
 
 One decode step's attention for 64 sequences (contexts uniform in 150..420 tokens, 2 KV heads
 x 2 query heads, head_dim 64, block 16: the shape of benchmarks/llm_cpu.py's model), in four
@@ -20,6 +20,10 @@ Three timings, each the median of 7 rounds of 10 steps:
 
 If the kernel's time is near ``stream`` it is memory-bound; near ``hot`` + ``stream`` the
 loads and the arithmetic do not overlap.
+
+``--window W``: every sequence attends to its last ``W`` positions only (Mistral's sliding
+window); the kernel skips the blocks before the window, ``stream`` reads what it reads, and
+the MB a layer count only those bytes.
 """
 
 from __future__ import annotations
@@ -45,11 +49,11 @@ from kiln.llm import attention_cpu
 LAYERS, POOL, KV_HEADS, GROUP, BLOCK, DIM, SEQS = 4, 4096, 2, 2, 16, 64, 64
 
 
-def _stream(k_cache: Any, v_cache: Any, tables: Any, context: Any, out: Any) -> None:
+def _stream(k_cache: Any, v_cache: Any, tables: Any, context: Any, start: Any, out: Any) -> None:
     kv_heads, block_size, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     acc = np.zeros(dim, dtype=np.float32)
     for b in range(tables.shape[0]):
-        for j in range((context[b] + block_size - 1) // block_size):
+        for j in range(start[b] // block_size, (context[b] + block_size - 1) // block_size):
             block = tables[b, j]
             for h in range(kv_heads):
                 for t in range(block_size):
@@ -61,6 +65,7 @@ def _stream(k_cache: Any, v_cache: Any, tables: Any, context: Any, out: Any) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--window", type=int, default=None, help="sliding window (tokens)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not attention_cpu.available():
@@ -90,18 +95,20 @@ def main() -> None:
     k_new = rng.standard_normal((SEQS, KV_HEADS, DIM), dtype=np.float32)
     v_new = rng.standard_normal((SEQS, KV_HEADS, DIM), dtype=np.float32)
     rows = np.arange(SEQS, dtype=np.int64)
+    window = args.window
+    start = np.maximum(context - window, 0) if window else np.zeros_like(context)
     out = np.empty_like(q)
     scale = DIM**-0.5
 
     def attend(layer: int, tables: np.ndarray) -> None:
-        kernel(q, k_new, v_new, rows, ks[layer], vs[layer], tables, context, scale, out)
+        kernel(q, k_new, v_new, rows, ks[layer], vs[layer], tables, context, start, scale, out)
 
     def attend_parallel(layer: int, tables: np.ndarray) -> None:
-        args = (q, k_new, v_new, rows, ks[layer], vs[layer], tables, context, scale, out)
+        args = (q, k_new, v_new, rows, ks[layer], vs[layer], tables, context, start, scale, out)
         attention_cpu._compiled_parallel(threads, *args)
 
     def read(layer: int, tables: np.ndarray) -> None:
-        stream(ks[layer], vs[layer], tables, context, out)
+        stream(ks[layer], vs[layer], tables, context, start, out)
 
     def step(fn: Any, tables: np.ndarray) -> None:
         for layer in range(LAYERS):
@@ -120,15 +127,19 @@ def main() -> None:
             for _ in range(10):
                 step(fn, tables)
             times[name].append((time.perf_counter() - t0) / 10 / LAYERS)
-    layer_bytes = int(context.sum()) * KV_HEADS * DIM * 4 * 2
+    # the keys and values the kernel reads (from each sequence's start on)
+    read_tokens = int((context - start).sum())
+    layer_bytes = read_tokens * KV_HEADS * DIM * 4 * 2
     result: dict[str, Any] = {
         "machine": {"cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count()},
         "sequences": SEQS,
         "context_tokens": int(context.sum()),
+        "window": window,
+        "read_tokens": read_tokens,
         "layer_mb": layer_bytes / 1e6,
     }
-    print(f"{SEQS} sequences, {int(context.sum())} context tokens, "
-          f"{layer_bytes / 1e6:.1f} MB of K/V a layer")  # fmt: skip
+    print(f"{SEQS} sequences, {int(context.sum())} context tokens, window {window}, "
+          f"{layer_bytes / 1e6:.1f} MB of K/V read a layer")  # fmt: skip
     for name, values in times.items():
         median = statistics.median(values)
         result[name] = {"ms_per_layer": median * 1e3, "gb_s": layer_bytes / median / 1e9}

@@ -69,6 +69,20 @@ def test_chunked_prefill_mixed_with_graph_decodes(llama: Path, expected: list[li
     assert engine.stats.max_step_tokens <= 7
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
+def test_sliding_window_on_cuda_matches_transformers(tmp_path: Path, enforce_eager: bool) -> None:
+    """Mistral with a 24-token window over 16-token pages: the compiled windowed mask_mod and
+    BlockMask, chunks past the window, and decode graphs whose window slides."""
+    folder = build_tiny_llm(tmp_path / "m", arch="mistral", sliding_window=24)
+    want = [reference_generate(folder, p, 40) for p in PROMPTS]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine = _engine(folder, enforce_eager=enforce_eager, max_num_seqs=8, max_num_batched_tokens=32)
+    assert engine.generate(PROMPTS, params) == want
+    assert engine.generate(PROMPTS[3:4], params) == want[3:4]
+    if engine.runner.graphs is not None:
+        assert engine.runner.graphs.num_replays > 0
+
+
 def test_portable_backend_on_cuda_matches(llama: Path, expected: list[list[int]]) -> None:
     engine = _engine(llama, attention_backend="torch")
     assert engine.runner.graphs is None  # graphs need the flex backend's metadata

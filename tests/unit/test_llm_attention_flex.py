@@ -1,7 +1,7 @@
 """The flex-attention backend on CPU (eager ``flex_attention``): greedy tokens identical to
-``transformers`` through chunked prefill and mixed prefill+decode steps, and the BlockMask's
-block-level sparsity checked against the dense causal mask (the eager path ignores it, the
-compiled GPU kernels rely on it)."""
+``transformers`` through chunked prefill and mixed prefill+decode steps (with a sliding
+window too), and the BlockMask's block-level sparsity checked against the dense causal (or
+windowed) mask (the eager path ignores it, the compiled GPU kernels rely on it)."""
 
 from __future__ import annotations
 
@@ -77,29 +77,50 @@ def test_flex_prefix_cache_hit_and_qwen2(tmp_path: Path) -> None:
     assert engine.block_manager.stats.hits >= 32
 
 
+def test_flex_sliding_window_matches_transformers(tmp_path: Path) -> None:
+    """Mistral with a window of 8 over 16-token pages: a 40-token prompt in chunks beside a
+    decode, then a prefix-cache hit past the window."""
+    folder = build_tiny_llm(tmp_path / "m", arch="mistral", sliding_window=8)
+    prompts = [list(range(30, 70)), [5, 17, 42, 99, 3]]
+    hit = [*range(30, 62), 7, 9]  # the first prompt's first two pages
+    want = [reference_generate(folder, p, 12) for p in [*prompts, hit]]
+    engine = flex_engine(folder, max_num_batched_tokens=16)
+    assert engine.config.max_model_len == 256
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert engine.generate(prompts, params) == want[:2]
+    assert engine.generate([hit], params) == want[2:]
+    assert engine.block_manager.stats.hits == 32
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def _dense_truth(
-    tables: list[list[int]], computed: list[int], new: list[int], bs: int, pages: int, lq: int
-) -> torch.Tensor:
+    tables: list[list[int]], computed: list[int], new: list[int], bs: int, pages: int, lq: int,
+    window: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """[B, Lq, slots]: row r of sequence b (position computed+r) sees its own slots at
-    positions <= its own; padding rows see nothing."""
+    positions <= its own (and > its own - window); padding rows see nothing."""
     truth = torch.zeros(len(new), lq, pages * bs, dtype=torch.bool)
     for b, (table, c, n) in enumerate(zip(tables, computed, new, strict=True)):
         for r in range(n):
-            for p in range(c + r + 1):
+            low = 0 if window is None else max(0, c + r - window + 1)
+            for p in range(low, c + r + 1):
                 truth[b, r, table[p // bs] * bs + p % bs] = True
     return truth
 
 
-def test_block_mask_sparsity_matches_the_dense_causal_mask() -> None:
+@pytest.mark.parametrize("window", [None, 5, 150])
+def test_block_mask_sparsity_matches_the_dense_causal_mask(window: int | None) -> None:
+    """A window of 5 (a page and a bit: every page partial) or 150 (over a query block:
+    full pages in the middle, partial at both edges)."""
     bs, pages = 4, 80
     # shared prefix page 7, a chunk starting mid-page, a prefill over two query blocks
     tables = [[7, 2, 9], [7, 11, 3, 5], list(range(20, 60)), [1, 0]]
     computed = [6, 3, 0, 5]
     new = [5, 10, Q_BLOCK + 30, 2]
-    meta = FlexMetadata.build(tables, computed, new, bs, pages, CPU)
+    meta = FlexMetadata.build(tables, computed, new, bs, pages, CPU, window=window)
     (group,) = meta.groups
     lq = group.token_index.shape[1]
-    truth = _dense_truth(tables, computed, new, bs, pages, lq)
+    truth = _dense_truth(tables, computed, new, bs, pages, lq, window)
     # mask_mod alone is exact on real rows (the eager path relies on it)
     b, q, kv = torch.meshgrid(
         torch.arange(len(new)), torch.arange(lq), torch.arange(pages * bs), indexing="ij"
@@ -110,6 +131,8 @@ def test_block_mask_sparsity_matches_the_dense_causal_mask() -> None:
     assert torch.equal(dense & valid, truth)
     # block level: full blocks all visible, partial ones hold the rest, nothing is missed
     nq = -(-lq // Q_BLOCK)
+    num_full = int(group.full_kv_num_blocks.sum())
+    assert (num_full > 0) == (window != 5)
     for bi in range(len(new)):
         for j in range(nq):
             rows = truth[bi, j * Q_BLOCK : (j + 1) * Q_BLOCK].view(-1, pages, bs)

@@ -69,8 +69,14 @@ def test_only_pure_decode_steps_use_graphs() -> None:
     assert not is_pure_decode(SchedulerOutput())
 
 
-def test_static_buffer_decode_matches_transformers(tmp_path: Path) -> None:
-    folder = build_tiny_llm(tmp_path / "m")
+@pytest.mark.parametrize("window", [None, 4], ids=["full", "sliding-window"])
+def test_static_buffer_decode_matches_transformers(tmp_path: Path, window: int | None) -> None:
+    """With a window of 4 (Mistral), the static metadata is windowed too: the 19-token prompt
+    decodes past it, its window's edge moving through the padded page lists in place."""
+    if window is None:
+        folder = build_tiny_llm(tmp_path / "m")
+    else:
+        folder = build_tiny_llm(tmp_path / "m", arch="mistral", sliding_window=window)
     prompts = [[5, 17, 42, 99, 3], list(range(7, 26)), [250], [9, 8, 7], [1, 2]]
     lengths = [6, 4, 5, 3, 2]  # the batch shrinks as requests finish: 5, 4, 3, 1 rows
     want = [reference_generate(folder, p, n) for p, n in zip(prompts, lengths, strict=True)]
@@ -79,6 +85,7 @@ def test_static_buffer_decode_matches_transformers(tmp_path: Path) -> None:
     )
     assert engine.runner.graphs is None  # no GPU: never captured
     graphs = DecodeGraphs(engine.runner, [1, 2, 4], capture=False)
+    assert list(graphs.graphs[4].metas) == [window]
     engine.runner.graphs = graphs
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     assert engine.generate(prompts, params) == want

@@ -211,17 +211,18 @@ def test_mistral_matches_transformers(tmp_path: Path, window: int | None) -> Non
     assert engine.generate(PROMPTS[:2], params) == want
 
 
-def test_a_sliding_window_caps_the_context(tmp_path: Path) -> None:
-    """Inside its window, Mistral's attention is causal attention: kiln serves exactly that
-    far, equal to transformers, and refuses prompts that would need the window to slide."""
+def test_a_sliding_window_serves_the_whole_context(tmp_path: Path) -> None:
+    """Mistral's window no longer caps max_model_len: past it, attention slides, equal to
+    transformers (more in test_llm_sliding_window.py)."""
     folder = build_tiny_llm(tmp_path / "m", arch="mistral", sliding_window=48)
     engine = _engine(folder)
-    assert engine.config.max_model_len == 48
-    prompt = list(range(30, 70))  # 40 tokens: 8 more fit in the window
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    assert engine.generate([prompt], params) == [reference_generate(folder, prompt, 8)]
-    with pytest.raises(KilnError, match="maximum context length is 48 tokens"):
-        engine.check_request(48, params)
+    assert engine.config.max_model_len == 256
+    prompt = list(range(30, 70))  # 40 tokens: the window slides after 8 more
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert engine.generate([prompt], params) == [reference_generate(folder, prompt, 20)]
+    engine.check_request(200, params)
+    with pytest.raises(KilnError, match="maximum context length is 256 tokens"):
+        engine.check_request(256, params)
     _all_returned(engine)
 
 

@@ -1,7 +1,8 @@
 """Paged attention against a dense per-sequence reference, on random K/V in randomly placed
 blocks: decodes of varied context lengths (several decode groups, padded rows masked; or
 all of them in the ``cpu`` backend's kernel, which reads the blocks in place), a fresh
-prompt, and a prompt chunk that continues a cached prefix."""
+prompt, and a prompt chunk that continues a cached prefix; with and without a sliding
+window."""
 
 from __future__ import annotations
 
@@ -19,10 +20,15 @@ H, HKV, D, BS, NUM_BLOCKS = 4, 2, 8, 4, 96
 CPU = torch.device("cpu")
 
 
-def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
-    """One sequence: ``q`` [n, H, D] at positions offset.., ``k``/``v`` [offset + n, Hkv, D]."""
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
+           window: int | None = None) -> torch.Tensor:  # fmt: skip
+    """One sequence: ``q`` [n, H, D] at positions offset.., ``k``/``v`` [offset + n, Hkv, D];
+    the query at i sees the keys at j <= i, and i - window < j with a window."""
     n, total = q.shape[0], k.shape[0]
-    keep = torch.arange(total)[None, :] <= torch.arange(offset, offset + n)[:, None]
+    q_pos, k_pos = torch.arange(offset, offset + n)[:, None], torch.arange(total)[None, :]
+    keep = k_pos <= q_pos
+    if window is not None:
+        keep &= k_pos > q_pos - window
     rep = H // HKV
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1),
@@ -45,9 +51,13 @@ DECODES_ONLY = [(1, 1), (3, 1), (4, 1), (5, 1), (9, 1), (17, 1), (30, 1)]
     "shapes", [DECODES_FIRST, INTERLEAVED, DECODES_ONLY], ids=["first", "interleaved", "only"]
 )
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "cpu-kernel"])
+@pytest.mark.parametrize("window", [None, 5, 8], ids=["full", "window5", "window8"])
 def test_paged_attention_matches_dense_attention(
-    monkeypatch: pytest.MonkeyPatch, fused: bool, shapes: list[tuple[int, int]]
+    monkeypatch: pytest.MonkeyPatch, fused: bool, shapes: list[tuple[int, int]], window: int | None
 ) -> None:
+    """A window of 5 (8) tokens, blocks of 4: decodes skip whole blocks and start mid-block
+    (on a block boundary), the 6-token prompt is longer than 5, the chunk after 8 cached
+    tokens skips its first block."""
     torch.manual_seed(0)
     rng = random.Random(0)
     # small groups, so that this handful of decodes makes several of them
@@ -63,6 +73,11 @@ def test_paged_attention_matches_dense_attention(
         for p in range(cached):  # the earlier steps' keys, written where the table says
             k_cache[table[p // BS], :, p % BS] = keys[p]
             v_cache[table[p // BS], :, p % BS] = values[p]
+        if fused and new == 1 and window is not None:
+            # what the kernel must not read: NaN would reach its output
+            for p in range(max(0, cached + 1 - window)):
+                k_cache[table[p // BS], :, p % BS] = float("nan")
+                v_cache[table[p // BS], :, p % BS] = float("nan")
         tables.append(table)
         full_k.append(keys)
         full_v.append(values)
@@ -71,7 +86,7 @@ def test_paged_attention_matches_dense_attention(
     v = torch.cat([values[c:] for values, (c, _) in zip(full_v, shapes, strict=True)])
     meta = AttentionMetadata.build(
         tables, [c for c, _ in shapes], [n for _, n in shapes], BS, CPU, HKV, KVWorkspace(),
-        fused_decode=fused,
+        fused_decode=fused, window=window,
     )  # fmt: skip
     starts = [sum(n for _, n in shapes[:i]) for i in range(len(shapes))]
     decoding = [start for start, (c, n) in zip(starts, shapes, strict=True) if n == 1 and c]
@@ -82,11 +97,18 @@ def test_paged_attention_matches_dense_attention(
         assert (meta.kv_rows.numel() == 0) == (shapes is DECODES_ONLY)
     else:
         assert len(meta.decodes) >= 3 and meta.fused is None
+        if window is not None:  # no group gathers more blocks than a window spans
+            assert max(g.width for g in meta.decodes) <= -(-window // BS) + 1
     assert len(meta.prefills) == len(shapes) - 7
+    if meta.prefills:
+        # the prompt longer than a window of 5 is banded, not is_causal; the chunk's first
+        # query (position 8) sees from position 4, the start of its second block
+        assert [p.mask is None for p in meta.prefills] == [window != 5, False]
+        assert [p.first_key for p in meta.prefills] == [0, 4 if window == 5 else 0]
     out = paged_attention(q, k, v, k_cache, v_cache, meta)
     start = 0
     for (cached, new), keys, values, table in zip(shapes, full_k, full_v, tables, strict=True):
-        want = _dense(q[start : start + new], keys, values, cached)
+        want = _dense(q[start : start + new], keys, values, cached, window)
         torch.testing.assert_close(out[start : start + new], want, rtol=1e-5, atol=1e-5)
         # the new tokens' K/V were written into the sequence's blocks
         for p in range(cached, cached + new):

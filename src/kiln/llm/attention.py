@@ -22,7 +22,14 @@ padding them into one batch would cost ``batch x longest prompt x longest contex
   touches no cache; a later chunk, or a prompt whose prefix is already cached, gathers its
   keys and uses a causal mask aligned to the bottom right, built from absolute positions.
 
-Everything a layer needs is built once per step (``AttentionMetadata.build``).
+A sliding window (Mistral; Qwen2's upper layers): the query at position i sees the keys at
+positions j with i - window < j <= i. Decodes and chunks gather only from the block holding
+their first visible key on, and their masks drop the keys before it; a fresh prompt longer
+than the window gets an explicit banded mask instead of ``is_causal`` (the two agree when
+the prompt fits in the window).
+
+Everything a layer needs is built once per step (``AttentionMetadata.build``), once per
+distinct window when the layers differ.
 """
 
 from __future__ import annotations
@@ -76,9 +83,10 @@ class DecodeGroup:
     #: [b] index of each sequence's token among the step's flat tokens
     token_index: torch.Tensor
     #: [b * Hkv * nb] row of each (sequence, KV head, block) in the cache viewed as
-    #: [num_blocks * Hkv, block_size, D] (padding: block 0, masked out)
+    #: [num_blocks * Hkv, block_size, D], from the sequence's first block in its window
+    #: (padding: block 0, masked out)
     rows: torch.Tensor
-    #: [b, 1, 1, nb * block_size] True where the key position holds a token
+    #: [b, 1, 1, nb * block_size] True where the gathered slot holds a key the query sees
     mask: torch.Tensor
     #: blocks per sequence (nb)
     width: int
@@ -92,9 +100,13 @@ class PrefillChunk:
     length: int
     #: tokens already in the cache before this step; 0: attend to the new K/V only
     num_computed: int
-    #: [nb] physical blocks (only when ``num_computed > 0``)
+    #: [nb] physical blocks to gather, from the one holding the first key any of the chunk's
+    #: queries sees (only when ``num_computed > 0``)
     block_table: torch.Tensor | None = None
-    #: [length, num_computed + length] causal mask aligned to the bottom right
+    #: position of the first gathered key (a block boundary)
+    first_key: int = 0
+    #: [length, num_computed + length - first_key] causal (and windowed) mask aligned to the
+    #: bottom right; None: SDPA's ``is_causal`` (a fresh prompt that fits in the window)
     mask: torch.Tensor | None = None
 
 
@@ -125,7 +137,9 @@ class AttentionMetadata:
         num_kv_heads: int,
         workspace: KVWorkspace,
         fused_decode: bool = False,
+        window: int | None = None,
     ) -> AttentionMetadata:
+        """``window``: the layers' sliding window (None: full causal attention)."""
         per_block = num_kv_heads * block_size  # cache rows per block
         decode_rows: list[tuple[int, int, list[int]]] = []  # (context, flat index, table)
         prefills: list[PrefillChunk] = []
@@ -134,7 +148,7 @@ class AttentionMetadata:
             if n == 1 and computed > 0:
                 decode_rows.append((computed + 1, start, table))
             else:
-                prefills.append(_prefill(start, n, computed, table, block_size, device))
+                prefills.append(_prefill(start, n, computed, table, block_size, device, window))
             start += n
         slots: list[int] = []  # row of each new token's first KV head
         if not (fused_decode and not prefills):  # the cpu kernel writes decodes' K/V itself
@@ -145,10 +159,15 @@ class AttentionMetadata:
                 )
         fused = None
         if fused_decode and decode_rows:
-            fused, decode_rows = FusedDecode.build(decode_rows, block_size), []
-        decode_rows.sort(key=lambda row: row[0])
-        decodes = [_decode_group(g, block_size, num_kv_heads, device)
-                   for g in _groups(decode_rows, block_size)]  # fmt: skip
+            fused, decode_rows = FusedDecode.build(decode_rows, block_size, window), []
+        # (blocks to gather, context, index, table), sorted: similar numbers of blocks go
+        # together (without a window, in context order as before)
+        gathers = sorted(
+            (-(-ctx // block_size) - window_start(ctx, window) // block_size, ctx, i, table)
+            for ctx, i, table in decode_rows
+        )
+        decodes = [_decode_group(g, block_size, num_kv_heads, device, window)
+                   for g in _groups(gathers)]  # fmt: skip
         heads = torch.arange(num_kv_heads, dtype=torch.long) * block_size
         kv_rows = (torch.tensor(slots, dtype=torch.long)[:, None] + heads).flatten()
         return cls(
@@ -161,15 +180,25 @@ class AttentionMetadata:
         )
 
 
-def _groups(rows: list[tuple[int, int, list[int]]],
-            block_size: int) -> list[list[tuple[int, int, list[int]]]]:  # fmt: skip
-    """Cut rows sorted by context length where padding to the longest would be wasteful,
+def window_start(context: int, window: int | None) -> int:
+    """The first position the query of a sequence of ``context`` tokens (its own included)
+    sees."""
+    return 0 if window is None else max(0, context - window)
+
+
+#: a decode to gather: (blocks from its window's first to its last, context, flat index,
+#: block table)
+_Gather = tuple[int, int, int, list[int]]
+
+
+def _groups(rows: list[_Gather]) -> list[list[_Gather]]:
+    """Cut rows sorted by blocks to gather where padding to the longest would be wasteful,
     or where the group is full."""
-    groups: list[list[tuple[int, int, list[int]]]] = []
-    current: list[tuple[int, int, list[int]]] = []
+    groups: list[list[_Gather]] = []
+    current: list[_Gather] = []
     real = 0
     for row in rows:
-        blocks = -(-row[0] // block_size)
+        blocks = row[0]
         if current and (
             len(current) >= MAX_GROUP_SEQS
             or (len(current) + 1) * blocks > (1 + MAX_PADDING) * (real + blocks)
@@ -183,20 +212,27 @@ def _groups(rows: list[tuple[int, int, list[int]]],
     return groups
 
 
-def _decode_group(rows: list[tuple[int, int, list[int]]], block_size: int, num_kv_heads: int,
-                  device: torch.device) -> DecodeGroup:  # fmt: skip
-    width = -(-rows[-1][0] // block_size)  # sorted: the last row is the longest
-    tables = torch.tensor(
-        [table[:width] + [0] * (width - len(table[:width])) for _, _, table in rows],
-        dtype=torch.long,
-    )
+def _decode_group(rows: list[_Gather], block_size: int, num_kv_heads: int,
+                  device: torch.device, window: int | None) -> DecodeGroup:  # fmt: skip
+    width = rows[-1][0]  # sorted: the last row gathers the most blocks
+    spans, firsts = [], []
+    for blocks, ctx, _, table in rows:
+        first = -(-ctx // block_size) - blocks  # its window's first block (0: none)
+        spans.append(table[first : first + width])
+        firsts.append(first)
+    tables = torch.tensor([span + [0] * (width - len(span)) for span in spans], dtype=torch.long)
     heads = torch.arange(num_kv_heads, dtype=torch.long)
     # (sequence, head, block) -> row block * Hkv + head of the [NB * Hkv, bs, D] view
     cache_rows = (tables[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
-    context = torch.tensor([ctx for ctx, _, _ in rows])
-    mask = torch.arange(width * block_size)[None, :] < context[:, None]
+    context = torch.tensor([ctx for _, ctx, _, _ in rows])[:, None]
+    slots = torch.arange(width * block_size)[None, :]
+    if window is None:
+        mask = slots < context
+    else:  # the gathered slot's absolute position, against the window's two edges
+        position = torch.tensor(firsts)[:, None] * block_size + slots
+        mask = (position < context) & (position >= context - window)
     return DecodeGroup(
-        token_index=torch.tensor([i for _, i, _ in rows], dtype=torch.long, device=device),
+        token_index=torch.tensor([i for _, _, i, _ in rows], dtype=torch.long, device=device),
         rows=cache_rows.to(device),
         mask=mask[:, None, None, :].to(device),
         width=width,
@@ -204,18 +240,24 @@ def _decode_group(rows: list[tuple[int, int, list[int]]], block_size: int, num_k
 
 
 def _prefill(start: int, n: int, computed: int, table: list[int], block_size: int,
-             device: torch.device) -> PrefillChunk:  # fmt: skip
-    if computed == 0:
-        return PrefillChunk(start, n, 0)
+             device: torch.device, window: int | None) -> PrefillChunk:  # fmt: skip
+    if computed == 0 and (window is None or n <= window):
+        return PrefillChunk(start, n, 0)  # is_causal over its own keys
     total = computed + n
-    blocks = table[: -(-total // block_size)]
-    q_pos = torch.arange(computed, total)
-    mask = torch.arange(total)[None, :] <= q_pos[:, None]
+    # the first query (position ``computed``) sees the furthest back
+    first = window_start(computed + 1, window) // block_size if computed else 0
+    q_pos = torch.arange(computed, total)[:, None]
+    k_pos = torch.arange(first * block_size, total)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    blocks = table[first : -(-total // block_size)]
     return PrefillChunk(
         start,
         n,
         computed,
-        block_table=torch.tensor(blocks, dtype=torch.long, device=device),
+        block_table=torch.tensor(blocks, dtype=torch.long, device=device) if computed else None,
+        first_key=first * block_size,
         mask=mask.to(device),
     )
 
@@ -274,18 +316,16 @@ def paged_attention(
         queries = q[span].transpose(0, 1)[None]  # [1, H, n, D]
         if p.block_table is None:
             keys, values = k[span].transpose(0, 1), v[span].transpose(0, 1)
-            causal, mask = True, None
         else:
-            total = p.num_computed + p.length
-            keys = k_cache[p.block_table].transpose(0, 1).flatten(1, 2)[:, :total]
-            values = v_cache[p.block_table].transpose(0, 1).flatten(1, 2)[:, :total]
-            causal, mask = False, p.mask
+            count = p.num_computed + p.length - p.first_key
+            keys = k_cache[p.block_table].transpose(0, 1).flatten(1, 2)[:, :count]
+            values = v_cache[p.block_table].transpose(0, 1).flatten(1, 2)[:, :count]
         o = F.scaled_dot_product_attention(
             queries,
             keys[None].to(q.dtype),
             values[None].to(q.dtype),
-            attn_mask=mask,
-            is_causal=causal,
+            attn_mask=p.mask,
+            is_causal=p.mask is None,
             enable_gqa=True,
         )
         out[span] = o[0].transpose(0, 1)

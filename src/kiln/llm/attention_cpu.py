@@ -6,7 +6,8 @@ K/V bytes are read, written and read again, and on a CPU that memory traffic, no
 arithmetic, is most of a decode step (benchmarks/README.md, "LLM engine"). This kernel walks
 each sequence's block table and reads every key and value once, in place, with an online
 softmax (running maximum and sum, rescaled block by block), the way vLLM's CPU and GPU
-paged-attention kernels do.
+paged-attention kernels do. With a sliding window each sequence's walk starts at the first
+position inside its window: the blocks before it are not read at all.
 
 It is compiled with numba (``kiln-serve[llm]``) when first used; without numba, or for a
 cache dtype other than float32, the engine keeps the portable backend. Prefill chunks
@@ -44,10 +45,15 @@ class FusedDecode:
     tables: np.ndarray
     #: [b] int32 tokens in each sequence's context, the new one included
     context: np.ndarray
+    #: [b] int32 first position each sequence's query sees (0 without a sliding window)
+    start: np.ndarray
 
     @classmethod
-    def build(cls, rows: list[tuple[int, int, list[int]]], block_size: int) -> FusedDecode:
-        """``rows``: (context length, flat token index, block table) per sequence."""
+    def build(
+        cls, rows: list[tuple[int, int, list[int]]], block_size: int, window: int | None = None
+    ) -> FusedDecode:
+        """``rows``: (context length, flat token index, block table) per sequence;
+        ``window``: the sliding window (None: the whole context)."""
         width = max(-(-ctx // block_size) for ctx, _, _ in rows)
         tables = np.zeros((len(rows), width), dtype=np.int32)
         for i, (ctx, _, table) in enumerate(rows):
@@ -57,6 +63,10 @@ class FusedDecode:
             rows=np.array([i for _, i, _ in rows], dtype=np.int64),
             tables=tables,
             context=np.array([ctx for ctx, _, _ in rows], dtype=np.int32),
+            start=np.array(
+                [0 if window is None else max(0, ctx - window) for ctx, _, _ in rows],
+                dtype=np.int32,
+            ),
         )
 
 
@@ -107,6 +117,7 @@ def _attend(
     v_cache: Any,
     tables: Any,
     context: Any,
+    start: Any,
     scale: float,
     out: Any,
 ) -> None:
@@ -114,7 +125,9 @@ def _attend(
     them for ``0, 1``). ``q`` [T, H, D] and ``k_new``/``v_new`` [T, Hkv, D]: the step's new
     tokens (strided views are fine); sequence ``b``'s token is row ``rows[b]``. Caches
     [blocks, Hkv, bs, D]; ``out`` [T, H, D] gets the rows of the decoding tokens. Query
-    head ``h * G + g`` reads KV head ``h``.
+    head ``h * G + g`` reads KV head ``h``. Sequence ``b`` attends to positions
+    ``start[b] .. context[b] - 1`` (a sliding window; ``start`` 0: all of them): its walk
+    begins in the block holding ``start[b]``.
 
     First each sequence's new key and value go into their slot of its last block (so a
     decode-only step needs no separate cache write). Then, for each (sequence, KV head):
@@ -154,6 +167,8 @@ def _attend(
         n = context[b]
         token = rows[b]
         blocks = (n + block_size - 1) // block_size
+        begin = start[b]
+        j0 = begin // block_size  # the first block inside the window
         for h in range(kv_heads):
             for g in range(group):
                 m[g] = -np.inf
@@ -161,22 +176,27 @@ def _attend(
                 for d in range(dim):
                     acc[g, d] = 0.0
                     query[g, d] = q[token, h * group + g, d] * scale
-            for j in range(blocks):
+            for j in range(j0, blocks):
                 block = tables[b, j]
                 # what this loop reads next: this head's next block, else the next head's
                 # first block, else the next sequence's
                 if j + 1 < blocks:
                     upcoming = tables[b, j + 1] * block_floats + h * head_floats
                 elif h + 1 < kv_heads:
-                    upcoming = tables[b, 0] * block_floats + (h + 1) * head_floats
+                    upcoming = tables[b, j0] * block_floats + (h + 1) * head_floats
                 elif b + stride < b_count:
-                    upcoming = tables[b + stride, 0] * block_floats
+                    upcoming = tables[b + stride, start[b + stride] // block_size] * block_floats
                 else:
                     upcoming = -1
+                # this block's rows in the window: [low, count) (low > 0 only in the first)
+                low = max(begin - j * block_size, 0)
                 count = min(block_size, n - j * block_size)
                 for g in range(group):
                     top = m[g]
-                    for t in range(count):
+                    # counted from 0, not ``range(low, count)``: that form ran the whole
+                    # kernel ~10% slower (numba's index code no longer simplified)
+                    for i in range(count - low):
+                        t = low + i
                         if upcoming >= 0 and g == 0:
                             row = upcoming + t * dim
                             for c in range(lines_per_row):
@@ -192,9 +212,10 @@ def _attend(
                         if s > top:
                             top = s
                     if upcoming >= 0 and (g == 0 or g == group - 1):
-                        # a partly filled last block: the rows it does not hold
-                        for t in range(count, block_size):
-                            row = upcoming + t * dim
+                        # a partly filled last block, or the window's first: the rows the
+                        # loop above did not visit
+                        for u in range(count, block_size + low):
+                            row = upcoming + (u - block_size if u >= block_size else u) * dim
                             for c in range(lines_per_row):
                                 if g == 0:
                                     _prefetch_l2(k_flat, row + c * _LINE)
@@ -205,7 +226,8 @@ def _attend(
                     l_sum[g] *= correction
                     for d in range(dim):
                         acc[g, d] *= correction
-                    for t in range(count):
+                    for i in range(count - low):
+                        t = low + i
                         p = np.float32(math.exp(scores[g, t] - top))
                         l_sum[g] += p
                         for d in range(dim):
@@ -229,21 +251,22 @@ _attend_compiled = _jit(_attend) if _jit is not None else None
 
 def _serial(
     q: Any, k_new: Any, v_new: Any, rows: Any, k_cache: Any, v_cache: Any, tables: Any,
-    context: Any, scale: float, out: Any,
+    context: Any, start: Any, scale: float, out: Any,
 ) -> None:  # fmt: skip
-    _attend_compiled(0, 1, q, k_new, v_new, rows, k_cache, v_cache, tables, context, scale, out)
+    _attend_compiled(0, 1, q, k_new, v_new, rows, k_cache, v_cache, tables, context, start,
+                     scale, out)  # fmt: skip
 
 
 def _parallel(
     threads: int, q: Any, k_new: Any, v_new: Any, rows: Any, k_cache: Any, v_cache: Any,
-    tables: Any, context: Any, scale: float, out: Any,
+    tables: Any, context: Any, start: Any, scale: float, out: Any,
 ) -> None:  # fmt: skip
     """The sequences dealt round-robin to ``threads`` threads (contexts are mixed, so each
     gets a similar share of the bytes); each thread owns its sequences' rows of ``out``
     and their cache slots."""
     for first in numba.prange(threads):
         _attend_compiled(first, threads, q, k_new, v_new, rows, k_cache, v_cache, tables,
-                         context, scale, out)  # fmt: skip
+                         context, start, scale, out)  # fmt: skip
 
 
 _compiled = _jit(_serial) if _jit is not None else None
@@ -271,7 +294,7 @@ def warm_up() -> None:
     tables = np.zeros((1, 1), np.int32)
     out = np.zeros((2, 1, 8), dtype=np.float32)
     args = (qkv[:, :1], qkv[:, 1:2], qkv[:, 2:], rows, cache, cache.copy(), tables,
-            np.ones(1, np.int32), 1.0, out)  # fmt: skip
+            np.ones(1, np.int32), np.zeros(1, np.int32), 1.0, out)  # fmt: skip
     _compiled(*args)
     if _compiled_parallel is not None and torch.get_num_threads() > 1:
         with _PARALLEL_LOCK:
@@ -295,7 +318,7 @@ def decode(
     assert out.is_contiguous()
     scale = 1.0 / math.sqrt(q.shape[2])
     args = (q.numpy(), k.numpy(), v.numpy(), fused.rows, k_cache.numpy(), v_cache.numpy(),
-            fused.tables, fused.context, scale, out.numpy())  # fmt: skip
+            fused.tables, fused.context, fused.start, scale, out.numpy())  # fmt: skip
     # as many threads as torch's matrix products use (OMP_NUM_THREADS / torch.set_num_threads)
     threads = min(torch.get_num_threads(), fused.rows.shape[0], _POOL)
     if threads > 1:

@@ -14,6 +14,10 @@ Sequences of a step go in two groups, each a padded batch: decodes (one query ea
 shape CUDA graphs capture) and prefills/chunks (up to the longest chunk). The mask is
 causal aligned to the bottom right by absolute positions, as in the portable backend.
 
+A sliding window (the query at position i sees keys i - window < j <= i) adds its lower
+edge to ``mask_mod``; the BlockMask then lists only the pages that hold a visible key of the
+query block, *full* where every query of the block sees every slot, *partial* at both edges.
+
 On CUDA ``flex_attention`` is compiled (Triton kernels); on CPU it runs eagerly, which
 materialises scores over every cache slot: correct, but only for small caches (tests).
 """
@@ -134,10 +138,12 @@ class FlexMetadata:
         num_pages: int,
         device: torch.device,
         max_pages_per_seq: int = 0,
+        window: int | None = None,
     ) -> FlexMetadata:
         """``num_pages``: pages in the cache tensor (the scratch page included);
         ``max_pages_per_seq``: pad the BlockMask index width to it (CUDA graphs need fixed
-        shapes; 0: as wide as this step needs)."""
+        shapes; 0: as wide as this step needs); ``window``: the layers' sliding window
+        (None: full causal attention)."""
         starts = [0]
         for n in num_new[:-1]:
             starts.append(starts[-1] + n)
@@ -163,6 +169,7 @@ class FlexMetadata:
                         device,
                         max_pages_per_seq,
                         pad_queries=compiled,
+                        window=window,
                     )
                 )
         return cls(
@@ -184,6 +191,7 @@ def _build_group(
     device: torch.device,
     max_pages_per_seq: int,
     pad_queries: bool,
+    window: int | None,
 ) -> FlexGroup:
     batch = len(new)
     lq = max(new)
@@ -209,21 +217,20 @@ def _build_group(
                 break  # query blocks of padding rows visit nothing
             p0 = c + first
             p1 = c + min(first + Q_BLOCK, n) - 1
-            n_full = (p0 + 1) // block_size  # pages whose every slot is <= p0
-            n_seen = p1 // block_size + 1
-            full_num[b, 0, j] = n_full
-            full_idx[b, 0, j, :n_full] = torch.tensor(table[:n_full], dtype=torch.int32)
-            kv_num[b, 0, j] = n_seen - n_full
-            kv_idx[b, 0, j, : n_seen - n_full] = torch.tensor(
-                table[n_full:n_seen], dtype=torch.int32
-            )
+            seen_lo, full_lo, full_hi, seen_hi = _page_spans(p0, p1, block_size, window)
+            full_pages = table[full_lo:full_hi]
+            partial_pages = table[seen_lo:full_lo] + table[full_hi:seen_hi]
+            full_num[b, 0, j] = len(full_pages)
+            full_idx[b, 0, j, : len(full_pages)] = torch.tensor(full_pages, dtype=torch.int32)
+            kv_num[b, 0, j] = len(partial_pages)
+            kv_idx[b, 0, j, : len(partial_pages)] = torch.tensor(partial_pages, dtype=torch.int32)
     i = torch.arange(lq)
     new_t = torch.tensor(new, dtype=torch.long)
     valid = i[None, :] < new_t[:, None]
     index = torch.where(valid, torch.tensor(starts)[:, None] + i[None, :], 0)
     q_start = torch.tensor(computed, dtype=torch.int32).to(device)
     to_logical = to_logical.to(device)
-    mask_mod = _paged_causal(q_start, to_logical, block_size)
+    mask_mod = _paged_causal(q_start, to_logical, block_size, window)
     kv_num, kv_idx, full_num, full_idx = (
         t.to(device) for t in (kv_num, kv_idx, full_num, full_idx)
     )
@@ -251,11 +258,24 @@ def _build_group(
     )
 
 
+def _page_spans(p0: int, p1: int, block_size: int, window: int | None) -> tuple[int, int, int, int]:
+    """The logical pages queries at positions ``p0 .. p1`` see, ``seen_lo .. seen_hi - 1``,
+    of which ``full_lo .. full_hi - 1`` (maybe none) have every slot seen by every query;
+    ``seen_lo <= full_lo <= full_hi <= seen_hi``."""
+    if window is None:
+        return 0, 0, (p0 + 1) // block_size, p1 // block_size + 1
+    seen_lo = max(0, p0 - window + 1) // block_size
+    # every query sees positions max(0, p1 - window + 1) .. p0: the pages wholly inside
+    full_lo = -(-max(0, p1 - window + 1) // block_size)
+    full_hi = max(full_lo, (p0 + 1) // block_size)
+    return seen_lo, full_lo, full_hi, p1 // block_size + 1
+
+
 def _paged_causal(
-    q_start: torch.Tensor, to_logical: torch.Tensor, block_size: int
+    q_start: torch.Tensor, to_logical: torch.Tensor, block_size: int, window: int | None
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     # The closure reads the tensors, not copies: a CUDA graph's static metadata is updated
-    # in place and the captured kernels see the new values.
+    # in place and the captured kernels see the new values. The window is a constant.
     def mask_mod(
         b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
     ) -> torch.Tensor:
@@ -263,7 +283,19 @@ def _paged_causal(
         kv_pos = logical * block_size + kv_idx % block_size
         return (logical >= 0) & (kv_pos <= q_start[b] + q_idx)
 
-    return mask_mod
+    if window is None:
+        return mask_mod
+    size = window  # an int, for the closure
+
+    def windowed_mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        logical = to_logical[b, kv_idx // block_size]
+        kv_pos = logical * block_size + kv_idx % block_size
+        q_pos = q_start[b] + q_idx
+        return (logical >= 0) & (kv_pos <= q_pos) & (kv_pos > q_pos - size)
+
+    return windowed_mask_mod
 
 
 def _flex() -> Callable[..., Any]:

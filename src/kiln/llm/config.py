@@ -34,9 +34,22 @@ class ModelArgs:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
-    #: Mistral's (and Qwen2's, when ``use_sliding_window``) attention window: a token sees
-    #: only the last ``sliding_window`` positions. None: full causal attention.
+    #: Mistral's (and Qwen2's, when ``use_sliding_window``) attention window: the query at
+    #: position i sees the keys at positions j with i - sliding_window < j <= i (the window
+    #: holds the query itself). None: full causal attention.
     sliding_window: int | None = None
+    #: layers that attend causally over the whole context despite ``sliding_window``
+    #: (Qwen2's below ``max_window_layers``); every other layer uses the window
+    full_attention_layers: tuple[int, ...] = ()
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer ``layer`` (None: the whole causal context)."""
+        if self.sliding_window is None or layer in self.full_attention_layers:
+            return None
+        return self.sliding_window
+
+    def layer_windows(self) -> list[int | None]:
+        return [self.layer_window(i) for i in range(self.num_hidden_layers)]
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelArgs:
@@ -55,16 +68,15 @@ class ModelArgs:
         theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         eos = raw.get("eos_token_id")
-        window = raw.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-            window = None  # Qwen2 configs carry a window they do not use
+        layers = int(raw["num_hidden_layers"])
+        window, full_layers = _sliding_window(arch, raw, layers)
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -76,7 +88,8 @@ class ModelArgs:
             # Qwen2 has q/k/v biases without saying so in its config
             attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,
-            sliding_window=int(window) if window else None,
+            sliding_window=window,
+            full_attention_layers=full_layers,
         )
 
     @classmethod
@@ -85,6 +98,39 @@ class ModelArgs:
         if not path.is_file():
             raise KilnError(f"llm backend: no config.json in {folder}", Status.INVALID_ARG)
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def _sliding_window(
+    arch: str, raw: dict[str, Any], num_layers: int
+) -> tuple[int | None, tuple[int, ...]]:
+    """The window and the layers exempt from it, as transformers reads them: Mistral
+    applies ``sliding_window`` to every layer; Qwen2 only with ``use_sliding_window``, and
+    then to the layers its ``layer_types`` call ``sliding_attention`` (when absent: layers
+    ``max_window_layers`` (default 28) and above)."""
+    window = raw.get("sliding_window")
+    if arch == "LlamaForCausalLM" or window is None:
+        return None, ()  # Llama has no window; null: full attention everywhere
+    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        return None, ()  # Qwen2 configs carry a window they do not use
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise KilnError(
+            f"llm backend: sliding_window must be a positive integer, got {window!r}",
+            Status.INVALID_ARG,
+        )
+    if arch != "Qwen2ForCausalLM":
+        return window, ()
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        first = int(raw.get("max_window_layers", 28))
+        kinds = ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
+    unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if unknown or len(kinds) != num_layers:
+        raise KilnError(
+            "llm backend: kiln supports layer_types 'full_attention' and 'sliding_attention', "
+            f"one per layer ({num_layers}); got {kinds}",
+            Status.INVALID_ARG,
+        )
+    return window, tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
 
 
 @dataclass(slots=True)

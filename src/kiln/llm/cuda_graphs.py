@@ -4,7 +4,8 @@ A decode step launches hundreds of small kernels whose CPU launch cost, not the 
 small batches. For each capture size (1, 2, 4, 8, ... up to ``max_num_seqs``) the model's
 forward pass is recorded once into a ``torch.cuda.CUDAGraph`` over static buffers: token
 ids, positions and the flex backend's metadata (block tables padded to the most pages a
-sequence can hold). A pure-decode step of ``b`` sequences copies its inputs into the
+sequence can hold; one set per sliding window of the layers, the window itself a constant
+of the graph). A pure-decode step of ``b`` sequences copies its inputs into the
 buffers of the smallest size >= ``b`` and replays; the rows beyond ``b`` are dummy
 sequences whose one-token context lives in a scratch page no real sequence owns. Anything
 else (a prefill or chunk in the batch, a batch larger than every size) runs eagerly.
@@ -65,7 +66,8 @@ def pad_decode_batch(
 
 @dataclass(slots=True)
 class _Graph:
-    meta: FlexMetadata
+    #: by the layers' sliding windows (None: full attention)
+    metas: dict[int | None, FlexMetadata]
     logits: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -89,24 +91,30 @@ class DecodeGraphs:
         if capture:
             self._capture_all()
 
-    def _metadata(self, tables: list[list[int]], computed: list[int], size: int) -> FlexMetadata:
+    def _metadata(
+        self, tables: list[list[int]], computed: list[int], size: int
+    ) -> dict[int | None, FlexMetadata]:
         tables, computed = pad_decode_batch(tables, computed, size, self.scratch_page)
-        return FlexMetadata.build(
-            tables,
-            computed,
-            [1] * size,
-            self.block_size,
-            self.scratch_page + 1,
-            self.runner.device,
-            max_pages_per_seq=self.max_pages,
-        )
+        return {
+            window: FlexMetadata.build(
+                tables,
+                computed,
+                [1] * size,
+                self.block_size,
+                self.scratch_page + 1,
+                self.runner.device,
+                max_pages_per_seq=self.max_pages,
+                window=window,
+            )
+            for window in self.runner.windows
+        }
 
     def _forward(self, size: int) -> torch.Tensor:
         model = self.runner.model
         logits: torch.Tensor = model(
             self.input_ids[:size],
             self.positions[:size],
-            self.graphs[size].meta,
+            self.graphs[size].metas,
             self.logit_index[:size],
         )
         return logits
@@ -149,7 +157,8 @@ class DecodeGraphs:
         step = self._metadata(
             [s.block_table for s in out.seqs], [s.num_computed_tokens for s in out.seqs], size
         )
-        entry.meta.copy_(step)
+        for window, meta in entry.metas.items():
+            meta.copy_(step[window])
         self.num_replays += 1
         if entry.graph is None:
             logits = self._forward(size)

@@ -51,19 +51,16 @@ class LLMEngine:
         config.check()
         self.args = ModelArgs.load(folder)
         config.max_model_len = config.max_model_len or self.args.max_position_embeddings
-        window = self.args.sliding_window
-        if window is not None and config.max_model_len > window:
-            # Within the window, sliding-window attention is plain causal attention: capping
-            # the context there keeps every attention backend exact (vLLM did the same before
-            # it had windowed kernels) rather than silently attending too far.
-            log.warning(
-                "llm: %s has a %d-token sliding window; max_model_len capped from %d to %d",
+        windowed = [i for i, w in enumerate(self.args.layer_windows()) if w is not None]
+        if windowed:
+            # every backend attends within the window; the blocks before it stay allocated
+            log.info(
+                "llm: %s attends within a %d-token sliding window in %d of %d layers",
                 self.args.architecture,
-                window,
-                config.max_model_len,
-                window,
+                self.args.sliding_window,
+                len(windowed),
+                self.args.num_hidden_layers,
             )
-            config.max_model_len = window
         self.runner = ModelRunner(folder, self.args, config)
         # A sequence alone must always fit in the cache, or preemption could never help it.
         config.max_model_len = min(config.max_model_len, self.runner.num_blocks * config.block_size)

@@ -69,6 +69,8 @@ class ModelRunner:
             model.lm_head.weight = model.model.embed_tokens.weight
         self.model = model.to(self.dtype).eval()
         self.model.fuse()
+        #: the layers' distinct sliding windows (None: full attention), a metadata each step
+        self.windows = self.model.windows()
         self.block_bytes = (
             2
             * args.num_hidden_layers
@@ -151,28 +153,36 @@ class ModelRunner:
     ) -> torch.Tensor:
         tables = [s.block_table for s in out.seqs]
         computed = [s.num_computed_tokens for s in out.seqs]
-        meta: AttentionMetadata | FlexMetadata
-        if self.attention_backend == "flex":
-            pages = self.kv_cache.shape[2]
-            meta = FlexMetadata.build(
-                tables, computed, out.num_new_tokens, self.config.block_size, pages, self.device
-            )
-        else:
-            meta = AttentionMetadata.build(
-                tables,
-                computed,
-                out.num_new_tokens,
-                self.config.block_size,
-                self.device,
-                self.args.num_key_value_heads,
-                self.workspace,
-                fused_decode=self.attention_backend == "cpu",
-            )
+        metas: dict[int | None, AttentionMetadata | FlexMetadata] = {}
+        for window in self.windows:
+            if self.attention_backend == "flex":
+                pages = self.kv_cache.shape[2]
+                metas[window] = FlexMetadata.build(
+                    tables,
+                    computed,
+                    out.num_new_tokens,
+                    self.config.block_size,
+                    pages,
+                    self.device,
+                    window=window,
+                )
+            else:
+                metas[window] = AttentionMetadata.build(
+                    tables,
+                    computed,
+                    out.num_new_tokens,
+                    self.config.block_size,
+                    self.device,
+                    self.args.num_key_value_heads,
+                    self.workspace,
+                    fused_decode=self.attention_backend == "cpu",
+                    window=window,
+                )
         dev = self.device
         logits: torch.Tensor = self.model(
             torch.tensor(input_ids, device=dev),
             torch.tensor(positions, device=dev),
-            meta,
+            metas,
             torch.tensor(logit_index, dtype=torch.long, device=dev),
         )
         return logits

@@ -2,10 +2,13 @@
 
 Module names follow Hugging Face's, so a checkpoint's state dict loads without renaming.
 Tokens of all sequences of a step come flattened ([T, hidden]); the paged attention puts
-them back into sequences.
+them back into sequences. A step's attention metadata comes per sliding window (None: full
+attention): each layer reads the one of its own window.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,9 @@ from kiln.llm.models.rope import RotaryEmbedding, rotate
 #: (single thread, hidden 256: 54 vs 83 us at 64 tokens) but not for long prefills (1.2 vs
 #: 1.1 ms at 2,048 tokens), so only steps up to this many tokens use it
 RMS_NORM_FUSED_MAX_TOKENS = 256
+
+#: a step's attention metadata by sliding window (None: full causal attention)
+StepMetadata = Mapping[int | None, AttentionMetadata | FlexMetadata]
 
 
 class RMSNorm(nn.Module):
@@ -52,8 +58,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
+        #: this layer's attention window (None: the whole causal context)
+        self.sliding_window = args.layer_window(layer)
         self.num_heads = args.num_attention_heads
         self.num_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
@@ -81,7 +89,7 @@ class Attention(nn.Module):
         self,
         rope: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,
-        meta: AttentionMetadata | FlexMetadata,
+        metas: StepMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -99,6 +107,7 @@ class Attention(nn.Module):
             q = rotate(self.q_proj(x).view(t, h, d), *rope)
             k = rotate(self.k_proj(x).view(t, hkv, d), *rope)
             v = self.v_proj(x).view(t, hkv, d)
+        meta = metas[self.sliding_window]
         if isinstance(meta, FlexMetadata):
             out = flex_paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
         else:
@@ -149,9 +158,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, layer)
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -161,7 +170,7 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        meta: AttentionMetadata | FlexMetadata,
+        metas: StepMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` is the previous layer's output, not yet added to the ``residual`` stream
         (None for the first layer, whose ``x`` is the embeddings); returns this layer's
@@ -172,7 +181,7 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(rope, h, meta)
+        h = self.self_attn(rope, h, metas)
         h = self.post_attention_layernorm.add_forward(h, residual)
         out: torch.Tensor = self.mlp(h)
         return out, residual
@@ -182,7 +191,7 @@ class Backbone(nn.Module):
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             args.head_dim, max_positions, args.rope_theta, args.rope_scaling
@@ -208,19 +217,25 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.modules() if isinstance(m, Attention)]
 
+    def windows(self) -> list[int | None]:
+        """The distinct attention windows of the layers: a step's metadata is built for
+        each (usually one: a model's layers all share theirs)."""
+        return list(dict.fromkeys(a.sliding_window for a in self.attention_layers()))
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata | FlexMetadata,
+        metas: StepMetadata,
         logit_index: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits [len(logit_index), vocab] for the flat tokens ``logit_index`` picks."""
+        """Logits [len(logit_index), vocab] for the flat tokens ``logit_index`` picks;
+        ``metas``: the step's attention metadata for each of ``windows()``."""
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb.lookup(positions, x.dtype)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            x, residual = layer(rope, x, residual, meta)
+            x, residual = layer(rope, x, residual, metas)
         assert residual is not None, "a model has at least one layer"
         # only the rows that are sampled: their last add and the final norm
         hidden = self.model.norm.add_forward(x[logit_index], residual[logit_index])
