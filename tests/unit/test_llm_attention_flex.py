@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kiln.llm.attention_flex import Q_BLOCK, FlexMetadata
+from kiln.llm.attention_flex import FLEX_RECOMPILE_LIMIT, Q_BLOCK, FlexMetadata, _build_group
 from kiln.llm.config import EngineConfig
 from kiln.llm.engine import LLMEngine
 from kiln.llm.sampler import SampledToken
@@ -155,6 +155,73 @@ def test_decodes_and_prefills_go_in_separate_groups() -> None:
     assert not prefill.is_decode and prefill.token_index[0, :20].tolist() == list(range(1, 21))
     assert meta.slot_mapping.tolist() == [4] + [16 + i for i in range(16)] + [32, 33, 34, 35, 50]
     assert meta.kernel_options is None and not meta.compiled
+
+
+def test_compiled_flex_stays_within_its_recompile_limit() -> None:
+    """What the CUDA path compiles, traced by Dynamo on CPU (backend "eager": no kernels):
+    decode graphs' captures, then prefills and eager decodes of assorted sizes, for a model
+    with full and windowed layers. That is more variants than torch.compile's default limit
+    of 8, which fullgraph=True turns into FailOnRecompileLimitHit; FLEX_RECOMPILE_LIMIT holds
+    them."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    attend = torch.compile(
+        flex_attention,
+        fullgraph=True,
+        backend="eager",
+        recompile_limit=FLEX_RECOMPILE_LIMIT,
+        isolate_recompiles=True,
+    )
+    bs, pages, heads, kv_heads, dim = 16, 64, 4, 2, 16
+    keys = torch.zeros(1, kv_heads, pages * bs, dim)
+
+    def step(new: list[int], computed: list[int], window: int | None, width: int = 0) -> None:
+        tables, first = [], 0
+        for c, n in zip(computed, new, strict=True):
+            used = -(-(c + n) // bs)
+            tables.append(list(range(first, first + used)))
+            first += used
+        starts = [sum(new[:i]) for i in range(len(new))]
+        group = _build_group(tables, computed, new, starts, bs, pages, CPU, width, True, window)
+        queries = torch.zeros(len(new), heads, group.token_index.shape[1], dim)
+        attend(
+            queries,
+            keys,
+            keys,
+            block_mask=group.block_mask,
+            enable_gqa=True,
+            kernel_options={"BLOCK_N": bs},
+        )
+
+    before = counters["stats"]["unique_graphs"]
+    for window in (None, 24):
+        for size in (8, 4, 2, 1):  # DecodeGraphs captures, largest first
+            step([1] * size, [0] * size, window, width=16)
+        for new, computed in (([5], [0]), ([19], [0]), ([40, 7], [0, 0]), ([200], [0])):
+            step(new, computed, window)
+        for size in (1, 3, 8):
+            step([1] * size, [30 + 17 * i for i in range(size)], window)
+    compiled = counters["stats"]["unique_graphs"] - before
+    assert 8 < compiled <= FLEX_RECOMPILE_LIMIT // 2
+    torch._dynamo.reset()
+
+
+def test_cuda_path_compiles_flex_with_that_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kiln.llm import attention_flex
+
+    calls: list[dict[str, object]] = []
+
+    def compile_(fn: object, **kwargs: object) -> object:
+        calls.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(attention_flex, "_compiled", None)
+    monkeypatch.setattr(torch, "compile", compile_)
+    attention_flex._flex()
+    assert calls == [{"fullgraph": True, "recompile_limit": FLEX_RECOMPILE_LIMIT}]
 
 
 def test_unknown_attention_backend_is_refused(llama: Path) -> None:

@@ -4,7 +4,10 @@ the eager-fallback decision, and the static-buffer path itself run uncaptured on
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -96,6 +99,64 @@ def test_static_buffer_decode_matches_transformers(tmp_path: Path, window: int |
     scratch = engine.runner.kv_cache[:, :, graphs.scratch_page]
     assert scratch.abs().sum() > 0
     assert torch.equal(graphs.logit_index, torch.arange(4))
+
+
+def test_capture_and_replay_run_on_the_models_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.cuda's streams, capture and replay act on the current device, which on an
+    instance's thread is 0 whatever the model's: a fake torch.cuda records the device each
+    call ran under (the model runs on the CPU for real)."""
+    engine = LLMEngine(
+        build_tiny_llm(tmp_path / "m"),
+        EngineConfig(attention_backend="flex", num_gpu_blocks=16, max_num_seqs=2),
+    )
+    current: list[Any] = []
+    calls: list[tuple[str, Any]] = []
+
+    @contextlib.contextmanager
+    def device(d: Any) -> Iterator[None]:
+        current.append(d)
+        yield
+        current.pop()
+
+    def note(what: str) -> None:
+        calls.append((what, current[-1] if current else "no device set"))
+
+    class Stream:
+        def __init__(self, device: Any = None) -> None:
+            note("stream")
+
+        def wait_stream(self, other: Any) -> None:
+            pass
+
+    class CUDAGraph:
+        def replay(self) -> None:
+            note("replay")
+
+    @contextlib.contextmanager
+    def graph(g: Any, pool: Any = None, stream: Any = None) -> Iterator[None]:
+        note("capture" if isinstance(stream, Stream) else "capture on torch's own stream")
+        yield
+
+    fake = {
+        "device": device,
+        "graph_pool_handle": lambda: note("pool"),
+        "Stream": Stream,
+        "current_stream": lambda device=None: Stream(),
+        "stream": lambda s: contextlib.nullcontext(),
+        "CUDAGraph": CUDAGraph,
+        "graph": graph,
+        "synchronize": lambda device=None: note("synchronize"),
+    }
+    for name, value in fake.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    engine.runner.graphs = DecodeGraphs(engine.runner, [1, 2])
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.generate([[5, 17, 42]], greedy)  # its decode steps replay (the fake: nothing)
+    model = engine.runner.device
+    assert {what for what, _ in calls} == {"pool", "stream", "capture", "synchronize", "replay"}
+    assert all(where == model for _, where in calls), calls
 
 
 # -- config.pbtxt parameters and backend choice ----------------------------------------

@@ -117,6 +117,32 @@ def test_pt2_only_folder_completes_the_filename(tmp_path: Path) -> None:
     assert config.default_model_filename == "model.pt2"
 
 
+class _Constants(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+        self.offset = torch.tensor([1.0, 2.0, 3.0])  # a plain attribute: a lifted constant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # exported on the CPU, torch.ones records device="cpu" in the graph
+        out: torch.Tensor = self.linear(x) + torch.ones(x.shape[1]) + self.offset
+        return out
+
+
+def test_exported_program_moves_whole_to_another_device(tmp_path: Path) -> None:
+    """The meta device stands in for a GPU: an exported program's constants and the device
+    of its factory ops move with it, not only its parameters."""
+    from kiln.backends.pytorch import _load
+
+    path = tmp_path / "model.pt2"
+    torch.export.save(torch.export.export(_Constants(), (torch.zeros(2, 3),)), str(path))
+    module, names = _load("m", path, torch.device("meta"))
+    assert names == ["x"]
+    assert module(torch.zeros(2, 3, device="meta")).device.type == "meta"
+    module, _ = _load("m", path, torch.device("cpu"))
+    assert module(torch.zeros(2, 3)).shape == (2, 3)
+
+
 def test_config_without_io_cannot_be_completed(tmp_path: Path) -> None:
     with pytest.raises(KilnError, match=r"declare every input and output in config\.pbtxt"):
         PyTorchBackend.auto_complete_config(ModelConfig(name="m"), tmp_path)

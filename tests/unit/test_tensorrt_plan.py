@@ -42,10 +42,12 @@ def test_engine_file_by_compute_capability() -> None:
 
 
 def test_capability_mismatch_read_from_tensorrt_log() -> None:
+    # TensorRT names the deserializing GPU first ("expecting") and the plan's GPU second
+    # ("got"): an sm_90 plan loaded on an sm_80 GPU.
     log = [
-        "1: [runtime.cpp::deserializeCudaEngine] Error Code 1: The engine plan file is "
-        "generated on an incompatible device, expecting compute 9.0 got compute 8.0, "
-        "please rebuild."
+        "IRuntime::deserializeCudaEngine: Error Code 6: API Usage Error (The engine plan file "
+        "is generated on an incompatible device, expecting compute 8.0 got compute 9.0, "
+        "please rebuild.)"
     ]
     assert mismatch_from_log(log) == ("sm_90", "sm_80")
     error = deserialize_error(_config(), "model.plan", (8, 0), log)

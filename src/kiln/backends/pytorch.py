@@ -234,6 +234,13 @@ def _load(model: str, path: Path, device: torch.device) -> tuple[Any, list[str] 
                 for spec in program.graph_signature.input_specs
                 if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT
             ]
+            if device.type != "cpu":
+                from torch.export.passes import move_to_device_pass
+
+                # .module().to() moves parameters and buffers only: lifted tensor constants
+                # and the device burnt into factory ops (torch.ones(n) exported on the CPU
+                # records device="cpu") stay behind; torch's pass moves them all.
+                program = move_to_device_pass(program, device)
             module = program.module().to(device)
             return module, names
         script = torch.jit.load(str(path), map_location=device)

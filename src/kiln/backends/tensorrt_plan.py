@@ -39,8 +39,9 @@ TORCH_TYPES: dict[str, str] = {
     "UINT8": "uint8",
 }
 
-# TensorRT's log line when a plan was built for another GPU architecture, e.g.
-# "... generated on an incompatible device, expecting compute 9.0 got compute 8.0 ..."
+# TensorRT's log line when a plan was built for another GPU architecture. "expecting" is
+# the GPU deserializing, "got" the one the plan was built on: an sm_86 plan on a T4 (sm_75)
+# logs "... generated on an incompatible device, expecting compute 7.5 got compute 8.6 ...".
 _MISMATCH = re.compile(r"expecting compute (\d+)\.(\d+),? got compute (\d+)\.(\d+)")
 
 
@@ -71,8 +72,8 @@ def mismatch_from_log(messages: Iterable[str]) -> tuple[str, str] | None:
     for message in messages:
         match = _MISMATCH.search(message)
         if match:
-            built = sm(int(match.group(1)), int(match.group(2)))
-            here = sm(int(match.group(3)), int(match.group(4)))
+            here = sm(int(match.group(1)), int(match.group(2)))
+            built = sm(int(match.group(3)), int(match.group(4)))
             return built, here
     return None
 

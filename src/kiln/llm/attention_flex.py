@@ -36,6 +36,12 @@ from kiln.llm import attention_cpu
 
 #: rows per query block of the BlockMask (the compiled kernels' default tile)
 Q_BLOCK = 128
+#: compilations of flex_attention allowed. Dynamo specialises each of a step's batch, query
+#: length, query blocks and pages per sequence on being 1 or more, and each mask_mod (full,
+#: windowed) separately: a serving mix compiles ~13 variants for a full-attention model and
+#: ~24 with full and windowed layers (tests/unit/test_llm_attention_flex.py). torch.compile's
+#: default limit is 8, past which fullgraph=True raises FailOnRecompileLimitHit.
+FLEX_RECOMPILE_LIMIT = 64
 _compiled: Callable[..., Any] | None = None
 
 
@@ -301,7 +307,9 @@ def _paged_causal(
 def _flex() -> Callable[..., Any]:
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(flex_attention, fullgraph=True)
+        # torch.compile's typed overloads lag its signature, which has recompile_limit
+        compile_: Callable[..., Any] = torch.compile
+        _compiled = compile_(flex_attention, fullgraph=True, recompile_limit=FLEX_RECOMPILE_LIMIT)
     return _compiled
 
 

@@ -121,23 +121,30 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        # Largest first, all in one memory pool: smaller graphs reuse the larger ones' memory.
-        pool = torch.cuda.graph_pool_handle()
-        for size in sorted(self.sizes, reverse=True):
-            # Warm up on a side stream (as PyTorch's docs ask): the first calls compile the
-            # flex kernels and let allocators settle, none of which may happen in capture.
-            # The dummy rows only ever write the scratch page.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._forward(size)
-            torch.cuda.current_stream().wait_stream(side)
-            entry = self.graphs[size]
-            entry.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(entry.graph, pool=pool):
-                entry.logits = self._forward(size)
-        torch.cuda.synchronize()
+        # The streams, the pool and the capture are the current device's: make it the
+        # model's (an instance on cuda:1 runs on a thread whose current device is 0).
+        with torch.cuda.device(self.runner.device):
+            # Largest first, all in one memory pool: smaller graphs reuse the larger ones'.
+            pool = torch.cuda.graph_pool_handle()
+            # torch.cuda.graph's own capture stream is made once per process, on whichever
+            # device was current then: capture on a stream of this device, the same for all
+            # sizes (as its docs ask of captures sharing a pool)
+            capture = torch.cuda.Stream()
+            for size in sorted(self.sizes, reverse=True):
+                # Warm up on a side stream (as PyTorch's docs ask): the first calls compile
+                # the flex kernels and let allocators settle, none of which may happen in
+                # capture. The dummy rows only ever write the scratch page.
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._forward(size)
+                torch.cuda.current_stream().wait_stream(side)
+                entry = self.graphs[size]
+                entry.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(entry.graph, pool=pool, stream=capture):
+                    entry.logits = self._forward(size)
+            torch.cuda.synchronize()
 
     def run(
         self, out: SchedulerOutput, input_ids: list[int], positions: list[int]
@@ -163,7 +170,10 @@ class DecodeGraphs:
         if entry.graph is None:
             logits = self._forward(size)
         else:
-            entry.graph.replay()
+            # replay launches on the current device's current stream: the model's, where the
+            # copies above were queued
+            with torch.cuda.device(self.runner.device):
+                entry.graph.replay()
             assert entry.logits is not None
             logits = entry.logits
         # a copy: the next replay overwrites the graph's output buffer
