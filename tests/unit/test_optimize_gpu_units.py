@@ -18,6 +18,7 @@ from kiln.optimize.deploy import config_text
 from kiln.optimize.engine import profile_shapes
 from kiln.optimize.precision import build_fp16
 from kiln.optimize.types import Candidate
+from tests.conftest import DigitsFiles
 
 EVERYTHING = gpu.GpuFacts(
     providers=(TENSORRT, CUDA, CPU), nvml=None, tensorrt="10.9.0", torch_cuda=None,
@@ -138,3 +139,43 @@ def test_ort_tensorrt_entry_gives_the_measured_providers(mlp: Path, tmp_path: Pa
     assert options["trt_engine_cache_enable"] is True
     assert options["trt_engine_cache_path"] == str((tmp_path / "cache").resolve())
     assert [p[0] if isinstance(p, tuple) else p for p in providers[1:]] == [CUDA, CPU]
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_int32_biases_are_folded_for_tensorrt_and_nothing_else_changes(
+    digits_files: DigitsFiles, tmp_path: Path, per_channel: bool
+) -> None:
+    """TensorRT's ONNX parser refuses an INT32 DequantizeLinear (quantize_static's bias
+    form): the TensorRT INT8 candidate is built from a copy with those biases in float."""
+    from kiln.optimize.precision import build_int8_static, fold_int32_bias
+
+    source = digits_files.mlp_onnx  # torch's export: Gemm layers, whose biases go INT32
+    name = onnx.load(str(source)).graph.input[0].name
+    samples = np.load(digits_files.calibration).astype(np.float32)
+    qdq = build_int8_static(source, tmp_path, {name: samples}, "minmax", per_channel).path
+    assert qdq is not None
+
+    def int32_dequantize(model: onnx.ModelProto) -> list[str]:
+        int32 = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT32}
+        return [n.name for n in model.graph.node
+                if n.op_type == "DequantizeLinear" and n.input[0] in int32]  # fmt: skip
+
+    original = onnx.load(str(qdq))
+    assert int32_dequantize(original), "quantize_static no longer writes INT32 biases"
+    folded_path = fold_int32_bias(qdq, tmp_path / "int8-trt.onnx")
+    folded = onnx.load(str(folded_path))
+    onnx.checker.check_model(folded, full_check=True)
+    assert int32_dequantize(folded) == []
+    # every other QDQ node is still there: only the bias dequantizations went
+    kinds = [n.op_type for n in folded.graph.node]
+    assert kinds.count("QuantizeLinear") == [n.op_type for n in original.graph.node].count(
+        "QuantizeLinear"
+    )
+    assert len(folded.graph.node) == len(original.graph.node) - len(int32_dequantize(original))
+    x = {name: samples[:16]}
+    run = [
+        ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, x)
+        for p in (qdq, folded_path)
+    ]
+    for before, after in zip(*run, strict=True):
+        np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-5)

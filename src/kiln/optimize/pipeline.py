@@ -123,8 +123,11 @@ def _gpu_builders(options: OptimizeOptions, source: Path, work: Path, batch_size
                 if spec.precision == "fp16":
                     onnx_path = fp16_model()
                 elif spec.precision == "int8":  # the most accurate calibrated QDQ model
-                    onnx_path = qdq[0].candidate.path
-                    c.description += f" ({qdq[0].candidate.name})"
+                    best = qdq[0].candidate
+                    assert best.path is not None
+                    # TensorRT's parser refuses INT32 bias DequantizeLinear: float biases
+                    onnx_path = precision.fold_int32_bias(best.path, work / "int8-trt.onnx")
+                    c.description += f" ({best.name}, biases in float)"
                 assert onnx_path is not None
                 return engine.build_candidate(c, onnx_path, work, batch_sizes, valid)
             c.path = fp16_model() if spec.kind == "fp16" else source

@@ -175,3 +175,46 @@ def _sort_nodes(graph: Any) -> None:
         copy.CopyFrom(node)
     del graph.node[:]
     graph.node.extend(copies)
+
+
+def fold_int32_bias(source: Path, out: Path) -> Path:
+    """The QDQ model with every INT32 bias ``DequantizeLinear`` folded into a float constant.
+
+    ``quantize_static`` quantizes biases to INT32 behind a DequantizeLinear (ONNX Runtime's
+    CPU kernels fuse it into QGemm/QLinearConv), but TensorRT's ONNX parser takes only INT8
+    (and FP8/INT4) DequantizeLinear inputs and refuses the model. TensorRT expects the bias
+    in float next to INT8 weights and activations, so the TensorRT candidate is built from
+    this copy: each such node becomes the initializer ``(q - zero_point) * scale`` it would
+    compute, in the scale's dtype, and nothing else changes.
+    """
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(source))
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    kept = []
+    for node in graph.node:
+        init = inits.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
+        if init is None or init.data_type != onnx.TensorProto.INT32:
+            kept.append(node)
+            continue
+        q = numpy_helper.to_array(init).astype(np.int64)
+        scale = numpy_helper.to_array(inits[node.input[1]])
+        zero = numpy_helper.to_array(inits[node.input[2]]) if len(node.input) > 2 else 0
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        if np.ndim(scale) == 1 and q.ndim > 1:  # per-axis: line the scale up with ``axis``
+            shape = [1] * q.ndim
+            shape[axis] = -1
+            scale, zero = np.reshape(scale, shape), np.reshape(zero, shape)
+        value = ((q - np.asarray(zero, np.int64)) * scale).astype(scale.dtype)
+        graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
+    del graph.node[:]
+    graph.node.extend(kept)
+    used = {name for node in graph.node for name in node.input}
+    unused = [t for t in graph.initializer if t.name not in used]
+    for t in unused:  # the INT32 biases and their now unread scales and zero points
+        graph.initializer.remove(t)
+    onnx.save_model(model, str(out))
+    return out
