@@ -124,12 +124,16 @@ def kiln_run(
         engine.add_request(f"r{i}", prompt, params)
     tokens = 0
     decode_tokens, decode_start = 0, 0.0
+    started: set[str] = set()  # requests that have their first token
     while engine.has_work():
         outputs = engine.step()
-        tokens += len(outputs)
+        step_tokens = sum(len(o.new_token_ids) for o in outputs)
+        tokens += step_tokens
         if decode_start:
-            decode_tokens += len(outputs)
-        elif tokens == len(prompts):  # every prompt has its first token: decode from here
+            decode_tokens += step_tokens
+            continue
+        started.update(o.request_id for o in outputs if o.new_token_ids)
+        if len(started) == len(prompts):  # every prompt has its first token: decode from here
             torch.cuda.synchronize()
             decode_start = time.perf_counter()
     torch.cuda.synchronize()
