@@ -272,3 +272,88 @@ async def test_decoupled_responses_stream_from_the_loop(tmp_path: Path) -> None:
         assert instance.loop_driven_calls == 1
     finally:
         instance.close()
+
+
+# ---- busy polling ----------------------------------------------------------------------
+SLOW = """
+import time
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.005)
+        return [pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() * 2)])
+            for r in requests]
+"""
+
+
+def _instance(tmp_path: Path, source: str = MODEL, busy_poll_us: str | None = None) -> Instance:
+    text = CONFIG
+    if busy_poll_us is not None:
+        text += f'parameters {{ key: "busy_poll_us" value {{ string_value: "{busy_poll_us}" }} }}'
+    return Instance(
+        PythonBackend(parse_config_text(text), _model(tmp_path, source), SPEC), "double"
+    )
+
+
+async def test_a_lone_request_is_answered_by_busy_polling(tmp_path: Path) -> None:
+    # 50 ms: far more than the worker's round trip, even on a loaded CI machine.
+    instance = _instance(tmp_path, busy_poll_us="50000")
+    backend = instance.backend
+    assert isinstance(backend, PythonBackend)
+    try:
+        for value in (1, 2, 3):
+            (out,) = await _run(instance, [_job(value)])
+            assert out["OUT"].tolist() == [[2 * value, 2 * value]]
+        assert backend.busy_polled_calls == 3
+        assert instance.loop_driven_calls == 3
+        assert backend.round_trip_ns is not None and backend.round_trip_ns < 50_000_000
+    finally:
+        instance.close()
+
+
+async def test_no_busy_polling_when_off_or_not_alone(tmp_path: Path) -> None:
+    from kiln.core import activity
+
+    off = _instance(tmp_path / "off", busy_poll_us="0")
+    on = _instance(tmp_path / "on", busy_poll_us="50000")
+    try:
+        assert (await _run(off, [_job(1)]))[0]["OUT"].tolist() == [[2, 2]]
+        assert isinstance(off.backend, PythonBackend) and off.backend.busy_polled_calls == 0
+        # Another request in flight in the server: the loop has other work, it must not spin.
+        activity.inflight += 2
+        try:
+            assert (await _run(on, [_job(2)]))[0]["OUT"].tolist() == [[4, 4]]
+        finally:
+            activity.inflight -= 2
+        assert isinstance(on.backend, PythonBackend) and on.backend.busy_polled_calls == 0
+        assert (await _run(on, [_job(3)]))[0]["OUT"].tolist() == [[6, 6]]
+        assert on.backend.busy_polled_calls == 1
+    finally:
+        off.close()
+        on.close()
+
+
+async def test_a_model_slower_than_the_budget_stops_busy_polling(tmp_path: Path) -> None:
+    """The first call may poll (no round trip is known yet) and gives up after the budget;
+    once the average round trip exceeds the budget the loop waits on the pipe at once."""
+    instance = _instance(tmp_path, SLOW, busy_poll_us="100")
+    backend = instance.backend
+    assert isinstance(backend, PythonBackend)
+    try:
+        for value in (1, 2, 3):
+            assert (await _run(instance, [_job(value)]))[0]["OUT"].tolist() == [[2 * value] * 2]
+        assert backend.busy_polled_calls == 0
+        assert backend.round_trip_ns is not None and backend.round_trip_ns >= 5_000_000
+        assert backend._busy_poll_budget() == 0
+    finally:
+        instance.close()
+
+
+@pytest.mark.parametrize("value", ["-5", "fast", "1.5"])
+def test_a_bad_busy_poll_us_names_the_model_and_parameter(tmp_path: Path, value: str) -> None:
+    with pytest.raises(KilnError) as err:
+        _instance(tmp_path, busy_poll_us=value)
+    assert "model 'double'" in err.value.message
+    assert "busy_poll_us" in err.value.message and value in err.value.message

@@ -43,6 +43,7 @@ from kiln.backends.python.loopcall import LoopCall
 from kiln.backends.python.process import WorkerDied, WorkerProcess, WorkerTimeout
 from kiln.config.loader import ConfigError, config_from_json, config_to_json
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.core import activity
 from kiln.core.errors import KilnError, Status
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ _STATUS_CODES = {status: code for code, status in _CODES.items()}
 AUTO_COMPLETE_TIMEOUT_S = 60.0
 # A worker that overran its deadline gets SIGTERM, then SIGKILL if still there after this.
 KILL_GRACE_S = 0.5
+#: ``busy_poll_us`` default: how long a lone request's event loop polls for the worker's
+#: answer before it sleeps (``loopcall.LoopCall._busy_poll``).
+BUSY_POLL_US = 200
 
 
 def _seconds(config: ModelConfig, key: str, default: float | None) -> float | None:
@@ -76,6 +80,22 @@ def _seconds(config: ModelConfig, key: str, default: float | None) -> float | No
             f"model '{config.name}': parameter {key} must be a number of seconds, got '{raw}'"
         ) from None
     return value if value > 0 else None
+
+
+def _microseconds(config: ModelConfig, key: str, default: int) -> int:
+    raw = parameter(config, key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise KilnError(
+            f"model '{config.name}': parameter {key} must be a whole number of microseconds "
+            f"(0 = off), got '{raw}'"
+        )
+    return value
 
 
 class _Single:
@@ -129,6 +149,9 @@ class PythonBackend(Backend):
         self.decoupled = config.model_transaction_policy.decoupled
         self.execute_timeout = _seconds(config, "execute_timeout_secs", None)
         self.initialize_timeout = _seconds(config, "initialize_timeout_secs", 300.0)
+        self.busy_poll_ns = _microseconds(config, "busy_poll_us", BUSY_POLL_US) * 1000
+        self.round_trip_ns: float | None = None  # moving average, send to answer
+        self.busy_polled_calls = 0  # batches answered while the loop polled (tests, diagnostics)
         self.args = {
             "model_config": json.dumps(config_to_json(config)),
             "model_instance_kind": instance.kind.upper(),
@@ -254,8 +277,22 @@ class PythonBackend(Backend):
         outcomes: list[RequestOutcome | None] = [None] * len(requests)
         self._fail_expired(requests, outcomes)
         call = LoopCall(self, asyncio.get_running_loop(), requests, outcomes)
-        call.start(self.execute_timeout)
+        call.start(self.execute_timeout, self._busy_poll_budget())
         return call.future
+
+    def _busy_poll_budget(self) -> int:
+        """How long the loop may busy-poll for this batch's answer, ns: ``busy_poll_us``
+        when this is the only request in flight in the server and the worker's recent
+        round trips fit in it, else 0 (wait for the pipe on the loop)."""
+        budget = self.busy_poll_ns
+        if not budget or not activity.alone():
+            return 0
+        recent = self.round_trip_ns
+        return budget if recent is None or recent < budget else 0
+
+    def _observe_round_trip(self, ns: int) -> None:
+        previous = self.round_trip_ns
+        self.round_trip_ns = float(ns) if previous is None else 0.8 * previous + 0.2 * ns
 
     def _wire(self, requests: list[BackendRequest]) -> list[dict[str, Any]]:
         """The requests as the worker takes them: tensors into the inbound arena."""

@@ -59,8 +59,11 @@ class LoopCall:
         self._fd = -1
         self._timer: asyncio.TimerHandle | None = None
         self._over = False
+        self._sent_ns = 0
 
-    def start(self, execute_timeout: float | None) -> None:
+    def start(self, execute_timeout: float | None, busy_poll_ns: int = 0) -> None:
+        """Send the batch; with ``busy_poll_ns``, first poll the pipe for the answer for up
+        to that long before handing the wait to the loop (see ``_busy_poll``)."""
         if not self.requests:
             self._resolve([])
             return
@@ -74,6 +77,10 @@ class LoopCall:
             worker.send(("execute", backend._wire(self.requests)))
         except WorkerDied as exc:
             self._lost(exc)
+            return
+        self._sent_ns = time.monotonic_ns()
+        if busy_poll_ns and self._busy_poll(worker.conn, self._sent_ns + busy_poll_ns):
+            backend.busy_polled_calls += 1
             return
         self._fd = worker.conn.fileno()
         self.loop.add_reader(self._fd, self._readable, worker.conn)
@@ -91,6 +98,30 @@ class LoopCall:
         self.future.set_result(cast(list[RequestOutcome], outcomes))
 
     # ---- the pipe --------------------------------------------------------------------
+    def _busy_poll(self, conn: Wire, until_ns: int) -> bool:
+        """Poll the pipe without sleeping until the worker's first message or ``until_ns``;
+        True when that ended the call.
+
+        Only a lone request busy-polls (``PythonBackend.start_requests``): the loop has
+        nothing else to do meanwhile, and going to sleep costs it a wake-up when the answer
+        comes, which on a VM's idle vCPU is tens of microseconds of latency and CPU
+        (benchmarks/README.md, "Python-backend overhead"). Linux's ``busy_poll`` socket
+        option makes the same trade for network receives."""
+        clock = time.monotonic_ns
+        try:
+            while not conn.fill(wait=False):
+                if clock() >= until_ns:
+                    return False
+        except (EOFError, OSError):
+            self._lost(WorkerDied(""))
+            return True
+        while not self._over:
+            ready, message = conn.take()
+            if not ready:
+                break
+            self._handle(message)
+        return self._over
+
     def _readable(self, conn: Wire) -> None:
         try:
             conn.fill()  # the loop said it is readable: this does not block
@@ -133,6 +164,7 @@ class LoopCall:
 
     def _finish(self, outcomes: list[RequestOutcome]) -> None:
         self._stop_watching()
+        self.backend._observe_round_trip(time.monotonic_ns() - self._sent_ns)
         conn = self.backend.worker.conn
         pending = conn.pending if conn is not None else 0
         if pending:
