@@ -2,7 +2,10 @@
 backend, and in Triton's python backend, with raw onnxruntime as the floor, in one run.
 
 Models (FP32 ``INPUT0`` [1, 1024] -> ``OUTPUT0``, max_batch_size 8, one CPU instance, no
-dynamic batching, so every request is its own execution):
+scheduling block. The Python model then runs every request as its own ``execute`` on both
+servers (neither adds a batcher to a Python model); kiln's ONNX model gets the dynamic
+batcher Triton's auto-complete adds. ``--dynamic-batching`` writes ``dynamic_batching { }``
+into both models' configs instead, so both servers batch what is queued):
 
 - ``identity_onnx`` — an ONNX ``Identity`` node on kiln (``platform: "onnxruntime_onnx"``);
 - ``identity_python`` — ``peers/identity_model.py`` (``return`` the input) on kiln and, the
@@ -14,6 +17,7 @@ Each round starts kiln then Triton and drives each model over HTTP/binary and gR
 concurrency 1 and 16 with ``loadgen.py``; medians over rounds are reported. Usage::
 
     .venv/bin/python benchmarks/python_backend.py [--rounds 2] [--duration 3] [--json out.json]
+        [--dynamic-batching]
 """
 
 from __future__ import annotations
@@ -48,8 +52,11 @@ ONNX_MODEL, PY_MODEL = "identity_onnx", "identity_python"
 INPUTS = {"INPUT0": np.random.default_rng(0).standard_normal((1, WIDTH), dtype=np.float32)}
 
 
-def _config(name: str, engine: str) -> str:
-    return f"""\
+def _config(name: str, engine: str, batching: bool = False) -> str:
+    batcher = "dynamic_batching { }\n" if batching else ""
+    return (
+        batcher
+        + f"""\
 name: "{name}"
 {engine}
 max_batch_size: 8
@@ -57,9 +64,10 @@ input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]
 output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]
 instance_group [ {{ count: 1 kind: KIND_CPU }} ]
 """
+    )
 
 
-def build_repository(repo: Path) -> None:
+def build_repository(repo: Path, batching: bool = False) -> None:
     (repo / ONNX_MODEL / "1").mkdir(parents=True)
     (repo / PY_MODEL / "1").mkdir(parents=True)
     spec = ["batch", WIDTH]
@@ -73,9 +81,9 @@ def build_repository(repo: Path) -> None:
     model.ir_version = 8
     onnx.save_model(model, repo / ONNX_MODEL / "1" / "model.onnx")
     (repo / ONNX_MODEL / "config.pbtxt").write_text(
-        _config(ONNX_MODEL, 'platform: "onnxruntime_onnx"')
+        _config(ONNX_MODEL, 'platform: "onnxruntime_onnx"', batching)
     )
-    (repo / PY_MODEL / "config.pbtxt").write_text(_config(PY_MODEL, 'backend: "python"'))
+    (repo / PY_MODEL / "config.pbtxt").write_text(_config(PY_MODEL, 'backend: "python"', batching))
     shutil.copy(PEERS / "identity_model.py", repo / PY_MODEL / "1" / "model.py")
 
 
@@ -204,6 +212,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="kiln+Triton passes (median)")
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per measurement")
     parser.add_argument("--json", type=Path, help="write results to this file")
+    parser.add_argument(
+        "--dynamic-batching", action="store_true", help="dynamic_batching { } in both configs"
+    )
     args = parser.parse_args()
     console = Console(width=160)
     load_before = os.getloadavg()
@@ -211,7 +222,7 @@ def main() -> None:
     skipped = missing_reason("pytriton")
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "models"
-        build_repository(repo)
+        build_repository(repo, args.dynamic_batching)
         for rnd in range(1, args.rounds + 1):
             work = Path(tmp) / f"round{rnd}"
             work.mkdir()
@@ -230,7 +241,8 @@ def main() -> None:
                     server.close()
     load_after = os.getloadavg()
     med = medians(rows)
-    title = f"Python-backend overhead ({os.cpu_count()} CPUs, {args.rounds} rounds x "
+    mode = "dynamic_batching" if args.dynamic_batching else "no scheduling block"
+    title = f"Python-backend overhead, {mode} ({os.cpu_count()} CPUs, {args.rounds} rounds x "
     console.print(table(med, title + f"{args.duration:g}s, medians)"))
     console.print(f"load average before {load_before}, after {load_after}")
     if skipped:
@@ -244,6 +256,7 @@ def main() -> None:
             "verdicts": verdicts(med),
             "loadavg": {"before": load_before, "after": load_after},
             "skipped_triton": skipped,
+            "dynamic_batching": args.dynamic_batching,
         }
         args.json.write_text(json.dumps(payload, indent=2))
 

@@ -396,6 +396,50 @@ def test_sigkill_mid_request_fails_it_and_restarts(
     assert _pid(http) != pid  # a new, re-initialized worker answers
 
 
+def test_a_request_queued_behind_a_killed_one_is_answered_by_the_new_worker(
+    server: KilnProcess, http: httpclient.InferenceServerClient
+) -> None:
+    """py_faults has no batching: the second request waits in the worker's pipe behind
+    the sleeping one. It never started, so the worker's death must not fail it."""
+    pid = _pid(http)
+    results: dict[str, Any] = {}
+
+    def call(name: str, action: str, x: np.ndarray) -> None:
+        try:
+            client = httpclient.InferenceServerClient(server.http_url)
+            results[name] = client.infer("py_faults", _faults_inputs(action, x))
+        except InferenceServerException as exc:
+            results[name] = exc
+
+    x = np.array([1.5, -2.0], np.float32)
+    slow = threading.Thread(target=call, args=("slow", "sleep", np.ones(1, np.float32)))
+    slow.start()
+    threading.Event().wait(0.5)  # the first request is inside execute
+    queued = threading.Thread(target=call, args=("queued", "ok", x))
+    queued.start()
+    threading.Event().wait(0.5)  # the second is in the pipe behind it
+    os.kill(pid, signal.SIGKILL)
+    slow.join(30)
+    queued.join(30)
+    assert isinstance(results["slow"], InferenceServerException)
+    assert "py_faults" in str(results["slow"])
+    answer = results["queued"]
+    assert not isinstance(answer, InferenceServerException), answer
+    np.testing.assert_array_equal(answer.as_numpy("OUTPUT"), x * 2)
+    assert int(answer.as_numpy("PID")[0]) != pid
+
+
+def test_concurrent_unbatched_requests_keep_their_own_tensors(server: KilnProcess) -> None:
+    """Without batching, consecutive requests are in the worker's pipe together, each with
+    its own pair of arenas: every answer must be its own input doubled."""
+    client = httpclient.InferenceServerClient(server.http_url, concurrency=8)
+    inputs = [np.full(1000 + 37 * i, i, np.float32) for i in range(24)]
+    pending = [client.async_infer("py_faults", _faults_inputs("ok", x)) for x in inputs]
+    for x, request in zip(inputs, pending, strict=True):
+        np.testing.assert_array_equal(request.get_result().as_numpy("OUTPUT"), x * 2)
+    client.close()
+
+
 def test_hang_hits_execute_timeout_and_restarts(http: httpclient.InferenceServerClient) -> None:
     pid = _pid(http)
     with pytest.raises(InferenceServerException, match="execute_timeout_secs=3") as info:

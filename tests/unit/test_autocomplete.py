@@ -142,3 +142,39 @@ async def test_unreadable_model_file(tmp_path: Path, manager: RepositoryManager)
     assert "failed to load 'm'" in info.value.message
     (row,) = manager.index()
     assert row["state"] == "UNAVAILABLE" and "model.onnx" in row["reason"]
+
+
+PY_IDENTITY = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        if config.as_dict()["name"] == "asks":
+            config.set_dynamic_batching()
+        return config
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(
+            [pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())])
+            for r in requests]
+"""
+
+
+@pytest.mark.parametrize(("name", "batcher"), [("plain", False), ("asks", True)])
+async def test_a_python_model_gets_the_batcher_only_if_it_asks(
+    tmp_path: Path, manager: RepositoryManager, name: str, batcher: bool
+) -> None:
+    """Triton's python backend: ``max_batch_size: 8`` alone runs one request per execute
+    (Triton 2.51 loads such a config without ``dynamic_batching``); a model's
+    ``auto_complete_config`` may turn the batcher on."""
+    (tmp_path / name / "1").mkdir(parents=True)
+    (tmp_path / name / "1" / "model.py").write_text(PY_IDENTITY)
+    (tmp_path / name / "config.pbtxt").write_text(
+        f'name: "{name}"\nbackend: "python"\nmax_batch_size: 8\n'
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+    )
+    cfg = await _config(manager, name)
+    assert cfg.max_batch_size == 8
+    assert cfg.HasField("dynamic_batching") is batcher

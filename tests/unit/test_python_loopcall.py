@@ -25,7 +25,8 @@ from kiln.core.stats import RequestTimes
 from kiln.scheduling.base import Instance, Job
 
 # Input values steer the model: -1 raises, -3 sleeps (so it can be killed mid-request),
-# -4 makes a BLS call (no server here: it gets an error response back), else doubles.
+# -4 makes a BLS call (no server here: it gets an error response back), -5 sleeps 1.2 s
+# then doubles, else doubles.
 MODEL = """
 import time
 import numpy as np
@@ -41,6 +42,8 @@ class TritonPythonModel:
                 raise ValueError("negative one is not allowed")
             if first == -3:
                 time.sleep(30)
+            if first == -5:
+                time.sleep(1.2)
             if first == -4:
                 bls = pb_utils.InferenceRequest(
                     model_name="elsewhere", requested_output_names=["OUT"],
@@ -272,3 +275,168 @@ async def test_decoupled_responses_stream_from_the_loop(tmp_path: Path) -> None:
         assert instance.loop_driven_calls == 1
     finally:
         instance.close()
+
+
+# ---- busy polling ----------------------------------------------------------------------
+SLOW = """
+import time
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.005)
+        return [pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() * 2)])
+            for r in requests]
+"""
+
+
+def _instance(tmp_path: Path, source: str = MODEL, busy_poll_us: str | None = None) -> Instance:
+    text = CONFIG
+    if busy_poll_us is not None:
+        text += f'parameters {{ key: "busy_poll_us" value {{ string_value: "{busy_poll_us}" }} }}'
+    return Instance(
+        PythonBackend(parse_config_text(text), _model(tmp_path, source), SPEC), "double"
+    )
+
+
+async def test_a_lone_request_is_answered_by_busy_polling(tmp_path: Path) -> None:
+    # 50 ms: far more than the worker's round trip, even on a loaded CI machine.
+    instance = _instance(tmp_path, busy_poll_us="50000")
+    backend = instance.backend
+    assert isinstance(backend, PythonBackend)
+    try:
+        for value in (1, 2, 3):
+            (out,) = await _run(instance, [_job(value)])
+            assert out["OUT"].tolist() == [[2 * value, 2 * value]]
+        assert backend.busy_polled_calls == 3
+        assert instance.loop_driven_calls == 3
+        assert backend.round_trip_ns is not None and backend.round_trip_ns < 50_000_000
+    finally:
+        instance.close()
+
+
+async def test_no_busy_polling_when_off_or_not_alone(tmp_path: Path) -> None:
+    from kiln.core import activity
+
+    off = _instance(tmp_path / "off", busy_poll_us="0")
+    on = _instance(tmp_path / "on", busy_poll_us="50000")
+    try:
+        assert (await _run(off, [_job(1)]))[0]["OUT"].tolist() == [[2, 2]]
+        assert isinstance(off.backend, PythonBackend) and off.backend.busy_polled_calls == 0
+        # Another request in flight in the server: the loop has other work, it must not spin.
+        activity.inflight += 2
+        try:
+            assert (await _run(on, [_job(2)]))[0]["OUT"].tolist() == [[4, 4]]
+        finally:
+            activity.inflight -= 2
+        assert isinstance(on.backend, PythonBackend) and on.backend.busy_polled_calls == 0
+        assert (await _run(on, [_job(3)]))[0]["OUT"].tolist() == [[6, 6]]
+        assert on.backend.busy_polled_calls == 1
+    finally:
+        off.close()
+        on.close()
+
+
+async def test_a_model_slower_than_the_budget_stops_busy_polling(tmp_path: Path) -> None:
+    """The first call may poll (no round trip is known yet) and gives up after the budget;
+    once the average round trip exceeds the budget the loop waits on the pipe at once."""
+    instance = _instance(tmp_path, SLOW, busy_poll_us="100")
+    backend = instance.backend
+    assert isinstance(backend, PythonBackend)
+    try:
+        for value in (1, 2, 3):
+            assert (await _run(instance, [_job(value)]))[0]["OUT"].tolist() == [[2 * value] * 2]
+        assert backend.busy_polled_calls == 0
+        assert backend.round_trip_ns is not None and backend.round_trip_ns >= 5_000_000
+        assert backend._busy_poll_budget() == 0
+    finally:
+        instance.close()
+
+
+@pytest.mark.parametrize("value", ["-5", "fast", "1.5"])
+def test_a_bad_busy_poll_us_names_the_model_and_parameter(tmp_path: Path, value: str) -> None:
+    with pytest.raises(KilnError) as err:
+        _instance(tmp_path, busy_poll_us=value)
+    assert "model 'double'" in err.value.message
+    assert "busy_poll_us" in err.value.message and value in err.value.message
+
+
+# ---- pipelining: the next batch waits in the worker's pipe ---------------------------------
+def _backend(instance: Instance) -> PythonBackend:
+    backend = instance.backend
+    assert isinstance(backend, PythonBackend)
+    return backend
+
+
+async def test_a_second_batch_waits_in_the_pipe_and_keeps_its_own_tensors(
+    instance: Instance,
+) -> None:
+    """Two batches in the pipe at once use the two pairs of arenas: neither one's inputs
+    nor outputs are overwritten by the other's."""
+    backend = _backend(instance)
+    first = instance.submit_requests([_job(-5), _job(7)])
+    second = instance.submit_requests([_job(11), _job(13), _job(17)])
+    assert backend._pipe is not None and len(backend._pipe.calls) == 2
+    assert [c.slot for c in backend._pipe.calls] == [0, 1]
+    (a, _, a_end), (b, b_start, b_end) = await asyncio.wait_for(asyncio.gather(first, second), 30)
+    assert [o["OUT"].tolist() for o in a] == [[[-10, -10]], [[14, 14]]]
+    assert [o["OUT"].tolist() for o in b] == [[[22, 22]], [[26, 26]], [[34, 34]]]
+    # The second computed once the first had ended, and its stamps say so.
+    assert b_start >= a_end and b_end >= b_start
+    assert instance.loop_driven_calls == 2
+    third = await _run(instance, [_job(1)])  # slot 0 again, reused
+    assert third[0]["OUT"].tolist() == [[2, 2]]
+
+
+async def test_a_queued_batch_runs_after_the_worker_dies_under_the_one_before(
+    instance: Instance,
+) -> None:
+    backend = _backend(instance)
+    old = backend.worker.pid
+    hung = instance.submit_requests([_job(-3)])
+    queued = instance.submit_requests([_job(4)])
+    await asyncio.sleep(0.3)  # the worker is asleep inside the first execute
+    assert backend.worker.proc is not None
+    backend.worker.proc.kill()
+    (error,), _, _ = await asyncio.wait_for(hung, 30)
+    assert isinstance(error, KilnError) and "signal 9" in error.message
+    # The second never started: it runs on the restarted worker instead of failing.
+    (out,), _, _ = await asyncio.wait_for(queued, 30)
+    assert out["OUT"].tolist() == [[8, 8]]
+    assert backend.worker.pid != old
+
+
+async def test_a_queued_batch_runs_after_the_one_before_overran(instance: Instance) -> None:
+    hung = instance.submit_requests([_job(-3)])
+    queued = instance.submit_requests([_job(5)])
+    (error,), _, _ = await asyncio.wait_for(hung, 30)
+    assert isinstance(error, KilnError) and "execute_timeout_secs=2" in error.message
+    (out,), _, _ = await asyncio.wait_for(queued, 30)
+    assert out["OUT"].tolist() == [[10, 10]]
+
+
+async def test_a_queued_batch_s_execute_timeout_starts_when_it_begins(
+    instance: Instance,
+) -> None:
+    """execute_timeout_secs=2 bounds each execute, not the wait behind the one before:
+    two 1.2 s executes back to back both finish."""
+    first = instance.submit_requests([_job(-5)])
+    second = instance.submit_requests([_job(-5)])
+    for running in (first, second):
+        (out,), _, _ = await asyncio.wait_for(running, 30)
+        assert not isinstance(out, KilnError), out
+        assert out["OUT"].tolist() == [[-10, -10]]
+
+
+def test_schedulers_free_lists_spread_over_instances_before_pipelining() -> None:
+    from kiln.scheduling.base import free_slots
+
+    class _Fake:
+        def __init__(self, depth: int) -> None:
+            self.backend = type("B", (), {"pipeline_depth": depth})()
+
+    a, b, c = _Fake(2), _Fake(2), _Fake(1)
+    assert free_slots([a, b]) == [a, b, a, b]  # type: ignore[list-item]
+    assert free_slots([a, c]) == [a, c, a]  # type: ignore[list-item]
+    assert free_slots([c]) == [c]  # type: ignore[list-item]

@@ -57,6 +57,11 @@ class BackendRequest(Protocol):
 RequestOutcome = dict[str, np.ndarray] | KilnError
 
 
+class NotStarted(Exception):
+    """A batch ``start_requests`` accepted behind another was lost before it started (its
+    worker died first): the instance runs it again on its thread."""
+
+
 class Backend(ABC):
     """One instance of one model version. ``execute`` is called from one thread at a time."""
 
@@ -72,6 +77,9 @@ class Backend(ABC):
     #: True when a call may run on the event loop's thread if it is short enough (CPU
     #: compute that needs nothing else from the server); see ``Instance.submit``.
     inline_capable: bool = False
+    #: batches the scheduler without batching may have started on one instance at once
+    #: (``start_requests`` queues them: the Python backend's worker pipe, ``loopcall.py``)
+    pipeline_depth: ClassVar[int] = 1
     #: the model version's statistics, set by its runtime at load: for backends that serve
     #: requests outside the schedulers (the llm backend's OpenAI and generate routes)
     model_stats: ModelStats | None = None

@@ -14,6 +14,7 @@ import numpy as np
 
 from kiln.backends.base import Backend, instance_specs, parameter
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.core import activity
 from kiln.core.classification import load_labels
 from kiln.core.errors import KilnError, Status, internal, unavailable
 from kiln.core.signature import ModelSignature
@@ -174,6 +175,7 @@ class ModelRuntime:
                 Status.UNSUPPORTED,
             )
         self._inflight += 1
+        activity.inflight += 1
         self._idle.clear()
         try:
             inputs, batch = self._inputs(request)
@@ -206,6 +208,7 @@ class ModelRuntime:
             return self._response(request, outputs)
         finally:
             self._inflight -= 1
+            activity.inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
 
@@ -223,6 +226,7 @@ class ModelRuntime:
         if self.state is not ModelState.READY or self.scheduler is None:
             raise unavailable(f"model '{self.name}' version {self.version} is not ready")
         self._inflight += 1
+        activity.inflight += 1
         self._idle.clear()
         task: asyncio.Task[dict[str, np.ndarray]] | None = None
         try:
@@ -257,6 +261,7 @@ class ModelRuntime:
             if task is not None and not task.done():
                 task.cancel()  # the client went away: stop waiting for the model
             self._inflight -= 1
+            activity.inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
 

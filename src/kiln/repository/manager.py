@@ -362,13 +362,19 @@ class RepositoryManager:
 
 
 def _complete_scheduling(config: ModelConfig) -> None:
-    """Triton: a batching model with no scheduler gets an empty ``dynamic_batching``."""
+    """Triton: a batching model with no scheduler gets an empty ``dynamic_batching``.
+
+    Not a Python-backend model: Triton's python backend runs one request per ``execute``
+    unless the config or the model's ``auto_complete_config`` asks for the dynamic batcher
+    (checked against Triton 2.51: ``max_batch_size: 8`` and no scheduler loads without
+    one), and models written for it may read only ``requests[0]``."""
     if not len(config.instance_group) and not is_ensemble(config):
         config.instance_group.add(count=1)
     if (
         config.max_batch_size > 1
         and config.WhichOneof("scheduling_choice") is None
         and config.platform != "ensemble"
+        and config.backend != "python"
     ):
         config.dynamic_batching.SetInParent()
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kiln.backends.base import Backend, RequestOutcome, ResponseSink
+from kiln.backends.base import Backend, NotStarted, RequestOutcome, ResponseSink
 from kiln.core.errors import KilnError, Status
 from kiln.core.stats import ModelStats, RequestTimes
 
@@ -84,6 +84,12 @@ def _failed(error: BaseException) -> asyncio.Future[Any]:
     return future
 
 
+def _outcome(done: asyncio.Future[Any]) -> tuple[Any, BaseException | None]:
+    """(result, None) or (None, exception) of a finished future."""
+    error = done.exception()
+    return (None, error) if error is not None else (done.result(), None)
+
+
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
     if future.cancelled():
         return
@@ -119,6 +125,7 @@ class Instance:
         self.call_ns: float | None = None  # moving average of a call's CPU time, ns
         self.inline_calls = 0  # calls that ran on the loop's thread (tests, diagnostics)
         self.loop_driven_calls = 0  # batches the backend ran from the loop (same)
+        self._busy_until = 0  # when its last loop-driven batch ended, monotonic ns
 
     async def run(
         self, inputs: dict[str, np.ndarray], output_names: list[str]
@@ -204,10 +211,20 @@ class Instance:
             if future.cancelled():
                 return
             error = outcomes.exception()
-            if error is not None:
+            if isinstance(error, NotStarted):
+                # Queued behind a batch whose worker was lost: run it on the thread path,
+                # which waits for the restart.
+                again = self.submit(self.execute_requests, jobs)
+                again.add_done_callback(lambda f: _settle(future, *_outcome(f)))
+            elif error is not None:
                 future.set_exception(error)
             else:
-                future.set_result((outcomes.result(), start, time.monotonic_ns()))
+                # A batch queued behind another on this instance (``pipeline_depth``)
+                # began computing when that one ended.
+                end = time.monotonic_ns()
+                began = max(start, self._busy_until)
+                self._busy_until = end
+                future.set_result((outcomes.result(), began, end))
 
         started.add_done_callback(done)
         return future
@@ -222,6 +239,19 @@ class Instance:
     def close(self) -> None:
         self._worker.shutdown()
         self.backend.close()
+
+
+def free_slots(instances: list[Instance]) -> list[Instance]:
+    """A scheduler's initial free list: each instance once per batch it may have started at
+    once (its backend's ``pipeline_depth``), every instance's first entry before any
+    second, so that requests spread over idle instances before queueing behind busy ones."""
+    depth = max((inst.backend.pipeline_depth for inst in instances), default=1)
+    return [
+        inst
+        for round_ in range(depth)
+        for inst in instances
+        if round_ < inst.backend.pipeline_depth
+    ]
 
 
 class Scheduler(ABC):

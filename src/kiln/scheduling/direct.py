@@ -8,14 +8,15 @@ import time
 import numpy as np
 
 from kiln.core.errors import KilnError
-from kiln.scheduling.base import Instance, Job, Scheduler
+from kiln.scheduling.base import Instance, Job, Scheduler, free_slots
 
 
 class DirectScheduler(Scheduler):
     def __init__(self, instances: list[Instance], stats, model: str) -> None:  # type: ignore[no-untyped-def]
         super().__init__(instances, stats, model)
+        # One entry per batch an instance may have started at once (``free_slots``).
         self._free: asyncio.Queue[Instance] = asyncio.Queue()
-        for inst in instances:
+        for inst in free_slots(instances):
             self._free.put_nowait(inst)
         self._waiting = 0
 

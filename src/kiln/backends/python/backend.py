@@ -39,10 +39,11 @@ from kiln.backends.python.deadline import (
     not_started,
     timed_out,
 )
-from kiln.backends.python.loopcall import LoopCall
+from kiln.backends.python.loopcall import PIPELINE_DEPTH, LoopCall, WorkerPipe
 from kiln.backends.python.process import WorkerDied, WorkerProcess, WorkerTimeout
 from kiln.config.loader import ConfigError, config_from_json, config_to_json
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.core import activity
 from kiln.core.errors import KilnError, Status
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ _STATUS_CODES = {status: code for code, status in _CODES.items()}
 AUTO_COMPLETE_TIMEOUT_S = 60.0
 # A worker that overran its deadline gets SIGTERM, then SIGKILL if still there after this.
 KILL_GRACE_S = 0.5
+#: ``busy_poll_us`` default: how long a lone request's event loop polls for the worker's
+#: answer before it sleeps (``loopcall.LoopCall._busy_poll``).
+BUSY_POLL_US = 200
 
 
 def _seconds(config: ModelConfig, key: str, default: float | None) -> float | None:
@@ -76,6 +80,22 @@ def _seconds(config: ModelConfig, key: str, default: float | None) -> float | No
             f"model '{config.name}': parameter {key} must be a number of seconds, got '{raw}'"
         ) from None
     return value if value > 0 else None
+
+
+def _microseconds(config: ModelConfig, key: str, default: int) -> int:
+    raw = parameter(config, key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise KilnError(
+            f"model '{config.name}': parameter {key} must be a whole number of microseconds "
+            f"(0 = off), got '{raw}'"
+        )
+    return value
 
 
 class _Single:
@@ -123,12 +143,17 @@ class PythonBackend(Backend):
                 f"model '{config.name}': auto_complete_config made an invalid config: {exc}"
             ) from None
 
+    pipeline_depth = PIPELINE_DEPTH
+
     def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
         super().__init__(config, version_dir, instance)
         self.model = config.name
         self.decoupled = config.model_transaction_policy.decoupled
         self.execute_timeout = _seconds(config, "execute_timeout_secs", None)
         self.initialize_timeout = _seconds(config, "initialize_timeout_secs", 300.0)
+        self.busy_poll_ns = _microseconds(config, "busy_poll_us", BUSY_POLL_US) * 1000
+        self.round_trip_ns: float | None = None  # moving average, send to answer
+        self.busy_polled_calls = 0  # batches answered while the loop polled (tests, diagnostics)
         self.args = {
             "model_config": json.dumps(config_to_json(config)),
             "model_instance_kind": instance.kind.upper(),
@@ -140,6 +165,7 @@ class PythonBackend(Backend):
         }
         self.worker = WorkerProcess(self.model_path(), f"{config.name}-{instance.index}")
         self._restarting: threading.Thread | None = None
+        self._pipe: WorkerPipe | None = None  # the loop's batches in the worker's pipe
         self._restart_error: str | None = None
         try:
             self._start()
@@ -246,20 +272,40 @@ class PythonBackend(Backend):
     def start_requests(
         self, requests: list[BackendRequest]
     ) -> asyncio.Future[list[RequestOutcome]] | None:
-        """Run the batch from the event loop's thread (see ``loopcall.py``); None when it
-        must go through the instance thread: a restart is in progress or just failed,
-        which that path waits for within the requests' deadlines."""
-        if self._restarting is not None or self.worker.conn is None:
+        """Run the batch from the event loop's thread (see ``loopcall.py``), behind any
+        already in the worker's pipe; None when it must go through the instance thread: a
+        restart is in progress or just failed, which that path waits for within the
+        requests' deadlines."""
+        conn = self.worker.conn
+        if self._restarting is not None or conn is None:
             return None
+        loop = asyncio.get_running_loop()
+        pipe = self._pipe
+        if pipe is None or (pipe.broken and not pipe.diagnosing) or pipe.conn is not conn:
+            pipe = self._pipe = WorkerPipe(self, loop, conn)
         outcomes: list[RequestOutcome | None] = [None] * len(requests)
         self._fail_expired(requests, outcomes)
-        call = LoopCall(self, asyncio.get_running_loop(), requests, outcomes)
-        call.start(self.execute_timeout)
+        call = LoopCall(self, loop, requests, outcomes)
+        pipe.submit(call, self.execute_timeout, self._busy_poll_budget())
         return call.future
 
-    def _wire(self, requests: list[BackendRequest]) -> list[dict[str, Any]]:
-        """The requests as the worker takes them: tensors into the inbound arena."""
-        inbound = self.worker.inbound
+    def _busy_poll_budget(self) -> int:
+        """How long the loop may busy-poll for this batch's answer, ns: ``busy_poll_us``
+        when this is the only request in flight in the server and the worker's recent
+        round trips fit in it, else 0 (wait for the pipe on the loop)."""
+        budget = self.busy_poll_ns
+        if not budget or not activity.alone():
+            return 0
+        recent = self.round_trip_ns
+        return budget if recent is None or recent < budget else 0
+
+    def _observe_round_trip(self, ns: int) -> None:
+        previous = self.round_trip_ns
+        self.round_trip_ns = float(ns) if previous is None else 0.8 * previous + 0.2 * ns
+
+    def _wire(self, requests: list[BackendRequest], slot: int = 0) -> list[dict[str, Any]]:
+        """The requests as the worker takes them: tensors into the slot's inbound arena."""
+        inbound = self.worker.arenas[slot][0]
         inbound.reset()
         return [
             {
@@ -302,7 +348,7 @@ class PythonBackend(Backend):
             (r.deadline_ns for r in requests), time.monotonic_ns(), self.execute_timeout
         )
         try:
-            worker.send(("execute", wire))
+            worker.send(("execute", wire, 0))
             while True:
                 message = worker.recv(deadline.seconds)
                 kind = message[0]
@@ -322,7 +368,11 @@ class PythonBackend(Backend):
             return self._overran(requests, deadline)
 
     def _outcomes(
-        self, requests: list[BackendRequest], answers: Any, batch_error: str | None
+        self,
+        requests: list[BackendRequest],
+        answers: Any,
+        batch_error: str | None,
+        slot: int = 0,
     ) -> list[RequestOutcome]:
         if batch_error is not None:
             message = f"model '{self.model}' failed to execute: {batch_error}"
@@ -334,7 +384,8 @@ class PythonBackend(Backend):
             if error is not None:
                 outcomes.append(KilnError(error[0], _CODES.get(error[1], Status.INTERNAL)))
             else:
-                outcomes.append({h[0]: self.worker.outbound.read(h) for h in headers})
+                outbound = self.worker.arenas[slot][1]
+                outcomes.append({h[0]: outbound.read(h) for h in headers})
         return outcomes
 
     def _stream(
@@ -345,6 +396,7 @@ class PythonBackend(Backend):
         error: tuple[str, int] | None,
         final: bool,
         has_response: bool,
+        slot: int = 0,
     ) -> None:
         sink = requests[index].sink
         if sink is None:
@@ -352,13 +404,15 @@ class PythonBackend(Backend):
         if error is not None:
             sink.send(None, final, KilnError(error[0], _CODES.get(error[1], Status.INTERNAL)))
             return
-        outputs = {h[0]: self.worker.outbound.read(h) for h in headers} if has_response else None
+        outbound = self.worker.arenas[slot][1]
+        outputs = {h[0]: outbound.read(h) for h in headers} if has_response else None
         sink.send(outputs, final, None)
 
-    def _bls(self, call: dict[str, Any]) -> None:
+    def _bls(self, call: dict[str, Any], slot: int = 0) -> None:
         worker = self.worker
+        inbound, outbound = worker.arenas[slot]
         try:
-            inputs = {h[0]: worker.outbound.read(h) for h in call["inputs"]}
+            inputs = {h[0]: outbound.read(h) for h in call["inputs"]}
             params = json.loads(call["parameters"] or "{}")
             outputs = bls.call(
                 call["model_name"],
@@ -368,7 +422,7 @@ class PythonBackend(Backend):
                 call["request_id"],
                 params,
             )
-            headers = [worker.inbound.write(n, a) for n, a in outputs.items()]
+            headers = [inbound.write(n, a) for n, a in outputs.items()]
             worker.send(("bls_result", headers, None))
         except KilnError as exc:
             worker.send(("bls_result", None, (exc.message, _STATUS_CODES.get(exc.status, 1))))

@@ -1,4 +1,4 @@
-"""One ``execute`` of a Python worker driven by the event loop, with no instance thread.
+"""Python-worker batches driven by the event loop, with no instance thread, pipelined.
 
 The thread path (``PythonBackend.execute_requests`` on the instance's thread) costs, per
 batch, two thread wake-ups and two GIL hand-offs on top of the worker's own round trip:
@@ -9,9 +9,18 @@ was most of what kiln's Python backend cost over its ONNX Runtime backend
 arena and the pipe itself, watches the pipe with ``add_reader`` and decodes the worker's
 answer when it comes, so the only wake-ups are the worker's and the loop's own.
 
+**Pipelining.** A worker runs one ``execute`` at a time, but the next batch need not wait
+for the previous answer to be sent: ``WorkerPipe`` keeps up to ``PIPELINE_DEPTH`` batches
+in the pipe, oldest first, each with its own pair of arenas (``slot``). The worker finds
+the next batch waiting when it finishes one, so under load it neither sleeps between
+batches nor waits for the loop to hand the next one over; the model still sees its batches
+one at a time, in order. Every message the worker sends belongs to the oldest batch.
+
 What blocks stays off the loop: a BLS call (it waits for another model, which runs on this
 same loop) goes to a thread of the loop's default executor, and so does the handling of a
-worker that died or overran its deadline (waiting for its exit status, killing it).
+worker that died (waiting for its exit status). When a worker dies or overruns a deadline,
+the oldest batch fails and the batches queued behind it, which never started, fail with
+``NotStarted``: the instance runs them again on its thread, after the restart.
 
 The pipe is the worker's ``wire.Wire``: the loop reads into the same buffer the thread path
 uses, so the two paths can take turns on one worker.
@@ -23,11 +32,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any, cast
 
-from kiln.backends.base import BackendRequest, RequestOutcome
+from kiln.backends.base import BackendRequest, NotStarted, RequestOutcome
 from kiln.backends.python.deadline import BatchDeadline, batch_deadline
-from kiln.backends.python.process import WorkerDied
+from kiln.backends.python.process import ARENA_SLOTS, WorkerDied
 from kiln.backends.python.wire import Wire
 from kiln.core.errors import KilnError
 
@@ -36,9 +46,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Batches one worker may have in its pipe at once: the running one and the next, each
+#: with its own pair of arenas.
+PIPELINE_DEPTH = ARENA_SLOTS
+
 
 class LoopCall:
-    """Sends one batch to the worker and resolves ``future`` with one outcome per request."""
+    """One batch for the worker; ``future`` resolves with one outcome per request."""
 
     def __init__(
         self,
@@ -56,32 +70,10 @@ class LoopCall:
         self.requests = [requests[i] for i in self.live]  # what the worker executes
         self.deadline = BatchDeadline()
         self.future: asyncio.Future[list[RequestOutcome]] = loop.create_future()
-        self._fd = -1
-        self._timer: asyncio.TimerHandle | None = None
-        self._over = False
+        self.slot = 0  # which pair of arenas carries its tensors
+        self.began_ns = 0  # when the worker could start it (sent, or the one before ended)
 
-    def start(self, execute_timeout: float | None) -> None:
-        if not self.requests:
-            self._resolve([])
-            return
-        backend = self.backend
-        worker = backend.worker
-        assert worker.conn is not None
-        self.deadline = batch_deadline(
-            (r.deadline_ns for r in self.requests), time.monotonic_ns(), execute_timeout
-        )
-        try:
-            worker.send(("execute", backend._wire(self.requests)))
-        except WorkerDied as exc:
-            self._lost(exc)
-            return
-        self._fd = worker.conn.fileno()
-        self.loop.add_reader(self._fd, self._readable, worker.conn)
-        if self.deadline.at_ns:
-            delay = max(0.0, (self.deadline.at_ns - time.monotonic_ns()) / 1e9)
-            self._timer = self.loop.call_later(delay, self._overran)
-
-    def _resolve(self, done: list[RequestOutcome]) -> None:
+    def resolve(self, done: list[RequestOutcome]) -> None:
         """Answer the batch: ``done`` has one outcome per executed request."""
         if self.future.done():
             return
@@ -90,40 +82,160 @@ class LoopCall:
             outcomes[i] = outcome
         self.future.set_result(cast(list[RequestOutcome], outcomes))
 
-    # ---- the pipe --------------------------------------------------------------------
-    def _readable(self, conn: Wire) -> None:
-        try:
-            conn.fill()  # the loop said it is readable: this does not block
-        except (EOFError, OSError):
-            self._lost(WorkerDied(""))
-            return
-        while not self._over:
-            ready, message = conn.take()
-            if not ready:
-                return
-            self._handle(message)
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
 
-    def _handle(self, message: tuple[Any, ...]) -> None:
+    def handle(self, message: tuple[Any, ...]) -> bool:
+        """One message of the worker's for this batch; True when it ended the batch."""
         backend = self.backend
         kind = message[0]
         if kind == "executed":
-            self._finish(backend._outcomes(self.requests, message[1], message[2]))
-        elif kind == "error":
-            self._finish(backend._outcomes(self.requests, None, message[1]))
-        elif kind == "response":
-            backend._stream(self.requests, *message[1:])
+            self.resolve(backend._outcomes(self.requests, message[1], message[2], self.slot))
+            return True
+        if kind == "error":
+            self.resolve(backend._outcomes(self.requests, None, message[1], self.slot))
+            return True
+        if kind == "response":
+            index, headers, error, final, has_response = message[1:]
+            backend._stream(self.requests, index, headers, error, final, has_response, self.slot)
         elif kind == "bls":
             # The call waits for another model served by this loop: not on the loop.
             self.loop.run_in_executor(None, self._bls, message[1])
+        return False
 
     def _bls(self, call: dict[str, Any]) -> None:
         # The worker may go away meanwhile: the reader then sees the pipe close.
         with contextlib.suppress(WorkerDied):
-            self.backend._bls(call)
+            self.backend._bls(call, self.slot)
 
-    # ---- ending ----------------------------------------------------------------------
-    def _stop_watching(self) -> None:
-        self._over = True
+
+class WorkerPipe:
+    """The batches sent to one worker process and not answered yet, oldest first."""
+
+    def __init__(self, backend: PythonBackend, loop: asyncio.AbstractEventLoop, conn: Wire) -> None:
+        self.backend = backend
+        self.loop = loop
+        self.conn = conn
+        self.calls: deque[LoopCall] = deque()
+        self.broken = False  # the worker was lost: nothing more is sent on this pipe
+        self.diagnosing = False  # its exit status is being taken, the restart not begun
+        self._held: list[LoopCall] = []  # arrived meanwhile
+        self._next_slot = 0
+        self._fd = -1
+        self._timer: asyncio.TimerHandle | None = None
+        self._execute_timeout: float | None = None
+
+    def submit(self, call: LoopCall, execute_timeout: float | None, busy_poll_ns: int) -> None:
+        """Send the batch behind those in the pipe. With ``busy_poll_ns`` and an empty
+        pipe, poll for the answer for up to that long before handing the wait to the loop
+        (see ``_busy_poll``)."""
+        if self.broken:
+            if self.diagnosing:
+                self._held.append(call)
+            else:
+                call.fail(NotStarted())
+            return
+        if not call.requests:
+            call.resolve([])
+            return
+        self._execute_timeout = execute_timeout
+        call.slot = self._next_slot
+        self._next_slot = (self._next_slot + 1) % PIPELINE_DEPTH
+        idle = not self.calls
+        self.calls.append(call)
+        backend = self.backend
+        try:
+            backend.worker.send(("execute", backend._wire(call.requests, call.slot), call.slot))
+        except WorkerDied as exc:
+            self._lost(exc)
+            return
+        if idle:
+            self._begin(call)
+            if busy_poll_ns and self._busy_poll(call, call.began_ns + busy_poll_ns):
+                backend.busy_polled_calls += 1
+                return
+        self._watch()
+
+    # ---- the head of the pipe ----------------------------------------------------------
+    def _begin(self, call: LoopCall) -> None:
+        """``call`` is the oldest now: the worker runs it next; its deadline starts."""
+        call.began_ns = now = time.monotonic_ns()
+        call.deadline = batch_deadline(
+            (r.deadline_ns for r in call.requests), now, self._execute_timeout
+        )
+        if call.deadline.at_ns:
+            delay = max(0.0, (call.deadline.at_ns - now) / 1e9)
+            self._timer = self.loop.call_later(delay, self._overran)
+
+    def _ended(self) -> None:
+        """The oldest batch was answered."""
+        call = self.calls.popleft()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.backend._observe_round_trip(time.monotonic_ns() - call.began_ns)
+        if self.calls:
+            self._begin(self.calls[0])
+
+    # ---- reading -----------------------------------------------------------------------
+    def _busy_poll(self, call: LoopCall, until_ns: int) -> bool:
+        """Poll the pipe without sleeping until the worker's first message or ``until_ns``;
+        True when that ended ``call``.
+
+        Only a lone request busy-polls (``PythonBackend.start_requests``): the loop has
+        nothing else to do meanwhile, and going to sleep costs it a wake-up when the answer
+        comes, which on a VM's idle vCPU is tens of microseconds of latency and CPU
+        (benchmarks/README.md, "Python-backend overhead"). Linux's ``busy_poll`` socket
+        option makes the same trade for network receives."""
+        clock = time.monotonic_ns
+        conn = self.conn
+        try:
+            while not conn.fill(wait=False):
+                if clock() >= until_ns:
+                    return False
+        except (EOFError, OSError):
+            self._lost(WorkerDied(""))
+            return True
+        self._drain()
+        return call.future.done() or self.broken
+
+    def _readable(self) -> None:
+        try:
+            self.conn.fill()  # the loop said it is readable: this does not block
+        except (EOFError, OSError):
+            self._lost(WorkerDied(""))
+            return
+        self._drain()
+
+    def _drain(self) -> None:
+        """Hand every whole message to the oldest batch, in order."""
+        conn = self.conn
+        while self.calls and not self.broken:
+            ready, message = conn.take()
+            if not ready:
+                break
+            if self.calls[0].handle(message):
+                self._ended()
+        if self.calls or self.broken:
+            return
+        self._unwatch()
+        if conn.pending:
+            # Nothing may follow the last answer: the next batch would read it as its own.
+            log.error(
+                "model '%s': the Python worker sent %d bytes after its answer; restarting it",
+                self.backend.model,
+                conn.pending,
+            )
+            self.broken = True
+            self.backend._begin_restart()
+
+    def _watch(self) -> None:
+        if self._fd < 0:
+            self._fd = self.conn.fileno()
+            self.loop.add_reader(self._fd, self._readable)
+
+    def _unwatch(self) -> None:
         if self._fd >= 0:
             self.loop.remove_reader(self._fd)
             self._fd = -1
@@ -131,25 +243,22 @@ class LoopCall:
             self._timer.cancel()
             self._timer = None
 
-    def _finish(self, outcomes: list[RequestOutcome]) -> None:
-        self._stop_watching()
-        conn = self.backend.worker.conn
-        pending = conn.pending if conn is not None else 0
-        if pending:
-            # Nothing may follow "executed": the next batch would read it as its own.
-            log.error(
-                "model '%s': the Python worker sent %d bytes after its answer; restarting it",
-                self.backend.model,
-                pending,
-            )
-            self.backend._begin_restart()
-        self._resolve(outcomes)
+    # ---- losing the worker -------------------------------------------------------------
+    def _take_all(self) -> tuple[LoopCall | None, list[LoopCall]]:
+        """Stop using this pipe: (the batch the worker was running, those behind it)."""
+        self.broken = True
+        self._unwatch()
+        head = self.calls.popleft() if self.calls else None
+        rest = list(self.calls)
+        self.calls.clear()
+        return head, rest
 
     def _lost(self, exc: WorkerDied) -> None:
         """The pipe closed: the worker died. Its exit status (a wait) and the restart are
-        taken on a thread; the batch is answered when the status is known."""
-        self._stop_watching()
+        taken on a thread; the batches are answered once the restart has begun."""
+        head, rest = self._take_all()
         backend = self.backend
+        self.diagnosing = True
 
         def diagnose() -> KilnError:
             text = str(exc) or backend.worker._exit_text()
@@ -157,19 +266,33 @@ class LoopCall:
             return backend._died(WorkerDied(text))
 
         done = self.loop.run_in_executor(None, diagnose)
-        done.add_done_callback(self._answer_lost)
 
-    def _answer_lost(self, done: asyncio.Future[KilnError]) -> None:
-        error = done.exception()
-        if error is not None:
-            if not self.future.done():
-                self.future.set_exception(error)
-            return
-        failure = done.result()
-        self._resolve([KilnError(failure.message, failure.status) for _ in self.requests])
+        def answer(done: asyncio.Future[KilnError]) -> None:
+            self.diagnosing = False
+            error = done.exception()
+            if head is not None:
+                if error is not None:
+                    head.fail(error)
+                else:
+                    failure = done.result()
+                    head.resolve(
+                        [KilnError(failure.message, failure.status) for _ in head.requests]
+                    )
+            self._restart_the_rest(rest)
+
+        done.add_done_callback(answer)
 
     def _overran(self) -> None:
         self._timer = None
-        self._stop_watching()
-        self.backend._begin_restart()  # kills (with its grace) on the restart thread
-        self._resolve(self.backend._overran(self.requests, self.deadline))
+        head, rest = self._take_all()
+        backend = self.backend
+        backend._begin_restart()  # kills (with its grace) on the restart thread
+        if head is not None:
+            head.resolve(backend._overran(head.requests, head.deadline))
+        self._restart_the_rest(rest)
+
+    def _restart_the_rest(self, rest: list[LoopCall]) -> None:
+        """The batches that never started run again once the restart has begun."""
+        held, self._held = self._held, []
+        for call in (*rest, *held):
+            call.fail(NotStarted())

@@ -20,6 +20,9 @@ from typing import Any
 from kiln.backends.python.arena import Arena
 from kiln.backends.python.wire import Wire
 
+#: Pairs of arenas per worker: as many as batches in its pipe (``loopcall.PIPELINE_DEPTH``).
+ARENA_SLOTS = 2
+
 
 class WorkerDied(Exception):
     """The worker exited (crash, SIGKILL, OOM) while the server waited on it."""
@@ -33,8 +36,12 @@ class WorkerProcess:
     def __init__(self, model_path: Path, label: str) -> None:
         self.model_path = model_path
         self.label = label  # names the arena files, so a stray one says whose it was
-        self.inbound = Arena.create(f"kiln-py-{label}-in-")
-        self.outbound = Arena.create(f"kiln-py-{label}-out-")
+        # One (inbound, outbound) pair per batch that may be in the pipe at once
+        # (loopcall.PIPELINE_DEPTH): a batch's tensors stay put while the next is written.
+        self.arenas = [
+            (Arena.create(f"kiln-py-{label}-in{i}-"), Arena.create(f"kiln-py-{label}-out{i}-"))
+            for i in range(ARENA_SLOTS)
+        ]
         self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Wire | None = None
 
@@ -51,8 +58,8 @@ class WorkerProcess:
         cmd = [
             sys.executable, "-m", "kiln.backends.python.worker",
             "--fd", str(theirs.fileno()),
-            "--inbound", self.inbound.path,
-            "--outbound", self.outbound.path,
+            *(arg for inbound, _ in self.arenas for arg in ("--inbound", inbound.path)),
+            *(arg for _, outbound in self.arenas for arg in ("--outbound", outbound.path)),
             "--model", str(self.model_path),
         ]  # fmt: skip
         try:
@@ -60,8 +67,9 @@ class WorkerProcess:
         finally:
             theirs.close()
         self.conn = Wire(ours)
-        self.inbound.reset()
-        self.outbound.reset()
+        for pair in self.arenas:
+            for arena in pair:
+                arena.reset()
 
     def send(self, message: tuple[Any, ...]) -> None:
         assert self.conn is not None
@@ -121,5 +129,6 @@ class WorkerProcess:
 
     def close(self, timeout: float = 10.0) -> None:
         self.stop(timeout)
-        self.inbound.close()
-        self.outbound.close()
+        for pair in self.arenas:
+            for arena in pair:
+                arena.close()

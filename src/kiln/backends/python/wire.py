@@ -93,10 +93,12 @@ class Wire:
         (size,) = _HEADER.unpack_from(self._buffer, self._start)
         return size if available >= _HEADER.size + size else None
 
-    def fill(self) -> None:
-        """Read what the socket has (blocking until something comes: an event loop calls it
-        only once the socket is readable), making room first; ``EOFError`` at the peer's
-        end."""
+    def fill(self, wait: bool = True) -> bool:
+        """Read what the socket has, making room first; ``EOFError`` at the peer's end.
+
+        With ``wait`` it blocks until something comes (an event loop calls it only once the
+        socket is readable); without, it returns False at once when nothing has come (a
+        busy poll). True when bytes were read."""
         if self._end == len(self._buffer):
             pending = self._end - self._start
             needed = pending + _HEADER.size
@@ -110,7 +112,13 @@ class Wire:
                 grown[:pending] = self._buffer[self._start : self._end]
                 self._buffer = grown
             self._start, self._end = 0, pending
-        got = self.sock.recv_into(memoryview(self._buffer)[self._end :])
+        try:
+            got = self.sock.recv_into(
+                memoryview(self._buffer)[self._end :], 0, 0 if wait else socket.MSG_DONTWAIT
+            )
+        except BlockingIOError:
+            return False
         if got == 0:
             raise EOFError("the peer closed the connection")
         self._end += got
+        return True

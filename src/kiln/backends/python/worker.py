@@ -36,10 +36,10 @@ def last_line(exc: BaseException) -> str:
 class Channel:
     """The worker's side of the pipe, as ``pb_utils`` uses it (BLS, decoupled sends)."""
 
-    def __init__(self, conn: Wire, inbound: Arena, outbound: Arena) -> None:
+    def __init__(self, conn: Wire, arenas: list[tuple[Arena, Arena]]) -> None:
         self.conn = conn
-        self.inbound = inbound
-        self.outbound = outbound
+        self.arenas = arenas  # (inbound, outbound) per slot; a batch names its slot
+        self.inbound, self.outbound = arenas[0]
         self.lock = threading.Lock()
         self.open_senders = 0
         self.finals = threading.Condition()
@@ -131,8 +131,10 @@ class Worker:
             return self.loop.run_until_complete(result)
         return result
 
-    def execute(self, wire_requests: list[dict[str, Any]]) -> tuple[Any, ...]:
+    def execute(self, wire_requests: list[dict[str, Any]], slot: int = 0) -> tuple[Any, ...]:
         channel = self.channel
+        # This batch's tensors, its responses and its BLS calls use the slot's arenas.
+        channel.inbound, channel.outbound = channel.arenas[slot]
         channel.outbound.reset()
         requests = []
         for index, wire in enumerate(wire_requests):
@@ -192,8 +194,8 @@ class Worker:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln.backends.python.worker")
     parser.add_argument("--fd", type=int, required=True)
-    parser.add_argument("--inbound", required=True)
-    parser.add_argument("--outbound", required=True)
+    parser.add_argument("--inbound", action="append", required=True)
+    parser.add_argument("--outbound", action="append", required=True)
     parser.add_argument("--model", type=Path, required=True)
     opts = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group: the server shuts its workers down itself
@@ -201,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pb_utils.install()
     conn = Wire(socket.socket(fileno=opts.fd))
-    channel = Channel(conn, Arena.attach(opts.inbound), Arena.attach(opts.outbound))
+    arenas = [
+        (Arena.attach(i), Arena.attach(o)) for i, o in zip(opts.inbound, opts.outbound, strict=True)
+    ]
+    channel = Channel(conn, arenas)
     pb_utils._channel = channel
     worker = Worker(channel)
     while True:
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             if kind == "initialize":
                 channel.send(worker.initialize(opts.model, message[1], message[2]))
             elif kind == "execute":
-                channel.send(worker.execute(message[1]))
+                channel.send(worker.execute(*message[1:]))
             elif kind == "finalize":
                 worker.finalize()
                 channel.send(("finalized", None))
