@@ -376,7 +376,8 @@ async def test_a_second_batch_waits_in_the_pipe_and_keeps_its_own_tensors(
     nor outputs are overwritten by the other's."""
     backend = _backend(instance)
     first = instance.submit_requests([_job(-5), _job(7)])
-    second = instance.submit_requests([_job(11), _job(13), _job(17)])
+    queued = [_job(11), _job(13), _job(17)]
+    second = instance.submit_requests(queued)
     assert backend._pipe is not None and len(backend._pipe.calls) == 2
     assert [c.slot for c in backend._pipe.calls] == [0, 1]
     (a, _, a_end), (b, b_start, b_end) = await asyncio.wait_for(asyncio.gather(first, second), 30)
@@ -384,6 +385,8 @@ async def test_a_second_batch_waits_in_the_pipe_and_keeps_its_own_tensors(
     assert [o["OUT"].tolist() for o in b] == [[[22, 22]], [[26, 26]], [[34, 34]]]
     # The second computed once the first had ended, and its stamps say so.
     assert b_start >= a_end and b_end >= b_start
+    # Its wait behind the first counts as queue time (nv_inference_queue_duration_us).
+    assert all(job.times.queue_end == b_start for job in queued)
     assert instance.loop_driven_calls == 2
     third = await _run(instance, [_job(1)])  # slot 0 again, reused
     assert third[0]["OUT"].tolist() == [[2, 2]]

@@ -224,6 +224,11 @@ class Instance:
                 end = time.monotonic_ns()
                 began = max(start, self._busy_until)
                 self._busy_until = end
+                if began > start:
+                    # It waited for the batch before it: queue time, as when it waits
+                    # for a free instance (Triton's queue duration), not compute input.
+                    for job in jobs:
+                        job.times.queue_end = began
                 future.set_result((outcomes.result(), began, end))
 
         started.add_done_callback(done)
