@@ -237,6 +237,19 @@ def test_bls_calls_mlp(http: httpclient.InferenceServerClient) -> None:
     np.testing.assert_allclose(got, reference_outputs("mlp", {"INPUT": x})["LOGITS"], rtol=1e-4)
 
 
+def test_concurrent_bls_calls_each_get_their_own_answer(server: KilnProcess) -> None:
+    """py_bls runs one request per execute: the next request is in the worker's pipe while
+    the current one waits for its BLS answers, and must not be taken for one of them."""
+    rng = np.random.default_rng(4)
+    xs = [rng.integers(0, 17, (1 + i % 2, 64)).astype(np.float32) for i in range(12)]
+    client = httpclient.InferenceServerClient(server.http_url, concurrency=6)
+    pending = [client.async_infer("py_bls", _bls_inputs("mlp", x)) for x in xs]
+    for x, request in zip(xs, pending, strict=True):
+        want = reference_outputs("mlp", {"INPUT": x})["LOGITS"]
+        np.testing.assert_allclose(request.get_result().as_numpy("LOGITS"), want, rtol=1e-4)
+    client.close()
+
+
 def test_bls_error_comes_back_in_the_response(http: httpclient.InferenceServerClient) -> None:
     x = np.zeros((1, 64), np.float32)
     with pytest.raises(InferenceServerException, match=r"BLS failed: .*nope") as info:

@@ -443,3 +443,27 @@ def test_schedulers_free_lists_spread_over_instances_before_pipelining() -> None
     assert free_slots([a, b]) == [a, b, a, b]  # type: ignore[list-item]
     assert free_slots([a, c]) == [a, c, a]  # type: ignore[list-item]
     assert free_slots([c]) == [c]  # type: ignore[list-item]
+
+
+async def test_a_batch_queued_behind_one_making_a_bls_call_waits_its_turn(
+    instance: Instance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second batch reaches the worker's pipe while the first waits for its BLS answer
+    (made slow here, so it surely comes second): the worker must keep that batch for
+    later, not read it as the answer."""
+    from kiln.backends.python import bls
+
+    real_call = bls.call
+
+    def slow_call(*args: Any) -> Any:
+        time.sleep(0.3)
+        return real_call(*args)
+
+    monkeypatch.setattr(bls, "call", slow_call)
+    first = instance.submit_requests([_job(-4)])
+    second = instance.submit_requests([_job(6)])
+    (error,), _, _ = await asyncio.wait_for(first, 30)
+    assert isinstance(error, KilnError) and "elsewhere" in error.message
+    (out,), _, _ = await asyncio.wait_for(second, 30)
+    assert out["OUT"].tolist() == [[12, 12]]
+    assert (await _run(instance, [_job(1)]))[0]["OUT"].tolist() == [[2, 2]]

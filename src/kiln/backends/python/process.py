@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ class WorkerProcess:
         ]
         self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Wire | None = None
+        self._send_lock = threading.Lock()
 
     @property
     def pid(self) -> int | None:
@@ -74,7 +76,10 @@ class WorkerProcess:
     def send(self, message: tuple[Any, ...]) -> None:
         assert self.conn is not None
         try:
-            self.conn.send(message)
+            # A BLS answer goes out from a helper thread while the loop may be sending the
+            # next batch: one message's bytes must not interleave with another's.
+            with self._send_lock:
+                self.conn.send(message)
         except OSError as exc:
             raise WorkerDied(self._exit_text()) from exc
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import importlib.util
 import inspect
 import json
@@ -43,6 +44,11 @@ class Channel:
         self.lock = threading.Lock()
         self.open_senders = 0
         self.finals = threading.Condition()
+        self.backlog: collections.deque[Any] = collections.deque()  # read early, run later
+
+    def next_message(self) -> Any:
+        """The next message to handle: one read while waiting for a BLS answer first."""
+        return self.backlog.popleft() if self.backlog else self.conn.recv()
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self.lock:
@@ -82,8 +88,14 @@ class Channel:
                     },
                 )
             )
-            kind, out_headers, error = self.conn.recv()
-        assert kind == "bls_result", kind
+            while True:
+                message = self.conn.recv()
+                if message[0] == "bls_result":
+                    break
+                # The server may already have sent the next batch (loopcall's pipelining):
+                # it runs after this one.
+                self.backlog.append(message)
+        _, out_headers, error = message
         if error is not None:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(error[0], error[1]))
         tensors = [pb_utils.Tensor(h[0], self.inbound.read(h, copy=True)) for h in out_headers]
@@ -211,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = Worker(channel)
     while True:
         try:
-            message = conn.recv()
+            message = channel.next_message()
         except EOFError:
             return 0  # the server went away
         kind = message[0]
