@@ -467,3 +467,34 @@ async def test_a_batch_queued_behind_one_making_a_bls_call_waits_its_turn(
     (out,), _, _ = await asyncio.wait_for(second, 30)
     assert out["OUT"].tolist() == [[12, 12]]
     assert (await _run(instance, [_job(1)]))[0]["OUT"].tolist() == [[2, 2]]
+
+
+async def test_while_a_batch_runs_on_the_thread_path_the_next_ones_follow_it_there(
+    instance: Instance,
+) -> None:
+    """After a restart the batch that waited for it runs on the instance's thread, reading
+    the worker's pipe itself; a batch arriving meanwhile (the second pipeline slot) must
+    not start on the loop and share that pipe."""
+    backend = _backend(instance)
+    hung = instance.submit_requests([_job(-3)])
+    slow = instance.submit_requests([_job(-5)])  # 1.2 s, rerun on the thread path
+    await asyncio.sleep(0.3)
+    assert backend.worker.proc is not None
+    backend.worker.proc.kill()
+    (error,), _, _ = await asyncio.wait_for(hung, 30)
+    assert isinstance(error, KilnError) and "signal 9" in error.message
+    for _ in range(3000):  # until the restart is over and `slow` computes on the thread
+        if backend._restarting is None and instance._thread_calls:
+            break
+        await asyncio.sleep(0.01)
+    assert backend._restarting is None and instance._thread_calls == 1
+    driven = instance.loop_driven_calls
+    late = instance.submit_requests([_job(5)])
+    assert instance.loop_driven_calls == driven  # it went to the thread, behind `slow`
+    (a,), _, _ = await asyncio.wait_for(slow, 30)
+    (b,), _, _ = await asyncio.wait_for(late, 30)
+    assert a["OUT"].tolist() == [[-10, -10]] and b["OUT"].tolist() == [[10, 10]]
+    assert instance._thread_calls == 0
+    (c,), _, _ = await asyncio.wait_for(instance.submit_requests([_job(1)]), 30)
+    assert c["OUT"].tolist() == [[2, 2]]
+    assert instance.loop_driven_calls == driven + 1  # back on the loop

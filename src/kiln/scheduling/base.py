@@ -126,6 +126,7 @@ class Instance:
         self.inline_calls = 0  # calls that ran on the loop's thread (tests, diagnostics)
         self.loop_driven_calls = 0  # batches the backend ran from the loop (same)
         self._busy_until = 0  # when its last loop-driven batch ended, monotonic ns
+        self._thread_calls = 0  # submit_requests batches on the thread path, not answered
 
     async def run(
         self, inputs: dict[str, np.ndarray], output_names: list[str]
@@ -195,14 +196,19 @@ class Instance:
         """``execute_requests`` for this instance: driven from the loop when the backend
         can (``Backend.start_requests``), else on the instance's thread."""
         start = time.monotonic_ns()
-        try:
-            started = self.backend.start_requests(list(jobs))
-        except KilnError as exc:
-            started = _failed(exc)
-        except Exception as exc:
-            started = _failed(self._failure(exc))
+        started: asyncio.Future[list[RequestOutcome]] | None = None
+        # While a batch runs on the thread path (the backend asked for it, e.g. during a
+        # restart), later ones follow it there: the two paths must not share the backend
+        # (one worker pipe) at once, and the thread runs its batches in order.
+        if not self._thread_calls:
+            try:
+                started = self.backend.start_requests(list(jobs))
+            except KilnError as exc:
+                started = _failed(exc)
+            except Exception as exc:
+                started = _failed(self._failure(exc))
         if started is None:
-            return self.submit(self.execute_requests, jobs)
+            return self._on_thread(jobs)
         self.loop_driven_calls += 1
         future: asyncio.Future[tuple[list[RequestOutcome], int, int]]
         future = asyncio.get_running_loop().create_future()
@@ -214,7 +220,7 @@ class Instance:
             if isinstance(error, NotStarted):
                 # Queued behind a batch whose worker was lost: run it on the thread path,
                 # which waits for the restart.
-                again = self.submit(self.execute_requests, jobs)
+                again = self._on_thread(jobs)
                 again.add_done_callback(lambda f: _settle(future, *_outcome(f)))
             elif error is not None:
                 future.set_exception(error)
@@ -233,6 +239,15 @@ class Instance:
 
         started.add_done_callback(done)
         return future
+
+    def _on_thread(self, jobs: list[Job]) -> asyncio.Future[tuple[list[RequestOutcome], int, int]]:
+        self._thread_calls += 1
+        running = self.submit(self.execute_requests, jobs)
+        running.add_done_callback(self._thread_call_done)
+        return running
+
+    def _thread_call_done(self, _: asyncio.Future[Any]) -> None:
+        self._thread_calls -= 1
 
     def _failure(self, exc: Exception) -> KilnError:
         """A backend's unexpected exception, naming the model: only this batch fails."""
