@@ -498,3 +498,38 @@ async def test_while_a_batch_runs_on_the_thread_path_the_next_ones_follow_it_the
     (c,), _, _ = await asyncio.wait_for(instance.submit_requests([_job(1)]), 30)
     assert c["OUT"].tolist() == [[2, 2]]
     assert instance.loop_driven_calls == driven + 1  # back on the loop
+
+
+async def test_a_caller_that_goes_away_keeps_its_slot_until_its_batch_ends(
+    instance: Instance,
+) -> None:
+    """Two callers give up on long batches (a client disconnect cancels its task): the
+    scheduler must not hand their slots to others while those batches are still in the
+    worker's pipe (their arenas would be overwritten), and later callers get their own
+    answers."""
+    from kiln.backends.python import loopcall
+    from kiln.core.stats import ModelStats
+    from kiln.scheduling.direct import DirectScheduler
+
+    depths: list[int] = []
+    submit = loopcall.WorkerPipe.submit
+
+    def watched(pipe: loopcall.WorkerPipe, *args: Any) -> None:
+        depths.append(len(pipe.calls))  # batches already in the pipe
+        submit(pipe, *args)
+
+    loopcall.WorkerPipe.submit = watched  # type: ignore[method-assign]
+    try:
+        scheduler = DirectScheduler([instance], ModelStats(), "double")
+        gone = [asyncio.ensure_future(scheduler.schedule(_job(-5))) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        for task in gone:
+            task.cancel()
+        values = (3.0, 4.0, 5.0, 6.0)
+        outs = await asyncio.wait_for(
+            asyncio.gather(*(scheduler.schedule(_job(v)) for v in values)), 30
+        )
+        assert [o["OUT"].tolist() for o in outs] == [[[2 * v, 2 * v]] for v in values]
+        assert max(depths) < loopcall.PIPELINE_DEPTH
+    finally:
+        loopcall.WorkerPipe.submit = submit  # type: ignore[method-assign]

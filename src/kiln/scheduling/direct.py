@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from typing import Any
 
 import numpy as np
 
@@ -30,15 +32,22 @@ class DirectScheduler(Scheduler):
             instance = await self._free.get()
         finally:
             self._waiting -= 1
+        job.times.queue_end = time.monotonic_ns()
         try:
-            job.times.queue_end = time.monotonic_ns()
+            running: asyncio.Future[tuple[Any, int, int]]
             if instance.backend.wants_requests:
-                outcomes, start, end = await instance.submit_requests([job])
-                outputs = outcomes[0]
+                running = instance.submit_requests([job])
             else:
-                outputs, start, end = await instance.run(job.inputs, job.output_names)
-        finally:
+                running = instance.submit(instance.execute, job.inputs, job.output_names)
+        except BaseException:
             self._free.put_nowait(instance)
+            raise
+        # The instance's slot comes back when its work ends, not when the caller stops
+        # waiting: a caller that goes away (client disconnect) must not let another batch
+        # in while this one still computes (a Python worker's pipe holds a fixed number).
+        running.add_done_callback(functools.partial(self._release, instance))
+        result, start, end = await asyncio.shield(running)
+        outputs = result[0] if instance.backend.wants_requests else result
         # Input preparation happened before the thread hop; the hop itself is input time.
         job.times.input_end = start
         job.times.infer_end = end
@@ -50,3 +59,8 @@ class DirectScheduler(Scheduler):
         if isinstance(outputs, KilnError):
             raise outputs
         return outputs
+
+    def _release(self, instance: Instance, running: asyncio.Future[Any]) -> None:
+        if not running.cancelled():
+            running.exception()  # retrieved: nobody may be waiting for it any more
+        self._free.put_nowait(instance)

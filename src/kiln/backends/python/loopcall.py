@@ -139,6 +139,17 @@ class WorkerPipe:
         if not call.requests:
             call.resolve([])
             return
+        if len(self.calls) >= PIPELINE_DEPTH:
+            # Its arenas would overwrite a batch still in the pipe. Schedulers hand an
+            # instance at most pipeline_depth batches at once; this guards the invariant.
+            log.error("model '%s': Python worker pipe already full", self.backend.model)
+            call.fail(
+                KilnError(
+                    f"model '{self.backend.model}': internal error: the Python worker "
+                    f"already has {PIPELINE_DEPTH} batches in flight"
+                )
+            )
+            return
         self._execute_timeout = execute_timeout
         call.slot = self._next_slot
         self._next_slot = (self._next_slot + 1) % PIPELINE_DEPTH
