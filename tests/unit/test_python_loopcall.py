@@ -533,3 +533,119 @@ async def test_a_caller_that_goes_away_keeps_its_slot_until_its_batch_ends(
         assert max(depths) < loopcall.PIPELINE_DEPTH
     finally:
         loopcall.WorkerPipe.submit = submit  # type: ignore[method-assign]
+
+
+# ---- review: BLS answers and deadlines across a restart ------------------------------------
+BLS_ECHO = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
+            reply = pb_utils.InferenceRequest(
+                model_name="elsewhere", requested_output_names=["OUT"],
+                inputs=[pb_utils.Tensor("IN", x)]).exec()
+            if reply.has_error():
+                out.append(pb_utils.InferenceResponse(error=reply.error()))
+                continue
+            got = pb_utils.get_output_tensor_by_name(reply, "OUT").as_numpy()
+            out.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUT", got)]))
+        return out
+"""
+
+
+async def test_a_bls_answer_for_a_killed_worker_does_not_reach_its_successor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch overruns its request's timeout while its BLS call is still out (answered
+    on an executor thread): the worker is killed and restarted. When that BLS call returns
+    late, its answer belongs to nobody: it must not be sent to the new worker, where the
+    next batch's own BLS call would take it as its answer."""
+    import threading
+
+    from kiln.backends.python import bls
+
+    instance = Instance(
+        PythonBackend(parse_config_text(CONFIG), _model(tmp_path, BLS_ECHO), SPEC), "double"
+    )
+    second_asked = threading.Event()
+    stale_done = threading.Event()  # the first call's answer went out, or was dropped
+    stale_thread: list[int] = []
+
+    def fake_call(model: str, version: int, inputs: dict[str, np.ndarray], *rest: Any) -> Any:
+        x = inputs["IN"]
+        if x.flat[0] == 100:  # the first batch's call: answered only once the second asks
+            stale_thread.append(threading.get_ident())
+            second_asked.wait(20)
+        else:
+            second_asked.set()
+            stale_done.wait(20)
+        return {"OUT": x + 1}
+
+    answer = PythonBackend._bls
+
+    def watched(self: PythonBackend, *args: Any) -> None:
+        try:
+            answer(self, *args)
+        finally:
+            if threading.get_ident() in stale_thread:
+                stale_done.set()
+
+    monkeypatch.setattr(bls, "call", fake_call)
+    monkeypatch.setattr(PythonBackend, "_bls", watched)
+    try:
+        soon = time.monotonic_ns() + 300_000_000
+        (error,) = await asyncio.wait_for(_run(instance, [_job(100, deadline_ns=soon)]), 30)
+        assert isinstance(error, KilnError) and "Request timeout expired" in error.message
+        (out,) = await asyncio.wait_for(_run(instance, [_job(200)]), 30)
+        assert not isinstance(out, KilnError), out
+        assert out["OUT"].tolist() == [[201, 201]]  # its own answer, not the stale 101
+    finally:
+        instance.close()
+
+
+def test_a_batch_answered_before_its_overdue_timer_runs_is_not_killed(tmp_path: Path) -> None:
+    """uvloop runs due timers before it polls for I/O: when the loop was held up past a
+    batch's deadline (a long callback, a GC pause) while the worker had answered in time,
+    the deadline timer runs first. The answer is already there: the batch must get it, the
+    worker must not be killed, and the batch queued behind it must not run twice."""
+    import uvloop
+
+    config = parse_config_text(
+        CONFIG
+        + 'parameters { key: "execute_timeout_secs" value { string_value: "0.5" } }'
+        + 'parameters { key: "busy_poll_us" value { string_value: "0" } }'
+    )
+    # 0.2 s a batch: their answers surely come after the loop has polled for I/O
+    backend = PythonBackend(config, _model(tmp_path, SLOW.replace("0.005", "0.2")), SPEC)
+    instance = Instance(backend, "double")
+    old = backend.worker.pid
+
+    async def main() -> list[Any]:
+        loop = asyncio.get_running_loop()
+        other, poke = socketpair()  # another connection of the server's, slow to serve
+
+        def slow_reader() -> None:
+            loop.remove_reader(other.fileno())
+            time.sleep(1.5)  # the worker answers both batches meanwhile
+
+        loop.add_reader(other.fileno(), slow_reader)
+        first = instance.submit_requests([_job(1)])
+        second = instance.submit_requests([_job(2)])
+        poke.send(b"x")
+        try:
+            return [(await first)[0], (await second)[0]]
+        finally:
+            other.close()
+            poke.close()
+
+    try:
+        (a,), (b,) = uvloop.run(main())
+        assert not isinstance(a, KilnError), a
+        assert not isinstance(b, KilnError), b
+        assert a["OUT"].tolist() == [[2, 2]] and b["OUT"].tolist() == [[4, 4]]
+        assert backend.worker.pid == old  # not killed
+    finally:
+        instance.close()

@@ -41,6 +41,7 @@ from kiln.backends.python.deadline import (
 )
 from kiln.backends.python.loopcall import PIPELINE_DEPTH, LoopCall, WorkerPipe
 from kiln.backends.python.process import WorkerDied, WorkerProcess, WorkerTimeout
+from kiln.backends.python.wire import Wire
 from kiln.config.loader import ConfigError, config_from_json, config_to_json
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core import activity
@@ -408,9 +409,14 @@ class PythonBackend(Backend):
         outputs = {h[0]: outbound.read(h) for h in headers} if has_response else None
         sink.send(outputs, final, None)
 
-    def _bls(self, call: dict[str, Any], slot: int = 0) -> None:
+    def _bls(self, call: dict[str, Any], slot: int = 0, conn: Wire | None = None) -> None:
+        """Answer a BLS call of the worker's. ``conn``: the pipe the call came on (the loop
+        answers from a helper thread); when the worker was restarted meanwhile, the answer
+        is dropped: the new worker would take it as the answer to a call of its own."""
         worker = self.worker
         inbound, outbound = worker.arenas[slot]
+        outputs: dict[str, np.ndarray] | None = None
+        error: tuple[str, int] | None = None
         try:
             inputs = {h[0]: outbound.read(h) for h in call["inputs"]}
             params = json.loads(call["parameters"] or "{}")
@@ -422,12 +428,20 @@ class PythonBackend(Backend):
                 call["request_id"],
                 params,
             )
-            headers = [inbound.write(n, a) for n, a in outputs.items()]
-            worker.send(("bls_result", headers, None))
         except KilnError as exc:
-            worker.send(("bls_result", None, (exc.message, _STATUS_CODES.get(exc.status, 1))))
+            error = (exc.message, _STATUS_CODES.get(exc.status, 1))
         except Exception as exc:
-            worker.send(("bls_result", None, (f"{type(exc).__name__}: {exc}", 1)))
+            error = (f"{type(exc).__name__}: {exc}", 1)
+        # Under the send lock: a restart's first message (initialize) waits for it, so the
+        # arena is not written while a new worker's batch uses it.
+        with worker.sending(conn):
+            headers = None
+            if outputs is not None:
+                try:
+                    headers = [inbound.write(n, a) for n, a in outputs.items()]
+                except Exception as exc:
+                    error = (f"{type(exc).__name__}: {exc}", 1)
+            worker.send(("bls_result", headers if error is None else None, error))
 
     def close(self) -> None:
         if self._restarting is not None:

@@ -101,13 +101,14 @@ class LoopCall:
             backend._stream(self.requests, index, headers, error, final, has_response, self.slot)
         elif kind == "bls":
             # The call waits for another model served by this loop: not on the loop.
-            self.loop.run_in_executor(None, self._bls, message[1])
+            self.loop.run_in_executor(None, self._bls, message[1], backend.worker.conn)
         return False
 
-    def _bls(self, call: dict[str, Any]) -> None:
-        # The worker may go away meanwhile: the reader then sees the pipe close.
+    def _bls(self, call: dict[str, Any], conn: Wire | None) -> None:
+        # The worker may go away meanwhile: the reader then sees the pipe close, and the
+        # answer goes to nobody (``conn``: not to the worker restarted in its place).
         with contextlib.suppress(WorkerDied):
-            self.backend._bls(call, self.slot)
+            self.backend._bls(call, self.slot, conn)
 
 
 class WorkerPipe:
@@ -295,6 +296,16 @@ class WorkerPipe:
 
     def _overran(self) -> None:
         self._timer = None
+        # The loop may run this late, after the worker answered in time: uvloop runs due
+        # timers before it polls for I/O, so a loop held up past the deadline (a slow
+        # callback) finds the answer unread. Take what has come before killing for it.
+        head = self.calls[0] if self.calls else None
+        with contextlib.suppress(EOFError, OSError):  # the reader handles the end
+            while self.conn.fill(wait=False):
+                pass
+        self._drain()
+        if self.broken or not self.calls or self.calls[0] is not head:
+            return  # answered (a batch behind it began with its own timer) or lost
         head, rest = self._take_all()
         backend = self.backend
         backend._begin_restart()  # kills (with its grace) on the restart thread

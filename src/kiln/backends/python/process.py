@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ class WorkerProcess:
         ]
         self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Wire | None = None
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.RLock()  # reentrant: see ``sending``
 
     @property
     def pid(self) -> int | None:
@@ -82,6 +83,16 @@ class WorkerProcess:
                 self.conn.send(message)
         except OSError as exc:
             raise WorkerDied(self._exit_text()) from exc
+
+    @contextlib.contextmanager
+    def sending(self, conn: Wire | None) -> Iterator[None]:
+        """Hold the send lock for a write into the arenas and the message that names it;
+        ``WorkerDied`` when ``conn`` (None: any) is no longer this worker's pipe (it was
+        restarted): what was meant for the old one must not reach the new one."""
+        with self._send_lock:
+            if conn is not None and self.conn is not conn:
+                raise WorkerDied("the worker was restarted")
+            yield
 
     def recv(self, deadline: float | None) -> Any:
         """The next message; ``deadline`` is a ``time.monotonic()`` value or None (wait)."""
