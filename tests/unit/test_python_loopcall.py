@@ -649,3 +649,20 @@ def test_a_batch_answered_before_its_overdue_timer_runs_is_not_killed(tmp_path: 
         assert backend.worker.pid == old  # not killed
     finally:
         instance.close()
+
+
+async def test_a_batch_sent_to_a_worker_that_died_idle_runs_on_its_successor(
+    instance: Instance,
+) -> None:
+    """The worker died between requests: sending the next batch fails, so the worker never
+    had it; it runs on the restarted worker instead of failing as if it had been running."""
+    backend = _backend(instance)
+    assert (await _run(instance, [_job(1)]))[0]["OUT"].tolist() == [[2, 2]]
+    old = backend.worker.pid
+    assert backend.worker.proc is not None
+    backend.worker.proc.kill()
+    backend.worker.proc.wait()
+    (out,), _, _ = await asyncio.wait_for(instance.submit_requests([_job(7)]), 30)
+    assert not isinstance(out, KilnError), out
+    assert out["OUT"].tolist() == [[14, 14]]
+    assert backend.worker.pid != old

@@ -160,6 +160,10 @@ class WorkerPipe:
         try:
             backend.worker.send(("execute", backend._wire(call.requests, call.slot), call.slot))
         except WorkerDied as exc:
+            # The worker is gone and never got this batch: it runs again after the
+            # restart, like those queued behind a lost one.
+            self.calls.pop()
+            self._held.append(call)
             self._lost(exc)
             return
         if idle:
