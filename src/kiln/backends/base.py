@@ -131,6 +131,26 @@ def parameter(config: ModelConfig, key: str, default: str | None = None) -> str 
     return default
 
 
+def count_parameter(config: ModelConfig, key: str, unit: str = "") -> int | None:
+    """A config parameter that must be a whole number >= 0 (None when absent); ``unit``
+    says in the error what it counts."""
+    raw = parameter(config, key)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        what = f" ({unit})" if unit else ""
+        raise KilnError(
+            f"model '{config.name}': parameter {key} must be a non-negative integer{what}, "
+            f"got '{raw}'",
+            Status.INVALID_ARG,
+        )
+    return value
+
+
 def instance_specs(config: ModelConfig, gpu_count: int) -> list[InstanceSpec]:
     """Expand ``instance_group`` into one spec per instance (Triton's defaults applied).
 

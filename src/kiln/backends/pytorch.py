@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from kiln.backends.base import Backend, InstanceSpec, parameter
+from kiln.backends.base import Backend, InstanceSpec, count_parameter, parameter
 from kiln.backends.torch_io import Binding, bind_inputs, bind_outputs
 from kiln.config.model_config_pb2 import DataType as PbDataType
 from kiln.config.model_config_pb2 import ModelConfig
@@ -206,22 +206,6 @@ def _type_name(data_type: int) -> str:
     return str(PbDataType.Name(data_type))
 
 
-def _count(config: ModelConfig, key: str) -> int | None:
-    value = parameter(config, key)
-    if value is None:
-        return None
-    try:
-        count = int(value)
-    except ValueError:
-        count = -1
-    if count < 0:
-        raise KilnError(
-            f"model '{config.name}': parameter {key} must be a non-negative integer, got '{value}'",
-            Status.INVALID_ARG,
-        )
-    return count
-
-
 def _load(model: str, path: Path, device: torch.device) -> tuple[Any, list[str] | None]:
     """The callable module and its positional argument names (None when unknown)."""
     if not path.exists():
@@ -258,10 +242,10 @@ def _load(model: str, path: Path, device: torch.device) -> tuple[Any, list[str] 
 
 def _apply_threads(config: ModelConfig) -> None:
     """Triton's thread keys. Torch's thread pools are per process: the last load wins."""
-    intra = _count(config, "INTRA_OP_THREAD_COUNT")
+    intra = count_parameter(config, "INTRA_OP_THREAD_COUNT")
     if intra:
         torch.set_num_threads(intra)
-    inter = _count(config, "INTER_OP_THREAD_COUNT")
+    inter = count_parameter(config, "INTER_OP_THREAD_COUNT")
     if inter and torch.get_num_interop_threads() != inter:
         try:
             torch.set_num_interop_threads(inter)

@@ -29,6 +29,7 @@ from kiln.backends.base import (
     InstanceSpec,
     RequestOutcome,
     ResponseSink,
+    count_parameter,
     parameter,
 )
 from kiln.backends.python import bls
@@ -81,22 +82,6 @@ def _seconds(config: ModelConfig, key: str, default: float | None) -> float | No
             f"model '{config.name}': parameter {key} must be a number of seconds, got '{raw}'"
         ) from None
     return value if value > 0 else None
-
-
-def _microseconds(config: ModelConfig, key: str, default: int) -> int:
-    raw = parameter(config, key)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise KilnError(
-            f"model '{config.name}': parameter {key} must be a whole number of microseconds "
-            f"(0 = off), got '{raw}'"
-        )
-    return value
 
 
 class _Single:
@@ -152,7 +137,8 @@ class PythonBackend(Backend):
         self.decoupled = config.model_transaction_policy.decoupled
         self.execute_timeout = _seconds(config, "execute_timeout_secs", None)
         self.initialize_timeout = _seconds(config, "initialize_timeout_secs", 300.0)
-        self.busy_poll_ns = _microseconds(config, "busy_poll_us", BUSY_POLL_US) * 1000
+        busy_poll_us = count_parameter(config, "busy_poll_us", "microseconds, 0 = off")
+        self.busy_poll_ns = (BUSY_POLL_US if busy_poll_us is None else busy_poll_us) * 1000
         self.round_trip_ns: float | None = None  # moving average, send to answer
         self.busy_polled_calls = 0  # batches answered while the loop polled (tests, diagnostics)
         self.args = {
@@ -287,7 +273,7 @@ class PythonBackend(Backend):
         outcomes: list[RequestOutcome | None] = [None] * len(requests)
         self._fail_expired(requests, outcomes)
         call = LoopCall(self, loop, requests, outcomes)
-        pipe.submit(call, self.execute_timeout, self._busy_poll_budget())
+        pipe.submit(call, self._busy_poll_budget())
         return call.future
 
     def _busy_poll_budget(self) -> int:

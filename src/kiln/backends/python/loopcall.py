@@ -125,9 +125,8 @@ class WorkerPipe:
         self._next_slot = 0
         self._fd = -1
         self._timer: asyncio.TimerHandle | None = None
-        self._execute_timeout: float | None = None
 
-    def submit(self, call: LoopCall, execute_timeout: float | None, busy_poll_ns: int) -> None:
+    def submit(self, call: LoopCall, busy_poll_ns: int) -> None:
         """Send the batch behind those in the pipe. With ``busy_poll_ns`` and an empty
         pipe, poll for the answer for up to that long before handing the wait to the loop
         (see ``_busy_poll``)."""
@@ -151,7 +150,6 @@ class WorkerPipe:
                 )
             )
             return
-        self._execute_timeout = execute_timeout
         call.slot = self._next_slot
         self._next_slot = (self._next_slot + 1) % PIPELINE_DEPTH
         idle = not self.calls
@@ -178,7 +176,7 @@ class WorkerPipe:
         """``call`` is the oldest now: the worker runs it next; its deadline starts."""
         call.began_ns = now = time.monotonic_ns()
         call.deadline = batch_deadline(
-            (r.deadline_ns for r in call.requests), now, self._execute_timeout
+            (r.deadline_ns for r in call.requests), now, self.backend.execute_timeout
         )
         if call.deadline.at_ns:
             delay = max(0.0, (call.deadline.at_ns - now) / 1e9)
