@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kiln.llm.engine import LLMEngine
 
 VOCAB = 300
 CHAT_TEMPLATE = (
@@ -110,3 +113,20 @@ def tiny_llm_repository(root: Path, config: str, name: str = "tiny") -> Path:
     build_tiny_llm(repo / name / "1")
     (repo / name / "config.pbtxt").write_text(config)
     return repo
+
+
+def drain(engine: LLMEngine) -> dict[tuple[str, int], list[int]]:
+    """Step the engine to the end; tokens per (request, sample index); the block manager's
+    invariants checked after every step."""
+    out: dict[tuple[str, int], list[int]] = {}
+    while engine.has_work():
+        for r in engine.step():
+            out.setdefault((r.request_id, r.index), []).extend(r.new_token_ids)
+        engine.block_manager.check(engine.scheduler.running + list(engine.scheduler.waiting))
+    return out
+
+
+def all_blocks_returned(engine: LLMEngine) -> None:
+    """No request holds a KV block any more."""
+    engine.block_manager.check([])
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

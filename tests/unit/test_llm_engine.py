@@ -13,7 +13,7 @@ from kiln.core.errors import KilnError
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.engine import LLMEngine
 from kiln.llm.sequence import SamplingParams
-from tests.llm_models import build_tiny_llm, reference_generate
+from tests.llm_models import all_blocks_returned, build_tiny_llm, reference_generate
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [
@@ -38,16 +38,11 @@ def _engine(folder: Path, **kw: int) -> LLMEngine:
     return LLMEngine(folder, EngineConfig(**kw))  # type: ignore[arg-type]
 
 
-def _all_returned(engine: LLMEngine) -> None:
-    engine.block_manager.check([])
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-
-
 def test_single_requests_match_transformers(llama: Path, expected: list[list[int]]) -> None:
     engine = _engine(llama)
     for prompt, want in zip(PROMPTS, expected, strict=True):
         assert engine.generate([prompt], GREEDY) == [want]
-    _all_returned(engine)
+    all_blocks_returned(engine)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -59,7 +54,7 @@ def test_batched_requests_of_different_lengths_match(
     assert engine.generate(PROMPTS, GREEDY) == expected
     # every step after the first mixed several sequences in one batch
     assert engine.stats.num_steps < sum(GREEDY.max_tokens for _ in PROMPTS)
-    _all_returned(engine)
+    all_blocks_returned(engine)
 
 
 def test_preemption_by_recompute_keeps_tokens_identical(
@@ -78,7 +73,7 @@ def test_preemption_by_recompute_keeps_tokens_identical(
         engine.block_manager.check(live)
     assert engine.scheduler.num_preemptions > 0
     assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == expected
-    _all_returned(engine)
+    all_blocks_returned(engine)
 
 
 def test_chunked_prefill_keeps_tokens_identical(llama: Path, expected: list[list[int]]) -> None:
@@ -86,7 +81,7 @@ def test_chunked_prefill_keeps_tokens_identical(llama: Path, expected: list[list
     engine = _engine(llama, max_num_batched_tokens=7)
     assert engine.generate(PROMPTS, GREEDY) == expected
     assert engine.stats.max_step_tokens <= 7
-    _all_returned(engine)
+    all_blocks_returned(engine)
 
 
 def test_max_num_seqs_bounds_the_running_batch(llama: Path, expected: list[list[int]]) -> None:
@@ -135,7 +130,7 @@ def test_abort_frees_blocks(llama: Path) -> None:
     engine.block_manager.check(engine.scheduler.running)
     assert engine.abort("y")
     assert not engine.abort("y")
-    _all_returned(engine)
+    all_blocks_returned(engine)
 
 
 def test_stop_token_and_max_tokens(llama: Path, expected: list[list[int]]) -> None:
@@ -223,7 +218,7 @@ def test_a_sliding_window_serves_the_whole_context(tmp_path: Path) -> None:
     engine.check_request(200, params)
     with pytest.raises(KilnError, match="maximum context length is 256 tokens"):
         engine.check_request(256, params)
-    _all_returned(engine)
+    all_blocks_returned(engine)
 
 
 def test_qwen2_window_counts_only_when_used(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from kiln.core.errors import KilnError
 from kiln.llm.config import EngineConfig
 from kiln.llm.engine import LLMEngine
 from kiln.llm.sequence import SamplingParams
-from tests.llm_models import build_tiny_llm, reference_generate
+from tests.llm_models import all_blocks_returned, build_tiny_llm, drain, reference_generate
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 17, 42, 99, 3, 8, 13]  # 7 tokens: the last of two 4-token blocks is partial
@@ -29,20 +29,9 @@ def _engine(folder: Path, **kw: object) -> LLMEngine:
     return LLMEngine(folder, EngineConfig(block_size=4, **kw))  # type: ignore[arg-type]
 
 
-def _drain(engine: LLMEngine) -> dict[tuple[str, int], list[int]]:
-    """Step to the end; tokens per (request, sample index); invariants after each step."""
-    out: dict[tuple[str, int], list[int]] = {}
-    while engine.has_work():
-        for r in engine.step():
-            out.setdefault((r.request_id, r.index), []).extend(r.new_token_ids)
-        engine.block_manager.check(engine.scheduler.running + list(engine.scheduler.waiting))
-    return out
-
-
 def _all_released(engine: LLMEngine) -> None:
-    bm = engine.block_manager
-    bm.check([])
-    assert bm.num_free_blocks == bm.num_blocks and bm.usage() == 0.0
+    all_blocks_returned(engine)
+    assert engine.block_manager.usage() == 0.0
 
 
 # -- n > 1 ------------------------------------------------------------------------------------
@@ -60,7 +49,7 @@ def test_n_greedy_samples_share_the_prompt_and_copy_on_write(llama: Path) -> Non
     assert [s.index for s in samples] == [0, 1, 2]
     assert all(s.block_table == seq.block_table for s in samples)
     assert all(engine.block_manager.blocks[b].ref_count == 3 for b in seq.block_table)
-    got = _drain(engine)
+    got = drain(engine)
     want = reference_generate(llama, PROMPT, 8)
     assert [[r.new_token_ids[0], *got[("r", r.index)]] for r in first] == [want] * 3
     # two samples copied the shared partial block; the last writer wrote in place
@@ -72,7 +61,7 @@ def test_seeded_samples_draw_with_seed_plus_index(llama: Path) -> None:
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=40, n=3)
     engine = _engine(llama)
     engine.add_request("r", PROMPT, params)
-    got = _drain(engine)
+    got = drain(engine)
     for i in range(3):
         alone = SamplingParams(max_tokens=8, temperature=1.0, seed=40 + i)
         assert got[("r", i)] == _engine(llama).generate([PROMPT], alone)[0]
@@ -105,7 +94,7 @@ def test_fcfs_admits_in_arrival_order_and_refuses_priorities(llama: Path) -> Non
     engine = _engine(llama, max_num_seqs=1)
     for rid in "xyz":
         engine.add_request(rid, PROMPT, SamplingParams(max_tokens=2, temperature=0.0))
-    assert [k[0] for k in _drain(engine)] == ["x", "y", "z"]
+    assert [k[0] for k in drain(engine)] == ["x", "y", "z"]
     with pytest.raises(KilnError, match="priority 2 was given but priority scheduling is not"):
         engine.add_request("p", PROMPT, GREEDY, priority=2)
 
@@ -118,7 +107,7 @@ def test_preemption_victim_follows_the_policy(llama: Path, policy: str, victim: 
     early = engine.add_request("early", PROMPT, params, priority=5 if policy == "priority" else 0)
     first = engine.step()[0].new_token_ids
     late = engine.add_request("late", PROMPT[::-1], params)
-    got = _drain(engine)
+    got = drain(engine)
     got[("early", 0)][:0] = first
     preempted = {s.request_id for s in (early, late) if s.num_preemptions}
     assert preempted == {victim}
@@ -161,7 +150,7 @@ def test_latency_histograms_count_requests_and_tokens(llama: Path) -> None:
     engine = _engine(llama)
     engine.generate([PROMPT, PROMPT[:3]], GREEDY)
     engine.add_request("n", PROMPT, replace(GREEDY, n=2))
-    _drain(engine)
+    drain(engine)
     latency = engine.stats.latency
     assert latency.time_to_first_token.count == 3  # one per request, not per sample
     assert latency.request_queue_time.count == 3

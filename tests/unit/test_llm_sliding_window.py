@@ -19,7 +19,7 @@ from kiln.core.errors import KilnError
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.engine import LLMEngine
 from kiln.llm.sequence import SamplingParams
-from tests.llm_models import build_tiny_llm, reference_generate
+from tests.llm_models import all_blocks_returned, build_tiny_llm, drain, reference_generate
 
 WINDOW = 8
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -44,21 +44,6 @@ def _engine(folder: Path, backend: str, **kw: object) -> LLMEngine:
     return engine
 
 
-def _drain(engine: LLMEngine) -> dict[tuple[str, int], list[int]]:
-    """Step to the end; tokens per (request, sample); the block invariants after each step."""
-    out: dict[tuple[str, int], list[int]] = {}
-    while engine.has_work():
-        for r in engine.step():
-            out.setdefault((r.request_id, r.index), []).extend(r.new_token_ids)
-        engine.block_manager.check(engine.scheduler.running + list(engine.scheduler.waiting))
-    return out
-
-
-def _all_returned(engine: LLMEngine) -> None:
-    engine.block_manager.check([])
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-
-
 def test_the_window_changes_the_reference(
     tmp_path: Path, mistral: Path, expected: list[list[int]]
 ) -> None:
@@ -80,7 +65,7 @@ def test_single_and_batched_requests_match(
     assert engine.config.max_model_len == 256  # the window no longer caps the context
     assert engine.generate(PROMPTS[:1], GREEDY) == expected[:1]
     assert engine.generate(PROMPTS, GREEDY) == expected
-    _all_returned(engine)
+    all_blocks_returned(engine)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -89,7 +74,7 @@ def test_chunked_prefill_matches(mistral: Path, expected: list[list[int]], backe
     engine = _engine(mistral, backend, block_size=4, max_num_batched_tokens=7)
     assert engine.generate(PROMPTS, GREEDY) == expected
     assert engine.stats.max_step_tokens <= 7
-    _all_returned(engine)
+    all_blocks_returned(engine)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -98,13 +83,13 @@ def test_prefix_cache_hits_match(mistral: Path, backend: str) -> None:
     shared = list(range(100, 136))  # 36 tokens: 9 full blocks, four and a half windows
     prompts = {"a": [*shared, 3, 5], "b": [*shared, 11, 13, 17, 19, 23]}
     engine.add_request("a", prompts["a"], GREEDY)
-    got = _drain(engine)
+    got = drain(engine)
     engine.add_request("b", prompts["b"], GREEDY)
-    got.update(_drain(engine))
+    got.update(drain(engine))
     assert engine.block_manager.stats.hits == 36  # b computed only its 5 own tokens
     for rid, prompt in prompts.items():
         assert got[(rid, 0)] == reference_generate(mistral, prompt, GREEDY.max_tokens)
-    _all_returned(engine)
+    all_blocks_returned(engine)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -115,10 +100,10 @@ def test_preemption_keeps_tokens_identical(
     engine = _engine(mistral, backend, block_size=4, num_gpu_blocks=30)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, GREEDY)
-    got = _drain(engine)
+    got = drain(engine)
     assert engine.scheduler.num_preemptions > 0
     assert [got[(f"r{i}", 0)] for i in range(len(PROMPTS))] == expected
-    _all_returned(engine)
+    all_blocks_returned(engine)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -128,14 +113,14 @@ def test_n_samples_copy_on_write(mistral: Path, backend: str) -> None:
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=40, n=3)
     engine = _engine(mistral, backend, block_size=4)
     engine.add_request("r", PROMPTS[2], params)
-    got = _drain(engine)
+    got = drain(engine)
     for i in range(3):
         alone = _engine(mistral, backend, block_size=4).generate(
             [PROMPTS[2]], replace(params, n=1, seed=40 + i)
         )
         assert got[("r", i)] == alone[0]
     assert len({tuple(v) for v in got.values()}) > 1
-    _all_returned(engine)
+    all_blocks_returned(engine)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -158,7 +143,7 @@ def test_qwen2_windows_its_upper_layers(tmp_path: Path, backend: str, layer_type
     assert engine.runner.windows == [None, WINDOW]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     assert engine.generate(PROMPTS[:2], params) == want
-    _all_returned(engine)
+    all_blocks_returned(engine)
 
 
 _QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 8, "hidden_size": 8,
