@@ -666,3 +666,41 @@ async def test_a_batch_sent_to_a_worker_that_died_idle_runs_on_its_successor(
     assert not isinstance(out, KilnError), out
     assert out["OUT"].tolist() == [[14, 14]]
     assert backend.worker.pid != old
+
+
+async def test_the_server_counts_its_requests_in_flight_for_busy_polling(tmp_path: Path) -> None:
+    """Through a loaded model (``ModelRuntime.infer``): a lone request busy-polls; of a
+    burst, the ones that overlap others do not (were requests not counted, all would);
+    the count returns to zero, also after a refused request."""
+    from kiln.core import activity
+    from kiln.core.types import DataType, InferenceRequest, InferInput
+    from kiln.repository.manager import RepositoryManager
+
+    _model(tmp_path)
+    (tmp_path / "double" / "config.pbtxt").write_text(
+        CONFIG + 'parameters { key: "busy_poll_us" value { string_value: "50000" } }'
+    )
+    manager = RepositoryManager([tmp_path])
+    await manager.load("double")
+    try:
+        runtime = manager.get("double")
+        assert runtime.scheduler is not None
+        backend = _backend(runtime.scheduler.instances[0])
+
+        def request(value: float, width: int = 2) -> InferenceRequest:
+            data = np.full((1, width), value, np.float32)
+            return InferenceRequest(
+                "double", inputs=[InferInput("IN", DataType.FP32, (1, width), data)]
+            )
+
+        assert (await runtime.infer(request(1))).outputs[0].data.tolist() == [[2, 2]]
+        assert backend.busy_polled_calls == 1 and activity.inflight == 0
+        burst = await asyncio.gather(*(runtime.infer(request(v)) for v in range(2, 8)))
+        assert [r.outputs[0].data.tolist() for r in burst] == [[[2 * v] * 2] for v in range(2, 8)]
+        assert backend.busy_polled_calls < 7
+        assert activity.inflight == 0
+        with pytest.raises(KilnError):
+            await runtime.infer(InferenceRequest("double", inputs=[]))  # no input IN
+        assert activity.inflight == 0
+    finally:
+        await manager.unload_all()
