@@ -704,3 +704,71 @@ async def test_the_server_counts_its_requests_in_flight_for_busy_polling(tmp_pat
         assert activity.inflight == 0
     finally:
         await manager.unload_all()
+
+
+# ---- a decoupled execute that raises while its threads still send ----------------------------
+LATE = """
+import threading
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.late_error = ""
+
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "IN").as_numpy()
+        sender = requests[0].get_response_sender()
+        if x.flat[0] < 0:
+            def late():
+                time.sleep(0.2)
+                try:
+                    sender.send(pb_utils.InferenceResponse(
+                        output_tensors=[pb_utils.Tensor("OUT", x)]),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                except pb_utils.TritonModelException as exc:
+                    self.late_error = str(exc)
+            threading.Thread(target=late).start()
+            raise ValueError("execute failed after starting a thread")
+        time.sleep(0.6)  # the first request's thread sends meanwhile
+        refused = np.float32(1 if "execute raised" in self.late_error else 0)
+        out = pb_utils.Tensor("OUT", x + refused)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+class _AnySink:
+    def __init__(self) -> None:
+        self.items: list[tuple[Any, bool, Any]] = []
+
+    def send(self, outputs: dict[str, np.ndarray] | None, final: bool, error: Any) -> None:
+        out = None if outputs is None else outputs["OUT"].tolist()
+        self.items.append((out, final, error))
+
+
+async def test_a_decoupled_execute_that_raises_closes_its_senders(tmp_path: Path) -> None:
+    """The error ends each open request of the batch as its final response; a thread of the
+    model's that sends later is refused, so nothing it sends reaches the next batch."""
+    config = parse_config_text(CONFIG + "model_transaction_policy { decoupled: true }")
+    instance = Instance(PythonBackend(config, _model(tmp_path, LATE), SPEC), "double")
+    try:
+        failed, after = _AnySink(), _AnySink()
+        assert await _run(instance, [_job(-1, sink=failed)]) == [{}]
+        ((out, final, error),) = failed.items
+        assert out is None and final
+        assert isinstance(error, KilnError) and error.status is Status.INTERNAL
+        assert error.message == (
+            "model 'double' failed to execute: ValueError: execute failed after starting a thread"
+        )
+        assert await _run(instance, [_job(5, sink=after)]) == [{}]
+        # its own two responses only, the first saying the late send was refused
+        assert after.items == [([[6.0, 6.0]], False, None), (None, True, None)]
+        assert failed.items == [(None, True, error)]
+        # nobody streams a warm-up's responses: its outcome carries the error
+        (outcome,) = await _run(instance, [_job(-1)])
+        assert isinstance(outcome, KilnError) and "execute failed after" in outcome.message
+    finally:
+        instance.close()

@@ -363,6 +363,9 @@ class PythonBackend(Backend):
     ) -> list[RequestOutcome]:
         if batch_error is not None:
             message = f"model '{self.model}' failed to execute: {batch_error}"
+            if self.decoupled:  # a streamed request got the error as its final response
+                return [{} if r.sink is not None else KilnError(message, Status.INTERNAL)
+                        for r in requests]  # fmt: skip
             return [KilnError(message, Status.INTERNAL) for _ in requests]
         if self.decoupled:
             return [{} for _ in requests]  # everything went out through the sinks

@@ -153,23 +153,23 @@ class InferenceResponseSender:
     def __init__(self, index: int) -> None:
         self._index = index
         self.closed = False
+        # Why a send is refused once closed: the FINAL flag was sent, or the batch ended
+        # (its execute raised) and the request was answered with that error.
+        self.closed_reason = (
+            "Unable to send response: the response sender has already sent its final "
+            "response (TRITONSERVER_RESPONSE_COMPLETE_FINAL)"
+        )
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
-        if self.closed:
-            raise TritonModelException(
-                "Unable to send response: the response sender has already sent its final "
-                "response (TRITONSERVER_RESPONSE_COMPLETE_FINAL)"
-            )
         if response is not None and not isinstance(response, InferenceResponse):
             raise TritonModelException(
                 f"send() takes an InferenceResponse, not {type(response).__name__}"
             )
-        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        if final:
-            self.closed = True
         if _channel is None:
             raise TritonModelException("no server channel: this model is not running in kiln")
-        _channel.send_response(self._index, response, final)
+        # The channel checks ``closed`` and sets it under its lock: a thread of the model's
+        # may send while the main thread ends the batch.
+        _channel.send_response(self, response, bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL))
 
     def is_cancelled(self) -> bool:
         return False

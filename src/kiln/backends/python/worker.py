@@ -62,15 +62,39 @@ class Channel:
         return headers, None
 
     def send_response(
-        self, index: int, response: pb_utils.InferenceResponse | None, final: bool
+        self,
+        sender: pb_utils.InferenceResponseSender,
+        response: pb_utils.InferenceResponse | None,
+        final: bool,
     ) -> None:
         with self.lock:  # the arena's cursor is shared by every sending thread
+            if sender.closed:
+                raise pb_utils.TritonModelException(sender.closed_reason)
             headers, error = self.encode(response) if response is not None else ([], None)
-            self.conn.send(("response", index, headers, error, final, response is not None))
+            self.conn.send(("response", sender._index, headers, error, final, response is not None))
+            sender.closed = final
         if final:
             with self.finals:
                 self.open_senders -= 1
                 self.finals.notify_all()
+
+    def close_senders(self, senders: list[pb_utils.InferenceResponseSender], error: str) -> None:
+        """End a failed decoupled batch: every request still open gets ``error`` as its
+        final response, and a later send from one of the model's threads is refused (it
+        would otherwise reach the request at the same index of the next batch)."""
+        with self.lock:
+            for sender in senders:
+                if sender.closed:
+                    continue
+                sender.closed = True
+                sender.closed_reason = (
+                    "Unable to send response: the request was already answered with an error "
+                    f"because execute raised ({error})"
+                )
+                code = pb_utils.TritonError.INTERNAL
+                self.conn.send(("response", sender._index, [], (error, code), True, False))
+        with self.finals:
+            self.open_senders = 0
 
     def call(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         with self.lock:
@@ -107,6 +131,7 @@ class Worker:
         self.channel = channel
         self.model: Any = None
         self.decoupled = False
+        self.model_name = ""
         self.loop = asyncio.new_event_loop()  # for `async def execute` and async_exec
 
     def load_module(self, path: Path) -> Any:
@@ -133,6 +158,7 @@ class Worker:
 
     def initialize(self, path: Path, args: dict[str, str], decoupled: bool) -> tuple[Any, ...]:
         self.decoupled = decoupled
+        self.model_name = args.get("model_name", "")
         self.model = self.load_module(path).TritonPythonModel()
         if hasattr(self.model, "initialize"):
             self.run(self.model.initialize(args))
@@ -170,10 +196,22 @@ class Worker:
             result = self.run(self.model.execute(requests))
         except Exception as exc:
             traceback.print_exc()
-            return ("executed", None, last_line(exc))
+            if not self.decoupled:
+                return ("executed", None, last_line(exc))
+            result = exc
         if self.decoupled:
             if result is not None:
-                return ("executed", None, "a decoupled model's execute must return None")
+                reason = (
+                    last_line(result)
+                    if isinstance(result, BaseException)
+                    else "a decoupled model's execute must return None"
+                )
+                senders = [r._sender for r in requests if r._sender is not None]
+                channel.close_senders(
+                    senders, f"model '{self.model_name}' failed to execute: {reason}"
+                )
+                # The server fails only the requests nobody streams to (a warm-up's).
+                return ("executed", None, reason)
             # Responses may still come from the model's own threads: answer when all are final.
             with channel.finals:
                 channel.finals.wait_for(lambda: channel.open_senders <= 0)
