@@ -150,6 +150,13 @@ def main() -> None:
     help="Timeout of one webhook POST before it is retried.",
 )
 @click.option(
+    "--disable-auto-complete-config",
+    is_flag=True,
+    help="Take each config.pbtxt as written: no inputs, outputs or max_batch_size read "
+    "from the model, no auto_complete_config of Python models, no default dynamic_batching "
+    "(Triton's flag of the same name).",
+)
+@click.option(
     "--strict-readiness/--no-strict-readiness",
     default=True,
     show_default=True,
@@ -208,6 +215,7 @@ def serve(
     alert_eval_interval_secs: float,
     alert_webhooks: tuple[str, ...],
     alert_webhook_timeout_secs: float,
+    disable_auto_complete_config: bool,
     strict_readiness: bool,
     exit_timeout_secs: float,
     http_max_input_size: int,
@@ -246,6 +254,7 @@ def serve(
         load_models=list(load_model),
         strict_readiness=strict_readiness,
         exit_timeout_secs=exit_timeout_secs,
+        auto_complete_config=not disable_auto_complete_config,
         max_request_bytes=http_max_input_size,
         repository_poll_secs=repository_poll_secs,
         cache=parsed_cache_config,

@@ -178,3 +178,68 @@ async def test_a_python_model_gets_the_batcher_only_if_it_asks(
     cfg = await _config(manager, name)
     assert cfg.max_batch_size == 8
     assert cfg.HasField("dynamic_batching") is batcher
+
+
+# ---- --disable-auto-complete-config ---------------------------------------------------------
+@pytest.fixture
+async def strict(tmp_path: Path) -> AsyncIterator[RepositoryManager]:
+    repo = RepositoryManager([tmp_path], auto_complete=False)
+    yield repo
+    await repo.unload_all()
+
+
+COMPLETE_ONNX = (
+    'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+    'input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+    'output [ { name: "OUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+)
+
+
+async def test_without_auto_complete_a_batching_model_gets_no_batcher(
+    tmp_path: Path, strict: RepositoryManager
+) -> None:
+    """As Triton with --disable-auto-complete-config: the config as written, one instance."""
+    identity_model(tmp_path / "m" / "1" / "model.onnx", [("X", TensorProto.FLOAT, ["b", 2])])
+    (tmp_path / "m" / "config.pbtxt").write_text(COMPLETE_ONNX)
+    cfg = await _config(strict, "m")
+    assert cfg.max_batch_size == 8 and not cfg.HasField("dynamic_batching")
+    assert len(cfg.instance_group) == 1
+    data = np.ones((3, 2), np.float32)
+    request = InferenceRequest("m", inputs=[InferInput("X", DataType.FP32, (3, 2), data)])
+    response = await strict.get("m").infer(request)
+    np.testing.assert_array_equal(response.outputs[0].data, data)
+
+
+async def test_without_auto_complete_a_model_needs_its_config_file(
+    tmp_path: Path, strict: RepositoryManager
+) -> None:
+    identity_model(tmp_path / "m" / "1" / "model.onnx", [("X", TensorProto.FLOAT, ["b", 2])])
+    with pytest.raises(KilnError) as info:
+        await strict.load("m")
+    message = info.value.message
+    assert "failed to load 'm'" in message and "config.pbtxt" in message
+    assert "--disable-auto-complete-config" in message
+
+
+async def test_without_auto_complete_missing_outputs_are_not_read_from_the_model(
+    tmp_path: Path, strict: RepositoryManager
+) -> None:
+    identity_model(tmp_path / "m" / "1" / "model.onnx", [("X", TensorProto.FLOAT, ["b", 2])])
+    (tmp_path / "m" / "config.pbtxt").write_text(COMPLETE_ONNX.rsplit("output", 1)[0])
+    with pytest.raises(KilnError) as info:
+        await strict.load("m")
+    assert "failed to load 'm'" in info.value.message and "output" in info.value.message
+
+
+async def test_without_auto_complete_a_python_model_s_hook_is_not_called(
+    tmp_path: Path, strict: RepositoryManager
+) -> None:
+    (tmp_path / "asks" / "1").mkdir(parents=True)
+    (tmp_path / "asks" / "1" / "model.py").write_text(PY_IDENTITY)
+    (tmp_path / "asks" / "config.pbtxt").write_text(
+        'name: "asks"\nbackend: "python"\nmax_batch_size: 8\n'
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+    )
+    cfg = await _config(strict, "asks")
+    assert not cfg.HasField("dynamic_batching")  # the hook would have asked for it

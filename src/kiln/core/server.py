@@ -63,6 +63,7 @@ class ServerOptions:
     cache: CacheConfig | None = None  # --cache-config; None: no response cache at all
     max_input_tensors: int = 0  # --max-input-tensors; 0: no limit (Triton has none)
     max_tensor_elements: int = 0  # --max-tensor-elements; 0: no limit
+    auto_complete_config: bool = True  # False: --disable-auto-complete-config
 
 
 class Server:
@@ -73,6 +74,7 @@ class Server:
             options.model_repositories,
             drain_timeout=options.exit_timeout_secs,
             response_cache=self.response_cache,
+            auto_complete=options.auto_complete_config,
         )
         self.shm = SharedMemoryManager()
         self.poller: RepositoryPoller | None = None

@@ -85,8 +85,12 @@ class RepositoryManager:
         repositories: list[Path],
         drain_timeout: float = 30.0,
         response_cache: ResponseCache | None = None,
+        auto_complete: bool = True,
     ) -> None:
         self.repositories = [Path(r).resolve() for r in repositories]
+        # Triton's --disable-auto-complete-config: configs are taken as written (no inputs,
+        # outputs or max_batch_size read from the model, no default dynamic batcher).
+        self.auto_complete = auto_complete
         self.drain_timeout = drain_timeout
         self.response_cache = response_cache  # shared by every model that enables it
         self.entries: dict[str, ModelEntry] = {}
@@ -198,6 +202,13 @@ class RepositoryManager:
         elif config_path.exists():
             config = load_config_file(config_path)
             text = config_path.read_text()
+        elif not self.auto_complete:
+            raise KilnError(
+                f"failed to load '{name}': {config_path} does not exist, and auto-complete "
+                "is disabled (--disable-auto-complete-config): the model needs a complete "
+                "config.pbtxt",
+                Status.INVALID_ARG,
+            )
         else:
             config = ModelConfig()
         if not config.name:
@@ -218,8 +229,15 @@ class RepositoryManager:
             raise KilnError(f"failed to load '{name}', no version is available", Status.INVALID_ARG)
         chosen = select_versions(config, list(versions))
         check_config_paths(config, name)  # before auto-complete reads any named file
-        cls.auto_complete_config(config, versions[chosen[-1]])
-        _complete_scheduling(config)
+        if self.auto_complete:
+            cls.auto_complete_config(config, versions[chosen[-1]])
+        elif not len(config.output) and not is_ensemble(config):
+            raise KilnError(
+                f"failed to load '{name}': {config_path} declares no output, and auto-complete "
+                "is disabled (--disable-auto-complete-config), so none is read from the model",
+                Status.INVALID_ARG,
+            )
+        _complete_scheduling(config, default_batcher=self.auto_complete)
         check_config_paths(config, name)
         problems = validate_config(config, name, str(config_path), text=None)
         if problems:
@@ -361,8 +379,10 @@ class RepositoryManager:
         )
 
 
-def _complete_scheduling(config: ModelConfig) -> None:
-    """Triton: a batching model with no scheduler gets an empty ``dynamic_batching``.
+def _complete_scheduling(config: ModelConfig, default_batcher: bool = True) -> None:
+    """Triton: one CPU/GPU instance when the config names none; with auto-complete
+    (``default_batcher``), a batching model with no scheduler gets an empty
+    ``dynamic_batching``.
 
     Not a Python-backend model: Triton's python backend runs one request per ``execute``
     unless the config or the model's ``auto_complete_config`` asks for the dynamic batcher
@@ -371,7 +391,8 @@ def _complete_scheduling(config: ModelConfig) -> None:
     if not len(config.instance_group) and not is_ensemble(config):
         config.instance_group.add(count=1)
     if (
-        config.max_batch_size > 1
+        default_batcher
+        and config.max_batch_size > 1
         and config.WhichOneof("scheduling_choice") is None
         and config.platform != "ensemble"
         and config.backend != "python"
