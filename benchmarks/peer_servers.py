@@ -4,7 +4,7 @@
 - **Triton**: the ``tritonserver`` binary shipped in the nvidia-pytriton wheel, run directly
   on a generated repository of Python-backend models (``peers/triton_model.py`` running
   onnxruntime on the same ``model.onnx``; same ``config.pbtxt`` with ``backend: "python"``,
-  so no dynamic batching, like kiln's direct scheduler).
+  so no dynamic batching: Triton adds none to a python-backend model).
 - **MLServer**: ``mlserver start`` on generated ``model-settings.json`` files pointing at the
   custom runtime ``peers/mlserver_runtime.py``; ``parallel_workers=0`` keeps inference in the
   server process, ``debug=false`` turns the access log off.
@@ -93,14 +93,17 @@ def missing_reason(peer: str) -> str | None:
     return None
 
 
-def start_kiln(repo: Path, work: Path, named_threads: bool = False) -> ServerProcess:
-    """``named_threads``: run through ``named_threads.py`` so /proc shows thread names."""
+def start_kiln(
+    repo: Path, work: Path, named_threads: bool = False, args: tuple[str, ...] = ()
+) -> ServerProcess:
+    """``named_threads``: run through ``named_threads.py`` so /proc shows thread names;
+    ``args``: more ``kiln serve`` flags."""
     http, grpc_port = free_port(), free_port()
     launcher = [str(Path(__file__).with_name("named_threads.py"))] if named_threads else ["-m"]
     cmd = [
         sys.executable, *launcher, "kiln", "serve", "--model-repository", str(repo),
         "--http-port", str(http), "--grpc-port", str(grpc_port),
-        "--metrics-port", str(free_port()), "--log-level", "warning",
+        "--metrics-port", str(free_port()), "--log-level", "warning", *args,
     ]  # fmt: skip
     log = work / "kiln.log"
     return ServerProcess("kiln", _spawn(cmd, log), http, grpc_port, log)

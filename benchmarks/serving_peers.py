@@ -11,6 +11,10 @@ concurrency (1, 8, 32):
   (``ModelInfer`` with ``raw_input_contents``, pre-serialised), with the lean load generator
   of ``loadgen.py``. Peers get the same bodies; MLServer has no binary extension.
 
+No server batches: kiln runs with ``--disable-auto-complete-config`` (its direct scheduler,
+as Triton runs a python-backend model whose config names no scheduler), MLServer without
+adaptive batching. ``batching.py`` compares the servers with their batchers on.
+
 Reports throughput, p50/p99, ratios to raw ORT and to kiln (same protocol), the per-request
 overhead over raw ORT in µs (1/throughput difference and p50 difference) and server /
 load-generator CPU per request. Peers come from ``benchmarks/setup_peers.sh``; a missing one
@@ -240,7 +244,8 @@ def main() -> None:
         repo = work / "models"
         build_example_repository(repo, MODELS)
         starters: dict[str, Callable[[], ServerProcess]] = {
-            "kiln": lambda: start_kiln(repo, work),
+            # As written, like Triton's python models: no auto-completed dynamic_batching.
+            "kiln": lambda: start_kiln(repo, work, args=("--disable-auto-complete-config",)),
             "triton": lambda: start_triton(repo, MODELS, work),
             "mlserver": lambda: start_mlserver(repo, MODELS, work),
         }
