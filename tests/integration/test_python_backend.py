@@ -9,6 +9,7 @@ import queue
 import signal
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -119,7 +120,43 @@ class TritonPythonModel:
                 pb_utils.get_input_tensor_by_name(r, "X").as_numpy() + 1)]) for r in requests]
 """
 
-LOADED = ["mlp", "python_preprocess", "repeat_int32", "py_faults", "py_bls", "py_auto"]
+UNTIL_CANCELLED_MODEL = """
+import os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.folder = args["model_repository"]
+
+    def execute(self, requests):
+        request = requests[0]
+        sender = request.get_response_sender()
+        tag = pb_utils.get_input_tensor_by_name(request, "TAG").as_numpy().reshape(-1)[0]
+        for i in range(6000):  # 30 s of responses unless the client goes away
+            if sender.is_cancelled():
+                # what the test reads: this request saw its client go, after i responses
+                with open(os.path.join(self.folder, tag.decode() + ".cancelled"), "w") as f:
+                    f.write(str(i))
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                return None
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("N", np.array([i], np.int32))]))
+            time.sleep(0.005)
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+UNTIL_CANCELLED_CONFIG = """
+name: "py_until_cancelled"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "TAG" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+LOADED = ["mlp", "python_preprocess", "repeat_int32", "py_faults", "py_bls", "py_auto",
+          "py_until_cancelled"]  # fmt: skip
 
 
 def _python_model(repo: Path, name: str, source: str, config: str | None) -> None:
@@ -137,6 +174,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     _python_model(repo, "py_init_fails", INIT_FAILS_MODEL, 'backend: "python"\n')
     _python_model(repo, "py_bls", BLS_MODEL, BLS_CONFIG)
     _python_model(repo, "py_auto", AUTO_MODEL, None)
+    _python_model(repo, "py_until_cancelled", UNTIL_CANCELLED_MODEL, UNTIL_CANCELLED_CONFIG)
     args = ["--model-control-mode", "explicit"]
     for name in LOADED:
         args += ["--load-model", name]
@@ -335,6 +373,60 @@ def test_http_generate(server: KilnProcess) -> None:
         f"http://{server.http_url}/v2/models/py_auto/generate", json={"X": [1, 2]}, timeout=30
     )
     assert plain.status_code == 200 and plain.json()["Y"] == [2, 3]
+
+
+def _wait_for_file(path: Path, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.05)
+    time.sleep(0.05)  # written and closed
+    return path.read_text()
+
+
+def test_a_cancelled_grpc_stream_is_seen_by_the_model(server: KilnProcess) -> None:
+    """``stop_stream(cancel_requests=True)`` mid-stream: ``is_cancelled()`` turns true in the
+    running ``execute``, which ends, and the instance serves the next request."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    tag = grpcclient.InferInput("TAG", [1], "BYTES")
+    tag.set_data_from_numpy(np.array([b"grpc"], dtype=object))
+    client.async_stream_infer("py_until_cancelled", [tag])
+    for i in range(3):
+        result, error = results.get(timeout=30)
+        assert error is None, error
+        assert result.as_numpy("N").tolist() == [i]
+    client.stop_stream(cancel_requests=True)
+    sent = int(_wait_for_file(server.repository / "py_until_cancelled" / "grpc.cancelled"))
+    assert 3 <= sent < 6000
+    client.close()
+    # the instance is free again: a new stream gets its responses
+    _assert_streams(server)
+
+
+def test_a_closed_generate_stream_connection_is_seen_by_the_model(server: KilnProcess) -> None:
+    url = f"http://{server.http_url}/v2/models/py_until_cancelled/generate_stream"
+    with requests.post(url, json={"TAG": "sse"}, stream=True, timeout=30) as resp:
+        assert resp.status_code == 200
+        events: list[dict[str, Any]] = []
+        for line in resp.iter_lines(decode_unicode=True):
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+            if len(events) == 3:
+                break
+    # leaving the block closed the connection mid-stream
+    assert [e["N"] for e in events] == [0, 1, 2]
+    sent = int(_wait_for_file(server.repository / "py_until_cancelled" / "sse.cancelled"))
+    assert 3 <= sent < 6000
+    _assert_streams(server)
+
+
+def _assert_streams(server: KilnProcess) -> None:
+    url = f"http://{server.http_url}/v2/models/repeat_int32/generate_stream"
+    with requests.post(url, json={"IN": [5, 6]}, stream=True, timeout=30) as resp:
+        events = [line for line in resp.iter_lines(decode_unicode=True) if line]
+    assert len(events) == 2
 
 
 def test_infer_on_a_decoupled_model_is_refused(

@@ -22,6 +22,7 @@ from kiln.backends.python.wire import Wire
 from kiln.config.loader import parse_config_text
 from kiln.core.errors import KilnError, Status
 from kiln.core.stats import RequestTimes
+from kiln.core.stream import ResponseStream
 from kiln.scheduling.base import Instance, Job
 
 # Input values steer the model: -1 raises, -3 sleeps (so it can be killed mid-request),
@@ -770,5 +771,77 @@ async def test_a_decoupled_execute_that_raises_closes_its_senders(tmp_path: Path
         # nobody streams a warm-up's responses: its outcome carries the error
         (outcome,) = await _run(instance, [_job(-1)])
         assert isinstance(outcome, KilnError) and "execute failed after" in outcome.message
+    finally:
+        instance.close()
+
+
+# ---- request cancellation: is_cancelled() -----------------------------------------------------
+UNTIL_CANCELLED = """
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        request = requests[0]
+        sender = request.get_response_sender()
+        x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+        for i in range(4000):  # 20 s of responses unless the client goes away
+            if sender.is_cancelled():
+                seen = np.float32(-1 if request.is_cancelled() else -2)
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x * 0 + seen)]),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                return None
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x + i)]))
+            time.sleep(0.005)
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+@pytest.mark.parametrize("path", ["loop", "thread"])
+async def test_a_cancelled_stream_is_seen_by_the_running_model(tmp_path: Path, path: str) -> None:
+    """``ResponseStream.cancel`` (the client went away) sets the request's byte: the model's
+    ``is_cancelled()`` turns true while ``execute`` runs, on both of the backend's paths."""
+    config = parse_config_text(CONFIG + "model_transaction_policy { decoupled: true }")
+    instance = Instance(PythonBackend(config, _model(tmp_path, UNTIL_CANCELLED), SPEC), "double")
+    try:
+        stream = ResponseStream(asyncio.get_running_loop())
+        jobs = [_job(3, sink=stream)]
+        if path == "loop":
+            task = asyncio.ensure_future(_run(instance, jobs))
+        else:  # the instance's thread drives the worker (as after a restart)
+            backend = _backend(instance)
+            task = asyncio.ensure_future(asyncio.to_thread(backend.execute_requests, jobs))
+        items = stream.__aiter__()
+        first = [await asyncio.wait_for(anext(items), 30) for _ in range(3)]
+        assert [i.outputs["OUT"].tolist() for i in first if i.outputs] == [[[3, 3]], [[4, 4]],
+                                                                          [[5, 5]]]  # fmt: skip
+        stream.cancel()
+        assert await asyncio.wait_for(task, 30) == [{}]
+        stream.finish()
+        rest = [item async for item in items]
+        last = rest[-1]
+        assert last.final and last.outputs is not None
+        assert last.outputs["OUT"].tolist() == [[-1, -1]]  # the request saw it too
+        assert len(first) + len(rest) < 4000
+    finally:
+        instance.close()
+
+
+async def test_a_cancel_after_the_batch_ended_writes_nothing(tmp_path: Path) -> None:
+    """The slot's arena holds the next batch's tensors once a batch has ended: a late
+    cancel must not flip a byte there."""
+    config = parse_config_text(CONFIG + "model_transaction_policy { decoupled: true }")
+    instance = Instance(PythonBackend(config, _model(tmp_path, STREAM), SPEC), "double")
+    try:
+        stream = ResponseStream(asyncio.get_running_loop())
+        assert await _run(instance, [_job(1, sink=stream)]) == [{}]
+        backend = _backend(instance)
+        inbound = backend.worker.arenas[0][0]
+        wire, watch = backend._wire([_job(7)], 0)  # the next batch: its byte where ours was
+        watch.end()
+        stream.cancel()  # the first request's callback runs now
+        assert not inbound.flag(wire[0]["cancel_at"])
     finally:
         instance.close()

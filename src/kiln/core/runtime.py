@@ -259,7 +259,8 @@ class ModelRuntime:
             self.stats.record_success(times, batch, time.monotonic_ns())
         finally:
             if task is not None and not task.done():
-                task.cancel()  # the client went away: stop waiting for the model
+                stream.cancel()  # the client went away: the model may see it and stop
+                task.cancel()  # and nobody waits for the model any more
             self._inflight -= 1
             activity.inflight -= 1
             if self._inflight == 0:

@@ -136,6 +136,17 @@ class Arena:
         view = np.ndarray(shape, np.dtype(dtype), buffer=self._map, offset=offset)
         return view.copy() if copy else view
 
+    # ---- one-byte flags (request cancellation) ---------------------------------------
+    def set_flag(self, offset: int) -> None:
+        """Set the byte at ``offset`` (written earlier by ``write``) to 1."""
+        self._ensure_mapped(offset + 1)
+        assert self._map is not None
+        self._map[offset] = 1
+
+    def flag(self, offset: int) -> bool:
+        self._ensure_mapped(offset + 1)
+        return self._map is not None and self._map[offset] != 0
+
     def close(self) -> None:
         if self._map is not None:
             with contextlib.suppress(BufferError):

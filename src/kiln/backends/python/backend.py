@@ -33,6 +33,7 @@ from kiln.backends.base import (
     parameter,
 )
 from kiln.backends.python import bls
+from kiln.backends.python.cancel import CancelWatch
 from kiln.backends.python.deadline import (
     BatchDeadline,
     batch_deadline,
@@ -290,20 +291,26 @@ class PythonBackend(Backend):
         previous = self.round_trip_ns
         self.round_trip_ns = float(ns) if previous is None else 0.8 * previous + 0.2 * ns
 
-    def _wire(self, requests: list[BackendRequest], slot: int = 0) -> list[dict[str, Any]]:
-        """The requests as the worker takes them: tensors into the slot's inbound arena."""
+    def _wire(
+        self, requests: list[BackendRequest], slot: int = 0
+    ) -> tuple[list[dict[str, Any]], CancelWatch]:
+        """The requests as the worker takes them: tensors into the slot's inbound arena,
+        and the batch's cancellation bytes (``end()`` the watch when the batch ends)."""
         inbound = self.worker.arenas[slot][0]
         inbound.reset()
-        return [
+        watch = CancelWatch(inbound, requests)
+        wire = [
             {
                 "inputs": [inbound.write(n, a) for n, a in r.inputs.items()],
                 "outputs": list(r.output_names),
                 "request_id": r.request_id,
                 "correlation_id": r.parameters.get("sequence_id", 0),
                 "parameters": json.dumps(r.parameters, default=str),
+                "cancel_at": watch.offset + i,
             }
-            for r in requests
+            for i, r in enumerate(requests)
         ]
+        return wire, watch
 
     def _died(self, exc: WorkerDied) -> KilnError:
         return KilnError(
@@ -330,7 +337,7 @@ class PythonBackend(Backend):
     def _run(self, requests: list[BackendRequest]) -> list[RequestOutcome]:
         """One ``execute`` of the worker; a lost worker raises for the whole batch."""
         worker = self.worker
-        wire = self._wire(requests)
+        wire, watch = self._wire(requests)
         deadline = batch_deadline(
             (r.deadline_ns for r in requests), time.monotonic_ns(), self.execute_timeout
         )
@@ -353,6 +360,8 @@ class PythonBackend(Backend):
         except WorkerTimeout:
             self._begin_restart()
             return self._overran(requests, deadline)
+        finally:
+            watch.end()
 
     def _outcomes(
         self,

@@ -43,6 +43,7 @@ from kiln.core.errors import KilnError
 
 if TYPE_CHECKING:
     from kiln.backends.python.backend import PythonBackend
+    from kiln.backends.python.cancel import CancelWatch
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +72,13 @@ class LoopCall:
         self.deadline = BatchDeadline()
         self.future: asyncio.Future[list[RequestOutcome]] = loop.create_future()
         self.slot = 0  # which pair of arenas carries its tensors
+        self.watch: CancelWatch | None = None  # its requests' cancellation bytes, once sent
         self.began_ns = 0  # when the worker could start it (sent, or the one before ended)
 
     def resolve(self, done: list[RequestOutcome]) -> None:
         """Answer the batch: ``done`` has one outcome per executed request."""
+        if self.watch is not None:
+            self.watch.end()
         if self.future.done():
             return
         outcomes = self.outcomes
@@ -83,6 +87,8 @@ class LoopCall:
         self.future.set_result(cast(list[RequestOutcome], outcomes))
 
     def fail(self, error: BaseException) -> None:
+        if self.watch is not None:
+            self.watch.end()
         if not self.future.done():
             self.future.set_exception(error)
 
@@ -156,7 +162,8 @@ class WorkerPipe:
         self.calls.append(call)
         backend = self.backend
         try:
-            backend.worker.send(("execute", backend._wire(call.requests, call.slot), call.slot))
+            wire, call.watch = backend._wire(call.requests, call.slot)
+            backend.worker.send(("execute", wire, call.slot))
         except WorkerDied as exc:
             # The worker is gone and never got this batch: it runs again after the
             # restart, like those queued behind a lost one.

@@ -150,8 +150,9 @@ class InferenceResponse:
 class InferenceResponseSender:
     """Sends a decoupled model's responses, 0..N per request, the last flagged FINAL."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, request: InferenceRequest | None = None) -> None:
         self._index = index
+        self._request = request
         self.closed = False
         # Why a send is refused once closed: the FINAL flag was sent, or the batch ended
         # (its execute raised) and the request was answered with that error.
@@ -172,7 +173,9 @@ class InferenceResponseSender:
         _channel.send_response(self, response, bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL))
 
     def is_cancelled(self) -> bool:
-        return False
+        """Whether the request's client went away (a cancelled gRPC stream, a closed
+        connection): the model may stop and send the FINAL flag."""
+        return self._request is not None and self._request.is_cancelled()
 
 
 class InferenceRequest:
@@ -203,6 +206,8 @@ class InferenceRequest:
             parameters if isinstance(parameters, str) else json.dumps(parameters or {})
         )
         self._sender: InferenceResponseSender | None = None
+        # Where the server flags this request cancelled: (arena, byte offset), in execute.
+        self._cancel_flag: tuple[Any, int] | None = None
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -232,7 +237,9 @@ class InferenceRequest:
         return self._parameters
 
     def is_cancelled(self) -> bool:
-        return False
+        """Whether the request's client went away while it runs (Triton 23.10+)."""
+        flag = self._cancel_flag
+        return flag is not None and flag[0].flag(flag[1])
 
     def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:

@@ -170,11 +170,23 @@ class Worker:
         return result
 
     def execute(self, wire_requests: list[dict[str, Any]], slot: int = 0) -> tuple[Any, ...]:
+        requests: list[pb_utils.InferenceRequest] = []
+        try:
+            return self._execute(wire_requests, slot, requests)
+        finally:
+            for request in requests:  # the slot's arena is the next batch's now
+                request._cancel_flag = None
+
+    def _execute(
+        self,
+        wire_requests: list[dict[str, Any]],
+        slot: int,
+        requests: list[pb_utils.InferenceRequest],
+    ) -> tuple[Any, ...]:
         channel = self.channel
         # This batch's tensors, its responses and its BLS calls use the slot's arenas.
         channel.inbound, channel.outbound = channel.arenas[slot]
         channel.outbound.reset()
-        requests = []
         for index, wire in enumerate(wire_requests):
             inputs = [
                 pb_utils.Tensor(h[0], channel.inbound.read(h, copy=False)) for h in wire["inputs"]
@@ -186,8 +198,9 @@ class Worker:
                 correlation_id=wire["correlation_id"],
                 parameters=wire["parameters"],
             )
+            request._cancel_flag = (channel.inbound, wire["cancel_at"])
             if self.decoupled:
-                request._sender = pb_utils.InferenceResponseSender(index)
+                request._sender = pb_utils.InferenceResponseSender(index, request)
             requests.append(request)
         if self.decoupled:
             with channel.finals:

@@ -1,0 +1,46 @@
+"""Request cancellation for the Python backend: Triton's ``is_cancelled()``.
+
+A batch's requests each get one byte in the slot's inbound arena, written as 0 with their
+tensors. When a request's client goes away (its ``ResponseStream`` is cancelled), the server
+sets the byte; the worker reads it in ``InferenceRequest.is_cancelled()`` and
+``InferenceResponseSender.is_cancelled()``, with no message on the pipe, so a model busy in
+``execute`` sees it while it runs. Once the batch has ended the arena belongs to the next
+batch of that slot, so the flags are no longer written.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from functools import partial
+
+import numpy as np
+
+from kiln.backends.base import BackendRequest
+from kiln.backends.python.arena import Arena
+
+FLAGS_NAME = "__cancelled__"
+
+
+class CancelWatch:
+    """The cancellation bytes of one batch, set while the batch runs."""
+
+    def __init__(self, arena: Arena, requests: Sequence[BackendRequest]) -> None:
+        self._arena = arena
+        self.offset = arena.write(FLAGS_NAME, np.zeros(len(requests), np.uint8))[3]
+        self._lock = threading.Lock()  # a cancel (loop) against the batch's end (any thread)
+        self._live = True
+        for index, request in enumerate(requests):
+            add = getattr(request.sink, "add_cancel_callback", None)
+            if add is not None:
+                add(partial(self._cancel, index))
+
+    def _cancel(self, index: int) -> None:
+        with self._lock:
+            if self._live:
+                self._arena.set_flag(self.offset + index)
+
+    def end(self) -> None:
+        """The batch is over: its slot's arena may hold the next batch's tensors."""
+        with self._lock:
+            self._live = False
