@@ -799,32 +799,46 @@ class TritonPythonModel:
 """
 
 
+class _CancellableSink(_AnySink):
+    """Records every send, also those after the cancel (a ``ResponseStream`` drops them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.callbacks: list[Any] = []
+
+    def add_cancel_callback(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+    def cancel(self) -> None:
+        for callback in self.callbacks:
+            callback()
+
+
 @pytest.mark.parametrize("path", ["loop", "thread"])
 async def test_a_cancelled_stream_is_seen_by_the_running_model(tmp_path: Path, path: str) -> None:
-    """``ResponseStream.cancel`` (the client went away) sets the request's byte: the model's
-    ``is_cancelled()`` turns true while ``execute`` runs, on both of the backend's paths."""
+    """The request's cancel callback (its client went away) sets the request's byte: the
+    model's ``is_cancelled()`` turns true while ``execute`` runs, on both of the backend's
+    paths."""
     config = parse_config_text(CONFIG + "model_transaction_policy { decoupled: true }")
     instance = Instance(PythonBackend(config, _model(tmp_path, UNTIL_CANCELLED), SPEC), "double")
     try:
-        stream = ResponseStream(asyncio.get_running_loop())
-        jobs = [_job(3, sink=stream)]
+        sink = _CancellableSink()
+        jobs = [_job(3, sink=sink)]
         if path == "loop":
             task = asyncio.ensure_future(_run(instance, jobs))
         else:  # the instance's thread drives the worker (as after a restart)
             backend = _backend(instance)
             task = asyncio.ensure_future(asyncio.to_thread(backend.execute_requests, jobs))
-        items = stream.__aiter__()
-        first = [await asyncio.wait_for(anext(items), 30) for _ in range(3)]
-        assert [i.outputs["OUT"].tolist() for i in first if i.outputs] == [[[3, 3]], [[4, 4]],
-                                                                          [[5, 5]]]  # fmt: skip
-        stream.cancel()
+        deadline = time.monotonic() + 30
+        while len(sink.items) < 3:
+            assert time.monotonic() < deadline, "no responses"
+            await asyncio.sleep(0.005)
+        assert [out for out, _, _ in sink.items[:3]] == [[[3, 3]], [[4, 4]], [[5, 5]]]
+        sink.cancel()
         assert await asyncio.wait_for(task, 30) == [{}]
-        stream.finish()
-        rest = [item async for item in items]
-        last = rest[-1]
-        assert last.final and last.outputs is not None
-        assert last.outputs["OUT"].tolist() == [[-1, -1]]  # the request saw it too
-        assert len(first) + len(rest) < 4000
+        last_out, last_final, _ = sink.items[-1]
+        assert last_final and last_out == [[-1, -1]]  # the request saw it too
+        assert len(sink.items) < 4000
     finally:
         instance.close()
 

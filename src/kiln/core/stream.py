@@ -45,7 +45,10 @@ class ResponseStream:
     def send(
         self, outputs: dict[str, np.ndarray] | None, final: bool, error: KilnError | None
     ) -> None:
-        """Thread-safe: queue one response (or a response's error) for the reader."""
+        """Thread-safe: queue one response (or a response's error) for the reader; dropped
+        once the reader has gone (``cancel``), so a model that keeps sending holds no memory."""
+        if self.cancelled:
+            return
         self._loop.call_soon_threadsafe(self._queue.put_nowait, StreamItem(outputs, final, error))
 
     def add_cancel_callback(self, callback: Callable[[], None]) -> None:
