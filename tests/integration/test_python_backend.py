@@ -3,6 +3,7 @@ streams, BLS, and each fault a user model can cause."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
@@ -155,8 +157,38 @@ input [ { name: "TAG" data_type: TYPE_STRING dims: [ 1 ] } ]
 output [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
 """
 
+UNARY_UNTIL_CANCELLED_MODEL = """
+import os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.folder = args["model_repository"]
+
+    def execute(self, requests):
+        request = requests[0]
+        open(os.path.join(self.folder, "started"), "w").close()
+        for i in range(6000):  # 30 s unless the client goes away
+            if request.is_cancelled():
+                with open(os.path.join(self.folder, "cancelled"), "w") as f:
+                    f.write(str(i))
+                break
+            time.sleep(0.005)
+        x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)])]
+"""
+
+UNARY_UNTIL_CANCELLED_CONFIG = """
+name: "py_unary_until_cancelled"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
 LOADED = ["mlp", "python_preprocess", "repeat_int32", "py_faults", "py_bls", "py_auto",
-          "py_until_cancelled"]  # fmt: skip
+          "py_until_cancelled", "py_unary_until_cancelled"]  # fmt: skip
 
 
 def _python_model(repo: Path, name: str, source: str, config: str | None) -> None:
@@ -175,6 +207,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     _python_model(repo, "py_bls", BLS_MODEL, BLS_CONFIG)
     _python_model(repo, "py_auto", AUTO_MODEL, None)
     _python_model(repo, "py_until_cancelled", UNTIL_CANCELLED_MODEL, UNTIL_CANCELLED_CONFIG)
+    _python_model(
+        repo, "py_unary_until_cancelled", UNARY_UNTIL_CANCELLED_MODEL, UNARY_UNTIL_CANCELLED_CONFIG
+    )
     args = ["--model-control-mode", "explicit"]
     for name in LOADED:
         args += ["--load-model", name]
@@ -420,6 +455,29 @@ def test_a_closed_generate_stream_connection_is_seen_by_the_model(server: KilnPr
     sent = int(_wait_for_file(server.repository / "py_until_cancelled" / "sse.cancelled"))
     assert 3 <= sent < 6000
     _assert_streams(server)
+
+
+def test_a_cancelled_grpc_infer_is_seen_by_the_model(server: KilnProcess) -> None:
+    """tritonclient's asyncio client cancels a unary ``ModelInfer`` (the task is cancelled,
+    so the call is): ``request.is_cancelled()`` turns true in the running ``execute``."""
+    folder = server.repository / "py_unary_until_cancelled"
+
+    async def cancel_one() -> None:
+        async with grpcaio.InferenceServerClient(server.grpc_url) as client:
+            x = grpcaio.InferInput("X", [1], "INT32")
+            x.set_data_from_numpy(np.array([7], np.int32))
+            call = asyncio.create_task(client.infer("py_unary_until_cancelled", [x]))
+            deadline = time.monotonic() + 30
+            while not (folder / "started").exists():
+                assert time.monotonic() < deadline, "execute never started"
+                await asyncio.sleep(0.02)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+    asyncio.run(cancel_one())
+    sent = int(_wait_for_file(folder / "cancelled"))
+    assert 0 <= sent < 6000
 
 
 def _assert_streams(server: KilnProcess) -> None:

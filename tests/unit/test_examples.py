@@ -480,6 +480,8 @@ class _Collect:
 def test_repeat_int32_streams_one_response_per_value(repo: Path, values: list[int]) -> None:
     from kiln.backends.base import InstanceSpec
     from kiln.backends.python.backend import PythonBackend
+    from kiln.core.stats import RequestTimes
+    from kiln.scheduling.base import Job
 
     config = parse_config_text(example_config("repeat_int32"))
     spec = InstanceSpec("repeat_int32", "cpu", 0, 0, 1)
@@ -487,15 +489,9 @@ def test_repeat_int32_streams_one_response_per_value(repo: Path, values: list[in
     try:
         sink = _Collect()
 
-        class Request:
-            inputs = {"IN": np.array(values, np.int32)}
-            output_names = ["OUT", "IDX"]
-            parameters: dict[str, Any] = {}
-            request_id = "r"
-            deadline_ns = 0
-
-        Request.sink = sink  # type: ignore[attr-defined]
-        assert backend.execute_requests([Request()]) == [{}]  # type: ignore[list-item]
+        inputs = {"IN": np.array(values, np.int32)}
+        job = Job(inputs, ["OUT", "IDX"], 1, RequestTimes(), request_id="r", sink=sink)
+        assert backend.execute_requests([job]) == [{}]
     finally:
         backend.close()
     expected = reference_responses("repeat_int32", {"IN": np.array(values, np.int32)})

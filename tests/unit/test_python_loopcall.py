@@ -22,7 +22,6 @@ from kiln.backends.python.wire import Wire
 from kiln.config.loader import parse_config_text
 from kiln.core.errors import KilnError, Status
 from kiln.core.stats import RequestTimes
-from kiln.core.stream import ResponseStream
 from kiln.scheduling.base import Instance, Job
 
 # Input values steer the model: -1 raises, -3 sleeps (so it can be killed mid-request),
@@ -799,30 +798,14 @@ class TritonPythonModel:
 """
 
 
-class _CancellableSink(_AnySink):
-    """Records every send, also those after the cancel (a ``ResponseStream`` drops them)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.callbacks: list[Any] = []
-
-    def add_cancel_callback(self, callback: Any) -> None:
-        self.callbacks.append(callback)
-
-    def cancel(self) -> None:
-        for callback in self.callbacks:
-            callback()
-
-
 @pytest.mark.parametrize("path", ["loop", "thread"])
 async def test_a_cancelled_stream_is_seen_by_the_running_model(tmp_path: Path, path: str) -> None:
-    """The request's cancel callback (its client went away) sets the request's byte: the
-    model's ``is_cancelled()`` turns true while ``execute`` runs, on both of the backend's
-    paths."""
+    """``Job.cancel`` (its client went away) sets the request's byte: the model's
+    ``is_cancelled()`` turns true while ``execute`` runs, on both of the backend's paths."""
     config = parse_config_text(CONFIG + "model_transaction_policy { decoupled: true }")
     instance = Instance(PythonBackend(config, _model(tmp_path, UNTIL_CANCELLED), SPEC), "double")
     try:
-        sink = _CancellableSink()
+        sink = _AnySink()
         jobs = [_job(3, sink=sink)]
         if path == "loop":
             task = asyncio.ensure_future(_run(instance, jobs))
@@ -834,7 +817,7 @@ async def test_a_cancelled_stream_is_seen_by_the_running_model(tmp_path: Path, p
             assert time.monotonic() < deadline, "no responses"
             await asyncio.sleep(0.005)
         assert [out for out, _, _ in sink.items[:3]] == [[[3, 3]], [[4, 4]], [[5, 5]]]
-        sink.cancel()
+        jobs[0].cancel()
         assert await asyncio.wait_for(task, 30) == [{}]
         last_out, last_final, _ = sink.items[-1]
         assert last_final and last_out == [[-1, -1]]  # the request saw it too
@@ -849,13 +832,13 @@ async def test_a_cancel_after_the_batch_ended_writes_nothing(tmp_path: Path) -> 
     config = parse_config_text(CONFIG + "model_transaction_policy { decoupled: true }")
     instance = Instance(PythonBackend(config, _model(tmp_path, STREAM), SPEC), "double")
     try:
-        stream = ResponseStream(asyncio.get_running_loop())
-        assert await _run(instance, [_job(1, sink=stream)]) == [{}]
+        job = _job(1, sink=_AnySink())
+        assert await _run(instance, [job]) == [{}]
         backend = _backend(instance)
         inbound = backend.worker.arenas[0][0]
         wire, watch = backend._wire([_job(7)], 0)  # the next batch: its byte where ours was
         watch.end()
-        stream.cancel()  # the first request's callback runs now
+        job.cancel()  # the first request's callback runs now
         assert not inbound.flag(wire[0]["cancel_at"])
     finally:
         instance.close()

@@ -51,6 +51,7 @@ class BackendRequest(Protocol):
     request_id: str
     sink: ResponseSink | None
     deadline_ns: int  # time.monotonic_ns() by which it must be answered; 0 = none
+    # A request whose client can go away (``Job``) also has ``add_cancel_callback``.
 
 
 # One entry per request: its outputs, or the error that request alone failed with.

@@ -193,6 +193,9 @@ class ModelRuntime:
             try:
                 raw = await self.scheduler.schedule(job)
                 outputs = self._outputs(raw, names, batch)
+            except asyncio.CancelledError:
+                job.cancel()  # the client went away (a cancelled gRPC call)
+                raise
             except KilnError as exc:
                 self.stats.record_failure(times, time.monotonic_ns(), failure_reason(exc))
                 raise
@@ -259,8 +262,9 @@ class ModelRuntime:
             self.stats.record_success(times, batch, time.monotonic_ns())
         finally:
             if task is not None and not task.done():
-                stream.cancel()  # the client went away: the model may see it and stop
-                task.cancel()  # and nobody waits for the model any more
+                stream.cancel()  # the client went away: later responses are dropped,
+                job.cancel()  # the model may see it and stop,
+                task.cancel()  # and nobody waits for it any more
             self._inflight -= 1
             activity.inflight -= 1
             if self._inflight == 0:

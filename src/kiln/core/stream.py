@@ -4,17 +4,14 @@ A decoupled model answers a request with 0..N responses, each sent whenever the 
 chooses. The backend calls ``send`` on its instance's thread; the request's coroutine reads
 them in order with ``async for``. ``finish`` (on the loop) ends the stream once the
 scheduler is done with the request, with the scheduler's error if it failed. ``cancel`` (on
-the loop) says the reader went away (a cancelled gRPC stream, a closed SSE connection): a
-backend that registered with ``add_cancel_callback`` tells its model (Triton's
-``is_cancelled()``).
+the loop) says the reader went away: what the model sends after that is dropped (the
+model itself hears of it through ``Job.cancel``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +27,6 @@ class StreamItem:
 
 
 _END = StreamItem(None, True)
-log = logging.getLogger(__name__)
 
 
 class ResponseStream:
@@ -39,8 +35,6 @@ class ResponseStream:
         self._queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         self._error: BaseException | None = None
         self.cancelled = False
-        self._on_cancel: list[Callable[[], None]] = []
-        self._cancel_lock = threading.Lock()  # a backend may register from its thread
 
     def send(
         self, outputs: dict[str, np.ndarray] | None, final: bool, error: KilnError | None
@@ -51,27 +45,9 @@ class ResponseStream:
             return
         self._loop.call_soon_threadsafe(self._queue.put_nowait, StreamItem(outputs, final, error))
 
-    def add_cancel_callback(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (on the loop) when the reader goes away; at once (on the
-        caller's thread) if it has."""
-        with self._cancel_lock:
-            if not self.cancelled:
-                self._on_cancel.append(callback)
-                return
-        callback()
-
     def cancel(self) -> None:
         """On the loop: nobody reads this stream any more."""
-        with self._cancel_lock:
-            if self.cancelled:
-                return
-            self.cancelled = True
-            callbacks, self._on_cancel = self._on_cancel, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:
-                log.exception("a cancellation callback failed")
+        self.cancelled = True
 
     def finish(self, error: BaseException | None = None) -> None:
         """On the loop: nothing more will come. Queued after everything ``send`` queued,

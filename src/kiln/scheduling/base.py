@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -23,6 +24,7 @@ from kiln.core.errors import KilnError, Status
 from kiln.core.stats import ModelStats, RequestTimes
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -39,6 +41,30 @@ class Job:
     # time.monotonic_ns() by which it must be answered, 0 = none: set by the dynamic
     # batcher from its queue policy; the Python backend also bounds execution by it.
     deadline_ns: int = 0
+    cancelled: bool = False  # its client went away (Triton's request cancellation)
+    _on_cancel: list[Callable[[], None]] | None = None
+
+    def add_cancel_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the client goes away (at once if it has). It may be
+        called twice when registered from another thread as the cancel happens: it must
+        be idempotent."""
+        if self._on_cancel is None:
+            self._on_cancel = []
+        self._on_cancel.append(callback)
+        if self.cancelled:
+            callback()
+
+    def cancel(self) -> None:
+        """On the loop: the request's client went away (a cancelled gRPC call or stream, a
+        closed SSE connection). A backend that registered tells its model."""
+        if self.cancelled:
+            return
+        self.cancelled = True
+        for callback in list(self._on_cancel or ()):
+            try:
+                callback()
+            except Exception:
+                log.exception("a request cancellation callback failed")
 
 
 class _Worker:

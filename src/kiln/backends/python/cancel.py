@@ -1,8 +1,8 @@
 """Request cancellation for the Python backend: Triton's ``is_cancelled()``.
 
 A batch's requests each get one byte in the slot's inbound arena, written as 0 with their
-tensors. When a request's client goes away (its ``ResponseStream`` is cancelled), the server
-sets the byte; the worker reads it in ``InferenceRequest.is_cancelled()`` and
+tensors. When a request's client goes away (``Job.cancel``), the server sets the byte; the
+worker reads it in ``InferenceRequest.is_cancelled()`` and
 ``InferenceResponseSender.is_cancelled()``, with no message on the pipe, so a model busy in
 ``execute`` sees it while it runs. Once the batch has ended the arena belongs to the next
 batch of that slot, so the flags are no longer written.
@@ -31,7 +31,7 @@ class CancelWatch:
         self._lock = threading.Lock()  # a cancel (loop) against the batch's end (any thread)
         self._live = True
         for index, request in enumerate(requests):
-            add = getattr(request.sink, "add_cancel_callback", None)
+            add = getattr(request, "add_cancel_callback", None)  # a Job's client can go
             if add is not None:
                 add(partial(self._cancel, index))
 
