@@ -57,6 +57,18 @@ def test_arena_roundtrip_bytes(arenas: tuple[Arena, Arena]) -> None:
     assert got.tolist() == [[b"a", b""], ["h\u00e9llo".encode(), b"\x00\xff"]]
 
 
+def test_cancellation_flags_start_at_zero_over_old_data(arenas: tuple[Arena, Arena]) -> None:
+    """A batch's flags land where the last batch's tensors were: they must read 0 until
+    the server sets one, and the worker (the reader) sees exactly that one."""
+    writer, reader = arenas
+    writer.write("OLD", np.full(64, 255, np.uint8))
+    writer.reset()
+    offset = writer.zero_flags(3)
+    assert [reader.flag(offset + i) for i in range(3)] == [False, False, False]
+    writer.set_flag(offset + 1)
+    assert [reader.flag(offset + i) for i in range(3)] == [False, True, False]
+
+
 def test_bytes_serialization_is_length_prefixed() -> None:
     raw = serialize_bytes(np.array([b"ab", b"c"], dtype=object))
     assert raw == b"\x02\x00\x00\x00ab\x01\x00\x00\x00c"

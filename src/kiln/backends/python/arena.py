@@ -137,8 +137,16 @@ class Arena:
         return view.copy() if copy else view
 
     # ---- one-byte flags (request cancellation) ---------------------------------------
+    def zero_flags(self, count: int) -> int:
+        """``count`` bytes set to 0 at the cursor; their offset."""
+        offset = self._reserve(count)
+        if count:
+            assert self._map is not None
+            self._map[offset : offset + count] = bytes(count)
+        return offset
+
     def set_flag(self, offset: int) -> None:
-        """Set the byte at ``offset`` (written earlier by ``write``) to 1."""
+        """Set the byte at ``offset`` (from ``zero_flags``) to 1."""
         self._ensure_mapped(offset + 1)
         assert self._map is not None
         self._map[offset] = 1

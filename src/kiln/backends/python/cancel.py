@@ -14,12 +14,8 @@ import threading
 from collections.abc import Sequence
 from functools import partial
 
-import numpy as np
-
 from kiln.backends.base import BackendRequest
 from kiln.backends.python.arena import Arena
-
-FLAGS_NAME = "__cancelled__"
 
 
 class CancelWatch:
@@ -27,7 +23,7 @@ class CancelWatch:
 
     def __init__(self, arena: Arena, requests: Sequence[BackendRequest]) -> None:
         self._arena = arena
-        self.offset = arena.write(FLAGS_NAME, np.zeros(len(requests), np.uint8))[3]
+        self.offset = arena.zero_flags(len(requests))
         self._lock = threading.Lock()  # a cancel (loop) against the batch's end (any thread)
         self._live = True
         for index, request in enumerate(requests):
