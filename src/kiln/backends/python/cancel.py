@@ -17,6 +17,10 @@ from functools import partial
 from kiln.backends.base import BackendRequest
 from kiln.backends.python.arena import Arena
 
+# A cancel (on the loop) against a batch's end (on any thread); rare and short, so one lock
+# serves every batch rather than one made per batch.
+_LOCK = threading.Lock()
+
 
 class CancelWatch:
     """The cancellation bytes of one batch, set while the batch runs."""
@@ -24,7 +28,6 @@ class CancelWatch:
     def __init__(self, arena: Arena, requests: Sequence[BackendRequest]) -> None:
         self._arena = arena
         self.offset = arena.zero_flags(len(requests))
-        self._lock = threading.Lock()  # a cancel (loop) against the batch's end (any thread)
         self._live = True
         for index, request in enumerate(requests):
             add = getattr(request, "add_cancel_callback", None)  # a Job's client can go
@@ -32,11 +35,11 @@ class CancelWatch:
                 add(partial(self._cancel, index))
 
     def _cancel(self, index: int) -> None:
-        with self._lock:
+        with _LOCK:
             if self._live:
                 self._arena.set_flag(self.offset + index)
 
     def end(self) -> None:
         """The batch is over: its slot's arena may hold the next batch's tensors."""
-        with self._lock:
+        with _LOCK:
             self._live = False
