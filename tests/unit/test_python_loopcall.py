@@ -842,3 +842,30 @@ async def test_a_cancel_after_the_batch_ended_writes_nothing(tmp_path: Path) -> 
         assert not inbound.flag(wire[0]["cancel_at"])
     finally:
         instance.close()
+
+
+RETURNS_A_LIST = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([]) for _ in requests]
+"""
+
+
+async def test_a_decoupled_execute_that_returns_responses_ends_each_request_with_an_error(
+    tmp_path: Path,
+) -> None:
+    config = parse_config_text(CONFIG + "model_transaction_policy { decoupled: true }")
+    instance = Instance(PythonBackend(config, _model(tmp_path, RETURNS_A_LIST), SPEC), "double")
+    try:
+        sinks = [_AnySink(), _AnySink()]
+        assert await _run(instance, [_job(1, sink=sinks[0]), _job(2, sink=sinks[1])]) == [{}, {}]
+        for sink in sinks:
+            ((out, final, error),) = sink.items
+            assert out is None and final and isinstance(error, KilnError)
+            assert error.message == (
+                "model 'double' failed to execute: a decoupled model's execute must return None"
+            )
+    finally:
+        instance.close()
