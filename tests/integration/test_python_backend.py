@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import queue
+import re
 import signal
 import textwrap
 import threading
@@ -410,6 +411,24 @@ def test_http_generate(server: KilnProcess) -> None:
     assert plain.status_code == 200 and plain.json()["Y"] == [2, 3]
 
 
+def _cancelled_count(server: KilnProcess, model: str) -> float:
+    """``nv_inference_request_failure{reason="CANCELED"}`` of ``model`` on /metrics."""
+    text = requests.get(server.metrics_url, timeout=10).text
+    pattern = (
+        r'^nv_inference_request_failure\{(?=[^}]*model="' + model + r'")'
+        r'(?=[^}]*reason="CANCELED")[^}]*\} (\S+)$'
+    )
+    found = re.search(pattern, text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def _wait_for_count(server: KilnProcess, model: str, want: float) -> None:
+    deadline = time.monotonic() + 30
+    while (got := _cancelled_count(server, model)) != want:
+        assert time.monotonic() < deadline, f"CANCELED failures of {model}: {got}, not {want}"
+        time.sleep(0.05)
+
+
 def _wait_for_file(path: Path, timeout: float = 30.0) -> str:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -422,6 +441,7 @@ def _wait_for_file(path: Path, timeout: float = 30.0) -> str:
 def test_a_cancelled_grpc_stream_is_seen_by_the_model(server: KilnProcess) -> None:
     """``stop_stream(cancel_requests=True)`` mid-stream: ``is_cancelled()`` turns true in the
     running ``execute``, which ends, and the instance serves the next request."""
+    before = _cancelled_count(server, "py_until_cancelled")
     client = grpcclient.InferenceServerClient(server.grpc_url)
     results: queue.Queue[Any] = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
@@ -435,12 +455,14 @@ def test_a_cancelled_grpc_stream_is_seen_by_the_model(server: KilnProcess) -> No
     client.stop_stream(cancel_requests=True)
     sent = int(_wait_for_file(server.repository / "py_until_cancelled" / "grpc.cancelled"))
     assert 3 <= sent < 6000
+    _wait_for_count(server, "py_until_cancelled", before + 1)  # Triton's reason label
     client.close()
     # the instance is free again: a new stream gets its responses
     _assert_streams(server)
 
 
 def test_a_closed_generate_stream_connection_is_seen_by_the_model(server: KilnProcess) -> None:
+    before = _cancelled_count(server, "py_until_cancelled")
     url = f"http://{server.http_url}/v2/models/py_until_cancelled/generate_stream"
     with requests.post(url, json={"TAG": "sse"}, stream=True, timeout=30) as resp:
         assert resp.status_code == 200
@@ -454,6 +476,7 @@ def test_a_closed_generate_stream_connection_is_seen_by_the_model(server: KilnPr
     assert [e["N"] for e in events] == [0, 1, 2]
     sent = int(_wait_for_file(server.repository / "py_until_cancelled" / "sse.cancelled"))
     assert 3 <= sent < 6000
+    _wait_for_count(server, "py_until_cancelled", before + 1)
     _assert_streams(server)
 
 
@@ -478,6 +501,7 @@ def test_a_cancelled_grpc_infer_is_seen_by_the_model(server: KilnProcess) -> Non
     asyncio.run(cancel_one())
     sent = int(_wait_for_file(folder / "cancelled"))
     assert 0 <= sent < 6000
+    _wait_for_count(server, "py_unary_until_cancelled", 1)
 
 
 def _assert_streams(server: KilnProcess) -> None:

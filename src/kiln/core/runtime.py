@@ -195,6 +195,7 @@ class ModelRuntime:
                 outputs = self._outputs(raw, names, batch)
             except asyncio.CancelledError:
                 job.cancel()  # the client went away (a cancelled gRPC call)
+                self.stats.record_failure(times, time.monotonic_ns(), FailureReason.CANCELED)
                 raise
             except KilnError as exc:
                 self.stats.record_failure(times, time.monotonic_ns(), failure_reason(exc))
@@ -265,6 +266,7 @@ class ModelRuntime:
                 stream.cancel()  # the client went away: later responses are dropped,
                 job.cancel()  # the model may see it and stop,
                 task.cancel()  # and nobody waits for it any more
+                self.stats.record_failure(times, time.monotonic_ns(), FailureReason.CANCELED)
             self._inflight -= 1
             activity.inflight -= 1
             if self._inflight == 0:
