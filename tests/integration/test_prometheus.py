@@ -5,6 +5,7 @@ Needs the Debian package ``prometheus`` (installed by ``scripts/system-deps.sh``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import subprocess
@@ -12,6 +13,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,34 @@ def _start_prometheus(tmp_path: Path, config: Path, port: int) -> subprocess.Pop
     )
     log.close()
     return proc
+
+
+@contextlib.contextmanager
+def _scraping(
+    tmp_path: Path, kiln: KilnProcess
+) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+    """A Prometheus scraping ``kiln`` every second: (its base URL, the process, its log)."""
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n"
+        "  - job_name: kiln\n"
+        "    scrape_interval: 1s\n"
+        "    scrape_timeout: 1s\n"
+        "    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{kiln.metrics_port}']\n"
+    )
+    proc = _start_prometheus(tmp_path, config, port)
+    try:
+        yield f"http://127.0.0.1:{port}", proc, tmp_path / "prometheus.log"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _wait(
@@ -102,21 +132,7 @@ def test_prometheus_scrapes_kiln_counts_and_latency_histogram(
     example_repo: Path, make_server: type[KilnProcess], tmp_path: Path
 ) -> None:
     kiln = make_server(example_repo, args=["--metrics-interval-ms", "200"]).start()
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n"
-        "  - job_name: kiln\n"
-        "    scrape_interval: 1s\n"
-        "    scrape_timeout: 1s\n"
-        "    static_configs:\n"
-        f"      - targets: ['127.0.0.1:{kiln.metrics_port}']\n"
-    )
-    proc = _start_prometheus(tmp_path, config, port)
-    log = tmp_path / "prometheus.log"
-    try:
+    with _scraping(tmp_path, kiln) as (base, proc, log):
         # Prometheus is up and has scraped kiln at least once (count 0) before requests.
         _wait(
             lambda: _query(base, 'nv_inference_count{model="simple"}') or None,
@@ -158,10 +174,69 @@ def test_prometheus_scrapes_kiln_counts_and_latency_histogram(
         expected = _histogram_quantile(0.99, buckets)
         assert expected > 0
         assert math.isclose(float(p99[0]["value"][1]), expected, rel_tol=1e-9)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+
+
+METRICS_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        labels = {"model": args["model_name"]}
+        self.seen = pb_utils.MetricFamily(
+            name="custom_requests_seen", description="requests this model saw",
+            kind=pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
+        self.size = pb_utils.MetricFamily(
+            name="custom_input_size", description="elements per request",
+            kind=pb_utils.MetricFamily.HISTOGRAM).Metric(labels=labels, buckets=[2, 8, 32])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            self.seen.increment(1)
+            self.size.observe(x.size)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+        return responses
+"""
+
+METRICS_CONFIG = """
+name: "py_metrics"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+
+
+def test_prometheus_scrapes_a_python_model_s_custom_metrics(
+    make_server: type[KilnProcess], tmp_path: Path
+) -> None:
+    """``pb_utils.MetricFamily`` counters and histograms reach Prometheus like kiln's own."""
+    repo = tmp_path / "models"
+    (repo / "py_metrics" / "1").mkdir(parents=True)
+    (repo / "py_metrics" / "1" / "model.py").write_text(METRICS_MODEL)
+    (repo / "py_metrics" / "config.pbtxt").write_text(METRICS_CONFIG)
+    kiln = make_server(repo).start()
+    client = httpclient.InferenceServerClient(kiln.http_url)
+    for size in (1, 4, 4, 16, 64):
+        x = httpclient.InferInput("X", [size], "FP32")
+        x.set_data_from_numpy(np.ones(size, np.float32))
+        assert client.infer("py_metrics", [x]).as_numpy("Y").shape == (size,)
+    with _scraping(tmp_path, kiln) as (base, proc, log):
+
+        def value(promql: str) -> float | None:
+            result = _query(base, promql)
+            return float(result[0]["value"][1]) if result else None
+
+        seen = _wait(
+            lambda: value('custom_requests_seen{model="py_metrics",job="kiln"}'),
+            60,
+            "custom_requests_seen",
+            proc,
+            log,
+        )
+        assert seen == 5
+        assert value('custom_input_size_count{model="py_metrics"}') == 5
+        assert value('custom_input_size_sum{model="py_metrics"}') == 89
+        assert value('custom_input_size_bucket{model="py_metrics",le="8"}') == 3
+        assert value('custom_input_size_bucket{model="py_metrics",le="+Inf"}') == 5

@@ -21,6 +21,7 @@ from kiln.core.stats import ModelStats
 from kiln.llm.metrics import LLMCollector
 from kiln.metrics.collector import ServerCollector
 from kiln.metrics.config import MetricsConfig
+from kiln.metrics.custom import CustomMetricsCollector
 from kiln.metrics.exposition import CONTENT_TYPE, render
 from kiln.metrics.gpu import GpuCollector
 from kiln.metrics.host import HostCollector
@@ -48,6 +49,7 @@ class MetricsService:
         self.registry.register(ServerCollector(server.repository.runtimes, options.config))
         self.registry.register(ReadinessCollector(server.repository))
         self.registry.register(LLMCollector(server.repository.runtimes))
+        self.registry.register(CustomMetricsCollector(server.repository.runtimes))
         # process_resident_memory_bytes, process_cpu_seconds_total, open fds, start time.
         self.registry.register(ProcessCollector(registry=None))
         sources: list[Sampled] = []

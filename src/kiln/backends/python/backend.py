@@ -34,6 +34,7 @@ from kiln.backends.base import (
 )
 from kiln.backends.python import bls
 from kiln.backends.python.cancel import CancelWatch
+from kiln.backends.python.custom_metrics import FamilySnapshot, read_store
 from kiln.backends.python.deadline import (
     BatchDeadline,
     batch_deadline,
@@ -440,6 +441,10 @@ class PythonBackend(Backend):
                 except Exception as exc:
                     error = (f"{type(exc).__name__}: {exc}", 1)
             worker.send(("bls_result", headers if error is None else None, error))
+
+    def custom_metrics(self) -> list[FamilySnapshot]:
+        """The model's own metric families (``pb_utils.MetricFamily``), as they are now."""
+        return read_store(self.worker.metrics_dir)
 
     def close(self) -> None:
         if self._restarting is not None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.backends.python import custom_metrics
 from kiln.backends.python.arena import serialize_bytes
 from kiln.backends.python.autocomplete import ModelConfig
 
@@ -24,6 +25,8 @@ __all__ = [
     "InferenceResponse",
     "InferenceResponseSender",
     "Logger",
+    "Metric",
+    "MetricFamily",
     "ModelConfig",
     "Tensor",
     "TritonError",
@@ -44,6 +47,7 @@ TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
 
 # Set by the worker: carries BLS requests and decoupled responses to the server.
 _channel: Any = None
+_metrics: Any = None  # the worker's custom_metrics.MetricStore
 
 _NUMPY_TYPES: dict[str, Any] = {
     "TYPE_BOOL": np.bool_,
@@ -336,3 +340,72 @@ class Logger:
     @classmethod
     def log_verbose(cls, message: str) -> None:
         cls.log(f"VERBOSE: {message}")
+
+
+class MetricFamily:
+    """A custom metric family, shown on the server's ``/metrics`` (Triton's custom metrics).
+
+    ``MetricFamily(name, description, kind)`` with ``kind`` one of ``COUNTER``, ``GAUGE``,
+    ``HISTOGRAM``; the same name again returns the same family (a different kind or
+    description is an error)."""
+
+    COUNTER = custom_metrics.COUNTER
+    GAUGE = custom_metrics.GAUGE
+    HISTOGRAM = custom_metrics.HISTOGRAM
+
+    def __init__(self, name: str, description: str, kind: int) -> None:
+        if _metrics is None:
+            raise TritonModelException("no server: custom metrics need a model running in kiln")
+        try:
+            _metrics.family(name, description, kind)
+        except custom_metrics.MetricError as exc:
+            raise TritonModelException(str(exc)) from None
+        self._name = name
+        self._kind = kind
+
+    def Metric(
+        self, labels: dict[str, str] | None = None, buckets: list[float] | None = None
+    ) -> Metric:
+        return Metric(self, labels or {}, buckets)
+
+
+class Metric:
+    """One labelled metric of a family: ``increment`` (counter, gauge), ``set`` (gauge),
+    ``observe`` (histogram), ``value`` (counter, gauge)."""
+
+    def __init__(
+        self, family: MetricFamily, labels: dict[str, str], buckets: list[float] | None
+    ) -> None:
+        try:
+            self._slot = _metrics.metric(family._name, labels, buckets)
+        except custom_metrics.MetricError as exc:
+            raise TritonModelException(str(exc)) from None
+        self._family = family
+        self._buckets = [float(b) for b in buckets] if buckets else []
+
+    def _refuse(self, what: str) -> TritonModelException:
+        kind = custom_metrics.KINDS[self._family._kind]
+        return TritonModelException(f"metric '{self._family._name}' is a {kind}: {what}")
+
+    def increment(self, value: float) -> None:
+        kind = self._family._kind
+        if kind == MetricFamily.HISTOGRAM:
+            raise self._refuse("increment() is for counters and gauges; use observe()")
+        if kind == MetricFamily.COUNTER and value < 0:
+            raise self._refuse(f"a counter cannot decrease (increment({value!r}))")
+        _metrics.add(self._slot, float(value))
+
+    def set(self, value: float) -> None:
+        if self._family._kind != MetricFamily.GAUGE:
+            raise self._refuse("set() is for gauges")
+        _metrics.set(self._slot, float(value))
+
+    def observe(self, value: float) -> None:
+        if self._family._kind != MetricFamily.HISTOGRAM:
+            raise self._refuse("observe() is for histograms")
+        _metrics.observe(self._slot, self._buckets, float(value))
+
+    def value(self) -> float:
+        if self._family._kind == MetricFamily.HISTOGRAM:
+            raise self._refuse("value() is for counters and gauges")
+        return _metrics.get(self._slot)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +23,8 @@ from typing import Any
 
 from kiln.backends.python.arena import Arena
 from kiln.backends.python.wire import Wire
+
+_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 #: Pairs of arenas per worker: as many as batches in its pipe (``loopcall.PIPELINE_DEPTH``).
 ARENA_SLOTS = 2
@@ -44,6 +48,8 @@ class WorkerProcess:
             (Arena.create(f"kiln-py-{label}-in{i}-"), Arena.create(f"kiln-py-{label}-out{i}-"))
             for i in range(ARENA_SLOTS)
         ]
+        # custom metrics (custom_metrics.py): written by the worker, read at scrape time
+        self.metrics_dir = Path(tempfile.mkdtemp(prefix=f"kiln-py-{label}-metrics-", dir=_SHM))
         self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Wire | None = None
         self._send_lock = threading.RLock()  # reentrant: see ``sending``
@@ -64,6 +70,7 @@ class WorkerProcess:
             *(arg for inbound, _ in self.arenas for arg in ("--inbound", inbound.path)),
             *(arg for _, outbound in self.arenas for arg in ("--outbound", outbound.path)),
             "--model", str(self.model_path),
+            "--metrics-dir", str(self.metrics_dir),
         ]  # fmt: skip
         try:
             self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env)
@@ -148,3 +155,4 @@ class WorkerProcess:
         for pair in self.arenas:
             for arena in pair:
                 arena.close()
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)

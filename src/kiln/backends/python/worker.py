@@ -24,6 +24,7 @@ from typing import Any
 
 from kiln.backends.python import pb_utils
 from kiln.backends.python.arena import Arena, Header
+from kiln.backends.python.custom_metrics import MetricStore
 from kiln.backends.python.wire import Wire
 
 ErrorInfo = tuple[str, int]  # (message, TritonError code)
@@ -260,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inbound", action="append", required=True)
     parser.add_argument("--outbound", action="append", required=True)
     parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--metrics-dir", type=Path)
     opts = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group: the server shuts its workers down itself
     # (finalize first), so the worker must not die of the same SIGINT mid-request.
@@ -271,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     channel = Channel(conn, arenas)
     pb_utils._channel = channel
+    if opts.metrics_dir is not None:
+        pb_utils._metrics = MetricStore(opts.metrics_dir)  # empty again after a restart
     worker = Worker(channel)
     while True:
         try:
