@@ -17,6 +17,7 @@ with an empty manifest, as Triton's stub does: its model registers its metrics a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -71,7 +72,9 @@ class MetricStore:
         self._values = np.ndarray((slots,), np.float64, buffer=self._map)
         self._size = size
         if old is not None:
-            old.close()  # nothing else views it: updates go through ``_values``
+            # A value() reading the old view right now keeps it; it goes with that read.
+            with contextlib.suppress(BufferError):
+                old.close()
 
     def _write_manifest(self) -> None:
         tmp = self.folder / (MANIFEST + ".tmp")
