@@ -188,8 +188,75 @@ input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
 """
 
+BLS_FIELDS_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        request = requests[0]
+        mode = pb_utils.get_input_tensor_by_name(request, "MODE").as_numpy().reshape(-1)[0]
+        if mode == b"sequence":  # three steps of one sequence, by correlation_id and flags
+            flags = [pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START, 0,
+                     pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END]
+            totals = []
+            for value, flag in zip([1, 2, 3], flags):
+                call = pb_utils.InferenceRequest(
+                    model_name="simple_sequence_state", requested_output_names=["OUTPUT"],
+                    inputs=[pb_utils.Tensor("INPUT", np.array([[value]], np.int32))],
+                    correlation_id=4242, flags=flag)
+                response = call.exec()
+                if response.has_error():
+                    raise pb_utils.TritonModelException(response.error().message())
+                out = pb_utils.get_output_tensor_by_name(response, "OUTPUT").as_numpy()
+                totals.append(int(out.reshape(-1)[0]))
+            result = np.array(totals, np.int32)
+        else:  # a 0.1 s timeout in a queue that holds a lone request for 30 s
+            call = pb_utils.InferenceRequest(
+                model_name="py_slow_queue", requested_output_names=["Y"],
+                inputs=[pb_utils.Tensor("X", np.array([[1]], np.int32))], timeout=100000)
+            response = call.exec()
+            if response.has_error():
+                error = pb_utils.TritonError("BLS failed: " + response.error().message())
+                return [pb_utils.InferenceResponse(error=error)]
+            result = np.array([-1], np.int32)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("TOTALS", result)])]
+"""
+
+BLS_FIELDS_CONFIG = """
+name: "py_bls_fields"
+backend: "python"
+max_batch_size: 0
+input [ { name: "MODE" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "TOTALS" data_type: TYPE_INT32 dims: [ -1 ] } ]
+"""
+
+SLOW_QUEUE_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(
+            [pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())])
+            for r in requests]
+"""
+
+SLOW_QUEUE_CONFIG = """
+name: "py_slow_queue"
+backend: "python"
+max_batch_size: 8
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
+dynamic_batching {
+  preferred_batch_size: [ 8 ]
+  max_queue_delay_microseconds: 30000000
+  default_queue_policy { allow_timeout_override: true }
+}
+"""
+
 LOADED = ["mlp", "python_preprocess", "repeat_int32", "py_faults", "py_bls", "py_auto",
-          "py_until_cancelled", "py_unary_until_cancelled"]  # fmt: skip
+          "py_until_cancelled", "py_unary_until_cancelled", "simple_sequence_state",
+          "py_bls_fields", "py_slow_queue"]  # fmt: skip
 
 
 def _python_model(repo: Path, name: str, source: str, config: str | None) -> None:
@@ -202,7 +269,9 @@ def _python_model(repo: Path, name: str, source: str, config: str | None) -> Non
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     repo = tmp_path_factory.mktemp("pyrepo") / "models"
-    build_example_repository(repo, ["mlp", "python_preprocess", "repeat_int32"])
+    build_example_repository(
+        repo, ["mlp", "python_preprocess", "repeat_int32", "simple_sequence_state"]
+    )
     _python_model(repo, "py_faults", FAULTS_MODEL, FAULTS_CONFIG)
     _python_model(repo, "py_init_fails", INIT_FAILS_MODEL, 'backend: "python"\n')
     _python_model(repo, "py_bls", BLS_MODEL, BLS_CONFIG)
@@ -211,6 +280,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     _python_model(
         repo, "py_unary_until_cancelled", UNARY_UNTIL_CANCELLED_MODEL, UNARY_UNTIL_CANCELLED_CONFIG
     )
+    _python_model(repo, "py_bls_fields", BLS_FIELDS_MODEL, BLS_FIELDS_CONFIG)
+    _python_model(repo, "py_slow_queue", SLOW_QUEUE_MODEL, SLOW_QUEUE_CONFIG)
     args = ["--model-control-mode", "explicit"]
     for name in LOADED:
         args += ["--load-model", name]
@@ -329,6 +400,29 @@ def test_bls_error_comes_back_in_the_response(http: httpclient.InferenceServerCl
     with pytest.raises(InferenceServerException, match=r"BLS failed: .*nope") as info:
         http.infer("py_bls", _bls_inputs("nope", x))
     assert info.value.status() == "500"
+
+
+def _mode(mode: str) -> list[httpclient.InferInput]:
+    tensor = httpclient.InferInput("MODE", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([mode.encode()], dtype=object))
+    return [tensor]
+
+
+def test_bls_carries_correlation_id_and_sequence_flags(
+    http: httpclient.InferenceServerClient,
+) -> None:
+    """Three BLS calls with one ``correlation_id`` and START / END ``flags`` are one
+    sequence of the stateful accumulator: running totals 1, 3, 6."""
+    result = http.infer("py_bls_fields", _mode("sequence"))
+    assert result.as_numpy("TOTALS").tolist() == [1, 3, 6]
+
+
+def test_bls_timeout_applies_in_the_callee_s_queue(http: httpclient.InferenceServerClient) -> None:
+    """``InferenceRequest(timeout=100000)`` (µs) overrides the callee's queue timeout (its
+    policy allows it): the call fails as Triton's does instead of waiting out the 30 s
+    batching delay."""
+    with pytest.raises(InferenceServerException, match="BLS failed: Request timeout expired"):
+        http.infer("py_bls_fields", _mode("timeout"))
 
 
 # ---- decoupled ------------------------------------------------------------------------------

@@ -35,6 +35,24 @@ def last_line(exc: BaseException) -> str:
     return traceback.format_exception_only(type(exc), exc)[-1].strip()
 
 
+def bls_parameters(request: pb_utils.InferenceRequest) -> str:
+    """A BLS request's parameters as the server reads them (JSON), with what Triton's BLS
+    carries in its own fields: ``timeout`` (µs, for the callee's queue policy), and
+    ``correlation_id`` and the START/END ``flags`` for a sequence model."""
+    params = json.loads(request.parameters() or "{}")
+    if request.timeout():
+        params.setdefault("timeout", int(request.timeout()))
+    correlation_id = request.correlation_id()
+    if correlation_id not in (0, ""):
+        params.setdefault("sequence_id", correlation_id)
+    flags = request.flags()
+    if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
+        params.setdefault("sequence_start", True)
+    if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END:
+        params.setdefault("sequence_end", True)
+    return json.dumps(params)
+
+
 class Channel:
     """The worker's side of the pipe, as ``pb_utils`` uses it (BLS, decoupled sends)."""
 
@@ -108,7 +126,7 @@ class Channel:
                         "model_version": request.model_version(),
                         "request_id": request.request_id(),
                         "outputs": request.requested_output_names(),
-                        "parameters": request.parameters(),
+                        "parameters": bls_parameters(request),
                         "inputs": headers,
                     },
                 )
