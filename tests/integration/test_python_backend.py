@@ -254,9 +254,93 @@ dynamic_batching {
 }
 """
 
+BLS_STREAM_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        import json
+        self.decoupled = json.loads(args["model_config"]).get(
+            "model_transaction_policy", {}).get("decoupled", False)
+
+    def execute(self, requests):
+        request = requests[0]
+        values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+        target = pb_utils.get_input_tensor_by_name(request, "TARGET").as_numpy()
+        call = pb_utils.InferenceRequest(
+            model_name=target.reshape(-1)[0].decode(), requested_output_names=["OUT", "IDX"],
+            inputs=[pb_utils.Tensor("IN", values)])
+        if self.decoupled:  # relay each response as it comes, doubled
+            sender = request.get_response_sender()
+            for response in call.exec(decoupled=True):
+                if response.has_error():
+                    sender.send(pb_utils.InferenceResponse(error=response.error()))
+                elif response.output_tensors():
+                    out = pb_utils.get_output_tensor_by_name(response, "OUT").as_numpy()
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", out * 2)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return None
+        if len(values) > 3:  # take the first response only and leave the rest unread
+            first = next(iter(call.exec(decoupled=True)))
+            out = pb_utils.get_output_tensor_by_name(first, "OUT").as_numpy()
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", out)])]
+        outs, empty_final = [], 0
+        for response in call.exec(decoupled=True):
+            if response.has_error():
+                error = pb_utils.TritonError("BLS failed: " + response.error().message())
+                return [pb_utils.InferenceResponse(error=error)]
+            if not response.output_tensors():
+                empty_final += 1
+                continue
+            outs.append(int(pb_utils.get_output_tensor_by_name(response, "OUT").as_numpy()[0]))
+        # the responses' values, then how many empty final responses came (1, as Triton)
+        return [pb_utils.InferenceResponse(
+            [pb_utils.Tensor("OUT", np.array(outs + [empty_final], np.int32))])]
+"""
+
+BLS_STREAM_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+{policy}
+input [ {{ name: "IN" data_type: TYPE_INT32 dims: [ -1 ] }},
+        {{ name: "TARGET" data_type: TYPE_STRING dims: [ 1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] }} ]
+"""
+
+SLOW_REPEAT_MODEL = """
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        sender = requests[0].get_response_sender()
+        values = pb_utils.get_input_tensor_by_name(requests[0], "IN").as_numpy()
+        for index, value in enumerate(values.reshape(-1)):
+            time.sleep(0.05)
+            sender.send(pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUT", np.full(4096, value, np.int32)),
+                pb_utils.Tensor("IDX", np.array([index], np.uint32))]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+SLOW_REPEAT_CONFIG = """
+name: "py_slow_repeat"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] },
+         { name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] } ]
+"""
+
 LOADED = ["mlp", "python_preprocess", "repeat_int32", "py_faults", "py_bls", "py_auto",
           "py_until_cancelled", "py_unary_until_cancelled", "simple_sequence_state",
-          "py_bls_fields", "py_slow_queue"]  # fmt: skip
+          "py_bls_fields", "py_slow_queue", "py_bls_stream", "py_bls_relay",
+          "py_slow_repeat"]  # fmt: skip
 
 
 def _python_model(repo: Path, name: str, source: str, config: str | None) -> None:
@@ -282,6 +366,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     )
     _python_model(repo, "py_bls_fields", BLS_FIELDS_MODEL, BLS_FIELDS_CONFIG)
     _python_model(repo, "py_slow_queue", SLOW_QUEUE_MODEL, SLOW_QUEUE_CONFIG)
+    _python_model(repo, "py_slow_repeat", SLOW_REPEAT_MODEL, SLOW_REPEAT_CONFIG)
+    _python_model(
+        repo, "py_bls_stream", BLS_STREAM_MODEL,
+        BLS_STREAM_CONFIG.format(name="py_bls_stream", policy=""),
+    )  # fmt: skip
+    _python_model(
+        repo, "py_bls_relay", BLS_STREAM_MODEL,
+        BLS_STREAM_CONFIG.format(
+            name="py_bls_relay", policy="model_transaction_policy { decoupled: true }"),
+    )  # fmt: skip
     args = ["--model-control-mode", "explicit"]
     for name in LOADED:
         args += ["--load-model", name]
@@ -423,6 +517,60 @@ def test_bls_timeout_applies_in_the_callee_s_queue(http: httpclient.InferenceSer
     batching delay."""
     with pytest.raises(InferenceServerException, match="BLS failed: Request timeout expired"):
         http.infer("py_bls_fields", _mode("timeout"))
+
+
+def _stream_inputs(module: Any, values: list[int], target: str) -> list[Any]:
+    tensors = [module.InferInput("IN", [len(values)], "INT32"),
+               module.InferInput("TARGET", [1], "BYTES")]  # fmt: skip
+    tensors[0].set_data_from_numpy(np.array(values, np.int32))
+    tensors[1].set_data_from_numpy(np.array([target.encode()], dtype=object))
+    return tensors
+
+
+def test_bls_to_a_decoupled_model_iterates_its_responses(
+    http: httpclient.InferenceServerClient,
+) -> None:
+    """``exec(decoupled=True)``: every response of repeat_int32, in order, then the empty
+    final response that carries the FINAL flag."""
+    for values in ([5, 6, 7], []):
+        result = http.infer("py_bls_stream", _stream_inputs(httpclient, values, "repeat_int32"))
+        assert result.as_numpy("OUT").tolist() == [*values, 1]
+    # an unknown model: the error comes back as the stream's only (final) response
+    bad = _stream_inputs(httpclient, [1], "nope")
+    with pytest.raises(InferenceServerException, match=r"BLS failed: .*nope"):
+        http.infer("py_bls_stream", bad)
+
+
+def test_a_bls_stream_left_unread_ends_with_its_batch(
+    http: httpclient.InferenceServerClient,
+) -> None:
+    """The model reads one of five responses (of a callee that takes its time): the rest
+    are read and dropped before its batch ends. Their tensors go into the batch's arena, so
+    they must not land in the next batches'."""
+    first = http.infer(
+        "py_bls_stream", _stream_inputs(httpclient, [9, 8, 7, 6, 5], "py_slow_repeat")
+    )
+    assert first.as_numpy("OUT")[:3].tolist() == [9, 9, 9]
+    for values in ([1, 2], [3, 4, 5]):
+        after = http.infer("py_bls_stream", _stream_inputs(httpclient, values, "repeat_int32"))
+        assert after.as_numpy("OUT").tolist() == [*values, 1]
+
+
+def test_a_decoupled_model_relays_a_bls_stream_over_grpc(
+    grpc: grpcclient.InferenceServerClient,
+) -> None:
+    results: queue.Queue[Any] = queue.Queue()
+    grpc.start_stream(callback=lambda result, error: results.put((result, error)))
+    grpc.async_stream_infer(
+        "py_bls_relay", _stream_inputs(grpcclient, [1, 2, 3], "repeat_int32"), request_id="r"
+    )
+    got = []
+    for _ in range(3):
+        result, error = results.get(timeout=30)
+        assert error is None, error
+        got.append(result.as_numpy("OUT").tolist())
+    grpc.stop_stream()
+    assert got == [[2], [4], [6]]
 
 
 # ---- decoupled ------------------------------------------------------------------------------

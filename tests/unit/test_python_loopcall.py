@@ -574,8 +574,8 @@ async def test_a_bls_answer_for_a_killed_worker_does_not_reach_its_successor(
     stale_done = threading.Event()  # the first call's answer went out, or was dropped
     stale_thread: list[int] = []
 
-    def fake_call(model: str, version: int, inputs: dict[str, np.ndarray], *rest: Any) -> Any:
-        x = inputs["IN"]
+    def fake_call(request: Any) -> Any:
+        x = request.inputs[0].data
         if x.flat[0] == 100:  # the first batch's call: answered only once the second asks
             stale_thread.append(threading.get_ident())
             second_asked.wait(20)

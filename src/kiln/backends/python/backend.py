@@ -18,6 +18,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -49,6 +50,7 @@ from kiln.config.loader import ConfigError, config_from_json, config_to_json
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core import activity
 from kiln.core.errors import KilnError, Status
+from kiln.core.types import InferenceRequest
 
 log = logging.getLogger(__name__)
 
@@ -408,25 +410,31 @@ class PythonBackend(Backend):
         outputs = {h[0]: outbound.read(h) for h in headers} if has_response else None
         sink.send(outputs, final, None)
 
+    def _bls_request(self, call: dict[str, Any], slot: int) -> InferenceRequest:
+        """The request a worker's BLS call describes, its tensors read from the arena."""
+        outbound = self.worker.arenas[slot][1]
+        return bls.request(
+            call["model_name"],
+            int(call["model_version"]),
+            {h[0]: outbound.read(h) for h in call["inputs"]},
+            call["outputs"],
+            call["request_id"],
+            json.loads(call["parameters"] or "{}"),
+        )
+
     def _bls(self, call: dict[str, Any], slot: int = 0, conn: Wire | None = None) -> None:
         """Answer a BLS call of the worker's. ``conn``: the pipe the call came on (the loop
         answers from a helper thread); when the worker was restarted meanwhile, the answer
         is dropped: the new worker would take it as the answer to a call of its own."""
+        if call.get("stream") is not None:
+            self._bls_stream(call, slot, conn)
+            return
         worker = self.worker
-        inbound, outbound = worker.arenas[slot]
+        inbound = worker.arenas[slot][0]
         outputs: dict[str, np.ndarray] | None = None
         error: tuple[str, int] | None = None
         try:
-            inputs = {h[0]: outbound.read(h) for h in call["inputs"]}
-            params = json.loads(call["parameters"] or "{}")
-            outputs = bls.call(
-                call["model_name"],
-                int(call["model_version"]),
-                inputs,
-                call["outputs"],
-                call["request_id"],
-                params,
-            )
+            outputs = bls.call(self._bls_request(call, slot))
         except KilnError as exc:
             error = (exc.message, _STATUS_CODES.get(exc.status, 1))
         except Exception as exc:
@@ -441,6 +449,32 @@ class PythonBackend(Backend):
                 except Exception as exc:
                     error = (f"{type(exc).__name__}: {exc}", 1)
             worker.send(("bls_result", headers if error is None else None, error))
+
+    def _bls_stream(self, call: dict[str, Any], slot: int, conn: Wire | None) -> None:
+        """Answer a decoupled BLS call (``exec(decoupled=True)``): one ``bls_part`` message
+        per response as the callee sends it, the last one final; ``conn`` as in ``_bls``."""
+        worker = self.worker
+        inbound = worker.arenas[slot][0]
+        try:
+            parts: Iterator[bls.Part] = bls.call_stream(self._bls_request(call, slot))
+        except KilnError as exc:
+            parts = iter([(None, True, exc)])
+        except Exception as exc:  # the worker waits for a final part: it must get one
+            parts = iter([(None, True, KilnError(f"{type(exc).__name__}: {exc}"))])
+        for outputs, final, failure in parts:
+            error = None
+            if failure is not None:
+                error = (failure.message, _STATUS_CODES.get(failure.status, 1))
+            with worker.sending(conn):  # see _bls: not into a restarted worker's arena
+                headers = None
+                if outputs is not None and error is None:
+                    try:
+                        headers = [inbound.write(n, a) for n, a in outputs.items()]
+                    except Exception as exc:
+                        error, final = (f"{type(exc).__name__}: {exc}", 1), True
+                worker.send(("bls_part", call["stream"], headers, error, final))
+            if final:
+                return
 
     def custom_metrics(self) -> list[FamilySnapshot]:
         """The model's own metric families (``pb_utils.MetricFamily``), as they are now."""

@@ -8,7 +8,8 @@ hands the call to the event loop and blocks until the answer is back.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+import queue
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,20 +20,26 @@ from kiln.core.types import DataType, InferenceRequest, InferenceResponse, Infer
 from kiln.core.types import RequestedOutput as Wanted
 
 Infer = Callable[[InferenceRequest], Coroutine[Any, Any, InferenceResponse]]
+InferStream = Callable[[InferenceRequest], AsyncIterator[InferenceResponse]]
+# One response of a decoupled BLS call: (outputs or None, final, error or None).
+Part = tuple[dict[str, np.ndarray] | None, bool, KilnError | None]
 
 
 @dataclass(slots=True)
 class _Target:
     infer: Infer
     loop: asyncio.AbstractEventLoop
+    infer_stream: InferStream | None = None
 
 
 _target: _Target | None = None
 
 
-def install(infer: Infer, loop: asyncio.AbstractEventLoop) -> None:
+def install(
+    infer: Infer, loop: asyncio.AbstractEventLoop, infer_stream: InferStream | None = None
+) -> None:
     global _target
-    _target = _Target(infer, loop)
+    _target = _Target(infer, loop, infer_stream)
 
 
 def uninstall(infer: Infer) -> None:
@@ -41,21 +48,25 @@ def uninstall(infer: Infer) -> None:
         _target = None
 
 
-def call(
-    model: str,
-    version: int,
-    inputs: dict[str, np.ndarray],
-    outputs: list[str],
-    request_id: str,
-    parameters: dict[str, Any],
-) -> dict[str, np.ndarray]:
-    """Run one request on ``model`` (from a thread other than the loop's); its outputs."""
+def _require_target(model: str) -> _Target:
     target = _target
     if target is None:
         raise KilnError(
             f"BLS request to model '{model}': no server is running to answer it",
             Status.UNAVAILABLE,
         )
+    return target
+
+
+def request(
+    model: str,
+    version: int,
+    inputs: dict[str, np.ndarray],
+    outputs: list[str],
+    request_id: str,
+    parameters: dict[str, Any],
+) -> InferenceRequest:
+    """The request a worker's BLS call describes (``KilnError`` for unusable tensors)."""
     try:
         tensors = [
             InferInput(name, DataType.from_numpy(a.dtype), tuple(a.shape), a)
@@ -63,7 +74,7 @@ def call(
         ]
     except ValueError as exc:
         raise KilnError(f"BLS request to model '{model}': {exc}") from None
-    request = InferenceRequest(
+    return InferenceRequest(
         model_name=model,
         model_version="" if version < 0 else str(version),
         id=request_id,
@@ -71,6 +82,50 @@ def call(
         outputs=[Wanted(name) for name in outputs],
         parameters=parameters,
     )
+
+
+def call(request: InferenceRequest) -> dict[str, np.ndarray]:
+    """Run one request (from a thread other than the loop's); its outputs."""
+    target = _require_target(request.model_name)
     future = asyncio.run_coroutine_threadsafe(target.infer(request), target.loop)
     response = future.result()
     return {out.name: out.data for out in response.outputs}
+
+
+def call_stream(request: InferenceRequest) -> Iterator[Part]:
+    """Run one request and yield its responses as they come (from a thread other than
+    the loop's): ``exec(decoupled=True)``. The last part is final; it has no outputs when
+    the model sent the FINAL flag on its own, as in Triton. An error ends the stream as a
+    final part."""
+    target = _require_target(request.model_name)
+    infer_stream = target.infer_stream
+    if infer_stream is None:
+        raise KilnError(f"BLS request to model '{request.model_name}': this server cannot stream")
+    # the FINAL flag always comes back, with or without a response
+    request.parameters["triton_enable_empty_final_response"] = True
+    parts: queue.SimpleQueue[Part] = queue.SimpleQueue()
+
+    async def pump() -> None:
+        try:
+            async for response in infer_stream(request):
+                final = bool(response.parameters.get("triton_final_response", True))
+                got = {out.name: out.data for out in response.outputs}
+                parts.put((got if (got or not final) else None, final, None))
+                if final:
+                    return
+            parts.put((None, True, None))
+        except KilnError as exc:
+            parts.put((None, True, exc))
+        except Exception as exc:
+            parts.put((None, True, KilnError(f"{type(exc).__name__}: {exc}")))
+
+    asyncio.run_coroutine_threadsafe(pump(), target.loop)
+    return _until_final(parts)
+
+
+def _until_final(parts: queue.SimpleQueue[Part]) -> Iterator[Part]:
+    while True:
+        part = parts.get()
+        yield part
+        if part[1]:
+            return

@@ -253,16 +253,16 @@ class InferenceRequest:
             )
         return self._sender
 
-    def exec(self, decoupled: bool = False) -> InferenceResponse:
-        """Run this request on another model through the server; errors come back in it."""
-        if decoupled:
-            raise TritonModelException("kiln's BLS does not call decoupled models yet")
+    def exec(self, decoupled: bool = False) -> Any:
+        """Run this request on another model through the server; errors come back in it.
+        ``decoupled=True``: an iterator of the responses as the model sends them."""
         if _channel is None:
             raise TritonModelException("no server channel: this model is not running in kiln")
-        response: InferenceResponse = _channel.call(self)
-        return response
+        if decoupled:
+            return _channel.stream(self)
+        return _channel.call(self)
 
-    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
+    async def async_exec(self, decoupled: bool = False) -> Any:
         # The channel answers one call at a time, so a thread keeps the caller's loop free
         # without letting two calls interleave on the pipe.
         return await asyncio.get_running_loop().run_in_executor(None, self.exec, decoupled)

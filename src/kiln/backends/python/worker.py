@@ -64,6 +64,11 @@ class Channel:
         self.open_senders = 0
         self.finals = threading.Condition()
         self.backlog: collections.deque[Any] = collections.deque()  # read early, run later
+        # Decoupled BLS calls (``exec(decoupled=True)``) in flight: their parts as read.
+        # Whoever reads the pipe outside the main loop holds ``reader``.
+        self.reader = threading.RLock()
+        self.streams: dict[int, collections.deque[Any]] = {}
+        self._next_stream = 0
 
     def next_message(self) -> Any:
         """The next message to handle: one read while waiting for a BLS answer first."""
@@ -115,33 +120,92 @@ class Channel:
         with self.finals:
             self.open_senders = 0
 
+    def _send_bls(self, request: pb_utils.InferenceRequest, stream: int | None = None) -> None:
+        """Send a BLS call (under ``lock``): its tensors into the arena, then the message."""
+        headers = [self.outbound.write(t.name(), t.as_numpy()) for t in request.inputs()]
+        call = {
+            "model_name": request.model_name(),
+            "model_version": request.model_version(),
+            "request_id": request.request_id(),
+            "outputs": request.requested_output_names(),
+            "parameters": bls_parameters(request),
+            "inputs": headers,
+        }
+        if stream is not None:
+            call["stream"] = stream
+        self.conn.send(("bls", call))
+
     def call(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         with self.lock:
-            headers = [self.outbound.write(t.name(), t.as_numpy()) for t in request.inputs()]
-            self.conn.send(
-                (
-                    "bls",
-                    {
-                        "model_name": request.model_name(),
-                        "model_version": request.model_version(),
-                        "request_id": request.request_id(),
-                        "outputs": request.requested_output_names(),
-                        "parameters": bls_parameters(request),
-                        "inputs": headers,
-                    },
-                )
-            )
-            while True:
-                message = self.conn.recv()
-                if message[0] == "bls_result":
-                    break
-                # The server may already have sent the next batch (loopcall's pipelining):
-                # it runs after this one.
-                self.backlog.append(message)
+            self._send_bls(request)
+            with self.reader:
+                while True:
+                    message = self.conn.recv()
+                    if message[0] == "bls_result":
+                        break
+                    self.keep(message)
         _, out_headers, error = message
         if error is not None:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(error[0], error[1]))
         tensors = [pb_utils.Tensor(h[0], self.inbound.read(h, copy=True)) for h in out_headers]
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def keep(self, message: tuple[Any, ...]) -> None:
+        """A message read while waiting for another: a decoupled BLS call's part goes to
+        its stream; anything else (the server may already have sent the next batch:
+        loopcall's pipelining) runs after this batch."""
+        if message[0] == "bls_part":
+            parts = self.streams.get(message[1])
+            if parts is not None:
+                parts.append(message)
+            return
+        self.backlog.append(message)
+
+    def stream(self, request: pb_utils.InferenceRequest) -> BlsStream:
+        """Start a decoupled BLS call: its responses come as the stream is iterated."""
+        with self.lock:
+            stream_id = self._next_stream
+            self._next_stream += 1
+            self.streams[stream_id] = collections.deque()
+            self._send_bls(request, stream_id)
+        return BlsStream(self, stream_id)
+
+    def drain_streams(self) -> None:
+        """Read what is left of the batch's decoupled BLS calls: the server writes their
+        parts into this batch's arena, so they must end before the batch does."""
+        for stream_id in list(self.streams):
+            for _ in BlsStream(self, stream_id):
+                pass
+
+
+class BlsStream:
+    """The responses of one decoupled BLS call, in order; the last may have no outputs
+    (the callee's FINAL flag alone), as in Triton."""
+
+    def __init__(self, channel: Channel, stream_id: int) -> None:
+        self.channel = channel
+        self.stream_id = stream_id
+        self.done = False
+
+    def __iter__(self) -> BlsStream:
+        return self
+
+    def __next__(self) -> pb_utils.InferenceResponse:
+        channel = self.channel
+        parts = channel.streams.get(self.stream_id)
+        if self.done or parts is None:
+            raise StopIteration
+        while not parts:
+            with channel.reader:
+                if not parts:  # another reader may have read ours meanwhile
+                    channel.keep(channel.conn.recv())
+        _, _, headers, error, final = parts.popleft()
+        if final:
+            self.done = True
+            channel.streams.pop(self.stream_id, None)
+        if error is not None:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(error[0], error[1]))
+        tensors = [pb_utils.Tensor(h[0], channel.inbound.read(h, copy=True)) for h in headers or ()]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
@@ -193,6 +257,7 @@ class Worker:
         try:
             return self._execute(wire_requests, slot, requests)
         finally:
+            self.channel.drain_streams()
             for request in requests:  # the slot's arena is the next batch's now
                 request._cancel_flag = None
 
