@@ -6,6 +6,7 @@ windowed) mask (the eager path ignores it, the compiled GPU kernels rely on it).
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -214,14 +215,46 @@ def test_cuda_path_compiles_flex_with_that_limit(monkeypatch: pytest.MonkeyPatch
 
     calls: list[dict[str, object]] = []
 
-    def compile_(fn: object, **kwargs: object) -> object:
-        calls.append(kwargs)
+    def compile_(fn: object, *, fullgraph: bool = False, recompile_limit: int = 8) -> object:
+        calls.append({"fullgraph": fullgraph, "recompile_limit": recompile_limit})
         return fn
 
     monkeypatch.setattr(attention_flex, "_compiled", None)
     monkeypatch.setattr(torch, "compile", compile_)
     attention_flex._flex()
     assert calls == [{"fullgraph": True, "recompile_limit": FLEX_RECOMPILE_LIMIT}]
+
+
+def test_an_older_torch_gets_the_limit_through_dynamo_s_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch < 2.13's ``compile`` has no ``recompile_limit`` (found on a GPU machine with
+    torch 2.11): dynamo's global limit is raised to it instead, never lowered."""
+    from kiln.llm import attention_flex
+
+    calls: list[dict[str, object]] = []
+
+    def old_compile(fn: object, *, fullgraph: bool = False) -> object:
+        calls.append({"fullgraph": fullgraph})
+        return fn
+
+    # a stand-in for dynamo's config: the real one is global to the test process
+    config = SimpleNamespace(recompile_limit=8)
+    monkeypatch.setattr(attention_flex, "_dynamo_config", lambda: config)
+    monkeypatch.setattr(attention_flex, "_compiled", None)
+    monkeypatch.setattr(torch, "compile", old_compile)
+    attention_flex._flex()
+    assert calls == [{"fullgraph": True}]
+    assert config.recompile_limit == FLEX_RECOMPILE_LIMIT
+    monkeypatch.setattr(attention_flex, "_compiled", None)
+    config.recompile_limit = 10 * FLEX_RECOMPILE_LIMIT
+    attention_flex._flex()
+    assert config.recompile_limit == 10 * FLEX_RECOMPILE_LIMIT
+    older = SimpleNamespace(cache_size_limit=8)  # its name before torch 2.6
+    monkeypatch.setattr(attention_flex, "_dynamo_config", lambda: older)
+    monkeypatch.setattr(attention_flex, "_compiled", None)
+    attention_flex._flex()
+    assert older.cache_size_limit == FLEX_RECOMPILE_LIMIT
 
 
 def test_unknown_attention_backend_is_refused(llama: Path) -> None:

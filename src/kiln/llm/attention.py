@@ -310,7 +310,8 @@ def paged_attention(
             values.view(b, num_kv_heads, length, head_dim).to(q.dtype),
             attn_mask=g.mask,
         )
-        out.index_copy_(0, g.token_index, o.view(b, num_heads, head_dim))
+        # reshape: CUDA's attention kernels may return a layout view() cannot take
+        out.index_copy_(0, g.token_index, o.reshape(b, num_heads, head_dim))
     for p in meta.prefills:
         span = slice(p.start, p.start + p.length)
         queries = q[span].transpose(0, 1)[None]  # [1, H, n, D]

@@ -24,6 +24,7 @@ materialises scores over every cache slot: correct, but only for small caches (t
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -304,12 +305,24 @@ def _paged_causal(
     return windowed_mask_mod
 
 
+def _dynamo_config() -> Any:
+    return torch._dynamo.config
+
+
 def _flex() -> Callable[..., Any]:
     global _compiled
     if _compiled is None:
         # torch.compile's typed overloads lag its signature, which has recompile_limit
         compile_: Callable[..., Any] = torch.compile
-        _compiled = compile_(flex_attention, fullgraph=True, recompile_limit=FLEX_RECOMPILE_LIMIT)
+        if "recompile_limit" in inspect.signature(torch.compile).parameters:
+            _compiled = compile_(
+                flex_attention, fullgraph=True, recompile_limit=FLEX_RECOMPILE_LIMIT
+            )
+        else:  # torch < 2.13: only dynamo's global limit (never lowered here)
+            config = _dynamo_config()
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), FLEX_RECOMPILE_LIMIT))
+            _compiled = compile_(flex_attention, fullgraph=True)
     return _compiled
 
 
