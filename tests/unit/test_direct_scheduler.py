@@ -11,7 +11,7 @@ from kiln.scheduling.direct import DirectScheduler
 
 
 def _scheduler(depth: int = 1) -> tuple[DirectScheduler, Any]:
-    instance = SimpleNamespace(backend=SimpleNamespace(pipeline_depth=depth))
+    instance = SimpleNamespace(backend=SimpleNamespace(pipeline_depth=depth, queued_requests=0))
     return DirectScheduler([instance], ModelStats(), "m"), instance  # type: ignore[list-item]
 
 

@@ -4,6 +4,7 @@ faults, BLS and decoupled streaming, against a real worker process and a real ``
 from __future__ import annotations
 
 import asyncio
+import itertools
 import select
 import textwrap
 import time
@@ -291,10 +292,19 @@ class TritonPythonModel:
 """
 
 
-def _instance(tmp_path: Path, source: str = MODEL, busy_poll_us: str | None = None) -> Instance:
+def _instance(
+    tmp_path: Path,
+    source: str = MODEL,
+    busy_poll_us: str | None = None,
+    pipeline_depth: str | None = None,
+) -> Instance:
     text = CONFIG
     if busy_poll_us is not None:
         text += f'parameters {{ key: "busy_poll_us" value {{ string_value: "{busy_poll_us}" }} }}'
+    if pipeline_depth is not None:
+        text += (
+            f'parameters {{ key: "pipeline_depth" value {{ string_value: "{pipeline_depth}" }} }}'
+        )
     return Instance(
         PythonBackend(parse_config_text(text), _model(tmp_path, source), SPEC), "double"
     )
@@ -392,24 +402,6 @@ async def test_a_second_batch_waits_in_the_pipe_and_keeps_its_own_tensors(
     assert third[0]["OUT"].tolist() == [[2, 2]]
 
 
-async def test_a_queued_batch_runs_after_the_worker_dies_under_the_one_before(
-    instance: Instance,
-) -> None:
-    backend = _backend(instance)
-    old = backend.worker.pid
-    hung = instance.submit_requests([_job(-3)])
-    queued = instance.submit_requests([_job(4)])
-    await asyncio.sleep(0.3)  # the worker is asleep inside the first execute
-    assert backend.worker.proc is not None
-    backend.worker.proc.kill()
-    (error,), _, _ = await asyncio.wait_for(hung, 30)
-    assert isinstance(error, KilnError) and "signal 9" in error.message
-    # The second never started: it runs on the restarted worker instead of failing.
-    (out,), _, _ = await asyncio.wait_for(queued, 30)
-    assert out["OUT"].tolist() == [[8, 8]]
-    assert backend.worker.pid != old
-
-
 async def test_a_queued_batch_runs_after_the_one_before_overran(instance: Instance) -> None:
     hung = instance.submit_requests([_job(-3)])
     queued = instance.submit_requests([_job(5)])
@@ -430,6 +422,103 @@ async def test_a_queued_batch_s_execute_timeout_starts_when_it_begins(
         (out,), _, _ = await asyncio.wait_for(running, 30)
         assert not isinstance(out, KilnError), out
         assert out["OUT"].tolist() == [[-10, -10]]
+
+
+async def test_the_pipe_holds_pipeline_depth_batches_each_with_its_own_arenas(
+    instance: Instance,
+) -> None:
+    """By default eight batches wait in the worker's pipe at once, one per pair of arenas,
+    behind a slow first one: each gets its own answers, in order, and the slots wrap."""
+    from kiln.backends.python.loopcall import PIPELINE_DEPTH
+
+    backend = _backend(instance)
+    assert backend.pipeline_depth == PIPELINE_DEPTH == 8
+    assert len(backend.worker.arenas) == PIPELINE_DEPTH
+    first = instance.submit_requests([_job(-5)])
+    rest = [instance.submit_requests([_job(v), _job(v + 0.5)]) for v in range(1, PIPELINE_DEPTH)]
+    assert backend._pipe is not None
+    assert [c.slot for c in backend._pipe.calls] == list(range(PIPELINE_DEPTH))
+    (slow,), _, _ = await asyncio.wait_for(first, 30)
+    assert slow["OUT"].tolist() == [[-10, -10]]
+    ends = []
+    for v, running in zip(range(1, PIPELINE_DEPTH), rest, strict=True):
+        (a, b), start, end = await asyncio.wait_for(running, 30)
+        assert a["OUT"].tolist() == [[2 * v] * 2] and b["OUT"].tolist() == [[2 * v + 1] * 2]
+        ends.append((start, end))
+    assert all(e1 <= s2 for (_, e1), (s2, _) in itertools.pairwise(ends))
+    again = await _run(instance, [_job(3)])  # slot 0 again
+    assert again[0]["OUT"].tolist() == [[6, 6]]
+
+
+async def test_pipeline_depth_from_the_config_sets_the_pipe_and_the_arenas(
+    tmp_path: Path,
+) -> None:
+    instance = _instance(tmp_path, pipeline_depth="3")
+    backend = _backend(instance)
+    try:
+        assert backend.pipeline_depth == 3 and len(backend.worker.arenas) == 3
+        running = [instance.submit_requests([_job(-5 if v == 0 else v)]) for v in range(3)]
+        assert backend._pipe is not None
+        assert [c.slot for c in backend._pipe.calls] == [0, 1, 2]
+        # A fourth batch would overwrite the first's arenas: the pipe refuses it (the
+        # scheduler never hands an instance more than pipeline_depth at once).
+        with pytest.raises(KilnError) as refused:
+            await instance.submit_requests([_job(9)])
+        assert "model 'double'" in refused.value.message
+        assert "3 batches in flight" in refused.value.message
+        outs = [(await asyncio.wait_for(r, 30))[0][0]["OUT"].tolist() for r in running]
+        assert outs == [[[-10, -10]], [[2, 2]], [[4, 4]]]
+        assert (await _run(instance, [_job(7)]))[0]["OUT"].tolist() == [[14, 14]]
+    finally:
+        instance.close()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "deep", "65"])
+def test_a_bad_pipeline_depth_names_the_model_and_parameter(tmp_path: Path, value: str) -> None:
+    with pytest.raises(KilnError) as err:
+        _instance(tmp_path, pipeline_depth=value)
+    assert err.value.status is Status.INVALID_ARG
+    assert "model 'double'" in err.value.message
+    assert "pipeline_depth" in err.value.message and value in err.value.message
+
+
+async def test_every_batch_queued_behind_a_killed_one_runs_after_the_restart(
+    instance: Instance,
+) -> None:
+    backend = _backend(instance)
+    old = backend.worker.pid
+    hung = instance.submit_requests([_job(-3)])
+    queued = [instance.submit_requests([_job(v)]) for v in range(1, 7)]
+    await asyncio.sleep(0.3)  # the worker is asleep inside the first execute
+    assert backend.worker.proc is not None
+    backend.worker.proc.kill()
+    (error,), _, _ = await asyncio.wait_for(hung, 30)
+    assert isinstance(error, KilnError) and "signal 9" in error.message
+    for v, running in zip(range(1, 7), queued, strict=True):
+        (out,), _, _ = await asyncio.wait_for(running, 30)
+        assert out["OUT"].tolist() == [[2 * v, 2 * v]]
+    assert backend.worker.pid != old
+    assert backend.queued_requests == 0
+
+
+async def test_requests_queued_in_the_pipe_count_as_pending(instance: Instance) -> None:
+    """Requests behind the running batch wait for the worker as others wait for an
+    instance: nv_inference_pending_request_count (which autoscalers read) includes them."""
+    from kiln.core.stats import ModelStats
+    from kiln.scheduling.direct import DirectScheduler
+
+    scheduler = DirectScheduler([instance], ModelStats(), "double")
+    slow = asyncio.ensure_future(scheduler.schedule(_job(-5)))
+    await asyncio.sleep(0.05)
+    assert scheduler.pending == 0  # running, not pending
+    queued = [asyncio.ensure_future(scheduler.schedule(_job(v))) for v in (1, 2, 3)]
+    await asyncio.sleep(0.05)
+    assert scheduler.pending == 3
+    assert _backend(instance).queued_requests == 3
+    assert (await asyncio.wait_for(slow, 30))["OUT"].tolist() == [[-10, -10]]
+    outs = await asyncio.wait_for(asyncio.gather(*queued), 30)
+    assert [o["OUT"].tolist() for o in outs] == [[[2, 2]], [[4, 4]], [[6, 6]]]
+    assert scheduler.pending == 0
 
 
 def test_schedulers_free_lists_spread_over_instances_before_pipelining() -> None:
@@ -501,12 +590,13 @@ async def test_while_a_batch_runs_on_the_thread_path_the_next_ones_follow_it_the
 
 
 async def test_a_caller_that_goes_away_keeps_its_slot_until_its_batch_ends(
-    instance: Instance,
+    tmp_path: Path,
 ) -> None:
-    """Two callers give up on long batches (a client disconnect cancels its task): the
-    scheduler must not hand their slots to others while those batches are still in the
-    worker's pipe (their arenas would be overwritten), and later callers get their own
-    answers."""
+    """As many callers as the pipe holds give up on long batches (a client disconnect
+    cancels its task): the scheduler must not hand their slots to others while those
+    batches are still in the worker's pipe (their arenas would be overwritten), and later
+    callers get their own answers."""
+    instance = _instance(tmp_path, pipeline_depth="2")
     from kiln.backends.python import loopcall
     from kiln.core.stats import ModelStats
     from kiln.scheduling.direct import DirectScheduler
@@ -530,9 +620,10 @@ async def test_a_caller_that_goes_away_keeps_its_slot_until_its_batch_ends(
             asyncio.gather(*(scheduler.schedule(_job(v)) for v in values)), 30
         )
         assert [o["OUT"].tolist() for o in outs] == [[[2 * v, 2 * v]] for v in values]
-        assert max(depths) < loopcall.PIPELINE_DEPTH
+        assert max(depths) < 2
     finally:
         loopcall.WorkerPipe.submit = submit  # type: ignore[method-assign]
+        instance.close()
 
 
 # ---- review: BLS answers and deadlines across a restart ------------------------------------

@@ -79,11 +79,18 @@ class Backend(ABC):
     #: compute that needs nothing else from the server); see ``Instance.submit``.
     inline_capable: bool = False
     #: batches the scheduler without batching may have started on one instance at once
-    #: (``start_requests`` queues them: the Python backend's worker pipe, ``loopcall.py``)
-    pipeline_depth: ClassVar[int] = 1
+    #: (``start_requests`` queues them: the Python backend's worker pipe, ``loopcall.py``;
+    #: set per model from its config there)
+    pipeline_depth: int = 1
     #: the model version's statistics, set by its runtime at load: for backends that serve
     #: requests outside the schedulers (the llm backend's OpenAI and generate routes)
     model_stats: ModelStats | None = None
+
+    @property
+    def queued_requests(self) -> int:
+        """Requests accepted behind a running batch (``pipeline_depth`` > 1), not started:
+        pending, as those that wait for an instance are. Read from any thread."""
+        return 0
 
     def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
         self.config = config

@@ -28,7 +28,8 @@ class DirectScheduler(Scheduler):
 
     @property
     def pending(self) -> int:
-        return len(self._waiters)
+        # and those queued in a backend behind a running batch (a Python worker's pipe)
+        return len(self._waiters) + sum(i.backend.queued_requests for i in self.instances)
 
     async def _acquire(self) -> Instance:
         if self._idle and not self._waiters:

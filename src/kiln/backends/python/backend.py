@@ -73,6 +73,8 @@ KILL_GRACE_S = 0.5
 #: ``busy_poll_us`` default: how long a lone request's event loop polls for the worker's
 #: answer before it sleeps (``loopcall.LoopCall._busy_poll``).
 BUSY_POLL_US = 200
+#: ``pipeline_depth`` ceiling: each batch in the pipe has its own pair of arena files.
+MAX_PIPELINE_DEPTH = 64
 
 
 def _seconds(config: ModelConfig, key: str, default: float | None) -> float | None:
@@ -133,8 +135,6 @@ class PythonBackend(Backend):
                 f"model '{config.name}': auto_complete_config made an invalid config: {exc}"
             ) from None
 
-    pipeline_depth = PIPELINE_DEPTH
-
     def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
         super().__init__(config, version_dir, instance)
         self.model = config.name
@@ -143,6 +143,15 @@ class PythonBackend(Backend):
         self.initialize_timeout = _seconds(config, "initialize_timeout_secs", 300.0)
         busy_poll_us = count_parameter(config, "busy_poll_us", "microseconds, 0 = off")
         self.busy_poll_ns = (BUSY_POLL_US if busy_poll_us is None else busy_poll_us) * 1000
+        # Batches the worker's pipe holds at once (loopcall.py), each with its own arenas.
+        depth = count_parameter(config, "pipeline_depth", "batches in the worker's pipe")
+        if depth is not None and not 1 <= depth <= MAX_PIPELINE_DEPTH:
+            raise KilnError(
+                f"model '{config.name}': parameter pipeline_depth must be between 1 and "
+                f"{MAX_PIPELINE_DEPTH}, got '{depth}'",
+                Status.INVALID_ARG,
+            )
+        self.pipeline_depth = PIPELINE_DEPTH if depth is None else depth
         self.round_trip_ns: float | None = None  # moving average, send to answer
         self.busy_polled_calls = 0  # batches answered while the loop polled (tests, diagnostics)
         self.args = {
@@ -154,7 +163,9 @@ class PythonBackend(Backend):
             "model_version": version_dir.name,
             "model_name": config.name,
         }
-        self.worker = WorkerProcess(self.model_path(), f"{config.name}-{instance.index}")
+        self.worker = WorkerProcess(
+            self.model_path(), f"{config.name}-{instance.index}", self.pipeline_depth
+        )
         self._restarting: threading.Thread | None = None
         self._pipe: WorkerPipe | None = None  # the loop's batches in the worker's pipe
         self._restart_error: str | None = None
@@ -279,6 +290,11 @@ class PythonBackend(Backend):
         call = LoopCall(self, loop, requests, outcomes)
         pipe.submit(call, self._busy_poll_budget())
         return call.future
+
+    @property
+    def queued_requests(self) -> int:
+        pipe = self._pipe
+        return pipe.waiting if pipe is not None and not pipe.broken else 0
 
     def _busy_poll_budget(self) -> int:
         """How long the loop may busy-poll for this batch's answer, ns: ``busy_poll_us``

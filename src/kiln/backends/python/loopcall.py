@@ -10,11 +10,16 @@ arena and the pipe itself, watches the pipe with ``add_reader`` and decodes the 
 answer when it comes, so the only wake-ups are the worker's and the loop's own.
 
 **Pipelining.** A worker runs one ``execute`` at a time, but the next batch need not wait
-for the previous answer to be sent: ``WorkerPipe`` keeps up to ``PIPELINE_DEPTH`` batches
-in the pipe, oldest first, each with its own pair of arenas (``slot``). The worker finds
-the next batch waiting when it finishes one, so under load it neither sleeps between
-batches nor waits for the loop to hand the next one over; the model still sees its batches
-one at a time, in order. Every message the worker sends belongs to the oldest batch.
+for the previous answer to be sent: ``WorkerPipe`` keeps up to the model's
+``pipeline_depth`` batches in the pipe (``PIPELINE_DEPTH`` unless its config says), oldest
+first, each with its own pair of arenas (``slot``). The worker finds the next batch
+waiting when it finishes one, so under load it neither sleeps between batches nor waits
+for the loop to hand the next one over; the model still sees its batches one at a time, in
+order. Every message the worker sends belongs to the oldest batch. Without dynamic
+batching each request is its own batch, and a worker that is faster than the loop feeding
+it went to sleep after each one when the pipe held only two: at 16 concurrent requests on
+a 2-vCPU VM, eight cut the server's CPU per request by about a quarter
+(benchmarks/README.md, "Python-backend overhead", run 13).
 
 What blocks stays off the loop: a BLS call (it waits for another model, which runs on this
 same loop) goes to a thread of the loop's default executor, and so does the handling of a
@@ -47,8 +52,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Batches one worker may have in its pipe at once: the running one and the next, each
-#: with its own pair of arenas.
+#: Batches one worker may have in its pipe at once by default (config parameter
+#: ``pipeline_depth``): the running one and those behind it, each with its own pair of
+#: arenas.
 PIPELINE_DEPTH = ARENA_SLOTS
 
 
@@ -128,6 +134,11 @@ class WorkerPipe:
         self.broken = False  # the worker was lost: nothing more is sent on this pipe
         self.diagnosing = False  # its exit status is being taken, the restart not begun
         self._held: list[LoopCall] = []  # arrived meanwhile
+        self.depth = backend.pipeline_depth  # the worker has one pair of arenas per batch
+        # Requests in batches behind the running one: they wait for the worker as others
+        # wait for an instance (``nv_inference_pending_request_count``). One int, so a
+        # scrape on another thread reads it whole.
+        self.waiting = 0
         self._next_slot = 0
         self._fd = -1
         self._timer: asyncio.TimerHandle | None = None
@@ -145,21 +156,23 @@ class WorkerPipe:
         if not call.requests:
             call.resolve([])
             return
-        if len(self.calls) >= PIPELINE_DEPTH:
+        if len(self.calls) >= self.depth:
             # Its arenas would overwrite a batch still in the pipe. Schedulers hand an
             # instance at most pipeline_depth batches at once; this guards the invariant.
             log.error("model '%s': Python worker pipe already full", self.backend.model)
             call.fail(
                 KilnError(
                     f"model '{self.backend.model}': internal error: the Python worker "
-                    f"already has {PIPELINE_DEPTH} batches in flight"
+                    f"already has {self.depth} batches in flight"
                 )
             )
             return
         call.slot = self._next_slot
-        self._next_slot = (self._next_slot + 1) % PIPELINE_DEPTH
+        self._next_slot = (self._next_slot + 1) % self.depth
         idle = not self.calls
         self.calls.append(call)
+        if not idle:
+            self.waiting += len(call.requests)
         backend = self.backend
         try:
             wire, call.watch = backend._wire(call.requests, call.slot)
@@ -168,6 +181,8 @@ class WorkerPipe:
             # The worker is gone and never got this batch: it runs again after the
             # restart, like those queued behind a lost one.
             self.calls.pop()
+            if not idle:
+                self.waiting -= len(call.requests)
             self._held.append(call)
             self._lost(exc)
             return
@@ -197,6 +212,7 @@ class WorkerPipe:
             self._timer = None
         self.backend._observe_round_trip(time.monotonic_ns() - call.began_ns)
         if self.calls:
+            self.waiting -= len(self.calls[0].requests)
             self._begin(self.calls[0])
 
     # ---- reading -----------------------------------------------------------------------
@@ -269,6 +285,7 @@ class WorkerPipe:
         """Stop using this pipe: (the batch the worker was running, those behind it)."""
         self.broken = True
         self._unwatch()
+        self.waiting = 0
         head = self.calls.popleft() if self.calls else None
         rest = list(self.calls)
         self.calls.clear()

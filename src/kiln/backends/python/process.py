@@ -26,8 +26,9 @@ from kiln.backends.python.wire import Wire
 
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
-#: Pairs of arenas per worker: as many as batches in its pipe (``loopcall.PIPELINE_DEPTH``).
-ARENA_SLOTS = 2
+#: Pairs of arenas per worker by default: as many as batches in its pipe (the backend's
+#: ``pipeline_depth``).
+ARENA_SLOTS = 8
 
 
 class WorkerDied(Exception):
@@ -39,14 +40,14 @@ class WorkerTimeout(Exception):
 
 
 class WorkerProcess:
-    def __init__(self, model_path: Path, label: str) -> None:
+    def __init__(self, model_path: Path, label: str, slots: int = ARENA_SLOTS) -> None:
         self.model_path = model_path
         self.label = label  # names the arena files, so a stray one says whose it was
-        # One (inbound, outbound) pair per batch that may be in the pipe at once
-        # (loopcall.PIPELINE_DEPTH): a batch's tensors stay put while the next is written.
+        # One (inbound, outbound) pair per batch that may be in the pipe at once (the
+        # backend's pipeline_depth): a batch's tensors stay put while the next is written.
         self.arenas = [
             (Arena.create(f"kiln-py-{label}-in{i}-"), Arena.create(f"kiln-py-{label}-out{i}-"))
-            for i in range(ARENA_SLOTS)
+            for i in range(slots)
         ]
         # custom metrics (custom_metrics.py): written by the worker, read at scrape time
         self.metrics_dir = Path(tempfile.mkdtemp(prefix=f"kiln-py-{label}-metrics-", dir=_SHM))
