@@ -337,10 +337,40 @@ output [ { name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] },
          { name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] } ]
 """
 
+DLPACK_MODEL = """
+import numpy as np
+import torch
+import torch.utils.dlpack as tdl
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            given = pb_utils.get_input_tensor_by_name(request, "X")
+            x = tdl.from_dlpack(given.to_dlpack())  # a view of the shared memory
+            shared = x.data_ptr() == given.as_numpy().ctypes.data
+            y = torch.softmax(x, dim=-1)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor.from_dlpack("Y", tdl.to_dlpack(y)),
+                pb_utils.Tensor.from_dlpack("SHARED", torch.tensor([shared])),
+            ]))
+        return responses
+"""
+
+DLPACK_CONFIG = """
+name: "py_torch_dlpack"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1, -1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1, -1 ] },
+         { name: "SHARED" data_type: TYPE_BOOL dims: [ 1 ] } ]
+"""
+
 LOADED = ["mlp", "python_preprocess", "repeat_int32", "py_faults", "py_bls", "py_auto",
           "py_until_cancelled", "py_unary_until_cancelled", "simple_sequence_state",
           "py_bls_fields", "py_slow_queue", "py_bls_stream", "py_bls_relay",
-          "py_slow_repeat"]  # fmt: skip
+          "py_slow_repeat", "py_torch_dlpack"]  # fmt: skip
 
 
 def _python_model(repo: Path, name: str, source: str, config: str | None) -> None:
@@ -376,6 +406,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
         BLS_STREAM_CONFIG.format(
             name="py_bls_relay", policy="model_transaction_policy { decoupled: true }"),
     )  # fmt: skip
+    _python_model(repo, "py_torch_dlpack", DLPACK_MODEL, DLPACK_CONFIG)
     args = ["--model-control-mode", "explicit"]
     for name in LOADED:
         args += ["--load-model", name]
@@ -426,6 +457,20 @@ def test_python_preprocess_http_and_grpc(
     gi.set_data_from_numpy(images)
     got = grpc.infer("python_preprocess", [gi]).as_numpy("NORMALIZED")
     np.testing.assert_allclose(got, want)
+
+
+def test_a_torch_model_passes_tensors_through_dlpack(
+    http: httpclient.InferenceServerClient,
+) -> None:
+    """Triton's to_dlpack / from_dlpack: the model reads its input as a torch tensor that
+    views the shared memory, and returns torch tensors."""
+    x = np.random.default_rng(5).normal(size=(3, 4)).astype(np.float32)
+    given = httpclient.InferInput("X", list(x.shape), "FP32")
+    given.set_data_from_numpy(x)
+    result = http.infer("py_torch_dlpack", [given])
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(result.as_numpy("Y"), e / e.sum(axis=1, keepdims=True), rtol=1e-6)
+    assert result.as_numpy("SHARED").tolist() == [True]
 
 
 def test_concurrent_requests_each_get_their_own_answer(server: KilnProcess) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.backends.python import custom_metrics
+from kiln.backends.python import custom_metrics, dlpack
 from kiln.backends.python.arena import serialize_bytes
 from kiln.backends.python.autocomplete import ModelConfig
 
@@ -120,6 +120,38 @@ class Tensor:
 
     def is_cpu(self) -> bool:
         return True
+
+    # ---- DLPack (dlpack.py): tensors to and from torch etc. without copies ----
+    def to_dlpack(self) -> Any:
+        """A DLPack capsule of the tensor's data, e.g. for
+        ``torch.utils.dlpack.from_dlpack``: an input's capsule views the shared memory."""
+        try:
+            return dlpack.capsule_of(self._array)
+        except dlpack.DLPackError as exc:
+            raise TritonModelException(f"Tensor '{self._name}': to_dlpack: {exc}") from None
+
+    @classmethod
+    def from_dlpack(cls, name: str, capsule: Any) -> Tensor:
+        """A tensor named ``name`` from a DLPack capsule or an object with ``__dlpack__``
+        (a torch tensor, a NumPy array...): a view of host memory, a copy of GPU memory."""
+        if not isinstance(name, str):
+            raise TritonModelException(
+                f"Tensor.from_dlpack takes the tensor's name first, got {type(name).__name__}"
+            )
+        try:
+            return cls(name, dlpack.to_numpy(capsule))
+        except dlpack.DLPackError as exc:
+            raise TritonModelException(f"Tensor '{name}': from_dlpack: {exc}") from None
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """The DLPack protocol: ``torch.from_dlpack(tensor)`` takes a pb_utils.Tensor."""
+        try:
+            return dlpack.capsule_of(self._array, **kwargs)
+        except dlpack.DLPackError as exc:
+            raise BufferError(f"Tensor '{self._name}': {exc}") from None
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (dlpack.DL_CPU, 0)
 
     def __repr__(self) -> str:
         return f"Tensor({self._name!r}, shape={self._array.shape}, dtype={self._array.dtype})"
