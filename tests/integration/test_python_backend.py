@@ -367,10 +367,60 @@ output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1, -1 ] },
          { name: "SHARED" data_type: TYPE_BOOL dims: [ 1 ] } ]
 """
 
+PARAMS_MODEL = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.decoupled = json.loads(args["model_config"]).get(
+            "model_transaction_policy", {}).get("decoupled", False)
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            target = pb_utils.get_input_tensor_by_name(r, "TARGET")
+            if target is not None:  # BLS: relay the callee's parameters, add our own
+                name = target.as_numpy()[0].decode()
+                reply = pb_utils.InferenceRequest(
+                    model_name=name, requested_output_names=["Y"],
+                    inputs=[pb_utils.Tensor("X", x)]).exec()
+                params = json.loads(reply.parameters())
+                params["via"] = "bls"
+                y = pb_utils.get_output_tensor_by_name(reply, "Y").as_numpy()
+                out.append(pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor("Y", y)], parameters=params))
+                continue
+            if self.decoupled:
+                sender = r.get_response_sender()
+                for i in range(2):
+                    sender.send(pb_utils.InferenceResponse(
+                        output_tensors=[pb_utils.Tensor("Y", x + i)], parameters={"index": i}))
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            out.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor("Y", x + 1)],
+                parameters={"count": int(x.size), "label": "ok", "exact": True, "scale": 0.5}))
+        return None if self.decoupled else out
+"""
+
+PARAMS_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "X" data_type: TYPE_FP32 dims: [ -1 ] }},
+        {{ name: "TARGET" data_type: TYPE_STRING dims: [ 1 ] optional: true }} ]
+output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+{policy}
+"""
+
 LOADED = ["mlp", "python_preprocess", "repeat_int32", "py_faults", "py_bls", "py_auto",
           "py_until_cancelled", "py_unary_until_cancelled", "simple_sequence_state",
           "py_bls_fields", "py_slow_queue", "py_bls_stream", "py_bls_relay",
-          "py_slow_repeat", "py_torch_dlpack"]  # fmt: skip
+          "py_slow_repeat", "py_torch_dlpack", "py_params", "py_params_callee",
+          "py_params_stream"]  # fmt: skip
 
 
 def _python_model(repo: Path, name: str, source: str, config: str | None) -> None:
@@ -407,6 +457,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
             name="py_bls_relay", policy="model_transaction_policy { decoupled: true }"),
     )  # fmt: skip
     _python_model(repo, "py_torch_dlpack", DLPACK_MODEL, DLPACK_CONFIG)
+    for name in ("py_params", "py_params_callee"):
+        _python_model(repo, name, PARAMS_MODEL, PARAMS_CONFIG.format(name=name, policy=""))
+    _python_model(
+        repo, "py_params_stream", PARAMS_MODEL,
+        PARAMS_CONFIG.format(
+            name="py_params_stream", policy="model_transaction_policy { decoupled: true }"),
+    )  # fmt: skip
     args = ["--model-control-mode", "explicit"]
     for name in LOADED:
         args += ["--load-model", name]
@@ -471,6 +528,61 @@ def test_a_torch_model_passes_tensors_through_dlpack(
     e = np.exp(x - x.max(axis=1, keepdims=True))
     np.testing.assert_allclose(result.as_numpy("Y"), e / e.sum(axis=1, keepdims=True), rtol=1e-6)
     assert result.as_numpy("SHARED").tolist() == [True]
+
+
+def _params_inputs(module: Any, target: str | None = None) -> list[Any]:
+    x = module.InferInput("X", [3], "FP32")
+    x.set_data_from_numpy(np.array([1, 2, 3], np.float32))
+    if target is None:
+        return [x]
+    t = module.InferInput("TARGET", [1], "BYTES")
+    t.set_data_from_numpy(np.array([target.encode()], dtype=object))
+    return [x, t]
+
+
+PARAMS = {"count": 3, "label": "ok", "exact": True, "scale": 0.5}
+
+
+def test_response_parameters_reach_http_and_grpc_clients(
+    http: httpclient.InferenceServerClient, grpc: grpcclient.InferenceServerClient
+) -> None:
+    """A Python model's InferenceResponse(parameters=...) is the response's parameters on
+    the wire, with each value's type (bool, int, float, str)."""
+    result = http.infer("py_params", _params_inputs(httpclient))
+    assert result.as_numpy("Y").tolist() == [2, 3, 4]
+    assert result.get_response()["parameters"] == PARAMS
+    got = grpc.infer("py_params", _params_inputs(grpcclient)).get_response().parameters
+    assert got["count"].int64_param == 3 and got["label"].string_param == "ok"
+    assert got["exact"].bool_param is True and got["scale"].double_param == 0.5
+
+
+def test_a_bls_caller_reads_the_callee_s_response_parameters(
+    http: httpclient.InferenceServerClient,
+) -> None:
+    result = http.infer("py_params", _params_inputs(httpclient, target="py_params_callee"))
+    assert result.as_numpy("Y").tolist() == [2, 3, 4]
+    assert result.get_response()["parameters"] == {**PARAMS, "via": "bls"}
+
+
+def test_decoupled_responses_carry_their_own_parameters(
+    grpc: grpcclient.InferenceServerClient,
+) -> None:
+    results: queue.Queue[Any] = queue.Queue()
+    grpc.start_stream(callback=lambda result, error: results.put((result, error)))
+    grpc.async_stream_infer(
+        "py_params_stream", _params_inputs(grpcclient), enable_empty_final_response=True
+    )
+    seen = []
+    while True:
+        result, error = results.get(timeout=30)
+        assert error is None, error
+        params = result.get_response().parameters
+        if params["triton_final_response"].bool_param:
+            assert "index" not in params  # the FINAL flag came alone
+            break
+        seen.append((params["index"].int64_param, result.as_numpy("Y").tolist()))
+    grpc.stop_stream()
+    assert seen == [(0, [1, 2, 3]), (1, [2, 3, 4])]
 
 
 def test_concurrent_requests_each_get_their_own_answer(server: KilnProcess) -> None:

@@ -471,7 +471,9 @@ class _Collect:
     def __init__(self) -> None:
         self.items: list[tuple[dict[str, Array] | None, bool]] = []
 
-    def send(self, outputs: dict[str, Array] | None, final: bool, error: Any) -> None:
+    def send(
+        self, outputs: dict[str, Array] | None, final: bool, error: Any, parameters: Any = None
+    ) -> None:
         assert error is None
         self.items.append((outputs, final))
 

@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -143,6 +144,29 @@ def test_error_response() -> None:
     assert response.has_error()
     assert response.error() is error
     assert error.message() == "bad input" and error.code() == pb_utils.TritonError.INVALID_ARG
+
+
+def test_response_parameters_are_json_of_plain_values() -> None:
+    given = {"count": 3, "label": "ok", "exact": True, "scale": 0.5}
+    assert json.loads(pb_utils.InferenceResponse(parameters=given).parameters()) == given
+    as_text = pb_utils.InferenceResponse(parameters=json.dumps(given))
+    assert json.loads(as_text.parameters()) == given
+    assert pb_utils.InferenceResponse().parameters() == "{}"
+
+
+@pytest.mark.parametrize(
+    ("parameters", "says"),
+    [
+        ({"shape": [1, 2]}, r"parameter 'shape' must be a bool, int, float or str, got list"),
+        ({"none": None}, r"parameter 'none' .* got NoneType"),
+        ({3: "x"}, r"key 3 must be a str"),
+        ("{not json", r"not valid JSON"),
+        ("[1, 2]", r"must be a dict, got list"),
+    ],
+)
+def test_bad_response_parameters_are_refused_naming_the_key(parameters: Any, says: str) -> None:
+    with pytest.raises(pb_utils.TritonModelException, match=says):
+        pb_utils.InferenceResponse(parameters=parameters)
 
 
 def test_config_helpers() -> None:

@@ -254,24 +254,32 @@ async def test_a_bls_call_is_answered_off_the_loop(instance: Instance) -> None:
     assert instance.loop_driven_calls == 1
 
 
-class _Sink:
-    def __init__(self) -> None:
-        self.items: list[tuple[list[list[float]] | None, bool]] = []
+class _AnySink:
+    """A decoupled request's responses as they come: (OUT or None, final, error)."""
 
-    def send(self, outputs: dict[str, np.ndarray] | None, final: bool, error: Any) -> None:
-        assert error is None
-        self.items.append((None if outputs is None else outputs["OUT"].tolist(), final))
+    def __init__(self) -> None:
+        self.items: list[tuple[Any, bool, Any]] = []
+
+    def send(
+        self,
+        outputs: dict[str, np.ndarray] | None,
+        final: bool,
+        error: Any,
+        parameters: Any = None,
+    ) -> None:
+        out = None if outputs is None else outputs["OUT"].tolist()
+        self.items.append((out, final, error))
 
 
 async def test_decoupled_responses_stream_from_the_loop(tmp_path: Path) -> None:
     config = parse_config_text(CONFIG + "model_transaction_policy { decoupled: true }")
     instance = Instance(PythonBackend(config, _model(tmp_path, STREAM), SPEC), "double")
     try:
-        sinks = [_Sink(), _Sink()]
+        sinks = [_AnySink(), _AnySink()]
         outcomes = await _run(instance, [_job(1, sink=sinks[0]), _job(10, sink=sinks[1])])
         assert outcomes == [{}, {}]
-        assert sinks[0].items == [([[1, 1]], False), ([[2, 2]], False), ([[3, 3]], False),
-                                  (None, True)]  # fmt: skip
+        assert sinks[0].items == [([[1, 1]], False, None), ([[2, 2]], False, None),
+                                  ([[3, 3]], False, None), (None, True, None)]  # fmt: skip
         assert [i[0] for i in sinks[1].items[:3]] == [[[10, 10]], [[11, 11]], [[12, 12]]]
         assert instance.loop_driven_calls == 1
     finally:
@@ -673,7 +681,7 @@ async def test_a_bls_answer_for_a_killed_worker_does_not_reach_its_successor(
         else:
             second_asked.set()
             stale_done.wait(20)
-        return {"OUT": x + 1}
+        return {"OUT": x + 1}, {}  # outputs, the response's parameters
 
     answer = PythonBackend._bls
 
@@ -829,15 +837,6 @@ class TritonPythonModel:
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 """
-
-
-class _AnySink:
-    def __init__(self) -> None:
-        self.items: list[tuple[Any, bool, Any]] = []
-
-    def send(self, outputs: dict[str, np.ndarray] | None, final: bool, error: Any) -> None:
-        out = None if outputs is None else outputs["OUT"].tolist()
-        self.items.append((out, final, error))
 
 
 async def test_a_decoupled_execute_that_raises_closes_its_senders(tmp_path: Path) -> None:

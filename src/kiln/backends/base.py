@@ -38,7 +38,11 @@ class ResponseSink(Protocol):
     """Where a decoupled model's responses go, from the instance's thread, as they come."""
 
     def send(
-        self, outputs: dict[str, np.ndarray] | None, final: bool, error: KilnError | None
+        self,
+        outputs: dict[str, np.ndarray] | None,
+        final: bool,
+        error: KilnError | None,
+        parameters: dict[str, Any] | None = None,
     ) -> None: ...
 
 
@@ -51,6 +55,9 @@ class BackendRequest(Protocol):
     request_id: str
     sink: ResponseSink | None
     deadline_ns: int  # time.monotonic_ns() by which it must be answered; 0 = none
+    # The response's parameters as the model set them (a Python model's
+    # ``InferenceResponse(parameters=...)``), for the client: set by the backend.
+    response_parameters: dict[str, Any] | None
     # A request whose client can go away (``Job``) also has ``add_cancel_callback``.
 
 

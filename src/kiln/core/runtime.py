@@ -209,7 +209,10 @@ class ModelRuntime:
                 self.cache.insert(key, outputs, self._load_id)
                 self.stats.record_cache_miss(lookup_ns + time.monotonic_ns() - insert_start)
             self.stats.record_success(times, batch, time.monotonic_ns())
-            return self._response(request, outputs)
+            response = self._response(request, outputs)
+            if job.response_parameters:
+                response.parameters.update(job.response_parameters)
+            return response
         finally:
             self._inflight -= 1
             activity.inflight -= 1
@@ -255,6 +258,8 @@ class ModelRuntime:
                         present = [n for n in names if n in item.outputs]
                         outputs = self._outputs(item.outputs, present, batch)
                     response = self._response(request, outputs)
+                    if item.parameters:
+                        response.parameters.update(item.parameters)
                     response.parameters["triton_final_response"] = item.final
                     yield response
             except KilnError as exc:

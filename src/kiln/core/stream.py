@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +25,7 @@ class StreamItem:
     outputs: dict[str, np.ndarray] | None  # None: a FINAL flag sent without a response
     final: bool
     error: KilnError | None = None
+    parameters: dict[str, Any] | None = None  # the response's own, for the client
 
 
 _END = StreamItem(None, True)
@@ -37,13 +39,18 @@ class ResponseStream:
         self.cancelled = False
 
     def send(
-        self, outputs: dict[str, np.ndarray] | None, final: bool, error: KilnError | None
+        self,
+        outputs: dict[str, np.ndarray] | None,
+        final: bool,
+        error: KilnError | None,
+        parameters: dict[str, Any] | None = None,
     ) -> None:
         """Thread-safe: queue one response (or a response's error) for the reader; dropped
         once the reader has gone (``cancel``), so a model that keeps sending holds no memory."""
         if self.cancelled:
             return
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, StreamItem(outputs, final, error))
+        item = StreamItem(outputs, final, error, parameters)
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
     def cancel(self) -> None:
         """On the loop: nobody reads this stream any more."""

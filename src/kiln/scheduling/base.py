@@ -42,6 +42,8 @@ class Job:
     # batcher from its queue policy; the Python backend also bounds execution by it.
     deadline_ns: int = 0
     cancelled: bool = False  # its client went away (Triton's request cancellation)
+    # The response's parameters as the model set them, for the client (BackendRequest).
+    response_parameters: dict[str, Any] | None = None
     _on_cancel: list[Callable[[], None]] | None = None
 
     def add_cancel_callback(self, callback: Callable[[], None]) -> None:

@@ -90,6 +90,13 @@ def _seconds(config: ModelConfig, key: str, default: float | None) -> float | No
     return value if value > 0 else None
 
 
+def _params_json(params: dict[str, Any]) -> str | None:
+    """A callee's response parameters for the BLS caller (``InferenceResponse.parameters()``),
+    without those the server adds to every streamed response."""
+    own = {k: v for k, v in params.items() if k != "triton_final_response"}
+    return json.dumps(own, default=str) if own else None
+
+
 class _Single:
     """``execute(inputs, names)`` (warm-up, sequence batcher) as a one-request list."""
 
@@ -100,6 +107,7 @@ class _Single:
         self.request_id = ""
         self.sink: ResponseSink | None = None
         self.deadline_ns = 0
+        self.response_parameters: dict[str, Any] | None = None
 
 
 class PythonBackend(Backend):
@@ -398,7 +406,9 @@ class PythonBackend(Backend):
         if self.decoupled:
             return [{} for _ in requests]  # everything went out through the sinks
         outcomes: list[RequestOutcome] = []
-        for headers, error in answers:
+        for request, (headers, error, params) in zip(requests, answers, strict=True):
+            if params is not None:  # the response's parameters, for the client
+                request.response_parameters = json.loads(params)
             if error is not None:
                 outcomes.append(KilnError(error[0], _CODES.get(error[1], Status.INTERNAL)))
             else:
@@ -414,6 +424,7 @@ class PythonBackend(Backend):
         error: tuple[str, int] | None,
         final: bool,
         has_response: bool,
+        params: str | None = None,
         slot: int = 0,
     ) -> None:
         sink = requests[index].sink
@@ -424,7 +435,7 @@ class PythonBackend(Backend):
             return
         outbound = self.worker.arenas[slot][1]
         outputs = {h[0]: outbound.read(h) for h in headers} if has_response else None
-        sink.send(outputs, final, None)
+        sink.send(outputs, final, None, json.loads(params) if params is not None else None)
 
     def _bls_request(self, call: dict[str, Any], slot: int) -> InferenceRequest:
         """The request a worker's BLS call describes, its tensors read from the arena."""
@@ -449,8 +460,9 @@ class PythonBackend(Backend):
         inbound = worker.arenas[slot][0]
         outputs: dict[str, np.ndarray] | None = None
         error: tuple[str, int] | None = None
+        params: dict[str, Any] = {}
         try:
-            outputs = bls.call(self._bls_request(call, slot))
+            outputs, params = bls.call(self._bls_request(call, slot))
         except KilnError as exc:
             error = (exc.message, _STATUS_CODES.get(exc.status, 1))
         except Exception as exc:
@@ -464,7 +476,9 @@ class PythonBackend(Backend):
                     headers = [inbound.write(n, a) for n, a in outputs.items()]
                 except Exception as exc:
                     error = (f"{type(exc).__name__}: {exc}", 1)
-            worker.send(("bls_result", headers if error is None else None, error))
+            worker.send(
+                ("bls_result", headers if error is None else None, error, _params_json(params))
+            )
 
     def _bls_stream(self, call: dict[str, Any], slot: int, conn: Wire | None) -> None:
         """Answer a decoupled BLS call (``exec(decoupled=True)``): one ``bls_part`` message
@@ -474,10 +488,10 @@ class PythonBackend(Backend):
         try:
             parts: Iterator[bls.Part] = bls.call_stream(self._bls_request(call, slot))
         except KilnError as exc:
-            parts = iter([(None, True, exc)])
+            parts = iter([(None, True, exc, {})])
         except Exception as exc:  # the worker waits for a final part: it must get one
-            parts = iter([(None, True, KilnError(f"{type(exc).__name__}: {exc}"))])
-        for outputs, final, failure in parts:
+            parts = iter([(None, True, KilnError(f"{type(exc).__name__}: {exc}"), {})])
+        for outputs, final, failure, params in parts:
             error = None
             if failure is not None:
                 error = (failure.message, _STATUS_CODES.get(failure.status, 1))
@@ -488,7 +502,8 @@ class PythonBackend(Backend):
                         headers = [inbound.write(n, a) for n, a in outputs.items()]
                     except Exception as exc:
                         error, final = (f"{type(exc).__name__}: {exc}", 1), True
-                worker.send(("bls_part", call["stream"], headers, error, final))
+                message = ("bls_part", call["stream"], headers, error, final, _params_json(params))
+                worker.send(message)
             if final:
                 return
 

@@ -21,8 +21,9 @@ from kiln.core.types import RequestedOutput as Wanted
 
 Infer = Callable[[InferenceRequest], Coroutine[Any, Any, InferenceResponse]]
 InferStream = Callable[[InferenceRequest], AsyncIterator[InferenceResponse]]
-# One response of a decoupled BLS call: (outputs or None, final, error or None).
-Part = tuple[dict[str, np.ndarray] | None, bool, KilnError | None]
+# One response of a decoupled BLS call: (outputs or None, final, error or None, the
+# response's parameters).
+Part = tuple[dict[str, np.ndarray] | None, bool, KilnError | None, dict[str, Any]]
 
 
 @dataclass(slots=True)
@@ -84,12 +85,13 @@ def request(
     )
 
 
-def call(request: InferenceRequest) -> dict[str, np.ndarray]:
-    """Run one request (from a thread other than the loop's); its outputs."""
+def call(request: InferenceRequest) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Run one request (from a thread other than the loop's); its outputs and the
+    response's parameters."""
     target = _require_target(request.model_name)
     future = asyncio.run_coroutine_threadsafe(target.infer(request), target.loop)
     response = future.result()
-    return {out.name: out.data for out in response.outputs}
+    return {out.name: out.data for out in response.outputs}, dict(response.parameters)
 
 
 def call_stream(request: InferenceRequest) -> Iterator[Part]:
@@ -110,14 +112,15 @@ def call_stream(request: InferenceRequest) -> Iterator[Part]:
             async for response in infer_stream(request):
                 final = bool(response.parameters.get("triton_final_response", True))
                 got = {out.name: out.data for out in response.outputs}
-                parts.put((got if (got or not final) else None, final, None))
+                params = dict(response.parameters)
+                parts.put((got if (got or not final) else None, final, None, params))
                 if final:
                     return
-            parts.put((None, True, None))
+            parts.put((None, True, None, {}))
         except KilnError as exc:
-            parts.put((None, True, exc))
+            parts.put((None, True, exc, {}))
         except Exception as exc:
-            parts.put((None, True, KilnError(f"{type(exc).__name__}: {exc}")))
+            parts.put((None, True, KilnError(f"{type(exc).__name__}: {exc}"), {}))
 
     asyncio.run_coroutine_threadsafe(pump(), target.loop)
     return _until_final(parts)

@@ -109,8 +109,10 @@ class LoopCall:
             self.resolve(backend._outcomes(self.requests, None, message[1], self.slot))
             return True
         if kind == "response":
-            index, headers, error, final, has_response = message[1:]
-            backend._stream(self.requests, index, headers, error, final, has_response, self.slot)
+            index, headers, error, final, has_response, params = message[1:]
+            backend._stream(
+                self.requests, index, headers, error, final, has_response, params, self.slot
+            )
         elif kind == "bls":
             # The call waits for another model served by this loop: not on the loop.
             self.loop.run_in_executor(None, self._bls, message[1], backend.worker.conn)

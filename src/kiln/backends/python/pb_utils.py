@@ -76,6 +76,37 @@ def _json(parameters: dict[str, Any] | str | None) -> str:
     return parameters if isinstance(parameters, str) else json.dumps(parameters or {})
 
 
+_PARAMETER_TYPES = (bool, int, float, str)
+
+
+def _response_parameters(parameters: dict[str, Any] | str | None) -> str:
+    """A response's parameters as JSON, checked as Triton checks them: an object whose
+    values are bool, int, float or str (they reach the client as the response's
+    ``parameters``)."""
+    if isinstance(parameters, str):
+        try:
+            parameters = json.loads(parameters or "{}")
+        except json.JSONDecodeError as exc:
+            raise TritonModelException(
+                f"InferenceResponse parameters: not valid JSON ({exc})"
+            ) from None
+    if parameters is None:
+        return "{}"
+    if not isinstance(parameters, dict):
+        raise TritonModelException(
+            f"InferenceResponse parameters must be a dict, got {type(parameters).__name__}"
+        )
+    for key, value in parameters.items():
+        if not isinstance(key, str):
+            raise TritonModelException(f"InferenceResponse parameters: key {key!r} must be a str")
+        if not isinstance(value, _PARAMETER_TYPES):
+            raise TritonModelException(
+                f"InferenceResponse parameter '{key}' must be a bool, int, float or str, "
+                f"got {type(value).__name__}"
+            )
+    return json.dumps(parameters)
+
+
 class TritonError:
     """An error a response carries; ``code`` picks the status the client sees."""
 
@@ -166,9 +197,7 @@ class InferenceResponse:
     ) -> None:
         self._outputs = list(output_tensors or [])
         self._error = error
-        self._parameters = (
-            parameters if isinstance(parameters, str) else json.dumps(parameters or {})
-        )
+        self._parameters = _response_parameters(parameters)
 
     def output_tensors(self) -> list[Tensor]:
         return self._outputs

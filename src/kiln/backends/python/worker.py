@@ -28,6 +28,9 @@ from kiln.backends.python.custom_metrics import MetricStore
 from kiln.backends.python.wire import Wire
 
 ErrorInfo = tuple[str, int]  # (message, TritonError code)
+# One response as the server takes it: its tensors' headers, its error, and its
+# parameters (JSON, None when it has none).
+Encoded = tuple[list[Header], ErrorInfo | None, str | None]
 
 
 def last_line(exc: BaseException) -> str:
@@ -78,12 +81,14 @@ class Channel:
         with self.lock:
             self.conn.send(message)
 
-    def encode(self, response: pb_utils.InferenceResponse) -> tuple[list[Header], ErrorInfo | None]:
+    def encode(self, response: pb_utils.InferenceResponse) -> Encoded:
+        params = response.parameters()
+        params_or_none = None if params in ("", "{}") else params
         error = response.error()
         if error is not None:
-            return [], (error.message(), error.code())
+            return [], (error.message(), error.code()), params_or_none
         headers = [self.outbound.write(t.name(), t.as_numpy()) for t in response.output_tensors()]
-        return headers, None
+        return headers, None, params_or_none
 
     def send_response(
         self,
@@ -94,8 +99,11 @@ class Channel:
         with self.lock:  # the arena's cursor is shared by every sending thread
             if sender.closed:
                 raise pb_utils.TritonModelException(sender.closed_reason)
-            headers, error = self.encode(response) if response is not None else ([], None)
-            self.conn.send(("response", sender._index, headers, error, final, response is not None))
+            headers, error, params = (
+                self.encode(response) if response is not None else ([], None, None)
+            )
+            has_response = response is not None
+            self.conn.send(("response", sender._index, headers, error, final, has_response, params))
             sender.closed = final
         if final:
             with self.finals:
@@ -116,7 +124,7 @@ class Channel:
                     f"because execute raised ({error})"
                 )
                 code = pb_utils.TritonError.INTERNAL
-                self.conn.send(("response", sender._index, [], (error, code), True, False))
+                self.conn.send(("response", sender._index, [], (error, code), True, False, None))
         with self.finals:
             self.open_senders = 0
 
@@ -144,11 +152,19 @@ class Channel:
                     if message[0] == "bls_result":
                         break
                     self.keep(message)
-        _, out_headers, error = message
+        _, out_headers, error, params = message
+        return self.response(out_headers, error, params)
+
+    def response(
+        self, headers: list[Header] | None, error: ErrorInfo | None, params: str | None
+    ) -> pb_utils.InferenceResponse:
+        """A BLS answer as the model sees it; its tensors copied out of the arena."""
         if error is not None:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(error[0], error[1]))
-        tensors = [pb_utils.Tensor(h[0], self.inbound.read(h, copy=True)) for h in out_headers]
-        return pb_utils.InferenceResponse(output_tensors=tensors)
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(error[0], error[1]), parameters=params
+            )
+        tensors = [pb_utils.Tensor(h[0], self.inbound.read(h, copy=True)) for h in headers or ()]
+        return pb_utils.InferenceResponse(output_tensors=tensors, parameters=params)
 
     def keep(self, message: tuple[Any, ...]) -> None:
         """A message read while waiting for another: a decoupled BLS call's part goes to
@@ -199,14 +215,11 @@ class BlsStream:
             with channel.reader:
                 if not parts:  # another reader may have read ours meanwhile
                     channel.keep(channel.conn.recv())
-        _, _, headers, error, final = parts.popleft()
+        _, _, headers, error, final, params = parts.popleft()
         if final:
             self.done = True
             channel.streams.pop(self.stream_id, None)
-        if error is not None:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(error[0], error[1]))
-        tensors = [pb_utils.Tensor(h[0], channel.inbound.read(h, copy=True)) for h in headers or ()]
-        return pb_utils.InferenceResponse(output_tensors=tensors)
+        return channel.response(headers, error, params)
 
 
 class Worker:
