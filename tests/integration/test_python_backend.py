@@ -416,11 +416,57 @@ output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }} ]
 {policy}
 """
 
+CONTROL_MODEL = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+TRIPLE = ("import triton_python_backend_utils as pb_utils\\n"
+          "class TritonPythonModel:\\n"
+          "    def execute(self, requests):\\n"
+          "        return [pb_utils.InferenceResponse([pb_utils.Tensor('Y', 3 * "
+          "pb_utils.get_input_tensor_by_name(r, 'X').as_numpy())]) for r in requests]\\n")
+CONFIG = {"backend": "python", "max_batch_size": 0,
+          "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [-1]}],
+          "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [-1]}]}
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            action = pb_utils.get_input_tensor_by_name(r, "ACTION").as_numpy()[0].decode()
+            name = pb_utils.get_input_tensor_by_name(r, "NAME").as_numpy()[0].decode()
+            try:
+                if action == "load":
+                    pb_utils.load_model(name)
+                elif action == "load_files":
+                    pb_utils.load_model(name, config=json.dumps(CONFIG),
+                                        files={"file:1/model.py": TRIPLE.encode()})
+                elif action == "unload":
+                    pb_utils.unload_model(name)
+                elif action == "unload_dependents":
+                    pb_utils.unload_model(name, unload_dependents=True)
+                ready = np.array([pb_utils.is_model_ready(name)])
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("READY", ready)]))
+            except pb_utils.TritonModelException as exc:
+                out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
+        return out
+"""
+
+CONTROL_CONFIG = """
+name: "py_control"
+backend: "python"
+max_batch_size: 0
+input [ { name: "ACTION" data_type: TYPE_STRING dims: [ 1 ] },
+        { name: "NAME" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "READY" data_type: TYPE_BOOL dims: [ 1 ] } ]
+"""
+
 LOADED = ["mlp", "python_preprocess", "repeat_int32", "py_faults", "py_bls", "py_auto",
           "py_until_cancelled", "py_unary_until_cancelled", "simple_sequence_state",
           "py_bls_fields", "py_slow_queue", "py_bls_stream", "py_bls_relay",
           "py_slow_repeat", "py_torch_dlpack", "py_params", "py_params_callee",
-          "py_params_stream"]  # fmt: skip
+          "py_params_stream", "py_control"]  # fmt: skip
 
 
 def _python_model(repo: Path, name: str, source: str, config: str | None) -> None:
@@ -434,8 +480,8 @@ def _python_model(repo: Path, name: str, source: str, config: str | None) -> Non
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     repo = tmp_path_factory.mktemp("pyrepo") / "models"
     build_example_repository(
-        repo, ["mlp", "python_preprocess", "repeat_int32", "simple_sequence_state"]
-    )
+        repo, ["mlp", "python_preprocess", "repeat_int32", "simple_sequence_state", "simple"]
+    )  # `simple` is not loaded: py_control loads it
     _python_model(repo, "py_faults", FAULTS_MODEL, FAULTS_CONFIG)
     _python_model(repo, "py_init_fails", INIT_FAILS_MODEL, 'backend: "python"\n')
     _python_model(repo, "py_bls", BLS_MODEL, BLS_CONFIG)
@@ -457,6 +503,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
             name="py_bls_relay", policy="model_transaction_policy { decoupled: true }"),
     )  # fmt: skip
     _python_model(repo, "py_torch_dlpack", DLPACK_MODEL, DLPACK_CONFIG)
+    _python_model(repo, "py_control", CONTROL_MODEL, CONTROL_CONFIG)
     for name in ("py_params", "py_params_callee"):
         _python_model(repo, name, PARAMS_MODEL, PARAMS_CONFIG.format(name=name, policy=""))
     _python_model(
@@ -583,6 +630,57 @@ def test_decoupled_responses_carry_their_own_parameters(
         seen.append((params["index"].int64_param, result.as_numpy("Y").tolist()))
     grpc.stop_stream()
     assert seen == [(0, [1, 2, 3]), (1, [2, 3, 4])]
+
+
+def _control(http: httpclient.InferenceServerClient, action: str, name: str) -> bool:
+    inputs = []
+    for key, value in (("ACTION", action), ("NAME", name)):
+        tensor = httpclient.InferInput(key, [1], "BYTES")
+        tensor.set_data_from_numpy(np.array([value.encode()], dtype=object))
+        inputs.append(tensor)
+    return bool(http.infer("py_control", inputs).as_numpy("READY")[0])
+
+
+def test_a_python_model_loads_and_unloads_models(http: httpclient.InferenceServerClient) -> None:
+    """Triton's model loading API from a model (explicit mode): pb_utils.load_model,
+    unload_model and is_model_ready act on the server that runs the model."""
+    assert _control(http, "ready", "simple") is False
+    assert _control(http, "load", "simple") is True
+    assert http.is_model_ready("simple")
+    a = httpclient.InferInput("INPUT0", [1, 16], "INT32")
+    a.set_data_from_numpy(np.ones((1, 16), np.int32))
+    b = httpclient.InferInput("INPUT1", [1, 16], "INT32")
+    b.set_data_from_numpy(np.ones((1, 16), np.int32))
+    assert http.infer("simple", [a, b]).as_numpy("OUTPUT0").tolist() == [[2] * 16]
+    assert _control(http, "unload", "simple") is False
+    assert not http.is_model_ready("simple")
+
+
+def test_a_python_model_loads_a_model_from_files_it_supplies(
+    http: httpclient.InferenceServerClient,
+) -> None:
+    assert _control(http, "load_files", "py_from_files") is True
+    x = httpclient.InferInput("X", [2], "FP32")
+    x.set_data_from_numpy(np.array([1, 2], np.float32))
+    assert http.infer("py_from_files", [x]).as_numpy("Y").tolist() == [3, 6]
+    assert _control(http, "unload", "py_from_files") is False
+
+
+@pytest.mark.parametrize(
+    ("action", "name", "says"),
+    [
+        ("load", "no_such_model", "no_such_model"),
+        ("unload", "py_control", "cannot unload itself"),
+        ("unload_dependents", "mlp", "unload_dependents=True"),
+    ],
+)
+def test_model_control_from_a_model_fails_with_the_reason(
+    http: httpclient.InferenceServerClient, action: str, name: str, says: str
+) -> None:
+    with pytest.raises(InferenceServerException, match=says):
+        _control(http, action, name)
+    assert _control(http, "ready", "py_control") is True  # the caller still serves
+    assert http.is_model_ready("mlp")
 
 
 def test_concurrent_requests_each_get_their_own_answer(server: KilnProcess) -> None:

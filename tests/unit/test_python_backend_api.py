@@ -203,6 +203,36 @@ def test_exec_outside_a_worker_says_why() -> None:
         request.exec()
 
 
+def test_model_control_outside_a_worker_says_why() -> None:
+    for call in (lambda: pb_utils.load_model("mlp"), lambda: pb_utils.unload_model("mlp"),
+                 lambda: pb_utils.is_model_ready("mlp")):  # fmt: skip
+        with pytest.raises(pb_utils.TritonModelException, match="not running in kiln"):
+            call()
+
+
+@pytest.mark.parametrize(
+    "files",
+    [{"1/model.py": b"x"}, {"file:1/model.py": "text, not bytes"}],
+    ids=["no file: prefix", "not bytes"],
+)
+def test_load_model_files_must_map_file_paths_to_bytes(files: Any) -> None:
+    with pytest.raises(pb_utils.TritonModelException, match=r"load_model\('m'\): files maps"):
+        pb_utils.load_model("m", files=files)
+
+
+def test_unload_dependents_is_refused_with_the_reason() -> None:
+    with pytest.raises(pb_utils.TritonModelException, match="composing models"):
+        pb_utils.unload_model("ensemble", unload_dependents=True)
+
+
+def test_model_control_without_a_server_names_the_model() -> None:
+    from kiln.backends.python import bls
+    from kiln.core.errors import KilnError
+
+    with pytest.raises(KilnError, match=r"model control of 'mlp'.*no server is running"):
+        bls.control({"action": "ready", "name": "mlp"})
+
+
 # ---- auto_complete_config's ModelConfig ---------------------------------------------------
 
 

@@ -89,7 +89,7 @@ class Server:
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         # Python models call other models (BLS) through this server's infer.
-        bls.install(self.infer, asyncio.get_running_loop(), self.infer_stream)
+        bls.install(self.infer, asyncio.get_running_loop(), self.infer_stream, self)
         mode = self.options.model_control_mode
         if mode in (ControlMode.NONE, ControlMode.POLL) or "*" in self.options.load_models:
             names = self.repository.model_names()

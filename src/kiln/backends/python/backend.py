@@ -14,6 +14,7 @@ for that restart, but no longer than its own requests' deadlines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -379,6 +380,8 @@ class PythonBackend(Backend):
                     self._stream(requests, *message[1:])
                 elif kind == "bls":
                     self._bls(message[1])
+                elif kind == "control":
+                    self._control(message[1])
                 elif kind == "error":
                     return self._outcomes(requests, None, message[1])
         except WorkerDied as exc:
@@ -479,6 +482,28 @@ class PythonBackend(Backend):
             worker.send(
                 ("bls_result", headers if error is None else None, error, _params_json(params))
             )
+
+    def _control(self, call: dict[str, Any], conn: Wire | None = None) -> None:
+        """Answer a model's ``load_model`` / ``unload_model`` / ``is_model_ready``; ``conn``
+        as in ``_bls``."""
+        value: Any = None
+        error: str | None = None
+        name = call.get("name")
+        if call.get("action") == "unload" and name == self.model:
+            # Unloading waits for the model's requests to end, this one among them.
+            error = (
+                f"model '{self.model}' cannot unload itself from its own execute (the unload "
+                "would wait for this request to end)"
+            )
+        else:
+            try:
+                value = bls.control(call)
+            except KilnError as exc:
+                error = exc.message
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(WorkerDied), self.worker.sending(conn):
+            self.worker.send(("control_result", error, value))
 
     def _bls_stream(self, call: dict[str, Any], slot: int, conn: Wire | None) -> None:
         """Answer a decoupled BLS call (``exec(decoupled=True)``): one ``bls_part`` message

@@ -11,7 +11,7 @@ import asyncio
 import queue
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,21 +26,35 @@ InferStream = Callable[[InferenceRequest], AsyncIterator[InferenceResponse]]
 Part = tuple[dict[str, np.ndarray] | None, bool, KilnError | None, dict[str, Any]]
 
 
+class ModelControl(Protocol):
+    """What a Python model's ``pb_utils.load_model`` & co. reach: the server."""
+
+    async def load_model(self, name: str, parameters: dict[str, Any] | None = None) -> None: ...
+
+    async def unload_model(self, name: str, parameters: dict[str, Any] | None = None) -> None: ...
+
+    def model_ready(self, name: str, version: str = "") -> bool: ...
+
+
 @dataclass(slots=True)
 class _Target:
     infer: Infer
     loop: asyncio.AbstractEventLoop
     infer_stream: InferStream | None = None
+    control: ModelControl | None = None
 
 
 _target: _Target | None = None
 
 
 def install(
-    infer: Infer, loop: asyncio.AbstractEventLoop, infer_stream: InferStream | None = None
+    infer: Infer,
+    loop: asyncio.AbstractEventLoop,
+    infer_stream: InferStream | None = None,
+    control: ModelControl | None = None,
 ) -> None:
     global _target
-    _target = _Target(infer, loop, infer_stream)
+    _target = _Target(infer, loop, infer_stream, control)
 
 
 def uninstall(infer: Infer) -> None:
@@ -124,6 +138,36 @@ def call_stream(request: InferenceRequest) -> Iterator[Part]:
 
     asyncio.run_coroutine_threadsafe(pump(), target.loop)
     return _until_final(parts)
+
+
+def control(call: dict[str, Any]) -> Any:
+    """A model's ``load_model`` / ``unload_model`` / ``is_model_ready`` (from a thread
+    other than the loop's): what the server answers; ``KilnError`` when it fails."""
+    name = str(call.get("name", ""))
+    target = _target
+    if target is None or target.control is None:
+        raise KilnError(
+            f"model control of '{name}' from a Python model: no server is running to do it",
+            Status.UNAVAILABLE,
+        )
+    server = target.control
+    action = call.get("action")
+
+    async def run() -> Any:
+        if action == "ready":
+            return server.model_ready(name, str(call.get("version") or ""))
+        if action == "load":
+            parameters: dict[str, Any] = dict(call.get("files") or {})
+            if call.get("config"):
+                parameters["config"] = call["config"]
+            await server.load_model(name, parameters)
+            return None
+        if action == "unload":
+            await server.unload_model(name)
+            return None
+        raise KilnError(f"unknown model control action {action!r}", Status.INVALID_ARG)
+
+    return asyncio.run_coroutine_threadsafe(run(), target.loop).result()
 
 
 def _until_final(parts: queue.SimpleQueue[Part]) -> Iterator[Part]:

@@ -116,6 +116,8 @@ class LoopCall:
         elif kind == "bls":
             # The call waits for another model served by this loop: not on the loop.
             self.loop.run_in_executor(None, self._bls, message[1], backend.worker.conn)
+        elif kind == "control":  # a load or unload waits for the repository: not either
+            self.loop.run_in_executor(None, backend._control, message[1], backend.worker.conn)
         return False
 
     def _bls(self, call: dict[str, Any], conn: Wire | None) -> None:

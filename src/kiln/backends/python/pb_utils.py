@@ -37,8 +37,11 @@ __all__ = [
     "get_output_config_by_name",
     "get_output_tensor_by_name",
     "install",
+    "is_model_ready",
+    "load_model",
     "serialize_byte_tensor",
     "triton_string_to_numpy",
+    "unload_model",
 ]
 
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
@@ -327,6 +330,49 @@ class InferenceRequest:
         # The channel answers one call at a time, so a thread keeps the caller's loop free
         # without letting two calls interleave on the pipe.
         return await asyncio.get_running_loop().run_in_executor(None, self.exec, decoupled)
+
+
+# ---- model control from a model (Triton's model loading API; explicit mode) ---------------
+def _control(call: dict[str, Any]) -> Any:
+    if _channel is None:
+        raise TritonModelException("no server channel: this model is not running in kiln")
+    return _channel.control(call)
+
+
+def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None = None) -> None:
+    """Load (or reload) ``model_name`` in the server running this model, as the
+    repository API does: ``config`` a JSON model config overriding the repository's,
+    ``files`` ``{"file:1/model.onnx": bytes}`` to load it from. Needs
+    ``--model-control-mode=explicit``; raises ``TritonModelException`` if it fails."""
+    for key, value in (files or {}).items():
+        if not key.startswith("file:") or not isinstance(value, bytes | bytearray):
+            raise TritonModelException(
+                f"load_model('{model_name}'): files maps 'file:<path>' to bytes, got "
+                f"{key!r}: {type(value).__name__}"
+            )
+    _control(
+        {
+            "action": "load",
+            "name": model_name,
+            "config": config or "",
+            "files": {k: bytes(v) for k, v in (files or {}).items()},
+        }
+    )
+
+
+def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    """Unload ``model_name`` (explicit mode); ``TritonModelException`` if it fails."""
+    if unload_dependents:
+        raise TritonModelException(
+            f"unload_model('{model_name}', unload_dependents=True): kiln does not unload an "
+            "ensemble's composing models with it yet; unload each by name"
+        )
+    _control({"action": "unload", "name": model_name})
+
+
+def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    """Whether ``model_name`` (``model_version``, or its latest) is ready for requests."""
+    return bool(_control({"action": "ready", "name": model_name, "version": model_version}))
 
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:

@@ -146,14 +146,29 @@ class Channel:
     def call(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         with self.lock:
             self._send_bls(request)
-            with self.reader:
-                while True:
-                    message = self.conn.recv()
-                    if message[0] == "bls_result":
-                        break
-                    self.keep(message)
+            message = self._answer("bls_result")
         _, out_headers, error, params = message
         return self.response(out_headers, error, params)
+
+    def control(self, call: dict[str, Any]) -> Any:
+        """Model control from the model (``pb_utils.load_model`` ...): the server's answer,
+        or ``TritonModelException`` with its error."""
+        with self.lock:
+            self.conn.send(("control", call))
+            _, error, value = self._answer("control_result")
+        if error is not None:
+            raise pb_utils.TritonModelException(error)
+        return value
+
+    def _answer(self, kind: str) -> tuple[Any, ...]:
+        """Read until the message of ``kind`` (under ``lock``: one call out at a time),
+        keeping what else comes meanwhile."""
+        with self.reader:
+            while True:
+                message: tuple[Any, ...] = self.conn.recv()
+                if message[0] == kind:
+                    return message
+                self.keep(message)
 
     def response(
         self, headers: list[Header] | None, error: ErrorInfo | None, params: str | None
