@@ -959,3 +959,80 @@ async def test_a_decoupled_execute_that_returns_responses_ends_each_request_with
             )
     finally:
         instance.close()
+
+
+# ---- a decoupled BLS stream relayed on the instance's thread --------------------------------
+RELAY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            call = pb_utils.InferenceRequest(
+                model_name="many", requested_output_names=["OUT"],
+                inputs=[pb_utils.Tensor("IN", np.zeros(1, np.float32))])
+            for response in call.exec(decoupled=True):
+                if response.output_tensors():
+                    sender.send(pb_utils.InferenceResponse(response.output_tensors()))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+class _CountingSink:
+    def __init__(self) -> None:
+        self.count = 0
+        self.final = False
+
+    def send(self, outputs: Any, final: bool, error: Any, parameters: Any = None) -> None:
+        assert error is None, error
+        self.count += outputs is not None
+        self.final = self.final or final
+
+
+async def test_a_long_bls_stream_relayed_on_the_thread_path_does_not_deadlock(
+    tmp_path: Path,
+) -> None:
+    """On the instance's thread (the sequence batcher's path, and the one after a restart)
+    the server must keep reading the worker while it writes a BLS stream's parts to it: a
+    model relaying each part as a response fills the worker's socket otherwise, and both
+    sides wait on each other's full buffer until the execute timeout kills the worker."""
+    from kiln.backends.python import bls
+    from kiln.core.types import DataType, InferenceResponse, InferOutput
+
+    count = 20_000  # far more than both socket buffers hold
+
+    async def many(request: Any) -> Any:
+        for i in range(count):
+            value = np.full(1, i, np.float32)
+            out = InferOutput("OUT", DataType.FP32, (1,), value)
+            yield InferenceResponse("many", "1", outputs=[out], parameters={
+                "triton_final_response": False})  # fmt: skip
+        yield InferenceResponse("many", "1", parameters={"triton_final_response": True})
+
+    async def infer(request: Any) -> Any:
+        raise AssertionError("unary BLS not expected")
+
+    config = parse_config_text(
+        CONFIG
+        + "model_transaction_policy { decoupled: true }"
+        + 'parameters { key: "execute_timeout_secs" value { string_value: "60" } }'
+    )
+    backend = PythonBackend(config, _model(tmp_path, RELAY), SPEC)
+    bls.install(infer, asyncio.get_running_loop(), many)
+    try:
+        sink = _CountingSink()
+        job = _job(1, sink=sink)
+        (outcome,) = await asyncio.wait_for(asyncio.to_thread(backend.execute_requests, [job]), 120)
+        assert outcome == {}, outcome
+        assert sink.count == count and sink.final
+    finally:
+        bls.uninstall(infer)
+        # Deadlocked, the instance's thread would hold the worker's send lock for ever
+        # (blocked in a write that the execute timeout does not reach): killing the
+        # worker ends that write, so a regression fails here instead of hanging.
+        assert backend.worker.proc is not None
+        backend.worker.proc.kill()
+        backend.close()

@@ -378,6 +378,12 @@ class PythonBackend(Backend):
                     return self._outcomes(requests, message[1], message[2])
                 if kind == "response":
                     self._stream(requests, *message[1:])
+                elif kind == "bls" and message[1].get("stream") is not None:
+                    # A stream's parts go out while this thread keeps reading the worker:
+                    # a model relaying them as responses would otherwise fill its socket
+                    # and wait on this thread, which would wait on it (loopcall.py does the
+                    # same on the loop's executor).
+                    self._bls_helper(message[1], worker.conn)
                 elif kind == "bls":
                     self._bls(message[1])
                 elif kind == "control":
@@ -482,6 +488,17 @@ class PythonBackend(Backend):
             worker.send(
                 ("bls_result", headers if error is None else None, error, _params_json(params))
             )
+
+    def _bls_helper(self, call: dict[str, Any], conn: Wire | None) -> None:
+        """Answer a BLS call on a thread of its own; an answer for a worker that has gone
+        meanwhile goes to nobody (``conn``: not to its successor)."""
+
+        def answer() -> None:
+            with contextlib.suppress(WorkerDied):
+                self._bls(call, 0, conn)
+
+        name = f"kiln-bls-{self.model}"
+        threading.Thread(target=answer, name=name, daemon=True).start()
 
     def _control(self, call: dict[str, Any], conn: Wire | None = None) -> None:
         """Answer a model's ``load_model`` / ``unload_model`` / ``is_model_ready``; ``conn``
