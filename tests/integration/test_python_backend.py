@@ -462,11 +462,63 @@ input [ { name: "ACTION" data_type: TYPE_STRING dims: [ 1 ] },
 output [ { name: "READY" data_type: TYPE_BOOL dims: [ 1 ] } ]
 """
 
+SEQ_MODEL = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.decoupled = json.loads(args["model_config"]).get(
+            "model_transaction_policy", {}).get("decoupled", False)
+        self.totals = {}
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            given = pb_utils.get_input_tensor_by_name(r, "INPUT").as_numpy()
+            start = int(pb_utils.get_input_tensor_by_name(r, "START").as_numpy().reshape(-1)[0])
+            corrid = int(pb_utils.get_input_tensor_by_name(r, "CORRID").as_numpy().reshape(-1)[0])
+            x = int(given.reshape(-1)[0])
+            total = x if start else self.totals.get(corrid, 0) + x
+            self.totals[corrid] = total
+            tensors = [pb_utils.Tensor("OUTPUT", np.array([[total]], np.int32)),
+                       pb_utils.Tensor("REQUESTS", np.array([[len(requests)]], np.int32)),
+                       pb_utils.Tensor("ROWS", np.array([[given.shape[0]]], np.int32))]
+            if self.decoupled:
+                sender = r.get_response_sender()
+                sender.send(pb_utils.InferenceResponse(tensors))
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(
+                    "OUTPUT", np.array([[total * 10]], np.int32))] + tensors[1:]),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                out.append(pb_utils.InferenceResponse(tensors))
+        return None if self.decoupled else out
+"""
+
+SEQ_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 2
+input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }},
+         {{ name: "REQUESTS" data_type: TYPE_INT32 dims: [ 1 ] }},
+         {{ name: "ROWS" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+sequence_batching {{
+  direct {{ max_queue_delay_microseconds: {delay} minimum_slot_utilization: {fill} }}
+  control_input [
+    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 }} ] }}
+  ]
+}}
+{policy}
+"""
+
 LOADED = ["mlp", "python_preprocess", "repeat_int32", "py_faults", "py_bls", "py_auto",
           "py_until_cancelled", "py_unary_until_cancelled", "simple_sequence_state",
           "py_bls_fields", "py_slow_queue", "py_bls_stream", "py_bls_relay",
           "py_slow_repeat", "py_torch_dlpack", "py_params", "py_params_callee",
-          "py_params_stream", "py_control"]  # fmt: skip
+          "py_params_stream", "py_control", "py_seq", "py_seq_stream"]  # fmt: skip
 
 
 def _python_model(repo: Path, name: str, source: str, config: str | None) -> None:
@@ -504,6 +556,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     )  # fmt: skip
     _python_model(repo, "py_torch_dlpack", DLPACK_MODEL, DLPACK_CONFIG)
     _python_model(repo, "py_control", CONTROL_MODEL, CONTROL_CONFIG)
+    # a batch waits (up to 10 s) until both slots are filled: the test sends in pairs
+    seq_config = SEQ_CONFIG.format(name="py_seq", delay=10_000_000, fill=1.0, policy="")
+    _python_model(repo, "py_seq", SEQ_MODEL, seq_config)
+    _python_model(
+        repo, "py_seq_stream", SEQ_MODEL,
+        SEQ_CONFIG.format(name="py_seq_stream", delay=0, fill=0.0,
+                          policy="model_transaction_policy { decoupled: true }"),
+    )  # fmt: skip
     for name in ("py_params", "py_params_callee"):
         _python_model(repo, name, PARAMS_MODEL, PARAMS_CONFIG.format(name=name, policy=""))
     _python_model(
@@ -681,6 +741,54 @@ def test_model_control_from_a_model_fails_with_the_reason(
         _control(http, action, name)
     assert _control(http, "ready", "py_control") is True  # the caller still serves
     assert http.is_model_ready("mlp")
+
+
+def _seq_input(module: Any, value: int) -> list[Any]:
+    tensor = module.InferInput("INPUT", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.array([[value]], np.int32))
+    return [tensor]
+
+
+def test_a_sequence_batch_reaches_a_python_model_as_separate_requests(
+    server: KilnProcess,
+) -> None:
+    """As on Triton, the sequence batcher hands a Python model each request of a batch on
+    its own (its own control values, batch dimension 1), not one merged tensor: two
+    sequences step together, each batch holds one request of each."""
+    client = httpclient.InferenceServerClient(server.http_url, concurrency=2)
+    totals: list[list[int]] = [[], []]
+    for n, (start, end) in enumerate([(True, False), (False, False), (False, True)]):
+        running = [
+            client.async_infer(
+                "py_seq", _seq_input(httpclient, (n + 1) * (i + 1)), sequence_id=100 + i,
+                sequence_start=start, sequence_end=end)
+            for i in (0, 1)
+        ]  # fmt: skip
+        for i, pending in enumerate(running):
+            result = pending.get_result(timeout=60)
+            assert result.as_numpy("REQUESTS").tolist() == [[2]]  # both in one execute
+            assert result.as_numpy("ROWS").tolist() == [[1]]  # each its own request
+            totals[i].append(int(result.as_numpy("OUTPUT")[0, 0]))
+    client.close()
+    assert totals == [[1, 3, 6], [2, 6, 12]]  # each sequence kept its own running total
+
+
+def test_a_decoupled_python_model_streams_under_the_sequence_batcher(
+    grpc: grpcclient.InferenceServerClient,
+) -> None:
+    results: queue.Queue[Any] = queue.Queue()
+    grpc.start_stream(callback=lambda result, error: results.put((result, error)))
+    got = []
+    for value, start, end in ((2, True, False), (5, False, True)):
+        grpc.async_stream_infer(
+            "py_seq_stream", _seq_input(grpcclient, value), sequence_id=7,
+            sequence_start=start, sequence_end=end)  # fmt: skip
+        for _ in range(2):
+            result, error = results.get(timeout=30)
+            assert error is None, error
+            got.append(int(result.as_numpy("OUTPUT")[0, 0]))
+    grpc.stop_stream()
+    assert got == [2, 20, 7, 70]
 
 
 def test_concurrent_requests_each_get_their_own_answer(server: KilnProcess) -> None:

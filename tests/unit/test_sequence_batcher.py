@@ -64,6 +64,30 @@ class RecordingBackend(Backend):
         return {"OUTPUT": total, "ACC_OUT": total.copy()}
 
 
+class RequestsBackend(RecordingBackend):
+    """The same accumulator taking requests unmerged, as the Python backend does: each
+    request computed (and failed) on its own; ``requests`` records what each batch held."""
+
+    wants_requests: ClassVar[bool] = True
+    requests: ClassVar[list[list[dict[str, Any]]]]
+
+    def execute_requests(self, requests: list[Any]) -> list[Any]:
+        self.requests.append(
+            [{"inputs": dict(r.inputs), "outputs": list(r.output_names)} for r in requests]
+        )
+        outcomes: list[Any] = []
+        for request in requests:
+            if (
+                self.recorder.fail_on is not None
+                and self.recorder.fail_on in request.inputs["INPUT"]
+            ):
+                outcomes.append(KilnError("the recording model refuses this value"))
+                continue
+            request.response_parameters = {"seen": int(request.inputs["INPUT"][0, 0])}
+            outcomes.append(self.execute(request.inputs, request.output_names))
+        return outcomes
+
+
 BASE = """
 name: "acc"
 max_batch_size: {mbs}
@@ -135,10 +159,11 @@ Factory = Callable[..., Any]
 async def make(tmp_path: Path) -> AsyncIterator[Factory]:
     made: list[Harness] = []
 
-    async def factory(text: str | None = None, **kwargs: Any) -> Harness:
+    async def factory(text: str | None = None, unmerged: bool = False, **kwargs: Any) -> Harness:
         config = text_format.Parse(text or config_text(**kwargs), ModelConfig())
         recorder = Recorder()
-        backend = type("Rec", (RecordingBackend,), {"recorder": recorder})
+        base = RequestsBackend if unmerged else RecordingBackend
+        backend = type("Rec", (base,), {"recorder": recorder, "requests": []})
         count = config.instance_group[0].count
         instances = [
             Instance(backend(config, tmp_path, InstanceSpec("acc", "cpu", 0, i, count)), "acc")
@@ -180,15 +205,9 @@ def total(out: dict[str, np.ndarray]) -> int:
     return int(out["OUTPUT"][0, 0])
 
 
-async def error_of(task: asyncio.Future[Any]) -> KilnError:
-    with pytest.raises(KilnError) as info:
-        await task
-    return info.value
-
-
-# ---- direct ------------------------------------------------------------------------------
-async def test_direct_pins_each_sequence_to_its_slot(make: Factory) -> None:
-    h = await make(mbs=2)
+async def a_then_a_and_b(h: Harness) -> None:
+    """Sequence A's first request runs alone (held); A's second and B's first queue
+    meanwhile and run together in the next batch. Running totals 1, then 3 and 10."""
     first_a = await hold_first(h, 1, 100)
     b1 = h.submit(10, "b", start=True)
     a2 = h.submit(2, 100)
@@ -196,6 +215,65 @@ async def test_direct_pins_each_sequence_to_its_slot(make: Factory) -> None:
     h.recorder.hold.clear()
     h.recorder.release.set()
     assert [total(await t) for t in (first_a, a2, b1)] == [1, 3, 10]
+
+
+async def error_of(task: asyncio.Future[Any]) -> KilnError:
+    with pytest.raises(KilnError) as info:
+        await task
+    return info.value
+
+
+# ---- a backend that takes requests unmerged (the Python backend) ---------------------------
+async def test_an_unmerged_backend_gets_each_request_with_its_own_controls_and_state(
+    make: Factory,
+) -> None:
+    h = await make(mbs=2, unmerged=True)
+    await a_then_a_and_b(h)
+    backend = h.scheduler.instances[0].backend
+    assert isinstance(backend, RequestsBackend)
+    # The second batch held A's and B's requests, each with batch dimension 1, its own
+    # START and state, and the state output among its outputs; no empty slot was sent.
+    second = backend.requests[1]
+    assert len(second) == 2
+    by_input = {int(r["inputs"]["INPUT"][0, 0]): r for r in second}
+    assert by_input[2]["inputs"]["START"].tolist() == [[0]]
+    assert by_input[2]["inputs"]["ACC_IN"].tolist() == [[1]]  # A's state after step 1
+    assert by_input[10]["inputs"]["START"].tolist() == [[1]]
+    assert all(r["outputs"] == ["OUTPUT", "ACC_OUT"] for r in second)
+    assert await h.run(5, "b") == 15
+    assert len(backend.requests[-1]) == 1  # B alone: one request, not a padded batch
+
+
+async def test_an_unmerged_backend_fails_one_request_not_its_batch_mates(make: Factory) -> None:
+    h = await make(mbs=2, unmerged=True)
+    first = await hold_first(h, 1, "a")
+    bad = h.submit(66, "b", start=True)
+    good = h.submit(2, "a")
+    await until(lambda: h.scheduler.pending == 2)
+    h.recorder.fail_on = 66
+    h.recorder.hold.clear()
+    h.recorder.release.set()
+    assert total(await first) == 1
+    error = await error_of(bad)
+    assert "refuses this value" in error.message
+    assert total(await good) == 3  # its batch mate's failure did not touch it
+    h.recorder.fail_on = None
+    assert await h.run(4, "b", start=True) == 4
+
+
+async def test_an_unmerged_backend_s_response_parameters_reach_the_job(make: Factory) -> None:
+    h = await make(mbs=1, unmerged=True)
+    params = {"sequence_id": 5, "sequence_start": True}
+    job = Job({"INPUT": np.full((1, 1), 9, np.int32)}, ["OUTPUT"], 1, RequestTimes(), params)
+    out = await h.scheduler.schedule(job)
+    assert total(out) == 9
+    assert job.response_parameters == {"seen": 9}
+
+
+# ---- direct ------------------------------------------------------------------------------
+async def test_direct_pins_each_sequence_to_its_slot(make: Factory) -> None:
+    h = await make(mbs=2)
+    await a_then_a_and_b(h)
     # B alone: A's row is an empty slot (READY false, zero data), B stays on row 1.
     assert await h.run(5, "b") == 15
     rec = h.recorder

@@ -19,7 +19,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kiln.backends.base import Backend, NotStarted, RequestOutcome, ResponseSink
+from kiln.backends.base import (
+    Backend,
+    BackendRequest,
+    NotStarted,
+    RequestOutcome,
+    ResponseSink,
+)
 from kiln.core.errors import KilnError, Status
 from kiln.core.stats import ModelStats, RequestTimes
 
@@ -207,7 +213,7 @@ class Instance:
             raise self._failure(exc) from exc
         return outputs, start, time.monotonic_ns()
 
-    def execute_requests(self, jobs: list[Job]) -> tuple[list[RequestOutcome], int, int]:
+    def execute_requests(self, jobs: list[BackendRequest]) -> tuple[list[RequestOutcome], int, int]:
         """``execute`` for backends that take requests unmerged (``wants_requests``)."""
         start = time.monotonic_ns()
         try:

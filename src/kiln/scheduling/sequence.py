@@ -23,7 +23,13 @@ from kiln.core.errors import KilnError, internal, invalid_arg, unavailable
 from kiln.core.stats import ModelStats
 from kiln.scheduling.base import Instance, Job, Scheduler
 from kiln.scheduling.queue import shape_key
-from kiln.scheduling.sequence_batch import Row, RowResult, batch_inputs, split_rows
+from kiln.scheduling.sequence_batch import (
+    Row,
+    RowRequest,
+    RowResult,
+    batch_inputs,
+    split_rows,
+)
 from kiln.scheduling.sequence_config import (
     Control,
     ControlSpec,
@@ -40,7 +46,9 @@ from kiln.scheduling.sequence_slots import GoneIds, Sequence, SlotPool, Waiting,
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], int]  # monotonic nanoseconds; injectable so tests can move time
-Outcome = list[RowResult | None] | BaseException
+# Per slot: its result, the error of that request alone (a backend that takes requests
+# unmerged answers each on its own), or None (an empty slot); or the whole batch's error.
+Outcome = list[RowResult | KilnError | None] | BaseException
 
 
 class SequenceScheduler(Scheduler):
@@ -243,8 +251,10 @@ class SequenceScheduler(Scheduler):
         self._finish(taken, outcome)
         self._changed.set()
 
-    def _compute(self, instance: Instance, rows: list[Row]) -> list[RowResult | None]:
+    def _compute(self, instance: Instance, rows: list[Row]) -> list[RowResult | KilnError | None]:
         """On the instance's thread: build the batch, execute, split; stamps times."""
+        if instance.backend.wants_requests:
+            return self._compute_requests(instance, rows)
         inputs = batch_inputs(rows, self.controls, self.states, self.batching, self.model)
         names = list(
             dict.fromkeys(
@@ -262,6 +272,46 @@ class SequenceScheduler(Scheduler):
             job.times.output_end = done
         queue_end = jobs[0].times.queue_end
         self.stats.record_execution(len(jobs), start - queue_end, end - start, done - end)
+        return list(results)
+
+    def _compute_requests(
+        self, instance: Instance, rows: list[Row]
+    ) -> list[RowResult | KilnError | None]:
+        """A backend that takes requests unmerged (the Python backend): each request of the
+        batch is its own, with its own control values and state, as Triton hands a Python
+        model its sequence batch; empty slots are left out, and a decoupled model's
+        responses stream to each request's own client."""
+        real = [row for row in rows if row.job is not None]
+        requests = [
+            RowRequest(row, batch_inputs([row], self.controls, self.states, self.batching,
+                                         self.model), self.states)
+            for row in real
+        ]  # fmt: skip
+        outcomes, start, end = instance.execute_requests(list(requests))
+        done = time.monotonic_ns()
+        results: list[RowResult | KilnError | None] = []
+        answers = iter(zip(real, outcomes, strict=True))
+        for row in rows:
+            if row.job is None:
+                results.append(None)
+                continue
+            _, outcome = next(answers)
+            if isinstance(outcome, KilnError):
+                results.append(outcome)
+            elif row.job.sink is not None:  # decoupled: the outputs went to the stream
+                results.append(RowResult({}, dict(row.states or {})))
+            else:
+                try:
+                    results.extend(
+                        split_rows(outcome, [row], self.states, self.batching, self.model)
+                    )
+                except KilnError as exc:
+                    results.append(exc)
+            row.job.times.input_end = start
+            row.job.times.infer_end = end
+            row.job.times.output_end = done
+        queue_end = real[0].job.times.queue_end if real and real[0].job else start
+        self.stats.record_execution(len(real), start - queue_end, end - start, done - end)
         return results
 
     def _finish(self, taken: list[tuple[Sequence, Waiting] | None], outcome: Outcome) -> None:
@@ -281,9 +331,13 @@ class SequenceScheduler(Scheduler):
             else:
                 result = outcome[i]
                 assert result is not None
-                seq.states = result.states
-                if not item.future.done():
-                    item.future.set_result(result.outputs)
+                if isinstance(result, KilnError):  # that request alone failed
+                    if not item.future.done():
+                        item.future.set_exception(self._error(result))
+                else:
+                    seq.states = result.states
+                    if not item.future.done():
+                        item.future.set_result(result.outputs)
             if item.flags.end:
                 seq.states = None  # the state of an ended sequence is never read again
                 if not seq.queue:

@@ -9,6 +9,7 @@ the outputs it asked for and the state outputs become that sequence's next state
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,35 @@ class Row:
 class RowResult:
     outputs: dict[str, np.ndarray]  # what the request asked for, its rows only
     states: dict[str, np.ndarray]  # state input name -> next value (no batch dim)
+
+
+class RowRequest:
+    """One row as a backend that takes requests unmerged (the Python backend) sees it:
+    the request's inputs with its own control values and state, the outputs it asked for
+    and the state outputs; the rest (parameters, stream, cancellation, the response's
+    parameters) is its job's."""
+
+    def __init__(self, row: Row, inputs: dict[str, np.ndarray], states: list[StateSpec]) -> None:
+        assert row.job is not None
+        self.job = row.job
+        self.inputs = inputs
+        wanted = [*row.job.output_names, *(s.output_name for s in states)]
+        self.output_names = list(dict.fromkeys(wanted))
+        self.parameters = row.job.parameters
+        self.request_id = row.job.request_id
+        self.sink = row.job.sink
+        self.deadline_ns = 0
+
+    @property
+    def response_parameters(self) -> dict[str, Any] | None:
+        return self.job.response_parameters
+
+    @response_parameters.setter
+    def response_parameters(self, value: dict[str, Any] | None) -> None:
+        self.job.response_parameters = value
+
+    def add_cancel_callback(self, callback: Callable[[], None]) -> None:
+        self.job.add_cancel_callback(callback)
 
 
 def batch_inputs(
