@@ -237,7 +237,28 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
     return 0
 
 
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft limit on open files to the hard limit: clients' connections and the
+    Python backend's shared-memory arenas (one descriptor each before Python 3.13, 16 per
+    instance by default) all take descriptors, and a soft limit of 1,024 is common.
+    ``(old soft, new soft)``."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft, soft
+    return soft, target
+
+
 def serve(options: ServerOptions, endpoints: Endpoints) -> int:
+    old, new = raise_fd_limit()
+    if new != old:
+        log.debug("open files limit raised from %d to %d", old, new)
     try:
         import uvloop
 

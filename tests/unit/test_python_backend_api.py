@@ -97,6 +97,44 @@ def test_arena_reset_reuses_space_and_view_mode(arenas: tuple[Arena, Arena]) -> 
     np.testing.assert_array_equal(view, np.full(4, 2, np.float32))  # a view sees the reuse
 
 
+def test_arenas_hold_no_file_descriptors() -> None:
+    """A worker has two arenas per batch its pipe holds (16 by default): an arena keeps no
+    descriptor of its own; before Python 3.13 its mapping holds one (mmap's duplicate)."""
+    import os
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    per_arena = 0 if sys.version_info >= (3, 13) else 1
+    before = open_fds()
+    pairs = [(w, Arena.attach(w.path)) for w in (Arena.create("kiln-fd-", 4096) for _ in range(16))]
+    assert open_fds() == before + 32 * per_arena  # it was two per arena
+    writer, reader = pairs[0]
+    header = writer.write("BIG", np.arange(10_000, dtype=np.float64))  # grows the file
+    assert reader.read(header).tolist() == list(range(10_000))  # the reader maps more
+    assert open_fds() == before + 32 * per_arena  # the old mappings' went with them
+    for w, r in pairs:
+        r.close()
+        w.close()
+    assert open_fds() == before
+
+
+def test_serve_raises_the_soft_open_files_limit_to_the_hard_one() -> None:
+    import resource
+
+    from kiln.serve import raise_fd_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowered = min(soft, 256)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowered, hard))
+    try:
+        old, new = raise_fd_limit()
+        assert old == lowered
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == new > lowered
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_arena_close_unlinks_the_file() -> None:
     arena = Arena.create("kiln-test-")
     path = Path(arena.path)

@@ -18,6 +18,7 @@ import contextlib
 import mmap
 import os
 import struct
+import sys
 import tempfile
 from typing import Any
 
@@ -55,31 +56,53 @@ def deserialize_bytes(buffer: memoryview | bytes, shape: tuple[int, ...]) -> np.
     return out.reshape(shape)
 
 
-class Arena:
-    """One mapped file; ``write`` places tensors at the cursor, ``read`` gets them back."""
+def _mmap(fd: int, size: int) -> mmap.mmap:
+    if sys.version_info >= (3, 13):
+        return mmap.mmap(fd, size, trackfd=False)  # no duplicate descriptor held
+    return mmap.mmap(fd, size)
 
-    def __init__(self, path: str, fd: int, owner: bool) -> None:
+
+class Arena:
+    """One mapped file; ``write`` places tensors at the cursor, ``read`` gets them back.
+
+    The arena keeps no file descriptor of its own: the file is opened again by its path
+    only to grow it or to map more of it. Before Python 3.13 the mapping itself holds a
+    duplicate (``mmap``'s ``trackfd``), so a server holds one descriptor per arena, two
+    per batch its workers' pipes can hold (16 per instance by default); ``kiln serve``
+    raises its soft descriptor limit to the hard one for that (``serve.raise_fd_limit``)."""
+
+    def __init__(self, path: str, owner: bool) -> None:
         self.path = path
-        self._fd = fd
         self.owner = owner  # the server creates (and unlinks) both arenas
-        self.size = os.fstat(fd).st_size
-        self._map: mmap.mmap | None = mmap.mmap(fd, self.size) if self.size else None
+        self.size = 0
+        self._map: mmap.mmap | None = None
         self.cursor = 0
+        self._remap(os.stat(path).st_size)
 
     @classmethod
     def create(cls, prefix: str, size: int = 1 << 20) -> Arena:
         fd, path = tempfile.mkstemp(prefix=prefix, dir=_SHM_DIR)
-        os.ftruncate(fd, size)
-        return cls(path, fd, owner=True)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        return cls(path, owner=True)
 
     @classmethod
     def attach(cls, path: str) -> Arena:
-        return cls(path, os.open(path, os.O_RDWR), owner=False)
+        return cls(path, owner=False)
 
     # ---- mapping ---------------------------------------------------------------------
-    def _remap(self, size: int) -> None:
+    def _remap(self, size: int, grow: bool = False) -> None:
+        """Map ``size`` bytes of the file (``grow``: making the file that large first)."""
         old = self._map
-        self._map = mmap.mmap(self._fd, size)
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            if grow:
+                os.ftruncate(fd, size)  # keeps what was written
+            self._map = _mmap(fd, size) if size else None
+        finally:
+            os.close(fd)
         self.size = size
         if old is not None:
             # Arrays may still view it: then it goes away with the last of them.
@@ -94,14 +117,13 @@ class Arena:
             new_size = max(self.size * 2, 1 << 16)
             while new_size < end:
                 new_size *= 2
-            os.ftruncate(self._fd, new_size)
-            self._remap(new_size)
+            self._remap(new_size, grow=True)
         self.cursor = end
         return offset
 
     def _ensure_mapped(self, end: int) -> None:
         if end > self.size:  # the other side grew the file since we mapped it
-            self._remap(os.fstat(self._fd).st_size)
+            self._remap(os.stat(self.path).st_size)
 
     def reset(self) -> None:
         self.cursor = 0
@@ -160,7 +182,6 @@ class Arena:
             with contextlib.suppress(BufferError):
                 self._map.close()
             self._map = None
-        os.close(self._fd)
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
