@@ -23,14 +23,40 @@ from tests.conftest import KilnProcess
 ENABLE = "response_cache { enable: true }\n"
 
 
+TAGGED_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.calls = 0
+
+    def execute(self, requests):
+        self.calls += 1
+        return [pb_utils.InferenceResponse(
+            [pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() + 1)],
+            parameters={"calls": self.calls}) for r in requests]
+"""
+
+TAGGED_CONFIG = """
+name: "py_tagged"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] } ]
+"""
+
+
 def repo_with_cache(example_repo: Path, dest: Path) -> Path:
-    """simple opts in to the cache; mlp does not."""
+    """simple and the Python model py_tagged opt in to the cache; mlp does not."""
     repo = dest / "repo"
     repo.mkdir(parents=True)
     for model in ("simple", "mlp"):
         shutil.copytree(example_repo / model, repo / model)
     config = repo / "simple" / "config.pbtxt"
     config.write_text(config.read_text() + ENABLE)
+    (repo / "py_tagged" / "1").mkdir(parents=True)
+    (repo / "py_tagged" / "1" / "model.py").write_text(TAGGED_MODEL)
+    (repo / "py_tagged" / "config.pbtxt").write_text(TAGGED_CONFIG + ENABLE)
     return repo
 
 
@@ -190,3 +216,17 @@ def test_bad_cache_config_flag_stops_the_server_with_the_reason(example_repo: Pa
     assert done.returncode == 2
     assert b"--cache-config" in done.stderr
     assert b"cache 'redis' is not supported" in done.stderr
+
+
+def test_a_cached_answer_keeps_the_response_parameters(cache_server: KilnProcess) -> None:
+    """A Python model's response parameters are part of its answer: a cache hit returns
+    them as the model set them for the first request (``calls`` is 1 both times)."""
+    client = httpclient.InferenceServerClient(cache_server.http_url)
+    x = httpclient.InferInput("X", [2], "FP32")
+    x.set_data_from_numpy(np.array([1, 2], np.float32))
+    first = client.infer("py_tagged", [x])
+    second = client.infer("py_tagged", [x])
+    for result in (first, second):
+        assert result.as_numpy("Y").tolist() == [2, 3]
+        assert result.get_response()["parameters"] == {"calls": 1}
+    assert int(stats(cache_server, "py_tagged")["inference_stats"]["cache_hit"]["count"]) == 1

@@ -66,6 +66,24 @@ def test_cached_outputs_are_private_read_only_copies() -> None:
     assert again is not None and again[0].parameters == {}
 
 
+def test_an_entry_keeps_the_response_parameters_as_private_copies() -> None:
+    cache = ResponseCache(capacity=1000)
+    given = {"calls": 1, "label": "first"}
+    assert cache.insert(b"k", [out(4)], owner=1, parameters=given)
+    given["calls"] = 99  # the caller's dict changing later does not reach the entry
+    found = cache.lookup_response(b"k")
+    assert found is not None
+    outputs, parameters = found
+    assert parameters == {"calls": 1, "label": "first"}
+    parameters["calls"] = 7  # nor does a reader's change reach the next reader
+    again = cache.lookup_response(b"k")
+    assert again is not None and again[1] == {"calls": 1, "label": "first"}
+    assert outputs[0].data.tolist() == [1.0] * 4
+    assert cache.insert(b"plain", [out(4)])  # a response without parameters
+    plain = cache.lookup_response(b"plain")
+    assert plain is not None and plain[1] == {}
+
+
 def test_drop_owner_forgets_one_loaded_version() -> None:
     cache = ResponseCache(capacity=10_000)
     cache.insert(b"a", [out(10)], owner=1)

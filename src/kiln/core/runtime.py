@@ -184,11 +184,13 @@ class ModelRuntime:
             if self.cache is not None:
                 lookup_start = time.monotonic_ns()
                 key = request_key(self.name, self.version_str, request, names, self._load_id)
-                cached = self.cache.lookup(key)
+                cached = self.cache.lookup_response(key)
                 lookup_ns = time.monotonic_ns() - lookup_start
                 if cached is not None:
                     self.stats.record_cache_hit(times, lookup_ns, time.monotonic_ns())
-                    return self._response(request, cached)
+                    hit = self._response(request, cached[0])
+                    hit.parameters.update(cached[1])
+                    return hit
             job = Job(inputs, names, batch, times, request.parameters, request.id)
             try:
                 raw = await self.scheduler.schedule(job)
@@ -206,7 +208,7 @@ class ModelRuntime:
                 raise internal(f"model '{self.name}': {type(exc).__name__}: {exc}") from exc
             if self.cache is not None and key is not None:
                 insert_start = time.monotonic_ns()
-                self.cache.insert(key, outputs, self._load_id)
+                self.cache.insert(key, outputs, self._load_id, job.response_parameters)
                 self.stats.record_cache_miss(lookup_ns + time.monotonic_ns() - insert_start)
             self.stats.record_success(times, batch, time.monotonic_ns())
             response = self._response(request, outputs)

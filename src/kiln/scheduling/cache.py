@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -81,6 +82,7 @@ class _Entry:
     outputs: tuple[InferOutput, ...]
     nbytes: int
     owner: int  # the loaded model version that produced it (see ``drop_owner``)
+    parameters: dict[str, Any] | None = None  # the response's own (a Python model's)
 
 
 class ResponseCache:
@@ -107,15 +109,27 @@ class ResponseCache:
 
     def lookup(self, key: bytes) -> list[InferOutput] | None:
         """The cached outputs (fresh wrappers around read-only arrays), or None."""
+        found = self.lookup_response(key)
+        return None if found is None else found[0]
+
+    def lookup_response(self, key: bytes) -> tuple[list[InferOutput], dict[str, Any]] | None:
+        """The cached outputs and the response's parameters (copies), or None."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 return None
             self._entries.move_to_end(key)
         # New InferOutput objects: a caller may replace fields without touching the entry.
-        return [replace(o, parameters=dict(o.parameters)) for o in entry.outputs]
+        outputs = [replace(o, parameters=dict(o.parameters)) for o in entry.outputs]
+        return outputs, dict(entry.parameters or {})
 
-    def insert(self, key: bytes, outputs: Iterable[InferOutput], owner: int = 0) -> bool:
+    def insert(
+        self,
+        key: bytes,
+        outputs: Iterable[InferOutput],
+        owner: int = 0,
+        parameters: dict[str, Any] | None = None,
+    ) -> bool:
         """Cache ``outputs`` under ``key``, evicting the least recently used entries to fit.
 
         Returns False (and caches nothing) when the outputs alone exceed the whole budget.
@@ -133,7 +147,7 @@ class ResponseCache:
             while self._entries and self._nbytes + nbytes > self.capacity:
                 _, evicted = self._entries.popitem(last=False)
                 self._nbytes -= evicted.nbytes
-            self._entries[key] = _Entry(frozen, nbytes, owner)
+            self._entries[key] = _Entry(frozen, nbytes, owner, dict(parameters or {}) or None)
             self._nbytes += nbytes
         return True
 
