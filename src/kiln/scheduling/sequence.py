@@ -290,12 +290,12 @@ class SequenceScheduler(Scheduler):
         outcomes, start, end = instance.execute_requests(list(requests))
         done = time.monotonic_ns()
         results: list[RowResult | KilnError | None] = []
-        answers = iter(zip(real, outcomes, strict=True))
+        answers = iter(outcomes)  # one per real row, in order
         for row in rows:
             if row.job is None:
                 results.append(None)
                 continue
-            _, outcome = next(answers)
+            outcome = next(answers)
             if isinstance(outcome, KilnError):
                 results.append(outcome)
             elif row.job.sink is not None:  # decoupled: the outputs went to the stream

@@ -26,7 +26,7 @@ import numpy as np
 
 ALIGN = 64  # every tensor starts on a cache line
 BYTES = "BYTES"
-_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 # (name, dtype string or "BYTES", shape, offset, nbytes): what the pipe carries per tensor.
 Header = tuple[str, str, tuple[int, ...], int, int]
@@ -81,7 +81,7 @@ class Arena:
 
     @classmethod
     def create(cls, prefix: str, size: int = 1 << 20) -> Arena:
-        fd, path = tempfile.mkstemp(prefix=prefix, dir=_SHM_DIR)
+        fd, path = tempfile.mkstemp(prefix=prefix, dir=SHM_DIR)
         try:
             os.ftruncate(fd, size)
         finally:

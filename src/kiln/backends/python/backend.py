@@ -489,16 +489,19 @@ class PythonBackend(Backend):
                 ("bls_result", headers if error is None else None, error, _params_json(params))
             )
 
+    def _answer_bls(self, call: dict[str, Any], slot: int, conn: Wire | None) -> None:
+        """``_bls`` off the thread that reads the worker (a helper or executor thread). The
+        worker may go away meanwhile: the reader then sees the pipe close, and the answer
+        goes to nobody (``conn``: not to the worker restarted in its place)."""
+        with contextlib.suppress(WorkerDied):
+            self._bls(call, slot, conn)
+
     def _bls_helper(self, call: dict[str, Any], conn: Wire | None) -> None:
-        """Answer a BLS call on a thread of its own; an answer for a worker that has gone
-        meanwhile goes to nobody (``conn``: not to its successor)."""
-
-        def answer() -> None:
-            with contextlib.suppress(WorkerDied):
-                self._bls(call, 0, conn)
-
+        """Answer a BLS call of the thread path on a thread of its own."""
         name = f"kiln-bls-{self.model}"
-        threading.Thread(target=answer, name=name, daemon=True).start()
+        threading.Thread(
+            target=self._answer_bls, args=(call, 0, conn), name=name, daemon=True
+        ).start()
 
     def _control(self, call: dict[str, Any], conn: Wire | None = None) -> None:
         """Answer a model's ``load_model`` / ``unload_model`` / ``is_model_ready``; ``conn``

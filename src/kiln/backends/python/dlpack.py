@@ -39,7 +39,7 @@ _pythonapi.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 # Where the DLTensor starts in what each capsule points to: DLManagedTensor begins with it;
 # DLManagedTensorVersioned has its version, manager_ctx, deleter and flags first (8 bytes
-# each on a 64-bit machine). Inside the DLTensor the device follows the data pointer.
+# each on a 64-bit machine).
 _CAPSULES = ((b"dltensor", 0), (b"dltensor_versioned", 32))
 _DEVICE = struct.Struct("=ii")  # DLDevice: device_type, device_id (int32 each)
 
@@ -52,18 +52,26 @@ def is_capsule(obj: Any) -> bool:
     return type(obj).__name__ == "PyCapsule"
 
 
-def capsule_device(capsule: Any) -> tuple[int, int]:
-    """``(device_type, device_id)`` of an unused DLPack capsule."""
+def _dltensor(capsule: Any) -> int | None:
+    """The address of an unused capsule's DLTensor, None when it is no such capsule."""
     for name, offset in _CAPSULES:
         if _pythonapi.PyCapsule_IsValid(capsule, name):
-            address = _pythonapi.PyCapsule_GetPointer(capsule, name)
-            pointer = ctypes.sizeof(ctypes.c_void_p)
-            raw = ctypes.string_at(address + offset + pointer, _DEVICE.size)
-            device_type, device_id = _DEVICE.unpack(raw)
-            return device_type, device_id
-    raise DLPackError(
-        "the capsule is not an unused DLPack tensor (a DLPack capsule can be consumed only once)"
-    )
+            return int(_pythonapi.PyCapsule_GetPointer(capsule, name)) + offset
+    return None
+
+
+def capsule_device(capsule: Any) -> tuple[int, int]:
+    """``(device_type, device_id)`` of an unused DLPack capsule."""
+    tensor = _dltensor(capsule)
+    if tensor is None:
+        raise DLPackError(
+            "the capsule is not an unused DLPack tensor (a DLPack capsule can be consumed "
+            "only once)"
+        )
+    # the device follows the data pointer
+    raw = ctypes.string_at(tensor + ctypes.sizeof(ctypes.c_void_p), _DEVICE.size)
+    device_type, device_id = _DEVICE.unpack(raw)
+    return device_type, device_id
 
 
 class _Capsule:
@@ -117,14 +125,13 @@ _DTYPE = struct.Struct("=BBH")  # DLDataType: code, bits, lanes
 
 def _capsule_dtype(capsule: Any) -> tuple[int, int] | None:
     """``(type code, bits)`` of an unused capsule's elements."""
-    for name, offset in _CAPSULES:
-        if _pythonapi.PyCapsule_IsValid(capsule, name):
-            address = _pythonapi.PyCapsule_GetPointer(capsule, name)
-            # after data (a pointer), device (8 bytes) and ndim (4 bytes)
-            at = address + offset + ctypes.sizeof(ctypes.c_void_p) + _DEVICE.size + 4
-            code, bits, _ = _DTYPE.unpack(ctypes.string_at(at, _DTYPE.size))
-            return code, bits
-    return None
+    tensor = _dltensor(capsule)
+    if tensor is None:
+        return None
+    # after data (a pointer), device (8 bytes) and ndim (4 bytes)
+    at = tensor + ctypes.sizeof(ctypes.c_void_p) + _DEVICE.size + 4
+    code, bits, _ = _DTYPE.unpack(ctypes.string_at(at, _DTYPE.size))
+    return code, bits
 
 
 def _through_torch(source: Any, device: tuple[int, int]) -> np.ndarray:

@@ -115,16 +115,11 @@ class LoopCall:
             )
         elif kind == "bls":
             # The call waits for another model served by this loop: not on the loop.
-            self.loop.run_in_executor(None, self._bls, message[1], backend.worker.conn)
+            conn = backend.worker.conn
+            self.loop.run_in_executor(None, backend._answer_bls, message[1], self.slot, conn)
         elif kind == "control":  # a load or unload waits for the repository: not either
             self.loop.run_in_executor(None, backend._control, message[1], backend.worker.conn)
         return False
-
-    def _bls(self, call: dict[str, Any], conn: Wire | None) -> None:
-        # The worker may go away meanwhile: the reader then sees the pipe close, and the
-        # answer goes to nobody (``conn``: not to the worker restarted in its place).
-        with contextlib.suppress(WorkerDied):
-            self.backend._bls(call, self.slot, conn)
 
 
 class WorkerPipe:
@@ -139,13 +134,16 @@ class WorkerPipe:
         self.diagnosing = False  # its exit status is being taken, the restart not begun
         self._held: list[LoopCall] = []  # arrived meanwhile
         self.depth = backend.pipeline_depth  # the worker has one pair of arenas per batch
-        # Requests in batches behind the running one: they wait for the worker as others
-        # wait for an instance (``nv_inference_pending_request_count``). One int, so a
-        # scrape on another thread reads it whole.
-        self.waiting = 0
         self._next_slot = 0
         self._fd = -1
         self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def waiting(self) -> int:
+        """Requests in batches behind the running one: they wait for the worker as others
+        wait for an instance (``nv_inference_pending_request_count``). ``list`` copies the
+        deque without letting another thread in, so a scrape may read it from its own."""
+        return sum(len(call.requests) for call in list(self.calls)[1:])
 
     def submit(self, call: LoopCall, busy_poll_ns: int) -> None:
         """Send the batch behind those in the pipe. With ``busy_poll_ns`` and an empty
@@ -175,8 +173,6 @@ class WorkerPipe:
         self._next_slot = (self._next_slot + 1) % self.depth
         idle = not self.calls
         self.calls.append(call)
-        if not idle:
-            self.waiting += len(call.requests)
         backend = self.backend
         try:
             wire, call.watch = backend._wire(call.requests, call.slot)
@@ -185,8 +181,6 @@ class WorkerPipe:
             # The worker is gone and never got this batch: it runs again after the
             # restart, like those queued behind a lost one.
             self.calls.pop()
-            if not idle:
-                self.waiting -= len(call.requests)
             self._held.append(call)
             self._lost(exc)
             return
@@ -216,7 +210,6 @@ class WorkerPipe:
             self._timer = None
         self.backend._observe_round_trip(time.monotonic_ns() - call.began_ns)
         if self.calls:
-            self.waiting -= len(self.calls[0].requests)
             self._begin(self.calls[0])
 
     # ---- reading -----------------------------------------------------------------------
@@ -289,7 +282,6 @@ class WorkerPipe:
         """Stop using this pipe: (the batch the worker was running, those behind it)."""
         self.broken = True
         self._unwatch()
-        self.waiting = 0
         head = self.calls.popleft() if self.calls else None
         rest = list(self.calls)
         self.calls.clear()

@@ -21,10 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kiln.backends.python.arena import Arena
+from kiln.backends.python.arena import SHM_DIR, Arena
 from kiln.backends.python.wire import Wire
-
-_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 #: Pairs of arenas per worker by default: as many as batches in its pipe (the backend's
 #: ``pipeline_depth``).
@@ -50,7 +48,7 @@ class WorkerProcess:
             for i in range(slots)
         ]
         # custom metrics (custom_metrics.py): written by the worker, read at scrape time
-        self.metrics_dir = Path(tempfile.mkdtemp(prefix=f"kiln-py-{label}-metrics-", dir=_SHM))
+        self.metrics_dir = Path(tempfile.mkdtemp(prefix=f"kiln-py-{label}-metrics-", dir=SHM_DIR))
         self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Wire | None = None
         self._send_lock = threading.RLock()  # reentrant: see ``sending``
