@@ -235,6 +235,25 @@ def test_response_sender_only_for_decoupled_models() -> None:
         request.get_response_sender()
 
 
+def test_release_flags_default_to_all_and_take_reschedule() -> None:
+    request = pb_utils.InferenceRequest(inputs=[])
+    assert request._release_flags == pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL
+    request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+    assert request._release_flags == pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
+    with pytest.raises(pb_utils.TritonModelException, match="unknown flags 4"):
+        request.set_release_flags(4)
+
+
+def test_a_bls_request_accepts_triton_s_preferred_memory() -> None:
+    # Written for a GPU Triton; kiln answers in host memory but must load the model.
+    memory = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, 0)
+    assert (memory.preferred_memory_type, memory.preferred_device_id) == (2, 0)
+    request = pb_utils.InferenceRequest(
+        model_name="mlp", inputs=[], requested_output_names=["y"], preferred_memory=memory
+    )
+    assert request.model_name() == "mlp"
+
+
 def test_exec_outside_a_worker_says_why() -> None:
     request = pb_utils.InferenceRequest(model_name="mlp", inputs=[])
     with pytest.raises(pb_utils.TritonModelException, match="not running in kiln"):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from kiln.backends.base import Backend, InstanceSpec
+from kiln.backends.base import Backend, InstanceSpec, Rescheduled
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status
 from kiln.core.runtime import ModelRuntime
@@ -38,6 +38,8 @@ class Recorder:
     release: threading.Event = field(default_factory=threading.Event)
     batches: list[dict[str, np.ndarray]] = field(default_factory=list)
     fail_on: int | None = None  # an INPUT value that makes its batch raise
+    # INPUT value -> how many more times an unmerged backend reschedules such a request
+    reschedule: dict[int, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def column(self, batch: int, name: str) -> list[Any]:
@@ -73,10 +75,19 @@ class RequestsBackend(RecordingBackend):
 
     def execute_requests(self, requests: list[Any]) -> list[Any]:
         self.requests.append(
-            [{"inputs": dict(r.inputs), "outputs": list(r.output_names)} for r in requests]
-        )
+            [
+                {"inputs": dict(r.inputs), "outputs": list(r.output_names),
+                 "corrid": r.correlation_id, "flags": r.flags}
+                for r in requests
+            ]
+        )  # fmt: skip
         outcomes: list[Any] = []
         for request in requests:
+            value = int(request.inputs["INPUT"][0, 0])
+            if self.recorder.reschedule.get(value, 0) > 0:
+                self.recorder.reschedule[value] -= 1
+                outcomes.append(Rescheduled("acc"))  # as the Python backend reports it
+                continue
             if (
                 self.recorder.fail_on is not None
                 and self.recorder.fail_on in request.inputs["INPUT"]
@@ -506,6 +517,89 @@ async def test_unload_fails_requests_that_can_never_run(make: Factory) -> None:
     await h.scheduler.close()
     err = await error_of(stuck)
     assert err.status is Status.UNAVAILABLE and "unloading" in err.message
+
+
+# ---- iterative sequences and rescheduling ----------------------------------------------
+def job_without_id(value: int) -> Job:
+    return Job({"INPUT": np.full((1, 1), value, np.int32)}, ["OUTPUT"], 1, RequestTimes(), {})
+
+
+async def test_iterative_request_without_id_is_a_sequence_that_reruns_until_released(
+    make: Factory,
+) -> None:
+    h = await make(
+        config_text(strategy="direct { } iterative_sequence: true", mbs=2), unmerged=True
+    )
+    h.recorder.reschedule[3] = 2
+    out = await h.scheduler.schedule(job_without_id(3))
+    assert total(out) == 3
+    runs = [batch[0] for batch in h.scheduler.instances[0].backend.requests]
+    assert len(runs) == 3  # twice rescheduled, then answered
+    assert [r["flags"] for r in runs] == [1, 0, 0]  # START first, continuations after
+    assert [r["inputs"]["START"].tolist() for r in runs] == [[[1]], [[0]], [[0]]]
+    assert {r["corrid"] for r in runs} == {1}  # the scheduler named it, Triton-style
+    # released without rescheduling: the sequence is over and its slot free again
+    assert not h.scheduler.sequences and h.scheduler.pending == 0
+    out = await h.scheduler.schedule(job_without_id(4))
+    assert h.scheduler.instances[0].backend.requests[-1][0]["corrid"] == 2
+
+
+async def test_iterative_sequences_share_the_slots_and_queue_for_them(make: Factory) -> None:
+    h = await make(
+        config_text(strategy="direct { } iterative_sequence: true", mbs=1), unmerged=True
+    )
+    h.recorder.reschedule.update({5: 3, 6: 1})
+    first, second = (asyncio.create_task(h.scheduler.schedule(job_without_id(v))) for v in (5, 6))
+    assert [total(await t) for t in (first, second)] == [5, 6]
+    runs = [batch for batch in h.scheduler.instances[0].backend.requests]
+    assert all(len(batch) == 1 for batch in runs)  # one slot: one request per batch
+    # the first holds the slot through its reschedules; the second starts after it ends
+    assert [b[0]["corrid"] for b in runs] == [1, 1, 1, 1, 2, 2]
+    assert not h.scheduler.sequences
+
+
+async def test_a_client_sequence_may_be_rescheduled_and_keeps_its_order(make: Factory) -> None:
+    h = await make(
+        config_text(strategy="direct { } iterative_sequence: true", mbs=1), unmerged=True
+    )
+    h.recorder.reschedule[1] = 1
+    first = h.submit(1, "s", start=True)
+    second = h.submit(2, "s", end=True)
+    assert [total(await t) for t in (first, second)] == [1, 3]
+    runs = [b[0] for b in h.scheduler.instances[0].backend.requests]
+    # the rescheduled request ran again before the sequence's next one
+    assert [int(r["inputs"]["INPUT"][0, 0]) for r in runs] == [1, 1, 2]
+    assert [r["flags"] for r in runs] == [1, 0, 2]
+    assert {r["corrid"] for r in runs} == {"s"}
+
+
+async def test_a_request_of_its_own_sequence_must_still_have_batch_size_one(
+    make: Factory,
+) -> None:
+    h = await make(
+        config_text(strategy="direct { } iterative_sequence: true", mbs=2), unmerged=True
+    )
+    job = Job({"INPUT": np.ones((2, 1), np.int32)}, ["OUTPUT"], 2, RequestTimes(), {})
+    err = await error_of(asyncio.ensure_future(h.scheduler.schedule(job)))
+    assert "must specify batch-size 1" in err.message and "sent 2" in err.message
+    assert not h.scheduler.sequences  # nothing was begun for it
+
+
+async def test_rescheduling_without_iterative_sequence_fails_the_request(make: Factory) -> None:
+    h = await make(mbs=1, unmerged=True)
+    h.recorder.reschedule[7] = 1
+    err = await error_of(h.submit(7, "a", start=True))
+    assert "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE" in err.message
+    assert "'acc'" in err.message and "iterative_sequence: true" in err.message
+    assert await h.run(7, "a") == 7  # the sequence goes on
+
+
+async def test_a_request_without_id_is_still_refused_without_iterative_sequence(
+    make: Factory,
+) -> None:
+    h = await make(mbs=1, unmerged=True)
+    err = await error_of(asyncio.ensure_future(h.scheduler.schedule(job_without_id(1))))
+    assert "must specify a non-zero or non-empty correlation ID" in err.message
 
 
 # ---- wiring ------------------------------------------------------------------------------

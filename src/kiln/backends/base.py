@@ -65,6 +65,21 @@ class BackendRequest(Protocol):
 RequestOutcome = dict[str, np.ndarray] | KilnError
 
 
+class Rescheduled(KilnError):
+    """The outcome of a request the model released with Triton's
+    ``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``: it is not answered yet but runs again in
+    a later batch. Only the sequence batcher with ``iterative_sequence`` takes it back; any
+    other caller sees it as the error it is (a backend refuses rescheduling elsewhere)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, but model "
+            f"'{model}' cannot reschedule it: that needs sequence_batching "
+            "{ iterative_sequence: true }",
+            Status.INTERNAL,
+        )
+
+
 class NotStarted(Exception):
     """A batch ``start_requests`` accepted behind another was lost before it started (its
     worker died first): the instance runs it again on its thread."""

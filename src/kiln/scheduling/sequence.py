@@ -6,6 +6,15 @@ in arrival order, and carries its implicit state from one request to the next. S
 batch of that instance's rows (empty rows READY false); ``oldest`` batches the oldest
 waiting requests of different sequences on whichever instance is free. One asyncio task
 forms batches; merging, compute and splitting run on the instance's own thread.
+
+**Iterative sequences** (``iterative_sequence: true``, Triton's generative sequence
+batching): a request sent without a ``sequence_id`` is a sequence of its own, named by the
+scheduler (ids 1, 2, ... as the model sees them, START on its first run). A Python model
+may release a request with ``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``: it is not answered
+but runs again, START cleared, in a later batch, in the same slot, before any later request
+of its sequence; a decoupled model streams its responses across those runs. The sequence
+ends when the model releases the request without rescheduling it. With every slot of a
+batch held by one such request, new requests join as others finish: continuous batching.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.backends.base import Rescheduled
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, internal, invalid_arg, unavailable
 from kiln.core.stats import ModelStats
@@ -34,6 +44,7 @@ from kiln.scheduling.sequence_config import (
     Control,
     ControlSpec,
     CorrId,
+    SequenceFlags,
     corrid_value,
     parse_controls,
     parse_flags,
@@ -66,6 +77,8 @@ class SequenceScheduler(Scheduler):
         self.controls: list[ControlSpec] = parse_controls(config)
         self.states = parse_states(config, model_dir)
         self.idle_limit_ns = config_idle_limit_ns(config)
+        self.iterative = config.sequence_batching.iterative_sequence
+        self._generated_ids = 0  # the last id given to a sequence the scheduler named
         self.clock = clock
         self.planner: Planner = planner_for(config, len(instances))
         self.pool = SlotPool(self.planner.capacity)
@@ -89,7 +102,13 @@ class SequenceScheduler(Scheduler):
     async def schedule(self, job: Job) -> dict[str, np.ndarray]:
         if self._closing:
             raise unavailable(f"model '{self.model}' is unloading")
-        flags = parse_flags(job.parameters, self.model)
+        flags = parse_flags(job.parameters, self.model, self.iterative)
+        generated = flags.corrid == 0  # iterative_sequence: a sequence of its own
+        if generated:
+            # The model sees ids 1, 2, ... (Triton's numbering); this scheduler keys the
+            # sequence by the negated id, which no client can send.
+            self._generated_ids += 1
+            flags = SequenceFlags(self._generated_ids, True, False)
         if self.batching and job.batch_size != 1:
             raise invalid_arg(
                 f"inference request to model '{self.model}' must specify batch-size 1 due "
@@ -100,6 +119,30 @@ class SequenceScheduler(Scheduler):
             if spec.kind == Control.CONTROL_SEQUENCE_CORRID:
                 corrid_value(spec, flags.corrid, self.model)  # refuse it now, not its batch
         now = self.clock()
+        if generated:
+            seq = self._begin(-int(flags.corrid), None, now)
+            seq.generated = True
+        else:
+            seq = self._join(flags, now)
+        loop = asyncio.get_running_loop()
+        item = Waiting(job, flags, loop.create_future(), now, shape_key(job.inputs, self.batching))
+        seq.queue.append(item)
+        seq.last_ns = now
+        self._changed.set()
+        try:
+            return await item.future
+        except asyncio.CancelledError:
+            # The caller went away while queued: drop its request; the sequence goes on,
+            # unless the request was all of it. (Running, it ends when its batch does.)
+            if item in seq.queue:
+                seq.queue.remove(item)
+                seq.last_ns = self.clock()
+                if seq.generated:
+                    self._release(seq, "ended")
+            raise
+
+    def _join(self, flags: SequenceFlags, now: int) -> Sequence:
+        """The sequence a client's request belongs to, begun by its START."""
         seq = self.sequences.get(flags.corrid)
         if seq is not None and seq.idle(now, self.idle_limit_ns):
             self._release(seq, "idle")  # expired, whether or not the reaper got there yet
@@ -110,19 +153,7 @@ class SequenceScheduler(Scheduler):
             raise self._no_start(flags.corrid, seq)
         if flags.end:
             seq.accepting = False
-        loop = asyncio.get_running_loop()
-        item = Waiting(job, flags, loop.create_future(), now, shape_key(job.inputs, self.batching))
-        seq.queue.append(item)
-        seq.last_ns = now
-        self._changed.set()
-        try:
-            return await item.future
-        except asyncio.CancelledError:
-            # The caller went away while queued: drop its request; the sequence goes on.
-            if item in seq.queue:
-                seq.queue.remove(item)
-                seq.last_ns = self.clock()
-            raise
+        return seq
 
     def _begin(self, corrid: CorrId, seq: Sequence | None, now: int) -> Sequence:
         if seq is not None:
@@ -331,6 +362,15 @@ class SequenceScheduler(Scheduler):
             else:
                 result = outcome[i]
                 assert result is not None
+                if (
+                    isinstance(result, Rescheduled)
+                    and self.iterative
+                    and not item.future.done()  # its caller is still there
+                ):
+                    # It runs again, first of its sequence, as a continuation (not START).
+                    item.flags = SequenceFlags(item.flags.corrid, False, item.flags.end)
+                    seq.queue.appendleft(item)
+                    continue
                 if isinstance(result, KilnError):  # that request alone failed
                     if not item.future.done():
                         item.future.set_exception(self._error(result))
@@ -338,7 +378,7 @@ class SequenceScheduler(Scheduler):
                     seq.states = result.states
                     if not item.future.done():
                         item.future.set_result(result.outputs)
-            if item.flags.end:
+            if item.flags.end or seq.generated:
                 seq.states = None  # the state of an ended sequence is never read again
                 if not seq.queue:
                     self._release(seq, "ended")

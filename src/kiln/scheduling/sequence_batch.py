@@ -22,6 +22,9 @@ from kiln.scheduling.base import Job
 from kiln.scheduling.sequence_config import ControlSpec, CorrId, StateSpec, corrid_value
 
 Kind = ModelSequenceBatching.Control
+# Triton's request flags, as a Python model reads them from ``InferenceRequest.flags()``.
+FLAG_SEQUENCE_START = 1
+FLAG_SEQUENCE_END = 2
 
 
 @dataclass(slots=True)
@@ -44,12 +47,17 @@ class RowResult:
 class RowRequest:
     """One row as a backend that takes requests unmerged (the Python backend) sees it:
     the request's inputs with its own control values and state, the outputs it asked for
-    and the state outputs; the rest (parameters, stream, cancellation, the response's
-    parameters) is its job's."""
+    and the state outputs, its sequence's id and START / END flags (Triton's
+    ``correlation_id()`` and ``flags()``); the rest (parameters, stream, cancellation, the
+    response's parameters) is its job's."""
 
     def __init__(self, row: Row, inputs: dict[str, np.ndarray], states: list[StateSpec]) -> None:
         assert row.job is not None
         self.job = row.job
+        self.correlation_id = row.corrid
+        self.flags = (FLAG_SEQUENCE_START if row.start else 0) | (
+            FLAG_SEQUENCE_END if row.end else 0
+        )
         self.inputs = inputs
         wanted = [*row.job.output_names, *(s.output_name for s in states)]
         self.output_names = list(dict.fromkeys(wanted))

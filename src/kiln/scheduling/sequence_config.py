@@ -170,8 +170,10 @@ def idle_limit_ns(config: ModelConfig) -> int:
     return int(us) * 1000
 
 
-def parse_flags(parameters: dict[str, Any], model: str) -> SequenceFlags:
-    """The request's sequence parameters; a missing or zero id is refused (Triton's text)."""
+def parse_flags(parameters: dict[str, Any], model: str, iterative: bool = False) -> SequenceFlags:
+    """The request's sequence parameters; a missing or zero id is refused (Triton's text),
+    except with ``iterative_sequence``, where it asks for a sequence of its own: id 0, START
+    and not END (the scheduler names the sequence)."""
     corrid = parameters.get("sequence_id", 0)
     if isinstance(corrid, bool) or not isinstance(corrid, int | str):
         raise invalid_arg(
@@ -182,6 +184,8 @@ def parse_flags(parameters: dict[str, Any], model: str) -> SequenceFlags:
         raise invalid_arg(
             f"request parameter 'sequence_id' for model '{model}' must fit in uint64, got {corrid}"
         )
+    if (corrid == 0 or corrid == "") and iterative:
+        return SequenceFlags(0, True, False)
     if corrid == 0 or corrid == "":
         raise invalid_arg(
             f"inference request to model '{model}' must specify a non-zero or non-empty "

@@ -43,6 +43,9 @@ class Sequence:
     accepting: bool = True  # False once its END request arrived
     slot: int | None = None  # None: in the backlog
     states: dict[str, np.ndarray] | None = None  # None: initial state
+    # ``iterative_sequence``: a request sent without an id is a sequence of its own, named
+    # by the scheduler, that ends when the model releases the request without rescheduling.
+    generated: bool = False
 
     def ready(self) -> bool:
         return bool(self.queue) and not self.busy and self.slot is not None

@@ -30,6 +30,7 @@ from kiln.backends.base import (
     BackendRequest,
     InstanceSpec,
     RequestOutcome,
+    Rescheduled,
     ResponseSink,
     count_parameter,
     parameter,
@@ -332,8 +333,11 @@ class PythonBackend(Backend):
                 "inputs": [inbound.write(n, a) for n, a in r.inputs.items()],
                 "outputs": list(r.output_names),
                 "request_id": r.request_id,
-                "correlation_id": r.parameters.get("sequence_id", 0),
-                "parameters": json.dumps(r.parameters, default=str),
+                # a sequence batch's request carries its sequence's id and START / END
+                "correlation_id": getattr(r, "correlation_id", None)
+                or r.parameters.get("sequence_id", 0),
+                "flags": getattr(r, "flags", 0),
+                "parameters": json.dumps(r.parameters, default=str) if r.parameters else "{}",
                 "cancel_at": watch.offset + i,
             }
             for i, r in enumerate(requests)
@@ -375,7 +379,7 @@ class PythonBackend(Backend):
                 message = worker.recv(deadline.seconds)
                 kind = message[0]
                 if kind == "executed":
-                    return self._outcomes(requests, message[1], message[2])
+                    return self._outcomes(requests, message[1], message[2], 0, message[3])
                 if kind == "response":
                     self._stream(requests, *message[1:])
                 elif kind == "bls" and message[1].get("stream") is not None:
@@ -405,24 +409,35 @@ class PythonBackend(Backend):
         answers: Any,
         batch_error: str | None,
         slot: int = 0,
+        rescheduled: list[int] | None = None,
     ) -> list[RequestOutcome]:
+        """One outcome per request from the worker's answer; ``rescheduled``: the indices of
+        the requests the model released with ``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``
+        (``Rescheduled``: the sequence batcher runs them again)."""
         if batch_error is not None:
             message = f"model '{self.model}' failed to execute: {batch_error}"
             if self.decoupled:  # a streamed request got the error as its final response
                 return [{} if r.sink is not None else KilnError(message, Status.INTERNAL)
                         for r in requests]  # fmt: skip
             return [KilnError(message, Status.INTERNAL) for _ in requests]
-        if self.decoupled:
-            return [{} for _ in requests]  # everything went out through the sinks
         outcomes: list[RequestOutcome] = []
-        for request, (headers, error, params) in zip(requests, answers, strict=True):
-            if params is not None:  # the response's parameters, for the client
-                request.response_parameters = json.loads(params)
-            if error is not None:
-                outcomes.append(KilnError(error[0], _CODES.get(error[1], Status.INTERNAL)))
-            else:
-                outbound = self.worker.arenas[slot][1]
-                outcomes.append({h[0]: outbound.read(h) for h in headers})
+        if self.decoupled:
+            outcomes = [{} for _ in requests]  # everything went out through the sinks
+        else:
+            for request, answer in zip(requests, answers, strict=True):
+                if answer is None:  # rescheduled
+                    outcomes.append({})
+                    continue
+                headers, error, params = answer
+                if params is not None:  # the response's parameters, for the client
+                    request.response_parameters = json.loads(params)
+                if error is not None:
+                    outcomes.append(KilnError(error[0], _CODES.get(error[1], Status.INTERNAL)))
+                else:
+                    outbound = self.worker.arenas[slot][1]
+                    outcomes.append({h[0]: outbound.read(h) for h in headers})
+        for index in rescheduled or ():
+            outcomes[index] = Rescheduled(self.model)
         return outcomes
 
     def _stream(

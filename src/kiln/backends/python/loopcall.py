@@ -103,7 +103,9 @@ class LoopCall:
         backend = self.backend
         kind = message[0]
         if kind == "executed":
-            self.resolve(backend._outcomes(self.requests, message[1], message[2], self.slot))
+            self.resolve(
+                backend._outcomes(self.requests, message[1], message[2], self.slot, message[3])
+            )
             return True
         if kind == "error":
             self.resolve(backend._outcomes(self.requests, None, message[1], self.slot))

@@ -20,6 +20,11 @@ from kiln.backends.python.arena import serialize_bytes
 from kiln.backends.python.autocomplete import ModelConfig
 
 __all__ = [
+    "TRITONSERVER_MEMORY_CPU",
+    "TRITONSERVER_MEMORY_CPU_PINNED",
+    "TRITONSERVER_MEMORY_GPU",
+    "TRITONSERVER_REQUEST_RELEASE_ALL",
+    "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE",
     "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
     "InferenceRequest",
     "InferenceResponse",
@@ -28,6 +33,7 @@ __all__ = [
     "Metric",
     "MetricFamily",
     "ModelConfig",
+    "PreferredMemory",
     "Tensor",
     "TritonError",
     "TritonModelException",
@@ -47,6 +53,15 @@ __all__ = [
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+# Request release flags: ALL answers the request; RESCHEDULE runs it again in a later batch
+# (``InferenceRequest.set_release_flags``; needs ``sequence_batching { iterative_sequence:
+# true }``).
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+# Memory types a BLS request may prefer for its outputs (``PreferredMemory``).
+TRITONSERVER_MEMORY_CPU = 0
+TRITONSERVER_MEMORY_CPU_PINNED = 1
+TRITONSERVER_MEMORY_GPU = 2
 
 # Set by the worker: carries BLS requests and decoupled responses to the server.
 _channel: Any = None
@@ -246,6 +261,17 @@ class InferenceResponseSender:
         return self._request is not None and self._request.is_cancelled()
 
 
+class PreferredMemory:
+    """Where a BLS call would like its outputs (Triton's ``preferred_memory``). kiln holds
+    tensors in host memory, so outputs come back on the CPU whatever is preferred; the
+    object is accepted so that models written for a GPU Triton load unchanged."""
+
+    def __init__(self, preferred_memory_type: int = TRITONSERVER_MEMORY_CPU,
+                 preferred_device_id: int = 0) -> None:  # fmt: skip
+        self.preferred_memory_type = preferred_memory_type
+        self.preferred_device_id = preferred_device_id
+
+
 class InferenceRequest:
     """A request the model receives in ``execute``, or builds to call another model (BLS)."""
 
@@ -274,6 +300,7 @@ class InferenceRequest:
             parameters if isinstance(parameters, str) else json.dumps(parameters or {})
         )
         self._sender: InferenceResponseSender | None = None
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         # Where the server flags this request cancelled: (arena, byte offset), in execute.
         self._cancel_flag: tuple[Any, int] | None = None
 
@@ -303,6 +330,19 @@ class InferenceRequest:
 
     def parameters(self) -> str:
         return self._parameters
+
+    def set_release_flags(self, flags: int) -> None:
+        """``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``: run this request again in a later
+        batch instead of answering it now (Triton 23.11+; the model's config needs
+        ``sequence_batching { iterative_sequence: true }``). A model that is not decoupled
+        puts None in place of its response; a decoupled one calls this before ``execute``
+        returns. ``TRITONSERVER_REQUEST_RELEASE_ALL`` (the default) answers it."""
+        if flags not in (TRITONSERVER_REQUEST_RELEASE_ALL, TRITONSERVER_REQUEST_RELEASE_RESCHEDULE):
+            raise TritonModelException(
+                f"set_release_flags: unknown flags {flags!r} (use "
+                "TRITONSERVER_REQUEST_RELEASE_ALL or TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)"
+            )
+        self._release_flags = flags
 
     def is_cancelled(self) -> bool:
         """Whether the request's client went away while it runs (Triton 23.10+)."""

@@ -128,6 +128,35 @@ class Channel:
         with self.finals:
             self.open_senders = 0
 
+    def release_rescheduled(self, requests: list[pb_utils.InferenceRequest]) -> list[int] | None:
+        """The indices of the requests that run again in a later batch, if any. This batch
+        no longer waits for their FINAL flag, and a send on them now is refused (the index
+        would reach the request in that place of the next batch; the next execute gets a
+        sender of its own). A FINAL flag already sent wins over the reschedule."""
+        again = []
+        with self.lock:
+            for index, request in enumerate(requests):
+                sender = request._sender
+                if (
+                    request._release_flags != pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
+                    or sender is None
+                    or sender.closed
+                ):
+                    continue
+                sender.closed = True
+                sender.closed_reason = (
+                    "Unable to send response: the request was rescheduled "
+                    "(TRITONSERVER_REQUEST_RELEASE_RESCHEDULE); it sends again from the "
+                    "execute that runs it next"
+                )
+                again.append(index)
+        if not again:
+            return None
+        with self.finals:
+            self.open_senders -= len(again)
+            self.finals.notify_all()
+        return again
+
     def _send_bls(self, request: pb_utils.InferenceRequest, stream: int | None = None) -> None:
         """Send a BLS call (under ``lock``): its tensors into the arena, then the message."""
         headers = [self.outbound.write(t.name(), t.as_numpy()) for t in request.inputs()]
@@ -308,6 +337,7 @@ class Worker:
                 requested_output_names=wire["outputs"],
                 request_id=wire["request_id"],
                 correlation_id=wire["correlation_id"],
+                flags=wire["flags"],
                 parameters=wire["parameters"],
             )
             request._cancel_flag = (channel.inbound, wire["cancel_at"])
@@ -322,7 +352,7 @@ class Worker:
         except Exception as exc:
             traceback.print_exc()
             if not self.decoupled:
-                return ("executed", None, last_line(exc))
+                return ("executed", None, last_line(exc), None)
             result = exc
         if self.decoupled:
             if result is not None:
@@ -336,11 +366,12 @@ class Worker:
                     senders, f"model '{self.model_name}' failed to execute: {reason}"
                 )
                 # The server fails only the requests nobody streams to (a warm-up's).
-                return ("executed", None, reason)
+                return ("executed", None, reason, None)
+            rescheduled = channel.release_rescheduled(requests)
             # Responses may still come from the model's own threads: answer when all are final.
             with channel.finals:
                 channel.finals.wait_for(lambda: channel.open_senders <= 0)
-            return ("executed", [], None)
+            return ("executed", [], None, rescheduled)
         if not isinstance(result, list | tuple) or len(result) != len(requests):
             got = len(result) if isinstance(result, list | tuple) else type(result).__name__
             return (
@@ -348,18 +379,25 @@ class Worker:
                 None,
                 f"execute returned {got} responses for {len(requests)} requests "
                 "(it must return one InferenceResponse per request, in order)",
+                None,
             )
-        answers = []
-        for response in result:
+        answers: list[Encoded | None] = []
+        again: list[int] = []  # rescheduled: None in their place (what the model put is unused)
+        for index, (request, response) in enumerate(zip(requests, result, strict=True)):
+            if request._release_flags == pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+                again.append(index)
+                answers.append(None)
+                continue
             if not isinstance(response, pb_utils.InferenceResponse):
                 return (
                     "executed",
                     None,
                     f"execute returned a {type(response).__name__} where an "
                     "InferenceResponse was expected",
+                    None,
                 )
             answers.append(channel.encode(response))
-        return ("executed", answers, None)
+        return ("executed", answers, None, again or None)
 
     def finalize(self) -> None:
         if self.model is not None and hasattr(self.model, "finalize"):
