@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from onnx import TensorProto, helper, numpy_helper
@@ -267,3 +268,48 @@ def test_explicit_load_of_the_ensemble_loads_its_composing_models(
     np.testing.assert_array_equal(
         result.as_numpy("CLASS"), _in_process(example_repo, images)["CLASS"]
     )
+
+
+def test_unload_dependents_unloads_the_composing_models_the_ensemble_loaded(
+    explicit_server: KilnProcess,
+) -> None:
+    grpc = grpcclient.InferenceServerClient(explicit_server.grpc_url)
+    http = httpclient.InferenceServerClient(explicit_server.http_url)
+    assert "model_repository(unload_dependents)" in http.get_server_metadata()["extensions"]
+    http.load_model("cnn")  # by its own name: it stays
+    http.load_model("cnn_pipeline")  # brings image_preprocess and postprocess
+
+    def ready() -> set[str]:
+        return {m["name"] for m in http.get_model_repository_index() if m["state"] == "READY"}
+
+    assert ready() == {"cnn_pipeline", *PIPELINE}
+    grpc.unload_model("cnn_pipeline", unload_dependents=True)
+    assert ready() == {"cnn"}
+    # over HTTP too; without the parameter the composing models stay
+    http.load_model("cnn_pipeline")
+    http.unload_model("cnn_pipeline")
+    assert ready() == set(PIPELINE)
+    http.load_model("cnn_pipeline")
+    http.unload_model("cnn_pipeline", unload_dependents=True)
+    assert ready() == {"cnn"}
+
+
+def test_unload_dependents_must_be_a_boolean(explicit_server: KilnProcess) -> None:
+    http = httpclient.InferenceServerClient(explicit_server.http_url)
+    http.load_model("cnn_pipeline")
+    url = f"http://{explicit_server.http_url}/v2/repository/models/cnn_pipeline/unload"
+    resp = requests.post(url, json={"parameters": {"unload_dependents": "yes"}}, timeout=30)
+    assert resp.status_code == 400
+    assert resp.json()["error"] == (
+        "unload of model 'cnn_pipeline': parameter 'unload_dependents' must be a boolean, got 'yes'"
+    )
+    assert http.is_model_ready("cnn_pipeline")  # nothing was unloaded
+    # found by the fuzzer (tests/integration/test_security_openapi.py): not an object
+    for action in ("unload", "load"):
+        url = f"http://{explicit_server.http_url}/v2/repository/models/cnn_pipeline/{action}"
+        resp = requests.post(url, json={"parameters": [None, None]}, timeout=30)
+        assert resp.status_code == 400
+        assert resp.json()["error"] == (
+            f"{action} of model 'cnn_pipeline': 'parameters' must be a JSON object, got list"
+        )
+    assert http.is_model_ready("cnn_pipeline")

@@ -80,6 +80,7 @@ def test_extensions_are_exactly_what_kiln_serves(kiln_server: KilnProcess) -> No
     grpc = grpcclient.InferenceServerClient(kiln_server.grpc_url).get_server_metadata(as_json=True)
     assert http["extensions"] == grpc["extensions"]
     assert set(http["extensions"]) == {
-        "model_repository", "model_configuration", "binary_tensor_data", "parameters",
+        "model_repository", "model_repository(unload_dependents)", "model_configuration",
+        "binary_tensor_data", "parameters",
         "statistics", "system_shared_memory", "classification", "sequence", "trace", "logging",
     }  # fmt: skip

@@ -731,7 +731,7 @@ def test_a_python_model_loads_a_model_from_files_it_supplies(
     [
         ("load", "no_such_model", "no_such_model"),
         ("unload", "py_control", "cannot unload itself"),
-        ("unload_dependents", "mlp", "unload_dependents=True"),
+        ("unload_dependents", "py_control", "cannot unload itself"),
     ],
 )
 def test_model_control_from_a_model_fails_with_the_reason(

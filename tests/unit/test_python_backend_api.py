@@ -277,9 +277,20 @@ def test_load_model_files_must_map_file_paths_to_bytes(files: Any) -> None:
         pb_utils.load_model("m", files=files)
 
 
-def test_unload_dependents_is_refused_with_the_reason() -> None:
-    with pytest.raises(pb_utils.TritonModelException, match="composing models"):
-        pb_utils.unload_model("ensemble", unload_dependents=True)
+def test_unload_dependents_reaches_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+
+    class Channel:
+        def control(self, call: dict[str, Any]) -> None:
+            calls.append(call)
+
+    monkeypatch.setattr(pb_utils, "_channel", Channel())
+    pb_utils.unload_model("ensemble", unload_dependents=True)
+    pb_utils.unload_model("mlp")
+    assert calls == [
+        {"action": "unload", "name": "ensemble", "unload_dependents": True},
+        {"action": "unload", "name": "mlp", "unload_dependents": False},
+    ]
 
 
 def test_model_control_without_a_server_names_the_model() -> None:

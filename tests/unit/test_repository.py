@@ -121,3 +121,83 @@ async def test_unload_then_index(versioned: RepositoryManager) -> None:
     with pytest.raises(KilnError) as info:
         versioned.get("simple")
     assert info.value.status is Status.NOT_FOUND
+
+
+# ---- unload_dependents: an ensemble's composing models go with it -------------------------
+def _ensemble(name: str, first: str, second: str) -> str:
+    """INPUT0/INPUT1 through ``first`` (add, sub), then ``second`` on its outputs."""
+    io = "data_type: TYPE_INT32 dims: [ 16 ]"
+    return f"""
+name: "{name}"
+platform: "ensemble"
+max_batch_size: 8
+input [ {{ name: "INPUT0" {io} }}, {{ name: "INPUT1" {io} }} ]
+output [ {{ name: "OUTPUT0" {io} }}, {{ name: "OUTPUT1" {io} }} ]
+ensemble_scheduling {{ step [
+  {{ model_name: "{first}" model_version: -1
+     input_map {{ key: "INPUT0" value: "INPUT0" }} input_map {{ key: "INPUT1" value: "INPUT1" }}
+     output_map {{ key: "OUTPUT0" value: "s" }} output_map {{ key: "OUTPUT1" value: "d" }} }},
+  {{ model_name: "{second}" model_version: -1
+     input_map {{ key: "INPUT0" value: "s" }} input_map {{ key: "INPUT1" value: "d" }}
+     output_map {{ key: "OUTPUT0" value: "OUTPUT0" }}
+     output_map {{ key: "OUTPUT1" value: "OUTPUT1" }} }}
+] }}
+"""
+
+
+@pytest.fixture
+async def ensembles(example_repo: Path, tmp_path: Path) -> AsyncIterator[RepositoryManager]:
+    """Copies of ``simple`` named shared, first_only, second_only and by_name; ensembles
+    ``first`` (shared -> first_only) and ``second`` (shared -> second_only)."""
+    for model in ("shared", "first_only", "second_only", "by_name"):
+        shutil.copytree(example_repo / "simple", tmp_path / model)
+        config = tmp_path / model / "config.pbtxt"
+        config.write_text(config.read_text().replace('name: "simple"', f'name: "{model}"'))
+    for name, steps in {"first": ("shared", "first_only"),
+                        "second": ("shared", "second_only"),
+                        "third": ("by_name", "by_name")}.items():  # fmt: skip
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "config.pbtxt").write_text(_ensemble(name, *steps))
+    repo = RepositoryManager([tmp_path])
+    yield repo
+    await repo.unload_all()
+
+
+def _ready(repo: RepositoryManager) -> set[str]:
+    return {row["name"] for row in repo.index() if row["state"] == "READY"}
+
+
+async def test_unload_dependents_unloads_what_only_the_ensemble_loaded(
+    ensembles: RepositoryManager,
+) -> None:
+    await ensembles.load("first")
+    await ensembles.load("second")
+    assert _ready(ensembles) == {"first", "second", "shared", "first_only", "second_only"}
+    await ensembles.unload("first", unload_dependents=True)
+    # first_only went with it; shared stays: the loaded "second" still uses it
+    assert _ready(ensembles) == {"second", "shared", "second_only"}
+    await ensembles.unload("second", unload_dependents=True)
+    assert _ready(ensembles) == set()
+
+
+async def test_unload_dependents_keeps_models_loaded_by_name(
+    ensembles: RepositoryManager,
+) -> None:
+    await ensembles.load("by_name")
+    await ensembles.load("third")
+    await ensembles.load("first")
+    await ensembles.load("first_only")  # loaded again by its own name: no longer a dependency
+    await ensembles.unload("third", unload_dependents=True)
+    await ensembles.unload("first", unload_dependents=True)
+    assert _ready(ensembles) == {"by_name", "first_only"}
+
+
+async def test_unload_without_dependents_leaves_the_composing_models(
+    ensembles: RepositoryManager,
+) -> None:
+    await ensembles.load("first")
+    await ensembles.unload("first")
+    assert _ready(ensembles) == {"shared", "first_only"}
+    # a later unload of the ensemble with dependents finds it unloaded: nothing else moves
+    await ensembles.unload("first", unload_dependents=True)
+    assert _ready(ensembles) == {"shared", "first_only"}

@@ -39,6 +39,7 @@ class ControlMode(enum.Enum):
 # Exactly what kiln implements; grows with each protocol extension that lands.
 EXTENSIONS = [
     "model_repository",
+    "model_repository(unload_dependents)",
     "model_configuration",
     "binary_tensor_data",
     "parameters",
@@ -233,7 +234,7 @@ class Server:
                 "--model-control-mode=explicit",
                 Status.UNAVAILABLE,
             )
-        parameters = parameters or {}
+        parameters = _control_parameters(name, "load", parameters)
         config = parameters.get("config")
         if config is not None and not isinstance(config, (str, bytes)):
             raise invalid_arg("load parameter 'config' must be a JSON string")
@@ -250,4 +251,23 @@ class Server:
                 "--model-control-mode=explicit",
                 Status.UNAVAILABLE,
             )
-        await self.repository.unload(name)
+        dependents = _control_parameters(name, "unload", parameters).get("unload_dependents", False)
+        if not isinstance(dependents, bool):
+            raise KilnError(
+                f"unload of model '{name}': parameter 'unload_dependents' must be a boolean, "
+                f"got {dependents!r}",
+                Status.INVALID_ARG,
+            )
+        await self.repository.unload(name, unload_dependents=dependents)
+
+
+def _control_parameters(name: str, action: str, parameters: Any) -> dict[str, Any]:
+    """A load's or unload's ``parameters``: an object (None when the request has none)."""
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise invalid_arg(
+            f"{action} of model '{name}': 'parameters' must be a JSON object, got "
+            f"{type(parameters).__name__}"
+        )
+    return parameters

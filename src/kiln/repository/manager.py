@@ -77,6 +77,9 @@ class ModelEntry:
     reason: str = ""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     files_dir: Path | None = None  # temp folder holding files sent with a load request
+    # Loaded only because an ensemble needs it, not by its own name (Triton's "not
+    # explicitly loaded"): unloading that ensemble with unload_dependents unloads it too.
+    dependency: bool = False
 
 
 class RepositoryManager:
@@ -150,8 +153,15 @@ class RepositoryManager:
 
     # ---- load / unload ---------------------------------------------------------------
     async def load(
-        self, name: str, config_json: str | None = None, files: dict[str, bytes] | None = None
+        self,
+        name: str,
+        config_json: str | None = None,
+        files: dict[str, bytes] | None = None,
+        *,
+        dependency: bool = False,
     ) -> None:
+        """Load (or reload) ``name``; ``dependency``: for an ensemble that needs it, not by
+        its own name."""
         check_model_name(name)
         if name not in self.entries and not files:
             # Fails for an unknown name before an entry exists: it leaves no index row behind.
@@ -160,6 +170,7 @@ class RepositoryManager:
         async with entry.lock, self._load_slots:
             try:
                 await self._load(entry, config_json, files)
+                entry.dependency = dependency
             except ConfigError as exc:
                 self._fail(entry, str(exc))
                 raise KilnError(f"failed to load '{name}': {exc}", Status.INVALID_ARG) from exc
@@ -298,7 +309,7 @@ class RepositoryManager:
         if entry is not None and any(r.ready for r in entry.versions.values()):
             return
         try:
-            await self.load(name)
+            await self.load(name, dependency=True)
         except KilnError as exc:
             # A missing folder is a mistake in the ensemble's config, not an unknown model.
             status = Status.INVALID_ARG if exc.status is Status.NOT_FOUND else exc.status
@@ -311,12 +322,18 @@ class RepositoryManager:
         except (KilnError, ConfigError):
             return False  # its own load reports the problem
 
-    async def unload(self, name: str) -> None:
+    async def unload(self, name: str, unload_dependents: bool = False) -> None:
+        """Unload ``name``. ``unload_dependents`` (Triton's parameter): an ensemble's
+        composing models go too, each unless it was loaded by its own name or another
+        loaded ensemble still uses it, and so on down nested ensembles."""
         check_model_name(name)
         entry = self.entries.get(name)
         if entry is None:
             return
         async with entry.lock:
+            # Dependents go only with an ensemble that was serving: one unloaded before
+            # left them to their own unloads.
+            config = entry.config if entry.versions else None
             old, entry.versions = entry.versions, {}
             entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
             for runtime in old.values():
@@ -325,6 +342,21 @@ class RepositoryManager:
                 shutil.rmtree(entry.files_dir, ignore_errors=True)
                 entry.files_dir = None
         log.info("unloaded model '%s'", name)
+        if unload_dependents and config is not None and is_ensemble(config):
+            for model in dict.fromkeys(s.model_name for s in config.ensemble_scheduling.step):
+                dep = self.entries.get(model)
+                if dep is None or not dep.dependency or not dep.versions:
+                    continue  # asked for by name, or not loaded
+                if any(model in self._composing(e) for e in self.entries.values() if e.versions):
+                    continue  # another loaded ensemble still needs it
+                await self.unload(model, unload_dependents=True)
+
+    @staticmethod
+    def _composing(entry: ModelEntry) -> set[str]:
+        config = entry.config
+        if config is None or not is_ensemble(config):
+            return set()
+        return {step.model_name for step in config.ensemble_scheduling.step}
 
     async def load_many(self, names: list[str]) -> None:
         async def one(n: str) -> None:

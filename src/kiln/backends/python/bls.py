@@ -163,7 +163,8 @@ def control(call: dict[str, Any]) -> Any:
             await server.load_model(name, parameters)
             return None
         if action == "unload":
-            await server.unload_model(name)
+            dependents = bool(call.get("unload_dependents"))
+            await server.unload_model(name, {"unload_dependents": dependents})
             return None
         raise KilnError(f"unknown model control action {action!r}", Status.INVALID_ARG)
 

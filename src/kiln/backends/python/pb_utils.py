@@ -401,13 +401,10 @@ def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None
 
 
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:
-    """Unload ``model_name`` (explicit mode); ``TritonModelException`` if it fails."""
-    if unload_dependents:
-        raise TritonModelException(
-            f"unload_model('{model_name}', unload_dependents=True): kiln does not unload an "
-            "ensemble's composing models with it yet; unload each by name"
-        )
-    _control({"action": "unload", "name": model_name})
+    """Unload ``model_name`` (explicit mode), with ``unload_dependents`` an ensemble's
+    composing models too (those not loaded by name nor used by another ensemble);
+    ``TritonModelException`` if it fails."""
+    _control({"action": "unload", "name": model_name, "unload_dependents": unload_dependents})
 
 
 def is_model_ready(model_name: str, model_version: str = "") -> bool:

@@ -232,10 +232,8 @@ class HttpFrontend:
 
     async def load(self, request: Request) -> Response:
         body = await self.json_body(request)
-        params = body.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise KilnError("'parameters' must be an object")
-        await self.server.load_model(request.path_params["model"], params)
+        # the server checks them (an object), naming the model
+        await self.server.load_model(request.path_params["model"], body.get("parameters"))
         return Response(status_code=200)
 
     async def unload(self, request: Request) -> Response:
