@@ -73,6 +73,14 @@ def warm_server(example_repo: Path, tmp_path: Path, make_server: type[KilnProces
     (repo / "mlp" / "warmup").mkdir()
     (repo / "mlp" / "warmup" / "short.bin").write_bytes(b"\0" * 100)
     fixed_reshape_model(repo)
+    # a stateful model: its sample names only INPUT; kiln adds START / READY and the state
+    shutil.copytree(example_repo / "simple_sequence", repo / "simple_sequence")
+    seq = repo / "simple_sequence" / "config.pbtxt"
+    seq.write_text(
+        seq.read_text()
+        + 'model_warmup [ { name: "one_step" batch_size: 2 inputs { key: "INPUT" value: '
+        "{ data_type: TYPE_INT32 dims: [ 1 ] random_data: true } } } ]\n"
+    )
     return make_server(repo, args=["--model-control-mode", "explicit"]).start()
 
 
@@ -119,3 +127,22 @@ def test_a_warmup_the_model_cannot_run_fails_the_load_over_grpc(
     assert not client.is_model_ready("fixed")
     client.load_model("simple")  # the server keeps loading and serving other models
     assert client.is_model_ready("simple")
+
+
+def test_a_sequence_model_warms_up_and_its_sequences_start_clean(
+    warm_server: KilnProcess,
+) -> None:
+    client = grpcclient.InferenceServerClient(warm_server.grpc_url)
+    client.load_model("simple_sequence")
+    assert client.is_model_ready("simple_sequence")
+
+    def send(value: int, start: bool = False, end: bool = False) -> int:
+        x = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+        x.set_data_from_numpy(np.array([[value]], np.int32))
+        out = client.infer(
+            "simple_sequence", [x], sequence_id=9, sequence_start=start, sequence_end=end
+        )
+        return int(out.as_numpy("OUTPUT")[0, 0])
+
+    # the running sum starts from the initial state, not from what the warm-up summed
+    assert [send(5, start=True), send(2), send(3, end=True)] == [5, 7, 10]

@@ -203,3 +203,70 @@ def test_a_model_without_batching_takes_batch_size_one_only(tmp_path: Path) -> N
     ok = config(f'model_warmup [ {{ name: "nb" batch_size: 1 {ZERO_INPUTS} }} ]', mbs=0)
     (sample,) = build_samples(ok, ModelSignature(ok), model_dir(tmp_path))
     assert sample.inputs["INPUT"].shape == (3,) and sample.inputs["GRID"].shape == (4,)
+
+
+# ---- sequence models: the batcher's own inputs come with the sample ----------------------
+SEQUENCE = """
+name: "acc"
+max_batch_size: {mbs}
+input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+sequence_batching {{
+  control_input [
+    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END bool_false_true: [ false, true ] }} ] }},
+    {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 }} ] }}
+  ]
+  state [ {{ input_name: "ACC_IN" output_name: "ACC_OUT" data_type: TYPE_INT32 dims: [ 2 ]
+             initial_state {{ name: "one" data_type: TYPE_INT32 dims: [ 2 ]
+                              data_file: "init" }} }} ]
+}}
+model_warmup [ {{ name: "seq" batch_size: {batch}
+  inputs {{ key: "INPUT" value: {{ data_type: TYPE_INT32 dims: [ 1 ] zero_data: true }} }}
+  {more} }} ]
+"""
+
+
+def sequence_config(tmp_path: Path, mbs: int = 4, batch: int = 2, more: str = "") -> ModelConfig:
+    (tmp_path / "initial_state").mkdir(exist_ok=True)
+    (tmp_path / "initial_state" / "init").write_bytes(np.array([7, 8], "<i4").tobytes())
+    text = SEQUENCE.format(mbs=mbs, batch=batch, more=more)
+    return text_format.Parse(text, ModelConfig())
+
+
+def test_a_sequence_sample_gets_its_controls_and_initial_state(tmp_path: Path) -> None:
+    cfg = sequence_config(tmp_path)
+    (sample,) = build_samples(cfg, ModelSignature(cfg), tmp_path)
+    # each row is a whole sequence of one request: START, END and READY true, CORRID 0
+    assert sample.inputs["START"].tolist() == [[1], [1]]
+    assert sample.inputs["START"].dtype == np.int32
+    assert sample.inputs["END"].tolist() == [[True], [True]]
+    assert sample.inputs["READY"].tolist() == [[1.0], [1.0]]
+    assert sample.inputs["READY"].dtype == np.float32
+    assert sample.inputs["CORRID"].tolist() == [[0], [0]]
+    assert sample.inputs["CORRID"].dtype == np.uint64
+    assert sample.inputs["ACC_IN"].tolist() == [[7, 8], [7, 8]]  # the initial state
+    unbatched = sequence_config(tmp_path, mbs=0, batch=1)
+    (one,) = build_samples(unbatched, ModelSignature(unbatched), tmp_path)
+    assert one.inputs["START"].tolist() == [1] and one.inputs["ACC_IN"].tolist() == [7, 8]
+
+
+def test_a_sequence_sample_may_give_the_batcher_s_inputs_itself(tmp_path: Path) -> None:
+    # as in Triton, where a warm-up request carries the controls the model reads
+    more = 'inputs { key: "START" value: { data_type: TYPE_INT32 dims: [ 1 ] zero_data: true } }'
+    cfg = sequence_config(tmp_path, more=more)
+    (sample,) = build_samples(cfg, ModelSignature(cfg), tmp_path)
+    assert sample.inputs["START"].tolist() == [[0], [0]]
+    assert sample.inputs["END"].tolist() == [[True], [True]]  # the rest still filled in
+
+
+def test_a_sequence_input_of_the_wrong_type_names_it(tmp_path: Path) -> None:
+    more = 'inputs { key: "START" value: { data_type: TYPE_FP32 dims: [ 1 ] zero_data: true } }'
+    cfg = sequence_config(tmp_path, more=more)
+    with pytest.raises(KilnError) as err:
+        build_samples(cfg, ModelSignature(cfg), tmp_path)
+    assert err.value.message == (
+        "warm-up 'seq' failed: sequence input 'START' is TYPE_FP32, but the model's "
+        "sequence_batching makes it TYPE_INT32"
+    )

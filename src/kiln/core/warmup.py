@@ -3,6 +3,11 @@ during load, so the first real request does not pay for lazy allocation or kerne
 
 A model becomes READY only after every sample has run ``count`` times on every instance;
 a sample that cannot be built or fails to run fails the load, naming the sample.
+
+A sample goes to the instance directly, not through the scheduler, so a sequence model's
+control and state inputs (which the sequence batcher adds to real requests) come with the
+sample: as it gives them (Triton's way), or else each row is a whole sequence of one
+request (START, END and READY true, CORRID 0) from the initial state.
 """
 
 from __future__ import annotations
@@ -20,9 +25,17 @@ from kiln.core.errors import KilnError, Status
 from kiln.core.signature import ModelSignature
 from kiln.core.types import DataType, element_count
 from kiln.scheduling.base import Instance
+from kiln.scheduling.sequence_config import (
+    Control,
+    corrid_value,
+    parse_controls,
+    parse_states,
+)
 
 # Checks a sample's raw outputs the way a real request's are checked (see ModelRuntime).
 OutputCheck = Callable[[dict[str, np.ndarray], list[str], int], object]
+# A sequence model's control and state inputs: name -> (data type, one row's default).
+SequenceInputs = dict[str, tuple[DataType, np.ndarray]]
 
 
 class WarmupError(KilnError):
@@ -47,10 +60,28 @@ def build_samples(
 ) -> list[WarmupSample]:
     """Every ``model_warmup`` entry as arrays, checked against the model's inputs."""
     samples = []
+    sequence = _sequence_inputs(config, model_dir) if config.model_warmup else {}
     for index, warmup in enumerate(config.model_warmup):
         name = warmup.name or f"warmup_{index}"
-        samples.append(_build(warmup, name, signature, model_dir))
+        samples.append(_build(warmup, name, signature, model_dir, sequence))
     return samples
+
+
+def _sequence_inputs(config: ModelConfig, model_dir: Path) -> SequenceInputs:
+    """The sequence batcher's inputs (``sequence_batching`` controls and states): name ->
+    (data type, one row's value when a sample does not give it)."""
+    if not config.HasField("sequence_batching"):
+        return {}
+    inputs: SequenceInputs = {}
+    for spec in parse_controls(config):
+        if spec.kind == Control.CONTROL_SEQUENCE_CORRID:
+            value = corrid_value(spec, 0, config.name)
+        else:
+            value = spec.value(True)  # START, END and READY: one whole sequence
+        inputs[spec.name] = (spec.datatype, np.array([value], dtype=spec.datatype.numpy_dtype))
+    for state in parse_states(config, model_dir):
+        inputs[state.input_name] = (state.datatype, state.initial)
+    return inputs
 
 
 async def run_warmup(
@@ -79,7 +110,11 @@ async def run_warmup(
 
 
 def _build(
-    warmup: ModelWarmup, name: str, signature: ModelSignature, model_dir: Path
+    warmup: ModelWarmup,
+    name: str,
+    signature: ModelSignature,
+    model_dir: Path,
+    sequence: SequenceInputs,
 ) -> WarmupSample:
     batching = signature.max_batch_size > 0
     batch = warmup.batch_size or 1  # unset (0) means one request, like count
@@ -92,7 +127,7 @@ def _build(
             name, f"batch_size {batch} exceeds max_batch_size {signature.max_batch_size}"
         )
     for input_name in warmup.inputs:
-        if input_name not in signature.inputs:
+        if input_name not in signature.inputs and input_name not in sequence:
             raise WarmupError(name, f"unexpected input '{input_name}' for model '{signature.name}'")
     arrays: dict[str, np.ndarray] = {}
     for spec in signature.inputs.values():
@@ -122,6 +157,20 @@ def _build(
         if spec.reshape is not None:
             data = data.reshape(((batch,) if batching else ()) + spec.reshape)
         arrays[spec.name] = data
+    for input_name, (datatype, default) in sequence.items():
+        one = default
+        if input_name in warmup.inputs:
+            entry = warmup.inputs[input_name]
+            given = _datatype(entry.data_type)
+            if given is not datatype:
+                raise WarmupError(
+                    name,
+                    f"sequence input '{input_name}' is "
+                    f"{given.config_name if given else 'TYPE_INVALID'}, but the model's "
+                    f"sequence_batching makes it {datatype.config_name}",
+                )
+            one = _data(entry, name, input_name, datatype, tuple(entry.dims), model_dir)
+        arrays[input_name] = np.stack([one] * batch) if batching else one
     return WarmupSample(name, batch, max(warmup.count, 1), arrays)
 
 
