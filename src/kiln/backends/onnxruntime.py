@@ -92,7 +92,8 @@ class OnnxRuntimeBackend(Backend):
             )
         skip = 1 if config.max_batch_size > 0 else 0
         if not len(config.input):
-            for t in ins:
+            built = {target for b in config.batch_input for target in b.target_name}
+            for t in (t for t in ins if t.name not in built):  # batch inputs are kiln's
                 _add_tensor(config.input.add(name=t.name, data_type=_ORT_TYPES[t.type]), t, skip)
         if not len(config.output):
             for t in outs:

@@ -12,6 +12,7 @@ from typing import Any
 
 from google.protobuf import descriptor, json_format, text_format
 
+from kiln.config.model_config_pb2 import DataType as PbDataType
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.scheduling.ensemble_graph import graph_problems
 
@@ -374,6 +375,7 @@ def validate_config(
         _check_dynamic_batching(cfg, text, report)
     if cfg.HasField("sequence_batching"):
         _check_sequence_batching(cfg, text, report)
+    _check_ragged(cfg, text, report)
 
     is_ensemble = cfg.platform == _ENSEMBLE
     if is_ensemble and cfg.instance_group:
@@ -463,6 +465,73 @@ def _check_dynamic_batching(cfg: ModelConfig, text: str | None, report: Report) 
     if db.preserve_ordering and levels > 1:
         message = "preserve_ordering allows only one priority level"
         report("dynamic_batching.preserve_ordering", message, find_line(text, "preserve_ordering"))
+
+
+_BATCH_INPUT_TYPES = ("TYPE_INT32", "TYPE_INT64", "TYPE_FP32")
+
+
+def _check_ragged(cfg: ModelConfig, text: str | None, report: Report) -> None:
+    """allow_ragged_batch, batch_input, batch_output (kiln/scheduling/ragged.py)."""
+    ragged = [i.name for i in cfg.input if i.allow_ragged_batch]
+    if not (ragged or cfg.batch_input or cfg.batch_output):
+        return
+    inputs = {i.name for i in cfg.input}
+    outputs = {o.name for o in cfg.output}
+    if cfg.HasField("sequence_batching"):
+        report(
+            "sequence_batching",
+            "ragged batching (allow_ragged_batch, batch_input, batch_output) works with "
+            "dynamic_batching or no scheduler, not with sequence_batching",
+            find_line(text, "sequence_batching", top_level=True),
+        )
+    for name in ragged:
+        if cfg.max_batch_size == 0:
+            report(
+                "input.allow_ragged_batch",
+                f'input "{name}": allow_ragged_batch needs max_batch_size > 0 (requests of '
+                "different shapes share a batch)",
+                find_line(text, "allow_ragged_batch"),
+            )
+    for i, b in enumerate(cfg.batch_input):
+        field = f"batch_input[{i}]"
+        line = find_line(text, "batch_input", top_level=True)
+        if not b.target_name:
+            report(f"{field}.target_name", f"{field} must specify target_name", line)
+        type_name = PbDataType.Name(b.data_type)
+        if type_name not in _BATCH_INPUT_TYPES:
+            report(
+                f"{field}.data_type",
+                f"{field} data_type must be one of {', '.join(_BATCH_INPUT_TYPES)}, got "
+                f"{type_name}",
+                line,
+            )
+        _check_source(field, list(b.source_input), inputs, line, report)
+    for i, o in enumerate(cfg.batch_output):
+        field = f"batch_output[{i}]"
+        line = find_line(text, "batch_output", top_level=True)
+        if not o.target_name:
+            report(f"{field}.target_name", f"{field} must specify target_name", line)
+        for target in o.target_name:
+            if outputs and target not in outputs:
+                report(
+                    f"{field}.target_name",
+                    f'{field} target_name "{target}" is not an output of the model',
+                    line,
+                )
+        _check_source(field, list(o.source_input), inputs, line, report)
+
+
+def _check_source(
+    field: str, sources: list[str], inputs: set[str], line: int | None, report: Report
+) -> None:
+    """A batch input's or output's ``source_input``: exactly one input of the model (once
+    the config lists its inputs)."""
+    if len(sources) != 1:
+        message = f"{field} must name exactly one source_input, got {len(sources)}"
+        report(f"{field}.source_input", message, line)
+    elif inputs and sources[0] not in inputs:
+        message = f'{field} source_input "{sources[0]}" is not an input of the model'
+        report(f"{field}.source_input", message, line)
 
 
 def _check_sequence_batching(cfg: ModelConfig, text: str | None, report: Report) -> None:

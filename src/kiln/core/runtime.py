@@ -28,6 +28,7 @@ from kiln.scheduling.direct import DirectScheduler
 from kiln.scheduling.dynamic import DynamicScheduler
 from kiln.scheduling.ensemble import EnsembleScheduler, StepModel, check_composing
 from kiln.scheduling.ensemble_graph import build_graph, is_ensemble
+from kiln.scheduling.ragged import RaggedBatching
 from kiln.scheduling.sequence import SequenceScheduler
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class ModelRuntime:
             return SequenceScheduler(
                 instances, self.stats, self.name, self.config, self.version_dir.parent
             )
-        return DirectScheduler(instances, self.stats, self.name)
+        return DirectScheduler(instances, self.stats, self.name, RaggedBatching.of(self.config))
 
     @property
     def ready(self) -> bool:

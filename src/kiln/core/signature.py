@@ -41,7 +41,9 @@ class ModelSignature:
         self.outputs: dict[str, TensorSpec] = {}
         # The sequence batcher supplies control and state inputs and keeps state outputs:
         # they are no part of what a client sends or receives.
-        own_inputs = scheduler_inputs(config)
+        # So are batch inputs (ragged batching): kiln builds them for each batch.
+        built = {target for b in config.batch_input for target in b.target_name}
+        own_inputs = scheduler_inputs(config) | built
         own_outputs = state_outputs(config)
         for i in config.input:
             if i.name in own_inputs:

@@ -13,11 +13,16 @@ import numpy as np
 
 from kiln.core.errors import KilnError
 from kiln.scheduling.base import Instance, Job, Scheduler, free_slots
+from kiln.scheduling.ragged import RaggedBatching
 
 
 class DirectScheduler(Scheduler):
-    def __init__(self, instances: list[Instance], stats, model: str) -> None:  # type: ignore[no-untyped-def]
+    def __init__(  # type: ignore[no-untyped-def]
+        self, instances: list[Instance], stats, model: str, ragged: RaggedBatching | None = None
+    ) -> None:
+        """``ragged``: the model's batch inputs and scattered outputs (a batch of one)."""
         super().__init__(instances, stats, model)
+        self.ragged = ragged
         # One entry per batch an instance may have started at once (``free_slots``).
         self._idle: deque[Instance] = deque(free_slots(instances))
         # Callers waiting for a slot, oldest first. A freed slot is handed to the oldest
@@ -62,7 +67,8 @@ class DirectScheduler(Scheduler):
             if instance.backend.wants_requests:
                 running = instance.submit_requests([job])
             else:
-                running = instance.submit(instance.execute, job.inputs, job.output_names)
+                inputs = self.ragged.merge([job]) if self.ragged else job.inputs
+                running = instance.submit(instance.execute, inputs, job.output_names)
         except BaseException:
             self._release(instance)
             raise
@@ -89,6 +95,8 @@ class DirectScheduler(Scheduler):
         )
         if isinstance(outputs, KilnError):
             raise outputs
+        if self.ragged and not instance.backend.wants_requests:
+            return self.ragged.split(outputs, [job])[0]
         return outputs
 
     def _finished(self, instance: Instance, running: asyncio.Future[Any]) -> None:

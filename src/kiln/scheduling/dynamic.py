@@ -28,6 +28,7 @@ from kiln.scheduling.base import Instance, Job, Scheduler
 from kiln.scheduling.batch import merge_inputs, output_names, split_outputs
 from kiln.scheduling.policy import QueuePolicy
 from kiln.scheduling.queue import Pending, RequestQueue, shape_key
+from kiln.scheduling.ragged import RaggedBatching
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class DynamicScheduler(Scheduler):
         self.preserve_ordering = db.preserve_ordering
         self.policy = QueuePolicy.from_config(model, db)
         self.queue = RequestQueue(self.policy)
+        self.ragged = RaggedBatching.of(config)
         self._free: deque[Instance] = deque(instances)  # first free, first used
         self._closing = False
         self._pump_soon = False  # a _pump is already scheduled for this loop iteration
@@ -81,7 +83,7 @@ class DynamicScheduler(Scheduler):
             loop.create_future(),
             level,
             time.monotonic_ns(),
-            shape_key(job.inputs, self.batching),
+            self.ragged.key(job.inputs) if self.ragged else shape_key(job.inputs, self.batching),
         )
         self.queue.push(item)
         if timeout_ns:
@@ -238,9 +240,11 @@ class DynamicScheduler(Scheduler):
 
     def _compute(self, instance: Instance, jobs: list[Job]) -> Outputs:
         """On the instance's thread: merge, execute, split; stamps every request's times."""
-        inputs = merge_inputs(jobs)
+        ragged = self.ragged
+        inputs = ragged.merge(jobs) if ragged else merge_inputs(jobs)
         outputs, start, end = instance.execute(inputs, output_names(jobs))
-        parts: Outputs = list(split_outputs(outputs, jobs, self.model))
+        split = ragged.split(outputs, jobs) if ragged else split_outputs(outputs, jobs, self.model)
+        parts: Outputs = list(split)
         self._stamp(jobs, start, end)
         return parts
 

@@ -148,6 +148,14 @@ class PythonBackend(Backend):
     def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
         super().__init__(config, version_dir, instance)
         self.model = config.name
+        if config.batch_input or config.batch_output:
+            # Requests reach the model one by one: nothing to describe a merged batch.
+            raise KilnError(
+                f"model '{config.name}': the python backend hands execute its requests one "
+                "by one, so batch_input and batch_output do not apply (allow_ragged_batch "
+                "does: requests of any shape share an execute)",
+                Status.INVALID_ARG,
+            )
         self.decoupled = config.model_transaction_policy.decoupled
         self.execute_timeout = _seconds(config, "execute_timeout_secs", None)
         self.initialize_timeout = _seconds(config, "initialize_timeout_secs", 300.0)
