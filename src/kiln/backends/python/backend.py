@@ -45,6 +45,7 @@ from kiln.backends.python.deadline import (
     not_started,
     timed_out,
 )
+from kiln.backends.python.env import resolve as execution_env
 from kiln.backends.python.loopcall import PIPELINE_DEPTH, LoopCall, WorkerPipe
 from kiln.backends.python.process import WorkerDied, WorkerProcess, WorkerTimeout
 from kiln.backends.python.wire import Wire
@@ -125,7 +126,8 @@ class PythonBackend(Backend):
         # Starting a worker costs an interpreter start: only for models that define the hook.
         if "auto_complete_config" not in path.read_text(errors="replace"):
             return
-        worker = WorkerProcess(path, f"{config.name}-autocomplete")
+        env = execution_env(config, version_dir.parent)  # module-level imports may need it
+        worker = WorkerProcess(path, f"{config.name}-autocomplete", env=env)
         try:
             worker.start()
             worker.send(("auto_complete", json.dumps(config_to_json(config))))
@@ -182,7 +184,10 @@ class PythonBackend(Backend):
             "model_name": config.name,
         }
         self.worker = WorkerProcess(
-            self.model_path(), f"{config.name}-{instance.index}", self.pipeline_depth
+            self.model_path(),
+            f"{config.name}-{instance.index}",
+            self.pipeline_depth,
+            execution_env(config, version_dir.parent),
         )
         self._restarting: threading.Thread | None = None
         self._pipe: WorkerPipe | None = None  # the loop's batches in the worker's pipe

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.backends.python.arena import SHM_DIR, Arena
+from kiln.backends.python.env import ExecutionEnv
 from kiln.backends.python.wire import Wire
 
 #: Pairs of arenas per worker by default: as many as batches in its pipe (the backend's
@@ -38,8 +39,16 @@ class WorkerTimeout(Exception):
 
 
 class WorkerProcess:
-    def __init__(self, model_path: Path, label: str, slots: int = ARENA_SLOTS) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        label: str,
+        slots: int = ARENA_SLOTS,
+        env: ExecutionEnv | None = None,
+    ) -> None:
+        """``env``: the model's own Python environment (``EXECUTION_ENV_PATH``)."""
         self.model_path = model_path
+        self.env = env
         self.label = label  # names the arena files, so a stray one says whose it was
         # One (inbound, outbound) pair per batch that may be in the pipe at once (the
         # backend's pipeline_depth): a batch's tensors stay put while the next is written.
@@ -59,12 +68,13 @@ class WorkerProcess:
 
     def start(self) -> None:
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
+        env = dict(os.environ) if self.env is None else self.env.environ(dict(os.environ))
         # The worker imports kiln from wherever this server imported it.
         src = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+        python = sys.executable if self.env is None else str(self.env.python)
         cmd = [
-            sys.executable, "-m", "kiln.backends.python.worker",
+            python, "-m", "kiln.backends.python.worker",
             "--fd", str(theirs.fileno()),
             *(arg for inbound, _ in self.arenas for arg in ("--inbound", inbound.path)),
             *(arg for _, outbound in self.arenas for arg in ("--outbound", outbound.path)),
