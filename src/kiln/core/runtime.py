@@ -26,7 +26,12 @@ from kiln.scheduling.base import INLINE_MAX_US, Instance, Job, Scheduler
 from kiln.scheduling.cache import ResponseCache, request_key
 from kiln.scheduling.direct import DirectScheduler
 from kiln.scheduling.dynamic import DynamicScheduler
-from kiln.scheduling.ensemble import EnsembleScheduler, StepModel, check_composing
+from kiln.scheduling.ensemble import (
+    EnsembleScheduler,
+    StepModel,
+    check_composing,
+    decoupled_steps,
+)
 from kiln.scheduling.ensemble_graph import build_graph, is_ensemble
 from kiln.scheduling.ragged import RaggedBatching
 from kiln.scheduling.sequence import SequenceScheduler
@@ -130,7 +135,12 @@ class ModelRuntime:
             raise internal(f"ensemble '{self.name}' was loaded without a model repository")
         graph = build_graph(self.config)
         check_composing(graph, self.signature, self._resolve)
-        self.scheduler = EnsembleScheduler(graph, self.signature, self.stats, self._resolve)
+        # A decoupled composing model makes the ensemble decoupled (ensemble.py).
+        streaming = decoupled_steps(graph, self._resolve)
+        self.decoupled = self.decoupled or bool(streaming)
+        self.scheduler = EnsembleScheduler(
+            graph, self.signature, self.stats, self._resolve, streaming
+        )
         self.state = ModelState.READY
 
     def _scheduler(self, instances: list[Instance]) -> Scheduler:

@@ -5,13 +5,22 @@ model's own runtime, so its own scheduler (and dynamic batcher) applies per step
 own statistics count the request. Composing models are looked up by name and version policy
 on every request, never held: a hot reload of a composing model takes effect at once, and
 an unloaded one fails the ensemble's requests with UNAVAILABLE, naming it.
+
+**Decoupled steps.** A composing model that is decoupled (0..N responses per request, e.g.
+an LLM streaming tokens between a tokenizer and a detokenizer) makes the ensemble
+decoupled: each of its responses carries on through the steps after it on its own, with
+the tensors made before it, and the ensemble sends one response each time a branch has
+made the requested outputs. A decoupled step starts once nothing else runs in its branch,
+so every branch copies a settled set of tensors and nothing before the step runs twice.
+Decoupled steps must lie on one chain (each after the other); ones on parallel branches
+are refused at load.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import ClassVar, Protocol
 
 import numpy as np
@@ -36,14 +45,21 @@ class StepModel(Protocol):
 
     name: str
     signature: ModelSignature
+    decoupled: bool
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse: ...
+
+    def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]: ...
 
 
 # (model name, version or "" for the latest ready one) -> the serving runtime
 Resolve = Callable[[str, str], StepModel]
 # ensemble tensor -> (datatype, array)
 Tensors = dict[str, tuple[DataType, np.ndarray]]
+
+
+class StepFailed(KilnError):
+    """A step's failure, its message naming the ensemble, the step and its model."""
 
 
 class EnsembleBackend(Backend):
@@ -61,23 +77,24 @@ class EnsembleBackend(Backend):
 
 class EnsembleScheduler(Scheduler):
     def __init__(
-        self, graph: EnsembleGraph, signature: ModelSignature, stats: ModelStats, resolve: Resolve
+        self,
+        graph: EnsembleGraph,
+        signature: ModelSignature,
+        stats: ModelStats,
+        resolve: Resolve,
+        decoupled_steps: frozenset[int] = frozenset(),
     ) -> None:
+        """``decoupled_steps``: the indices of the steps whose model is decoupled."""
         super().__init__([], stats, graph.name)
         self.graph = graph
         self.signature = signature
         self.resolve = resolve
+        self.decoupled_steps = decoupled_steps
 
     async def schedule(self, job: Job) -> dict[str, np.ndarray]:
-        start = time.monotonic_ns()
-        # An ensemble never waits in a queue of its own: its steps queue at their models.
-        job.times.queue_end = job.times.input_end = start
-        tensors: Tensors = {
-            name: (self.signature.inputs[name].datatype, value)
-            for name, value in job.inputs.items()
-        }
-        # Optional ensemble inputs the client left out never arrive: do not wait for them.
-        absent = set(self.graph.inputs) - set(tensors)
+        if self.decoupled_steps:
+            return await self._schedule_streaming(job)
+        tensors, absent = self._begin(job)
         waiting = list(self.graph.steps)
         running: dict[asyncio.Task[Tensors], Step] = {}
         error: KilnError | None = None
@@ -107,14 +124,110 @@ class EnsembleScheduler(Scheduler):
         job.times.infer_end = job.times.output_end = end
         return {name: tensors[name][1] for name in job.output_names}
 
+    def _begin(self, job: Job) -> tuple[Tensors, set[str]]:
+        """The request's tensors, and the optional ensemble inputs it left out (they never
+        arrive: nothing waits for them)."""
+        # An ensemble never waits in a queue of its own: its steps queue at their models.
+        job.times.queue_end = job.times.input_end = time.monotonic_ns()
+        tensors: Tensors = {
+            name: (self.signature.inputs[name].datatype, value)
+            for name, value in job.inputs.items()
+        }
+        return tensors, set(self.graph.inputs) - set(tensors)
+
+    # ---- with decoupled steps: one branch per response ------------------------------------
+    async def _schedule_streaming(self, job: Job) -> dict[str, np.ndarray]:
+        sink = job.sink
+        if sink is None:
+            raise internal(f"ensemble '{self.model}' is decoupled but has no response stream")
+        tensors, absent = self._begin(job)
+        await self._branch(tensors, list(self.graph.steps), job, absent)
+        job.times.infer_end = job.times.output_end = time.monotonic_ns()
+        sink.send(None, True, None)  # every branch has answered
+        return {}
+
+    async def _branch(
+        self, tensors: Tensors, waiting: list[Step], job: Job, absent: set[str]
+    ) -> None:
+        """Run the steps of one branch; a decoupled step forks it, one branch per response.
+        A branch that ends with every requested output sends them as one response."""
+        running: dict[asyncio.Task[Tensors], Step] = {}
+        try:
+            while True:
+                ready = [s for s in waiting if _ready(s, tensors, absent)]
+                for step in ready:
+                    if step.index not in self.decoupled_steps:
+                        waiting.remove(step)
+                        task = asyncio.create_task(self._run_step(step, tensors, job))
+                        running[task] = step
+                if not running:
+                    forks = [s for s in ready if s.index in self.decoupled_steps]
+                    if forks:  # nothing else runs: every branch copies settled tensors
+                        waiting.remove(forks[0])
+                        await self._fork(forks[0], tensors, waiting, job, absent)
+                        return
+                    break
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    step = running.pop(task)
+                    exc = task.exception()
+                    if exc is not None:
+                        raise self._step_error(step, exc)
+                    tensors.update(task.result())
+        finally:
+            for task in running:  # a step failed: the branch's other steps are not wanted
+                task.cancel()
+        if all(name in tensors for name in job.output_names):
+            assert job.sink is not None
+            job.sink.send({name: tensors[name][1] for name in job.output_names}, False, None)
+
+    async def _fork(
+        self, step: Step, tensors: Tensors, rest: list[Step], job: Job, absent: set[str]
+    ) -> None:
+        branches: set[asyncio.Task[None]] = set()
+        try:
+            try:
+                async for produced in self._stream_step(step, tensors, job):
+                    _reap(branches)  # a branch that failed stops the stream now
+                    branch = dict(tensors)
+                    branch.update(produced)
+                    task = asyncio.create_task(self._branch(branch, list(rest), job, absent))
+                    branches.add(task)
+            except StepFailed:
+                raise  # a branch's, already naming its step
+            except Exception as exc:
+                raise self._step_error(step, exc) from exc
+            while branches:
+                done, branches = await asyncio.wait(branches, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    if (failure := task.exception()) is not None:
+                        raise failure
+        finally:
+            for task in branches:
+                task.cancel()
+
+    async def _stream_step(self, step: Step, tensors: Tensors, job: Job) -> AsyncIterator[Tensors]:
+        """The outputs of each response of a decoupled step, as they come."""
+        model = self.resolve(step.model_name, step.model_version)
+        request = self._step_request(step, tensors, job)
+        # a FINAL flag alone carries nothing for the steps after it
+        request.parameters.pop("triton_enable_empty_final_response", None)
+        async for response in model.infer_stream(request):
+            if response.outputs:
+                yield {step.outputs[o.name]: (o.datatype, o.data) for o in response.outputs}
+
     async def _run_step(self, step: Step, tensors: Tensors, job: Job) -> Tensors:
         model = self.resolve(step.model_name, step.model_version)
+        response = await model.infer(self._step_request(step, tensors, job))
+        return {step.outputs[o.name]: (o.datatype, o.data) for o in response.outputs}
+
+    def _step_request(self, step: Step, tensors: Tensors, job: Job) -> InferenceRequest:
         inputs = []
         for model_input, tensor in step.inputs.items():
             if tensor in tensors:  # else an absent optional input: the model decides
                 dtype, value = tensors[tensor]
                 inputs.append(InferInput(model_input, dtype, tuple(value.shape), value))
-        request = InferenceRequest(
+        return InferenceRequest(
             model_name=step.model_name,
             model_version=step.model_version,
             inputs=inputs,
@@ -122,20 +235,55 @@ class EnsembleScheduler(Scheduler):
             # priority / timeout apply to every step, as they would to the model alone
             parameters=dict(job.parameters),
         )
-        response = await model.infer(request)
-        return {step.outputs[o.name]: (o.datatype, o.data) for o in response.outputs}
 
-    def _step_error(self, step: Step, exc: BaseException) -> KilnError:
+    def _step_error(self, step: Step, exc: BaseException) -> StepFailed:
         prefix = f"in ensemble '{self.model}', step {step.index} model '{step.model_name}' failed"
         if isinstance(exc, KilnError):
             # A composing model that is not loaded (any more) makes the ensemble unavailable.
             status = Status.UNAVAILABLE if exc.status is Status.NOT_FOUND else exc.status
-            return KilnError(f"{prefix}: {exc.message}", status)
-        return internal(f"{prefix}: {type(exc).__name__}: {exc}")
+            return StepFailed(f"{prefix}: {exc.message}", status)
+        return StepFailed(f"{prefix}: {type(exc).__name__}: {exc}", Status.INTERNAL)
+
+
+def _reap(branches: set[asyncio.Task[None]]) -> None:
+    """Drop the branches that have ended; raise the error of one that failed."""
+    for task in [t for t in branches if t.done()]:
+        branches.discard(task)
+        if not task.cancelled() and (failure := task.exception()) is not None:
+            raise failure
 
 
 def _ready(step: Step, tensors: Tensors, absent: set[str]) -> bool:
     return all(t in tensors or t in absent for t in step.inputs.values())
+
+
+def decoupled_steps(graph: EnsembleGraph, resolve: Resolve) -> frozenset[int]:
+    """The steps whose model is decoupled; refused when two of them lie on parallel
+    branches (each response of one would run the other again)."""
+    found = frozenset(
+        step.index for step in graph.steps if resolve(step.model_name, step.model_version).decoupled
+    )
+    producer = {tensor: step.index for step in graph.steps for tensor in step.outputs.values()}
+    before: dict[int, set[int]] = {}  # step -> every step it (transitively) waits for
+
+    def ancestors(index: int) -> set[int]:
+        if index not in before:
+            direct = {producer[t] for t in graph.steps[index].inputs.values() if t in producer}
+            before[index] = set(direct)
+            for parent in direct:
+                before[index] |= ancestors(parent)
+        return before[index]
+
+    ordered = sorted(found)
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1 :]:
+            if a not in ancestors(b) and b not in ancestors(a):
+                raise invalid_arg(
+                    f"in ensemble '{graph.name}', {graph.steps[a].label} and "
+                    f"{graph.steps[b].label} are decoupled and on parallel branches: decoupled "
+                    "steps must come one after the other"
+                )
+    return found
 
 
 def check_composing(graph: EnsembleGraph, signature: ModelSignature, resolve: Resolve) -> None:
