@@ -184,6 +184,23 @@ def main() -> None:
     "--cache-config local,size=BYTES.",
 )
 @click.option(
+    "--rate-limit",
+    type=click.Choice(["off", "execution_count"]),
+    default="off",
+    show_default=True,
+    help="Triton's rate limiter: with execution_count, a batch starts only once the "
+    "resources its instance group lists (rate_limiter { resources [...] priority }) are "
+    "free, across all models (docs/scheduling.md).",
+)
+@click.option(
+    "--rate-limit-resource",
+    "rate_limit_resources",
+    multiple=True,
+    metavar="NAME:COUNT[:DEVICE]",
+    help="Copies of a rate limiter resource, on one GPU or (without DEVICE) on every "
+    "device; by default the most any loaded instance needs.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -221,6 +238,8 @@ def serve(
     http_max_input_size: int,
     repository_poll_secs: float,
     cache_config: tuple[str, ...],
+    rate_limit: str,
+    rate_limit_resources: tuple[str, ...],
     log_level: str,
     **security_params: Any,
 ) -> None:
@@ -231,6 +250,7 @@ def serve(
     from kiln.metrics.app import MetricsOptions
     from kiln.metrics.config import MetricsConfig, MetricsConfigError
     from kiln.scheduling.cache import CacheConfig, CacheConfigError
+    from kiln.scheduling.rate_limit import ResourceOverride
     from kiln.serve import Endpoints
     from kiln.serve import serve as run_server
 
@@ -248,6 +268,15 @@ def serve(
         parsed_cache_config = CacheConfig.parse(cache_config)
     except CacheConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--cache-config") from None
+    try:
+        overrides = [ResourceOverride.parse(text) for text in rate_limit_resources]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--rate-limit-resource") from None
+    if overrides and rate_limit == "off":
+        raise click.BadParameter(
+            "resources given, but the rate limiter is off: add --rate-limit=execution_count",
+            param_hint="--rate-limit-resource",
+        )
     options = ServerOptions(
         model_repositories=list(model_repository),
         model_control_mode=ControlMode(model_control_mode),
@@ -260,6 +289,8 @@ def serve(
         cache=parsed_cache_config,
         max_input_tensors=security_params["max_input_tensors"],
         max_tensor_elements=security_params["max_tensor_elements"],
+        rate_limit=rate_limit == "execution_count",
+        rate_limit_resources=overrides,
     )
     security = build_security(security_params)
     metrics = MetricsOptions(

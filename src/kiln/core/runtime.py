@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.backends.base import Backend, instance_specs, parameter
+from kiln.backends.base import Backend, InstanceSpec, instance_specs, parameter
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core import activity
 from kiln.core.classification import load_labels
@@ -34,6 +34,7 @@ from kiln.scheduling.ensemble import (
 )
 from kiln.scheduling.ensemble_graph import build_graph, is_ensemble
 from kiln.scheduling.ragged import RaggedBatching
+from kiln.scheduling.rate_limit import Holder, RateLimiter
 from kiln.scheduling.sequence import SequenceScheduler
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,10 @@ class ModelRuntime:
         backend_cls: type[Backend],
         cache: ResponseCache | None = None,
         resolve: Callable[[str, str], StepModel] | None = None,
+        rate_limiter: RateLimiter | None = None,
     ) -> None:
         self.name = name
+        self.rate_limiter = rate_limiter  # --rate-limit: instances take turns on resources
         self.version = version
         self.version_str = str(version)
         self.config = config
@@ -104,11 +107,17 @@ class ModelRuntime:
         instances: list[Instance] = []
         try:
             for spec in specs:
-                backend = await loop.run_in_executor(
-                    None, self.backend_cls, self.config, self.version_dir, spec
-                )
+                limit = self._rate_limit(spec)  # too few resources: refused before building
+                try:
+                    backend = await loop.run_in_executor(
+                        None, self.backend_cls, self.config, self.version_dir, spec
+                    )
+                except BaseException:
+                    if limit is not None:
+                        limit[0].unregister(limit[1])
+                    raise
                 backend.model_stats = self.stats
-                instances.append(Instance(backend, self.name, self._inline_max_us()))
+                instances.append(Instance(backend, self.name, self._inline_max_us(), limit))
             if samples:
                 await run_warmup(samples, instances, self.signature, self._outputs)
         except BaseException:
@@ -118,6 +127,11 @@ class ModelRuntime:
         self.scheduler = self._scheduler(instances)
         self.load_seconds = time.perf_counter() - start
         self.state = ModelState.READY
+
+    def _rate_limit(self, spec: InstanceSpec) -> tuple[RateLimiter, Holder] | None:
+        """The rate limiter and the instance's place at it (``--rate-limit``), if on."""
+        limiter = self.rate_limiter
+        return None if limiter is None else (limiter, limiter.register(self.config, spec))
 
     def _inline_max_us(self) -> int:
         """Model parameter ``inline_execution_max_us`` (see ``Instance``)."""

@@ -26,6 +26,7 @@ from kiln.core.types import InferenceRequest, InferenceResponse
 from kiln.repository.manager import RepositoryManager, check_model_name, decode_files
 from kiln.repository.poll import RepositoryPoller
 from kiln.scheduling.cache import CacheConfig, ResponseCache
+from kiln.scheduling.rate_limit import RateLimiter, ResourceOverride
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class ServerOptions:
     max_input_tensors: int = 0  # --max-input-tensors; 0: no limit (Triton has none)
     max_tensor_elements: int = 0  # --max-tensor-elements; 0: no limit
     auto_complete_config: bool = True  # False: --disable-auto-complete-config
+    rate_limit: bool = False  # --rate-limit=execution_count
+    rate_limit_resources: list[ResourceOverride] = field(default_factory=list)
 
 
 class Server:
@@ -76,6 +79,7 @@ class Server:
             drain_timeout=options.exit_timeout_secs,
             response_cache=self.response_cache,
             auto_complete=options.auto_complete_config,
+            rate_limiter=RateLimiter(options.rate_limit_resources) if options.rate_limit else None,
         )
         self.shm = SharedMemoryManager()
         self.poller: RepositoryPoller | None = None

@@ -29,6 +29,7 @@ from kiln.core.runtime import ModelRuntime, ModelState
 from kiln.repository.safety import check_config_paths, check_model_name, check_tree_inside
 from kiln.scheduling.cache import ResponseCache
 from kiln.scheduling.ensemble_graph import is_ensemble
+from kiln.scheduling.rate_limit import RateLimiter
 
 # The ensembles whose load is waiting on this one (outermost first): a composing model that
 # is already among them would wait on its own lock, so it is refused as a cycle instead.
@@ -89,6 +90,7 @@ class RepositoryManager:
         drain_timeout: float = 30.0,
         response_cache: ResponseCache | None = None,
         auto_complete: bool = True,
+        rate_limiter: RateLimiter | None = None,
     ) -> None:
         self.repositories = [Path(r).resolve() for r in repositories]
         # Triton's --disable-auto-complete-config: configs are taken as written (no inputs,
@@ -96,6 +98,7 @@ class RepositoryManager:
         self.auto_complete = auto_complete
         self.drain_timeout = drain_timeout
         self.response_cache = response_cache  # shared by every model that enables it
+        self.rate_limiter = rate_limiter  # --rate-limit: shared by every model's instances
         self.entries: dict[str, ModelEntry] = {}
         self._load_slots = asyncio.Semaphore(4)  # Triton's --model-load-thread-count
 
@@ -259,7 +262,14 @@ class RepositoryManager:
         entry.state = ModelState.LOADING
         new = {
             v: ModelRuntime(
-                name, v, config, versions[v], cls, self.response_cache, resolve=self.get
+                name,
+                v,
+                config,
+                versions[v],
+                cls,
+                self.response_cache,
+                resolve=self.get,
+                rate_limiter=self.rate_limiter,
             )
             for v in chosen
         }

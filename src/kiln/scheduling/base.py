@@ -15,7 +15,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from kiln.backends.base import (
 )
 from kiln.core.errors import KilnError, Status
 from kiln.core.stats import ModelStats, RequestTimes
+
+if TYPE_CHECKING:
+    from kiln.scheduling.rate_limit import Holder, RateLimiter
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -151,9 +154,20 @@ class Instance:
     takes to parse one request. A call that runs longer pushes the average up and the next
     ones go back to the thread."""
 
-    def __init__(self, backend: Backend, model: str, inline_max_us: int = INLINE_MAX_US) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        model: str,
+        inline_max_us: int = INLINE_MAX_US,
+        limit: tuple[RateLimiter, Holder] | None = None,
+    ) -> None:
+        """``limit``: the rate limiter and this instance's place at it (``--rate-limit``);
+        an instance that lists no resources is never held up, so it takes none."""
         self.backend = backend
         self.model = model
+        self.limit = limit if limit is not None and limit[1].needs else None
+        if limit is not None and self.limit is None:
+            limit[0].unregister(limit[1])
         self._worker = _Worker(f"kiln-{model}-{backend.instance.index}")
         self.inline_max_ns = inline_max_us * 1000 if backend.inline_capable else 0
         self.call_ns: float | None = None  # moving average of a call's CPU time, ns
@@ -165,8 +179,9 @@ class Instance:
     async def run(
         self, inputs: dict[str, np.ndarray], output_names: list[str]
     ) -> tuple[dict[str, np.ndarray], int, int]:
-        """Execute on this instance's thread; returns outputs and (start, end) ns stamps."""
-        return await self.call(self.execute, inputs, output_names)
+        """Execute on this instance's thread; returns outputs and (start, end) ns stamps.
+        Warm-up runs this during load: the rate limiter does not hold it up."""
+        return await self._submit(self.execute, inputs, output_names)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` on this instance's thread (a scheduler's merge + execute + split)."""
@@ -174,7 +189,44 @@ class Instance:
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Run ``fn`` for this instance now: inline when it is short (see the class), else
-        on the instance's thread. The future resolves on the loop either way."""
+        on the instance's thread. The future resolves on the loop either way. With the
+        rate limiter, once this instance's resources are free."""
+        if self.limit is not None:
+            return self._limited(lambda: self._submit(fn, *args))
+        return self._submit(fn, *args)
+
+    def _limited(self, start: Callable[[], asyncio.Future[T]]) -> asyncio.Future[T]:
+        """``start()`` once the rate limiter grants this instance's resources; they are
+        given back when its future is done."""
+        assert self.limit is not None
+        limiter, holder = self.limit
+        outer: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+        def finished(inner: asyncio.Future[T]) -> None:
+            limiter.release(holder)
+            if inner.cancelled():
+                if not outer.done():
+                    outer.cancel()
+                return
+            _settle(outer, *_outcome(inner))
+
+        def go() -> None:
+            if outer.done():  # its caller went away while it waited
+                limiter.release(holder)
+                return
+            try:
+                inner = start()
+            except BaseException as exc:
+                limiter.release(holder)
+                outer.set_exception(exc)
+                return
+            inner.add_done_callback(finished)
+
+        withdraw = limiter.request(holder, go)
+        outer.add_done_callback(lambda f: withdraw() if f.cancelled() else None)
+        return outer
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         if self.call_ns is not None and self.call_ns < self.inline_max_ns:
             future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
             start = time.thread_time_ns()
@@ -228,7 +280,15 @@ class Instance:
         self, jobs: list[Job]
     ) -> asyncio.Future[tuple[list[RequestOutcome], int, int]]:
         """``execute_requests`` for this instance: driven from the loop when the backend
-        can (``Backend.start_requests``), else on the instance's thread."""
+        can (``Backend.start_requests``), else on the instance's thread; with the rate
+        limiter, once this instance's resources are free."""
+        if self.limit is not None:
+            return self._limited(lambda: self._submit_requests(jobs))
+        return self._submit_requests(jobs)
+
+    def _submit_requests(
+        self, jobs: list[Job]
+    ) -> asyncio.Future[tuple[list[RequestOutcome], int, int]]:
         start = time.monotonic_ns()
         started: asyncio.Future[list[RequestOutcome]] | None = None
         # While a batch runs on the thread path (the backend asked for it, e.g. during a
@@ -276,7 +336,7 @@ class Instance:
 
     def _on_thread(self, jobs: list[Job]) -> asyncio.Future[tuple[list[RequestOutcome], int, int]]:
         self._thread_calls += 1
-        running = self.submit(self.execute_requests, jobs)
+        running = self._submit(self.execute_requests, jobs)  # within its caller's grant
         running.add_done_callback(self._thread_call_done)
         return running
 
@@ -293,6 +353,8 @@ class Instance:
     def close(self) -> None:
         self._worker.shutdown()
         self.backend.close()
+        if self.limit is not None:
+            self.limit[0].unregister(self.limit[1])
 
 
 def free_slots(instances: list[Instance]) -> list[Instance]:
