@@ -202,3 +202,39 @@ def test_openai_requests_count_in_triton_statistics(
     final = _triton_stats(server)
     assert final["fail"] - after["fail"] == 1
     assert final["success"] == after["success"]
+
+
+def test_logit_bias_forces_a_token_in_completions_and_chat(client: openai.OpenAI) -> None:
+    kw = dict(model="tiny", prompt="the quick brown fox", max_tokens=5, temperature=0,
+              logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+    plain = client.completions.create(**kw)  # type: ignore[call-overload]
+    lp = plain.choices[0].logprobs
+    assert lp is not None and lp.tokens
+    # +100 on one token: every step picks it
+    forced = client.completions.create(logit_bias={"42": 100}, **kw)  # type: ignore[call-overload]
+    forced_tokens = forced.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    assert len(forced_tokens) == 5 and len(set(forced_tokens)) == 1
+    assert forced.choices[0].text != plain.choices[0].text
+    # the chat endpoint takes it too
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logit_bias={"42": 100}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    reply = chat.choices[0].message.content or ""
+    assert reply and reply * 5 == forced.choices[0].text * 4  # the same piece, 4 times
+
+
+def test_logit_bias_outside_the_vocabulary_is_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model="tiny", prompt="hi", max_tokens=2, logit_bias={"99999999": 5}
+        )
+    assert "logit_bias names token id 99999999, outside the vocabulary" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            logit_bias={"5": 1000},
+        )  # fmt: skip
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == "logit_bias"
+    assert "logit_bias[5] must be in [-100, 100], got 1000" in body["message"]

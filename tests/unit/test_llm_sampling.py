@@ -174,3 +174,42 @@ def test_greedy_argmax_matches_torch_on_ties_and_nan() -> None:
     for x in (logits, non_contiguous):
         assert torch.equal(_argmax(x), x.argmax(dim=-1))
     assert _argmax(logits)[1] == 7 and _argmax(logits)[2] == 40
+
+
+def test_logit_bias_is_added_per_row_before_sampling() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 0.5]] * 3)
+    seqs = [
+        _seq([0], [], temperature=0, logit_bias=((1, -100.0),)),  # bans the argmax
+        _seq([0], [], temperature=0, logit_bias=((3, 100.0),)),  # all but forces token 3
+        _seq([0], [], temperature=0),  # no bias: untouched by its neighbours'
+    ]
+    assert [s.token_id for s in sample(logits, seqs)] == [2, 3, 1]
+    # a forced token wins draws too, and the logprobs stay the model's own
+    drawn = sample(logits[:1], [_seq([0], [], temperature=1.0, seed=3, logit_bias=((0, 100.0),),
+                                     logprobs=1)])  # fmt: skip
+    assert drawn[0].token_id == 0
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert drawn[0].logprobs is not None
+    assert drawn[0].logprobs.logprob == pytest.approx(float(raw[0]))
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([1, 2], "'logit_bias' must be an object, got [1, 2]"),
+        ({"abc": 1}, "logit_bias keys must be token ids (integers), got 'abc'"),
+        ({"5": "up"}, "logit_bias[5] must be a number, got 'up'"),
+        ({"5": True}, "logit_bias[5] must be a number, got True"),
+        ({"5": 101}, "logit_bias[5] must be in [-100, 100], got 101"),
+    ],
+)
+def test_malformed_logit_bias_is_refused_naming_it(value: object, message: str) -> None:
+    from kiln.llm.params import InvalidField, sampling_fields
+
+    with pytest.raises(InvalidField) as info:
+        sampling_fields({"logit_bias": value})
+    assert info.value.field == "logit_bias" and info.value.message == message
+    assert sampling_fields({"logit_bias": {"7": -2, "3": 1.5}})["logit_bias"] == (
+        (3, 1.5),
+        (7, -2.0),
+    )

@@ -88,6 +88,13 @@ class LLMEngine:
             )
         self.check_n(params.n)
         self.check_priority(priority)
+        vocab = self.args.vocab_size
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise KilnError(
+                f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {vocab})",
+                Status.INVALID_ARG,
+            )
 
     def check_n(self, n: int) -> None:
         # the n samples of a request run together: they must fit in one running batch

@@ -23,7 +23,11 @@ SAMPLING_FIELDS = (
     "seed",
     "stop_token_ids",
     "ignore_eos",
+    "logit_bias",
 )
+
+#: OpenAI's bound on a ``logit_bias`` value
+MAX_LOGIT_BIAS = 100.0
 
 
 class InvalidField(KilnError):
@@ -56,6 +60,32 @@ def _in_range(key: str, value: float, low: float, high: float) -> float:
     return value
 
 
+def logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: an object from token id (a JSON key, so a string of digits)
+    to a bias in [-100, 100]; as (id, bias) pairs, ids ascending."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise InvalidField("logit_bias", f"'logit_bias' must be an object, got {raw!r}")
+    pairs: dict[int, float] = {}
+    for key, value in raw.items():
+        text = str(key)
+        if not text.isdigit():
+            raise InvalidField(
+                "logit_bias", f"logit_bias keys must be token ids (integers), got {key!r}"
+            )
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidField("logit_bias", f"logit_bias[{text}] must be a number, got {value!r}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidField(
+                "logit_bias",
+                f"logit_bias[{text}] must be in [-100, 100], got {value:g}",
+            )
+        pairs[int(text)] = float(value)
+    return tuple(sorted(pairs.items()))
+
+
 def sampling_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     """Keyword arguments of :class:`~kiln.llm.sequence.SamplingParams` (all but
     ``max_tokens`` and ``logprobs``, whose defaults and names differ per API)."""
@@ -82,6 +112,7 @@ def sampling_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(ignore_eos, bool):
         raise InvalidField("ignore_eos", f"'ignore_eos' must be a boolean, got {ignore_eos!r}")
     return {
+        "logit_bias": logit_bias(body),
         "temperature": temperature,
         "top_p": top_p,
         "top_k": max(top_k, 0),

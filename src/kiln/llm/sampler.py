@@ -1,14 +1,15 @@
 """Pick the next token for every sequence of a step, in one batch of tensor operations.
 
-The order is vLLM's: penalties (repetition, frequency, presence) on the raw logits, then
-greedy rows take the argmax; the others are divided by their temperature, filtered by
-min-p, then top-k and top-p, and drawn. Every parameter is per row. A draw is an
+The order is vLLM's: ``logit_bias`` added to the raw logits (OpenAI's: before any
+sampling), penalties (repetition, frequency, presence), then greedy rows take the argmax;
+the others are divided by their temperature, filtered by min-p, then top-k and top-p, and
+drawn. Every parameter is per row. A draw is an
 exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which picks token ``i`` with
 probability ``p_i``; a request with a ``seed`` draws its ``q`` from its own generator, so it
 gets the same tokens whatever else shares its batch.
 
 Logprobs are those of the model's raw distribution (``log_softmax`` of the logits before
-penalties, temperature and filtering), as vLLM returns by default.
+bias, penalties, temperature and filtering), as vLLM returns by default.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
     params = [s.params for s in seqs]
     wants_logprobs = any(p.logprobs is not None for p in params)
     raw = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+    if any(p.logit_bias for p in params):
+        logits = apply_logit_bias(logits, seqs)
     if any(
         p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
     ):
@@ -71,6 +74,22 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 
 def _greedy_mask(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
     return torch.tensor([s.params.temperature == 0 for s in seqs], device=device)
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Each row's ``logit_bias`` added to its logits (one scatter for the batch): -100
+    bans a token in practice, +100 all but forces it."""
+    rows = [i for i, s in enumerate(seqs) for _ in s.params.logit_bias]
+    ids = [t for s in seqs for t, _ in s.params.logit_bias]
+    bias = [b for s in seqs for _, b in s.params.logit_bias]
+    dev = logits.device
+    logits = logits.clone()
+    logits.index_put_(
+        (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)),
+        torch.tensor(bias, dtype=logits.dtype, device=dev),
+        accumulate=True,
+    )
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

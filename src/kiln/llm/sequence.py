@@ -33,6 +33,8 @@ class SamplingParams:
     logprobs: int | None = None
     #: samples of the prompt (OpenAI's ``n``); sample ``i`` draws with ``seed + i``
     n: int = 1
+    #: OpenAI's ``logit_bias``: (token id, bias) pairs added to the logits before sampling
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 class SequenceStatus(enum.Enum):
