@@ -1,10 +1,11 @@
 """The rate limiter (kiln/scheduling/rate_limit.py): resource pools per device and global,
 their default sizes and overrides, priority turns, waiting without starvation, withdrawal,
-and the gate in ``Instance``. No clock: grants are observed as they happen."""
+and the gate in ``Instance``. Grants are observed as they happen; no duration is asserted."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -15,7 +16,9 @@ from google.protobuf import text_format
 from kiln.backends.base import Backend, InstanceSpec
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError
-from kiln.scheduling.base import Instance
+from kiln.core.stats import ModelStats, RequestTimes
+from kiln.scheduling.base import Instance, Job
+from kiln.scheduling.direct import DirectScheduler
 from kiln.scheduling.rate_limit import CPU_DEVICE, RateLimiter, ResourceOverride
 
 
@@ -147,8 +150,6 @@ class Slow(Backend):
     def execute(
         self, inputs: dict[str, np.ndarray], output_names: list[str]
     ) -> dict[str, np.ndarray]:
-        import time
-
         self.running.append(1)
         self.most[0] = max(self.most[0], len(self.running))
         time.sleep(0.05)
@@ -171,3 +172,27 @@ async def test_instances_sharing_one_copy_never_execute_at_once(tmp_path: Path) 
     for instance in (*instances, free):
         instance.close()
     assert limiter.capacity(("R", CPU_DEVICE)) == 0  # all unregistered
+
+
+async def test_the_wait_for_resources_is_queue_time(tmp_path: Path) -> None:
+    """As in Triton, a request leaves the queue when its instance may run it: the batch
+    waiting for the rate limiter is still queued."""
+    limiter = RateLimiter()
+    cfg = config("m", '{ name: "R" count: 1 }')
+    instance = Instance(
+        Slow(cfg, tmp_path, spec("m")), "m", 0, (limiter, limiter.register(cfg, spec("m")))
+    )
+    other = limiter.register(config("o", '{ name: "R" count: 1 }'), spec("o"))
+    limiter.request(other, lambda: None)  # another model holds the one copy
+    scheduler = DirectScheduler([instance], ModelStats(), "m")
+    job = Job({}, [], 1, RequestTimes())
+    running = asyncio.ensure_future(scheduler.schedule(job))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not running.done()  # waiting for R
+    released_at = time.monotonic_ns()
+    limiter.release(other)
+    await running
+    assert job.times.queue_end >= released_at  # left the queue when R was granted
+    assert job.times.input_end >= job.times.queue_end
+    await scheduler.close()

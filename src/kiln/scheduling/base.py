@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -183,21 +183,29 @@ class Instance:
         Warm-up runs this during load: the rate limiter does not hold it up."""
         return await self._submit(self.execute, inputs, output_names)
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+    async def call(self, fn: Callable[..., T], *args: Any, jobs: Sequence[Job] = ()) -> T:
         """Run ``fn`` on this instance's thread (a scheduler's merge + execute + split)."""
-        return await self.submit(fn, *args)
+        return await self.submit(fn, *args, jobs=jobs)
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    def submit(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        jobs: Sequence[Job] = (),
+    ) -> asyncio.Future[T]:
         """Run ``fn`` for this instance now: inline when it is short (see the class), else
         on the instance's thread. The future resolves on the loop either way. With the
-        rate limiter, once this instance's resources are free."""
+        rate limiter, once this instance's resources are free: ``jobs`` (the requests the
+        call computes) then leave the queue at that moment, as Triton counts it."""
         if self.limit is not None:
-            return self._limited(lambda: self._submit(fn, *args))
+            return self._limited(lambda: self._submit(fn, *args), jobs)
         return self._submit(fn, *args)
 
-    def _limited(self, start: Callable[[], asyncio.Future[T]]) -> asyncio.Future[T]:
+    def _limited(
+        self, start: Callable[[], asyncio.Future[T]], jobs: Sequence[Job]
+    ) -> asyncio.Future[T]:
         """``start()`` once the rate limiter grants this instance's resources; they are
-        given back when its future is done."""
+        given back when its future is done. The wait is queue time for ``jobs``."""
         assert self.limit is not None
         limiter, holder = self.limit
         outer: asyncio.Future[T] = asyncio.get_running_loop().create_future()
@@ -214,6 +222,9 @@ class Instance:
             if outer.done():  # its caller went away while it waited
                 limiter.release(holder)
                 return
+            now = time.monotonic_ns()
+            for job in jobs:
+                job.times.queue_end = now
             try:
                 inner = start()
             except BaseException as exc:
@@ -283,7 +294,7 @@ class Instance:
         can (``Backend.start_requests``), else on the instance's thread; with the rate
         limiter, once this instance's resources are free."""
         if self.limit is not None:
-            return self._limited(lambda: self._submit_requests(jobs))
+            return self._limited(lambda: self._submit_requests(jobs), jobs)
         return self._submit_requests(jobs)
 
     def _submit_requests(

@@ -68,7 +68,7 @@ class DirectScheduler(Scheduler):
                 running = instance.submit_requests([job])
             else:
                 inputs = self.ragged.merge([job]) if self.ragged else job.inputs
-                running = instance.submit(instance.execute, inputs, job.output_names)
+                running = instance.submit(instance.execute, inputs, job.output_names, jobs=[job])
         except BaseException:
             self._release(instance)
             raise

@@ -199,7 +199,7 @@ class DynamicScheduler(Scheduler):
                 functools.partial(self._on_requests_done, instance, batch, seq)
             )
         else:
-            running = instance.submit(self._compute, instance, jobs)
+            running = instance.submit(self._compute, instance, jobs, jobs=jobs)
             running.add_done_callback(functools.partial(self._on_done, instance, batch, seq))
         self._running.add(running)
 

@@ -274,7 +274,8 @@ class SequenceScheduler(Scheduler):
         outcome: Outcome
         instance = self.instances[index]
         try:
-            outcome = await instance.call(self._compute, instance, rows)
+            jobs = [row.job for row in rows if row.job is not None]
+            outcome = await instance.call(self._compute, instance, rows, jobs=jobs)
         except Exception as exc:
             outcome = exc
         finally:
