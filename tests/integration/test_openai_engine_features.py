@@ -238,3 +238,29 @@ def test_logit_bias_outside_the_vocabulary_is_400(client: openai.OpenAI) -> None
     body = info.value.body
     assert isinstance(body, dict) and body["param"] == "logit_bias"
     assert "logit_bias[5] must be in [-100, 100], got 1000" in body["message"]
+
+
+def test_echo_with_logprobs_scores_the_prompt_tokens_too(client: openai.OpenAI) -> None:
+    """How evaluation harnesses score a text: ``echo`` and ``logprobs`` give each prompt
+    token's logprob (the first has none), then the generated ones."""
+    prompt = "the quick brown fox jumps"
+    plain = client.completions.create(  # type: ignore[call-overload]
+        model="tiny", prompt=prompt, max_tokens=2, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    echoed = client.completions.create(  # type: ignore[call-overload]
+        model="tiny", prompt=prompt, max_tokens=2, temperature=0, logprobs=2, echo=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    choice = echoed.choices[0]
+    assert choice.text == prompt + plain.choices[0].text
+    lp = choice.logprobs
+    assert lp is not None and echoed.usage is not None
+    n_prompt = echoed.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == n_prompt + 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens[:n_prompt]).strip() == prompt
+    # the generated part is what the request without echo reported
+    assert plain.choices[0].logprobs is not None
+    assert lp.token_logprobs[n_prompt:] == pytest.approx(plain.choices[0].logprobs.token_logprobs)

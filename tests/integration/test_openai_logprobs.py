@@ -197,6 +197,11 @@ def test_echoed_prompt_shifts_the_text_offsets(client: openai.OpenAI) -> None:
     assert choice.text.startswith(prompt)
     lp = choice.logprobs
     assert lp is not None and lp.text_offset is not None and lp.tokens is not None
-    # the prompt's tokens get no logprobs: the first offset is the completion's start
-    assert lp.text_offset[0] == len(prompt)
-    assert len(lp.tokens) == reply.usage.completion_tokens  # type: ignore[union-attr]
+    # the prompt's tokens come first (as OpenAI and vLLM answer), from offset 0; the
+    # completion's offsets go on from the end of the prompt's text
+    usage = reply.usage
+    assert usage is not None
+    assert len(lp.tokens) == usage.prompt_tokens + usage.completion_tokens
+    assert lp.text_offset[0] == 0
+    prompt_text = "".join(lp.tokens[: usage.prompt_tokens])
+    assert lp.text_offset[usage.prompt_tokens] == len(prompt_text)

@@ -213,3 +213,41 @@ def test_malformed_logit_bias_is_refused_naming_it(value: object, message: str) 
         (3, 1.5),
         (7, -2.0),
     )
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prompt_logprobs_are_the_model_s_for_every_prompt_token(llama: Path, chunked: bool) -> None:
+    """vLLM's ``prompt_logprobs`` (the completions API's ``echo`` with ``logprobs``): for
+    each prompt token after the first, its logprob under the model given the tokens before
+    it, with the top alternatives. Split into chunks of 4 tokens, and with the prefix cache
+    holding the same prompt already, the answer is the same."""
+    import transformers
+
+    prompt = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
+    config = EngineConfig(block_size=4, enable_prefix_caching=True)
+    if chunked:
+        config.max_num_batched_tokens = 4
+    engine = LLMEngine(llama, config)
+    warm = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.generate([prompt], warm)  # now the prefix cache holds the prompt's blocks
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3, n=2)
+    engine.add_request("p", prompt, params)
+    firsts = []
+    while engine.has_work():
+        firsts += [o for o in engine.step() if o.prompt_logprobs is not None]
+    assert len(firsts) == 2  # each of the n samples gets them once, on its first output
+    entries = firsts[0].prompt_logprobs
+    assert entries is not None and firsts[1].prompt_logprobs == entries
+    assert len(entries) == len(prompt) and entries[0] is None
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(llama), torch_dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for position, entry in enumerate(entries[1:], start=1):
+        assert entry is not None and entry.token_id == prompt[position]
+        expected = float(ref[position - 1, prompt[position]])
+        assert entry.logprob == pytest.approx(expected, abs=1e-4)
+        values, ids = ref[position - 1].topk(3)
+        assert [t for t, _ in entry.top] == ids.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)

@@ -94,8 +94,8 @@ class BlockManager:
         """The longest chain of cached blocks matching ``seq``'s leading full blocks. At
         least one token is left to compute (its logits are needed): the hit is capped at
         ``num_tokens - 1`` tokens, so a fully cached prompt recomputes its last block."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
+            return []  # (prompt logprobs need every prompt position's logits)
         bs = self.block_size
         limit = (seq.num_tokens - 1) // bs
         hits: list[int] = []

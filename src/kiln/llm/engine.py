@@ -33,6 +33,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     #: which of the request's ``n`` samples (the OpenAI choice ``index``)
     index: int = 0
+    #: with ``prompt_logprobs``, on a sample's first output: one entry per prompt token
+    #: (the first is None: nothing predicts it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -181,6 +184,7 @@ class LLMEngine:
             samples = [seq, *seq.forks]
             for child in seq.forks:
                 self.block_manager.fork(seq, child)
+                child.prompt_logprobs = seq.prompt_logprobs  # one prompt, computed once
                 child.num_computed_tokens = seq.num_computed_tokens
                 child.status = seq.status
                 self.scheduler.running.append(child)
@@ -213,6 +217,9 @@ class LLMEngine:
             seq.num_output_tokens,
             logprobs=None if sampled.logprobs is None else [sampled.logprobs],
             index=seq.index,
+            prompt_logprobs=list(seq.prompt_logprobs)
+            if seq.prompt_logprobs is not None and seq.num_output_tokens == 1
+            else None,
         )
 
     def generate(

@@ -13,8 +13,9 @@ from kiln.llm.attention_flex import FlexMetadata, resolve_attention_backend
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.cuda_graphs import DecodeGraphs, capture_sizes
 from kiln.llm.models.llama import LlamaForCausalLM
-from kiln.llm.sampler import SampledToken, sample
+from kiln.llm.sampler import SampledToken, prompt_logprobs, sample
 from kiln.llm.scheduler import SchedulerOutput
+from kiln.llm.sequence import Sequence
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -130,17 +131,33 @@ class ModelRunner:
         positions: list[int] = []
         logit_index: list[int] = []
         samplers = []
+        prompt_rows: list[tuple[Sequence, int]] = []  # (sequence, prompt token predicted)
+        prompt_index: list[int] = []
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
+            base = len(input_ids)
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
+            if seq.wants_prompt_logprobs:
+                # position p predicts prompt token p + 1: from the next one not yet known
+                # (a recompute after preemption does not add them twice)
+                assert seq.prompt_logprobs is not None
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                for p in range(first, min(start + n, seq.num_prompt_tokens - 1)):
+                    prompt_index.append(base + p - start)
+                    prompt_rows.append((seq, p + 1))
             if start + n == seq.num_tokens:
                 for target in (seq, *seq.forks):
                     logit_index.append(len(input_ids) - 1)
                     samplers.append(target)
-        logits = self.graphs.run(out, input_ids, positions) if self.graphs else None
+        logits = None
+        if self.graphs and not prompt_rows:
+            logits = self.graphs.run(out, input_ids, positions)
         if logits is None:
-            logits = self._eager(out, input_ids, positions, logit_index)
+            logits = self._eager(out, input_ids, positions, logit_index + prompt_index)
+        if prompt_rows:
+            prompt_logprobs(logits[len(logit_index) :], prompt_rows)
+            logits = logits[: len(logit_index)]
         sampled = sample(logits, samplers)
         return dict(zip((s.seq_id for s in samplers), sampled, strict=True))
 

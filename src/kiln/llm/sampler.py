@@ -23,11 +23,28 @@ from kiln.llm.sequence import Sequence
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
-    """The sampled token's logprob and the ``top`` most likely tokens, best first."""
+    """A token's logprob and the ``top`` most likely tokens in its place, best first."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+def prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> None:
+    """Append to each sequence's ``prompt_logprobs`` the logprob of the prompt token that
+    ``logits`` row ``i`` predicts (``rows[i]``: the sequence, the token's position), with
+    the sequence's top alternatives: the model's raw distribution, as for sampled tokens."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    ids = [seq.token_ids[at] for seq, at in rows]
+    chosen = raw.gather(1, torch.tensor(ids, device=raw.device).unsqueeze(1)).squeeze(1)
+    k = max(seq.params.prompt_logprobs or 0 for seq, _ in rows)
+    top_values, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+    values, indices, picked = top_values.tolist(), top_ids.tolist(), chosen.tolist()
+    for i, (seq, _) in enumerate(rows):
+        n = seq.params.prompt_logprobs or 0
+        top = tuple(zip(indices[i][:n], values[i][:n], strict=True))
+        assert seq.prompt_logprobs is not None
+        seq.prompt_logprobs.append(TokenLogprobs(ids[i], picked[i], top))
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the OpenAI frontend reads SamplingParams without loading torch
     import torch
 
+    from kiln.llm.sampler import TokenLogprobs
+
 _SEQ_IDS = itertools.count()
 
 
@@ -35,6 +37,9 @@ class SamplingParams:
     n: int = 1
     #: OpenAI's ``logit_bias``: (token id, bias) pairs added to the logits before sampling
     logit_bias: tuple[tuple[int, float], ...] = ()
+    #: logprobs of the prompt's tokens too, with this many top alternatives (vLLM's
+    #: ``prompt_logprobs``; the completions API's ``echo`` with ``logprobs``)
+    prompt_logprobs: int | None = None
 
 
 class SequenceStatus(enum.Enum):
@@ -90,9 +95,14 @@ class Sequence:
     #: the prefix cache's content key of each cached leading block (chains the next one)
     chain_keys: list[int] = field(default_factory=list)
     last_token_time: float | None = None
+    #: with ``prompt_logprobs``: one entry per prompt token computed so far (the first,
+    #: which nothing predicts, is None)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         if self.params.seed is not None:
             import torch
 
@@ -108,6 +118,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed: its prompt must run in full."""
+        done = self.prompt_logprobs
+        return done is not None and len(done) < self.num_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -31,14 +31,24 @@ class Delta:
     index: int = 0
     #: the logprobs of the tokens this delta releases (when the request asked for them)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    #: on a choice's first delta, with ``prompt_logprobs``: the prompt's (the first None)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
 class _Choice:
+    """One choice's text and logprobs not yet released."""
+
     detok: IncrementalDetokenizer
     pending: str = ""
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    #: the prompt's logprobs, until the choice's first delta carries them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     done: bool = False
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
 
 
 async def run(
@@ -99,6 +109,8 @@ async def _run(
             completion = out.num_output_tokens
             c.pending += c.detok.add(out.new_token_ids, final=out.finished)
             c.pending_logprobs.extend(out.logprobs or ())
+            if out.prompt_logprobs is not None:
+                c.prompt_logprobs = out.prompt_logprobs
             reason = out.finish_reason if out.finished else None
             for stop in stops:
                 at = c.pending.find(stop)
@@ -110,7 +122,10 @@ async def _run(
             if reason is not None:
                 c.done, left = True, left - 1
                 logprobs = c.pending_logprobs
-                yield Delta(c.pending, reason, prompt_len, completion, out.index, logprobs)
+                yield Delta(
+                    c.pending, reason, prompt_len, completion, out.index, logprobs,
+                    c.take_prompt_logprobs(),
+                )  # fmt: skip
                 if not left:
                     # leaving the loop closes the generator, which aborts what is left
                     return
@@ -119,4 +134,7 @@ async def _run(
             if cut > 0:
                 text, logprobs = c.pending[:cut], c.pending_logprobs
                 c.pending, c.pending_logprobs = c.pending[cut:], []
-                yield Delta(text, None, prompt_len, completion, out.index, logprobs)
+                yield Delta(
+                    text, None, prompt_len, completion, out.index, logprobs,
+                    c.take_prompt_logprobs(),
+                )  # fmt: skip

@@ -37,10 +37,22 @@ class CompletionLogprobs:
         self._tok = tok
         self._offset = offset
 
-    def __call__(self, entries: list[TokenLogprobs]) -> dict[str, Any]:
+    def __call__(
+        self, entries: list[TokenLogprobs], first_token: int | None = None
+    ) -> dict[str, Any]:
+        """``first_token``: an echoed prompt's first token, which has no logprob (null,
+        as in OpenAI's and vLLM's answers); ``entries`` then start with the prompt's next."""
         tokens: list[str] = []
         offsets: list[int] = []
-        tops: list[dict[str, float]] = []
+        tops: list[dict[str, float] | None] = []
+        logprobs: list[float | None] = []
+        if first_token is not None:
+            text = self._tok.token_text(first_token)
+            tokens.append(text)
+            offsets.append(self._offset)
+            self._offset += len(text)
+            tops.append(None)
+            logprobs.append(None)
         for e in entries:
             text = self._tok.token_text(e.token_id)
             tokens.append(text)
@@ -50,9 +62,10 @@ class CompletionLogprobs:
             top = {self._tok.token_text(t): lp for t, lp in e.top}
             top.setdefault(text, e.logprob)
             tops.append(top)
+            logprobs.append(e.logprob)
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
+            "token_logprobs": logprobs,
             "top_logprobs": tops,
             "text_offset": offsets,
         }

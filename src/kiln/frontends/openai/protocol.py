@@ -113,10 +113,15 @@ def _common(
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise OpenAIError("'stream_options' must be an object", param="stream_options")
+    logprobs = _logprobs(body, chat)
+    echo = bool(body.get("echo", False))
+    stream = bool(body.get("stream", False))
     params = SamplingParams(
         max_tokens=max_tokens or 1,  # the default is settled once the prompt's length is known
-        logprobs=_logprobs(body, chat),
+        logprobs=logprobs,
         n=n or 1,
+        # an echoed prompt gets its logprobs too (completions, answered whole)
+        prompt_logprobs=logprobs if echo and not chat and not stream else None,
         **fields,
     )
     return GenerationRequest(
@@ -124,10 +129,10 @@ def _common(
         prompt=prompt,
         max_tokens=max_tokens,
         params=params,
-        stream=bool(body.get("stream", False)),
+        stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         stop=stops,
-        echo=bool(body.get("echo", False)),
+        echo=echo,
         priority=priority,
     )
 

@@ -181,12 +181,15 @@ async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat
         return StreamingResponse(events, media_type="text/event-stream")
     texts: list[list[str]] = [[] for _ in range(n)]
     entries: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+    prompt_entries: list[list[TokenLogprobs | None] | None] = [None] * n
     reasons: list[str | None] = [None] * n
     completion: dict[int, int] = {}
     try:
         async for d in deltas:
             texts[d.index].append(d.text)
             entries[d.index].extend(d.logprobs)
+            if d.prompt_logprobs is not None:
+                prompt_entries[d.index] = d.prompt_logprobs
             reasons[d.index] = d.finish_reason or reasons[d.index]
             completion[d.index] = d.completion_tokens
     except KilnError as exc:
@@ -202,10 +205,15 @@ async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat
         else:
             choice = {"index": index, "text": echoed + content}
         fmt = formats[index]
-        choice.update(
-            logprobs=fmt(entries[index]) if fmt is not None else None,
-            finish_reason=reasons[index],
-        )
+        prompt = prompt_entries[index]
+        lp: dict[str, Any] | None = None
+        if fmt is not None and prompt and isinstance(fmt, CompletionLogprobs):
+            # echo: the prompt's tokens first, from text offset 0 (the first has no logprob)
+            known = [e for e in prompt[1:] if e is not None]
+            lp = CompletionLogprobs(llm.tokenizer, 0)(known + entries[index], ids[0])
+        elif fmt is not None:
+            lp = fmt(entries[index])
+        choice.update(logprobs=lp, finish_reason=reasons[index])
         choices.append(choice)
     return _json(
         {
