@@ -41,12 +41,16 @@ output [ { name: "WHERE" data_type: TYPE_STRING dims: [ 1 ] } ]
 
 
 def make_env(path: Path, numpy_too: bool = True) -> Path:
-    """A virtual environment with ``env_marker``; numpy through a .pth to the server's."""
+    """A virtual environment with ``env_marker`` and, linked from the server's, numpy and
+    nothing else: the worker must start with no more than that."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
     (site,) = path.glob("lib/python3*/site-packages")
     (site / "env_marker.py").write_text('WHERE = "the model\'s own environment"\n')
     if numpy_too:
-        (site / "numpy_from_server.pth").write_text(str(Path(np.__file__).parents[1]) + "\n")
+        server_site = Path(np.__file__).parents[1]
+        for name in ("numpy", "numpy.libs"):
+            if (server_site / name).exists():
+                (site / name).symlink_to(server_site / name)
     return path
 
 
