@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import queue
 import textwrap
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,6 +69,30 @@ class TritonPythonModel:
         return out
 """
 
+SLOW_GENERATE = """
+import os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.marker = os.path.join(args["model_repository"], "..", "slowgen.log")
+
+    def execute(self, requests):
+        for r in requests:
+            sender = r.get_response_sender()
+            for n in range(1000):
+                if sender.is_cancelled():
+                    with open(self.marker, "w") as f:
+                        f.write(f"cancelled after {n}")
+                    break
+                tensor = pb_utils.Tensor("TOKEN", np.array([ord("a")], np.int32))
+                sender.send(pb_utils.InferenceResponse([tensor]))
+                time.sleep(0.02)
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
 MODELS = {
     "tok": (
         TOKENIZE,
@@ -78,6 +103,13 @@ MODELS = {
     ),
     "gen": (
         GENERATE,
+        """
+        input [ { name: "IDS" data_type: TYPE_INT32 dims: [ -1 ] } ]
+        output [ { name: "TOKEN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        model_transaction_policy { decoupled: true }""",
+    ),
+    "slowgen": (
+        SLOW_GENERATE,
         """
         input [ { name: "IDS" data_type: TYPE_INT32 dims: [ -1 ] } ]
         output [ { name: "TOKEN" data_type: TYPE_INT32 dims: [ 1 ] } ]
@@ -101,7 +133,7 @@ output [ {{ name: "PIECE" data_type: TYPE_STRING dims: [ 1 ] }},
 ensemble_scheduling {{ step [
   {{ model_name: "tok" input_map {{ key: "TEXT" value: "TEXT" }}
      output_map {{ key: "IDS" value: "ids" }} output_map {{ key: "LEN" value: "LEN" }} }},
-  {{ model_name: "gen" input_map {{ key: "IDS" value: "ids" }}
+  {{ model_name: "{generator}" input_map {{ key: "IDS" value: "ids" }}
      output_map {{ key: "TOKEN" value: "token" }} }},
   {{ model_name: "detok" input_map {{ key: "TOKEN" value: "token" }}
      output_map {{ key: "PIECE" value: "PIECE" }} }}
@@ -123,9 +155,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
         (repo / name / "1" / "model.py").write_text(textwrap.dedent(source))
         config = f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n' + textwrap.dedent(io)
         (repo / name / "config.pbtxt").write_text(config)
-    for name, extra in (("pipeline", ""), ("parallel", PARALLEL_EXTRA.format())):
+    for name, generator, extra in (
+        ("pipeline", "gen", ""),
+        ("parallel", "gen", PARALLEL_EXTRA.format()),
+        ("slow_pipeline", "slowgen", ""),
+    ):
         (repo / name / "1").mkdir(parents=True)
-        (repo / name / "config.pbtxt").write_text(PIPELINE.format(name=name, extra=extra))
+        config = PIPELINE.format(name=name, generator=generator, extra=extra)
+        (repo / name / "config.pbtxt").write_text(config)
     proc = KilnProcess(repo, ["--no-strict-readiness"]).start()  # "parallel" fails to load
     yield proc
     proc.stop()
@@ -210,3 +247,24 @@ def test_decoupled_steps_on_parallel_branches_are_refused_at_load(server: KilnPr
         "and on parallel branches" in index["parallel"]["reason"]
     )
     assert index["pipeline"]["state"] == "READY"
+
+
+def test_a_client_leaving_the_stream_cancels_the_generating_step(server: KilnProcess) -> None:
+    got: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: got.put(error or result))
+    client.async_stream_infer("slow_pipeline", _text(grpcclient, "x"))
+    for _ in range(2):  # it is streaming
+        assert not isinstance(got.get(timeout=30), InferenceServerException)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    marker = server.repository / "slowgen.log"
+    for _ in range(300):  # wait for the model to see it (no duration is asserted)
+        if marker.exists():
+            break
+        time.sleep(0.05)
+    assert marker.read_text().startswith("cancelled after ")
+    assert int(marker.read_text().split()[-1]) < 1000  # it stopped early
+    # and the server goes on serving
+    ok = _stream(server, "ok", enable_empty_final_response=True)
+    assert sorted(r.as_numpy("PIECE")[0].decode() for r in ok[:-1]) == ["l", "p"]

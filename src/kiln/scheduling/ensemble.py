@@ -19,8 +19,9 @@ are refused at load.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import ClassVar, Protocol
 
 import numpy as np
@@ -187,12 +188,15 @@ class EnsembleScheduler(Scheduler):
         branches: set[asyncio.Task[None]] = set()
         try:
             try:
-                async for produced in self._stream_step(step, tensors, job):
-                    _reap(branches)  # a branch that failed stops the stream now
-                    branch = dict(tensors)
-                    branch.update(produced)
-                    task = asyncio.create_task(self._branch(branch, list(rest), job, absent))
-                    branches.add(task)
+                # closed on the way out, so a step left early (a branch failed, the client
+                # went away) has its own request cancelled at once, not when collected
+                async with contextlib.aclosing(self._stream_step(step, tensors, job)) as stream:
+                    async for produced in stream:
+                        _reap(branches)  # a branch that failed stops the stream now
+                        branch = dict(tensors)
+                        branch.update(produced)
+                        task = asyncio.create_task(self._branch(branch, list(rest), job, absent))
+                        branches.add(task)
             except StepFailed:
                 raise  # a branch's, already naming its step
             except Exception as exc:
@@ -206,7 +210,9 @@ class EnsembleScheduler(Scheduler):
             for task in branches:
                 task.cancel()
 
-    async def _stream_step(self, step: Step, tensors: Tensors, job: Job) -> AsyncIterator[Tensors]:
+    async def _stream_step(
+        self, step: Step, tensors: Tensors, job: Job
+    ) -> AsyncGenerator[Tensors, None]:
         """The outputs of each response of a decoupled step, as they come."""
         model = self.resolve(step.model_name, step.model_version)
         request = self._step_request(step, tensors, job)
