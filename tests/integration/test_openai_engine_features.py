@@ -264,3 +264,54 @@ def test_echo_with_logprobs_scores_the_prompt_tokens_too(client: openai.OpenAI) 
     # the generated part is what the request without echo reported
     assert plain.choices[0].logprobs is not None
     assert lp.token_logprobs[n_prompt:] == pytest.approx(plain.choices[0].logprobs.token_logprobs)
+
+
+def test_vllm_prompt_logprobs_field(client: openai.OpenAI) -> None:
+    """vLLM's ``prompt_logprobs``: per prompt token, null for the first, else its logprob,
+    rank and text with the top alternatives, by token id; the same numbers echo gives."""
+    prompt = "kiln serves models"
+    reply = client.completions.create(  # type: ignore[call-overload]
+        model="tiny", prompt=prompt, max_tokens=1, temperature=0,
+        extra_body={"prompt_logprobs": 2, "ignore_eos": True},
+    )  # fmt: skip
+    assert reply.usage is not None
+    field = (reply.choices[0].model_extra or {})["prompt_logprobs"]
+    assert len(field) == reply.usage.prompt_tokens and field[0] is None
+    echoed = client.completions.create(  # type: ignore[call-overload]
+        model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=2, echo=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    echo_lp = echoed.choices[0].logprobs
+    assert echo_lp is not None
+    for position, item in enumerate(field[1:], start=1):
+        ranks = sorted(entry["rank"] for entry in item.values())
+        assert 2 <= len(item) <= 3 and ranks[:2] == [1, 2]  # the top two, and the token
+        token = next(  # the prompt's own token: its logprob is the one echo reports
+            entry for entry in item.values()
+            if entry["logprob"] == pytest.approx(echo_lp.token_logprobs[position])
+        )  # fmt: skip
+        assert token["rank"] >= 1 and isinstance(token["decoded_token"], str)
+    chat = client.chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    chat_field = (chat.model_extra or {})["prompt_logprobs"]
+    assert chat.usage is not None and len(chat_field) == chat.usage.prompt_tokens
+    assert chat_field[0] is None and all(len(item) == 1 for item in chat_field[1:])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20], got 21"),
+        ({"prompt_logprobs": 1, "stream": True}, "not with stream"),
+    ],
+)
+def test_bad_prompt_logprobs_are_400(
+    client: openai.OpenAI, extra: dict[str, object], message: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=1, extra_body=extra)
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == "prompt_logprobs"
+    assert message in body["message"]

@@ -248,6 +248,9 @@ def test_prompt_logprobs_are_the_model_s_for_every_prompt_token(llama: Path, chu
         assert entry is not None and entry.token_id == prompt[position]
         expected = float(ref[position - 1, prompt[position]])
         assert entry.logprob == pytest.approx(expected, abs=1e-4)
+        assert (
+            entry.rank == int((ref[position - 1] > ref[position - 1, prompt[position]]).sum()) + 1
+        )
         values, ids = ref[position - 1].topk(3)
         assert [t for t, _ in entry.top] == ids.tolist()
         assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)

@@ -28,6 +28,8 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    #: a prompt token's rank in its distribution (1: the most likely), as vLLM reports it
+    rank: int | None = None
 
 
 def prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> None:
@@ -37,6 +39,7 @@ def prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> N
     raw = torch.log_softmax(logits.float(), dim=-1)
     ids = [seq.token_ids[at] for seq, at in rows]
     chosen = raw.gather(1, torch.tensor(ids, device=raw.device).unsqueeze(1)).squeeze(1)
+    ranks = ((raw > chosen.unsqueeze(1)).sum(dim=1) + 1).tolist()
     k = max(seq.params.prompt_logprobs or 0 for seq, _ in rows)
     top_values, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
     values, indices, picked = top_values.tolist(), top_ids.tolist(), chosen.tolist()
@@ -44,7 +47,7 @@ def prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> N
         n = seq.params.prompt_logprobs or 0
         top = tuple(zip(indices[i][:n], values[i][:n], strict=True))
         assert seq.prompt_logprobs is not None
-        seq.prompt_logprobs.append(TokenLogprobs(ids[i], picked[i], top))
+        seq.prompt_logprobs.append(TokenLogprobs(ids[i], picked[i], top, int(ranks[i])))
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,27 @@ def chat_logprobs(tok: Tokenizer, entries: list[TokenLogprobs]) -> dict[str, Any
     return {"content": content, "refusal": None}
 
 
+def vllm_prompt_logprobs(
+    tok: Tokenizer, entries: list[TokenLogprobs | None], count: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, null for the first, else the token and
+    its ``count`` most likely alternatives, by token id: ``{logprob, rank, decoded_token}``."""
+
+    def logprob(token_id: int, value: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": value, "rank": rank, "decoded_token": tok.token_text(token_id)}
+
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        item = {str(entry.token_id): logprob(entry.token_id, entry.logprob, entry.rank)}
+        for rank, (token_id, value) in enumerate(entry.top[:count], start=1):
+            item.setdefault(str(token_id), logprob(token_id, value, rank))
+        out.append(item)
+    return out
+
+
 class CompletionLogprobs:
     """``choices[i].logprobs`` of a text completion. ``text_offset`` counts characters from
     the start of the choice's text (after the prompt when it is echoed), across chunks."""

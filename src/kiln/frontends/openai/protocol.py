@@ -62,6 +62,8 @@ class GenerationRequest:
     include_usage: bool
     stop: tuple[str, ...]
     echo: bool = False
+    #: vLLM's ``prompt_logprobs`` field was asked for: the answer carries it
+    prompt_logprobs_field: bool = False
     #: vLLM's request priority: lower runs earlier (``scheduling_policy: priority`` only)
     priority: int = 0
 
@@ -116,12 +118,28 @@ def _common(
     logprobs = _logprobs(body, chat)
     echo = bool(body.get("echo", False))
     stream = bool(body.get("stream", False))
+    try:
+        prompt_logprobs = integer(body, "prompt_logprobs")
+    except InvalidField as exc:
+        raise OpenAIError(exc.message, param=exc.field) from None
+    if prompt_logprobs is not None:
+        if not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}",
+                param="prompt_logprobs",
+            )
+        if stream:
+            raise OpenAIError(
+                "prompt_logprobs is answered with the whole response: not with stream",
+                param="prompt_logprobs",
+            )
+    echoed = logprobs if echo and not chat and not stream else None
     params = SamplingParams(
         max_tokens=max_tokens or 1,  # the default is settled once the prompt's length is known
         logprobs=logprobs,
         n=n or 1,
         # an echoed prompt gets its logprobs too (completions, answered whole)
-        prompt_logprobs=logprobs if echo and not chat and not stream else None,
+        prompt_logprobs=max((v for v in (echoed, prompt_logprobs) if v is not None), default=None),
         **fields,
     )
     return GenerationRequest(
@@ -133,6 +151,7 @@ def _common(
         include_usage=bool(options.get("include_usage", False)),
         stop=stops,
         echo=echo,
+        prompt_logprobs_field=prompt_logprobs is not None,
         priority=priority,
     )
 

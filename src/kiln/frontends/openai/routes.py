@@ -16,7 +16,11 @@ from starlette.routing import BaseRoute, Route
 from kiln.core.errors import KilnError
 from kiln.core.server import Server
 from kiln.frontends.openai.generation import Delta, run
-from kiln.frontends.openai.logprobs import CompletionLogprobs, chat_logprobs
+from kiln.frontends.openai.logprobs import (
+    CompletionLogprobs,
+    chat_logprobs,
+    vllm_prompt_logprobs,
+)
 from kiln.frontends.openai.protocol import (
     GenerationRequest,
     OpenAIError,
@@ -113,6 +117,15 @@ def _usage(prompt_tokens: int, completion: dict[int, int]) -> dict[str, int]:
     }
 
 
+def _prompt_field(
+    llm: LLMBackend, req: GenerationRequest, entries: list[TokenLogprobs | None] | None
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs`` of an answer (None when the engine sent none)."""
+    if entries is None:
+        return None
+    return vllm_prompt_logprobs(llm.tokenizer, entries, req.params.prompt_logprobs or 0)
+
+
 def _logprobs_format(
     llm: LLMBackend, req: GenerationRequest, chat: bool, echoed: str
 ) -> LogprobsFormat | None:
@@ -207,14 +220,19 @@ async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat
         fmt = formats[index]
         prompt = prompt_entries[index]
         lp: dict[str, Any] | None = None
-        if fmt is not None and prompt and isinstance(fmt, CompletionLogprobs):
+        if fmt is not None and prompt and echo and isinstance(fmt, CompletionLogprobs):
             # echo: the prompt's tokens first, from text offset 0 (the first has no logprob)
             known = [e for e in prompt[1:] if e is not None]
             lp = CompletionLogprobs(llm.tokenizer, 0)(known + entries[index], ids[0])
         elif fmt is not None:
             lp = fmt(entries[index])
         choice.update(logprobs=lp, finish_reason=reasons[index])
+        if req.prompt_logprobs_field and not chat:  # vLLM's field, per choice
+            choice["prompt_logprobs"] = _prompt_field(llm, req, prompt)
         choices.append(choice)
+    body: dict[str, Any] = {}
+    if req.prompt_logprobs_field and chat:  # vLLM's field, once for the chat's prompt
+        body["prompt_logprobs"] = _prompt_field(llm, req, prompt_entries[0])
     return _json(
         {
             "id": rid,
@@ -222,6 +240,7 @@ async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat
             "created": int(time.time()),
             "model": req.model,
             "choices": choices,
+            **body,
             "usage": _usage(len(ids), completion),
         }
     )
