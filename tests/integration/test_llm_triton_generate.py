@@ -190,3 +190,18 @@ def test_disconnect_mid_stream_frees_the_sequence(server: KilnProcess, http: Htt
     assert _metric(server, "kiln_llm_kv_cache_usage_perc") == 0.0
     # the request was aborted, not run to its 240 tokens
     assert _metric(server, "kiln_llm_generation_tokens_total") - before < 240
+
+
+def test_generate_takes_logit_bias_as_the_openai_api_does(http: Http) -> None:
+    bias = {"logit_bias": {"42": 100}, "max_tokens": 4}
+    want = _completion(http, **bias)["choices"][0]["text"]
+    body = {"text_input": PROMPT, "parameters": {**GREEDY, **bias, "exclude_input_in_output": True}}
+    assert http.post("/v2/models/tiny/generate", json=body).json()["text_output"] == want
+    plain = _completion(http, max_tokens=4)["choices"][0]["text"]
+    assert want != plain  # the bias changed the text
+    bad = {"text_input": PROMPT, "parameters": {"logit_bias": {"42": 500}}}
+    reply = http.post("/v2/models/tiny/generate", json=bad)
+    assert (
+        reply.status_code == 400
+        and "logit_bias[42] must be in [-100, 100]" in reply.json()["error"]
+    )
