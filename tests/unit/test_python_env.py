@@ -101,3 +101,27 @@ def test_an_unusable_environment_is_refused_with_the_reason(
         resolve(config(raw), tmp_path / "model")
     assert info.value.message.startswith(f"model 'm': parameter EXECUTION_ENV_PATH '{raw}': ")
     assert reason in info.value.message
+
+
+def test_an_interpreter_is_checked_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model's other instances and later loads do not start the interpreter again; a
+    changed interpreter file is checked again."""
+    import subprocess
+
+    from kiln.backends.python import env as env_module
+
+    runs: list[list[str]] = []
+    real_run = subprocess.run
+
+    def counting_run(cmd: list[str], **kw: object) -> object:
+        runs.append(cmd)
+        return real_run(cmd, **kw)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(env_module.subprocess, "run", counting_run)
+    folder = fake_env(tmp_path / "once")
+    for _ in range(3):
+        assert resolve(config(str(folder)), tmp_path) is not None
+    assert len(runs) == 1
+    os.utime(folder / "bin" / "python", ns=(1, 1))  # replaced
+    assert resolve(config(str(folder)), tmp_path) is not None
+    assert len(runs) == 2

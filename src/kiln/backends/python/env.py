@@ -39,6 +39,9 @@ MODEL_DIR = "$$TRITON_MODEL_DIRECTORY"
 _PACKED = (".tar.gz", ".tgz", ".tar")
 _UNPACKED_MARK = ".kiln-unpacked"
 _CHECK_TIMEOUT_S = 120.0
+# Interpreters that passed the check, by path and modification time: a model's other
+# instances, its worker restarts and later loads do not start one again to ask.
+_CHECKED: set[tuple[str, int]] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +101,11 @@ def _interpreter(root: Path) -> Path | None:
 
 
 def _check(python: Path, fail: Callable[[str], KilnError]) -> None:
-    """The interpreter runs, is the server's Python version and can import numpy."""
+    """The interpreter runs, is the server's Python version and can import numpy (asked
+    once per interpreter file)."""
+    key = (str(python), python.stat().st_mtime_ns)
+    if key in _CHECKED:
+        return
     code = "import sys; print('%d.%d' % sys.version_info[:2]); import numpy"
     try:
         done = subprocess.run(
@@ -114,6 +121,7 @@ def _check(python: Path, fail: Callable[[str], KilnError]) -> None:
         lines = done.stderr.strip().splitlines()
         last = lines[-1] if lines else f"exit status {done.returncode}"
         raise fail(f"its Python cannot import numpy, which the worker needs ({last})")
+    _CHECKED.add(key)
 
 
 def _unpack(packed: Path) -> Path:
