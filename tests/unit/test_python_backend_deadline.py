@@ -163,6 +163,9 @@ output [ { name: "PID" data_type: TYPE_INT64 dims: [ 1 ] } ]
 
 
 class _Req:
+    correlation_id = 0  # outside a sequence
+    flags = 0
+
     def __init__(self, value: float, deadline_ns: int = 0) -> None:
         self.inputs = {"IN": np.array([value], np.float32)}
         self.output_names = ["PID"]

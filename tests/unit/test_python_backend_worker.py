@@ -68,6 +68,9 @@ def backend(tmp_path: Path) -> Iterator[PythonBackend]:
 
 
 class _Req:
+    correlation_id = 0  # outside a sequence
+    flags = 0
+
     def __init__(self, value: np.ndarray) -> None:
         self.inputs = {"IN": value}
         self.output_names = ["OUT", "NAME"]

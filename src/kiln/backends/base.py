@@ -60,6 +60,14 @@ class BackendRequest(Protocol):
     response_parameters: dict[str, Any] | None
     # A request whose client can go away (``Job``) also has ``add_cancel_callback``.
 
+    @property
+    def correlation_id(self) -> int | str:
+        """Triton's ``correlation_id()``: its sequence's id (0 outside a sequence)."""
+
+    @property
+    def flags(self) -> int:
+        """Triton's ``flags()``: START (1) / END (2) in a sequence batch, else 0."""
+
 
 # One entry per request: its outputs, or the error that request alone failed with.
 RequestOutcome = dict[str, np.ndarray] | KilnError

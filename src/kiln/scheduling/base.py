@@ -55,6 +55,16 @@ class Job:
     response_parameters: dict[str, Any] | None = None
     _on_cancel: list[Callable[[], None]] | None = None
 
+    @property
+    def correlation_id(self) -> int | str:
+        """Its ``sequence_id`` parameter, 0 without one (a sequence batch's requests are
+        ``RowRequest``, which say their sequence's id and flags)."""
+        return self.parameters.get("sequence_id", 0)  # type: ignore[no-any-return]
+
+    @property
+    def flags(self) -> int:
+        return 0
+
     def add_cancel_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` when the client goes away (at once if it has). It may be
         called twice when registered from another thread as the cancel happens: it must

@@ -56,6 +56,8 @@ class DynamicScheduler(Scheduler):
         self.policy = QueuePolicy.from_config(model, db)
         self.queue = RequestQueue(self.policy)
         self.ragged = RaggedBatching.of(config)
+        # inputs whose shapes need not agree within a batch (``allow_ragged_batch``)
+        self.ragged_inputs = self.ragged.ragged if self.ragged else frozenset()
         self._free: deque[Instance] = deque(instances)  # first free, first used
         self._closing = False
         self._pump_soon = False  # a _pump is already scheduled for this loop iteration
@@ -83,7 +85,7 @@ class DynamicScheduler(Scheduler):
             loop.create_future(),
             level,
             time.monotonic_ns(),
-            self.ragged.key(job.inputs) if self.ragged else shape_key(job.inputs, self.batching),
+            shape_key(job.inputs, self.batching, self.ragged_inputs),
         )
         self.queue.push(item)
         if timeout_ns:

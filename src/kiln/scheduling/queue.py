@@ -23,9 +23,16 @@ from kiln.scheduling.policy import QueuePolicy
 ShapeKey = tuple[tuple[str, tuple[int, ...]], ...]
 
 
-def shape_key(inputs: dict[str, np.ndarray], batching: bool) -> ShapeKey:
+def shape_key(
+    inputs: dict[str, np.ndarray], batching: bool, ragged: frozenset[str] = frozenset()
+) -> ShapeKey:
+    """``ragged``: inputs whose shapes need not agree (``allow_ragged_batch``)."""
     skip = 1 if batching else 0
-    return tuple(sorted((name, tuple(a.shape[skip:])) for name, a in inputs.items()))
+    if not ragged:
+        return tuple(sorted((name, tuple(a.shape[skip:])) for name, a in inputs.items()))
+    return tuple(
+        sorted((n, () if n in ragged else tuple(a.shape[skip:])) for n, a in inputs.items())
+    )
 
 
 @dataclass(slots=True, eq=False)

@@ -34,7 +34,7 @@ from kiln.core.errors import KilnError, Status
 from kiln.core.types import DataType
 from kiln.scheduling.base import Job
 from kiln.scheduling.batch import split_outputs
-from kiln.scheduling.queue import ShapeKey
+from kiln.scheduling.queue import ShapeKey, shape_key
 
 Kind = BatchInput.Kind
 
@@ -83,11 +83,7 @@ class RaggedBatching:
 
     def key(self, inputs: dict[str, np.ndarray]) -> ShapeKey:
         """What must agree for requests to share a batch: ragged inputs' shapes need not."""
-        skip = 1 if self.batching else 0
-        ragged = self.ragged
-        return tuple(
-            sorted((n, () if n in ragged else tuple(a.shape[skip:])) for n, a in inputs.items())
-        )
+        return shape_key(inputs, self.batching, self.ragged)
 
     def merge(self, jobs: list[Job]) -> dict[str, np.ndarray]:
         """The batch's inputs: ragged ones flattened end to end, the others concatenated

@@ -111,6 +111,8 @@ class _Single:
         self.sink: ResponseSink | None = None
         self.deadline_ns = 0
         self.response_parameters: dict[str, Any] | None = None
+        self.correlation_id: int | str = 0
+        self.flags = 0
 
 
 class PythonBackend(Backend):
@@ -346,10 +348,8 @@ class PythonBackend(Backend):
                 "inputs": [inbound.write(n, a) for n, a in r.inputs.items()],
                 "outputs": list(r.output_names),
                 "request_id": r.request_id,
-                # a sequence batch's request carries its sequence's id and START / END
-                "correlation_id": getattr(r, "correlation_id", None)
-                or r.parameters.get("sequence_id", 0),
-                "flags": getattr(r, "flags", 0),
+                "correlation_id": r.correlation_id,
+                "flags": r.flags,
                 "parameters": json.dumps(r.parameters, default=str) if r.parameters else "{}",
                 "cancel_at": watch.offset + i,
             }
