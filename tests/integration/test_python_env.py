@@ -32,6 +32,15 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse([pb_utils.Tensor("WHERE", where)]) for _ in requests]
 """
 
+AUTO_COMPLETE = """
+    @staticmethod
+    def auto_complete_config(config):
+        config.set_max_batch_size(0)
+        config.add_input({"name": "X", "data_type": "TYPE_FP32", "dims": [1]})
+        config.add_output({"name": "WHERE", "data_type": "TYPE_STRING", "dims": [1]})
+        return config
+"""
+
 CONFIG = """
 backend: "python"
 max_batch_size: 0
@@ -76,6 +85,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     with tarfile.open(packed / "env.tar.gz", "w:gz") as archive:
         archive.add(env, arcname="env")  # a folder inside: kiln finds bin/python in it
     add_model(repo, "no_env", None)
+    # no inputs or outputs written: its auto_complete_config, in the environment, says them
+    completed = add_model(repo, "auto_completed", str(env))
+    (completed / "1" / "model.py").write_text(textwrap.dedent(MODEL) + AUTO_COMPLETE)
+    (completed / "config.pbtxt").write_text(
+        'name: "auto_completed"\nbackend: "python"\n'
+        f'parameters: {{ key: "EXECUTION_ENV_PATH" value: {{ string_value: "{env}" }} }}\n'
+    )
     add_model(repo, "missing", str(root / "nowhere"))
     add_model(repo, "escapes", "$$TRITON_MODEL_DIRECTORY/../../env")
     add_model(repo, "no_numpy", str(make_env(root / "bare", numpy_too=False)))
@@ -141,3 +157,11 @@ def test_an_unusable_environment_fails_the_load_with_the_reason(
     assert f"model '{model}': parameter EXECUTION_ENV_PATH" in message
     assert reason in message
     assert client.is_server_live()
+
+
+def test_auto_complete_config_runs_in_the_model_s_environment(server: KilnProcess) -> None:
+    client = httpclient.InferenceServerClient(server.http_url)
+    client.load_model("auto_completed")  # model.py imports env_marker at the top
+    config = client.get_model_config("auto_completed")
+    assert [i["name"] for i in config["input"]] == ["X"]
+    assert _where(client, "auto_completed").startswith("the model's own environment|")

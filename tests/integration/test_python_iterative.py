@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import queue
 import textwrap
+import time
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -118,7 +119,53 @@ output [ {{ name: "RUNS" data_type: TYPE_INT32 dims: [ 1 ] }},
 {scheduling}
 """
 
+# Rescheduled on its first run, it tries to send on that run's sender from a thread once
+# execute has returned: refused, since the request now belongs to its next run.
+LATE_SEND_MODEL = """
+import os, threading, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.log = os.path.join(args["model_repository"], "..", "late_send.log")
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            out = pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([0], np.int32))])
+            if request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
+                request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+                threading.Thread(target=self._late, args=(sender, out)).start()
+            else:
+                time.sleep(0.3)  # the late send happens while this run goes on
+                sender.send(out, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
+    def _late(self, sender, out):
+        time.sleep(0.1)  # execute has returned by now
+        try:
+            sender.send(out)
+            text = "sent"
+        except pb_utils.TritonModelException as exc:
+            text = str(exc)
+        with open(self.log, "w") as f:
+            f.write(text)
+"""
+
 MODELS = {
+    "py_late_send": (
+        LATE_SEND_MODEL,
+        """
+        name: "py_late_send"
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        sequence_batching { iterative_sequence: true }
+        model_transaction_policy { decoupled: true }
+        """,
+    ),
     "py_countdown": (
         COUNTDOWN_MODEL, COUNTDOWN_CONFIG.format(name="py_countdown", max_batch_size=4)
     ),
@@ -299,3 +346,22 @@ def test_a_cancelled_iterative_request_frees_its_slot(server: KilnProcess) -> No
     client.close()
     got = _stream(server, "py_countdown_one", [2], batched=False)["0"]
     assert [r["out"] for r in got] == [1, 0]
+
+
+def test_a_send_on_a_rescheduled_run_s_sender_is_refused(server: KilnProcess) -> None:
+    """Triton asks a decoupled model to reschedule before execute returns: the sender of
+    that run is closed then, so a late send cannot reach the request's next run."""
+    results: queue.Queue[Any] = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback=partial(_collect, results))
+        client.async_stream_infer("py_late_send", _countdown_input(1, batched=False))
+        item = results.get(timeout=30)  # the second run's one response, FINAL
+        assert not isinstance(item, InferenceServerException), item
+        client.stop_stream()
+    log = server.repository / "late_send.log"
+    for _ in range(200):  # the model's thread writes it (no duration is asserted)
+        if log.exists() and log.read_text():
+            break
+        time.sleep(0.05)
+    text = log.read_text()
+    assert "the request was rescheduled (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)" in text

@@ -148,14 +148,16 @@ ensemble_scheduling {{ step [
 @pytest.fixture
 async def ensembles(example_repo: Path, tmp_path: Path) -> AsyncIterator[RepositoryManager]:
     """Copies of ``simple`` named shared, first_only, second_only and by_name; ensembles
-    ``first`` (shared -> first_only) and ``second`` (shared -> second_only)."""
+    ``first`` (shared -> first_only), ``second`` (shared -> second_only), ``third``
+    (by_name twice) and ``outer`` (the ensemble ``first`` -> second_only)."""
     for model in ("shared", "first_only", "second_only", "by_name"):
         shutil.copytree(example_repo / "simple", tmp_path / model)
         config = tmp_path / model / "config.pbtxt"
         config.write_text(config.read_text().replace('name: "simple"', f'name: "{model}"'))
     for name, steps in {"first": ("shared", "first_only"),
                         "second": ("shared", "second_only"),
-                        "third": ("by_name", "by_name")}.items():  # fmt: skip
+                        "third": ("by_name", "by_name"),
+                        "outer": ("first", "second_only")}.items():  # fmt: skip
         (tmp_path / name / "1").mkdir(parents=True)
         (tmp_path / name / "config.pbtxt").write_text(_ensemble(name, *steps))
     repo = RepositoryManager([tmp_path])
@@ -201,3 +203,10 @@ async def test_unload_without_dependents_leaves_the_composing_models(
     # a later unload of the ensemble with dependents finds it unloaded: nothing else moves
     await ensembles.unload("first", unload_dependents=True)
     assert _ready(ensembles) == {"shared", "first_only"}
+
+
+async def test_unload_dependents_goes_down_nested_ensembles(ensembles: RepositoryManager) -> None:
+    await ensembles.load("outer")  # brings first, which brings shared and first_only
+    assert _ready(ensembles) == {"outer", "first", "shared", "first_only", "second_only"}
+    await ensembles.unload("outer", unload_dependents=True)
+    assert _ready(ensembles) == set()
