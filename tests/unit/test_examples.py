@@ -468,6 +468,11 @@ def test_python_preprocess_matches_image_preprocess(repo: Path, batch: int) -> N
 
 
 class _Collect:
+    window = 0  # no flow control (core/stream.py)
+
+    def on_credit(self, grant: Any) -> None:
+        raise AssertionError("no window: nothing to grant")
+
     def __init__(self) -> None:
         self.items: list[tuple[dict[str, Array] | None, bool]] = []
 

@@ -257,6 +257,11 @@ async def test_a_bls_call_is_answered_off_the_loop(instance: Instance) -> None:
 class _AnySink:
     """A decoupled request's responses as they come: (OUT or None, final, error)."""
 
+    window = 0  # no flow control (core/stream.py)
+
+    def on_credit(self, grant: Any) -> None:
+        raise AssertionError("no window: nothing to grant")
+
     def __init__(self) -> None:
         self.items: list[tuple[Any, bool, Any]] = []
 
@@ -982,6 +987,11 @@ class TritonPythonModel:
 
 
 class _CountingSink:
+    window = 0
+
+    def on_credit(self, grant: Any) -> None:
+        raise AssertionError("no window: nothing to grant")
+
     def __init__(self) -> None:
         self.count = 0
         self.final = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -35,7 +36,14 @@ class InstanceSpec:
 
 
 class ResponseSink(Protocol):
-    """Where a decoupled model's responses go, from the instance's thread, as they come."""
+    """Where a decoupled model's responses go, from the instance's thread, as they come.
+
+    ``window`` > 0 asks the producer to pause while that many of its non-final responses
+    are untaken; one that can registers ``on_credit`` (``core/stream.py``)."""
+
+    window: int
+
+    def on_credit(self, grant: Callable[[int], None]) -> None: ...
 
     def send(
         self,

@@ -153,7 +153,12 @@ class ModelRuntime:
         streaming = decoupled_steps(graph, self._resolve)
         self.decoupled = self.decoupled or bool(streaming)
         self.scheduler = EnsembleScheduler(
-            graph, self.signature, self.stats, self._resolve, streaming
+            graph,
+            self.signature,
+            self.stats,
+            self._resolve,
+            streaming,
+            self.config.ensemble_scheduling.max_inflight_requests,
         )
         self.state = ModelState.READY
 
@@ -246,12 +251,15 @@ class ModelRuntime:
             if self._inflight == 0:
                 self._idle.set()
 
-    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:
+    async def infer_stream(
+        self, request: InferenceRequest, window: int = 0
+    ) -> AsyncIterator[InferenceResponse]:
         """Every response to one request, as the model sends them (decoupled or not).
 
         A decoupled model's responses carry ``triton_final_response``; a FINAL flag sent
         without a response yields an empty final response only when the request asks with
-        ``triton_enable_empty_final_response``, as in Triton.
+        ``triton_enable_empty_final_response``, as in Triton. ``window`` > 0: a model that
+        can pause (a Python model) sends no more while that many responses wait untaken.
         """
         if not self.decoupled:
             yield await self.infer(request)
@@ -266,7 +274,7 @@ class ModelRuntime:
         try:
             inputs, batch = self._inputs(request)
             names = [o.name for o in request.outputs] or self.signature.output_names
-            stream = ResponseStream(asyncio.get_running_loop())
+            stream = ResponseStream(asyncio.get_running_loop(), window)
             job = Job(inputs, names, batch, times, request.parameters, request.id, stream)
             task = asyncio.get_running_loop().create_task(self.scheduler.schedule(job))
             task.add_done_callback(
@@ -295,8 +303,8 @@ class ModelRuntime:
             self.stats.record_success(times, batch, time.monotonic_ns())
         finally:
             if task is not None and not task.done():
-                stream.cancel()  # the client went away: later responses are dropped,
-                job.cancel()  # the model may see it and stop,
+                job.cancel()  # the client went away: the model may see it and stop,
+                stream.cancel()  # later responses are dropped (a paused model goes on),
                 task.cancel()  # and nobody waits for it any more
                 self.stats.record_failure(times, time.monotonic_ns(), FailureReason.CANCELED)
             self._inflight -= 1

@@ -6,12 +6,20 @@ them in order with ``async for``. ``finish`` (on the loop) ends the stream once 
 scheduler is done with the request, with the scheduler's error if it failed. ``cancel`` (on
 the loop) says the reader went away: what the model sends after that is dropped (the
 model itself hears of it through ``Job.cancel``).
+
+**Flow control.** A stream with a ``window`` (an ensemble's ``max_inflight_requests``)
+holds at most that many responses its reader has not taken: a producer that can pause
+(the Python backend's worker) registers ``on_credit`` and sends no further response while
+``window`` of its non-final responses are untaken. The stream grants the count taken so
+far only when the producer may be waiting for it (it has sent a whole window since the last
+grant), so a reader that keeps up costs one grant per window, and a paused producer at most
+one message in flight. ``-1`` lifts the limit: the reader went away or the stream ended.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +39,27 @@ class StreamItem:
 _END = StreamItem(None, True)
 
 
+#: What ``on_credit`` is called with to lift a window for good.
+UNLIMITED = -1
+
+
 class ResponseStream:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, window: int = 0) -> None:
+        """``window``: how many non-final responses may wait untaken (0: no limit)."""
         self._loop = loop
         self._queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         self._error: BaseException | None = None
         self.cancelled = False
+        self.window = window
+        self._credit: Callable[[int], None] | None = None
+        self._received = 0  # non-final responses queued, taken and granted (on the loop)
+        self._taken = 0
+        self._granted = 0
+
+    def on_credit(self, grant: Callable[[int], None]) -> None:
+        """The producer's way to hear how many non-final responses the reader has taken
+        (or ``UNLIMITED``); called on the loop. Without a window nothing is granted."""
+        self._credit = grant
 
     def send(
         self,
@@ -50,20 +73,49 @@ class ResponseStream:
         if self.cancelled:
             return
         item = StreamItem(outputs, final, error, parameters)
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self._loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item: StreamItem) -> None:
+        self._queue.put_nowait(item)
+        if self.window and not item.final:
+            self._received += 1
+            self._grant()
+
+    def _grant(self) -> None:
+        """Tell the producer what was taken, if it may be waiting for it: it has sent a
+        whole window since the last grant (it counts sends before they arrive here, so it
+        is waiting or about to)."""
+        if (
+            self._credit is not None
+            and self._taken > self._granted
+            and self._received - self._granted >= self.window
+        ):
+            self._granted = self._taken
+            self._credit(self._taken)
+
+    def _unlimit(self) -> None:
+        if self.window and self._credit is not None:
+            self.window = 0
+            self._credit(UNLIMITED)
 
     def cancel(self) -> None:
-        """On the loop: nobody reads this stream any more."""
+        """On the loop: nobody reads this stream any more. A paused producer goes on (what
+        it sends is dropped) so that it can see the cancellation and end."""
         self.cancelled = True
+        self._unlimit()
 
     def finish(self, error: BaseException | None = None) -> None:
         """On the loop: nothing more will come. Queued after everything ``send`` queued,
         because the executor hands its result to the loop the same way."""
         self._error = error
         self._queue.put_nowait(_END)
+        self._unlimit()  # a thread of the model's may still wait (its batch failed)
 
     async def __aiter__(self) -> AsyncIterator[StreamItem]:
         while (item := await self._queue.get()) is not _END:
+            if self.window and not item.final:
+                self._taken += 1
+                self._grant()
             yield item
         if self._error is not None:
             raise self._error

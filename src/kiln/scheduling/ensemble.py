@@ -14,6 +14,13 @@ made the requested outputs. A decoupled step starts once nothing else runs in it
 so every branch copies a settled set of tensors and nothing before the step runs twice.
 Decoupled steps must lie on one chain (each after the other); ones on parallel branches
 are refused at load.
+
+**max_inflight_requests** (``ensemble_scheduling``), as in Triton: at most that many
+requests in flight at each step, across all of the ensemble's requests. A step waits for a
+place before its request goes to its model. A decoupled step's responses are read one at a
+time, the next only once the branch the last one started has its places; the stream holds
+at most that many responses untaken, and a Python model's sender pauses while it is full
+(``core/stream.py``), so a fast producer feeding a slow step cannot fill the memory.
 """
 
 from __future__ import annotations
@@ -50,7 +57,9 @@ class StepModel(Protocol):
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse: ...
 
-    def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]: ...
+    def infer_stream(
+        self, request: InferenceRequest, window: int = 0
+    ) -> AsyncIterator[InferenceResponse]: ...
 
 
 # (model name, version or "" for the latest ready one) -> the serving runtime
@@ -84,13 +93,38 @@ class EnsembleScheduler(Scheduler):
         stats: ModelStats,
         resolve: Resolve,
         decoupled_steps: frozenset[int] = frozenset(),
+        max_inflight: int = 0,
     ) -> None:
-        """``decoupled_steps``: the indices of the steps whose model is decoupled."""
+        """``decoupled_steps``: the indices of the steps whose model is decoupled;
+        ``max_inflight``: ``max_inflight_requests`` (0: no limit)."""
         super().__init__([], stats, graph.name)
         self.graph = graph
         self.signature = signature
         self.resolve = resolve
         self.decoupled_steps = decoupled_steps
+        self.max_inflight = max_inflight
+        # one place-count per step, shared by every request; None costs nothing
+        self._places: list[asyncio.Semaphore] | None = (
+            [asyncio.Semaphore(max_inflight) for _ in graph.steps] if max_inflight > 0 else None
+        )
+
+    def in_flight(self, step: int) -> int:
+        """Requests in flight at a step now (0 without ``max_inflight_requests``)."""
+        if self._places is None:
+            return 0
+        return self.max_inflight - self._places[step]._value
+
+    async def _start(self, step: Step, tensors: Tensors, job: Job) -> asyncio.Task[Tensors]:
+        """The step's request as a task, once the step has a place; the place is given
+        back when the task ends (even one cancelled before it began)."""
+        places = self._places
+        if places is None:
+            return asyncio.create_task(self._run_step(step, tensors, job))
+        place = places[step.index]
+        await place.acquire()
+        task = asyncio.create_task(self._run_step(step, tensors, job))
+        task.add_done_callback(lambda _: place.release())
+        return task
 
     async def schedule(self, job: Job) -> dict[str, np.ndarray]:
         if self.decoupled_steps:
@@ -103,8 +137,7 @@ class EnsembleScheduler(Scheduler):
             if error is None:
                 for step in [s for s in waiting if _ready(s, tensors, absent)]:
                     waiting.remove(step)
-                    task = asyncio.create_task(self._run_step(step, tensors, job))
-                    running[task] = step
+                    running[await self._start(step, tensors, job)] = step
             if not running:
                 break
             # Steps in flight when another fails still finish (their models' batches may
@@ -148,10 +181,17 @@ class EnsembleScheduler(Scheduler):
         return {}
 
     async def _branch(
-        self, tensors: Tensors, waiting: list[Step], job: Job, absent: set[str]
+        self,
+        tensors: Tensors,
+        waiting: list[Step],
+        job: Job,
+        absent: set[str],
+        admitted: asyncio.Future[None] | None = None,
     ) -> None:
         """Run the steps of one branch; a decoupled step forks it, one branch per response.
-        A branch that ends with every requested output sends them as one response."""
+        A branch that ends with every requested output sends them as one response.
+        ``admitted`` is set once the branch's first steps have their places (the fork
+        that started it reads the next response only then)."""
         running: dict[asyncio.Task[Tensors], Step] = {}
         try:
             while True:
@@ -159,15 +199,18 @@ class EnsembleScheduler(Scheduler):
                 for step in ready:
                     if step.index not in self.decoupled_steps:
                         waiting.remove(step)
-                        task = asyncio.create_task(self._run_step(step, tensors, job))
-                        running[task] = step
+                        running[await self._start(step, tensors, job)] = step
                 if not running:
                     forks = [s for s in ready if s.index in self.decoupled_steps]
                     if forks:  # nothing else runs: every branch copies settled tensors
                         waiting.remove(forks[0])
+                        if self._places is not None:
+                            await self._places[forks[0].index].acquire()
+                        _admit(admitted)
                         await self._fork(forks[0], tensors, waiting, job, absent)
                         return
                     break
+                _admit(admitted)
                 done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     step = running.pop(task)
@@ -176,6 +219,7 @@ class EnsembleScheduler(Scheduler):
                         raise self._step_error(step, exc)
                     tensors.update(task.result())
         finally:
+            _admit(admitted)
             for task in running:  # a step failed: the branch's other steps are not wanted
                 task.cancel()
         if all(name in tensors for name in job.output_names):
@@ -185,6 +229,8 @@ class EnsembleScheduler(Scheduler):
     async def _fork(
         self, step: Step, tensors: Tensors, rest: list[Step], job: Job, absent: set[str]
     ) -> None:
+        """Run a decoupled step (its place taken by the caller, given back when its
+        stream ends) and a branch per response."""
         branches: set[asyncio.Task[None]] = set()
         try:
             try:
@@ -195,12 +241,20 @@ class EnsembleScheduler(Scheduler):
                         _reap(branches)  # a branch that failed stops the stream now
                         branch = dict(tensors)
                         branch.update(produced)
-                        task = asyncio.create_task(self._branch(branch, list(rest), job, absent))
+                        admitted = None if self._places is None else _future()
+                        task = asyncio.create_task(
+                            self._branch(branch, list(rest), job, absent, admitted)
+                        )
                         branches.add(task)
+                        if admitted is not None:  # backpressure: the next once it is in
+                            await asyncio.wait({admitted, task}, return_when=_FIRST)
             except StepFailed:
                 raise  # a branch's, already naming its step
             except Exception as exc:
                 raise self._step_error(step, exc) from exc
+            finally:
+                if self._places is not None:
+                    self._places[step.index].release()
             while branches:
                 done, branches = await asyncio.wait(branches, return_when=asyncio.FIRST_EXCEPTION)
                 for task in done:
@@ -218,7 +272,7 @@ class EnsembleScheduler(Scheduler):
         request = self._step_request(step, tensors, job)
         # a FINAL flag alone carries nothing for the steps after it
         request.parameters.pop("triton_enable_empty_final_response", None)
-        async for response in model.infer_stream(request):
+        async for response in model.infer_stream(request, self.max_inflight):
             if response.outputs:
                 yield {step.outputs[o.name]: (o.datatype, o.data) for o in response.outputs}
 
@@ -249,6 +303,18 @@ class EnsembleScheduler(Scheduler):
             status = Status.UNAVAILABLE if exc.status is Status.NOT_FOUND else exc.status
             return StepFailed(f"{prefix}: {exc.message}", status)
         return StepFailed(f"{prefix}: {type(exc).__name__}: {exc}", Status.INTERNAL)
+
+
+_FIRST = asyncio.FIRST_COMPLETED
+
+
+def _future() -> asyncio.Future[None]:
+    return asyncio.get_running_loop().create_future()
+
+
+def _admit(admitted: asyncio.Future[None] | None) -> None:
+    if admitted is not None and not admitted.done():
+        admitted.set_result(None)
 
 
 def _reap(branches: set[asyncio.Task[None]]) -> None:

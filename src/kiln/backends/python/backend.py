@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import json
 import logging
 import threading
@@ -161,6 +163,7 @@ class PythonBackend(Backend):
                 Status.INVALID_ARG,
             )
         self.decoupled = config.model_transaction_policy.decoupled
+        self._flows = itertools.count()  # a key per stream with a window (``_flow``)
         self.execute_timeout = _seconds(config, "execute_timeout_secs", None)
         self.initialize_timeout = _seconds(config, "initialize_timeout_secs", 300.0)
         busy_poll_us = count_parameter(config, "busy_poll_us", "microseconds, 0 = off")
@@ -355,7 +358,29 @@ class PythonBackend(Backend):
             }
             for i, r in enumerate(requests)
         ]
+        if self.decoupled:
+            for message, request in zip(wire, requests, strict=True):
+                self._flow(message, request.sink)
         return wire, watch
+
+    def _flow(self, message: dict[str, Any], sink: ResponseSink | None) -> None:
+        """A stream with a window (an ensemble's ``max_inflight_requests``): the worker's
+        sender pauses while a window of its responses is untaken, and the stream's grants
+        reach it as ``("grant", flow, taken)`` messages (``core/stream.py``)."""
+        if sink is None or sink.window <= 0:
+            return
+        flow = next(self._flows)
+        message["window"] = sink.window
+        message["flow"] = flow
+        sink.on_credit(functools.partial(self._grant, self.worker.conn, flow))
+
+    def _grant(self, conn: Wire | None, flow: int, taken: int) -> None:
+        """On the loop; dropped when the worker that runs the stream is gone (a restarted
+        one never heard of it)."""
+        if conn is None:
+            return
+        with contextlib.suppress(WorkerDied, OSError), self.worker.sending(conn):
+            conn.send(("grant", flow, taken))
 
     def _died(self, exc: WorkerDied) -> KilnError:
         return KilnError(

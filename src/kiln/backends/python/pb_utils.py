@@ -237,6 +237,12 @@ class InferenceResponseSender:
         self._index = index
         self._request = request
         self.closed = False
+        # Flow control (an ensemble's ``max_inflight_requests``): with a window, a send
+        # waits while ``window`` non-final responses are sent and not granted (taken
+        # downstream); ``worker.Channel`` reads the grants.
+        self._window = 0
+        self._sent = 0
+        self._granted = 0
         # Why a send is refused once closed: the FINAL flag was sent, or the batch ended
         # (its execute raised) and the request was answered with that error.
         self.closed_reason = (

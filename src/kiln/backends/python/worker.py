@@ -72,10 +72,16 @@ class Channel:
         self.reader = threading.RLock()
         self.streams: dict[int, collections.deque[Any]] = {}
         self._next_stream = 0
+        # The batch's senders with a window, by flow key: grants from the server.
+        self.flows: dict[int, pb_utils.InferenceResponseSender] = {}
+        self.answers: collections.deque[Any] = collections.deque()  # see ``keep``
 
     def next_message(self) -> Any:
-        """The next message to handle: one read while waiting for a BLS answer first."""
-        return self.backlog.popleft() if self.backlog else self.conn.recv()
+        """The next message to handle: one read while waiting for a BLS answer first.
+        Under ``reader``: a thread of the model's may still read (a sender waiting for
+        a grant after its batch failed, until the server's last grant comes)."""
+        with self.reader:
+            return self.backlog.popleft() if self.backlog else self.conn.recv()
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self.lock:
@@ -96,6 +102,8 @@ class Channel:
         response: pb_utils.InferenceResponse | None,
         final: bool,
     ) -> None:
+        if not final:
+            self._wait_credit(sender)
         with self.lock:  # the arena's cursor is shared by every sending thread
             if sender.closed:
                 raise pb_utils.TritonModelException(sender.closed_reason)
@@ -105,10 +113,27 @@ class Channel:
             has_response = response is not None
             self.conn.send(("response", sender._index, headers, error, final, has_response, params))
             sender.closed = final
+            sender._sent += not final
         if final:
             with self.finals:
                 self.open_senders -= 1
                 self.finals.notify_all()
+
+    def _wait_credit(self, sender: pb_utils.InferenceResponseSender) -> None:
+        """Wait while the sender's window is full, reading the pipe for grants (what else
+        comes meanwhile is kept): the model pauses until downstream takes its responses."""
+
+        def blocked() -> bool:
+            return (
+                not sender.closed
+                and sender._window > 0
+                and sender._sent - sender._granted >= sender._window
+            )
+
+        while blocked():
+            with self.reader:
+                if blocked():  # another reader may have read our grant meanwhile
+                    self.keep(self.conn.recv())
 
     def close_senders(self, senders: list[pb_utils.InferenceResponseSender], error: str) -> None:
         """End a failed decoupled batch: every request still open gets ``error`` as its
@@ -194,10 +219,15 @@ class Channel:
         keeping what else comes meanwhile."""
         with self.reader:
             while True:
-                message: tuple[Any, ...] = self.conn.recv()
+                # another reader (a stream's, a sender waiting for a grant) may have read
+                # it; one call is out at a time, so an answer there is this call's
+                message: tuple[Any, ...] = (
+                    self.answers.popleft() if self.answers else self.conn.recv()
+                )
                 if message[0] == kind:
                     return message
-                self.keep(message)
+                if message[0] not in ("bls_result", "control_result"):
+                    self.keep(message)
 
     def response(
         self, headers: list[Header] | None, error: ErrorInfo | None, params: str | None
@@ -218,6 +248,17 @@ class Channel:
             parts = self.streams.get(message[1])
             if parts is not None:
                 parts.append(message)
+            return
+        if message[0] in ("bls_result", "control_result"):
+            self.answers.append(message)  # the one call out (under ``lock``) reads it
+            return
+        if message[0] == "grant":  # (grant, flow, taken), -1 lifts the window
+            sender = self.flows.get(message[1])
+            if sender is not None:
+                if message[2] < 0:
+                    sender._window = 0
+                else:
+                    sender._granted = max(sender._granted, message[2])
             return
         self.backlog.append(message)
 
@@ -315,6 +356,7 @@ class Worker:
             return self._execute(wire_requests, slot, requests)
         finally:
             self.channel.drain_streams()
+            self.channel.flows.clear()
             for request in requests:  # the slot's arena is the next batch's now
                 request._cancel_flag = None
 
@@ -342,7 +384,10 @@ class Worker:
             )
             request._cancel_flag = (channel.inbound, wire["cancel_at"])
             if self.decoupled:
-                request._sender = pb_utils.InferenceResponseSender(index, request)
+                request._sender = sender = pb_utils.InferenceResponseSender(index, request)
+                if wire.get("window"):
+                    sender._window = wire["window"]
+                    channel.flows[wire["flow"]] = sender
             requests.append(request)
         if self.decoupled:
             with channel.finals:
