@@ -11,15 +11,28 @@ single-window method (and the server process-tree CPU they report).
 from __future__ import annotations
 
 import asyncio
+import socket
+import subprocess
+import sys
 import time
 import urllib.parse
+import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from kiln.bench.measure import Slot
 from kiln.bench.stats import own_cpu, process_tree_cpu
 from kiln.bench.transport import MODEL_INFER, GrpcSlot, HttpConnection, HttpSlot, http_request
 
-__all__ = ["MODEL_INFER", "Window", "drive_grpc", "drive_http", "own_cpu", "process_tree_cpu"]
+__all__ = [
+    "MODEL_INFER",
+    "Window",
+    "drive_grpc",
+    "drive_http",
+    "own_cpu",
+    "process_tree_cpu",
+    "start_kiln",
+]
 
 
 @dataclass(slots=True)
@@ -84,3 +97,32 @@ async def drive_grpc(
 ) -> Window:  # fmt: skip
     slots: list[Slot] = [GrpcSlot(target, [request], 60.0) for _ in range(concurrency)]
     return await _closed_loop(slots, server_pid, warmup, duration)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_kiln(repo: Path, model: str, extra: list[str]) -> tuple[subprocess.Popen[bytes], int]:
+    """``kiln serve`` on free ports with ``extra`` flags, once ``model`` is ready; returns
+    the process and its HTTP port."""
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "kiln", "serve", "--model-repository", str(repo),
+        "--http-port", str(port), "--grpc-port", str(_free_port()),
+        "--metrics-port", str(_free_port()), "--log-level", "warning", *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            url = f"http://127.0.0.1:{port}/v2/models/{model}/ready"
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return proc, port
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("kiln did not become ready")

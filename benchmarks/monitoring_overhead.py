@@ -16,14 +16,12 @@ import asyncio
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from loadgen import drive_http
-from serving_baseline import batch1_inputs, free_port, json_body
+from loadgen import drive_http, start_kiln
+from serving_baseline import batch1_inputs, json_body
 
 from kiln.examples import build_example_repository
 
@@ -32,25 +30,8 @@ OFF = ["--no-allow-metrics", "--no-history", "--no-default-alert-rules"]
 
 
 def start(repo: Path, work: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "kiln", "serve", "--model-repository", str(repo),
-        "--http-port", str(port), "--grpc-port", str(free_port()),
-        "--metrics-port", str(free_port()), "--log-level", "warning",
-        "--history-path", str(work / f"history-{port}.db"), *extra,
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            url = f"http://127.0.0.1:{port}/v2/models/mlp/ready"
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return proc, port
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("kiln did not become ready")
+    history = ["--history-path", str(work / f"history-{time.monotonic_ns()}.db")]
+    return start_kiln(repo, "mlp", [*history, *extra])
 
 
 def measure(repo: Path, work: Path, extra: list[str], duration: float) -> float:

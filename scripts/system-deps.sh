@@ -9,6 +9,7 @@ need() { dpkg -s "$1" >/dev/null 2>&1 || packages+=("$1"); }
 need prometheus  # tests/integration/test_prometheus.py scrapes kiln with a real server
 need chromium    # tests/e2e/test_dashboard.py drives the dashboard in headless Chromium
 need curl        # tests/integration/test_grpc_interop.py: an HTTP/2 client (nghttp2) that is not grpcio
+need redis-server  # tests/integration/test_redis_cache.py: the shared response cache
 
 if [[ ${#packages[@]} -eq 0 ]]; then
     exit 0

@@ -179,9 +179,11 @@ def main() -> None:
     "--cache-config",
     "cache_config",
     multiple=True,
-    metavar="local,KEY=VALUE",
+    metavar="CACHE,KEY=VALUE",
     help="Response cache for models with response_cache { enable: true }, as in Triton: "
-    "--cache-config local,size=BYTES.",
+    "--cache-config local,size=BYTES, or a Redis that servers share: --cache-config "
+    "redis,host=HOST --cache-config redis,port=PORT (also user, password, db, "
+    "connect_timeout, socket_timeout, pool_size, wait_timeout).",
 )
 @click.option(
     "--rate-limit",

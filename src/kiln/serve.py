@@ -28,6 +28,7 @@ from kiln.frontends.http.slow_clients import header_timeout_protocol
 from kiln.frontends.openai.routes import openai_routes
 from kiln.metrics.app import MetricsOptions, MetricsService, metrics_app
 from kiln.metrics.monitor import MonitorOptions, MonitorService
+from kiln.scheduling.cache import CacheConfigError
 from kiln.security import SecurityOptions
 
 log = logging.getLogger("kiln")
@@ -126,7 +127,12 @@ def _http_app(frontend: HttpFrontend, routes: list[Any], security: SecurityOptio
 
 
 async def run(options: ServerOptions, endpoints: Endpoints) -> int:
-    server = Server(options)
+    try:
+        server = Server(options)
+        await server.open()  # before listening: a redis cache out of reach stops it here
+    except CacheConfigError as exc:
+        log.error("--cache-config: %s", exc)
+        return 1
     metrics: MetricsService | None = None
     monitor: MonitorService | None = None
     # History and alerts read the metrics collectors, so those run whenever any is on.

@@ -211,11 +211,11 @@ def test_enabled_model_without_a_server_cache_runs_every_request(
 def test_bad_cache_config_flag_stops_the_server_with_the_reason(example_repo: Path) -> None:
     cmd = [sys.executable, "-m", "kiln", "serve", "--model-repository", str(example_repo)]
     done = subprocess.run(
-        [*cmd, "--cache-config", "redis,host=localhost"], capture_output=True, timeout=60
+        [*cmd, "--cache-config", "memcached,host=localhost"], capture_output=True, timeout=60
     )
     assert done.returncode == 2
     assert b"--cache-config" in done.stderr
-    assert b"cache 'redis' is not supported" in done.stderr
+    assert b"cache 'memcached' is not supported" in done.stderr
 
 
 def test_a_cached_answer_keeps_the_response_parameters(cache_server: KilnProcess) -> None:

@@ -166,7 +166,7 @@ def test_cache_config_parses_tritons_spelling(flags: list[str], size: int | None
 @pytest.mark.parametrize(
     ("flag", "words"),
     [
-        ("redis,host=localhost", "cache 'redis' is not supported"),
+        ("memcached,host=localhost", "cache 'memcached' is not supported"),
         ("local", "expected <cache>,<key>=<value>"),
         ("local,size=lots", "must be an integer number of bytes, got 'lots'"),
         ("local,size=-5", "must be >= 0 bytes"),

@@ -23,7 +23,7 @@ from kiln.core.stream import ResponseStream
 from kiln.core.types import DataType, InferenceRequest, InferenceResponse, InferOutput
 from kiln.core.warmup import build_samples, run_warmup
 from kiln.scheduling.base import INLINE_MAX_US, Instance, Job, Scheduler
-from kiln.scheduling.cache import ResponseCache, request_key
+from kiln.scheduling.cache import Cache, model_fingerprint, request_key
 from kiln.scheduling.direct import DirectScheduler
 from kiln.scheduling.dynamic import DynamicScheduler
 from kiln.scheduling.ensemble import (
@@ -59,7 +59,7 @@ class ModelRuntime:
         config: ModelConfig,
         version_dir: Path,
         backend_cls: type[Backend],
-        cache: ResponseCache | None = None,
+        cache: Cache | None = None,
         resolve: Callable[[str, str], StepModel] | None = None,
         rate_limiter: RateLimiter | None = None,
     ) -> None:
@@ -82,6 +82,9 @@ class ModelRuntime:
         self._idle.set()
         self.cache = _model_cache(config, name, cache)
         self._load_id = next(_LOAD_IDS)
+        # The model's part of its cache keys: this load (local cache), or a fingerprint of
+        # its files that every server computes alike (a shared cache; set by ``load``).
+        self._cache_owner = self._load_id
         self._resolve = resolve  # ensembles look their composing models up through it
         # 0..N responses per request, only through the stream APIs (infer_stream)
         self.decoupled = config.model_transaction_policy.decoupled
@@ -91,6 +94,10 @@ class ModelRuntime:
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
         filenames = {o.name: o.label_filename for o in self.config.output if o.label_filename}
+        if self.cache is not None and self.cache.shared:
+            self._cache_owner = await loop.run_in_executor(
+                None, model_fingerprint, self.config, self.version_dir
+            )
         self.labels = await loop.run_in_executor(
             None, load_labels, self.version_dir.parent, filenames
         )
@@ -213,8 +220,8 @@ class ModelRuntime:
             key, lookup_ns = None, 0
             if self.cache is not None:
                 lookup_start = time.monotonic_ns()
-                key = request_key(self.name, self.version_str, request, names, self._load_id)
-                cached = self.cache.lookup_response(key)
+                key = request_key(self.name, self.version_str, request, names, self._cache_owner)
+                cached = await self.cache.get(key)
                 lookup_ns = time.monotonic_ns() - lookup_start
                 if cached is not None:
                     self.stats.record_cache_hit(times, lookup_ns, time.monotonic_ns())
@@ -238,7 +245,7 @@ class ModelRuntime:
                 raise internal(f"model '{self.name}': {type(exc).__name__}: {exc}") from exc
             if self.cache is not None and key is not None:
                 insert_start = time.monotonic_ns()
-                self.cache.insert(key, outputs, self._load_id, job.response_parameters)
+                await self.cache.put(key, outputs, self._cache_owner, job.response_parameters)
                 self.stats.record_cache_miss(lookup_ns + time.monotonic_ns() - insert_start)
             self.stats.record_success(times, batch, time.monotonic_ns())
             response = self._response(request, outputs)
@@ -358,14 +365,12 @@ class ModelRuntime:
             await self.scheduler.close()
             self.scheduler = None
         if self.cache is not None:
-            self.cache.drop_owner(self._load_id)
+            self.cache.drop_owner(self._cache_owner)
         self.state = ModelState.UNAVAILABLE
         self.reason = "unloaded"
 
 
-def _model_cache(
-    config: ModelConfig, name: str, cache: ResponseCache | None
-) -> ResponseCache | None:
+def _model_cache(config: ModelConfig, name: str, cache: Cache | None) -> Cache | None:
     """The server's cache when this model asks for it and can use it; else None."""
     if not config.response_cache.enable:
         return None

@@ -25,7 +25,7 @@ from kiln.core.signature import check_request_limits
 from kiln.core.types import InferenceRequest, InferenceResponse
 from kiln.repository.manager import RepositoryManager, check_model_name, decode_files
 from kiln.repository.poll import RepositoryPoller
-from kiln.scheduling.cache import CacheConfig, ResponseCache
+from kiln.scheduling.cache import CacheConfig, open_cache
 from kiln.scheduling.rate_limit import RateLimiter, ResourceOverride
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ class ServerOptions:
 class Server:
     def __init__(self, options: ServerOptions) -> None:
         self.options = options
-        self.response_cache = ResponseCache(options.cache.size) if options.cache else None
+        self.response_cache = open_cache(options.cache) if options.cache else None
+        self._opened = False
         self.repository = RepositoryManager(
             options.model_repositories,
             drain_timeout=options.exit_timeout_secs,
@@ -92,9 +93,17 @@ class Server:
         self.log_settings = LogSettings()
 
     # ---- lifecycle -------------------------------------------------------------------
+    async def open(self) -> None:
+        """Reach what the server needs before any model loads: a shared response cache
+        that cannot be reached raises ``CacheConfigError`` naming it (once is enough)."""
+        if self.response_cache is not None and not self._opened:
+            await self.response_cache.open()
+            self._opened = True
+
     async def start(self) -> None:
         # Python models call other models (BLS) through this server's infer.
         bls.install(self.infer, asyncio.get_running_loop(), self.infer_stream, self)
+        await self.open()
         mode = self.options.model_control_mode
         if mode in (ControlMode.NONE, ControlMode.POLL) or "*" in self.options.load_models:
             names = self.repository.model_names()
@@ -112,6 +121,8 @@ class Server:
         if self.poller is not None:
             await self.poller.stop()
         await self.repository.unload_all()
+        if self.response_cache is not None:
+            await self.response_cache.close()
         bls.uninstall(self.infer)
         self.shm.close()
 

@@ -27,7 +27,7 @@ from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.runtime import ModelRuntime, ModelState
 from kiln.repository.safety import check_config_paths, check_model_name, check_tree_inside
-from kiln.scheduling.cache import ResponseCache
+from kiln.scheduling.cache import Cache
 from kiln.scheduling.ensemble_graph import is_ensemble
 from kiln.scheduling.rate_limit import RateLimiter
 
@@ -88,7 +88,7 @@ class RepositoryManager:
         self,
         repositories: list[Path],
         drain_timeout: float = 30.0,
-        response_cache: ResponseCache | None = None,
+        response_cache: Cache | None = None,
         auto_complete: bool = True,
         rate_limiter: RateLimiter | None = None,
     ) -> None:

@@ -1,7 +1,8 @@
 """Response cache: outputs of earlier identical requests, LRU within a byte budget.
 
-One cache serves the whole server (Triton's ``--cache-config local,size=BYTES``); a model
-opts in with ``response_cache { enable: true }``. A key digests the model name and version,
+One cache serves the whole server (Triton's ``--cache-config local,size=BYTES``, or
+``--cache-config redis,host=...`` for one that several servers share: ``redis_cache.py``);
+a model opts in with ``response_cache { enable: true }``. A key digests the model name and version,
 every input (name, datatype, shape, bytes) and the requested outputs with their
 parameters, so two requests share an entry only when the model would see the same call.
 """
@@ -13,10 +14,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.types import DataType, InferenceRequest, InferOutput
 
 # Output parameters that only say how the response travels back, not what it holds:
@@ -27,14 +30,46 @@ _TRANSPORT_PARAMETERS = frozenset(
 
 
 class CacheConfigError(ValueError):
-    """A ``--cache-config`` value kiln cannot use."""
+    """A ``--cache-config`` value kiln cannot use (or a cache it cannot reach)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSettings:
+    """Triton's redis cache settings (``--cache-config redis,<key>=<value>``)."""
+
+    host: str
+    port: int
+    user: str = ""  # "" with a password: Redis's "default" user
+    password: str = ""
+    db: int = 0
+    connect_timeout_ms: int = 0  # 0: wait as long as it takes
+    socket_timeout_ms: int = 0
+    pool_size: int = 1
+    wait_timeout_ms: int = 100  # for a free connection of the pool
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+_REDIS_INTS = {
+    "port": (1, 65535),
+    "db": (0, None),
+    "connect_timeout": (0, None),
+    "socket_timeout": (0, None),
+    "pool_size": (1, None),
+    "wait_timeout": (0, None),
+}
+_REDIS_KEYS = ("host", "user", "password", *_REDIS_INTS)
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """The parsed ``--cache-config`` flags (only Triton's ``local`` cache exists here)."""
+    """The parsed ``--cache-config`` flags: Triton's ``local`` cache (a byte budget in
+    this process) or its ``redis`` cache (shared by every server that uses the Redis)."""
 
-    size: int
+    size: int = 0
+    redis: RedisSettings | None = None
 
     @classmethod
     def parse(cls, specs: Sequence[str]) -> CacheConfig | None:
@@ -43,22 +78,30 @@ class CacheConfig:
         Triton's form is ``<cache>,<key>=<value>``; the flag may repeat, one key each time.
         """
         settings: dict[str, str] = {}
+        caches: set[str] = set()
         for spec in specs:
             cache, sep, setting = spec.partition(",")
             key, eq, value = setting.partition("=")
             if not sep or not eq or not key.strip():
                 raise CacheConfigError(
                     f"invalid cache config '{spec}': expected <cache>,<key>=<value>, "
-                    "e.g. local,size=1048576"
+                    "e.g. local,size=1048576 or redis,host=localhost"
                 )
-            if cache.strip() != "local":
+            if cache.strip() not in ("local", "redis"):
                 raise CacheConfigError(
-                    f"cache '{cache.strip()}' is not supported: kiln has only the 'local' "
-                    "in-memory cache"
+                    f"cache '{cache.strip()}' is not supported: kiln has the 'local' "
+                    "in-memory cache and the 'redis' cache"
                 )
+            caches.add(cache.strip())
             settings[key.strip()] = value.strip()
         if not settings:
             return None
+        if len(caches) > 1:
+            raise CacheConfigError(
+                "--cache-config names both the local and the redis cache: a server has one"
+            )
+        if caches == {"redis"}:
+            return cls(redis=_redis_settings(settings))
         unknown = sorted(set(settings) - {"size"})
         if unknown:
             raise CacheConfigError(
@@ -77,6 +120,74 @@ class CacheConfig:
         return cls(size)
 
 
+def _redis_settings(settings: dict[str, str]) -> RedisSettings:
+    unknown = sorted(set(settings) - set(_REDIS_KEYS))
+    if unknown:
+        raise CacheConfigError(
+            f"unknown redis cache setting(s) {', '.join(unknown)} (known: {', '.join(_REDIS_KEYS)})"
+        )
+    for required in ("host", "port"):
+        if not settings.get(required):
+            raise CacheConfigError(
+                f"the redis cache needs a {required}: --cache-config redis,host=HOST "
+                "--cache-config redis,port=PORT"
+            )
+    ints: dict[str, int] = {}
+    for key, (low, high) in _REDIS_INTS.items():
+        if key not in settings:
+            continue
+        raw = settings[key]
+        try:
+            value = int(raw)
+        except ValueError:
+            raise CacheConfigError(
+                f"redis cache setting {key} must be an integer, got '{raw}'"
+            ) from None
+        if value < low or (high is not None and value > high):
+            bound = f"{low}..{high}" if high is not None else f">= {low}"
+            raise CacheConfigError(f"redis cache setting {key} must be {bound}, got {value}")
+        ints[key] = value
+    return RedisSettings(
+        host=settings["host"],
+        port=ints["port"],
+        user=settings.get("user", ""),
+        password=settings.get("password", ""),
+        db=ints.get("db", 0),
+        connect_timeout_ms=ints.get("connect_timeout", 0),
+        socket_timeout_ms=ints.get("socket_timeout", 0),
+        pool_size=ints.get("pool_size", 1),
+        wait_timeout_ms=ints.get("wait_timeout", 100),
+    )
+
+
+Cached = tuple[list[InferOutput], dict[str, Any]]  # the outputs and the response's parameters
+
+
+class Cache(Protocol):
+    """What a model's runtime needs of the server's response cache, local or shared."""
+
+    #: True when other servers read and write the same entries (Redis): a model's part of
+    #: the key is then a fingerprint of its files, the same on every server.
+    shared: ClassVar[bool]
+
+    async def open(self) -> None:
+        """Before the first model loads: a shared cache that cannot be reached fails here."""
+
+    async def close(self) -> None: ...
+
+    async def get(self, key: bytes) -> Cached | None: ...
+
+    async def put(
+        self,
+        key: bytes,
+        outputs: Sequence[InferOutput],
+        owner: int,
+        parameters: dict[str, Any] | None,
+    ) -> bool: ...
+
+    def drop_owner(self, owner: int) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
     outputs: tuple[InferOutput, ...]
@@ -86,7 +197,28 @@ class _Entry:
 
 
 class ResponseCache:
-    """Thread-safe LRU of output lists; ``capacity`` bounds the bytes of cached outputs."""
+    """Thread-safe LRU of output lists; ``capacity`` bounds the bytes of cached outputs.
+    The ``local`` cache: one per server, in its memory."""
+
+    shared: ClassVar[bool] = False
+
+    async def open(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        self.clear()
+
+    async def get(self, key: bytes) -> Cached | None:
+        return self.lookup_response(key)
+
+    async def put(
+        self,
+        key: bytes,
+        outputs: Sequence[InferOutput],
+        owner: int,
+        parameters: dict[str, Any] | None,
+    ) -> bool:
+        return self.insert(key, outputs, owner, parameters)
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -112,7 +244,7 @@ class ResponseCache:
         found = self.lookup_response(key)
         return None if found is None else found[0]
 
-    def lookup_response(self, key: bytes) -> tuple[list[InferOutput], dict[str, Any]] | None:
+    def lookup_response(self, key: bytes) -> Cached | None:
         """The cached outputs and the response's parameters (copies), or None."""
         with self._lock:
             entry = self._entries.get(key)
@@ -209,6 +341,43 @@ def request_key(
     return digest.digest()
 
 
+# Config fields that say how a model is run, not what it answers: servers that run the
+# same model differently (instances, batching, warm-up) still share its cache entries.
+_RUNNING_FIELDS = (
+    "instance_group",
+    "dynamic_batching",
+    "model_warmup",
+    "response_cache",
+    "version_policy",
+    "rate_limiter",
+)
+
+
+def model_fingerprint(config: ModelConfig, version_dir: Path) -> int:
+    """What a shared cache's keys say of a model: its config (less how it is run) and the
+    bytes of every file in its version folder, so that every server with the same model
+    computes the same value, and a changed model file a different one."""
+    digest = hashlib.blake2b(digest_size=8)
+    trimmed = ModelConfig()
+    trimmed.CopyFrom(config)
+    for name in _RUNNING_FIELDS:
+        if trimmed.DESCRIPTOR.fields_by_name.get(name) is not None:
+            trimmed.ClearField(name)  # type: ignore[arg-type]
+    digest.update(trimmed.SerializeToString(deterministic=True))
+    if version_dir.is_dir():
+        files = sorted(
+            p for p in version_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+        )
+        for path in files:
+            name_bytes = path.relative_to(version_dir).as_posix().encode()
+            digest.update(len(name_bytes).to_bytes(8, "little") + name_bytes)
+            digest.update(path.stat().st_size.to_bytes(8, "little"))
+            with path.open("rb") as handle:
+                while chunk := handle.read(1 << 20):
+                    digest.update(chunk)
+    return int.from_bytes(digest.digest(), "little")
+
+
 def _digest_data(digest: hashlib.blake2b, datatype: DataType, data: np.ndarray) -> None:
     if datatype is DataType.BYTES:
         for item in data.ravel():
@@ -231,3 +400,12 @@ def _nbytes(data: np.ndarray) -> int:
         # Object arrays hold pointers; the payload is the bytes objects themselves.
         return data.nbytes + sum(len(v) if isinstance(v, bytes) else 0 for v in data.ravel())
     return int(data.nbytes)
+
+
+def open_cache(config: CacheConfig) -> Cache:
+    """The server's cache for its ``--cache-config`` (``open()`` it on the loop)."""
+    if config.redis is not None:
+        from kiln.scheduling.redis_cache import RedisResponseCache
+
+        return RedisResponseCache(config.redis)
+    return ResponseCache(config.size)
