@@ -31,11 +31,18 @@ class KilnProcess:
 
     repository: Path
     args: list[str] = field(default_factory=list)
-    http_port: int = field(default_factory=free_port)
-    grpc_port: int = field(default_factory=free_port)
-    metrics_port: int = field(default_factory=free_port)
+    # 0: a free port, picked again if another process takes it before kiln binds it
+    http_port: int = 0
+    grpc_port: int = 0
+    metrics_port: int = 0
     log_path: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self._free_ports = not (self.http_port or self.grpc_port or self.metrics_port)
+        self.http_port = self.http_port or free_port()
+        self.grpc_port = self.grpc_port or free_port()
+        self.metrics_port = self.metrics_port or free_port()
 
     @property
     def http_url(self) -> str:
@@ -50,6 +57,24 @@ class KilnProcess:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def start(self, wait_ready: bool = True, timeout: float = 60.0) -> KilnProcess:
+        """Launch and (``wait_ready``) wait until ready. ``free_port`` only finds a port
+        that was free a moment ago: when another process took one of ours first, kiln
+        exits saying so, and it starts again on new ports (a test's own ports are kept)."""
+        for attempt in range(3):
+            self._launch()
+            if not wait_ready:
+                return self
+            try:
+                self.wait_ready(timeout)
+                return self
+            except RuntimeError:
+                if attempt == 2 or not self._free_ports or not _lost_a_port(self.log()):
+                    raise
+            self.http_port, self.grpc_port = free_port(), free_port()
+            self.metrics_port, self.log_path = free_port(), None
+        raise AssertionError("unreachable")
+
+    def _launch(self) -> None:
         cmd = [
             sys.executable, "-m", "kiln", "serve",
             "--model-repository", str(self.repository),
@@ -65,9 +90,6 @@ class KilnProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_STATE_HOME=str(state))
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
-        if wait_ready:
-            self.wait_ready(timeout)
-        return self
 
     def wait_ready(self, timeout: float = 60.0, path: str = "/v2/health/ready") -> None:
         """Poll ``path`` until it answers 200 (fail early if the process exits)."""
@@ -100,6 +122,15 @@ class KilnProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def _lost_a_port(log: str) -> bool:
+    """Whether kiln exited because one of its ports was taken (serve.py's messages)."""
+    return (
+        "a listener failed to start" in log
+        or "cannot listen on" in log
+        or "address already in use" in log.lower()
+    )
 
 
 @pytest.fixture(scope="session")
