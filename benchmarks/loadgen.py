@@ -11,7 +11,6 @@ single-window method (and the server process-tree CPU they report).
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -99,20 +98,16 @@ async def drive_grpc(
     return await _closed_loop(slots, server_pid, warmup, duration)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def start_kiln(repo: Path, model: str, extra: list[str]) -> tuple[subprocess.Popen[bytes], int]:
     """``kiln serve`` on free ports with ``extra`` flags, once ``model`` is ready; returns
     the process and its HTTP port."""
-    port = _free_port()
+    from serving_baseline import free_port  # it imports nothing of this module's
+
+    port = free_port()
     cmd = [
         sys.executable, "-m", "kiln", "serve", "--model-repository", str(repo),
-        "--http-port", str(port), "--grpc-port", str(_free_port()),
-        "--metrics-port", str(_free_port()), "--log-level", "warning", *extra,
+        "--http-port", str(port), "--grpc-port", str(free_port()),
+        "--metrics-port", str(free_port()), "--log-level", "warning", *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + 60

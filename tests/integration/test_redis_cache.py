@@ -110,6 +110,16 @@ def _repo(example_repo: Path, dest: Path, tagged_offset: int = 1) -> Path:
     return repo
 
 
+def _serve_once(repo: Path, flags: list[str]) -> subprocess.CompletedProcess[str]:
+    """``kiln serve`` that is expected to stop at start: its exit and its words."""
+    return subprocess.run(
+        [sys.executable, "-m", "kiln", "serve", "--model-repository", str(repo),
+         "--http-port", str(free_port()), "--grpc-port", str(free_port()),
+         "--metrics-port", str(free_port()), *flags],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
     proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()
@@ -229,53 +239,16 @@ def test_a_redis_out_of_reach_at_start_stops_the_server_naming_it(
     example_repo: Path, tmp_path: Path
 ) -> None:
     port = free_port()  # nothing listens there
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kiln",
-            "serve",
-            "--model-repository",
-            str(_repo(example_repo, tmp_path)),
-            "--http-port",
-            str(free_port()),
-            "--grpc-port",
-            str(free_port()),
-            "--metrics-port",
-            str(free_port()),
-            "--cache-config",
-            "redis,host=127.0.0.1",
-            "--cache-config",
-            f"redis,port={port}",
-            "--cache-config",
-            "redis,connect_timeout=2000",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    flags = ["--cache-config", "redis,host=127.0.0.1", "--cache-config", f"redis,port={port}",
+             "--cache-config", "redis,connect_timeout=2000"]  # fmt: skip
+    result = _serve_once(_repo(example_repo, tmp_path), flags)
     assert result.returncode == 1
     assert f"cannot reach the redis cache at 127.0.0.1:{port}" in result.stderr
 
 
 def test_bad_redis_settings_are_refused_naming_the_setting(example_repo: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kiln",
-            "serve",
-            "--model-repository",
-            str(example_repo),
-            "--cache-config",
-            "redis,host=localhost",
-            "--cache-config",
-            "redis,port=http",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    flags = ["--cache-config", "redis,host=localhost", "--cache-config", "redis,port=http"]
+    result = _serve_once(example_repo, flags)
     assert result.returncode == 2
     assert "redis cache setting port must be an integer, got 'http'" in result.stderr
 
@@ -309,12 +282,7 @@ def test_a_password_protected_redis_with_its_acl_user_and_db(
         client.select(3)
         assert list(client.scan_iter(match=b"kiln:rc:*"))  # in the db it was told to use
         wrong = [*own.flags(), "--cache-config", "redis,password=wrong"]
-        result = subprocess.run(
-            [sys.executable, "-m", "kiln", "serve", "--model-repository",
-             str(example_repo), "--http-port", str(free_port()), "--grpc-port",
-             str(free_port()), "--metrics-port", str(free_port()), *wrong],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        result = _serve_once(example_repo, wrong)
         assert result.returncode == 1
         assert f"cannot reach the redis cache at 127.0.0.1:{own.port}" in result.stderr
         assert "WRONGPASS" in result.stderr  # Redis's own reason

@@ -112,3 +112,28 @@ async def test_a_refused_connect_is_not_retried_for_every_request() -> None:
             await client.call(b"GET", b"k")
     assert dials == 0
     await client.close()
+
+
+async def test_no_answer_within_socket_timeout_fails_the_call_and_the_next_one_redials() -> None:
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # reads nothing, answers nothing
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = RespClient("127.0.0.1", port, socket_timeout=0.05)
+    try:
+        with pytest.raises(TimeoutError, match=r"did not answer within 0\.05 s"):
+            await client.call(b"GET", b"k")
+        first = client._slots[0]
+        assert first is not None and first.lost  # its late replies would be out of order
+        with pytest.raises(TimeoutError):
+            await client.call(b"GET", b"k")
+        assert client._slots[0] is not first and len(accepted) == 2  # a new connection
+    finally:
+        await client.close()
+        server.close()
+        for writer in accepted:
+            writer.close()
+        await server.wait_closed()

@@ -202,6 +202,12 @@ class ResponseCache:
 
     shared: ClassVar[bool] = False
 
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._nbytes = 0
+
     async def open(self) -> None:
         return None
 
@@ -219,12 +225,6 @@ class ResponseCache:
         parameters: dict[str, Any] | None,
     ) -> bool:
         return self.insert(key, outputs, owner, parameters)
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
-        self._nbytes = 0
 
     @property
     def nbytes(self) -> int:
