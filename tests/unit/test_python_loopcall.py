@@ -264,6 +264,10 @@ class _AnySink:
 
     def __init__(self) -> None:
         self.items: list[tuple[Any, bool, Any]] = []
+        self.detached = False
+
+    def detach(self) -> None:
+        self.detached = True
 
     def send(
         self,
@@ -922,19 +926,20 @@ async def test_a_cancelled_stream_is_seen_by_the_running_model(tmp_path: Path, p
 
 
 async def test_a_cancel_after_the_batch_ended_writes_nothing(tmp_path: Path) -> None:
-    """The slot's arena holds the next batch's tensors once a batch has ended: a late
-    cancel must not flip a byte there."""
+    """A request's cancellation byte serves another request once its batch has ended: a
+    late cancel must not flip it."""
     config = parse_config_text(CONFIG + "model_transaction_policy { decoupled: true }")
     instance = Instance(PythonBackend(config, _model(tmp_path, STREAM), SPEC), "double")
     try:
         job = _job(1, sink=_AnySink())
         assert await _run(instance, [job]) == [{}]
         backend = _backend(instance)
-        inbound = backend.worker.arenas[0][0]
+        freed = backend.flag_pool._free[-1]  # the request's byte, back in the pool
         wire, watch = backend._wire([_job(7)], 0)  # the next batch: its byte where ours was
-        watch.end()
+        assert wire[0]["cancel_at"] == freed
         job.cancel()  # the first request's callback runs now
-        assert not inbound.flag(wire[0]["cancel_at"])
+        assert not backend.worker.flags.flag(wire[0]["cancel_at"])
+        watch.end()
     finally:
         instance.close()
 

@@ -45,6 +45,10 @@ class ResponseSink(Protocol):
 
     def on_credit(self, grant: Callable[[int], None]) -> None: ...
 
+    def detach(self) -> None:
+        """The request's batch ended before its FINAL flag: the model sends the rest from
+        its own threads, so the stream ends with that flag, not with the batch."""
+
     def send(
         self,
         outputs: dict[str, np.ndarray] | None,

@@ -278,6 +278,7 @@ class ModelRuntime:
         activity.inflight += 1
         self._idle.clear()
         task: asyncio.Task[dict[str, np.ndarray]] | None = None
+        ended = False  # the stream ran to its end (or its error)
         try:
             inputs, batch = self._inputs(request)
             names = [o.name for o in request.outputs] or self.signature.output_names
@@ -305,14 +306,20 @@ class ModelRuntime:
                     response.parameters["triton_final_response"] = item.final
                     yield response
             except KilnError as exc:
+                ended = True
                 self.stats.record_failure(times, time.monotonic_ns(), failure_reason(exc))
                 raise
+            ended = True
             self.stats.record_success(times, batch, time.monotonic_ns())
         finally:
-            if task is not None and not task.done():
-                job.cancel()  # the client went away: the model may see it and stop,
-                stream.cancel()  # later responses are dropped (a paused model goes on),
-                task.cancel()  # and nobody waits for it any more
+            # The client went away first: the model may see it and stop (a detached
+            # request's batch is over, but its model's threads still run it), later
+            # responses are dropped (a paused model goes on), and nobody waits any more.
+            if task is not None and not ended:
+                job.cancel()
+                stream.cancel()
+                if not task.done():
+                    task.cancel()
                 self.stats.record_failure(times, time.monotonic_ns(), FailureReason.CANCELED)
             self._inflight -= 1
             activity.inflight -= 1

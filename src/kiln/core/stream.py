@@ -7,6 +7,11 @@ scheduler is done with the request, with the scheduler's error if it failed. ``c
 the loop) says the reader went away: what the model sends after that is dropped (the
 model itself hears of it through ``Job.cancel``).
 
+**Detached requests.** A decoupled Python model may return from ``execute`` before it
+sent a request's FINAL flag and send the rest from its own threads, as Triton allows; the
+instance takes its next batch meanwhile. The backend then calls ``detach``, and the stream
+ends with the FINAL response instead of when the scheduler is done with the request.
+
 **Flow control.** A stream with a ``window`` (an ensemble's ``max_inflight_requests``)
 holds at most that many responses its reader has not taken: a producer that can pause
 (the Python backend's worker) registers ``on_credit`` and sends no further response while
@@ -52,6 +57,9 @@ class ResponseStream:
         self.cancelled = False
         self.window = window
         self._credit: Callable[[int], None] | None = None
+        self._detached = False
+        self._final_seen = False  # a final response (or error) was queued
+        self._end_pending = False  # finish() came first on a detached stream
         self._received = 0  # non-final responses queued, taken and granted (on the loop)
         self._taken = 0
         self._granted = 0
@@ -77,9 +85,20 @@ class ResponseStream:
 
     def _put(self, item: StreamItem) -> None:
         self._queue.put_nowait(item)
-        if self.window and not item.final:
+        if item.final:
+            self._final_seen = True
+            if self._end_pending:
+                self._end_pending = False
+                self._queue.put_nowait(_END)
+                self._unlimit()
+        elif self.window:
             self._received += 1
             self._grant()
+
+    def detach(self) -> None:
+        """On the loop: the request's batch ended without its FINAL flag; the model sends
+        the rest later, and the stream ends with it (see the module's text)."""
+        self._detached = True
 
     def _grant(self) -> None:
         """Tell the producer what was taken, if it may be waiting for it: it has sent a
@@ -107,6 +126,9 @@ class ResponseStream:
     def finish(self, error: BaseException | None = None) -> None:
         """On the loop: nothing more will come. Queued after everything ``send`` queued,
         because the executor hands its result to the loop the same way."""
+        if error is None and self._detached and not self._final_seen and not self.cancelled:
+            self._end_pending = True  # the FINAL flag is still to come
+            return
         self._error = error
         self._queue.put_nowait(_END)
         self._unlimit()  # a thread of the model's may still wait (its batch failed)

@@ -173,6 +173,11 @@ class Arena:
         assert self._map is not None
         self._map[offset] = 1
 
+    def clear_flag(self, offset: int) -> None:
+        self._ensure_mapped(offset + 1)
+        assert self._map is not None
+        self._map[offset] = 0
+
     def flag(self, offset: int) -> bool:
         self._ensure_mapped(offset + 1)
         return self._map is not None and self._map[offset] != 0

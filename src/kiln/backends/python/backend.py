@@ -38,7 +38,7 @@ from kiln.backends.base import (
     parameter,
 )
 from kiln.backends.python import bls
-from kiln.backends.python.cancel import CancelWatch
+from kiln.backends.python.cancel import BatchWatch, FlagPool, OpenStream
 from kiln.backends.python.custom_metrics import FamilySnapshot, read_store
 from kiln.backends.python.deadline import (
     BatchDeadline,
@@ -163,7 +163,10 @@ class PythonBackend(Backend):
                 Status.INVALID_ARG,
             )
         self.decoupled = config.model_transaction_policy.decoupled
-        self._flows = itertools.count()  # a key per stream with a window (``_flow``)
+        # A decoupled model's requests the worker may still send responses for, by key
+        # (``cancel.BatchWatch``): responses find their stream by it, in any batch or none.
+        self.streams: dict[int, OpenStream] = {}
+        self._keys = itertools.count()
         self.execute_timeout = _seconds(config, "execute_timeout_secs", None)
         self.initialize_timeout = _seconds(config, "initialize_timeout_secs", 300.0)
         busy_poll_us = count_parameter(config, "busy_poll_us", "microseconds, 0 = off")
@@ -194,6 +197,7 @@ class PythonBackend(Backend):
             self.pipeline_depth,
             execution_env(config, version_dir.parent),
         )
+        self.flag_pool = FlagPool(self.worker.flags)
         self._restarting: threading.Thread | None = None
         self._pipe: WorkerPipe | None = None  # the loop's batches in the worker's pipe
         self._restart_error: str | None = None
@@ -206,6 +210,7 @@ class PythonBackend(Backend):
     # ---- worker lifecycle ------------------------------------------------------------
     def _start(self) -> None:
         worker = self.worker
+        self.flag_pool.reset()
         worker.start()
         deadline = (
             None if self.initialize_timeout is None else time.monotonic() + self.initialize_timeout
@@ -225,9 +230,17 @@ class PythonBackend(Backend):
             worker.kill()
             raise KilnError(f"model '{self.model}': initialize failed: {payload}")
 
-    def _begin_restart(self) -> None:
+    def _begin_restart(self, cause: str = "the Python worker stopped") -> None:
         # Killing (with its grace) happens on the restart thread: the requests that failed
         # get their answers now, not after the worker is gone.
+        self._fail_open(
+            KilnError(
+                f"model '{self.model}': {cause} while the request was still streaming; "
+                "the worker is being restarted",
+                Status.INTERNAL,
+            )
+        )
+
         def restart() -> None:
             try:
                 self.worker.kill(KILL_GRACE_S)
@@ -340,12 +353,14 @@ class PythonBackend(Backend):
 
     def _wire(
         self, requests: list[BackendRequest], slot: int = 0
-    ) -> tuple[list[dict[str, Any]], CancelWatch]:
+    ) -> tuple[list[dict[str, Any]], BatchWatch]:
         """The requests as the worker takes them: tensors into the slot's inbound arena,
-        and the batch's cancellation bytes (``end()`` the watch when the batch ends)."""
+        their cancellation bytes, and a decoupled model's streams (``end()`` the watch
+        when the batch ends)."""
         inbound = self.worker.arenas[slot][0]
         inbound.reset()
-        watch = CancelWatch(inbound, requests)
+        streams = self.streams if self.decoupled else None
+        watch = BatchWatch.start(self.flag_pool, requests, streams, self._keys)
         wire = [
             {
                 "inputs": [inbound.write(n, a) for n, a in r.inputs.items()],
@@ -354,33 +369,64 @@ class PythonBackend(Backend):
                 "correlation_id": r.correlation_id,
                 "flags": r.flags,
                 "parameters": json.dumps(r.parameters, default=str) if r.parameters else "{}",
-                "cancel_at": watch.offset + i,
+                "cancel_at": flag.offset,
             }
-            for i, r in enumerate(requests)
+            for r, flag in zip(requests, watch.flags, strict=True)
         ]
         if self.decoupled:
-            for message, request in zip(wire, requests, strict=True):
-                self._flow(message, request.sink)
+            for message, request, key in zip(wire, requests, watch.keys, strict=True):
+                message["key"] = key
+                self._flow(message, request.sink, key)
         return wire, watch
 
-    def _flow(self, message: dict[str, Any], sink: ResponseSink | None) -> None:
+    def _flow(self, message: dict[str, Any], sink: ResponseSink | None, key: int) -> None:
         """A stream with a window (an ensemble's ``max_inflight_requests``): the worker's
         sender pauses while a window of its responses is untaken, and the stream's grants
-        reach it as ``("grant", flow, taken)`` messages (``core/stream.py``)."""
+        reach it as ``("grant", key, taken)`` messages (``core/stream.py``)."""
         if sink is None or sink.window <= 0:
             return
-        flow = next(self._flows)
         message["window"] = sink.window
-        message["flow"] = flow
-        sink.on_credit(functools.partial(self._grant, self.worker.conn, flow))
+        sink.on_credit(functools.partial(self._grant, self.worker.conn, key))
 
-    def _grant(self, conn: Wire | None, flow: int, taken: int) -> None:
+    def _grant(self, conn: Wire | None, key: int, taken: int) -> None:
         """On the loop; dropped when the worker that runs the stream is gone (a restarted
         one never heard of it)."""
         if conn is None:
             return
         with contextlib.suppress(WorkerDied, OSError), self.worker.sending(conn):
-            conn.send(("grant", flow, taken))
+            conn.send(("grant", key, taken))
+
+    def _reclaim(self, inbound_too: bool, conn: Wire | None) -> None:
+        """The worker asks to start its side arenas over: everything it sent before this
+        was read (messages are handled in order, and what they name is copied out as they
+        are), and with ``inbound_too`` it read every BLS answer written for it."""
+        with contextlib.suppress(WorkerDied, OSError), self.worker.sending(conn):
+            if inbound_too:
+                self.worker.side_in.reset()
+            self.worker.send(("reclaimed",))
+
+    def _fail_open(self, error: KilnError) -> None:
+        """The worker is gone: streams still open after their batch ended get ``error``
+        (those of a batch in flight fail with their batch)."""
+        for key, entry in list(self.streams.items()):
+            if not entry.detached:
+                continue
+            self.streams.pop(key, None)
+            entry.flag.end()
+            if entry.request.sink is not None:
+                entry.request.sink.send(None, True, KilnError(error.message, error.status))
+
+    def _side_message(self, message: tuple[Any, ...], conn: Wire | None) -> bool:
+        """Handle a message that belongs to no batch in particular (a response finds its
+        stream by key); False for a batch's answer."""
+        kind = message[0]
+        if kind == "response":
+            self._stream(*message[1:])
+        elif kind == "reclaim":
+            self._reclaim(message[1], conn)
+        else:
+            return False
+        return True
 
     def _died(self, exc: WorkerDied) -> KilnError:
         return KilnError(
@@ -412,31 +458,33 @@ class PythonBackend(Backend):
             (r.deadline_ns for r in requests), time.monotonic_ns(), self.execute_timeout
         )
         try:
-            worker.send(("execute", wire, 0))
+            # On this path the answer waits for every FINAL flag (``detach`` False).
+            worker.send(("execute", wire, 0, False))
             while True:
                 message = worker.recv(deadline.seconds)
                 kind = message[0]
                 if kind == "executed":
+                    watch.detach_open(message[3])
                     return self._outcomes(requests, message[1], message[2], 0, message[3])
-                if kind == "response":
-                    self._stream(requests, *message[1:])
-                elif kind == "bls" and message[1].get("stream") is not None:
+                if self._side_message(message, worker.conn):
+                    continue
+                if kind == "bls" and message[1].get("stream") is not None:
                     # A stream's parts go out while this thread keeps reading the worker:
                     # a model relaying them as responses would otherwise fill its socket
                     # and wait on this thread, which would wait on it (loopcall.py does the
                     # same on the loop's executor).
-                    self._bls_helper(message[1], worker.conn)
+                    self._bls_helper(message[1], self._bls_inputs(message[1]), worker.conn)
                 elif kind == "bls":
-                    self._bls(message[1])
+                    self._bls(message[1], self._bls_inputs(message[1]))
                 elif kind == "control":
                     self._control(message[1])
                 elif kind == "error":
                     return self._outcomes(requests, None, message[1])
         except WorkerDied as exc:
-            self._begin_restart()
+            self._begin_restart(f"the Python worker stopped ({exc})")
             raise self._died(exc) from None
         except WorkerTimeout:
-            self._begin_restart()
+            self._begin_restart("a batch overran its deadline and the Python worker was killed")
             return self._overran(requests, deadline)
         finally:
             watch.end()
@@ -480,80 +528,96 @@ class PythonBackend(Backend):
 
     def _stream(
         self,
-        requests: list[BackendRequest],
-        index: int,
+        key: int,
         headers: list[Any],
         error: tuple[str, int] | None,
         final: bool,
         has_response: bool,
         params: str | None = None,
-        slot: int = 0,
     ) -> None:
-        sink = requests[index].sink
-        if sink is None:
-            return  # a decoupled model run without a stream (warm-up): nobody listens
+        """One response of a decoupled request, from its batch or after it (the stream's
+        key names it); its tensors are copied out of the side arena now."""
+        entry = self.streams.get(key)
+        if entry is None:
+            return  # run without a stream (a warm-up), or already failed: nobody listens
+        if final:
+            del self.streams[key]
+            if entry.detached:  # else its batch ends its flag
+                entry.flag.end()
+        sink = entry.request.sink
+        assert sink is not None
         if error is not None:
             sink.send(None, final, KilnError(error[0], _CODES.get(error[1], Status.INTERNAL)))
             return
-        outbound = self.worker.arenas[slot][1]
-        outputs = {h[0]: outbound.read(h) for h in headers} if has_response else None
+        side_out = self.worker.side_out
+        outputs = {h[0]: side_out.read(h) for h in headers} if has_response else None
         sink.send(outputs, final, None, json.loads(params) if params is not None else None)
 
-    def _bls_request(self, call: dict[str, Any], slot: int) -> InferenceRequest:
-        """The request a worker's BLS call describes, its tensors read from the arena."""
-        outbound = self.worker.arenas[slot][1]
+    def _bls_inputs(self, call: dict[str, Any]) -> dict[str, np.ndarray]:
+        """A BLS call's tensors, copied out of the side arena as the call is read (the
+        worker may reuse the space once a later message is answered)."""
+        side_out = self.worker.side_out
+        return {h[0]: side_out.read(h) for h in call["inputs"]}
+
+    def _bls_request(self, call: dict[str, Any], inputs: dict[str, np.ndarray]) -> InferenceRequest:
+        """The request a worker's BLS call describes."""
         return bls.request(
             call["model_name"],
             int(call["model_version"]),
-            {h[0]: outbound.read(h) for h in call["inputs"]},
+            inputs,
             call["outputs"],
             call["request_id"],
             json.loads(call["parameters"] or "{}"),
         )
 
-    def _bls(self, call: dict[str, Any], slot: int = 0, conn: Wire | None = None) -> None:
+    def _bls(
+        self, call: dict[str, Any], inputs: dict[str, np.ndarray], conn: Wire | None = None
+    ) -> None:
         """Answer a BLS call of the worker's. ``conn``: the pipe the call came on (the loop
         answers from a helper thread); when the worker was restarted meanwhile, the answer
         is dropped: the new worker would take it as the answer to a call of its own."""
         if call.get("stream") is not None:
-            self._bls_stream(call, slot, conn)
+            self._bls_stream(call, inputs, conn)
             return
         worker = self.worker
-        inbound = worker.arenas[slot][0]
         outputs: dict[str, np.ndarray] | None = None
         error: tuple[str, int] | None = None
         params: dict[str, Any] = {}
         try:
-            outputs, params = bls.call(self._bls_request(call, slot))
+            outputs, params = bls.call(self._bls_request(call, inputs))
         except KilnError as exc:
             error = (exc.message, _STATUS_CODES.get(exc.status, 1))
         except Exception as exc:
             error = (f"{type(exc).__name__}: {exc}", 1)
         # Under the send lock: a restart's first message (initialize) waits for it, so the
-        # arena is not written while a new worker's batch uses it.
+        # arena is not written while a new worker uses it.
         with worker.sending(conn):
             headers = None
             if outputs is not None:
                 try:
-                    headers = [inbound.write(n, a) for n, a in outputs.items()]
+                    headers = [worker.side_in.write(n, a) for n, a in outputs.items()]
                 except Exception as exc:
                     error = (f"{type(exc).__name__}: {exc}", 1)
             worker.send(
                 ("bls_result", headers if error is None else None, error, _params_json(params))
             )
 
-    def _answer_bls(self, call: dict[str, Any], slot: int, conn: Wire | None) -> None:
+    def _answer_bls(
+        self, call: dict[str, Any], inputs: dict[str, np.ndarray], conn: Wire | None
+    ) -> None:
         """``_bls`` off the thread that reads the worker (a helper or executor thread). The
         worker may go away meanwhile: the reader then sees the pipe close, and the answer
         goes to nobody (``conn``: not to the worker restarted in its place)."""
         with contextlib.suppress(WorkerDied):
-            self._bls(call, slot, conn)
+            self._bls(call, inputs, conn)
 
-    def _bls_helper(self, call: dict[str, Any], conn: Wire | None) -> None:
-        """Answer a BLS call of the thread path on a thread of its own."""
+    def _bls_helper(
+        self, call: dict[str, Any], inputs: dict[str, np.ndarray], conn: Wire | None
+    ) -> None:
+        """Answer a BLS call on a thread of its own."""
         name = f"kiln-bls-{self.model}"
         threading.Thread(
-            target=self._answer_bls, args=(call, 0, conn), name=name, daemon=True
+            target=self._answer_bls, args=(call, inputs, conn), name=name, daemon=True
         ).start()
 
     def _control(self, call: dict[str, Any], conn: Wire | None = None) -> None:
@@ -578,13 +642,14 @@ class PythonBackend(Backend):
         with contextlib.suppress(WorkerDied), self.worker.sending(conn):
             self.worker.send(("control_result", error, value))
 
-    def _bls_stream(self, call: dict[str, Any], slot: int, conn: Wire | None) -> None:
+    def _bls_stream(
+        self, call: dict[str, Any], inputs: dict[str, np.ndarray], conn: Wire | None
+    ) -> None:
         """Answer a decoupled BLS call (``exec(decoupled=True)``): one ``bls_part`` message
         per response as the callee sends it, the last one final; ``conn`` as in ``_bls``."""
         worker = self.worker
-        inbound = worker.arenas[slot][0]
         try:
-            parts: Iterator[bls.Part] = bls.call_stream(self._bls_request(call, slot))
+            parts: Iterator[bls.Part] = bls.call_stream(self._bls_request(call, inputs))
         except KilnError as exc:
             parts = iter([(None, True, exc, {})])
         except Exception as exc:  # the worker waits for a final part: it must get one
@@ -597,13 +662,40 @@ class PythonBackend(Backend):
                 headers = None
                 if outputs is not None and error is None:
                     try:
-                        headers = [inbound.write(n, a) for n, a in outputs.items()]
+                        headers = [worker.side_in.write(n, a) for n, a in outputs.items()]
                     except Exception as exc:
                         error, final = (f"{type(exc).__name__}: {exc}", 1), True
                 message = ("bls_part", call["stream"], headers, error, final, _params_json(params))
                 worker.send(message)
             if final:
                 return
+
+    def _retire_pipe(self) -> None:
+        """Before ``close`` reads the worker's pipe: the loop stops reading it. It still
+        does while a stream is open (``loopcall.WorkerPipe``), and two readers would split
+        the worker's messages between them."""
+        pipe = self._pipe
+        if pipe is None or pipe.broken:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is pipe.loop or not pipe.loop.is_running():
+            with contextlib.suppress(RuntimeError):  # a closed loop reads nothing anyway
+                pipe.retire()
+            return
+        retired = threading.Event()
+
+        def retire() -> None:
+            pipe.retire()
+            retired.set()
+
+        try:
+            pipe.loop.call_soon_threadsafe(retire)
+        except RuntimeError:
+            return  # the loop is closed: nobody reads there any more
+        retired.wait(5.0)
 
     def custom_metrics(self) -> list[FamilySnapshot]:
         """The model's own metric families (``pb_utils.MetricFamily``), as they are now."""
@@ -612,4 +704,13 @@ class PythonBackend(Backend):
     def close(self) -> None:
         if self._restarting is not None:
             self._restarting.join()
+        self._retire_pipe()
         self.worker.close(timeout=10.0)
+        # The server waits for streaming requests before it unloads a model; one still
+        # open now (a forced unload, shutdown past --exit-timeout-secs) would never end.
+        self._fail_open(
+            KilnError(
+                f"model '{self.model}' was unloaded while the request was still streaming",
+                Status.UNAVAILABLE,
+            )
+        )

@@ -15,7 +15,9 @@ for the previous answer to be sent: ``WorkerPipe`` keeps up to the model's
 first, each with its own pair of arenas (``slot``). The worker finds the next batch
 waiting when it finishes one, so under load it neither sleeps between batches nor waits
 for the loop to hand the next one over; the model still sees its batches one at a time, in
-order. Every message the worker sends belongs to the oldest batch. Without dynamic
+order. Every ``executed`` (or ``error``) answer belongs to the oldest batch; responses of
+decoupled requests find their stream by key, and BLS calls may come from any batch or from
+a model's own thread between batches. Without dynamic
 batching each request is its own batch, and a worker that is faster than the loop feeding
 it went to sleep after each one when the pipe held only two: at 16 concurrent requests on
 a 2-vCPU VM, eight cut the server's CPU per request by about a quarter
@@ -29,6 +31,12 @@ the oldest batch fails and the batches queued behind it, which never started, fa
 
 The pipe is the worker's ``wire.Wire``: the loop reads into the same buffer the thread path
 uses, so the two paths can take turns on one worker.
+
+**Detached requests.** A decoupled model's batch is answered when its ``execute`` returns
+(``detach``); requests still without their FINAL flag stay in ``PythonBackend.streams``, and
+the loop keeps reading the pipe while any does, between batches too. Only the loop path
+detaches: the thread path (the sequence batcher, warm-up, the first batch after a restart)
+waits for every FINAL flag, so no stream is open when it reads the pipe in the loop's turn.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ from kiln.core.errors import KilnError
 
 if TYPE_CHECKING:
     from kiln.backends.python.backend import PythonBackend
-    from kiln.backends.python.cancel import CancelWatch
+    from kiln.backends.python.cancel import BatchWatch
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +86,7 @@ class LoopCall:
         self.deadline = BatchDeadline()
         self.future: asyncio.Future[list[RequestOutcome]] = loop.create_future()
         self.slot = 0  # which pair of arenas carries its tensors
-        self.watch: CancelWatch | None = None  # its requests' cancellation bytes, once sent
+        self.watch: BatchWatch | None = None  # its requests' cancellation bytes, once sent
         self.began_ns = 0  # when the worker could start it (sent, or the one before ended)
 
     def resolve(self, done: list[RequestOutcome]) -> None:
@@ -98,30 +106,17 @@ class LoopCall:
         if not self.future.done():
             self.future.set_exception(error)
 
-    def handle(self, message: tuple[Any, ...]) -> bool:
-        """One message of the worker's for this batch; True when it ended the batch."""
+    def handle(self, message: tuple[Any, ...]) -> None:
+        """The worker's answer to this batch (``executed`` or ``error``)."""
         backend = self.backend
-        kind = message[0]
-        if kind == "executed":
+        if message[0] == "executed":
+            if self.watch is not None:  # requests still open stream on after the batch
+                self.watch.detach_open(message[3])
             self.resolve(
                 backend._outcomes(self.requests, message[1], message[2], self.slot, message[3])
             )
-            return True
-        if kind == "error":
+        else:
             self.resolve(backend._outcomes(self.requests, None, message[1], self.slot))
-            return True
-        if kind == "response":
-            index, headers, error, final, has_response, params = message[1:]
-            backend._stream(
-                self.requests, index, headers, error, final, has_response, params, self.slot
-            )
-        elif kind == "bls":
-            # The call waits for another model served by this loop: not on the loop.
-            conn = backend.worker.conn
-            self.loop.run_in_executor(None, backend._answer_bls, message[1], self.slot, conn)
-        elif kind == "control":  # a load or unload waits for the repository: not either
-            self.loop.run_in_executor(None, backend._control, message[1], backend.worker.conn)
-        return False
 
 
 class WorkerPipe:
@@ -132,6 +127,7 @@ class WorkerPipe:
         self.loop = loop
         self.conn = conn
         self.calls: deque[LoopCall] = deque()
+        self.streams = backend.streams  # a decoupled model's open requests, by key
         self.broken = False  # the worker was lost: nothing more is sent on this pipe
         self.diagnosing = False  # its exit status is being taken, the restart not begun
         self._held: list[LoopCall] = []  # arrived meanwhile
@@ -178,7 +174,9 @@ class WorkerPipe:
         backend = self.backend
         try:
             wire, call.watch = backend._wire(call.requests, call.slot)
-            backend.worker.send(("execute", wire, call.slot))
+            # A decoupled batch is answered when execute returns (``detach``): requests
+            # still open stream on, and the pipe is read while any is.
+            backend.worker.send(("execute", wire, call.slot, backend.decoupled))
         except WorkerDied as exc:
             # The worker is gone and never got this batch: it runs again after the
             # restart, like those queued behind a lost one.
@@ -245,26 +243,55 @@ class WorkerPipe:
         self._drain()
 
     def _drain(self) -> None:
-        """Hand every whole message to the oldest batch, in order."""
+        """Handle every whole message in order: a batch's answer goes to the oldest batch;
+        responses, BLS calls and the rest may come in any batch or between batches."""
         conn = self.conn
-        while self.calls and not self.broken:
+        backend = self.backend
+        while (self.calls or self.streams) and not self.broken:
             ready, message = conn.take()
             if not ready:
                 break
-            if self.calls[0].handle(message):
+            kind = message[0]
+            if kind in ("executed", "error"):
+                if not self.calls:
+                    self._stray(kind)
+                    return
+                self.calls[0].handle(message)
                 self._ended()
-        if self.calls or self.broken:
+            elif backend._side_message(message, conn):
+                pass
+            elif kind == "bls":
+                # The call waits for another model served by this loop: not on the loop.
+                # Its tensors are read now: the worker may reuse their space later.
+                inputs = backend._bls_inputs(message[1])
+                self.loop.run_in_executor(None, backend._answer_bls, message[1], inputs, conn)
+            elif kind == "control":  # a load or unload waits for the repository: not either
+                self.loop.run_in_executor(None, backend._control, message[1], conn)
+        if self.broken:
+            return
+        if self.calls or self.streams:
+            self._watch()  # e.g. streams left open by a batch answered while busy-polling
             return
         self._unwatch()
         if conn.pending:
-            # Nothing may follow the last answer: the next batch would read it as its own.
-            log.error(
-                "model '%s': the Python worker sent %d bytes after its answer; restarting it",
-                self.backend.model,
-                conn.pending,
-            )
-            self.broken = True
-            self.backend._begin_restart()
+            self._stray(f"{conn.pending} bytes")
+
+    def _stray(self, what: str) -> None:
+        """Nothing may follow the last answer: the next batch would read it as its own."""
+        log.error(
+            "model '%s': the Python worker sent %s after its last answer; restarting it",
+            self.backend.model,
+            what,
+        )
+        self.broken = True
+        self._unwatch()
+        self.backend._begin_restart(f"the Python worker sent {what} out of turn")
+
+    def retire(self) -> None:
+        """On the loop: the backend is closing and reads the pipe itself from now on (the
+        worker's last words); a stream still open is failed by the backend."""
+        self.broken = True
+        self._unwatch()
 
     def _watch(self) -> None:
         if self._fd < 0:
@@ -298,7 +325,7 @@ class WorkerPipe:
 
         def diagnose() -> KilnError:
             text = str(exc) or backend.worker._exit_text()
-            backend._begin_restart()
+            backend._begin_restart(f"the Python worker stopped ({text})")
             return backend._died(WorkerDied(text))
 
         done = self.loop.run_in_executor(None, diagnose)
@@ -332,7 +359,8 @@ class WorkerPipe:
             return  # answered (a batch behind it began with its own timer) or lost
         head, rest = self._take_all()
         backend = self.backend
-        backend._begin_restart()  # kills (with its grace) on the restart thread
+        # kills (with its grace) on the restart thread
+        backend._begin_restart("a batch overran its deadline and the Python worker was killed")
         if head is not None:
             head.resolve(backend._overran(head.requests, head.deadline))
         self._restart_the_rest(rest)

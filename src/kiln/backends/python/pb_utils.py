@@ -233,8 +233,8 @@ class InferenceResponse:
 class InferenceResponseSender:
     """Sends a decoupled model's responses, 0..N per request, the last flagged FINAL."""
 
-    def __init__(self, index: int, request: InferenceRequest | None = None) -> None:
-        self._index = index
+    def __init__(self, key: int, request: InferenceRequest | None = None) -> None:
+        self._key = key  # the server's name for the request's stream
         self._request = request
         self.closed = False
         # Flow control (an ensemble's ``max_inflight_requests``): with a window, a send

@@ -56,6 +56,13 @@ class WorkerProcess:
             (Arena.create(f"kiln-py-{label}-in{i}-"), Arena.create(f"kiln-py-{label}-out{i}-"))
             for i in range(slots)
         ]
+        # Traffic not tied to one batch: a decoupled model's responses and every BLS call
+        # (a model's threads may send them after its execute returned, while the next
+        # batch uses the slots), reclaimed as the worker asks (``worker.Channel.reclaim``).
+        self.side_in = Arena.create(f"kiln-py-{label}-side-in-")  # BLS answers
+        self.side_out = Arena.create(f"kiln-py-{label}-side-out-")  # responses, BLS calls
+        # One cancellation byte per request the worker has (``cancel.FlagPool``).
+        self.flags = Arena.create(f"kiln-py-{label}-flags-", size=1 << 16)
         # custom metrics (custom_metrics.py): written by the worker, read at scrape time
         self.metrics_dir = Path(tempfile.mkdtemp(prefix=f"kiln-py-{label}-metrics-", dir=SHM_DIR))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -78,6 +85,9 @@ class WorkerProcess:
             "--fd", str(theirs.fileno()),
             *(arg for inbound, _ in self.arenas for arg in ("--inbound", inbound.path)),
             *(arg for _, outbound in self.arenas for arg in ("--outbound", outbound.path)),
+            "--side-in", self.side_in.path,
+            "--side-out", self.side_out.path,
+            "--flags", self.flags.path,
             "--model", str(self.model_path),
             "--metrics-dir", str(self.metrics_dir),
         ]  # fmt: skip
@@ -86,9 +96,11 @@ class WorkerProcess:
         finally:
             theirs.close()
         self.conn = Wire(ours)
-        for pair in self.arenas:
-            for arena in pair:
-                arena.reset()
+        for arena in self._all_arenas():
+            arena.reset()
+
+    def _all_arenas(self) -> list[Arena]:
+        return [*(a for pair in self.arenas for a in pair), self.side_in, self.side_out, self.flags]
 
     def send(self, message: tuple[Any, ...]) -> None:
         assert self.conn is not None
@@ -152,16 +164,19 @@ class WorkerProcess:
     def stop(self, timeout: float) -> None:
         """Ask the model to finalize, then make sure the process is gone."""
         if self.proc is not None and self.proc.poll() is None and self.conn is not None:
+            deadline = time.monotonic() + timeout
             try:
                 self.send(("finalize",))
-                self.recv(time.monotonic() + timeout)
+                # A model's own threads may still send (a stream whose client left):
+                # the answer is "finalized" (or "error": finalize raised).
+                while self.recv(deadline)[0] not in ("finalized", "error"):
+                    pass
             except (WorkerDied, WorkerTimeout):
                 pass
         self.kill()
 
     def close(self, timeout: float = 10.0) -> None:
         self.stop(timeout)
-        for pair in self.arenas:
-            for arena in pair:
-                arena.close()
+        for arena in self._all_arenas():
+            arena.close()
         shutil.rmtree(self.metrics_dir, ignore_errors=True)

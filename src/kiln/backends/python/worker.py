@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -19,8 +20,9 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kiln.backends.python import pb_utils
 from kiln.backends.python.arena import Arena, Header
@@ -31,6 +33,14 @@ ErrorInfo = tuple[str, int]  # (message, TritonError code)
 # One response as the server takes it: its tensors' headers, its error, and its
 # parameters (JSON, None when it has none).
 Encoded = tuple[list[Header], ErrorInfo | None, str | None]
+
+#: How much the side arenas hold before the worker has the server confirm it read them,
+#: and starts them over (``Channel._reclaim_if_due``).
+RECLAIM_BYTES = 1 << 20
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def last_line(exc: BaseException) -> str:
@@ -57,43 +67,116 @@ def bls_parameters(request: pb_utils.InferenceRequest) -> str:
 
 
 class Channel:
-    """The worker's side of the pipe, as ``pb_utils`` uses it (BLS, decoupled sends)."""
+    """The worker's side of the pipe, as ``pb_utils`` uses it (BLS, decoupled sends).
 
-    def __init__(self, conn: Wire, arenas: list[tuple[Arena, Arena]]) -> None:
+    **Reading.** One thread at a time reads the pipe (``_await``): the main thread waiting
+    for its next batch, or a thread of the model's waiting for a BLS answer, a grant or a
+    reclaim. The reader hands every message to ``keep``, which files it where its waiter
+    looks, and wakes the waiters; a waiter whose message came reads on if nobody else does.
+
+    **Sending** takes ``lock``: a message and the arena bytes it names go out together.
+    A decoupled model's responses and every BLS call use the *side* arenas, not the
+    batch's slot: a model's threads may send after its ``execute`` returned, while the next
+    batch has the slot. The server copies what a message names out of the side arena as it
+    reads the message, so once it has answered a ``reclaim`` sent after them, their bytes
+    are free (``_reclaim_if_due``).
+    """
+
+    def __init__(
+        self,
+        conn: Wire,
+        arenas: list[tuple[Arena, Arena]],
+        side: tuple[Arena, Arena] | None = None,
+        flags: Arena | None = None,
+    ) -> None:
         self.conn = conn
         self.arenas = arenas  # (inbound, outbound) per slot; a batch names its slot
         self.inbound, self.outbound = arenas[0]
+        # (BLS answers, responses and BLS calls); a test may run without them
+        self.side_in, self.side_out = side if side is not None else arenas[0]
+        self.flags = flags if flags is not None else arenas[0][0]
+        self.side_in_used = 0  # the end of the last BLS answer read from side_in
         self.lock = threading.Lock()
-        self.open_senders = 0
-        self.finals = threading.Condition()
-        self.backlog: collections.deque[Any] = collections.deque()  # read early, run later
+        self.cond = threading.Condition()  # guards what follows, and the senders' states
+        self.reading = False  # a thread is in ``conn.recv`` for everyone
+        self.backlog: collections.deque[Any] = collections.deque()  # the main thread's
         # Decoupled BLS calls (``exec(decoupled=True)``) in flight: their parts as read.
-        # Whoever reads the pipe outside the main loop holds ``reader``.
-        self.reader = threading.RLock()
         self.streams: dict[int, collections.deque[Any]] = {}
         self._next_stream = 0
-        # The batch's senders with a window, by flow key: grants from the server.
+        # Open senders with a window, by stream key: grants from the server.
         self.flows: dict[int, pb_utils.InferenceResponseSender] = {}
         self.answers: collections.deque[Any] = collections.deque()  # see ``keep``
 
-    def next_message(self) -> Any:
-        """The next message to handle: one read while waiting for a BLS answer first.
-        Under ``reader``: a thread of the model's may still read (a sender waiting for
-        a grant after its batch failed, until the server's last grant comes)."""
-        with self.reader:
-            return self.backlog.popleft() if self.backlog else self.conn.recv()
+    # ---- reading ---------------------------------------------------------------------
+    def _await(self, ready: Callable[[], bool]) -> None:
+        """Return once ``ready()`` (called under ``cond``) holds, reading the pipe while
+        no other thread does."""
+        cond = self.cond
+        with cond:
+            while not ready():
+                if self.reading:
+                    cond.wait()
+                    continue
+                self.reading = True
+                cond.release()
+                try:
+                    message = self.conn.recv()
+                finally:
+                    cond.acquire()
+                    self.reading = False
+                    cond.notify_all()  # a waiter reads on (or sees the pipe end)
+                self.keep(message)
 
+    def keep(self, message: tuple[Any, ...]) -> None:
+        """File a message where its waiter looks (under ``cond``): a decoupled BLS call's
+        part to its stream, an answer to ``answers``, a grant to its sender, anything
+        else (the next batch) to the main thread's backlog."""
+        kind = message[0]
+        if kind == "bls_part":
+            parts = self.streams.get(message[1])
+            if parts is not None:
+                parts.append(message)
+        elif kind in ("bls_result", "control_result", "reclaimed"):
+            self.answers.append(message)  # the one call out (under ``lock``) reads it
+        elif kind == "grant":  # (grant, key, taken), -1 lifts the window
+            sender = self.flows.get(message[1])
+            if sender is not None:
+                if message[2] < 0:
+                    sender._window = 0
+                else:
+                    sender._granted = max(sender._granted, message[2])
+        else:
+            self.backlog.append(message)
+
+    def next_message(self) -> Any:
+        """The main thread's next message (a batch, finalize)."""
+        self._await(lambda: bool(self.backlog))
+        with self.cond:
+            return self.backlog.popleft()
+
+    def _answer(self, kind: str) -> tuple[Any, ...]:
+        """The answer of ``kind`` to the call out (under ``lock``: one at a time)."""
+        answers = self.answers
+        self._await(lambda: any(m[0] == kind for m in answers))
+        with self.cond:
+            for message in answers:
+                if message[0] == kind:
+                    answers.remove(message)
+                    return cast(tuple[Any, ...], message)
+        raise AssertionError("unreachable")
+
+    # ---- sending ---------------------------------------------------------------------
     def send(self, message: tuple[Any, ...]) -> None:
         with self.lock:
             self.conn.send(message)
 
-    def encode(self, response: pb_utils.InferenceResponse) -> Encoded:
+    def encode(self, response: pb_utils.InferenceResponse, arena: Arena) -> Encoded:
         params = response.parameters()
         params_or_none = None if params in ("", "{}") else params
         error = response.error()
         if error is not None:
             return [], (error.message(), error.code()), params_or_none
-        headers = [self.outbound.write(t.name(), t.as_numpy()) for t in response.output_tensors()]
+        headers = [arena.write(t.name(), t.as_numpy()) for t in response.output_tensors()]
         return headers, None, params_or_none
 
     def send_response(
@@ -108,56 +191,73 @@ class Channel:
             if sender.closed:
                 raise pb_utils.TritonModelException(sender.closed_reason)
             headers, error, params = (
-                self.encode(response) if response is not None else ([], None, None)
+                self.encode(response, self.side_out) if response is not None else ([], None, None)
             )
+            if final and sender._request is not None:
+                # the server gives the byte to another request once it has this message
+                sender._request._cancel_flag = None
             has_response = response is not None
-            self.conn.send(("response", sender._index, headers, error, final, has_response, params))
-            sender.closed = final
+            self.conn.send(("response", sender._key, headers, error, final, has_response, params))
             sender._sent += not final
-        if final:
-            with self.finals:
-                self.open_senders -= 1
-                self.finals.notify_all()
+            if final:
+                self._close(sender)
+            self._reclaim_if_due()
+
+    def _close(self, sender: pb_utils.InferenceResponseSender) -> None:
+        with self.cond:
+            sender.closed = True
+            self.flows.pop(sender._key, None)
+            self.cond.notify_all()  # an execute waiting for its batch's FINAL flags
 
     def _wait_credit(self, sender: pb_utils.InferenceResponseSender) -> None:
-        """Wait while the sender's window is full, reading the pipe for grants (what else
-        comes meanwhile is kept): the model pauses until downstream takes its responses."""
-
-        def blocked() -> bool:
-            return (
-                not sender.closed
-                and sender._window > 0
-                and sender._sent - sender._granted >= sender._window
+        """Wait while the sender's window is full, reading the pipe for grants: the model
+        pauses until downstream takes its responses."""
+        self._await(
+            lambda: (
+                sender.closed
+                or sender._window <= 0
+                or sender._sent - sender._granted < sender._window
             )
+        )
 
-        while blocked():
-            with self.reader:
-                if blocked():  # another reader may have read our grant meanwhile
-                    self.keep(self.conn.recv())
+    def _reclaim_if_due(self) -> None:
+        """Under ``lock``: once the side arenas hold ``RECLAIM_BYTES``, have the server
+        confirm it read everything sent so far, and start them over. The server's answers
+        in ``side_in`` are free once every BLS call is answered and read: none is out
+        (this holds ``lock``) and no decoupled one is open."""
+        out_due = self.side_out.cursor >= RECLAIM_BYTES
+        in_due = self.side_in_used >= RECLAIM_BYTES and not self.streams
+        if not (out_due or in_due):
+            return
+        self.conn.send(("reclaim", in_due))
+        self._answer("reclaimed")
+        self.side_out.reset()
+        if in_due:
+            self.side_in_used = 0
 
     def close_senders(self, senders: list[pb_utils.InferenceResponseSender], error: str) -> None:
         """End a failed decoupled batch: every request still open gets ``error`` as its
         final response, and a later send from one of the model's threads is refused (it
-        would otherwise reach the request at the same index of the next batch)."""
+        would otherwise answer a request that has already failed)."""
         with self.lock:
             for sender in senders:
                 if sender.closed:
                     continue
-                sender.closed = True
                 sender.closed_reason = (
                     "Unable to send response: the request was already answered with an error "
                     f"because execute raised ({error})"
                 )
+                if sender._request is not None:
+                    sender._request._cancel_flag = None
                 code = pb_utils.TritonError.INTERNAL
-                self.conn.send(("response", sender._index, [], (error, code), True, False, None))
-        with self.finals:
-            self.open_senders = 0
+                self.conn.send(("response", sender._key, [], (error, code), True, False, None))
+                self._close(sender)
 
     def release_rescheduled(self, requests: list[pb_utils.InferenceRequest]) -> list[int] | None:
         """The indices of the requests that run again in a later batch, if any. This batch
-        no longer waits for their FINAL flag, and a send on them now is refused (the index
-        would reach the request in that place of the next batch; the next execute gets a
-        sender of its own). A FINAL flag already sent wins over the reschedule."""
+        no longer waits for their FINAL flag, and a send on them now is refused (the next
+        execute gets a sender of its own). A FINAL flag already sent wins over the
+        reschedule."""
         again = []
         with self.lock:
             for index, request in enumerate(requests):
@@ -168,23 +268,23 @@ class Channel:
                     or sender.closed
                 ):
                     continue
-                sender.closed = True
                 sender.closed_reason = (
                     "Unable to send response: the request was rescheduled "
                     "(TRITONSERVER_REQUEST_RELEASE_RESCHEDULE); it sends again from the "
                     "execute that runs it next"
                 )
+                self._close(sender)
                 again.append(index)
-        if not again:
-            return None
-        with self.finals:
-            self.open_senders -= len(again)
-            self.finals.notify_all()
-        return again
+        return again or None
 
+    def wait_final(self, senders: list[pb_utils.InferenceResponseSender]) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: all(s.closed for s in senders))
+
+    # ---- BLS -------------------------------------------------------------------------
     def _send_bls(self, request: pb_utils.InferenceRequest, stream: int | None = None) -> None:
         """Send a BLS call (under ``lock``): its tensors into the arena, then the message."""
-        headers = [self.outbound.write(t.name(), t.as_numpy()) for t in request.inputs()]
+        headers = [self.side_out.write(t.name(), t.as_numpy()) for t in request.inputs()]
         call = {
             "model_name": request.model_name(),
             "model_version": request.model_version(),
@@ -200,9 +300,10 @@ class Channel:
     def call(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         with self.lock:
             self._send_bls(request)
-            message = self._answer("bls_result")
-        _, out_headers, error, params = message
-        return self.response(out_headers, error, params)
+            _, out_headers, error, params = self._answer("bls_result")
+            response = self.response(out_headers, error, params)
+            self._reclaim_if_due()
+        return response
 
     def control(self, call: dict[str, Any]) -> Any:
         """Model control from the model (``pb_utils.load_model`` ...): the server's answer,
@@ -214,21 +315,6 @@ class Channel:
             raise pb_utils.TritonModelException(error)
         return value
 
-    def _answer(self, kind: str) -> tuple[Any, ...]:
-        """Read until the message of ``kind`` (under ``lock``: one call out at a time),
-        keeping what else comes meanwhile."""
-        with self.reader:
-            while True:
-                # another reader (a stream's, a sender waiting for a grant) may have read
-                # it; one call is out at a time, so an answer there is this call's
-                message: tuple[Any, ...] = (
-                    self.answers.popleft() if self.answers else self.conn.recv()
-                )
-                if message[0] == kind:
-                    return message
-                if message[0] not in ("bls_result", "control_result"):
-                    self.keep(message)
-
     def response(
         self, headers: list[Header] | None, error: ErrorInfo | None, params: str | None
     ) -> pb_utils.InferenceResponse:
@@ -237,43 +323,24 @@ class Channel:
             return pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(error[0], error[1]), parameters=params
             )
-        tensors = [pb_utils.Tensor(h[0], self.inbound.read(h, copy=True)) for h in headers or ()]
+        tensors = []
+        for h in headers or ():
+            tensors.append(pb_utils.Tensor(h[0], self.side_in.read(h, copy=True)))
+            self.side_in_used = max(self.side_in_used, h[3] + h[4])
         return pb_utils.InferenceResponse(output_tensors=tensors, parameters=params)
-
-    def keep(self, message: tuple[Any, ...]) -> None:
-        """A message read while waiting for another: a decoupled BLS call's part goes to
-        its stream; anything else (the server may already have sent the next batch:
-        loopcall's pipelining) runs after this batch."""
-        if message[0] == "bls_part":
-            parts = self.streams.get(message[1])
-            if parts is not None:
-                parts.append(message)
-            return
-        if message[0] in ("bls_result", "control_result"):
-            self.answers.append(message)  # the one call out (under ``lock``) reads it
-            return
-        if message[0] == "grant":  # (grant, flow, taken), -1 lifts the window
-            sender = self.flows.get(message[1])
-            if sender is not None:
-                if message[2] < 0:
-                    sender._window = 0
-                else:
-                    sender._granted = max(sender._granted, message[2])
-            return
-        self.backlog.append(message)
 
     def stream(self, request: pb_utils.InferenceRequest) -> BlsStream:
         """Start a decoupled BLS call: its responses come as the stream is iterated."""
         with self.lock:
-            stream_id = self._next_stream
-            self._next_stream += 1
-            self.streams[stream_id] = collections.deque()
+            with self.cond:
+                stream_id = self._next_stream
+                self._next_stream += 1
+                self.streams[stream_id] = collections.deque()
             self._send_bls(request, stream_id)
         return BlsStream(self, stream_id)
 
     def drain_streams(self) -> None:
-        """Read what is left of the batch's decoupled BLS calls: the server writes their
-        parts into this batch's arena, so they must end before the batch does."""
+        """Read what is left of decoupled BLS calls nobody iterated to their end."""
         for stream_id in list(self.streams):
             for _ in BlsStream(self, stream_id):
                 pass
@@ -296,15 +363,16 @@ class BlsStream:
         parts = channel.streams.get(self.stream_id)
         if self.done or parts is None:
             raise StopIteration
-        while not parts:
-            with channel.reader:
-                if not parts:  # another reader may have read ours meanwhile
-                    channel.keep(channel.conn.recv())
-        _, _, headers, error, final, params = parts.popleft()
+        channel._await(lambda: bool(parts))
+        with channel.cond:
+            _, _, headers, error, final, params = parts.popleft()
+        # Copied out before the stream closes: with none open, side_in may be reclaimed.
+        response = channel.response(headers, error, params)
         if final:
             self.done = True
-            channel.streams.pop(self.stream_id, None)
-        return channel.response(headers, error, params)
+            with channel.cond:
+                channel.streams.pop(self.stream_id, None)
+        return response
 
 
 class Worker:
@@ -314,6 +382,7 @@ class Worker:
         self.decoupled = False
         self.model_name = ""
         self.loop = asyncio.new_event_loop()  # for `async def execute` and async_exec
+        self._loop_thread: threading.Thread | None = None
 
     def load_module(self, path: Path) -> Any:
         # Sibling modules of model.py import as Triton allows (the version folder on the path).
@@ -346,33 +415,59 @@ class Worker:
         return ("ready", None)
 
     def run(self, result: Any) -> Any:
-        if inspect.isawaitable(result):
-            return self.loop.run_until_complete(result)
-        return result
+        if not inspect.isawaitable(result):
+            return result
+        if self._loop_thread is not None:  # the loop runs a decoupled model's executes
+            return asyncio.run_coroutine_threadsafe(_awaited(result), self.loop).result()
+        return self.loop.run_until_complete(result)
 
-    def execute(self, wire_requests: list[dict[str, Any]], slot: int = 0) -> tuple[Any, ...]:
+    def _start_loop(self) -> None:
+        """Run ``self.loop`` on a thread of its own, for decoupled ``async def execute``:
+        Triton runs those coroutines concurrently, each batch's next to the others'."""
+        if self._loop_thread is None:
+            self._loop_thread = threading.Thread(
+                target=self.loop.run_forever, name="kiln-async-execute", daemon=True
+            )
+            self._loop_thread.start()
+
+    def execute(
+        self, wire_requests: list[dict[str, Any]], slot: int = 0, detach: bool = False
+    ) -> tuple[Any, ...]:
+        """One batch. ``detach`` (decoupled models): answer as soon as ``execute``
+        returns, with requests still open; the model's threads (or its coroutine) send
+        the rest, as in Triton. Without it, the answer waits for every FINAL flag."""
         requests: list[pb_utils.InferenceRequest] = []
         try:
-            return self._execute(wire_requests, slot, requests)
+            return self._execute(wire_requests, slot, requests, detach)
         finally:
-            self.channel.drain_streams()
-            self.channel.flows.clear()
-            for request in requests:  # the slot's arena is the next batch's now
-                request._cancel_flag = None
+            # The slot's arena is the next batch's now, and the flag of a request that
+            # is over belongs to the server again.
+            open_ = False
+            for request in requests:
+                sender = request._sender
+                if sender is None or sender.closed:
+                    request._cancel_flag = None
+                else:
+                    open_ = True
+            if not open_:
+                self.channel.drain_streams()
 
     def _execute(
         self,
         wire_requests: list[dict[str, Any]],
         slot: int,
         requests: list[pb_utils.InferenceRequest],
+        detach: bool,
     ) -> tuple[Any, ...]:
         channel = self.channel
-        # This batch's tensors, its responses and its BLS calls use the slot's arenas.
+        # This batch's tensors and its responses use the slot's arenas.
         channel.inbound, channel.outbound = channel.arenas[slot]
         channel.outbound.reset()
-        for index, wire in enumerate(wire_requests):
+        # A decoupled request may outlive the batch, and its slot: its inputs are copied.
+        copy = self.decoupled
+        for wire in wire_requests:
             inputs = [
-                pb_utils.Tensor(h[0], channel.inbound.read(h, copy=False)) for h in wire["inputs"]
+                pb_utils.Tensor(h[0], channel.inbound.read(h, copy=copy)) for h in wire["inputs"]
             ]
             request = pb_utils.InferenceRequest(
                 inputs=inputs,
@@ -382,18 +477,21 @@ class Worker:
                 flags=wire["flags"],
                 parameters=wire["parameters"],
             )
-            request._cancel_flag = (channel.inbound, wire["cancel_at"])
+            request._cancel_flag = (channel.flags, wire["cancel_at"])
             if self.decoupled:
-                request._sender = sender = pb_utils.InferenceResponseSender(index, request)
+                request._sender = sender = pb_utils.InferenceResponseSender(wire["key"], request)
                 if wire.get("window"):
                     sender._window = wire["window"]
-                    channel.flows[wire["flow"]] = sender
+                    with channel.cond:
+                        channel.flows[wire["key"]] = sender
             requests.append(request)
-        if self.decoupled:
-            with channel.finals:
-                channel.open_senders = len(requests)
+        senders = [r._sender for r in requests if r._sender is not None]
         try:
-            result = self.run(self.model.execute(requests))
+            result = self.model.execute(requests)
+            if inspect.isawaitable(result):
+                if self.decoupled and detach:
+                    return self._execute_async(result, requests, senders)
+                result = self.run(result)
         except Exception as exc:
             traceback.print_exc()
             if not self.decoupled:
@@ -401,21 +499,12 @@ class Worker:
             result = exc
         if self.decoupled:
             if result is not None:
-                reason = (
-                    last_line(result)
-                    if isinstance(result, BaseException)
-                    else "a decoupled model's execute must return None"
-                )
-                senders = [r._sender for r in requests if r._sender is not None]
-                channel.close_senders(
-                    senders, f"model '{self.model_name}' failed to execute: {reason}"
-                )
-                # The server fails only the requests nobody streams to (a warm-up's).
-                return ("executed", None, reason, None)
+                return self._fail_decoupled(result, senders)
             rescheduled = channel.release_rescheduled(requests)
-            # Responses may still come from the model's own threads: answer when all are final.
-            with channel.finals:
-                channel.finals.wait_for(lambda: channel.open_senders <= 0)
+            if not detach:
+                # Responses may still come from the model's own threads: answer when all
+                # are final.
+                channel.wait_final(senders)
             return ("executed", [], None, rescheduled)
         if not isinstance(result, list | tuple) or len(result) != len(requests):
             got = len(result) if isinstance(result, list | tuple) else type(result).__name__
@@ -441,8 +530,49 @@ class Worker:
                     "InferenceResponse was expected",
                     None,
                 )
-            answers.append(channel.encode(response))
+            answers.append(channel.encode(response, channel.outbound))
         return ("executed", answers, None, again or None)
+
+    def _fail_decoupled(
+        self, result: Any, senders: list[pb_utils.InferenceResponseSender]
+    ) -> tuple[Any, ...]:
+        """A decoupled execute that raised or returned something: each request without
+        its FINAL flag gets the error as its final response."""
+        reason = (
+            last_line(result)
+            if isinstance(result, BaseException)
+            else "a decoupled model's execute must return None"
+        )
+        self.channel.close_senders(
+            senders, f"model '{self.model_name}' failed to execute: {reason}"
+        )
+        # The server fails only the requests nobody streams to (a warm-up's).
+        return ("executed", None, reason, None)
+
+    def _execute_async(
+        self,
+        coroutine: Any,
+        requests: list[pb_utils.InferenceRequest],
+        senders: list[pb_utils.InferenceResponseSender],
+    ) -> tuple[Any, ...]:
+        """A decoupled ``async def execute``: the coroutine runs on the worker's loop
+        thread, next to earlier batches' that have not ended, and the batch is answered
+        now. If it raises (or returns something), its open requests get the error."""
+        self._start_loop()
+        done = asyncio.run_coroutine_threadsafe(_awaited(coroutine), self.loop)
+
+        def ended(future: Any) -> None:
+            try:
+                result = future.result()
+            except BaseException as exc:
+                traceback.print_exception(exc)
+                result = exc
+            if result is not None:
+                with contextlib.suppress(Exception):  # the server may be gone
+                    self._fail_decoupled(result, senders)
+
+        done.add_done_callback(ended)
+        return ("executed", [], None, self.channel.release_rescheduled(requests))
 
     def finalize(self) -> None:
         if self.model is not None and hasattr(self.model, "finalize"):
@@ -454,6 +584,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--inbound", action="append", required=True)
     parser.add_argument("--outbound", action="append", required=True)
+    parser.add_argument("--side-in", required=True)
+    parser.add_argument("--side-out", required=True)
+    parser.add_argument("--flags", required=True)
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--metrics-dir", type=Path)
     opts = parser.parse_args(argv)
@@ -465,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     arenas = [
         (Arena.attach(i), Arena.attach(o)) for i, o in zip(opts.inbound, opts.outbound, strict=True)
     ]
-    channel = Channel(conn, arenas)
+    side = (Arena.attach(opts.side_in), Arena.attach(opts.side_out))
+    channel = Channel(conn, arenas, side, Arena.attach(opts.flags))
     pb_utils._channel = channel
     if opts.metrics_dir is not None:
         pb_utils._metrics = MetricStore(opts.metrics_dir)  # empty again after a restart

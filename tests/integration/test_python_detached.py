@@ -1,0 +1,277 @@
+"""Decoupled Python models written the way Triton's vLLM backend is: ``execute`` hands each
+request to an asyncio loop of the model's own (or is itself ``async def``) and returns, and
+the tokens stream from there. Behind a real ``kiln serve`` with one instance, several
+clients' streams run at once (tritonclient gRPC and HTTP ``generate_stream``). Also: a
+model making hundreds of BLS calls in one ``execute`` keeps its side arenas bounded.
+
+Each model counts how many of its requests are generating at once; the assertions are
+about those counts and the tokens, none about durations."""
+
+from __future__ import annotations
+
+import json
+import queue
+import textwrap
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from kiln.backends.python.worker import RECLAIM_BYTES
+from tests.conftest import KilnProcess
+
+GENERATE = """
+    async def generate(self, r):
+        params = json.loads(r.parameters())
+        barrier, count = int(params["barrier"]), int(params["count"])
+        sender = r.get_response_sender()
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        for _ in range(3000):  # until `barrier` requests generate at once (30 s at most)
+            if self.peak >= barrier:
+                break
+            await asyncio.sleep(0.01)
+        peak = self.peak
+        prompt = pb_utils.get_input_tensor_by_name(r, "PROMPT").as_numpy()
+        for i in range(count):
+            await asyncio.sleep(0)
+            token = np.array([int(prompt[0]) * 100 + i], np.int32)
+            seen = np.array([peak], np.int32)
+            sender.send(pb_utils.InferenceResponse([
+                pb_utils.Tensor("TOKEN", token), pb_utils.Tensor("PEAK", seen)]))
+        self.running -= 1
+        if not self.running:
+            self.peak = 0  # the next test's requests count from nothing
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
+# Triton's vLLM backend's shape: a loop thread of the model's own, execute returns at once.
+LOOP_THREAD = (
+    """
+import asyncio, json, threading
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.running = self.peak = 0
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def execute(self, requests):
+        for r in requests:
+            asyncio.run_coroutine_threadsafe(self.generate(r), self.loop)
+        return None
+"""
+    + GENERATE
+)
+
+# Triton 24.04+: a decoupled model's ``async def execute`` coroutines run side by side.
+ASYNC_EXECUTE = (
+    """
+import asyncio, json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.running = self.peak = 0
+
+    async def execute(self, requests):
+        await asyncio.gather(*(self.generate(r) for r in requests))
+        return None
+"""
+    + GENERATE
+)
+
+# One execute, CALLS BLS calls of 16 KiB each way on `echo`; answers whether every
+# answer equalled its call, and how large the side arenas grew.
+BLS_LOOP = """
+import os
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+CALLS = 300
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            good = 0
+            for i in range(CALLS):
+                x = np.full((4096,), i, np.float32)
+                call = pb_utils.InferenceRequest(
+                    model_name="echo", requested_output_names=["Y"],
+                    inputs=[pb_utils.Tensor("X", x)])
+                reply = call.exec()
+                if reply.has_error():
+                    raise RuntimeError(reply.error().message())
+                y = pb_utils.get_output_tensor_by_name(reply, "Y").as_numpy()
+                good += int(np.array_equal(x, y))
+            channel = pb_utils._channel
+            sizes = [os.stat(channel.side_in.path).st_size, os.stat(channel.side_out.path).st_size]
+            out.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("GOOD", np.array([good], np.int32)),
+                pb_utils.Tensor("SIDE", np.array(sizes, np.int64))]))
+        return out
+"""
+
+ECHO = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())]) for r in requests]
+"""
+
+GENERATOR_IO = """
+input [ { name: "PROMPT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "TOKEN" data_type: TYPE_INT32 dims: [ 1 ] },
+         { name: "PEAK" data_type: TYPE_INT32 dims: [ 1 ] } ]
+model_transaction_policy { decoupled: true }
+"""
+
+MODELS = {
+    "loop_thread": (LOOP_THREAD, GENERATOR_IO),
+    "async_execute": (ASYNC_EXECUTE, GENERATOR_IO),
+    "bls_loop": (
+        BLS_LOOP,
+        """
+        input [ { name: "GO" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        output [ { name: "GOOD" data_type: TYPE_INT32 dims: [ 1 ] },
+                 { name: "SIDE" data_type: TYPE_INT64 dims: [ 2 ] } ]""",
+    ),
+    "echo": (
+        ECHO,
+        """
+        input [ { name: "X" data_type: TYPE_FP32 dims: [ 4096 ] } ]
+        output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4096 ] } ]""",
+    ),
+}
+
+COUNT = 5
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
+    repo = tmp_path_factory.mktemp("detached") / "models"
+    for name, (source, io) in MODELS.items():
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(source)
+        # one instance: concurrency can only come from execute returning early
+        config = f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n' + textwrap.dedent(io)
+        config += "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
+        (repo / name / "config.pbtxt").write_text(config)
+    proc = KilnProcess(repo).start()
+    yield proc
+    proc.stop()
+
+
+def _grpc_streams(server: KilnProcess, model: str, prompts: list[int]) -> dict[str, list[Any]]:
+    """One gRPC stream carrying a request per prompt; each request's responses by id."""
+    got: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: got.put(error or result))
+    params = {"barrier": len(prompts), "count": COUNT}
+    for prompt in prompts:
+        tensor = grpcclient.InferInput("PROMPT", [1], "INT32")
+        tensor.set_data_from_numpy(np.array([prompt], np.int32))
+        client.async_stream_infer(
+            model,
+            [tensor],
+            request_id=str(prompt),
+            parameters=params,
+            enable_empty_final_response=True,  # the FINAL flag comes alone
+        )
+    answers: dict[str, list[Any]] = {str(p): [] for p in prompts}
+    finals = 0
+    while finals < len(prompts):
+        item = got.get(timeout=60)
+        assert not isinstance(item, Exception), item
+        response = item.get_response()
+        if response.parameters["triton_final_response"].bool_param:
+            finals += 1
+            continue
+        answers[response.id].append((int(item.as_numpy("TOKEN")[0]), int(item.as_numpy("PEAK")[0])))
+    client.stop_stream()
+    client.close()
+    return answers
+
+
+@pytest.mark.parametrize("model", ["loop_thread", "async_execute"])
+def test_one_instance_streams_to_several_clients_at_once(server: KilnProcess, model: str) -> None:
+    """Four requests on one instance generate at the same time: each waits until all
+    four have started, which a server that ran them one after another would not allow
+    (the first would give up waiting and report a peak of 1)."""
+    prompts = [1, 2, 3, 4]
+    answers = _grpc_streams(server, model, prompts)
+    for prompt in prompts:
+        tokens = [token for token, _ in answers[str(prompt)]]
+        assert tokens == [prompt * 100 + i for i in range(COUNT)]
+        assert {peak for _, peak in answers[str(prompt)]} == {len(prompts)}
+
+
+def _sse(server: KilnProcess, model: str, prompt: int, barrier: int) -> list[dict[str, Any]]:
+    body = {"PROMPT": prompt, "parameters": {"barrier": barrier, "count": COUNT}}
+    url = f"http://{server.http_url}/v2/models/{model}/generate_stream"
+    events = []
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+    return events
+
+
+def test_generate_stream_clients_share_one_instance(server: KilnProcess) -> None:
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda p: _sse(server, "async_execute", p, 3), [7, 8, 9]))
+    for prompt, events in zip([7, 8, 9], results, strict=True):
+        assert [e["TOKEN"] for e in events] == [prompt * 100 + i for i in range(COUNT)]
+        assert {e["PEAK"] for e in events} == {3}
+
+
+def test_a_client_that_leaves_does_not_hold_the_instance(server: KilnProcess) -> None:
+    """A stream whose client leaves before the others come: the model goes on with the
+    next request (its barrier of 1 met at once)."""
+    done = threading.Event()
+
+    def leave() -> None:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        client.start_stream(callback=lambda result, error: None)
+        tensor = grpcclient.InferInput("PROMPT", [1], "INT32")
+        tensor.set_data_from_numpy(np.array([5], np.int32))
+        # barrier 2: it waits for a second request that comes only after it left
+        client.async_stream_infer(
+            "loop_thread", [tensor], parameters={"barrier": 2, "count": COUNT}
+        )
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        done.set()
+
+    leave()
+    assert done.wait(30)
+    answers = _grpc_streams(server, "loop_thread", [6])
+    assert [t for t, _ in answers["6"]] == [600 + i for i in range(COUNT)]
+
+
+def test_hundreds_of_bls_calls_in_one_execute_keep_the_side_arenas_bounded(
+    server: KilnProcess,
+) -> None:
+    client = httpclient.InferenceServerClient(server.http_url)
+    go = httpclient.InferInput("GO", [1], "INT32")
+    go.set_data_from_numpy(np.array([1], np.int32))
+    result = client.infer("bls_loop", [go])
+    assert int(result.as_numpy("GOOD")[0]) == 300  # every answer equalled its call
+    side_in, side_out = result.as_numpy("SIDE").tolist()
+    # 300 calls of 16 KiB each way (4.7 MiB) went through without growing past the mark
+    assert side_in <= 2 * RECLAIM_BYTES
+    assert side_out <= 2 * RECLAIM_BYTES
+    client.close()
