@@ -10,6 +10,7 @@ import queue
 import textwrap
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -93,6 +94,46 @@ class TritonPythonModel:
         return None
 """
 
+# Triton's vLLM backend's shape: execute hands each request to a thread and returns, so one
+# instance generates for several requests at once. Each waits (10 s at most) until three
+# generate together; a token made without that company comes out as "?".
+THREAD_GENERATE = """
+import threading, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.lock = threading.Lock()
+        self.running = self.peak = 0
+
+    def execute(self, requests):
+        for r in requests:
+            threading.Thread(target=self.generate, args=(r,), daemon=True).start()
+        return None
+
+    def generate(self, r):
+        ids = pb_utils.get_input_tensor_by_name(r, "IDS").as_numpy()
+        sender = r.get_response_sender()
+        with self.lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+        for _ in range(1000):
+            if self.peak >= 3:
+                break
+            time.sleep(0.01)
+        together = self.peak >= 3
+        for token in ids:
+            value = token + 1 if together else ord("?")
+            tensor = pb_utils.Tensor("TOKEN", np.array([value], np.int32))
+            sender.send(pb_utils.InferenceResponse([tensor]))
+        with self.lock:
+            self.running -= 1
+            if not self.running:
+                self.peak = 0
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
 MODELS = {
     "tok": (
         TOKENIZE,
@@ -113,6 +154,14 @@ MODELS = {
         """
         input [ { name: "IDS" data_type: TYPE_INT32 dims: [ -1 ] } ]
         output [ { name: "TOKEN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        model_transaction_policy { decoupled: true }""",
+    ),
+    "threadgen": (
+        THREAD_GENERATE,
+        """
+        input [ { name: "IDS" data_type: TYPE_INT32 dims: [ -1 ] } ]
+        output [ { name: "TOKEN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        instance_group [ { count: 1 kind: KIND_CPU } ]
         model_transaction_policy { decoupled: true }""",
     ),
     "detok": (
@@ -159,6 +208,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
         ("pipeline", "gen", ""),
         ("parallel", "gen", PARALLEL_EXTRA.format()),
         ("slow_pipeline", "slowgen", ""),
+        ("thread_pipeline", "threadgen", ""),
     ):
         (repo / name / "1").mkdir(parents=True)
         config = PIPELINE.format(name=name, generator=generator, extra=extra)
@@ -174,13 +224,13 @@ def _text(module: Any, text: str) -> list[Any]:
     return [tensor]
 
 
-def _stream(server: KilnProcess, text: str, **kwargs: Any) -> list[Any]:
+def _stream(server: KilnProcess, text: str, model: str = "pipeline", **kwargs: Any) -> list[Any]:
     """Every stream message for one request, until its final one."""
     got: queue.Queue[Any] = queue.Queue()
     items = []
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         client.start_stream(callback=lambda result, error: got.put(error or result))
-        client.async_stream_infer("pipeline", _text(grpcclient, text), **kwargs)
+        client.async_stream_infer(model, _text(grpcclient, text), **kwargs)
         while True:
             item = got.get(timeout=30)
             items.append(item)
@@ -268,3 +318,26 @@ def test_a_client_leaving_the_stream_cancels_the_generating_step(server: KilnPro
     # and the server goes on serving
     ok = _stream(server, "ok", enable_empty_final_response=True)
     assert sorted(r.as_numpy("PIECE")[0].decode() for r in ok[:-1]) == ["l", "p"]
+
+
+def test_one_generator_instance_streams_through_the_ensemble_to_several_clients(
+    server: KilnProcess,
+) -> None:
+    """The generating step returns from execute at once and streams from its threads: its
+    one instance serves three clients' requests together (each token waits for that)."""
+    texts = ["abc", "xyz", "mno"]
+    with ThreadPoolExecutor(len(texts)) as pool:
+        results = list(
+            pool.map(
+                lambda t: _stream(
+                    server, t, model="thread_pipeline", enable_empty_final_response=True
+                ),
+                texts,
+            )
+        )
+    for text, items in zip(texts, results, strict=True):
+        *responses, final = items
+        assert not any(isinstance(r, InferenceServerException) for r in items), items
+        pieces = sorted(r.as_numpy("PIECE")[0].decode() for r in responses)
+        assert pieces == sorted(chr(ord(c) + 1) for c in text)  # no "?": they ran together
+        assert final.get_response().outputs == []
