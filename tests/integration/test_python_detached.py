@@ -131,6 +131,60 @@ class TritonPythonModel:
             "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())]) for r in requests]
 """
 
+# Written the way Triton's decoupled examples are: initialize refuses a config that is not
+# decoupled and takes the output's dtype from the config, execute starts a thread per request
+# and returns, each thread sends IN responses of IN squared then the FINAL flag, and
+# finalize waits for the threads still sending.
+SQUARE = """
+import json, threading, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException(
+                "model {} must use the decoupled transaction policy".format(args["model_name"]))
+        out = pb_utils.get_output_config_by_name(config, "OUT")
+        self.out_dtype = pb_utils.triton_string_to_numpy(out["data_type"])
+        self.lock = threading.Lock()
+        self.inflight = 0
+
+    def execute(self, requests):
+        for request in requests:
+            with self.lock:
+                self.inflight += 1
+            threading.Thread(target=self.respond, args=(request,), daemon=True).start()
+        return None
+
+    def respond(self, request):
+        try:
+            n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            sender = request.get_response_sender()
+            for _ in range(n):
+                out = pb_utils.Tensor("OUT", np.array([n * n], dtype=self.out_dtype))
+                if out.triton_dtype() != pb_utils.numpy_to_triton_type(self.out_dtype):
+                    raise RuntimeError("triton_dtype disagrees with numpy_to_triton_type")
+                sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
+                time.sleep(0.005)
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        finally:
+            with self.lock:
+                self.inflight -= 1
+
+    def finalize(self):
+        for _ in range(500):
+            if not self.inflight:
+                return
+            time.sleep(0.01)
+"""
+
+SQUARE_IO = """
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
 GENERATOR_IO = """
 input [ { name: "PROMPT" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "TOKEN" data_type: TYPE_INT32 dims: [ 1 ] },
@@ -139,6 +193,8 @@ model_transaction_policy { decoupled: true }
 """
 
 MODELS = {
+    "square": (SQUARE, SQUARE_IO + "model_transaction_policy { decoupled: true }\n"),
+    "square_unary": (SQUARE, SQUARE_IO),  # refused by its own initialize
     "loop_thread": (LOOP_THREAD, GENERATOR_IO),
     "async_execute": (ASYNC_EXECUTE, GENERATOR_IO),
     "bls_loop": (
@@ -169,7 +225,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
         config = f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n' + textwrap.dedent(io)
         config += "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
         (repo / name / "config.pbtxt").write_text(config)
-    proc = KilnProcess(repo).start()
+    proc = KilnProcess(repo, ["--no-strict-readiness"]).start()  # square_unary fails
     yield proc
     proc.stop()
 
@@ -274,4 +330,49 @@ def test_hundreds_of_bls_calls_in_one_execute_keep_the_side_arenas_bounded(
     # 300 calls of 16 KiB each way (4.7 MiB) went through without growing past the mark
     assert side_in <= 2 * RECLAIM_BYTES
     assert side_out <= 2 * RECLAIM_BYTES
+    client.close()
+
+
+def test_a_model_written_like_triton_s_decoupled_examples_runs_unchanged(
+    server: KilnProcess,
+) -> None:
+    """Three requests on one stream, answered from the model's threads: IN responses of
+    IN squared each, in the config's dtype, and for IN=0 only the FINAL flag."""
+    got: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: got.put(error or result))
+    for n in (3, 5, 0):
+        tensor = grpcclient.InferInput("IN", [1], "INT32")
+        tensor.set_data_from_numpy(np.array([n], np.int32))
+        client.async_stream_infer(
+            "square", [tensor], request_id=str(n), enable_empty_final_response=True
+        )
+    answers: dict[str, list[int]] = {"3": [], "5": [], "0": []}
+    finals = 0
+    while finals < 3:
+        item = got.get(timeout=30)
+        assert not isinstance(item, Exception), item
+        response = item.get_response()
+        if response.parameters["triton_final_response"].bool_param:
+            finals += 1
+            assert response.outputs == []
+            continue
+        out = item.as_numpy("OUT")
+        assert out.dtype == np.int32
+        answers[response.id].append(int(out[0]))
+    client.stop_stream()
+    client.close()
+    assert answers == {"3": [9] * 3, "5": [25] * 5, "0": []}
+
+
+def test_the_example_s_own_check_refuses_a_config_that_is_not_decoupled(
+    server: KilnProcess,
+) -> None:
+    client = httpclient.InferenceServerClient(server.http_url)
+    index = {row["name"]: row for row in client.get_model_repository_index()}
+    assert index["square_unary"]["state"] == "UNAVAILABLE"
+    assert (
+        "model square_unary must use the decoupled transaction policy"
+        in index["square_unary"]["reason"]
+    )
     client.close()

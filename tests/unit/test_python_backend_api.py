@@ -223,6 +223,32 @@ def test_config_helpers() -> None:
         pb_utils.triton_string_to_numpy("TYPE_NOPE")
 
 
+def test_triton_data_type_numbers_both_ways() -> None:
+    """TRITONSERVER_DataType's numbers, as Triton's helpers and Tensor.triton_dtype() use
+    them: BOOL 1 ... FP32 11, FP64 12, BYTES 13; none for a type without a number."""
+    numbered = {1: np.bool_, 2: np.uint8, 8: np.int32, 9: np.int64, 10: np.float16,
+                11: np.float32, 12: np.float64, 13: np.object_}  # fmt: skip
+    for number, numpy_type in numbered.items():
+        assert pb_utils.triton_to_numpy_type(number) is numpy_type
+        assert pb_utils.numpy_to_triton_type(numpy_type) == number
+        assert pb_utils.numpy_to_triton_type(np.dtype(numpy_type)) == number
+    assert pb_utils.numpy_to_triton_type(np.bytes_) == 13
+    assert pb_utils.triton_to_numpy_type(14) is None  # BF16: NumPy has none
+    assert pb_utils.numpy_to_triton_type(np.complex64) is None
+    assert pb_utils.Tensor("X", np.zeros(2, np.float32)).triton_dtype() == 11
+    assert pb_utils.Tensor("S", np.array([b"a"], dtype=object)).triton_dtype() == 13
+    assert pb_utils.TRITON_STRING_TO_NUMPY["TYPE_INT16"] is np.int16
+
+
+def test_decoupled_policy_from_the_config_dict_or_its_json() -> None:
+    decoupled = {"name": "m", "model_transaction_policy": {"decoupled": True}}
+    for form in (decoupled, json.dumps(decoupled)):
+        assert pb_utils.using_decoupled_model_transaction_policy(form) is True
+    plain = {"name": "m", "model_transaction_policy": {"decoupled": False}}
+    assert pb_utils.using_decoupled_model_transaction_policy(plain) is False
+    assert pb_utils.using_decoupled_model_transaction_policy({"name": "m"}) is False
+
+
 def test_byte_tensor_helpers() -> None:
     encoded = pb_utils.serialize_byte_tensor(np.array([b"x", b"yz"], dtype=object))
     assert encoded.dtype == np.uint8

@@ -26,6 +26,7 @@ __all__ = [
     "TRITONSERVER_REQUEST_RELEASE_ALL",
     "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE",
     "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
+    "TRITON_STRING_TO_NUMPY",
     "InferenceRequest",
     "InferenceResponse",
     "InferenceResponseSender",
@@ -45,9 +46,12 @@ __all__ = [
     "install",
     "is_model_ready",
     "load_model",
+    "numpy_to_triton_type",
     "serialize_byte_tensor",
     "triton_string_to_numpy",
+    "triton_to_numpy_type",
     "unload_model",
+    "using_decoupled_model_transaction_policy",
 ]
 
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
@@ -83,6 +87,26 @@ _NUMPY_TYPES: dict[str, Any] = {
     "TYPE_STRING": np.object_,
     "TYPE_BF16": np.float32,  # held as float32, as everywhere in kiln
 }
+TRITON_STRING_TO_NUMPY = _NUMPY_TYPES  # Triton's name for it; models read it directly
+
+# TRITONSERVER_DataType's numbers (Tensor.triton_dtype(), triton_to_numpy_type), BOOL..BYTES
+_TRITON_NUMBERS: dict[int, Any] = {
+    1: np.bool_,
+    2: np.uint8,
+    3: np.uint16,
+    4: np.uint32,
+    5: np.uint64,
+    6: np.int8,
+    7: np.int16,
+    8: np.int32,
+    9: np.int64,
+    10: np.float16,
+    11: np.float32,
+    12: np.float64,
+    13: np.object_,
+}
+_NUMBERS_OF: dict[Any, int] = {np.dtype(t): n for n, t in _TRITON_NUMBERS.items()}
+TYPE_BYTES = 13
 
 
 def install() -> None:
@@ -166,6 +190,10 @@ class Tensor:
 
     def shape(self) -> list[int]:
         return list(self._array.shape)
+
+    def triton_dtype(self) -> int | None:
+        """The tensor's TRITONSERVER_DataType number (11 for FP32, 13 for BYTES)."""
+        return numpy_to_triton_type(self._array.dtype)
 
     def is_cpu(self) -> bool:
         return True
@@ -448,6 +476,28 @@ def triton_string_to_numpy(triton_type: str) -> Any:
         return _NUMPY_TYPES[triton_type]
     except KeyError:
         raise TritonModelException(f"unknown data type '{triton_type}'") from None
+
+
+def triton_to_numpy_type(data_type: int) -> Any:
+    """The NumPy type of a TRITONSERVER_DataType number; None for one without (BF16)."""
+    return _TRITON_NUMBERS.get(data_type)
+
+
+def numpy_to_triton_type(data_type: Any) -> int | None:
+    """The TRITONSERVER_DataType number of a NumPy dtype or type; None if it has none."""
+    try:
+        dtype = np.dtype(data_type)
+    except TypeError:
+        return None
+    if dtype.kind in ("S", "U"):
+        return TYPE_BYTES
+    return _NUMBERS_OF.get(dtype)
+
+
+def using_decoupled_model_transaction_policy(model_config: Any) -> bool:
+    """Whether the config (``args["model_config"]``, as a dict or its JSON) is decoupled."""
+    policy = _config_dict(model_config).get("model_transaction_policy") or {}
+    return bool(policy.get("decoupled", False))
 
 
 def serialize_byte_tensor(array: np.ndarray) -> np.ndarray:
