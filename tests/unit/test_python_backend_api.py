@@ -249,6 +249,20 @@ def test_decoupled_policy_from_the_config_dict_or_its_json() -> None:
     assert pb_utils.using_decoupled_model_transaction_policy({"name": "m"}) is False
 
 
+def test_logger_takes_triton_s_levels(capsys: pytest.CaptureFixture[str]) -> None:
+    logger = pb_utils.Logger
+    logger.log("plain")  # INFO unless told
+    logger.log("careful", logger.WARNING)
+    logger.log("broke", pb_utils.Logger.LogLevel.ERROR)
+    logger.log_verbose("detail")
+    logger.log_warn("again")
+    assert capsys.readouterr().err.splitlines() == [
+        "INFO: plain", "WARNING: careful", "ERROR: broke", "VERBOSE: detail", "WARNING: again",
+    ]  # fmt: skip
+    with pytest.raises(pb_utils.TritonModelException, match="unknown level 9"):
+        logger.log("x", 9)
+
+
 def test_byte_tensor_helpers() -> None:
     encoded = pb_utils.serialize_byte_tensor(np.array([b"x", b"yz"], dtype=object))
     assert encoded.dtype == np.uint8

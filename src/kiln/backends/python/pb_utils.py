@@ -9,6 +9,7 @@ NumPy arrays here (kiln's Python backend runs on the CPU); requests sent to othe
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import sys
 from typing import Any
@@ -517,29 +518,46 @@ def deserialize_bytes_tensor(encoded: bytes | np.ndarray) -> np.ndarray:
     return out
 
 
+class _LogLevel(enum.IntEnum):
+    INFO = 0
+    WARNING = 1
+    ERROR = 2
+    VERBOSE = 3
+
+
 class Logger:
-    """``pb_utils.Logger.log_info(...)``: lines land in the server's log."""
+    """``pb_utils.Logger.log_info(...)`` or ``Logger.log(message, Logger.WARNING)``: lines
+    land in the server's log, each with its level."""
+
+    LogLevel = _LogLevel
+    INFO, WARNING, ERROR, VERBOSE = _LogLevel
 
     @classmethod
-    def log(cls, message: str) -> None:
+    def log(cls, message: str, level: int = _LogLevel.INFO) -> None:
+        try:
+            name = _LogLevel(level).name
+        except ValueError:
+            raise TritonModelException(
+                f"Logger.log: unknown level {level!r} (Logger.INFO, WARNING, ERROR, VERBOSE)"
+            ) from None
         # The worker's stderr is the server's: one line per message, as Triton logs them.
-        print(message, file=sys.stderr, flush=True)
+        print(f"{name}: {message}", file=sys.stderr, flush=True)
 
     @classmethod
     def log_info(cls, message: str) -> None:
-        cls.log(f"INFO: {message}")
+        cls.log(message, _LogLevel.INFO)
 
     @classmethod
     def log_warn(cls, message: str) -> None:
-        cls.log(f"WARNING: {message}")
+        cls.log(message, _LogLevel.WARNING)
 
     @classmethod
     def log_error(cls, message: str) -> None:
-        cls.log(f"ERROR: {message}")
+        cls.log(message, _LogLevel.ERROR)
 
     @classmethod
     def log_verbose(cls, message: str) -> None:
-        cls.log(f"VERBOSE: {message}")
+        cls.log(message, _LogLevel.VERBOSE)
 
 
 class MetricFamily:
