@@ -263,6 +263,23 @@ def test_logger_takes_triton_s_levels(capsys: pytest.CaptureFixture[str]) -> Non
         logger.log("x", 9)
 
 
+def test_triton_s_request_flags_trace_and_enum_names() -> None:
+    request = pb_utils.InferenceRequest(model_name="seq", inputs=[])
+    request.set_flags(pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
+    assert request.flags() == pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+    trace = request.trace()
+    assert isinstance(trace, pb_utils.InferenceTrace) and trace.get_context() is None
+    # what a BLS call written for Triton passes along
+    call = pb_utils.InferenceRequest(model_name="m", inputs=[], requested_output_names=[],
+                                     trace=trace, preferred_memory=pb_utils.PreferredMemory(
+                                         pb_utils.MemoryType.TRITONSERVER_MEMORY_CPU))  # fmt: skip
+    assert call.model_name() == "m"
+    kinds = (pb_utils.COUNTER, pb_utils.GAUGE, pb_utils.HISTOGRAM)
+    assert kinds == (pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE,
+                     pb_utils.MetricFamily.HISTOGRAM)  # fmt: skip
+    assert pb_utils.MetricKind.GAUGE is pb_utils.GAUGE
+
+
 def test_byte_tensor_helpers() -> None:
     encoded = pb_utils.serialize_byte_tensor(np.array([b"x", b"yz"], dtype=object))
     assert encoded.dtype == np.uint8

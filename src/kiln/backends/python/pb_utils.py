@@ -31,9 +31,12 @@ __all__ = [
     "InferenceRequest",
     "InferenceResponse",
     "InferenceResponseSender",
+    "InferenceTrace",
     "Logger",
+    "MemoryType",
     "Metric",
     "MetricFamily",
+    "MetricKind",
     "ModelConfig",
     "PreferredMemory",
     "Tensor",
@@ -307,6 +310,15 @@ class PreferredMemory:
         self.preferred_device_id = preferred_device_id
 
 
+class InferenceTrace:
+    """What ``request.trace()`` returns, for a BLS request's ``trace=`` argument. kiln
+    passes no OpenTelemetry context to models, so ``get_context()`` is None, as in Triton
+    when tracing is off."""
+
+    def get_context(self) -> str | None:
+        return None
+
+
 class InferenceRequest:
     """A request the model receives in ``execute``, or builds to call another model (BLS)."""
 
@@ -341,6 +353,14 @@ class InferenceRequest:
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
+
+    def set_flags(self, flags: int) -> None:
+        """A BLS request's sequence flags (``TRITONSERVER_REQUEST_FLAG_SEQUENCE_START`` /
+        ``_END``), as the constructor's ``flags`` sets them."""
+        self._flags = int(flags)
+
+    def trace(self) -> InferenceTrace:
+        return InferenceTrace()
 
     def requested_output_names(self) -> list[str]:
         return self._outputs
@@ -558,6 +578,25 @@ class Logger:
     @classmethod
     def log_verbose(cls, message: str) -> None:
         cls.log(message, _LogLevel.VERBOSE)
+
+
+class MetricKind(enum.IntEnum):
+    """Triton's ``pb_utils.MetricKind``; its members are also module names
+    (``pb_utils.COUNTER``) and ``MetricFamily`` attributes."""
+
+    COUNTER = custom_metrics.COUNTER
+    GAUGE = custom_metrics.GAUGE
+    HISTOGRAM = custom_metrics.HISTOGRAM
+
+
+COUNTER, GAUGE, HISTOGRAM = MetricKind
+
+
+class MemoryType(enum.IntEnum):
+    """Triton's ``pb_utils.MemoryType`` (a ``PreferredMemory``'s type)."""
+
+    TRITONSERVER_MEMORY_CPU = TRITONSERVER_MEMORY_CPU
+    TRITONSERVER_MEMORY_GPU = TRITONSERVER_MEMORY_GPU
 
 
 class MetricFamily:
