@@ -21,7 +21,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -80,6 +81,15 @@ KILL_GRACE_S = 0.5
 BUSY_POLL_US = 200
 #: ``pipeline_depth`` ceiling: each batch in the pipe has its own pair of arena files.
 MAX_PIPELINE_DEPTH = 64
+
+
+@dataclass(slots=True)
+class _OpenBls:
+    """A decoupled BLS call of the worker's, from when its message is read until its last
+    part is sent: the worker may cancel it (``BlsStream.cancel``) meanwhile."""
+
+    cancelled: bool = False
+    call: bls.StreamCall | None = None
 
 
 def _seconds(config: ModelConfig, key: str, default: float | None) -> float | None:
@@ -167,6 +177,9 @@ class PythonBackend(Backend):
         # (``cancel.BatchWatch``): responses find their stream by it, in any batch or none.
         self.streams: dict[int, OpenStream] = {}
         self._keys = itertools.count()
+        # Decoupled BLS calls in flight, by (the pipe they came on, the worker's stream id).
+        self._bls_open: dict[tuple[Wire | None, int], _OpenBls] = {}
+        self._bls_lock = threading.Lock()
         self.execute_timeout = _seconds(config, "execute_timeout_secs", None)
         self.initialize_timeout = _seconds(config, "initialize_timeout_secs", 300.0)
         busy_poll_us = count_parameter(config, "busy_poll_us", "microseconds, 0 = off")
@@ -240,6 +253,8 @@ class PythonBackend(Backend):
                 Status.INTERNAL,
             )
         )
+
+        self._cancel_bls_streams()
 
         def restart() -> None:
             try:
@@ -424,9 +439,42 @@ class PythonBackend(Backend):
             self._stream(*message[1:])
         elif kind == "reclaim":
             self._reclaim(message[1], conn)
+        elif kind == "bls_cancel":
+            self._bls_cancel(message[1], conn)
         else:
             return False
         return True
+
+    def _bls_received(self, call: dict[str, Any], conn: Wire | None) -> dict[str, np.ndarray]:
+        """On the thread that reads the worker, as a BLS call's message is read: its tensors
+        (``_bls_inputs``); a decoupled call is registered now, so that a cancel the worker
+        sends later finds it even before a helper thread has started it."""
+        if call.get("stream") is not None:
+            with self._bls_lock:
+                self._bls_open[(conn, call["stream"])] = _OpenBls()
+        return self._bls_inputs(call)
+
+    def _bls_cancel(self, stream: int, conn: Wire | None) -> None:
+        """The worker's ``BlsStream.cancel()``: cancel the callee's request (a call that
+        has already ended is left alone)."""
+        with self._bls_lock:
+            entry = self._bls_open.get((conn, stream))
+            if entry is None:
+                return
+            entry.cancelled = True
+            running = entry.call
+        if running is not None:
+            running.cancel()
+
+    def _cancel_bls_streams(self) -> None:
+        """The worker is gone: nobody reads its decoupled BLS calls any more."""
+        with self._bls_lock:
+            entries = list(self._bls_open.values())
+            for entry in entries:
+                entry.cancelled = True
+        for entry in entries:
+            if entry.call is not None:
+                entry.call.cancel()
 
     def _died(self, exc: WorkerDied) -> KilnError:
         return KilnError(
@@ -473,9 +521,10 @@ class PythonBackend(Backend):
                     # a model relaying them as responses would otherwise fill its socket
                     # and wait on this thread, which would wait on it (loopcall.py does the
                     # same on the loop's executor).
-                    self._bls_helper(message[1], self._bls_inputs(message[1]), worker.conn)
+                    inputs = self._bls_received(message[1], worker.conn)
+                    self._bls_helper(message[1], inputs, worker.conn)
                 elif kind == "bls":
-                    self._bls(message[1], self._bls_inputs(message[1]))
+                    self._bls(message[1], self._bls_received(message[1], worker.conn))
                 elif kind == "control":
                     self._control(message[1])
                 elif kind == "error":
@@ -647,13 +696,40 @@ class PythonBackend(Backend):
     ) -> None:
         """Answer a decoupled BLS call (``exec(decoupled=True)``): one ``bls_part`` message
         per response as the callee sends it, the last one final; ``conn`` as in ``_bls``."""
-        worker = self.worker
+        key = (conn, call["stream"])
+        with self._bls_lock:
+            entry = self._bls_open.setdefault(key, _OpenBls())
+            early = entry.cancelled  # the worker cancelled it before it began
+        running: bls.StreamCall | None = None
         try:
-            parts: Iterator[bls.Part] = bls.call_stream(self._bls_request(call, inputs))
-        except KilnError as exc:
-            parts = iter([(None, True, exc, {})])
-        except Exception as exc:  # the worker waits for a final part: it must get one
-            parts = iter([(None, True, KilnError(f"{type(exc).__name__}: {exc}"), {})])
+            try:
+                if early:
+                    parts: Iterable[bls.Part] = [bls.cancelled(call["model_name"])]
+                else:
+                    running = bls.call_stream(self._bls_request(call, inputs))
+                    parts = running
+            except KilnError as exc:
+                parts = [(None, True, exc, {})]
+            except Exception as exc:  # the worker waits for a final part: it must get one
+                parts = [(None, True, KilnError(f"{type(exc).__name__}: {exc}"), {})]
+            with self._bls_lock:
+                entry.call = running
+                cancelled = entry.cancelled
+            if cancelled and running is not None:
+                running.cancel()  # the worker cancelled it as it began
+            self._send_parts(call["stream"], parts, conn)
+        finally:
+            with self._bls_lock:
+                self._bls_open.pop(key, None)
+            if running is not None:
+                # A no-op once its stream ended; else the worker went away mid-stream
+                # and nobody reads it.
+                running.cancel()
+
+    def _send_parts(self, stream: int, parts: Iterable[bls.Part], conn: Wire | None) -> None:
+        """A decoupled BLS call's responses to the worker, one ``bls_part`` each, until the
+        final one."""
+        worker = self.worker
         for outputs, final, failure, params in parts:
             error = None
             if failure is not None:
@@ -665,7 +741,7 @@ class PythonBackend(Backend):
                         headers = [worker.side_in.write(n, a) for n, a in outputs.items()]
                     except Exception as exc:
                         error, final = (f"{type(exc).__name__}: {exc}", 1), True
-                message = ("bls_part", call["stream"], headers, error, final, _params_json(params))
+                message = ("bls_part", stream, headers, error, final, _params_json(params))
                 worker.send(message)
             if final:
                 return

@@ -8,6 +8,7 @@ hands the call to the event loop and blocks until the answer is back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -108,7 +109,67 @@ def call(request: InferenceRequest) -> tuple[dict[str, np.ndarray], dict[str, An
     return {out.name: out.data for out in response.outputs}, dict(response.parameters)
 
 
-def call_stream(request: InferenceRequest) -> Iterator[Part]:
+class StreamCall:
+    """A decoupled BLS call in flight (``call_stream``): iterate it for its parts, the last
+    one final. ``cancel()`` (any thread) ends the callee's request as a client leaving
+    does: the model sees ``is_cancelled()``, what it sends after that is dropped, and the
+    stream ends with a final CANCELLED error unless it had already ended."""
+
+    def __init__(self, request: InferenceRequest, infer_stream: InferStream, target: _Target):
+        self._model = request.model_name
+        self._loop = target.loop
+        self._parts: queue.SimpleQueue[Part] = queue.SimpleQueue()
+        self._task: asyncio.Task[None] | None = None
+        self._cancelled = False
+        asyncio.run_coroutine_threadsafe(self._pump(request, infer_stream), self._loop)
+
+    def __iter__(self) -> Iterator[Part]:
+        return _until_final(self._parts)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs there
+            self._loop.call_soon_threadsafe(self._cancel_on_loop)
+
+    def _cancel_on_loop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    def _cancelled_part(self) -> Part:
+        return cancelled(self._model)
+
+    async def _pump(self, request: InferenceRequest, infer_stream: InferStream) -> None:
+        parts = self._parts
+        self._task = asyncio.current_task()
+        if self._cancelled:  # before it began
+            parts.put(self._cancelled_part())
+            return
+        try:
+            async for response in infer_stream(request):
+                final = bool(response.parameters.get("triton_final_response", True))
+                got = {out.name: out.data for out in response.outputs}
+                params = dict(response.parameters)
+                parts.put((got if (got or not final) else None, final, None, params))
+                if final:
+                    return
+            parts.put((None, True, None, {}))
+        except asyncio.CancelledError:  # cancel(): the callee's stream closed above
+            parts.put(self._cancelled_part())
+        except KilnError as exc:
+            parts.put((None, True, exc, {}))
+        except Exception as exc:
+            parts.put((None, True, KilnError(f"{type(exc).__name__}: {exc}"), {}))
+
+
+def cancelled(model: str) -> Part:
+    """The final part of a decoupled BLS call its caller cancelled."""
+    error = KilnError(
+        f"BLS request to model '{model}' was cancelled by the calling model", Status.CANCELLED
+    )
+    return (None, True, error, {})
+
+
+def call_stream(request: InferenceRequest) -> StreamCall:
     """Run one request and yield its responses as they come (from a thread other than
     the loop's): ``exec(decoupled=True)``. The last part is final; it has no outputs when
     the model sent the FINAL flag on its own, as in Triton. An error ends the stream as a
@@ -119,25 +180,7 @@ def call_stream(request: InferenceRequest) -> Iterator[Part]:
         raise KilnError(f"BLS request to model '{request.model_name}': this server cannot stream")
     # the FINAL flag always comes back, with or without a response
     request.parameters["triton_enable_empty_final_response"] = True
-    parts: queue.SimpleQueue[Part] = queue.SimpleQueue()
-
-    async def pump() -> None:
-        try:
-            async for response in infer_stream(request):
-                final = bool(response.parameters.get("triton_final_response", True))
-                got = {out.name: out.data for out in response.outputs}
-                params = dict(response.parameters)
-                parts.put((got if (got or not final) else None, final, None, params))
-                if final:
-                    return
-            parts.put((None, True, None, {}))
-        except KilnError as exc:
-            parts.put((None, True, exc, {}))
-        except Exception as exc:
-            parts.put((None, True, KilnError(f"{type(exc).__name__}: {exc}"), {}))
-
-    asyncio.run_coroutine_threadsafe(pump(), target.loop)
-    return _until_final(parts)
+    return StreamCall(request, infer_stream, target)
 
 
 def control(call: dict[str, Any]) -> Any:

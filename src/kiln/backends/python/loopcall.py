@@ -263,7 +263,7 @@ class WorkerPipe:
             elif kind == "bls":
                 # The call waits for another model served by this loop: not on the loop.
                 # Its tensors are read now: the worker may reuse their space later.
-                inputs = backend._bls_inputs(message[1])
+                inputs = backend._bls_received(message[1], conn)
                 self.loop.run_in_executor(None, backend._answer_bls, message[1], inputs, conn)
             elif kind == "control":  # a load or unload waits for the repository: not either
                 self.loop.run_in_executor(None, backend._control, message[1], conn)

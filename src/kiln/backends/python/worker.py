@@ -358,6 +358,13 @@ class BlsStream:
     def __iter__(self) -> BlsStream:
         return self
 
+    def cancel(self) -> None:
+        """Triton's ``ResponseIterator.cancel()``: the callee's request is cancelled (its
+        ``is_cancelled()`` turns True); iterate on for the final response, a CANCELLED
+        error unless the callee had finished first."""
+        if not self.done:
+            self.channel.send(("bls_cancel", self.stream_id))
+
     def __next__(self) -> pb_utils.InferenceResponse:
         channel = self.channel
         parts = channel.streams.get(self.stream_id)
