@@ -266,6 +266,48 @@ def test_echo_with_logprobs_scores_the_prompt_tokens_too(client: openai.OpenAI) 
     assert lp.token_logprobs[n_prompt:] == pytest.approx(plain.choices[0].logprobs.token_logprobs)
 
 
+def test_a_streamed_echo_starts_each_choice_with_the_prompt(client: openai.OpenAI) -> None:
+    """As vLLM streams ``echo``: each choice's first chunk carries the prompt, and with
+    logprobs the prompt tokens' logprobs from text offset 0; put together, the stream
+    says what the whole answer says."""
+    prompt = "the quick brown fox jumps"
+    kw = dict(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, n=2,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    whole = client.completions.create(logprobs=2, **kw)  # type: ignore[call-overload]
+    chunks = list(client.completions.create(stream=True, logprobs=2, **kw))  # type: ignore[call-overload]
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].text.startswith(prompt)
+        assert sum(c.text.startswith(prompt) for c in mine) == 1  # once per choice
+        assert "".join(c.text for c in mine) == whole.choices[index].text
+        expected = whole.choices[index].logprobs
+        assert expected is not None
+        tokens: list[str] = []
+        values: list[float | None] = []
+        offsets: list[int] = []
+        for c in mine:
+            assert c.logprobs is not None
+            tokens += c.logprobs.tokens or []
+            values += c.logprobs.token_logprobs or []
+            offsets += c.logprobs.text_offset or []
+        assert tokens == expected.tokens and offsets == expected.text_offset
+        assert values[0] is None and values[1:] == pytest.approx(expected.token_logprobs[1:])
+    # without logprobs, and with a prompt of token ids (echoed as its text)
+    plain = list(client.completions.create(stream=True, **kw))  # type: ignore[call-overload]
+    first = [c.choices[0] for c in plain if c.choices and c.choices[0].index == 0]
+    assert "".join(c.text for c in first) == whole.choices[0].text
+    assert all(c.logprobs is None for c in first)
+    ids = [5, 17, 42, 7]
+    by_ids = dict(kw, prompt=ids, n=1)
+    whole_ids = client.completions.create(**by_ids)  # type: ignore[call-overload]
+    streamed = list(client.completions.create(stream=True, **by_ids))  # type: ignore[call-overload]
+    text = "".join(c.choices[0].text for c in streamed if c.choices)
+    assert text == whole_ids.choices[0].text
+    plain_ids = client.completions.create(**dict(by_ids, echo=False))  # type: ignore[call-overload]
+    echoed_prompt = text[: len(text) - len(plain_ids.choices[0].text)]
+    assert echoed_prompt and text.endswith(plain_ids.choices[0].text)
+
+
 def test_vllm_prompt_logprobs_field(client: openai.OpenAI) -> None:
     """vLLM's ``prompt_logprobs``: per prompt token, null for the first, else its logprob,
     rank and text with the top alternatives, by token id; the same numbers echo gives."""

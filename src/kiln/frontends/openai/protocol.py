@@ -133,12 +133,12 @@ def _common(
                 "prompt_logprobs is answered with the whole response: not with stream",
                 param="prompt_logprobs",
             )
-    echoed = logprobs if echo and not chat and not stream else None
+    echoed = logprobs if echo and not chat else None
     params = SamplingParams(
         max_tokens=max_tokens or 1,  # the default is settled once the prompt's length is known
         logprobs=logprobs,
         n=n or 1,
-        # an echoed prompt gets its logprobs too (completions, answered whole)
+        # an echoed prompt gets its logprobs too (completions, whole or streamed)
         prompt_logprobs=max((v for v in (echoed, prompt_logprobs) if v is not None), default=None),
         **fields,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -136,12 +136,23 @@ def _logprobs_format(
     return CompletionLogprobs(llm.tokenizer, len(echoed))
 
 
+@dataclass(slots=True)
+class _Echo:
+    """A streamed completion's ``echo``: each choice's first chunk starts with the prompt
+    (and, with logprobs, the prompt tokens' logprobs from text offset 0), as vLLM streams it."""
+
+    text: str
+    first_token: int
+    pending: set[int]  # the choices whose prompt has not gone out yet
+
+
 async def _sse(
     deltas: AsyncIterator[Delta],
     req: GenerationRequest,
     chat: bool,
     rid: str,
     formats: list[LogprobsFormat | None],
+    echo: _Echo | None = None,
 ) -> AsyncIterator[bytes]:
     """``formats``: each choice's logprobs formatter (None: no logprobs asked)."""
     created = int(time.time())
@@ -150,15 +161,24 @@ async def _sse(
 
     def chunk(index: int, d: Delta | None) -> bytes:
         text = d.text if d else None
+        fmt = formats[index]
+        lp = None
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if d is None else {}
             if text:
                 delta["content"] = text
             choice: dict[str, Any] = {"index": index, "delta": delta}
+        elif echo is not None and d is not None and index in echo.pending:
+            echo.pending.discard(index)
+            choice = {"index": index, "text": echo.text + (text or "")}
+            if isinstance(fmt, CompletionLogprobs) and d.prompt_logprobs:
+                # the prompt's tokens first, from offset 0 (the first has no logprob)
+                known = [e for e in d.prompt_logprobs[1:] if e is not None]
+                lp = fmt(known + d.logprobs, echo.first_token)
         else:
             choice = {"index": index, "text": text or ""}
-        fmt = formats[index]
-        lp = fmt(d.logprobs) if fmt is not None and d is not None else None
+        if lp is None and fmt is not None and d is not None:
+            lp = fmt(d.logprobs)
         choice.update(logprobs=lp, finish_reason=d.finish_reason if d else None)
         return b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
 
@@ -171,7 +191,7 @@ async def _sse(
         async for d in deltas:
             completion[d.index] = d.completion_tokens
             prompt_tokens = d.prompt_tokens
-            if d.text or d.finish_reason:
+            if d.text or d.finish_reason or (echo is not None and d.index in echo.pending):
                 yield chunk(d.index, d)
     except KilnError as exc:
         yield b"data: " + orjson.dumps(OpenAIError.from_kiln(exc).body()) + b"\n\n"
@@ -185,13 +205,18 @@ async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     deltas = run(llm, ids, req.params, req.stop, req.priority)
     n = req.params.n
-    # a stream does not repeat the prompt, so its text offsets start at 0
-    echo = not chat and not req.stream and req.echo and isinstance(req.prompt, str)
-    echoed = req.prompt if echo and isinstance(req.prompt, str) else ""
-    formats = [_logprobs_format(llm, req, chat, echoed) for _ in range(n)]
+    echo = not chat and req.echo
+    # a prompt of token ids is echoed as its text, as vLLM does
+    echoed = (
+        "" if not echo else req.prompt if isinstance(req.prompt, str) else llm.tokenizer.decode(ids)
+    )
     if req.stream:
-        events = _sse(deltas, req, chat, rid, formats)
+        # the prompt's logprobs go through the same formatter, so offsets start at 0
+        formats = [_logprobs_format(llm, req, chat, "") for _ in range(n)]
+        streamed = _Echo(echoed, ids[0], set(range(n))) if echo else None
+        events = _sse(deltas, req, chat, rid, formats, streamed)
         return StreamingResponse(events, media_type="text/event-stream")
+    formats = [_logprobs_format(llm, req, chat, echoed) for _ in range(n)]
     texts: list[list[str]] = [[] for _ in range(n)]
     entries: list[list[TokenLogprobs]] = [[] for _ in range(n)]
     prompt_entries: list[list[TokenLogprobs | None] | None] = [None] * n
