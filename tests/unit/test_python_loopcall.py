@@ -575,12 +575,12 @@ async def test_a_batch_queued_behind_one_making_a_bls_call_waits_its_turn(
     assert (await _run(instance, [_job(1)]))[0]["OUT"].tolist() == [[2, 2]]
 
 
-async def test_while_a_batch_runs_on_the_thread_path_the_next_ones_follow_it_there(
+async def test_while_a_batch_runs_on_the_thread_path_the_next_ones_wait_for_it(
     instance: Instance,
 ) -> None:
     """After a restart the batch that waited for it runs on the instance's thread, reading
     the worker's pipe itself; a batch arriving meanwhile (the second pipeline slot) must
-    not start on the loop and share that pipe."""
+    not start on the loop and share that pipe: it waits, then runs on the loop."""
     backend = _backend(instance)
     hung = instance.submit_requests([_job(-3)])
     slow = instance.submit_requests([_job(-5)])  # 1.2 s, rerun on the thread path
@@ -596,14 +596,49 @@ async def test_while_a_batch_runs_on_the_thread_path_the_next_ones_follow_it_the
     assert backend._restarting is None and instance._thread_calls == 1
     driven = instance.loop_driven_calls
     late = instance.submit_requests([_job(5)])
-    assert instance.loop_driven_calls == driven  # it went to the thread, behind `slow`
+    assert instance.loop_driven_calls == driven  # not on the loop while `slow` runs
+    assert instance._thread_calls == 1  # nor behind it on the thread
     (a,), _, _ = await asyncio.wait_for(slow, 30)
     (b,), _, _ = await asyncio.wait_for(late, 30)
     assert a["OUT"].tolist() == [[-10, -10]] and b["OUT"].tolist() == [[10, 10]]
     assert instance._thread_calls == 0
+    assert instance.loop_driven_calls == driven + 1  # `late` ran on the loop
     (c,), _, _ = await asyncio.wait_for(instance.submit_requests([_job(1)]), 30)
     assert c["OUT"].tolist() == [[2, 2]]
-    assert instance.loop_driven_calls == driven + 1  # back on the loop
+    assert instance.loop_driven_calls == driven + 2
+
+
+async def test_a_loaded_instance_returns_to_the_loop_after_a_restart(tmp_path: Path) -> None:
+    """Four callers keep the instance busy through a worker restart. Only the batches that
+    waited for the restart run on the instance's thread: the rest go back to the loop,
+    although each arrives while others are queued (when later batches followed the
+    thread's, a busy instance never left it)."""
+    instance = _instance(tmp_path, pipeline_depth="4")
+    backend = _backend(instance)
+    try:
+        assert (await _run(instance, [_job(1)]))[0]["OUT"].tolist() == [[2, 2]]
+        assert backend.worker.proc is not None
+        backend.worker.proc.kill()
+        backend.worker.proc.wait()
+        driven = instance.loop_driven_calls
+
+        async def caller(value: float) -> list[float]:
+            got = []
+            for _ in range(10):
+                (out,) = await _run(instance, [_job(value)])
+                if isinstance(out, KilnError):  # the batch that met the dead worker
+                    continue
+                got.append(float(out["OUT"][0, 0]))
+            return got
+
+        results = await asyncio.wait_for(asyncio.gather(*(caller(v) for v in (2, 3, 4, 5))), 60)
+        for value, got in zip((2, 3, 4, 5), results, strict=True):
+            assert got and set(got) == {2 * value}
+        on_the_loop = instance.loop_driven_calls - driven
+        assert on_the_loop >= 30, on_the_loop  # of 40: the thread took the first few only
+        assert instance._thread_calls == 0 and instance._behind_thread == []
+    finally:
+        instance.close()
 
 
 async def test_a_caller_that_goes_away_keeps_its_slot_until_its_batch_ends(

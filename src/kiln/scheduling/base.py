@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -146,6 +147,10 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_result(result)
 
 
+def _relay(outer: asyncio.Future[Any], inner: asyncio.Future[Any]) -> None:
+    _settle(outer, *_outcome(inner))
+
+
 #: ``inline_execution_max_us`` default: calls whose compute takes less than this run on the
 #: event loop's thread (see ``Instance.submit``).
 INLINE_MAX_US = 200
@@ -185,6 +190,8 @@ class Instance:
         self.loop_driven_calls = 0  # batches the backend ran from the loop (same)
         self._busy_until = 0  # when its last loop-driven batch ended, monotonic ns
         self._thread_calls = 0  # submit_requests batches on the thread path, not answered
+        # submit_requests batches waiting for those to end (``_after_thread_calls``)
+        self._behind_thread: list[tuple[list[Job], asyncio.Future[Any]]] = []
 
     async def run(
         self, inputs: dict[str, np.ndarray], output_names: list[str]
@@ -310,18 +317,21 @@ class Instance:
     def _submit_requests(
         self, jobs: list[Job]
     ) -> asyncio.Future[tuple[list[RequestOutcome], int, int]]:
+        if self._thread_calls:
+            # A batch runs on the thread path (the backend asked for it, e.g. during a
+            # restart): the two paths must not share the backend (one worker pipe) at
+            # once, and batches start in order. This one waits for the thread's batches to
+            # end, then tries the loop again; following them onto the thread instead kept
+            # a loaded instance there for good (each batch found another still queued).
+            return self._after_thread_calls(jobs)
         start = time.monotonic_ns()
         started: asyncio.Future[list[RequestOutcome]] | None = None
-        # While a batch runs on the thread path (the backend asked for it, e.g. during a
-        # restart), later ones follow it there: the two paths must not share the backend
-        # (one worker pipe) at once, and the thread runs its batches in order.
-        if not self._thread_calls:
-            try:
-                started = self.backend.start_requests(list(jobs))
-            except KilnError as exc:
-                started = _failed(exc)
-            except Exception as exc:
-                started = _failed(self._failure(exc))
+        try:
+            started = self.backend.start_requests(list(jobs))
+        except KilnError as exc:
+            started = _failed(exc)
+        except Exception as exc:
+            started = _failed(self._failure(exc))
         if started is None:
             return self._on_thread(jobs)
         self.loop_driven_calls += 1
@@ -361,8 +371,23 @@ class Instance:
         running.add_done_callback(self._thread_call_done)
         return running
 
+    def _after_thread_calls(
+        self, jobs: list[Job]
+    ) -> asyncio.Future[tuple[list[RequestOutcome], int, int]]:
+        outer: asyncio.Future[tuple[list[RequestOutcome], int, int]]
+        outer = asyncio.get_running_loop().create_future()
+        self._behind_thread.append((jobs, outer))
+        return outer
+
     def _thread_call_done(self, _: asyncio.Future[Any]) -> None:
         self._thread_calls -= 1
+        if self._thread_calls or not self._behind_thread:
+            return
+        waiting, self._behind_thread = self._behind_thread, []
+        for jobs, outer in waiting:  # in order; one may take the thread again
+            if outer.done():  # its caller went away meanwhile
+                continue
+            self._submit_requests(jobs).add_done_callback(functools.partial(_relay, outer))
 
     def _failure(self, exc: Exception) -> KilnError:
         """A backend's unexpected exception, naming the model: only this batch fails."""
