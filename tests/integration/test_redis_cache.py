@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import pytest
@@ -46,13 +46,16 @@ class RedisProcess:
         self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> RedisProcess:
+    def listen(self) -> list[str]:
+        """The ``redis-server`` flags that say where it listens."""
+        return ["--port", str(self.port)]
+
+    def start(self) -> Self:
         assert REDIS_SERVER is not None
         self.proc = subprocess.Popen(
             [
                 REDIS_SERVER,
-                "--port",
-                str(self.port),
+                *self.listen(),
                 "--bind",
                 "127.0.0.1",
                 "--save",

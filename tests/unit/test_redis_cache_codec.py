@@ -36,6 +36,28 @@ def test_tritons_redis_flags_parse_into_settings() -> None:
     assert minimal.redis.address == "localhost:6379"
 
 
+def test_tls_settings_and_credentials_from_triton_s_environment_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("a CA (read when the connection is made)")
+    monkeypatch.setenv("TRITONCACHE_REDIS_USERNAME", "from-env")
+    monkeypatch.setenv("TRITONCACHE_REDIS_PASSWORD", "env-secret")
+    parsed = CacheConfig.parse(
+        ["redis,host=h", "redis,port=6379", "redis,tls_enabled=true", f"redis,cacert={ca}",
+         "redis,sni=redis.internal"]
+    )  # fmt: skip
+    assert parsed is not None and parsed.redis is not None
+    redis = parsed.redis
+    assert (redis.tls, redis.cacert, redis.sni) == (True, str(ca), "redis.internal")
+    assert (redis.user, redis.password) == ("from-env", "env-secret")
+    # a setting overrides the environment, as in Triton
+    overridden = CacheConfig.parse(["redis,host=h", "redis,port=1", "redis,password=flag"])
+    assert overridden is not None and overridden.redis is not None
+    assert (overridden.redis.user, overridden.redis.password) == ("from-env", "flag")
+    assert not overridden.redis.tls
+
+
 @pytest.mark.parametrize(
     ("flags", "words"),
     [
@@ -45,6 +67,12 @@ def test_tritons_redis_flags_parse_into_settings() -> None:
         (["redis,host=h", "redis,port=1", "redis,pool_size=0"], "pool_size must be >= 1"),
         (["redis,host=h", "redis,port=1", "redis,db=x"], "db must be an integer, got 'x'"),
         (["redis,host=h", "redis,port=1", "redis,tls=1"], "unknown redis cache setting(s) tls"),
+        (["redis,host=h", "redis,port=1", "redis,tls_enabled=1"], "tls_enabled must be true or"),
+        (["redis,host=h", "redis,port=1", "redis,sni=x"], "sni need tls_enabled=true"),
+        (
+            ["redis,host=h", "redis,port=1", "redis,tls_enabled=true", "redis,cacert_dir=/no/dir"],
+            "cacert_dir: no folder '/no/dir'",
+        ),
         (["redis,host=h", "local,size=10"], "names both the local and the redis cache"),
     ],
 )

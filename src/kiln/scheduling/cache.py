@@ -10,9 +10,10 @@ parameters, so two requests share an entry only when the model would see the sam
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -46,6 +47,15 @@ class RedisSettings:
     socket_timeout_ms: int = 0
     pool_size: int = 1
     wait_timeout_ms: int = 100  # for a free connection of the pool
+    # TLS (``tls_enabled=true``): the CA file or folder to verify Redis's certificate with
+    # (the system's when neither), a client certificate and key for Redis's
+    # ``tls-auth-clients``, and the name to verify (and send as SNI) instead of ``host``
+    tls: bool = False
+    cacert: str = ""
+    cacert_dir: str = ""
+    cert: str = ""
+    key: str = ""
+    sni: str = ""
 
     @property
     def address(self) -> str:
@@ -60,7 +70,11 @@ _REDIS_INTS = {
     "pool_size": (1, None),
     "wait_timeout": (0, None),
 }
-_REDIS_KEYS = ("host", "user", "password", *_REDIS_INTS)
+_REDIS_TLS_FILES = ("cacert", "cacert_dir", "cert", "key")
+_REDIS_KEYS = ("host", "user", "password", *_REDIS_INTS, "tls_enabled", *_REDIS_TLS_FILES, "sni")
+#: Triton's environment variables for the Redis credentials (a setting overrides them).
+REDIS_USER_ENV = "TRITONCACHE_REDIS_USERNAME"
+REDIS_PASSWORD_ENV = "TRITONCACHE_REDIS_PASSWORD"
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +134,38 @@ class CacheConfig:
         return cls(size)
 
 
-def _redis_settings(settings: dict[str, str]) -> RedisSettings:
+def _redis_tls(settings: dict[str, str]) -> bool:
+    """Whether TLS is on (``tls_enabled``), checking what goes with it."""
+    raw = settings.get("tls_enabled", "false")
+    flag = raw.lower()
+    if flag not in ("true", "false"):
+        raise CacheConfigError(
+            f"redis cache setting tls_enabled must be true or false, got '{raw}'"
+        )
+    given = [k for k in (*_REDIS_TLS_FILES, "sni") if settings.get(k)]
+    if flag == "false":
+        if given:
+            raise CacheConfigError(
+                f"redis cache setting(s) {', '.join(given)} need tls_enabled=true "
+                "(without it the connection to Redis is not encrypted)"
+            )
+        return False
+    for name in _REDIS_TLS_FILES:
+        path = settings.get(name)
+        if not path:
+            continue
+        folder = name == "cacert_dir"
+        if not (os.path.isdir(path) if folder else os.path.isfile(path)):
+            kind = "folder" if folder else "file"
+            raise CacheConfigError(f"redis cache setting {name}: no {kind} '{path}'")
+    if settings.get("key") and not settings.get("cert"):
+        raise CacheConfigError("redis cache setting key needs cert (the client certificate)")
+    return True
+
+
+def _redis_settings(
+    settings: dict[str, str], environ: Mapping[str, str] | None = None
+) -> RedisSettings:
     unknown = sorted(set(settings) - set(_REDIS_KEYS))
     if unknown:
         raise CacheConfigError(
@@ -147,16 +192,24 @@ def _redis_settings(settings: dict[str, str]) -> RedisSettings:
             bound = f"{low}..{high}" if high is not None else f">= {low}"
             raise CacheConfigError(f"redis cache setting {key} must be {bound}, got {value}")
         ints[key] = value
+    tls = _redis_tls(settings)
+    env = os.environ if environ is None else environ
     return RedisSettings(
         host=settings["host"],
         port=ints["port"],
-        user=settings.get("user", ""),
-        password=settings.get("password", ""),
+        user=settings.get("user", env.get(REDIS_USER_ENV, "")),
+        password=settings.get("password", env.get(REDIS_PASSWORD_ENV, "")),
         db=ints.get("db", 0),
         connect_timeout_ms=ints.get("connect_timeout", 0),
         socket_timeout_ms=ints.get("socket_timeout", 0),
         pool_size=ints.get("pool_size", 1),
         wait_timeout_ms=ints.get("wait_timeout", 100),
+        tls=tls,
+        cacert=settings.get("cacert", ""),
+        cacert_dir=settings.get("cacert_dir", ""),
+        cert=settings.get("cert", ""),
+        key=settings.get("key", ""),
+        sni=settings.get("sni", ""),
     )
 
 

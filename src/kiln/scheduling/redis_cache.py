@@ -3,7 +3,9 @@
 Triton's spelling: ``--cache-config redis,host=HOST --cache-config redis,port=PORT`` (plus
 ``user``, ``password``, ``db``, ``connect_timeout``, ``socket_timeout`` (ms) and
 ``pool_size``; ``wait_timeout`` is accepted and has nothing to wait for: commands are
-pipelined, none waits for a free connection). kiln speaks RESP itself (``resp.py``): no
+pipelined, none waits for a free connection; TLS with ``tls_enabled``, ``cacert`` /
+``cacert_dir``, ``cert``, ``key`` and ``sni``; the credentials may also come from
+``TRITONCACHE_REDIS_USERNAME`` / ``_PASSWORD``). kiln speaks RESP itself (``resp.py``): no
 client library to install, and a hit costs the server little. Replicas behind one load
 balancer then answer a request that any of them has answered before, and a restarted
 server starts warm.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import struct
 import time
 from collections.abc import Sequence
@@ -62,6 +65,8 @@ class RedisResponseCache:
             connect_timeout=_seconds(settings.connect_timeout_ms),
             socket_timeout=_seconds(settings.socket_timeout_ms),
             connections=settings.pool_size,
+            ssl_context=tls_context(settings) if settings.tls else None,
+            server_hostname=settings.sni,
         )
         self.errors = 0  # lookups and inserts that failed (each a miss / no-op)
         self._warned_at = 0.0
@@ -122,6 +127,21 @@ class RedisResponseCache:
                 what,
                 _reason(exc),
             )
+
+
+def tls_context(settings: RedisSettings) -> ssl.SSLContext:
+    """The client side of TLS to Redis: its certificate verified against ``cacert`` /
+    ``cacert_dir`` (the system's CAs when neither is given) and the host name (or
+    ``sni``); ``cert`` and ``key`` for a Redis that asks clients for one."""
+    try:
+        context = ssl.create_default_context(
+            cafile=settings.cacert or None, capath=settings.cacert_dir or None
+        )
+        if settings.cert:
+            context.load_cert_chain(settings.cert, settings.key or None)
+    except (ssl.SSLError, OSError) as exc:
+        raise CacheConfigError(f"redis cache TLS settings: {_reason(exc)}") from None
+    return context
 
 
 def _seconds(ms: int) -> float | None:

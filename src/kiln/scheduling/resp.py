@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from collections import deque
 from typing import Any, cast
@@ -130,8 +131,14 @@ class RespClient:
         connect_timeout: float | None = None,
         socket_timeout: float | None = None,
         connections: int = 1,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str = "",
     ) -> None:
+        """``ssl_context``: speak TLS, verifying Redis's certificate against
+        ``server_hostname`` (``host`` when empty), which also goes out as SNI."""
         self.host, self.port = host, port
+        self.ssl_context = ssl_context
+        self.server_hostname = server_hostname or host
         self.username, self.password, self.db = username, password, db
         self.connect_timeout, self.socket_timeout = connect_timeout, socket_timeout
         self._slots: list[_Connection | None] = [None] * max(1, connections)
@@ -188,7 +195,16 @@ class RespClient:
 
     async def _open(self) -> _Connection:
         loop = asyncio.get_running_loop()
-        opening = loop.create_connection(_Connection, self.host, self.port)
+        if self.ssl_context is None:
+            opening = loop.create_connection(_Connection, self.host, self.port)
+        else:
+            opening = loop.create_connection(
+                _Connection,
+                self.host,
+                self.port,
+                ssl=self.ssl_context,
+                server_hostname=self.server_hostname,
+            )
         _, conn = await asyncio.wait_for(opening, self.connect_timeout)
         try:
             if self.password:
