@@ -12,7 +12,11 @@ PYTEST_ARGS ?=
 # Re-install only when the dependency declarations change.
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: setup serve test lint typecheck unit bench example clean system-deps
+# npm packages of the grpc-js interop client (tests/integration/test_grpc_js_interop.py)
+INTEROP := tests/interop/grpc_js
+INTEROP_STAMP := $(INTEROP)/node_modules/.package-lock.json
+
+.PHONY: setup serve test lint typecheck unit bench example clean system-deps interop-deps
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +28,11 @@ setup: $(STAMP)
 
 system-deps:
 	bash scripts/system-deps.sh
+
+$(INTEROP_STAMP): $(INTEROP)/package-lock.json | system-deps
+	npm ci --prefix $(INTEROP) --no-audit --no-fund --loglevel=error
+
+interop-deps: $(INTEROP_STAMP)
 
 example: $(STAMP)
 	$(BIN)/kiln repo example $(REPO) --overwrite
@@ -38,11 +47,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: $(STAMP) system-deps lint typecheck
+test: $(STAMP) system-deps interop-deps lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/serving_baseline.py
 
 clean:
-	rm -rf $(VENV) $(REPO) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(REPO) .pytest_cache .mypy_cache .ruff_cache $(INTEROP)/node_modules
