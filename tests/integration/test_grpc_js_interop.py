@@ -1,7 +1,7 @@
 """A gRPC client that shares no code with grpcio or kiln: grpc-js, on Node's HTTP/2
-(nghttp2), against ``kiln serve``'s own HTTP/2 gRPC server. Metadata, unary inference,
-a tensor several flow-control windows large each way, a bidirectional stream of a
-decoupled model, errors as gRPC statuses and a cancelled stream
+(nghttp2), against ``kiln serve``'s own HTTP/2 gRPC server. Metadata, unary inference, a
+tensor several flow-control windows large each way, 200 calls at once on one connection, a
+bidirectional stream of a decoupled model, errors as gRPC statuses and a cancelled stream
 (``tests/interop/grpc_js/client.mjs``; ``make test`` installs its npm packages)."""
 
 from __future__ import annotations
@@ -113,6 +113,12 @@ def test_a_tensor_many_flow_control_windows_large(server: KilnProcess) -> None:
     count = 1_000_000  # 4 MB each way: 61 times HTTP/2's initial 64 KiB window
     got = _run(server, "large", "big", count)
     assert got == {"bytes": 4 * count, "equal": True, "last": ((count - 1) % 1000) / 8}
+
+
+def test_two_hundred_concurrent_calls_on_one_connection(server: KilnProcess) -> None:
+    """grpc-js multiplexes them as concurrent HTTP/2 streams of one connection (some with
+    256 KiB tensors, so they share the connection's flow-control window)."""
+    assert _run(server, "parallel", 200) == {"ok": 200, "total": 200}
 
 
 def test_a_bidirectional_stream_of_a_decoupled_model(server: KilnProcess) -> None:

@@ -108,6 +108,36 @@ const scenarios = {
     return { bytes: out.length, equal: Buffer.compare(out, data) === 0, last: values[n - 1] };
   },
 
+  // N calls at once on one channel (one HTTP/2 connection, N concurrent streams), each
+  // with its own operands and, every 10th, a 256 KiB tensor: every answer is its own.
+  async parallel(stub, [count]) {
+    const n = Number(count);
+    const calls = Array.from({ length: n }, async (_, k) => {
+      if (k % 10 === 9) {
+        const data = Buffer.alloc(65536 * 4);
+        data.fill(k % 251);
+        const { response } = await unary(stub, "ModelInfer", {
+          model_name: "big",
+          inputs: [{ name: "X", datatype: "FP32", shape: [65536] }],
+          raw_input_contents: [data],
+        });
+        return Boolean(response) && Buffer.compare(response.raw_output_contents[0], data) === 0;
+      }
+      const a = Array.from({ length: 16 }, (_, i) => k * 100 + i);
+      const tensor = (name) => ({ name, datatype: "INT32", shape: [1, 16] });
+      const { response } = await unary(stub, "ModelInfer", {
+        model_name: "simple",
+        inputs: [tensor("INPUT0"), tensor("INPUT1")],
+        raw_input_contents: [int32s(a), int32s(a)],
+      });
+      if (!response) return false;
+      const sum = readInt32s(response.raw_output_contents[0]);
+      return sum.every((v, i) => v === 2 * a[i]);
+    });
+    const results = await Promise.all(calls);
+    return { ok: results.filter(Boolean).length, total: n };
+  },
+
   // ModelStreamInfer on the decoupled `repeat_int32`: each request's values come back as
   // separate responses on the same stream, followed by the empty final response asked for.
   async stream(stub, [firstCount, secondCount]) {
