@@ -240,6 +240,41 @@ def test_logit_bias_outside_the_vocabulary_is_400(client: openai.OpenAI) -> None
     assert "logit_bias[5] must be in [-100, 100], got 1000" in body["message"]
 
 
+def test_a_cache_salt_shares_the_prefix_cache_only_with_the_same_salt(
+    client: openai.OpenAI, server: KilnProcess
+) -> None:
+    """vLLM's ``cache_salt`` (completions and chat): a prompt cached under one salt is a hit
+    for the same salt only; another salt, or none, computes it again."""
+    prompt = "salted: " + LONG
+
+    def hits_of(**extra: object) -> float:
+        before = _scrape(server).get("kiln_llm_prefix_cache_hits_total", 0.0)
+        client.completions.create(  # type: ignore[call-overload]
+            model="tiny", prompt=prompt, max_tokens=1, extra_body={"ignore_eos": True, **extra}
+        )
+        return _scrape(server)["kiln_llm_prefix_cache_hits_total"] - before
+
+    assert hits_of(cache_salt="tenant-a") == 0  # first time under this salt
+    assert hits_of(cache_salt="tenant-a") > 0  # the same salt: the prompt is cached
+    assert hits_of(cache_salt="tenant-b") == 0  # another salt sees none of it
+    assert hits_of() == 0  # nor does a request without one
+    assert hits_of() > 0  # ... which caches for the unsalted
+    before = _scrape(server)["kiln_llm_prefix_cache_hits_total"]
+    messages = [{"role": "user", "content": prompt}]
+    for _ in range(2):
+        client.chat.completions.create(  # type: ignore[call-overload]
+            model="tiny", messages=messages, max_tokens=1, extra_body={"cache_salt": "chat-a"}
+        )
+    assert _scrape(server)["kiln_llm_prefix_cache_hits_total"] > before
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(  # type: ignore[call-overload]
+            model="tiny", prompt="x", max_tokens=1, extra_body={"cache_salt": ""}
+        )
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == "cache_salt"
+    assert "'cache_salt' must be a non-empty string" in body["message"]
+
+
 def test_echo_with_logprobs_scores_the_prompt_tokens_too(client: openai.OpenAI) -> None:
     """How evaluation harnesses score a text: ``echo`` and ``logprobs`` give each prompt
     token's logprob (the first has none), then the generated ones."""

@@ -107,6 +107,37 @@ def test_a_hash_blind_to_the_parent_cannot_chain_onto_another_prefix(
     bm.check([])
 
 
+def _salted(tokens: list[int], salt: str | None, rid: str = "r") -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(max_tokens=6, cache_salt=salt))
+
+
+def test_a_cache_salt_keeps_requests_of_other_salts_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's ``cache_salt``: the same prompt under another salt, or none, finds nothing
+    the salted request cached; under the same salt it finds all of it."""
+    bm = BlockManager(16, 2)
+    tenant_a = _salted([1, 2, 3, 4, 5], "tenant-a")
+    _compute(bm, tenant_a)
+    blocks = tenant_a.block_table[:2]
+    bm.free(tenant_a)
+    assert bm.find_cached(_salted([1, 2, 3, 4, 5], "tenant-b")) == []
+    assert bm.find_cached(_salted([1, 2, 3, 4, 5], None)) == []
+    assert bm.find_cached(_salted([1, 2, 3, 4, 5], "tenant-a")) == blocks
+    # and an unsalted request's blocks are no salted request's hit
+    plain = _salted([7, 8, 9, 10, 11], None)
+    _compute(bm, plain)
+    bm.free(plain)
+    assert bm.find_cached(_salted([7, 8, 9, 10, 11], "tenant-a")) == []
+    bm.check([])
+    # a hash that ignores the salt (a collision) still never crosses it
+    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens: hash(tokens))
+    other = BlockManager(16, 2)
+    first = _salted([1, 2, 3, 4, 5], "tenant-a")
+    _compute(other, first)
+    other.free(first)
+    assert other.find_cached(_salted([1, 2, 3, 4, 5], "tenant-b")) == []
+    assert len(other.find_cached(_salted([1, 2, 3, 4, 5], "tenant-a"))) == 2
+
+
 # -- the engine against transformers ---------------------------------------------------------
 
 pytest.importorskip("transformers")

@@ -10,7 +10,10 @@ Prefix cache: once a block is full of computed tokens it is registered under a h
 tokens chained with its parent block's hash. A new sequence looks its full blocks up in
 order and reuses the longest chain found. A hash is only a key: a hit also compares the
 block's stored token ids and its parent's content key, so a hash collision (or a parent
-evicted and refilled since) can never hand out the wrong KV. A released block that holds
+evicted and refilled since) can never hand out the wrong KV. A request's ``cache_salt``
+(vLLM's) roots its chain: its first block's hash starts from the salt and the block keeps
+it, so requests with different salts (or one without) never share a cached block, and a
+tenant cannot learn from timing which prompts another one sent. A released block that holds
 cached content is *evictable*: it stays findable, in least-recently-released order, and is
 only recycled when the pool of blank blocks is empty.
 """
@@ -23,6 +26,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kiln.llm.sequence import Sequence
+
+
+def _salt_root(salt: str | None) -> int | None:
+    """What a salted chain's first block hashes from (None: unsalted). A str's hash varies
+    between processes, which the prefix cache, held in one, never sees."""
+    return None if salt is None else hash(("cache_salt", salt))
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -40,6 +49,8 @@ class Block:
     token_ids: tuple[int, ...] = ()
     #: content key of the parent block when this one was registered (None: first block)
     parent_key: int | None = None
+    #: the ``cache_salt`` of the request that registered it (first blocks only)
+    salt: str | None = None
     #: unique per registration: children chain to it, and it dies with the eviction
     content_key: int = -1
 
@@ -86,7 +97,7 @@ class BlockManager:
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_blocks):
-            parent = seq.block_hashes[i - 1] if i else None
+            parent = seq.block_hashes[i - 1] if i else _salt_root(seq.params.cache_salt)
             seq.block_hashes.append(hash_block(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
         return seq.block_hashes
 
@@ -105,8 +116,10 @@ class BlockManager:
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            if block.parent_key != parent_key or block.token_ids != tuple(
-                seq.token_ids[i * bs : (i + 1) * bs]
+            if (
+                block.parent_key != parent_key
+                or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                or (i == 0 and block.salt != seq.params.cache_salt)
             ):
                 break  # a colliding hash or a stale chain: never trust the hash alone
             hits.append(block_id)
@@ -126,10 +139,12 @@ class BlockManager:
                 seq.chain_keys.append(-1)
                 continue
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            salt = seq.params.cache_salt if i == 0 else None
             block = self.blocks[seq.block_table[i]]
             other = self.cached.get(hashes[i])
             if other is None:
                 block.block_hash, block.token_ids, block.parent_key = hashes[i], tokens, parent_key
+                block.salt = salt
                 block.content_key = next(self._keys)
                 self.cached[hashes[i]] = block.block_id
                 seq.chain_keys.append(block.content_key)
@@ -137,7 +152,10 @@ class BlockManager:
                 same = self.blocks[other]
                 # the same content computed twice (requests admitted together): chain on
                 # the registered copy; a collision leaves the rest of this chain uncached
-                dup = same.token_ids == tokens and same.parent_key == parent_key
+                dup = same.token_ids == tokens and (same.parent_key, same.salt) == (
+                    parent_key,
+                    salt,
+                )
                 seq.chain_keys.append(same.content_key if dup else -1)
         seq.num_cached_blocks = max(seq.num_cached_blocks, full)
 
@@ -152,6 +170,7 @@ class BlockManager:
             if block.block_hash is not None and self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
             block.block_hash, block.token_ids, block.parent_key = None, (), None
+            block.salt = None
             block.content_key = -1
         self.blocks[block_id].ref_count = 1
         return block_id

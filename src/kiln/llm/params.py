@@ -24,6 +24,7 @@ SAMPLING_FIELDS = (
     "stop_token_ids",
     "ignore_eos",
     "logit_bias",
+    "cache_salt",
 )
 
 #: OpenAI's bound on a ``logit_bias`` value
@@ -111,7 +112,11 @@ def sampling_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise InvalidField("ignore_eos", f"'ignore_eos' must be a boolean, got {ignore_eos!r}")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidField("cache_salt", f"'cache_salt' must be a non-empty string, got {salt!r}")
     return {
+        "cache_salt": salt,
         "logit_bias": logit_bias(body),
         "temperature": temperature,
         "top_p": top_p,

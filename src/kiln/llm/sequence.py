@@ -40,6 +40,8 @@ class SamplingParams:
     #: logprobs of the prompt's tokens too, with this many top alternatives (vLLM's
     #: ``prompt_logprobs``; the completions API's ``echo`` with ``logprobs``)
     prompt_logprobs: int | None = None
+    #: vLLM's ``cache_salt``: the prefix cache matches only requests with the same salt
+    cache_salt: str | None = None
 
 
 class SequenceStatus(enum.Enum):
