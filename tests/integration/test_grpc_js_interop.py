@@ -21,6 +21,7 @@ from onnx import TensorProto
 import kiln
 from kiln.examples import build_example_repository
 from tests.conftest import KilnProcess
+from tests.integration.test_python_bls_cancel import MODELS
 from tests.onnx_models import identity_model
 
 CLIENT = Path(__file__).parents[1] / "interop" / "grpc_js"
@@ -30,42 +31,6 @@ pytestmark = pytest.mark.skipif(
     shutil.which("node") is None or not (CLIENT / "node_modules" / "@grpc").is_dir(),
     reason="needs Node.js and `npm ci --prefix tests/interop/grpc_js` (make test does both)",
 )
-
-# A response every 10 ms, IN[0] of them, until the client goes away; then it writes how
-# far it got next to the repository.
-TICKS = """
-import os, time
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.marker = os.path.join(args["model_repository"], "..", "ticks.log")
-
-    def execute(self, requests):
-        for r in requests:
-            sender = r.get_response_sender()
-            count = int(pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()[0])
-            for n in range(count):
-                if sender.is_cancelled():
-                    with open(self.marker, "w") as f:
-                        f.write(f"cancelled after {n}")
-                    break
-                sender.send(pb_utils.InferenceResponse(
-                    [pb_utils.Tensor("OUT", np.array([n], np.int32))]))
-                time.sleep(0.01)
-            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        return None
-"""
-
-TICKS_CONFIG = """
-name: "ticks"
-backend: "python"
-max_batch_size: 0
-input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-model_transaction_policy { decoupled: true }
-"""
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +43,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
         'input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
         'output [ { name: "OUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
     )
-    (repo / "ticks" / "1").mkdir(parents=True)
-    (repo / "ticks" / "1" / "model.py").write_text(textwrap.dedent(TICKS))
-    (repo / "ticks" / "config.pbtxt").write_text(TICKS_CONFIG)
+    source, io = MODELS["ticker"]  # a response every 10 ms until its client goes away
+    (repo / "ticker" / "1").mkdir(parents=True)
+    (repo / "ticker" / "1" / "model.py").write_text(source)
+    config = 'name: "ticker"\nbackend: "python"\nmax_batch_size: 0\n' + textwrap.dedent(io)
+    (repo / "ticker" / "config.pbtxt").write_text(config)
     proc = KilnProcess(repo).start()
     yield proc
     proc.stop()
@@ -137,7 +104,7 @@ def test_errors_are_grpc_statuses_and_the_channel_goes_on(server: KilnProcess) -
 
 
 def test_a_cancelled_stream_reaches_the_model(server: KilnProcess) -> None:
-    marker = server.repository / "ticks.log"
+    marker = server.repository / "ticker.log"
     marker.unlink(missing_ok=True)
     got = _run(server, "cancel")
     assert got["received"] >= 3 and got["afterOk"] is True

@@ -193,7 +193,7 @@ const scenarios = {
     return { unknown, wrongShape, afterOk: Boolean(after.outputs) };
   },
 
-  // A stream the client cancels while the model (`ticks`: a response every 10 ms) is
+  // A stream the client cancels while the model (`ticker`: a response every 10 ms) is
   // still sending: the model sees it, and the server goes on serving this channel.
   async cancel(stub) {
     const call = stub.ModelStreamInfer();
@@ -206,8 +206,8 @@ const scenarios = {
     );
     call.on("error", () => {}); // CANCELLED, which this client asked for
     call.write({
-      model_name: "ticks",
-      inputs: [{ name: "IN", datatype: "INT32", shape: [1] }],
+      model_name: "ticker",
+      inputs: [{ name: "COUNT", datatype: "INT32", shape: [1] }],
       raw_input_contents: [int32s([1000])],
     });
     await some;

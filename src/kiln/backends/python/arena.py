@@ -167,16 +167,11 @@ class Arena:
             self._map[offset : offset + count] = bytes(count)
         return offset
 
-    def set_flag(self, offset: int) -> None:
-        """Set the byte at ``offset`` (from ``zero_flags``) to 1."""
+    def set_flag(self, offset: int, on: bool = True) -> None:
+        """Set the byte at ``offset`` (from ``zero_flags``) to 1 (``on``) or back to 0."""
         self._ensure_mapped(offset + 1)
         assert self._map is not None
-        self._map[offset] = 1
-
-    def clear_flag(self, offset: int) -> None:
-        self._ensure_mapped(offset + 1)
-        assert self._map is not None
-        self._map[offset] = 0
+        self._map[offset] = int(on)
 
     def flag(self, offset: int) -> bool:
         self._ensure_mapped(offset + 1)

@@ -135,14 +135,11 @@ class StreamCall:
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
-    def _cancelled_part(self) -> Part:
-        return cancelled(self._model)
-
     async def _pump(self, request: InferenceRequest, infer_stream: InferStream) -> None:
         parts = self._parts
         self._task = asyncio.current_task()
         if self._cancelled:  # before it began
-            parts.put(self._cancelled_part())
+            parts.put(cancelled(self._model))
             return
         try:
             async for response in infer_stream(request):
@@ -154,7 +151,7 @@ class StreamCall:
                     return
             parts.put((None, True, None, {}))
         except asyncio.CancelledError:  # cancel(): the callee's stream closed above
-            parts.put(self._cancelled_part())
+            parts.put(cancelled(self._model))
         except KilnError as exc:
             parts.put((None, True, exc, {}))
         except Exception as exc:

@@ -48,7 +48,7 @@ class FlagPool:
         with _LOCK:
             if self._free:
                 offset = self._free.pop()
-                self.arena.clear_flag(offset)
+                self.arena.set_flag(offset, on=False)
             else:
                 offset = self.arena.zero_flags(1)
             flag = CancelFlag(self, offset, self.generation)
@@ -56,6 +56,12 @@ class FlagPool:
         if add is not None:
             add(flag.set)
         return flag
+
+    def give_back(self, flag: CancelFlag) -> None:
+        """Under ``_LOCK``: the worker no longer reads ``flag``'s byte (a restarted worker's
+        pool has started over without it)."""
+        if flag.generation == self.generation:
+            self._free.append(flag.offset)
 
 
 class CancelFlag:
@@ -77,8 +83,7 @@ class CancelFlag:
         with _LOCK:
             if self.live:
                 self.live = False
-                if self.generation == self.pool.generation:
-                    self.pool._free.append(self.offset)
+                self.pool.give_back(self)
 
 
 @dataclass(slots=True)
@@ -138,12 +143,10 @@ class BatchWatch:
 
     def end(self) -> None:
         """The batch is over: its requests leave the worker, but for those detached."""
-        streams = self.streams
-        for index, flag in enumerate(self.flags):
-            if self.keys:
-                entry = streams.get(self.keys[index])
-                if entry is not None:
-                    if entry.detached:
-                        continue
-                    del streams[self.keys[index]]
+        keys = self.keys or [-1] * len(self.flags)  # -1: never a stream's key
+        for key, flag in zip(keys, self.flags, strict=True):
+            entry = self.streams.get(key)
+            if entry is not None and entry.detached:
+                continue  # it ends with its FINAL flag (``PythonBackend._stream``)
+            self.streams.pop(key, None)
             flag.end()
