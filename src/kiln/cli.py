@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -203,6 +204,23 @@ def main() -> None:
     "device; by default the most any loaded instance needs.",
 )
 @click.option(
+    "--trace-config",
+    "trace_config",
+    multiple=True,
+    metavar="[MODE,]SETTING=VALUE",
+    help="Request tracing as in Triton, written in its JSON trace format: "
+    "--trace-config triton,file=PATH --trace-config level=TIMESTAMPS (or TENSORS; "
+    "repeatable) --trace-config rate=N (every N-th request; default 1000) "
+    "--trace-config count=N (-1: no limit) --trace-config triton,log-frequency=N "
+    "(every N traces to PATH.0, PATH.1, ...). Changeable at run time through "
+    "/v2/trace/setting (docs/tracing.md).",
+)
+@click.option("--trace-file", hidden=True, help="Triton's older spelling of triton,file=")
+@click.option("--trace-level", multiple=True, hidden=True, help="Older spelling of level=")
+@click.option("--trace-rate", hidden=True, help="Older spelling of rate=")
+@click.option("--trace-count", hidden=True, help="Older spelling of count=")
+@click.option("--trace-log-frequency", hidden=True, help="Older spelling of log-frequency=")
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -242,6 +260,12 @@ def serve(
     cache_config: tuple[str, ...],
     rate_limit: str,
     rate_limit_resources: tuple[str, ...],
+    trace_config: tuple[str, ...],
+    trace_file: str | None,
+    trace_level: tuple[str, ...],
+    trace_rate: str | None,
+    trace_count: str | None,
+    trace_log_frequency: str | None,
     log_level: str,
     **security_params: Any,
 ) -> None:
@@ -249,6 +273,7 @@ def serve(
 
     Security (API keys, restricted APIs, TLS, CORS, limits): see docs/security.md."""
     from kiln.core.server import ControlMode, ServerOptions
+    from kiln.core.settings import parse_trace_config
     from kiln.metrics.app import MetricsOptions
     from kiln.metrics.config import MetricsConfig, MetricsConfigError
     from kiln.scheduling.cache import CacheConfig, CacheConfigError
@@ -279,6 +304,17 @@ def serve(
             "resources given, but the rate limiter is off: add --rate-limit=execution_count",
             param_hint="--rate-limit-resource",
         )
+    legacy = {
+        "trace_file": [trace_file] if trace_file is not None else [],
+        "trace_level": list(trace_level),
+        "trace_rate": [trace_rate] if trace_rate is not None else [],
+        "trace_count": [trace_count] if trace_count is not None else [],
+        "log_frequency": [trace_log_frequency] if trace_log_frequency is not None else [],
+    }
+    try:
+        trace = parse_trace_config(trace_config, legacy)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--trace-config") from None
     options = ServerOptions(
         model_repositories=list(model_repository),
         model_control_mode=ControlMode(model_control_mode),
@@ -293,6 +329,7 @@ def serve(
         max_tensor_elements=security_params["max_tensor_elements"],
         rate_limit=rate_limit == "execution_count",
         rate_limit_resources=overrides,
+        trace=trace,
     )
     security = build_security(security_params)
     metrics = MetricsOptions(
@@ -523,6 +560,46 @@ def monitor_history(
         print_history(url, list(metrics), since, step, model, api_key=api_key)
     except HistoryClientError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@main.group()
+def trace() -> None:
+    """Read request traces (kiln serve --trace-config; docs/tracing.md)."""
+
+
+@trace.command("summary")
+@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def trace_summary(files: tuple[Path, ...], as_json: bool) -> None:
+    """Mean time per phase of the traced requests in FILES (Triton's trace format; several
+    files, e.g. trace.json.0 trace.json.1, are read as one), per model and protocol:
+    request (first to last stamp), receive, handler (REQUEST_START to REQUEST_END),
+    queue, compute and its input / infer / output parts, send."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kiln.trace_summary import PHASES, TraceFileError, read_entries, summarize, to_json
+
+    try:
+        groups = summarize(read_entries(list(files)))
+    except TraceFileError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(to_json(groups), indent=2))
+        return
+    if not groups:
+        click.echo("no traces in " + ", ".join(map(str, files)))
+        return
+    table = Table(title="Traced requests: mean µs per phase")
+    table.add_column("phase")
+    for g in groups:
+        version = f" v{g.version}" if g.version >= 0 else ""
+        table.add_column(f"{g.model}{version}\n{g.protocol}", justify="right")
+    table.add_row("traces", *(str(g.count) for g in groups))
+    for phase, _, _ in PHASES:
+        means = [g.mean_us(phase) for g in groups]
+        table.add_row(phase, *("" if m is None else f"{m:,.0f}" for m in means))
+    Console().print(table)
 
 
 @main.group()

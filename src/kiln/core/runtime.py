@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import itertools
 import logging
@@ -20,6 +21,7 @@ from kiln.core.errors import KilnError, Status, internal, unavailable
 from kiln.core.signature import ModelSignature
 from kiln.core.stats import FailureReason, ModelStats, RequestTimes, failure_reason
 from kiln.core.stream import ResponseStream
+from kiln.core.trace import CURRENT, Trace, Tracer, owned_by_frontend
 from kiln.core.types import DataType, InferenceRequest, InferenceResponse, InferOutput
 from kiln.core.warmup import build_samples, run_warmup
 from kiln.scheduling.base import INLINE_MAX_US, Instance, Job, Scheduler
@@ -62,8 +64,10 @@ class ModelRuntime:
         cache: Cache | None = None,
         resolve: Callable[[str, str], StepModel] | None = None,
         rate_limiter: RateLimiter | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.name = name
+        self.tracer = tracer  # the server's: samples requests for trace files
         self.rate_limiter = rate_limiter  # --rate-limit: instances take turns on resources
         self.version = version
         self.version_str = str(version)
@@ -214,6 +218,13 @@ class ModelRuntime:
         self._inflight += 1
         activity.inflight += 1
         self._idle.clear()
+        tracer, trace, current = self.tracer, None, None
+        if tracer is not None and tracer.enabled:
+            trace = tracer.begin(
+                self.name, self.version_str, request.id, times.received, request.trace_parent
+            )
+            if trace is not None:
+                current = CURRENT.set(trace)  # an ensemble's steps are its children
         try:
             inputs, batch = self._inputs(request)
             names = [o.name for o in request.outputs] or self.signature.output_names
@@ -229,9 +240,14 @@ class ModelRuntime:
                     hit.parameters.update(cached[1])
                     return hit
             job = Job(inputs, names, batch, times, request.parameters, request.id)
+            if trace is not None:
+                job.trace_id = trace.id
+                self._trace_queued(trace, request)
             try:
                 raw = await self.scheduler.schedule(job)
                 outputs = self._outputs(raw, names, batch)
+                if trace is not None:
+                    self._trace_computed(trace, times, outputs)
             except asyncio.CancelledError:
                 job.cancel()  # the client went away (a cancelled gRPC call)
                 self.stats.record_failure(times, time.monotonic_ns(), FailureReason.CANCELED)
@@ -253,10 +269,54 @@ class ModelRuntime:
                 response.parameters.update(job.response_parameters)
             return response
         finally:
+            if trace is not None:
+                self._trace_end(trace, current)
             self._inflight -= 1
             activity.inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
+
+    def _trace_queued(self, trace: Trace, request: InferenceRequest) -> None:
+        trace.stamp("QUEUE_START")
+        if trace.tensors is not None:
+            for tensor in request.inputs:
+                trace.tensor("TENSOR_QUEUE_INPUT", tensor.name, tensor.datatype.value, tensor.data)
+
+    def _trace_computed(
+        self, trace: Trace, times: RequestTimes, outputs: list[InferOutput]
+    ) -> None:
+        self._trace_compute_stamps(trace, times)
+        self._trace_response(trace, outputs)
+
+    def _trace_compute_stamps(self, trace: Trace, times: RequestTimes) -> None:
+        """The COMPUTE_* stamps of the request's execution (an ensemble has none of its
+        own: its steps' traces do)."""
+        if isinstance(self.scheduler, EnsembleScheduler):
+            return
+        for name, ns in (
+            ("COMPUTE_START", times.queue_end),
+            ("COMPUTE_INPUT_END", times.input_end),
+            ("COMPUTE_OUTPUT_START", times.infer_end),
+            ("COMPUTE_END", times.output_end),
+        ):
+            if ns:
+                trace.stamp(name, ns)
+
+    @staticmethod
+    def _trace_response(trace: Trace, outputs: list[InferOutput]) -> None:
+        """One response is complete: its tensors (TENSORS level) and its stamp."""
+        if trace.tensors is not None:
+            for out in outputs:
+                trace.tensor("TENSOR_BACKEND_OUTPUT", out.name, out.datatype.value, out.data)
+        trace.stamp("INFER_RESPONSE_COMPLETE")
+
+    @staticmethod
+    def _trace_end(trace: Trace, current: contextvars.Token[Trace | None] | None) -> None:
+        trace.stamp("REQUEST_END")
+        if current is not None:
+            CURRENT.reset(current)
+        if not owned_by_frontend(trace):
+            trace.end()  # else the frontend ends it once the response is sent
 
     async def infer_stream(
         self, request: InferenceRequest, window: int = 0
@@ -279,11 +339,21 @@ class ModelRuntime:
         self._idle.clear()
         task: asyncio.Task[dict[str, np.ndarray]] | None = None
         ended = False  # the stream ran to its end (or its error)
+        tracer, trace, current = self.tracer, None, None
+        if tracer is not None and tracer.enabled:
+            trace = tracer.begin(
+                self.name, self.version_str, request.id, times.received, request.trace_parent
+            )
+            if trace is not None:
+                current = CURRENT.set(trace)  # the scheduling task copies it
         try:
             inputs, batch = self._inputs(request)
             names = [o.name for o in request.outputs] or self.signature.output_names
             stream = ResponseStream(asyncio.get_running_loop(), window)
             job = Job(inputs, names, batch, times, request.parameters, request.id, stream)
+            if trace is not None:
+                job.trace_id = trace.id
+                self._trace_queued(trace, request)
             task = asyncio.get_running_loop().create_task(self.scheduler.schedule(job))
             task.add_done_callback(
                 lambda t: stream.finish(None if t.cancelled() else t.exception())
@@ -304,6 +374,8 @@ class ModelRuntime:
                     if item.parameters:
                         response.parameters.update(item.parameters)
                     response.parameters["triton_final_response"] = item.final
+                    if trace is not None:
+                        self._trace_response(trace, outputs)
                     yield response
             except KilnError as exc:
                 ended = True
@@ -321,6 +393,9 @@ class ModelRuntime:
                 if not task.done():
                     task.cancel()
                 self.stats.record_failure(times, time.monotonic_ns(), FailureReason.CANCELED)
+            if trace is not None:
+                self._trace_compute_stamps(trace, times)
+                self._trace_end(trace, current)
             self._inflight -= 1
             activity.inflight -= 1
             if self._inflight == 0:

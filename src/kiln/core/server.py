@@ -22,6 +22,7 @@ from kiln.core.runtime import ModelRuntime
 from kiln.core.settings import LogSettings, TraceSettings
 from kiln.core.shm import SharedMemoryManager
 from kiln.core.signature import check_request_limits
+from kiln.core.trace import Tracer
 from kiln.core.types import InferenceRequest, InferenceResponse
 from kiln.repository.manager import RepositoryManager, check_model_name, decode_files
 from kiln.repository.poll import RepositoryPoller
@@ -68,6 +69,8 @@ class ServerOptions:
     auto_complete_config: bool = True  # False: --disable-auto-complete-config
     rate_limit: bool = False  # --rate-limit=execution_count
     rate_limit_resources: list[ResourceOverride] = field(default_factory=list)
+    # --trace-config / --trace-file ...: the starting global trace settings
+    trace: TraceSettings = field(default_factory=TraceSettings)
 
 
 class Server:
@@ -83,13 +86,14 @@ class Server:
             rate_limiter=RateLimiter(options.rate_limit_resources) if options.rate_limit else None,
         )
         self.shm = SharedMemoryManager()
+        self.tracer = Tracer(options.trace)
+        self.repository.tracer = self.tracer
         self.poller: RepositoryPoller | None = None
         if options.model_control_mode is ControlMode.POLL:
             self.poller = RepositoryPoller(self.repository, options.repository_poll_secs)
         self.live = True
         self.shutting_down = False
         self.started = False
-        self.trace = TraceSettings()
         self.log_settings = LogSettings()
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -125,6 +129,7 @@ class Server:
             await self.response_cache.close()
         bls.uninstall(self.infer)
         self.shm.close()
+        self.tracer.close()  # traces still pending go to their files
 
     @property
     def ready(self) -> bool:
@@ -233,7 +238,7 @@ class Server:
             check_model_name(model)
             if model not in self.repository.model_names():
                 raise not_found(f"Request for unknown model: '{model}' is not found")
-        return self.trace.update(model, updates) if updates else self.trace.get(model)
+        return self.tracer.update(model, updates) if updates else self.tracer.get(model)
 
     # ---- repository ------------------------------------------------------------------
     def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:

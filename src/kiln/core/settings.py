@@ -77,6 +77,65 @@ class TraceSettings:
         return list(values)
 
 
+# ``--trace-config [MODE,]SETTING=VALUE`` -> the trace setting it sets (Triton's names)
+_TRACE_FLAGS = {
+    ("", "rate"): "trace_rate",
+    ("", "level"): "trace_level",
+    ("", "count"): "trace_count",
+    ("", "mode"): "trace_mode",
+    ("triton", "file"): "trace_file",
+    ("triton", "log-frequency"): "log_frequency",
+}
+
+
+def parse_trace_config(
+    flags: tuple[str, ...] | list[str], legacy: dict[str, list[str]] | None = None
+) -> TraceSettings:
+    """The starting trace settings from ``--trace-config`` flags (``rate=100``,
+    ``level=TIMESTAMPS`` (repeatable), ``count=N``, ``mode=triton``, ``triton,file=PATH``,
+    ``triton,log-frequency=N``) and Triton's older flags (``legacy``: setting -> values,
+    e.g. ``--trace-file``); ``ValueError`` names the flag that is wrong."""
+    updates: dict[str, list[str]] = {k: list(v) for k, v in (legacy or {}).items() if v}
+    levels: list[str] = []
+    for flag in flags:
+        setting, eq, value = flag.partition("=")
+        mode, _, name = setting.rpartition(",")
+        if not eq or not name:
+            raise ValueError(f"'{flag}': expected [MODE,]SETTING=VALUE, e.g. rate=100")
+        if mode == "opentelemetry":
+            raise ValueError(
+                f"'{flag}': OpenTelemetry trace mode is not supported by kiln; traces are "
+                "written in Triton's format (--trace-config triton,file=PATH)"
+            )
+        key = _TRACE_FLAGS.get((mode, name))
+        if key is None:
+            known = ", ".join(f"{m},{n}" if m else n for m, n in _TRACE_FLAGS)
+            raise ValueError(f"'{flag}': unknown trace setting; known: {known}")
+        if key == "trace_level":
+            levels.append(value)
+        else:
+            updates[key] = [value]
+    if levels:
+        updates["trace_level"] = levels
+    if updates.get("trace_mode", ["triton"]) != ["triton"]:
+        raise ValueError(
+            f"mode={updates['trace_mode'][0]}: kiln writes traces in Triton's format only "
+            "(mode=triton)"
+        )
+    settings = TraceSettings()
+    try:
+        settings.update("", updates)
+    except KilnError as exc:
+        raise ValueError(exc.message) from None
+    merged = settings.get()
+    if set(merged["trace_level"]) - {"OFF"} and not merged["trace_file"][0]:
+        raise ValueError(
+            f"level={','.join(merged['trace_level'])} needs a file to write the traces to: "
+            "--trace-config triton,file=PATH"
+        )
+    return settings
+
+
 _LOG_TYPES: dict[str, type] = {
     "log_file": str,
     "log_info": bool,

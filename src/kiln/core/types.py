@@ -147,6 +147,9 @@ class InferenceRequest:
     inputs: list[InferInput] = field(default_factory=list)
     outputs: list[RequestedOutput] = field(default_factory=list)
     parameters: dict[str, Any] = field(default_factory=dict)
+    # The id of a traced request this one serves (a Python model's BLS call made with
+    # ``trace=request.trace()``): it is traced as that trace's child. 0: none.
+    trace_parent: int = 0
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ from kiln.config.loader import (
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.runtime import ModelRuntime, ModelState
+from kiln.core.trace import Tracer
 from kiln.repository.safety import check_config_paths, check_model_name, check_tree_inside
 from kiln.scheduling.cache import Cache
 from kiln.scheduling.ensemble_graph import is_ensemble
@@ -99,6 +100,7 @@ class RepositoryManager:
         self.drain_timeout = drain_timeout
         self.response_cache = response_cache  # shared by every model that enables it
         self.rate_limiter = rate_limiter  # --rate-limit: shared by every model's instances
+        self.tracer: Tracer | None = None  # the server's (set by it)
         self.entries: dict[str, ModelEntry] = {}
         self._load_slots = asyncio.Semaphore(4)  # Triton's --model-load-thread-count
 
@@ -270,6 +272,7 @@ class RepositoryManager:
                 self.response_cache,
                 resolve=self.get,
                 rate_limiter=self.rate_limiter,
+                tracer=self.tracer,
             )
             for v in chosen
         }

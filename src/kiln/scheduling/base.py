@@ -51,6 +51,7 @@ class Job:
     # time.monotonic_ns() by which it must be answered, 0 = none: set by the dynamic
     # batcher from its queue policy; the Python backend also bounds execution by it.
     deadline_ns: int = 0
+    trace_id: int = 0  # its trace's id when sampled (a Python model's ``request.trace()``)
     cancelled: bool = False  # its client went away (Triton's request cancellation)
     # The response's parameters as the model set them, for the client (BackendRequest).
     response_parameters: dict[str, Any] | None = None

@@ -388,6 +388,10 @@ class PythonBackend(Backend):
             }
             for r, flag in zip(requests, watch.flags, strict=True)
         ]
+        for message, request in zip(wire, requests, strict=True):
+            trace_id = getattr(request, "trace_id", 0)
+            if trace_id:  # traced: the model's BLS calls can name it (request.trace())
+                message["trace"] = trace_id
         if self.decoupled:
             for message, request, key in zip(wire, requests, watch.keys, strict=True):
                 message["key"] = key
@@ -617,6 +621,7 @@ class PythonBackend(Backend):
             call["outputs"],
             call["request_id"],
             json.loads(call["parameters"] or "{}"),
+            call.get("trace", 0),
         )
 
     def _bls(

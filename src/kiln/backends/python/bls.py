@@ -81,6 +81,7 @@ def request(
     outputs: list[str],
     request_id: str,
     parameters: dict[str, Any],
+    trace_parent: int = 0,
 ) -> InferenceRequest:
     """The request a worker's BLS call describes (``KilnError`` for unusable tensors)."""
     try:
@@ -97,6 +98,7 @@ def request(
         inputs=tensors,
         outputs=[Wanted(name) for name in outputs],
         parameters=parameters,
+        trace_parent=trace_parent,
     )
 
 

@@ -311,9 +311,13 @@ class PreferredMemory:
 
 
 class InferenceTrace:
-    """What ``request.trace()`` returns, for a BLS request's ``trace=`` argument. kiln
-    passes no OpenTelemetry context to models, so ``get_context()`` is None, as in Triton
-    when tracing is off."""
+    """What ``request.trace()`` returns, for a BLS request's ``trace=`` argument: a BLS
+    call made with it is traced as a child of this request's trace (when the server
+    sampled it; docs/tracing.md). kiln writes Triton-format traces, not OpenTelemetry
+    spans, so ``get_context()`` is None, as in Triton's ``triton`` trace mode."""
+
+    def __init__(self, trace_id: int = 0) -> None:
+        self._trace_id = int(trace_id)
 
     def get_context(self) -> str | None:
         return None
@@ -333,8 +337,10 @@ class InferenceRequest:
         flags: int = 0,
         timeout: int = 0,
         parameters: dict[str, Any] | str | None = None,
-        **_: Any,  # preferred_memory, trace: meaningless on a CPU-only backend
+        trace: InferenceTrace | None = None,
+        **_: Any,  # preferred_memory: meaningless on a CPU-only backend
     ) -> None:
+        self._trace = trace if trace is not None else InferenceTrace()
         self._model_name = model_name
         self._inputs = list(inputs or [])
         self._outputs = list(requested_output_names or [])
@@ -360,7 +366,7 @@ class InferenceRequest:
         self._flags = int(flags)
 
     def trace(self) -> InferenceTrace:
-        return InferenceTrace()
+        return self._trace
 
     def requested_output_names(self) -> list[str]:
         return self._outputs

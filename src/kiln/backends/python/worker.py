@@ -295,6 +295,9 @@ class Channel:
         }
         if stream is not None:
             call["stream"] = stream
+        trace_id = request.trace()._trace_id
+        if trace_id:  # made with trace=request.trace() of a traced request
+            call["trace"] = trace_id
         self.conn.send(("bls", call))
 
     def call(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
@@ -483,6 +486,7 @@ class Worker:
                 correlation_id=wire["correlation_id"],
                 flags=wire["flags"],
                 parameters=wire["parameters"],
+                trace=pb_utils.InferenceTrace(wire.get("trace", 0)),
             )
             request._cancel_flag = (channel.flags, wire["cancel_at"])
             if self.decoupled:

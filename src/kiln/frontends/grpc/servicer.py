@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +13,7 @@ from google.protobuf import json_format
 
 from kiln.core.errors import KilnError
 from kiln.core.server import Server
+from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done
 from kiln.frontends import shm_io
 from kiln.frontends.grpc import grpc_service_pb2 as pb
 from kiln.frontends.grpc.codec import decode_request, encode_response, parameters_to_dict
@@ -71,7 +73,22 @@ class InferenceServicer(SharedMemoryRpcs):
 
     @guarded
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> Any:
-        return await self._infer(request)
+        if not self.server.tracer.enabled:
+            return await self._infer(request)
+        # Traced: GRPC_WAITREAD_* span decoding the message (it has arrived whole by
+        # now), GRPC_SEND_* encoding the response (the transport writes it after).
+        slot = FrontendSlot("GRPC", time.monotonic_ns())
+        token = FRONTEND.set(slot)
+        send_start = 0
+        try:
+            decoded = decode_request(request)
+            slot.recv_end = time.monotonic_ns()
+            response = await shm_io.infer(self.server, decoded)
+            send_start = time.monotonic_ns()
+            return encode_response(response)
+        finally:
+            FRONTEND.reset(token)
+            frontend_done(slot, send_start or time.monotonic_ns())
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Context

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from typing import TYPE_CHECKING
 
 import orjson
@@ -20,6 +21,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.core.errors import KilnError
+from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done
 from kiln.frontends.http.codec import HEADER_LENGTH
 
 if TYPE_CHECKING:
@@ -53,6 +55,10 @@ class FastInfer:
     async def _infer(
         self, match: re.Match[str], scope: Scope, receive: Receive, send: Send
     ) -> None:
+        slot = None
+        if self.frontend.server.tracer.enabled:
+            slot = FrontendSlot("HTTP", time.monotonic_ns())
+            FRONTEND.set(slot)  # this request's task: the runtime files its trace here
         headers: dict[str, str] = {}
         for key, value in scope["headers"]:
             name = WANTED_HEADERS.get(key)
@@ -67,13 +73,17 @@ class FastInfer:
         except KilnError as exc:
             status, out, extra = error(exc)
         else:
+            if slot is not None:
+                slot.recv_end = time.monotonic_ns()
             status, out, extra = await answer(
                 self.frontend, match[1], match[2] or "", body, headers
             )
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
         raw.append((b"content-length", str(len(out)).encode()))
+        send_start = time.monotonic_ns()
         await send({"type": "http.response.start", "status": status, "headers": raw})
         await send({"type": "http.response.body", "body": out})
+        frontend_done(slot, send_start)
 
 
 def error(exc: KilnError) -> tuple[int, bytes, dict[str, str]]:

@@ -21,6 +21,7 @@ to the ASGI app, whose CORS middleware adds the headers a browser needs.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import httptools
@@ -29,6 +30,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from kiln.core.access import AccessPolicy, ApiGroup
 from kiln.core.errors import KilnError, Status
+from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done
 from kiln.frontends.http.app import HttpFrontend
 from kiln.frontends.http.fast_infer import INFER_PATH, WANTED_HEADERS, answer, error
 
@@ -43,7 +45,7 @@ class _FastCycle:
 
     __slots__ = (
         "body", "disconnected", "headers", "keep_alive", "match", "raw_headers",
-        "response_complete",
+        "recv_end", "recv_start", "response_complete",
     )  # fmt: skip
     message_event = _Nothing()
 
@@ -61,6 +63,7 @@ class _FastCycle:
         self.body: list[bytes] = []
         self.disconnected = False
         self.response_complete = False
+        self.recv_start = self.recv_end = 0  # stamped while the server traces
 
 
 def fast_infer_protocol(
@@ -72,10 +75,17 @@ def fast_infer_protocol(
     """``access``: the HTTP access policy when it is enabled; ``cors``: CORS is configured."""
     max_body = frontend.max_body
     read_timeout = frontend.read_timeout
+    tracer = frontend.server.tracer
 
     class FastInferProtocol(base):  # type: ignore[valid-type,misc]
         _fast_rx: _FastCycle | None = None  # a fast request whose body is arriving
         _read_timer: asyncio.TimerHandle | None = None
+        _begun = 0  # when the request began arriving (while the server traces)
+
+        def on_message_begin(self) -> None:
+            if tracer.enabled:
+                self._begun = time.monotonic_ns()
+            super().on_message_begin()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
@@ -91,6 +101,7 @@ def fast_infer_protocol(
             self._disarm()  # the header timeout, as the base class does
             self._fast_rx = cycle
             self.cycle = cycle  # type: ignore[assignment]
+            cycle.recv_start = self._begun
 
         def _fast_cycle(self) -> _FastCycle | None:
             if self.parser.get_method() != b"POST" or self.expect_100_continue:
@@ -132,6 +143,8 @@ def fast_infer_protocol(
                 return
             self._fast_rx = None
             self._cancel_read_timer()
+            if cycle.recv_start:
+                cycle.recv_end = time.monotonic_ns()
             task = self.loop.create_task(self._serve(cycle))
             task.add_done_callback(self.tasks.discard)
             self.tasks.add(task)
@@ -140,6 +153,11 @@ def fast_infer_protocol(
             headers, match = cycle.headers, cycle.match
             if access is not None and self._denied(cycle):
                 return
+            slot = None
+            if cycle.recv_start and tracer.enabled:
+                # this task's own context: the runtime files a sampled trace here
+                slot = FrontendSlot("HTTP", cycle.recv_start, cycle.recv_end)
+                FRONTEND.set(slot)
             try:
                 body = b"".join(cycle.body)
                 if "content-encoding" in headers:
@@ -148,7 +166,12 @@ def fast_infer_protocol(
                 status, out, extra = error(exc)
             else:
                 status, out, extra = await answer(frontend, match[1], match[2] or "", body, headers)
-            self._respond(cycle, status, out, extra)
+            if slot is None:
+                self._respond(cycle, status, out, extra)
+            else:
+                send_start = time.monotonic_ns()
+                self._respond(cycle, status, out, extra)
+                frontend_done(slot, send_start)
             if self.flow.write_paused and not self.transport.is_closing():
                 await self.flow.drain()  # a slow reader: don't start its next request yet
             self._complete(cycle)
