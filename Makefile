@@ -21,7 +21,7 @@ INTEROP_STAMP := $(INTEROP)/node_modules/.package-lock.json
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c requirements/constraints.txt -e '.[test,torch,llm]'
+	$(BIN)/python -m pip install --quiet -c requirements/constraints.txt -e '.[test,torch,llm,otel]'
 	touch $(STAMP)
 
 setup: $(STAMP)

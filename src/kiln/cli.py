@@ -312,7 +312,7 @@ def serve(
         "log_frequency": [trace_log_frequency] if trace_log_frequency is not None else [],
     }
     try:
-        trace = parse_trace_config(trace_config, legacy)
+        trace, trace_otel = parse_trace_config(trace_config, legacy)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--trace-config") from None
     options = ServerOptions(
@@ -330,6 +330,7 @@ def serve(
         rate_limit=rate_limit == "execution_count",
         rate_limit_resources=overrides,
         trace=trace,
+        trace_otel=trace_otel,
     )
     security = build_security(security_params)
     metrics = MetricsOptions(

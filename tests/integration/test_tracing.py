@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import shutil
 import subprocess
 import sys
@@ -97,7 +98,8 @@ def _by_request(traces: dict[int, dict[str, Any]], request_id: str) -> dict[str,
     return trace
 
 
-def _simple_inputs(module: Any) -> list[Any]:
+def simple_inputs(module: Any) -> list[Any]:
+    """``simple``'s two inputs (0..15) for a tritonclient module (http, grpc, aio)."""
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
     inputs = [module.InferInput("INPUT0", [1, 16], "INT32"),
               module.InferInput("INPUT1", [1, 16], "INT32")]  # fmt: skip
@@ -116,13 +118,13 @@ def test_every_protocol_ensemble_and_bls_call_is_traced(
     ).start()
     http = httpclient.InferenceServerClient(server.http_url)
     assert http.get_trace_settings()["trace_level"] == ["TIMESTAMPS", "TENSORS"]
-    http.infer("simple", _simple_inputs(httpclient), request_id="over-http")
+    http.infer("simple", simple_inputs(httpclient), request_id="over-http")
     grpc = grpcclient.InferenceServerClient(server.grpc_url)
-    grpc.infer("simple", _simple_inputs(grpcclient), request_id="over-grpc")
+    grpc.infer("simple", simple_inputs(grpcclient), request_id="over-grpc")
 
     async def aio() -> None:
         async with aioclient.InferenceServerClient(server.grpc_url) as client:
-            await client.infer("simple", _simple_inputs(aioclient), request_id="over-aio")
+            await client.infer("simple", simple_inputs(aioclient), request_id="over-aio")
 
     asyncio.run(aio())
     image = httpclient.InferInput("IMAGE", [1, 28, 28, 1], "UINT8")
@@ -134,7 +136,7 @@ def test_every_protocol_ensemble_and_bls_call_is_traced(
 
     # Per model, at run time: simple stops being traced, the others go on.
     http.update_trace_settings("simple", {"trace_level": ["OFF"]})
-    http.infer("simple", _simple_inputs(httpclient), request_id="not-traced")
+    http.infer("simple", simple_inputs(httpclient), request_id="not-traced")
     assert server.stop() == 0  # the traces are written as the server stops
     traces = _traces(out)
 
@@ -181,6 +183,30 @@ def test_every_protocol_ensemble_and_bls_call_is_traced(
     assert groups[("cnn", "in-server")]["mean_us"]["compute"] > 0
 
 
+def test_a_decoupled_stream_is_traced_response_by_response(
+    make_server: type[KilnProcess], example_repo: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "t.json"
+    server = make_server(
+        example_repo, args=_flags(f"triton,file={out}", "level=TIMESTAMPS", "rate=1")
+    ).start()
+    got: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: got.put(error or result))
+    values = grpcclient.InferInput("IN", [3], "INT32")
+    values.set_data_from_numpy(np.array([4, 5, 6], np.int32))
+    client.async_stream_infer("repeat_int32", [values], request_id="streamed")
+    answers = [got.get(timeout=30) for _ in range(3)]
+    client.stop_stream()
+    assert [int(a.as_numpy("OUT")[0]) for a in answers] == [4, 5, 6]
+    assert server.stop() == 0
+    trace = _by_request(_traces(out), "streamed")
+    names = [n for n, _ in trace["stamps"]]
+    assert names.count("INFER_RESPONSE_COMPLETE") == 3
+    assert names[:2] == ["REQUEST_START", "QUEUE_START"] and names[-1] == "REQUEST_END"
+    assert "COMPUTE_START" in names
+
+
 def test_log_frequency_and_trace_count_over_the_api(
     make_server: type[KilnProcess], example_repo: Path, tmp_path: Path
 ) -> None:
@@ -193,7 +219,7 @@ def test_log_frequency_and_trace_count_over_the_api(
     ).start()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     for _ in range(4):  # every 2nd: two traces, written to t.json.0 at the second
-        client.infer("simple", _simple_inputs(grpcclient))
+        client.infer("simple", simple_inputs(grpcclient))
     first = _traces(Path(f"{out}.0"))
     assert [t["model_name"] for t in first.values()] == ["simple", "simple"]
     settings = client.get_trace_settings(as_json=True)["settings"]
@@ -201,7 +227,7 @@ def test_log_frequency_and_trace_count_over_the_api(
     # every request now, but only one trace is left to take
     client.update_trace_settings(settings={"trace_rate": "1"})
     for _ in range(3):
-        client.infer("simple", _simple_inputs(grpcclient))
+        client.infer("simple", simple_inputs(grpcclient))
     assert client.get_trace_settings(as_json=True)["settings"]["trace_count"]["value"] == ["0"]
     assert server.stop() == 0
     assert len(_traces(Path(f"{out}.1"))) == 1  # what was left, at the next index
@@ -220,10 +246,10 @@ def test_the_trace_file_is_not_a_client_s_to_choose(
     assert r.status_code == 501  # Status.UNSUPPORTED, as for log_file
     assert "changing trace_file at run time is not supported" in r.json()["error"]
     r = requests.post(url, json={"trace_mode": "opentelemetry"}, timeout=10)
-    assert r.status_code == 501 and "not supported" in r.json()["error"]
+    assert r.status_code == 501 and "trace_mode cannot be changed at run time" in r.json()["error"]
     # the server goes on serving
     client = httpclient.InferenceServerClient(server.http_url)
-    assert client.infer("simple", _simple_inputs(httpclient)).as_numpy("OUTPUT0") is not None
+    assert client.infer("simple", simple_inputs(httpclient)).as_numpy("OUTPUT0") is not None
 
 
 @pytest.mark.parametrize(

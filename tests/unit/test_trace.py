@@ -12,6 +12,7 @@ import pytest
 from kiln.core.errors import KilnError, Status
 from kiln.core.settings import TraceSettings, parse_trace_config
 from kiln.core.trace import CURRENT, FRONTEND, MAX_TENSOR_VALUES, FrontendSlot, Tracer
+from kiln.core.trace_otel import OtelOptions
 
 
 def _tracer(path: Path, **settings: str | list[str]) -> Tracer:
@@ -193,15 +194,15 @@ def test_the_trace_file_cannot_be_changed_at_run_time(tmp_path: Path) -> None:
     assert tracer.update("", {"trace_file": [str(out)]})["trace_file"] == [str(out)]
 
 
-def test_opentelemetry_mode_is_refused_with_the_way_out(tmp_path: Path) -> None:
+def test_the_trace_mode_cannot_be_changed_at_run_time(tmp_path: Path) -> None:
     tracer = _tracer(tmp_path / "t.json")
-    with pytest.raises(KilnError, match=r"opentelemetry.*not supported") as err:
+    with pytest.raises(KilnError, match=r"trace_mode cannot be changed at run time") as err:
         tracer.update("", {"trace_mode": ["opentelemetry"]})
     assert err.value.status is Status.UNSUPPORTED
 
 
 def test_parse_trace_config_reads_triton_flags() -> None:
-    settings = parse_trace_config(
+    settings, otel = parse_trace_config(
         [
             "triton,file=/tmp/t.json",
             "level=TIMESTAMPS",
@@ -211,13 +212,49 @@ def test_parse_trace_config_reads_triton_flags() -> None:
             "triton,log-frequency=50",
             "mode=triton",
         ]
-    ).get()
+    )
+    assert otel is None  # triton mode
+    settings = settings.get()
     assert settings["trace_file"] == ["/tmp/t.json"]
     assert settings["trace_level"] == ["TIMESTAMPS", "TENSORS"]
     assert settings["trace_rate"] == ["10"] and settings["trace_count"] == ["5"]
     assert settings["log_frequency"] == ["50"]
-    old = parse_trace_config([], {"trace_file": ["/tmp/x"], "trace_level": ["TIMESTAMPS"]})
+    old, _ = parse_trace_config([], {"trace_file": ["/tmp/x"], "trace_level": ["TIMESTAMPS"]})
     assert old.get()["trace_file"] == ["/tmp/x"]
+
+
+def test_parse_trace_config_reads_opentelemetry_flags() -> None:
+    settings, otel = parse_trace_config(
+        [
+            "mode=opentelemetry",
+            "level=TIMESTAMPS",
+            "rate=0",
+            "opentelemetry,url=collector:4318",
+            "opentelemetry,resource=service.name=edge",
+            "opentelemetry,resource=deployment.environment=test",
+            "opentelemetry,bsp_schedule_delay=100",
+            "opentelemetry,bsp_max_queue_size=64",
+            "opentelemetry,bsp_max_export_batch_size=8",
+        ]
+    )
+    assert settings.get()["trace_mode"] == ["opentelemetry"]
+    assert otel is not None
+    assert OtelOptions.endpoint(otel.url) == "http://collector:4318/v1/traces"
+    assert OtelOptions.endpoint("https://c:1/custom") == "https://c:1/custom"
+    assert otel.resource == {"service.name": "edge", "deployment.environment": "test"}
+    assert (otel.bsp_schedule_delay, otel.bsp_max_queue_size, otel.bsp_max_export_batch_size) == (
+        100, 64, 8)  # fmt: skip
+
+
+def test_opentelemetry_settings_do_not_change_at_run_time() -> None:
+    settings, otel = parse_trace_config(["mode=opentelemetry", "level=TIMESTAMPS"])
+    tracer = Tracer(settings, otel)
+    try:
+        assert tracer.enabled and tracer.get()["trace_mode"] == ["opentelemetry"]
+        with pytest.raises(KilnError, match="cannot be changed at run time in opentelemetry"):
+            tracer.update("", {"trace_rate": ["1"]})
+    finally:
+        tracer.close()
 
 
 @pytest.mark.parametrize(
@@ -229,10 +266,28 @@ def test_parse_trace_config_reads_triton_flags() -> None:
         (["rate=often"], "'trace_rate' must be an integer, got 'often'"),
         (["level=LOUD"], "trace_level must be one of"),
         (["level=TIMESTAMPS"], "needs a file to write the traces to"),
-        (["opentelemetry,url=localhost:4318"], "OpenTelemetry trace mode is not supported"),
-        (["mode=opentelemetry"], "Triton's format only"),
+        (["opentelemetry,url=localhost:4318"], "applies to mode=opentelemetry only"),
+        (["mode=opentelemetry", "level=TENSORS"], "traces timestamps only"),
+        (["mode=jaeger"], "trace_mode must be 'triton' or 'opentelemetry'"),
+        (["mode=opentelemetry", "opentelemetry,bsp_schedule_delay=soon"], "positive integer"),
+        (["mode=opentelemetry", "opentelemetry,resource=edge"], "resource=KEY=VALUE"),
     ],
 )
 def test_parse_trace_config_names_what_is_wrong(flags: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_trace_config(flags)
+
+
+def test_opentelemetry_mode_without_the_sdk_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name.startswith("opentelemetry") else real(name, *a),
+    )
+    with pytest.raises(ValueError, match=r"pip install 'kiln-serve\[otel\]'"):
+        parse_trace_config(["mode=opentelemetry", "level=TIMESTAMPS"])

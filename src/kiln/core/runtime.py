@@ -241,7 +241,7 @@ class ModelRuntime:
                     return hit
             job = Job(inputs, names, batch, times, request.parameters, request.id)
             if trace is not None:
-                job.trace_id = trace.id
+                job.trace_id, job.trace_context = trace.id, trace.context
                 self._trace_queued(trace, request)
             try:
                 raw = await self.scheduler.schedule(job)

@@ -23,6 +23,7 @@ from kiln.core.settings import LogSettings, TraceSettings
 from kiln.core.shm import SharedMemoryManager
 from kiln.core.signature import check_request_limits
 from kiln.core.trace import Tracer
+from kiln.core.trace_otel import OtelOptions
 from kiln.core.types import InferenceRequest, InferenceResponse
 from kiln.repository.manager import RepositoryManager, check_model_name, decode_files
 from kiln.repository.poll import RepositoryPoller
@@ -71,6 +72,7 @@ class ServerOptions:
     rate_limit_resources: list[ResourceOverride] = field(default_factory=list)
     # --trace-config / --trace-file ...: the starting global trace settings
     trace: TraceSettings = field(default_factory=TraceSettings)
+    trace_otel: OtelOptions | None = None  # mode=opentelemetry: the exporter's options
 
 
 class Server:
@@ -86,7 +88,7 @@ class Server:
             rate_limiter=RateLimiter(options.rate_limit_resources) if options.rate_limit else None,
         )
         self.shm = SharedMemoryManager()
-        self.tracer = Tracer(options.trace)
+        self.tracer = Tracer(options.trace, options.trace_otel)
         self.repository.tracer = self.tracer
         self.poller: RepositoryPoller | None = None
         if options.model_control_mode is ControlMode.POLL:

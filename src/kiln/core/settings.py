@@ -6,11 +6,15 @@ shows over HTTP too. Keys and value spellings are Triton's.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.core.errors import KilnError, Status, invalid_arg
+
+if TYPE_CHECKING:
+    from kiln.core.trace_otel import OtelOptions
 
 TRACE_LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
 _TRACE_INTS = ("trace_rate", "trace_count", "log_frequency")
@@ -86,30 +90,41 @@ _TRACE_FLAGS = {
     ("triton", "file"): "trace_file",
     ("triton", "log-frequency"): "log_frequency",
 }
+# ``--trace-config opentelemetry,SETTING=VALUE``: the exporter's (not trace API settings)
+_OTEL_FLAGS = ("url", "resource", "bsp_max_queue_size", "bsp_schedule_delay",
+               "bsp_max_export_batch_size")  # fmt: skip
 
 
 def parse_trace_config(
     flags: tuple[str, ...] | list[str], legacy: dict[str, list[str]] | None = None
-) -> TraceSettings:
+) -> tuple[TraceSettings, OtelOptions | None]:
     """The starting trace settings from ``--trace-config`` flags (``rate=100``,
-    ``level=TIMESTAMPS`` (repeatable), ``count=N``, ``mode=triton``, ``triton,file=PATH``,
-    ``triton,log-frequency=N``) and Triton's older flags (``legacy``: setting -> values,
-    e.g. ``--trace-file``); ``ValueError`` names the flag that is wrong."""
+    ``level=TIMESTAMPS`` (repeatable), ``count=N``, ``mode=triton|opentelemetry``,
+    ``triton,file=PATH``, ``triton,log-frequency=N``, ``opentelemetry,url=URL``,
+    ``opentelemetry,resource=KEY=VALUE`` (repeatable), ``opentelemetry,bsp_*=N``) and
+    Triton's older flags (``legacy``: setting -> values, e.g. ``--trace-file``), with the
+    OpenTelemetry exporter's options in that mode; ``ValueError`` names what is wrong."""
+    from kiln.core.trace_otel import OtelOptions
+
     updates: dict[str, list[str]] = {k: list(v) for k, v in (legacy or {}).items() if v}
     levels: list[str] = []
+    otel = OtelOptions()
+    otel_flags: list[str] = []
     for flag in flags:
         setting, eq, value = flag.partition("=")
         mode, _, name = setting.rpartition(",")
         if not eq or not name:
             raise ValueError(f"'{flag}': expected [MODE,]SETTING=VALUE, e.g. rate=100")
-        if mode == "opentelemetry":
-            raise ValueError(
-                f"'{flag}': OpenTelemetry trace mode is not supported by kiln; traces are "
-                "written in Triton's format (--trace-config triton,file=PATH)"
-            )
+        if mode == "opentelemetry" and name in _OTEL_FLAGS:
+            otel_flags.append(flag)
+            _otel_setting(otel, flag, name, value)
+            continue
         key = _TRACE_FLAGS.get((mode, name))
         if key is None:
-            known = ", ".join(f"{m},{n}" if m else n for m, n in _TRACE_FLAGS)
+            known = ", ".join(
+                [f"{m},{n}" if m else n for m, n in _TRACE_FLAGS]
+                + [f"opentelemetry,{n}" for n in _OTEL_FLAGS]
+            )
             raise ValueError(f"'{flag}': unknown trace setting; known: {known}")
         if key == "trace_level":
             levels.append(value)
@@ -117,23 +132,43 @@ def parse_trace_config(
             updates[key] = [value]
     if levels:
         updates["trace_level"] = levels
-    if updates.get("trace_mode", ["triton"]) != ["triton"]:
-        raise ValueError(
-            f"mode={updates['trace_mode'][0]}: kiln writes traces in Triton's format only "
-            "(mode=triton)"
-        )
     settings = TraceSettings()
     try:
         settings.update("", updates)
     except KilnError as exc:
         raise ValueError(exc.message) from None
     merged = settings.get()
-    if set(merged["trace_level"]) - {"OFF"} and not merged["trace_file"][0]:
+    level = set(merged["trace_level"]) - {"OFF"}
+    if merged["trace_mode"] == ["opentelemetry"]:
+        if "TENSORS" in level:
+            raise ValueError("level=TENSORS: the opentelemetry mode traces timestamps only")
+        if importlib.util.find_spec("opentelemetry.sdk") is None:
+            raise ValueError(
+                "mode=opentelemetry needs the OpenTelemetry SDK: pip install 'kiln-serve[otel]'"
+            )
+        return settings, otel
+    if otel_flags:
+        raise ValueError(f"'{otel_flags[0]}' applies to mode=opentelemetry only")
+    if level and not merged["trace_file"][0]:
         raise ValueError(
             f"level={','.join(merged['trace_level'])} needs a file to write the traces to: "
             "--trace-config triton,file=PATH"
         )
-    return settings
+    return settings, None
+
+
+def _otel_setting(otel: OtelOptions, flag: str, name: str, value: str) -> None:
+    if name == "url":
+        otel.url = value
+    elif name == "resource":
+        key, eq, text = value.partition("=")
+        if not eq or not key:
+            raise ValueError(f"'{flag}': expected opentelemetry,resource=KEY=VALUE")
+        otel.resource[key] = text
+    else:
+        if not value.isdigit() or int(value) == 0:
+            raise ValueError(f"'{flag}': {name} must be a positive integer")
+        setattr(otel, name, int(value))
 
 
 _LOG_TYPES: dict[str, type] = {

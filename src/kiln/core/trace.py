@@ -12,7 +12,7 @@ which the schedulers fill for the statistics anyway), INFER_RESPONSE_COMPLETE an
 REQUEST_END. A frontend that wants its own stamps (HTTP_RECV_START ... HTTP_SEND_END, the
 gRPC ones) puts a ``FrontendSlot`` in the request's context before it calls the server;
 the runtime files the trace there, and the frontend stamps the send and ends the trace.
-Without a slot (an ensemble's step, a BLS call, the OpenAI routes) the runtime ends it.
+Without a slot (an ensemble's step, a BLS call, a streamed request) the runtime ends it.
 
 **Sampling** is Triton's: of the requests a setting covers, every ``trace_rate``-th one is
 traced while ``trace_count`` (-1: no limit) lasts; the count left is what the settings
@@ -41,6 +41,7 @@ import orjson
 
 from kiln.core.errors import KilnError, Status
 from kiln.core.settings import TraceSettings
+from kiln.core.trace_otel import OtelOptions, OtelSink
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class FrontendSlot:
     recv_start: int
     recv_end: int = 0
     trace: Trace | None = None
+    # the client's W3C trace context (traceparent, tracestate), for opentelemetry mode
+    carrier: dict[str, str] | None = None
 
 
 #: The frontend request being served in this task, if its frontend traces.
@@ -86,6 +89,8 @@ class Trace:
     stamps: list[tuple[str, int]] = field(default_factory=list)
     tensors: list[dict[str, Any]] | None = None  # at TENSORS level
     ended: bool = False
+    otel: Any = None  # its open spans, in opentelemetry mode (``trace_otel.Spans``)
+    context: str | None = None  # its model span's W3C context as JSON (opentelemetry mode)
 
     def stamp(self, name: str, ns: int | None = None) -> None:
         self.stamps.append((name, time.monotonic_ns() if ns is None else ns))
@@ -199,20 +204,28 @@ class Channel:
     """One effective setting (the global one, or a model's with overrides): its sampling
     counters and its file."""
 
-    def __init__(self, settings: dict[str, list[str]], file: TraceFile | None) -> None:
+    def __init__(
+        self,
+        settings: dict[str, list[str]],
+        file: TraceFile | None,
+        otel: OtelSink | None = None,
+    ) -> None:
         levels = set(settings["trace_level"])
         self.timestamps = "TIMESTAMPS" in levels
-        self.tensors = "TENSORS" in levels
+        self.tensors = "TENSORS" in levels and otel is None  # spans carry no tensors
         self.rate = int(settings["trace_rate"][0])
         self.count = int(settings["trace_count"][0])
         self.log_frequency = int(settings["log_frequency"][0])
         self.file = file
-        self.on = (self.timestamps or self.tensors) and file is not None and self.rate > 0
+        self.otel = otel
+        # Something may be traced: sampled requests, or (opentelemetry) those carrying a
+        # client's trace context, whatever the rate.
+        self.on = (self.timestamps or self.tensors) and (file is not None or otel is not None)
         self.seen = 0
         self.lock = threading.Lock()
 
     def sample(self) -> bool:
-        if not self.on or self.count == 0:
+        if not self.on or self.count == 0 or self.rate <= 0:
             return False
         with self.lock:
             self.seen += 1
@@ -225,6 +238,9 @@ class Channel:
             return True
 
     def collect(self, trace: Trace) -> None:
+        if self.otel is not None:
+            self.otel.add(trace)
+            return
         assert self.file is not None
         if not self.timestamps:
             trace.stamps.clear()  # TENSORS alone: no timestamps, as in Triton
@@ -234,8 +250,15 @@ class Channel:
 class Tracer:
     """The server's trace settings (``TraceSettings``) and what they collect."""
 
-    def __init__(self, settings: TraceSettings | None = None) -> None:
+    def __init__(
+        self, settings: TraceSettings | None = None, otel: OtelOptions | None = None
+    ) -> None:
+        """``otel``: the exporter's options when ``trace_mode`` is opentelemetry
+        (``OtelUnavailable`` without the OpenTelemetry SDK)."""
         self.settings = settings if settings is not None else TraceSettings()
+        self.otel: OtelSink | None = None
+        if self.settings.get()["trace_mode"] == ["opentelemetry"]:
+            self.otel = OtelSink(otel or OtelOptions())
         self.enabled = False  # any setting may trace: the hot path's one check
         self._global: Channel | None = None
         self._models: dict[str, Channel] = {}
@@ -253,10 +276,16 @@ class Tracer:
 
     def update(self, model: str, updates: dict[str, list[str]]) -> dict[str, list[str]]:
         """Change settings: the settings they replace end (their traces are written)."""
+        if self.otel is not None:
+            raise KilnError(
+                "trace settings cannot be changed at run time in opentelemetry trace mode "
+                "(as in Triton): restart kiln with other --trace-config flags",
+                Status.UNSUPPORTED,
+            )
         if updates.get("trace_mode", ["triton"])[:1] not in (["triton"], []):
             raise KilnError(
-                "trace_mode 'opentelemetry' is not supported by kiln: traces are written in "
-                "Triton's format (trace_mode 'triton')",
+                "trace_mode cannot be changed at run time: start kiln with --trace-config "
+                "mode=opentelemetry for OpenTelemetry spans",
                 Status.UNSUPPORTED,
             )
         if "trace_file" in updates:
@@ -284,6 +313,8 @@ class Tracer:
         files: dict[str, TraceFile] = {}
 
         def channel(settings: dict[str, list[str]]) -> Channel:
+            if self.otel is not None:
+                return Channel(settings, None, self.otel)
             path = settings["trace_file"][0] if settings["trace_file"] else ""
             file = None
             if path:
@@ -298,7 +329,7 @@ class Tracer:
                 ch.file.flush()
         self._files = files
         self.enabled = any(ch.on for ch in [self._global, *self._models.values()])
-        if (self._global.timestamps or self._global.tensors) and self._global.file is None:
+        if (self._global.timestamps or self._global.tensors) and not self._global.on:
             log.warning("trace_level is %s but trace_file is empty: nothing is traced",
                         self.settings.get()["trace_level"])  # fmt: skip
 
@@ -309,6 +340,8 @@ class Tracer:
         """The server stops: every pending trace is written."""
         for file in self._files.values():
             file.flush()
+        if self.otel is not None:
+            self.otel.close()
 
     # ---- requests ----------------------------------------------------------------------
     def begin(
@@ -317,12 +350,20 @@ class Tracer:
         """The trace of a request reaching ``model``, or None when it is not sampled.
         ``parent_id``: the trace a BLS call was made under (``trace=request.trace()``)."""
         parent = CURRENT.get() or (_LIVE.get(parent_id) if parent_id else None)
+        slot = FRONTEND.get() if parent is None else None
+        if slot is not None and slot.trace is not None:
+            slot = None  # taken by the request the frontend made (this one is inside it)
+        remote = None
         if parent is not None:
             channel = parent.channel  # a traced ensemble's steps are traced with it
             parent_id = parent.id
         else:
             found = self._channel(model)
-            if found is None or not found.sample():
+            if found is None or not found.on:
+                return None
+            if self.otel is not None and slot is not None and slot.carrier:
+                remote = self.otel.remote(slot.carrier)  # traced whatever the rate
+            if remote is None and not found.sample():
                 return None
             channel, parent_id = found, 0
         trace = Trace(next(_IDS), model, version, request_id, parent_id, channel)
@@ -330,15 +371,14 @@ class Tracer:
         if channel.tensors:
             trace.tensors = []
         trace.stamp("REQUEST_START", received_ns)
-        if parent is None:
-            slot = FRONTEND.get()
-            if slot is not None and slot.trace is None:
-                slot.trace = trace  # the frontend stamps the send and ends it
-                trace.stamp(f"{slot.protocol}_RECV_START" if slot.protocol == "HTTP"
-                            else "GRPC_WAITREAD_START", slot.recv_start)  # fmt: skip
-                if slot.recv_end:
-                    trace.stamp(f"{slot.protocol}_RECV_END" if slot.protocol == "HTTP"
-                                else "GRPC_WAITREAD_END", slot.recv_end)  # fmt: skip
+        if self.otel is not None:
+            self.otel.start(trace, parent, slot.recv_start if slot is not None else 0, remote)
+        if slot is not None:
+            slot.trace = trace  # the frontend stamps the send and ends it
+            read = "RECV" if slot.protocol == "HTTP" else "WAITREAD"
+            trace.stamp(f"{slot.protocol}_{read}_START", slot.recv_start)
+            if slot.recv_end:
+                trace.stamp(f"{slot.protocol}_{read}_END", slot.recv_end)
         return trace
 
 

@@ -52,6 +52,7 @@ class Job:
     # batcher from its queue policy; the Python backend also bounds execution by it.
     deadline_ns: int = 0
     trace_id: int = 0  # its trace's id when sampled (a Python model's ``request.trace()``)
+    trace_context: str | None = None  # and its OpenTelemetry context (``get_context()``)
     cancelled: bool = False  # its client went away (Triton's request cancellation)
     # The response's parameters as the model set them, for the client (BackendRequest).
     response_parameters: dict[str, Any] | None = None

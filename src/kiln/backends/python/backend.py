@@ -392,6 +392,9 @@ class PythonBackend(Backend):
             trace_id = getattr(request, "trace_id", 0)
             if trace_id:  # traced: the model's BLS calls can name it (request.trace())
                 message["trace"] = trace_id
+                context = getattr(request, "trace_context", None)
+                if context:  # opentelemetry mode: request.trace().get_context()
+                    message["trace_context"] = context
         if self.decoupled:
             for message, request, key in zip(wire, requests, watch.keys, strict=True):
                 message["key"] = key

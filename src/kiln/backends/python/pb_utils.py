@@ -313,14 +313,16 @@ class PreferredMemory:
 class InferenceTrace:
     """What ``request.trace()`` returns, for a BLS request's ``trace=`` argument: a BLS
     call made with it is traced as a child of this request's trace (when the server
-    sampled it; docs/tracing.md). kiln writes Triton-format traces, not OpenTelemetry
-    spans, so ``get_context()`` is None, as in Triton's ``triton`` trace mode."""
+    sampled it; docs/tracing.md). ``get_context()``: in the opentelemetry trace mode, the
+    W3C context of the request's model span as JSON (``{"traceparent": ...}``), for the
+    model's own spans; else None, as in Triton."""
 
-    def __init__(self, trace_id: int = 0) -> None:
+    def __init__(self, trace_id: int = 0, context: str | None = None) -> None:
         self._trace_id = int(trace_id)
+        self._context = context
 
     def get_context(self) -> str | None:
-        return None
+        return self._context
 
 
 class InferenceRequest:

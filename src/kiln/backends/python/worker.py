@@ -486,7 +486,7 @@ class Worker:
                 correlation_id=wire["correlation_id"],
                 flags=wire["flags"],
                 parameters=wire["parameters"],
-                trace=pb_utils.InferenceTrace(wire.get("trace", 0)),
+                trace=pb_utils.InferenceTrace(wire.get("trace", 0), wire.get("trace_context")),
             )
             request._cancel_flag = (channel.flags, wire["cancel_at"])
             if self.decoupled:

@@ -23,6 +23,16 @@ from kiln.frontends.grpc.shared_memory import Context, SharedMemoryRpcs
 log = logging.getLogger(__name__)
 
 
+def _trace_context(context: Context) -> dict[str, str] | None:
+    """The call's W3C trace context metadata (``traceparent``, ``tracestate``), if any."""
+    found = {
+        key: value
+        for key, value in context.invocation_metadata() or ()
+        if key in ("traceparent", "tracestate") and isinstance(value, str)
+    }
+    return found if "traceparent" in found else None
+
+
 def _parse(obj: Any, message: Any) -> Any:
     # Core speaks the HTTP JSON shapes; the proto field names are the same, so one parse
     # keeps both frontends reporting identical numbers.
@@ -77,7 +87,7 @@ class InferenceServicer(SharedMemoryRpcs):
             return await self._infer(request)
         # Traced: GRPC_WAITREAD_* span decoding the message (it has arrived whole by
         # now), GRPC_SEND_* encoding the response (the transport writes it after).
-        slot = FrontendSlot("GRPC", time.monotonic_ns())
+        slot = FrontendSlot("GRPC", time.monotonic_ns(), carrier=_trace_context(context))
         token = FRONTEND.set(slot)
         send_start = 0
         try:

@@ -36,7 +36,11 @@ WANTED_HEADERS = {
     b"content-encoding": "content-encoding",
     HEADER_LENGTH.encode(): HEADER_LENGTH,
     b"accept-encoding": "accept-encoding",
+    # a client's W3C trace context, for request tracing in opentelemetry mode
+    b"traceparent": "traceparent",
+    b"tracestate": "tracestate",
 }
+TRACE_CONTEXT = ("traceparent", "tracestate")
 
 
 class FastInfer:
@@ -75,6 +79,7 @@ class FastInfer:
         else:
             if slot is not None:
                 slot.recv_end = time.monotonic_ns()
+                slot.carrier = trace_context(headers)
             status, out, extra = await answer(
                 self.frontend, match[1], match[2] or "", body, headers
             )
@@ -84,6 +89,13 @@ class FastInfer:
         await send({"type": "http.response.start", "status": status, "headers": raw})
         await send({"type": "http.response.body", "body": out})
         frontend_done(slot, send_start)
+
+
+def trace_context(headers: dict[str, str]) -> dict[str, str] | None:
+    """The request's W3C trace context headers, if it has any."""
+    if "traceparent" not in headers:
+        return None
+    return {k: headers[k] for k in TRACE_CONTEXT if k in headers}
 
 
 def error(exc: KilnError) -> tuple[int, bytes, dict[str, str]]:

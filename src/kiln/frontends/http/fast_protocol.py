@@ -32,7 +32,13 @@ from kiln.core.access import AccessPolicy, ApiGroup
 from kiln.core.errors import KilnError, Status
 from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done
 from kiln.frontends.http.app import HttpFrontend
-from kiln.frontends.http.fast_infer import INFER_PATH, WANTED_HEADERS, answer, error
+from kiln.frontends.http.fast_infer import (
+    INFER_PATH,
+    WANTED_HEADERS,
+    answer,
+    error,
+    trace_context,
+)
 
 
 class _Nothing:
@@ -156,7 +162,9 @@ def fast_infer_protocol(
             slot = None
             if cycle.recv_start and tracer.enabled:
                 # this task's own context: the runtime files a sampled trace here
-                slot = FrontendSlot("HTTP", cycle.recv_start, cycle.recv_end)
+                slot = FrontendSlot(
+                    "HTTP", cycle.recv_start, cycle.recv_end, carrier=trace_context(headers)
+                )
                 FRONTEND.set(slot)
             try:
                 body = b"".join(cycle.body)
