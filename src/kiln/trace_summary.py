@@ -24,6 +24,7 @@ PHASES = (
     ("compute input", "COMPUTE_START", "COMPUTE_INPUT_END"),
     ("compute infer", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START"),
     ("compute output", "COMPUTE_OUTPUT_START", "COMPUTE_END"),
+    ("first token", "REQUEST_START", "FIRST_TOKEN"),  # an LLM request's
     ("send", "SEND_START", "SEND_END"),
 )
 

@@ -97,7 +97,7 @@ class Receiver:
                                 "end": span.end_time_unix_nano,
                                 "events": [e.name for e in span.events],
                                 "attributes": {
-                                    a.key: (a.value.string_value or a.value.int_value)
+                                    a.key: getattr(a.value, a.value.WhichOneof("value"))
                                     for a in span.attributes
                                 },
                             }

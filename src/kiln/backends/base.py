@@ -127,6 +127,9 @@ class Backend(ABC):
     #: the model version's statistics, set by its runtime at load: for backends that serve
     #: requests outside the schedulers (the llm backend's OpenAI and generate routes)
     model_stats: ModelStats | None = None
+    #: the server's request tracer (``kiln.core.trace.Tracer``), set with ``model_stats``,
+    #: for the same routes
+    tracer: Any = None
 
     @property
     def queued_requests(self) -> int:

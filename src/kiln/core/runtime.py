@@ -128,6 +128,7 @@ class ModelRuntime:
                         limit[0].unregister(limit[1])
                     raise
                 backend.model_stats = self.stats
+                backend.tracer = self.tracer
                 instances.append(Instance(backend, self.name, self._inline_max_us(), limit))
             if samples:
                 await run_warmup(samples, instances, self.signature, self._outputs)

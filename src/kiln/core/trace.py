@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,7 @@ class Trace:
     ended: bool = False
     otel: Any = None  # its open spans, in opentelemetry mode (``trace_otel.Spans``)
     context: str | None = None  # its model span's W3C context as JSON (opentelemetry mode)
+    attributes: dict[str, Any] | None = None  # more span attributes (an LLM request's)
 
     def stamp(self, name: str, ns: int | None = None) -> None:
         self.stamps.append((name, time.monotonic_ns() if ns is None else ns))
@@ -380,6 +382,19 @@ class Tracer:
             if slot.recv_end:
                 trace.stamp(f"{slot.protocol}_{read}_END", slot.recv_end)
         return trace
+
+
+def http_slot(tracer: Tracer | None, headers: Mapping[str, str]) -> FrontendSlot | None:
+    """A slot for an HTTP request a route serves itself (the LLM routes), in this task's
+    context, while the server traces; its ``recv_end`` is the caller's to stamp."""
+    if tracer is None or not tracer.enabled:
+        return None
+    carrier = None
+    if "traceparent" in headers:
+        carrier = {k: headers[k] for k in ("traceparent", "tracestate") if k in headers}
+    slot = FrontendSlot("HTTP", time.monotonic_ns(), carrier=carrier)
+    FRONTEND.set(slot)
+    return slot
 
 
 def owned_by_frontend(trace: Trace) -> bool:

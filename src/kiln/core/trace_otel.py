@@ -170,6 +170,8 @@ class OtelSink:
                 if name in by_name:
                     compute.add_event(name, timestamp=by_name[name] + off)
             compute.end(end_time=by_name.get("COMPUTE_END", by_name["COMPUTE_START"]) + off)
+        if trace.attributes:
+            spans.model.set_attributes(trace.attributes)
         last = stamps[-1][1] if stamps else time.monotonic_ns()
         spans.model.end(end_time=by_name.get("REQUEST_END", last) + off)
         if spans.root is not None:

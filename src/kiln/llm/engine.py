@@ -36,6 +36,8 @@ class RequestOutput:
     #: with ``prompt_logprobs``, on a sample's first output: one entry per prompt token
     #: (the first is None: nothing predicts it)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    #: when the request was first scheduled (``time.monotonic()``; its queue time ends)
+    first_scheduled_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -220,6 +222,7 @@ class LLMEngine:
             prompt_logprobs=list(seq.prompt_logprobs)
             if seq.prompt_logprobs is not None and seq.num_output_tokens == 1
             else None,
+            first_scheduled_time=seq.request.first_scheduled_time,
         )
 
     def generate(

@@ -14,6 +14,7 @@ completion unless ``exclude_input_in_output`` is true (vLLM backend's default);
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kiln.core.errors import KilnError, Status, invalid_arg
+from kiln.core.trace import http_slot
 from kiln.frontends.http.codec import parse_json
 from kiln.frontends.openai.generation import Delta, run
 from kiln.llm.params import SAMPLING_FIELDS, InvalidField, integer, sampling_fields
@@ -157,15 +159,18 @@ def _event(body: dict[str, Any]) -> bytes:
 
 async def _decoded(frontend: Any, request: Request, llm: LLMBackend) -> LLMGenerateRequest:
     p = request.path_params
+    slot = http_slot(frontend.server.tracer, request.headers)  # while the server traces
     runtime = frontend.server.model(p["model"], p.get("version", ""))
     body = parse_json(await frontend.read_body(request))
+    if slot is not None:
+        slot.recv_end = time.monotonic_ns()
     return decode(body, llm, p["model"], runtime.version_str)
 
 
 async def _whole(llm: LLMBackend, req: LLMGenerateRequest) -> dict[str, Any]:
     texts: list[str] = []
     last: Delta | None = None
-    async with aclosing(run(llm, req.prompt_ids, req.params, req.stop)) as deltas:
+    async with aclosing(run(llm, req.prompt_ids, req.params, req.stop, 0, req.id)) as deltas:
         async for d in deltas:
             texts.append(d.text)
             last = d
@@ -195,7 +200,7 @@ async def generate_stream(frontend: Any, request: Request, llm: LLMBackend) -> R
             yield _event(body)
 
         return StreamingResponse(one(), media_type="text/event-stream")
-    deltas = run(llm, req.prompt_ids, req.params, req.stop)
+    deltas = run(llm, req.prompt_ids, req.params, req.stop, 0, req.id)
     # the first delta is awaited here, so an error the engine raises keeps its HTTP status
     try:
         first = await deltas.__anext__()

@@ -15,6 +15,7 @@ from starlette.routing import BaseRoute, Route
 
 from kiln.core.errors import KilnError
 from kiln.core.server import Server
+from kiln.core.trace import FrontendSlot, http_slot
 from kiln.frontends.openai.generation import Delta, run
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
@@ -75,6 +76,14 @@ async def _body(request: Request) -> dict[str, Any]:
         raise OpenAIError(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
+    return body
+
+
+async def _received(request: Request, slot: FrontendSlot | None) -> dict[str, Any]:
+    """The request's JSON body; a traced request's receive ends here."""
+    body = await _body(request)
+    if slot is not None:
+        slot.recv_end = time.monotonic_ns()
     return body
 
 
@@ -203,7 +212,7 @@ async def _sse(
 
 async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat: bool) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    deltas = run(llm, ids, req.params, req.stop, req.priority)
+    deltas = run(llm, ids, req.params, req.stop, req.priority, rid)
     n = req.params.n
     echo = not chat and req.echo
     # a prompt of token ids is echoed as its text, as vLLM does
@@ -286,8 +295,9 @@ def openai_routes(server: Server) -> list[BaseRoute]:
         return _json({"object": "list", "data": data})
 
     async def completions(request: Request) -> Response:
+        slot = http_slot(server.tracer, request.headers)
         try:
-            req = completion_request(await _body(request))
+            req = completion_request(await _received(request, slot))
             llm = _llm(server, req.model)
             ids = _prepare(llm, req, 16)  # OpenAI's default max_tokens for completions
             return await _respond(llm, req, ids, chat=False)
@@ -298,8 +308,9 @@ def openai_routes(server: Server) -> list[BaseRoute]:
             return _json(err.body(), err.status)
 
     async def chat(request: Request) -> Response:
+        slot = http_slot(server.tracer, request.headers)
         try:
-            body = await _body(request)
+            body = await _received(request, slot)
             messages = chat_messages(body)
             model = body.get("model")
             llm = _llm(server, model) if isinstance(model, str) else None
