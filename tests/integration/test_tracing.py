@@ -134,6 +134,16 @@ def test_every_protocol_ensemble_and_bls_call_is_traced(
     x.set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16))
     http.infer("bls_caller", [x], request_id="bls")
 
+    # a chunked body takes the ASGI route instead of the fast path: traced the same
+    body = {"id": "chunked", "inputs": [
+        {"name": n, "shape": [1, 16], "datatype": "INT32", "data": list(range(16))}
+        for n in ("INPUT0", "INPUT1")]}  # fmt: skip
+    chunked = requests.post(
+        f"http://{server.http_url}/v2/models/simple/infer",
+        data=iter([json.dumps(body).encode()]), timeout=30,
+    )  # fmt: skip
+    assert chunked.status_code == 200, chunked.text
+
     # Per model, at run time: simple stops being traced, the others go on.
     http.update_trace_settings("simple", {"trace_level": ["OFF"]})
     http.infer("simple", simple_inputs(httpclient), request_id="not-traced")
@@ -152,6 +162,7 @@ def test_every_protocol_ensemble_and_bls_call_is_traced(
         str(2 * i) for i in range(16)
     )
     assert tensors[("TENSOR_BACKEND_OUTPUT", "OUTPUT0")]["shape"] == "1,16"
+    assert [n for n, _ in _by_request(traces, "chunked")["stamps"]] == HTTP_STAMPS
     for request_id in ("over-grpc", "over-aio"):
         assert [n for n, _ in _by_request(traces, request_id)["stamps"]] == GRPC_STAMPS
 
@@ -177,7 +188,7 @@ def test_every_protocol_ensemble_and_bls_call_is_traced(
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     groups = {(g["model_name"], g["protocol"]): g for g in json.loads(summary.stdout)}
-    assert groups[("simple", "HTTP")]["traces"] == 1
+    assert groups[("simple", "HTTP")]["traces"] == 2  # the fast path and the chunked one
     assert groups[("simple", "GRPC")]["traces"] == 2
     assert groups[("simple", "in-server")]["traces"] == 2  # the two BLS calls
     assert groups[("cnn", "in-server")]["mean_us"]["compute"] > 0

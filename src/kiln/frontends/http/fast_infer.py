@@ -86,9 +86,11 @@ class FastInfer:
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
         raw.append((b"content-length", str(len(out)).encode()))
         send_start = time.monotonic_ns()
-        await send({"type": "http.response.start", "status": status, "headers": raw})
-        await send({"type": "http.response.body", "body": out})
-        frontend_done(slot, send_start)
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": raw})
+            await send({"type": "http.response.body", "body": out})
+        finally:
+            frontend_done(slot, send_start)  # a client gone mid-send ends the trace too
 
 
 def trace_context(headers: dict[str, str]) -> dict[str, str] | None:
