@@ -212,6 +212,8 @@ class PythonBackend(Backend):
         )
         self.flag_pool = FlagPool(self.worker.flags)
         self._restarting: threading.Thread | None = None
+        # Held while a worker initializes and by each batch on the instance's thread
+        self._handshake = threading.Lock()
         self._pipe: WorkerPipe | None = None  # the loop's batches in the worker's pipe
         self._restart_error: str | None = None
         try:
@@ -222,6 +224,10 @@ class PythonBackend(Backend):
 
     # ---- worker lifecycle ------------------------------------------------------------
     def _start(self) -> None:
+        with self._handshake:  # the instance's thread does not use the worker meanwhile
+            self._start_worker()
+
+    def _start_worker(self) -> None:
         worker = self.worker
         self.flag_pool.reset()
         worker.start()
@@ -255,6 +261,12 @@ class PythonBackend(Backend):
         )
 
         self._cancel_bls_streams()
+        running = self._restarting
+        if running is not None and running.is_alive():
+            # Already restarting: this failure is the old worker's too (the new one gets
+            # no batch before the restart is over). A second restart would kill the
+            # worker the first is initializing.
+            return
 
         def restart() -> None:
             try:
@@ -288,10 +300,16 @@ class PythonBackend(Backend):
                 break
             thread.join(max(0.0, min(waiting) / 1e9 - time.monotonic()))
             self._fail_expired(requests, outcomes)
-        self._restarting = None
-        if self._restart_error is not None:
-            self._restart_error = None
-            self._start()  # one more try: its error fails this request and names the cause
+        try:
+            if self._restart_error is not None:
+                self._restart_error = None
+                # One more try: its error fails this request and names the cause. The
+                # restart is not over meanwhile, so the loop sends the worker nothing
+                # while it initializes (``start_requests``).
+                self._start()
+        finally:
+            if self._restarting is thread:  # not a restart begun since (its marker stays)
+                self._restarting = None
 
     def _fail_expired(
         self, requests: list[BackendRequest], outcomes: list[RequestOutcome | None]
@@ -506,8 +524,15 @@ class PythonBackend(Backend):
         return [KilnError(error.message, error.status) for _ in requests]
 
     def _run(self, requests: list[BackendRequest]) -> list[RequestOutcome]:
-        """One ``execute`` of the worker; a lost worker raises for the whole batch."""
+        """One ``execute`` of the worker; a lost worker raises for the whole batch. Holds
+        ``_handshake``: a restart begun meanwhile (the loop found the worker dead) starts
+        the new worker once this batch is over, rather than in the middle of its reads."""
+        with self._handshake:
+            return self._run_batch(requests)
+
+    def _run_batch(self, requests: list[BackendRequest]) -> list[RequestOutcome]:
         worker = self.worker
+        conn = worker.conn
         wire, watch = self._wire(requests)
         deadline = batch_deadline(
             (r.deadline_ns for r in requests), time.monotonic_ns(), self.execute_timeout
@@ -537,7 +562,8 @@ class PythonBackend(Backend):
                 elif kind == "error":
                     return self._outcomes(requests, None, message[1])
         except WorkerDied as exc:
-            self._begin_restart(f"the Python worker stopped ({exc})")
+            if worker.conn is conn:  # else the loop found it dead first and restarts it
+                self._begin_restart(f"the Python worker stopped ({exc})")
             raise self._died(exc) from None
         except WorkerTimeout:
             self._begin_restart("a batch overran its deadline and the Python worker was killed")

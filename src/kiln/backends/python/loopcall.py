@@ -323,9 +323,14 @@ class WorkerPipe:
         backend = self.backend
         self.diagnosing = True
 
+        conn = self.conn
+
         def diagnose() -> KilnError:
             text = str(exc) or backend.worker._exit_text()
-            backend._begin_restart(f"the Python worker stopped ({text})")
+            if backend.worker.conn is conn:
+                backend._begin_restart(f"the Python worker stopped ({text})")
+            # else the instance's thread met the dead worker first and restarted it: a
+            # second restart would kill the new worker
             return backend._died(WorkerDied(text))
 
         done = self.loop.run_in_executor(None, diagnose)
