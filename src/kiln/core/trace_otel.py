@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from kiln.core.trace import Trace
 
 DEFAULT_URL = "http://localhost:4318/v1/traces"
+#: Longest wait for one export (and for the last one, as the server stops)
+EXPORT_TIMEOUT_S = 5
 _COMPUTE = ("COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END")
 
 
@@ -90,10 +92,13 @@ class OtelSink:
         self.provider = TracerProvider(resource=Resource.create(dict(options.resource)))
         self.provider.add_span_processor(
             BatchSpanProcessor(
-                OTLPSpanExporter(endpoint=self.url),
+                # bounded, so that a collector that is down cannot hold a stopping server
+                # for the SDK's default 30 s
+                OTLPSpanExporter(endpoint=self.url, timeout=EXPORT_TIMEOUT_S),
                 max_queue_size=options.bsp_max_queue_size,
                 schedule_delay_millis=options.bsp_schedule_delay,
                 max_export_batch_size=options.bsp_max_export_batch_size,
+                export_timeout_millis=EXPORT_TIMEOUT_S * 1000,
             )
         )
         self.tracer = self.provider.get_tracer("kiln")
