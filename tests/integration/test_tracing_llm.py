@@ -4,7 +4,6 @@ the first token's, and OpenTelemetry spans with vLLM's ``gen_ai.*`` attributes."
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,6 +93,5 @@ def test_llm_spans_carry_vllm_s_gen_ai_attributes(
     queue = attrs["gen_ai.latency.time_in_queue"]
     assert 0 <= queue <= attrs["gen_ai.latency.time_to_first_token"] <= attrs["gen_ai.latency.e2e"]
     assert "FIRST_TOKEN" in model["events"]
-    assert json.dumps(attrs)  # plain values, as a collector stores them
     assert server.stop() == 0
     assert len([s for s in otlp.spans if s["name"] == "tiny"]) == 1  # rate 0: one

@@ -219,13 +219,7 @@ class ModelRuntime:
         self._inflight += 1
         activity.inflight += 1
         self._idle.clear()
-        tracer, trace, current = self.tracer, None, None
-        if tracer is not None and tracer.enabled:
-            trace = tracer.begin(
-                self.name, self.version_str, request.id, times.received, request.trace_parent
-            )
-            if trace is not None:
-                current = CURRENT.set(trace)  # an ensemble's steps are its children
+        trace, current = self._trace_begin(request, times)
         try:
             inputs, batch = self._inputs(request)
             names = [o.name for o in request.outputs] or self.signature.output_names
@@ -242,8 +236,7 @@ class ModelRuntime:
                     return hit
             job = Job(inputs, names, batch, times, request.parameters, request.id)
             if trace is not None:
-                job.trace_id, job.trace_context = trace.id, trace.context
-                self._trace_queued(trace, request)
+                self._trace_queued(trace, request, job)
             try:
                 raw = await self.scheduler.schedule(job)
                 outputs = self._outputs(raw, names, batch)
@@ -277,7 +270,23 @@ class ModelRuntime:
             if self._inflight == 0:
                 self._idle.set()
 
-    def _trace_queued(self, trace: Trace, request: InferenceRequest) -> None:
+    def _trace_begin(
+        self, request: InferenceRequest, times: RequestTimes
+    ) -> tuple[Trace | None, contextvars.Token[Trace | None] | None]:
+        """The request's trace when the server samples it, and the token that makes it the
+        current trace (the scheduling, an ensemble's steps among it, runs under it)."""
+        tracer = self.tracer
+        if tracer is None or not tracer.enabled:
+            return None, None
+        trace = tracer.begin(
+            self.name, self.version_str, request.id, times.received, request.trace_parent
+        )
+        return (trace, CURRENT.set(trace)) if trace is not None else (None, None)
+
+    @staticmethod
+    def _trace_queued(trace: Trace, request: InferenceRequest, job: Job) -> None:
+        # a Python model's request.trace() names it (BLS children, get_context())
+        job.trace_id, job.trace_context = trace.id, trace.context
         trace.stamp("QUEUE_START")
         if trace.tensors is not None:
             for tensor in request.inputs:
@@ -340,21 +349,14 @@ class ModelRuntime:
         self._idle.clear()
         task: asyncio.Task[dict[str, np.ndarray]] | None = None
         ended = False  # the stream ran to its end (or its error)
-        tracer, trace, current = self.tracer, None, None
-        if tracer is not None and tracer.enabled:
-            trace = tracer.begin(
-                self.name, self.version_str, request.id, times.received, request.trace_parent
-            )
-            if trace is not None:
-                current = CURRENT.set(trace)  # the scheduling task copies it
+        trace, current = self._trace_begin(request, times)
         try:
             inputs, batch = self._inputs(request)
             names = [o.name for o in request.outputs] or self.signature.output_names
             stream = ResponseStream(asyncio.get_running_loop(), window)
             job = Job(inputs, names, batch, times, request.parameters, request.id, stream)
             if trace is not None:
-                job.trace_id = trace.id
-                self._trace_queued(trace, request)
+                self._trace_queued(trace, request, job)
             task = asyncio.get_running_loop().create_task(self.scheduler.schedule(job))
             task.add_done_callback(
                 lambda t: stream.finish(None if t.cancelled() else t.exception())

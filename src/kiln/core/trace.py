@@ -384,15 +384,24 @@ class Tracer:
         return trace
 
 
+#: The W3C trace context a client may send (HTTP headers, gRPC metadata)
+TRACE_CONTEXT = ("traceparent", "tracestate")
+
+
+def trace_context(fields: Mapping[str, str]) -> dict[str, str] | None:
+    """A request's W3C trace context (``traceparent``, ``tracestate``) from its headers
+    or metadata, None without a ``traceparent``."""
+    if "traceparent" not in fields:
+        return None
+    return {k: fields[k] for k in TRACE_CONTEXT if k in fields}
+
+
 def http_slot(tracer: Tracer | None, headers: Mapping[str, str]) -> FrontendSlot | None:
     """A slot for an HTTP request a route serves itself (the LLM routes), in this task's
     context, while the server traces; its ``recv_end`` is the caller's to stamp."""
     if tracer is None or not tracer.enabled:
         return None
-    carrier = None
-    if "traceparent" in headers:
-        carrier = {k: headers[k] for k in ("traceparent", "tracestate") if k in headers}
-    slot = FrontendSlot("HTTP", time.monotonic_ns(), carrier=carrier)
+    slot = FrontendSlot("HTTP", time.monotonic_ns(), carrier=trace_context(headers))
     FRONTEND.set(slot)
     return slot
 

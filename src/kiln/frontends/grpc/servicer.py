@@ -13,7 +13,7 @@ from google.protobuf import json_format
 
 from kiln.core.errors import KilnError
 from kiln.core.server import Server
-from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done
+from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done, trace_context
 from kiln.frontends import shm_io
 from kiln.frontends.grpc import grpc_service_pb2 as pb
 from kiln.frontends.grpc.codec import decode_request, encode_response, parameters_to_dict
@@ -21,16 +21,6 @@ from kiln.frontends.grpc.errors import error_message, guarded
 from kiln.frontends.grpc.shared_memory import Context, SharedMemoryRpcs
 
 log = logging.getLogger(__name__)
-
-
-def _trace_context(context: Context) -> dict[str, str] | None:
-    """The call's W3C trace context metadata (``traceparent``, ``tracestate``), if any."""
-    found = {
-        key: value
-        for key, value in context.invocation_metadata() or ()
-        if key in ("traceparent", "tracestate") and isinstance(value, str)
-    }
-    return found if "traceparent" in found else None
 
 
 def _parse(obj: Any, message: Any) -> Any:
@@ -87,7 +77,8 @@ class InferenceServicer(SharedMemoryRpcs):
             return await self._infer(request)
         # Traced: GRPC_WAITREAD_* span decoding the message (it has arrived whole by
         # now), GRPC_SEND_* encoding the response (the transport writes it after).
-        slot = FrontendSlot("GRPC", time.monotonic_ns(), carrier=_trace_context(context))
+        metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        slot = FrontendSlot("GRPC", time.monotonic_ns(), carrier=trace_context(metadata))
         token = FRONTEND.set(slot)
         send_start = 0
         try:

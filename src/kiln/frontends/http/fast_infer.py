@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.core.errors import KilnError
-from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done
+from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done, trace_context
 from kiln.frontends.http.codec import HEADER_LENGTH
 
 if TYPE_CHECKING:
@@ -40,7 +40,6 @@ WANTED_HEADERS = {
     b"traceparent": "traceparent",
     b"tracestate": "tracestate",
 }
-TRACE_CONTEXT = ("traceparent", "tracestate")
 
 
 class FastInfer:
@@ -91,13 +90,6 @@ class FastInfer:
             await send({"type": "http.response.body", "body": out})
         finally:
             frontend_done(slot, send_start)  # a client gone mid-send ends the trace too
-
-
-def trace_context(headers: dict[str, str]) -> dict[str, str] | None:
-    """The request's W3C trace context headers, if it has any."""
-    if "traceparent" not in headers:
-        return None
-    return {k: headers[k] for k in TRACE_CONTEXT if k in headers}
 
 
 def error(exc: KilnError) -> tuple[int, bytes, dict[str, str]]:

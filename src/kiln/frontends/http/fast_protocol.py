@@ -30,14 +30,13 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from kiln.core.access import AccessPolicy, ApiGroup
 from kiln.core.errors import KilnError, Status
-from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done
+from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done, trace_context
 from kiln.frontends.http.app import HttpFrontend
 from kiln.frontends.http.fast_infer import (
     INFER_PATH,
     WANTED_HEADERS,
     answer,
     error,
-    trace_context,
 )
 
 
