@@ -70,17 +70,17 @@ async def run(
     times.queue_end = times.input_end = times.received
     outcome: FailureReason | None = FailureReason.CANCELED
     tracer, trace = llm.tracer, None
-    rid = f"oai-{uuid.uuid4().hex}"
     if tracer is not None and tracer.enabled:
         trace = tracer.begin(llm.config.name, llm.version_dir.name, request_id, times.received)
     timing = _Timing() if trace is not None else None
     completion = 0
     try:
         # closed explicitly so that a caller leaving early aborts the sequence at once
-        run_ = _run(llm, prompt_ids, params, stops, priority, rid, timing)
+        run_ = _run(llm, prompt_ids, params, stops, priority, timing)
         async with aclosing(run_) as deltas:
             async for delta in deltas:
-                completion += delta.completion_tokens if delta.finish_reason else 0
+                if timing is not None and delta.finish_reason:  # a choice's last delta
+                    completion += delta.completion_tokens
                 yield delta
         outcome = None
     except BaseException as exc:
@@ -147,13 +147,13 @@ async def _run(
     params: SamplingParams,
     stops: tuple[str, ...],
     priority: int,
-    rid: str,
     timing: _Timing | None = None,
 ) -> AsyncGenerator[Delta, None]:
     # a stop string may straddle two tokens: hold back what could be its beginning
     hold = max((len(s) for s in stops), default=1) - 1
     choices = [_Choice(IncrementalDetokenizer(llm.tokenizer)) for _ in range(params.n)]
     left = params.n
+    rid = f"oai-{uuid.uuid4().hex}"
     prompt_len = len(prompt_ids)
     engine = llm.async_engine
     async with aclosing(engine.generate(prompt_ids, params, rid, priority)) as outputs:
