@@ -12,6 +12,9 @@ Reports throughput, p50/p99 latency, the ratio to raw ORT, and the CPU seconds s
 the server and by the load generator. Usage::
 
     .venv/bin/python benchmarks/serving_baseline.py [--duration 5] [--json out.json]
+
+``--device cuda`` (a GPU machine with onnxruntime-gpu) puts both on the GPU: the raw
+session on the CUDA execution provider, kiln's models on ``KIND_GPU`` instances.
 """
 
 from __future__ import annotations
@@ -100,11 +103,13 @@ def run_raw(
     concurrency: int,
     duration: float,
     feed: dict[str, np.ndarray] | None = None,
+    device: str = "cpu",
 ) -> Result:
     """``feed`` defaults to :func:`batch1_inputs` of ``model``."""
-    session = ort.InferenceSession(
-        str(repo / model / "1" / "model.onnx"), providers=["CPUExecutionProvider"]
-    )
+    providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+    session = ort.InferenceSession(str(repo / model / "1" / "model.onnx"), providers=providers)
+    if session.get_providers()[0] != providers[0]:
+        raise RuntimeError(f"onnxruntime fell back to {session.get_providers()}")
     feed = batch1_inputs(model) if feed is None else feed
     for _ in range(50):  # warm-up
         session.run(None, feed)
@@ -217,25 +222,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--json", type=Path, help="write results to this file")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     console = Console(width=150)
     results: list[Result] = []
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "models"
         build_example_repository(repo, MODELS)
+        if args.device == "cuda":
+            for model in MODELS:
+                config = repo / model / "config.pbtxt"
+                text = config.read_text()
+                if "KIND_CPU" in text:
+                    config.write_text(text.replace("KIND_CPU", "KIND_GPU"))
+                else:
+                    config.write_text(text + "\ninstance_group [ { kind: KIND_GPU } ]\n")
         server = KilnServer(repo)
         try:
             for model in MODELS:
                 for c in CONCURRENCY:
                     # Raw engine right before the server, same conditions (this VM drifts).
                     console.log(f"{model} c={c}: raw onnxruntime")
-                    results.append(run_raw(repo, model, c, args.duration))
+                    results.append(run_raw(repo, model, c, args.duration, device=args.device))
                     console.log(f"{model} c={c}: kiln HTTP/JSON")
                     results.append(run_kiln(server, model, c, args.duration))
         finally:
             server.close()
 
-    table = Table(title=f"serving baseline ({platform.node()}, {os.cpu_count()} CPUs)")
+    where = f"{platform.node()}, {os.cpu_count()} CPUs, device {args.device}"
+    table = Table(title=f"serving baseline ({where})")
     for col in ("model", "target", "conc", "req/s", "p50 ms", "p99 ms", "x raw thr",
                 "x raw p50", "server CPU s", "loadgen CPU s"):  # fmt: skip
         table.add_column(col, justify="right")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 from google.protobuf import text_format
 
-from kiln.backends.ort_providers import CPU, CUDA, TENSORRT, execution_providers
+from kiln.backends.ort_providers import (
+    CPU,
+    CUDA,
+    TENSORRT,
+    check_session_providers,
+    execution_providers,
+)
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status
 
@@ -41,6 +47,27 @@ def test_gpu_without_cuda_provider_is_refused() -> None:
     with pytest.raises(KilnError, match="no CUDA execution provider") as info:
         execution_providers(_config(), "gpu", 0, [CPU])
     assert info.value.status is Status.UNAVAILABLE
+
+
+def test_a_session_that_fell_back_to_the_cpu_is_refused() -> None:
+    # What onnxruntime-gpu does when libcudnn is missing: an error in its log, and a session
+    # on CPUExecutionProvider alone.
+    asked = execution_providers(_config(_trt("")), "gpu", 2, ALL)
+    with pytest.raises(KilnError) as info:
+        check_session_providers("m", 2, asked, [CPU])
+    message = str(info.value)
+    assert "model 'm'" in message and "on GPU 2" in message
+    assert f"{TENSORRT} and {CUDA}" in message and f"fell back to {CPU}" in message
+    assert info.value.status is Status.UNAVAILABLE
+    # Only the TensorRT EP failed (no libnvinfer): still refused, naming it alone.
+    with pytest.raises(KilnError, match=f"could not start the {TENSORRT} on GPU 2"):
+        check_session_providers("m", 2, asked, [CUDA, CPU])
+
+
+def test_a_session_with_every_provider_it_was_given_passes() -> None:
+    asked = execution_providers(_config(_trt("")), "gpu", 0, ALL)
+    check_session_providers("m", 0, asked, [TENSORRT, CUDA, CPU])
+    check_session_providers("m", 0, [CPU], [CPU])
 
 
 def test_tensorrt_options_from_triton_keys() -> None:
@@ -144,3 +171,26 @@ def test_bad_accelerator_configs_name_model_and_key(
     with pytest.raises(KilnError, match=message) as info:
         execution_providers(_config(accelerators), "gpu", 0, available)
     assert "model 'm'" in info.value.message
+
+
+def test_cuda_libraries_are_preloaded_once_per_process(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import kiln.backends.ort_providers as providers
+
+    calls: list[str] = []
+
+    class Ort:  # onnxruntime-gpu's preload_dlls, which needs NVIDIA's wheels to do anything
+        @staticmethod
+        def preload_dlls() -> None:
+            calls.append("preload")
+            raise OSError("libcudnn.so.9: cannot open shared object file")
+
+    monkeypatch.setattr(providers, "_preloaded", False)
+    providers.preload_cuda_libraries(Ort)
+    providers.preload_cuda_libraries(Ort)
+    assert calls == ["preload"]
+    assert "preload_dlls() failed: libcudnn.so.9" in caplog.text
+    # An onnxruntime before 1.21 has no preload_dlls: nothing to do, nothing raised.
+    monkeypatch.setattr(providers, "_preloaded", False)
+    providers.preload_cuda_libraries(object())

@@ -15,7 +15,11 @@ import numpy as np
 import onnxruntime as ort
 
 from kiln.backends.base import Backend, InstanceSpec, cpu_count, parameter
-from kiln.backends.ort_providers import execution_providers
+from kiln.backends.ort_providers import (
+    check_session_providers,
+    execution_providers,
+    preload_cuda_libraries,
+)
 from kiln.config.model_config_pb2 import DataType as PbDataType
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status
@@ -124,12 +128,16 @@ class OnnxRuntimeBackend(Backend):
         options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
         options.add_session_config_entry("session.inter_op.allow_spinning", spinning)
         options.graph_optimization_level = self._graph_level(config)
+        providers = execution_providers(
+            config, instance.kind, instance.device_id, ort.get_available_providers()
+        )
+        if instance.kind == "gpu":
+            preload_cuda_libraries(ort)
         self.session = ort.InferenceSession(
-            str(self.model_path()),
-            sess_options=options,
-            providers=execution_providers(
-                config, instance.kind, instance.device_id, ort.get_available_providers()
-            ),
+            str(self.model_path()), sess_options=options, providers=providers
+        )
+        check_session_providers(
+            config.name, instance.device_id, providers, self.session.get_providers()
         )
         # Only CPU work may run inline on the loop: a GPU run waits on the device.
         self.inline_capable = self.session.get_providers() == ["CPUExecutionProvider"]

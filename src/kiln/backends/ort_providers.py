@@ -8,12 +8,16 @@ combination is testable without a GPU.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status
 
 Provider = str | tuple[str, dict[str, Any]]
+
+log = logging.getLogger("kiln.onnxruntime")
+_preloaded = False
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -90,6 +94,45 @@ def execution_providers(
     providers.append((CUDA, cuda))
     providers.append(CPU)
     return providers
+
+
+def preload_cuda_libraries(ort: Any) -> None:
+    """Load the CUDA and cuDNN libraries of NVIDIA's pip wheels before a CUDA session.
+
+    onnxruntime-gpu finds ``libcudart``/``libcublas``/``libcudnn`` through the loader's path
+    only, so with CUDA installed as pip wheels (``nvidia-*``, what torch brings) its CUDA EP
+    fails to start unless torch happens to be imported first. ``onnxruntime.preload_dlls``
+    (1.21+) loads them from those wheels; once per process, and harmless when they are on the
+    loader's path already.
+    """
+    global _preloaded
+    if _preloaded or not hasattr(ort, "preload_dlls"):
+        return
+    _preloaded = True
+    try:
+        ort.preload_dlls()
+    except Exception as exc:  # a failed preload leaves the loader's own search to try
+        log.warning("onnxruntime.preload_dlls() failed: %s", exc)
+
+
+def check_session_providers(
+    model: str, device_id: int, asked: list[Provider], got: list[str]
+) -> None:
+    """Refuse a session that dropped a GPU provider it was given.
+
+    ONNX Runtime logs an error and falls back to the next provider when one fails to start
+    (the CUDA EP without its cuDNN or cuBLAS, the TensorRT EP without libnvinfer): a KIND_GPU
+    instance would then run on the CPU, silently and many times slower.
+    """
+    names = [p if isinstance(p, str) else p[0] for p in asked]
+    missing = [n for n in names if n != CPU and n not in got]
+    if missing:
+        raise KilnError(
+            f"model '{model}': onnxruntime could not start the {' and '.join(missing)} on GPU "
+            f"{device_id} and fell back to {', '.join(got)} (onnxruntime's log above says why: "
+            "usually a CUDA, cuDNN or TensorRT library that onnxruntime-gpu needs is missing)",
+            Status.UNAVAILABLE,
+        )
 
 
 def _tensorrt_options(model: str, device_id: int, params: dict[str, str]) -> dict[str, Any]:

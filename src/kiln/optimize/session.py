@@ -102,7 +102,11 @@ def open_runner(candidate: Candidate, threads: int, max_batch_size: int, cache_d
         from kiln.optimize.engine import EngineRunner
 
         return EngineRunner(candidate.path, max_batch_size)
-    from kiln.backends.ort_providers import execution_providers
+    from kiln.backends.ort_providers import (
+        check_session_providers,
+        execution_providers,
+        preload_cuda_libraries,
+    )
     from kiln.config.loader import parse_config_text
     from kiln.optimize.deploy import config_text
 
@@ -111,6 +115,9 @@ def open_runner(candidate: Candidate, threads: int, max_batch_size: int, cache_d
         config_text("optimize", candidate, max_batch_size, threads, cache_dir=cache_dir)
     )
     providers = execution_providers(config, "gpu", 0, ort.get_available_providers())
-    return ort.InferenceSession(
+    preload_cuda_libraries(ort)
+    session = ort.InferenceSession(
         str(candidate.path), session_options(candidate.graph_level, threads), providers=providers
     )
+    check_session_providers(candidate.name, 0, providers, session.get_providers())
+    return session
