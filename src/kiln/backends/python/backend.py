@@ -212,6 +212,7 @@ class PythonBackend(Backend):
         )
         self.flag_pool = FlagPool(self.worker.flags)
         self._restarting: threading.Thread | None = None
+        self._restart_lock = threading.Lock()  # see _begin_restart
         # Held while a worker initializes and by each batch on the instance's thread
         self._handshake = threading.Lock()
         self._pipe: WorkerPipe | None = None  # the loop's batches in the worker's pipe
@@ -236,7 +237,7 @@ class PythonBackend(Backend):
         )
         try:
             worker.send(("initialize", self.args, self.decoupled))
-            kind, payload = worker.recv(deadline)
+            message = worker.recv(deadline)
         except WorkerDied as exc:
             raise KilnError(f"model '{self.model}': initialize failed: {exc}") from None
         except WorkerTimeout:
@@ -245,43 +246,56 @@ class PythonBackend(Backend):
                 f"model '{self.model}': initialize did not finish within "
                 f"initialize_timeout_secs={self.initialize_timeout:g}"
             ) from None
+        kind = message[0]
         if kind != "ready":
             worker.kill()
-            raise KilnError(f"model '{self.model}': initialize failed: {payload}")
+            if kind != "error":  # its first words must answer initialize
+                raise KilnError(
+                    f"model '{self.model}': initialize failed: the worker answered "
+                    f"'{kind}' instead of 'ready'"
+                )
+            raise KilnError(f"model '{self.model}': initialize failed: {message[1]}")
 
-    def _begin_restart(self, cause: str = "the Python worker stopped") -> None:
-        # Killing (with its grace) happens on the restart thread: the requests that failed
-        # get their answers now, not after the worker is gone.
-        self._fail_open(
-            KilnError(
-                f"model '{self.model}': {cause} while the request was still streaming; "
-                "the worker is being restarted",
-                Status.INTERNAL,
+    def _begin_restart(self, cause: str, conn: Wire | None) -> None:
+        """Restart the worker whose pipe is ``conn``, which failed (``cause``).
+
+        Nothing happens when that worker was replaced already (another thread found it
+        dead first and its restart is over or under way: killing again would kill the new
+        worker, maybe in its ``initialize``) or while a restart runs. The check and the
+        start of the restart are one step under ``_restart_lock``: the loop's reader and
+        the instance's thread may find the same dead worker at the same moment.
+        """
+        with self._restart_lock:
+            if self.worker.conn is not conn:
+                return
+            # Killing (with its grace) happens on the restart thread: the requests that
+            # failed get their answers now, not after the worker is gone.
+            self._fail_open(
+                KilnError(
+                    f"model '{self.model}': {cause} while the request was still streaming; "
+                    "the worker is being restarted",
+                    Status.INTERNAL,
+                )
             )
-        )
+            self._cancel_bls_streams()
+            running = self._restarting
+            if running is not None and running.is_alive():
+                return  # its worker is the new one (the pipe above is the old one's)
 
-        self._cancel_bls_streams()
-        running = self._restarting
-        if running is not None and running.is_alive():
-            # Already restarting: this failure is the old worker's too (the new one gets
-            # no batch before the restart is over). A second restart would kill the
-            # worker the first is initializing.
-            return
+            def restart() -> None:
+                try:
+                    self.worker.kill(KILL_GRACE_S)
+                    self._start()
+                    log.warning("model '%s': Python worker restarted", self.model)
+                except Exception as exc:
+                    self._restart_error = str(exc)
+                    log.error("model '%s': Python worker restart failed: %s", self.model, exc)
 
-        def restart() -> None:
-            try:
-                self.worker.kill(KILL_GRACE_S)
-                self._start()
-                log.warning("model '%s': Python worker restarted", self.model)
-            except Exception as exc:
-                self._restart_error = str(exc)
-                log.error("model '%s': Python worker restart failed: %s", self.model, exc)
-
-        self._restart_error = None
-        self._restarting = threading.Thread(
-            target=restart, name=f"kiln-{self.model}-restart", daemon=True
-        )
-        self._restarting.start()
+            self._restart_error = None
+            self._restarting = threading.Thread(
+                target=restart, name=f"kiln-{self.model}-restart", daemon=True
+            )
+            self._restarting.start()
 
     def _await_restart(
         self, requests: list[BackendRequest], outcomes: list[RequestOutcome | None]
@@ -308,7 +322,10 @@ class PythonBackend(Backend):
                 # while it initializes (``start_requests``).
                 self._start()
         finally:
-            if self._restarting is thread:  # not a restart begun since (its marker stays)
+            # Not a restart begun since (its marker stays), nor this one while it runs:
+            # when every request failed first (above) the loop must still send nothing
+            # to a worker that may be in its initialize (``start_requests``).
+            if self._restarting is thread and (thread is None or not thread.is_alive()):
                 self._restarting = None
 
     def _fail_expired(
@@ -539,34 +556,39 @@ class PythonBackend(Backend):
         )
         try:
             # On this path the answer waits for every FINAL flag (``detach`` False).
-            worker.send(("execute", wire, 0, False))
+            # Sent and read on the pipe taken above: if a restart began meanwhile (the loop
+            # found the worker dead), this batch is lost with the old worker rather than
+            # sent to the new one before its initialize.
+            worker.send(("execute", wire, 0, False), conn)
             while True:
-                message = worker.recv(deadline.seconds)
+                message = worker.recv(deadline.seconds, conn)
                 kind = message[0]
                 if kind == "executed":
                     watch.detach_open(message[3])
                     return self._outcomes(requests, message[1], message[2], 0, message[3])
-                if self._side_message(message, worker.conn):
+                if self._side_message(message, conn):
                     continue
                 if kind == "bls" and message[1].get("stream") is not None:
                     # A stream's parts go out while this thread keeps reading the worker:
                     # a model relaying them as responses would otherwise fill its socket
                     # and wait on this thread, which would wait on it (loopcall.py does the
                     # same on the loop's executor).
-                    inputs = self._bls_received(message[1], worker.conn)
-                    self._bls_helper(message[1], inputs, worker.conn)
+                    inputs = self._bls_received(message[1], conn)
+                    self._bls_helper(message[1], inputs, conn)
                 elif kind == "bls":
-                    self._bls(message[1], self._bls_received(message[1], worker.conn))
+                    self._bls(message[1], self._bls_received(message[1], conn))
                 elif kind == "control":
                     self._control(message[1])
                 elif kind == "error":
                     return self._outcomes(requests, None, message[1])
         except WorkerDied as exc:
-            if worker.conn is conn:  # else the loop found it dead first and restarts it
-                self._begin_restart(f"the Python worker stopped ({exc})")
+            # (nothing happens if the loop found it dead first and restarts it)
+            self._begin_restart(f"the Python worker stopped ({exc})", conn)
             raise self._died(exc) from None
         except WorkerTimeout:
-            self._begin_restart("a batch overran its deadline and the Python worker was killed")
+            self._begin_restart(
+                "a batch overran its deadline and the Python worker was killed", conn
+            )
             return self._overran(requests, deadline)
         finally:
             watch.end()

@@ -176,7 +176,9 @@ class WorkerPipe:
             wire, call.watch = backend._wire(call.requests, call.slot)
             # A decoupled batch is answered when execute returns (``detach``): requests
             # still open stream on, and the pipe is read while any is.
-            backend.worker.send(("execute", wire, call.slot, backend.decoupled))
+            # On this pipe's worker only: a restart begun on another thread since the
+            # pipe was chosen makes this WorkerDied, not a batch for the new worker.
+            backend.worker.send(("execute", wire, call.slot, backend.decoupled), self.conn)
         except WorkerDied as exc:
             # The worker is gone and never got this batch: it runs again after the
             # restart, like those queued behind a lost one.
@@ -285,7 +287,7 @@ class WorkerPipe:
         )
         self.broken = True
         self._unwatch()
-        self.backend._begin_restart(f"the Python worker sent {what} out of turn")
+        self.backend._begin_restart(f"the Python worker sent {what} out of turn", self.conn)
 
     def retire(self) -> None:
         """On the loop: the backend is closing and reads the pipe itself from now on (the
@@ -327,10 +329,9 @@ class WorkerPipe:
 
         def diagnose() -> KilnError:
             text = str(exc) or backend.worker._exit_text()
-            if backend.worker.conn is conn:
-                backend._begin_restart(f"the Python worker stopped ({text})")
-            # else the instance's thread met the dead worker first and restarted it: a
-            # second restart would kill the new worker
+            # Nothing happens if the instance's thread met the dead worker first and
+            # restarted it: a second restart would kill the new worker.
+            backend._begin_restart(f"the Python worker stopped ({text})", conn)
             return backend._died(WorkerDied(text))
 
         done = self.loop.run_in_executor(None, diagnose)
@@ -365,7 +366,9 @@ class WorkerPipe:
         head, rest = self._take_all()
         backend = self.backend
         # kills (with its grace) on the restart thread
-        backend._begin_restart("a batch overran its deadline and the Python worker was killed")
+        backend._begin_restart(
+            "a batch overran its deadline and the Python worker was killed", self.conn
+        )
         if head is not None:
             head.resolve(backend._overran(head.requests, head.deadline))
         self._restart_the_rest(rest)

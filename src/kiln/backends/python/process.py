@@ -102,13 +102,19 @@ class WorkerProcess:
     def _all_arenas(self) -> list[Arena]:
         return [*(a for pair in self.arenas for a in pair), self.side_in, self.side_out, self.flags]
 
-    def send(self, message: tuple[Any, ...]) -> None:
-        assert self.conn is not None
+    def send(self, message: tuple[Any, ...], conn: Wire | None = None) -> None:
+        """``conn``: the pipe the caller reads the answer from (None: the current one).
+        ``WorkerDied`` when the worker was restarted since the caller took it: a batch
+        meant for the old worker must not reach the new one, which may not have run its
+        ``initialize`` yet and would answer the batch in its place."""
         try:
             # A BLS answer goes out from a helper thread while the loop may be sending the
             # next batch: one message's bytes must not interleave with another's.
             with self._send_lock:
-                self.conn.send(message)
+                current = self.conn
+                if current is None or (conn is not None and current is not conn):
+                    raise WorkerDied("the worker was restarted")
+                current.send(message)
         except OSError as exc:
             raise WorkerDied(self._exit_text()) from exc
 
@@ -122,15 +128,19 @@ class WorkerProcess:
                 raise WorkerDied("the worker was restarted")
             yield
 
-    def recv(self, deadline: float | None) -> Any:
-        """The next message; ``deadline`` is a ``time.monotonic()`` value or None (wait)."""
-        assert self.conn is not None
+    def recv(self, deadline: float | None, conn: Wire | None = None) -> Any:
+        """The next message on ``conn`` (None: the current pipe); ``deadline`` is a
+        ``time.monotonic()`` value or None (wait). A pipe closed by a restart reads as
+        ``WorkerDied``, never as the new worker's messages."""
+        wire = self.conn if conn is None else conn
+        if wire is None:
+            raise WorkerDied("the worker was restarted")
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            if timeout is not None and not self.conn.poll(timeout):
+            if timeout is not None and not wire.poll(timeout):
                 raise WorkerTimeout()
-            return self.conn.recv()
-        except (EOFError, OSError) as exc:
+            return wire.recv()
+        except (EOFError, OSError, ValueError) as exc:  # ValueError: a closed socket's fd
             raise WorkerDied(self._exit_text()) from exc
 
     def _exit_text(self) -> str:

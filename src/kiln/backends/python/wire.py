@@ -48,6 +48,9 @@ class Wire:
         Without a deadline, call ``recv``: it blocks."""
         if self._complete() is not None:
             return True
+        if self.sock.fileno() < 0:
+            # Closed here (a restart): its number may be another socket's by now.
+            raise EOFError("the connection was closed")
         # rounded up: waking a fraction of a millisecond early would report a deadline
         # as missed before it is
         return bool(self._poller.poll(max(0, math.ceil(timeout * 1000))))
@@ -83,6 +86,8 @@ class Wire:
         return self.sock.fileno()
 
     def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            self._poller.unregister(self.sock)
         self.sock.close()
 
     def _complete(self) -> int | None:
