@@ -8,8 +8,8 @@ and ended (``time.monotonic_ns``, one clock for both processes). Two measurement
   ``execute`` starting, inside ``execute``, and from its end to the answer on the loop;
   with the loop busy-polling for the answer (kiln's default for a lone request,
   ``busy_poll_us``) and without;
-- **load** (``--concurrency`` requests kept in flight): wall µs per request and this
-  process's CPU µs per request (the loop's share of the hop).
+- **load** (``--concurrency`` requests kept in flight): wall µs per request, this
+  process's CPU µs per request (the loop's share of the hop) and the worker process's.
 
 Usage::
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -100,7 +101,13 @@ async def timeline(b: PythonBackend, n: int) -> dict[str, float]:
     return {"to execute": med[0], "execute": med[1], "back to the loop": med[2], "total": med[3]}
 
 
-async def load(b: PythonBackend, n: int, concurrency: int) -> tuple[float, float]:
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def load(b: PythonBackend, n: int, concurrency: int) -> tuple[float, float, float]:
     async def client(count: int) -> None:
         for _ in range(count):
             future = b.start_requests([Request()])
@@ -108,10 +115,16 @@ async def load(b: PythonBackend, n: int, concurrency: int) -> tuple[float, float
             await future
 
     await asyncio.gather(*(client(n // concurrency // 5) for _ in range(concurrency)))
-    wall, cpu = time.perf_counter(), time.process_time()
+    pid = b.worker.pid
+    assert pid is not None
+    wall, cpu, worker = time.perf_counter(), time.process_time(), process_cpu(pid)
     await asyncio.gather(*(client(n // concurrency) for _ in range(concurrency)))
     done = n // concurrency * concurrency
-    return (time.perf_counter() - wall) / done * 1e6, (time.process_time() - cpu) / done * 1e6
+    return (
+        (time.perf_counter() - wall) / done * 1e6,
+        (time.process_time() - cpu) / done * 1e6,
+        (process_cpu(pid) - worker) / done * 1e6,
+    )
 
 
 async def main() -> None:
@@ -127,9 +140,11 @@ async def main() -> None:
                 parts = ", ".join(f"{k} {v:.1f}" for k, v in t.items())
                 print(f"c=1, busy_poll_us={busy}: medians µs: {parts}")
                 if busy == 0:
-                    wall, cpu = await load(b, opts.requests, opts.concurrency)
-                    print(f"c={opts.concurrency}: {wall:.1f} µs/request wall, {cpu:.1f} µs "
-                          "CPU/request in the loop's process")  # fmt: skip
+                    wall, cpu, worker = await load(b, opts.requests, opts.concurrency)
+                    print(
+                        f"c={opts.concurrency}: {wall:.1f} µs/request wall, CPU µs/request: "
+                        f"{cpu:.1f} in the loop's process, {worker:.1f} in the worker"
+                    )
             finally:
                 b.close()
 

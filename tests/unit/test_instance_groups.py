@@ -49,3 +49,24 @@ def test_kind_gpu_lists_one_instance_per_gpu_and_count() -> None:
         ("gpu", 1),
         ("gpu", 1),
     ]
+
+
+def test_kind_gpu_without_gpus_spreads_over_every_gpu() -> None:
+    """Triton's default: ``count`` instances on each visible GPU."""
+    specs = instance_specs(config("instance_group [{count: 2 kind: KIND_GPU}]"), 3)
+    assert [s.device_id for s in specs] == [0, 0, 1, 1, 2, 2]
+    # A backend that runs one engine (the llm backend) stays on GPU 0 by default ...
+    single = instance_specs(config("instance_group [{kind: KIND_GPU}]"), 3, False)
+    assert [(s.kind, s.device_id) for s in single] == [("gpu", 0)]
+    # ... and goes where ``gpus`` says.
+    chosen = instance_specs(config("instance_group [{kind: KIND_GPU gpus: [2]}]"), 3, False)
+    assert [s.device_id for s in chosen] == [2]
+
+
+def test_a_gpu_id_the_machine_lacks_is_refused() -> None:
+    with pytest.raises(KilnError) as err:
+        instance_specs(config("instance_group [{count: 1 kind: KIND_GPU gpus: [0, 3]}]"), 2)
+    assert err.value.status is Status.INVALID_ARG
+    message = err.value.message
+    assert "instance group m_0 of model m specifies invalid or unsupported gpu id 3" in message
+    assert "GPUs 0, 1" in message

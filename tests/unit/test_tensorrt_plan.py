@@ -112,7 +112,7 @@ HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 
 
 @pytest.mark.skipif(
-    TensorRTBackend.gpu_available() and HAS_TENSORRT, reason="this machine can run engines"
+    TensorRTBackend.gpu_count() > 0 and HAS_TENSORRT, reason="this machine can run engines"
 )
 def test_refusal_names_what_this_machine_lacks(tmp_path: Path) -> None:
     spec = InstanceSpec(name="trt_0", kind="gpu", device_id=0, index=0, total_instances=1)
@@ -120,7 +120,7 @@ def test_refusal_names_what_this_machine_lacks(tmp_path: Path) -> None:
         TensorRTBackend(_config(), tmp_path, spec)
     assert info.value.status is Status.UNAVAILABLE
     message = info.value.message
-    if not TensorRTBackend.gpu_available():
+    if not TensorRTBackend.gpu_count() > 0:
         assert "an NVIDIA GPU, and this machine has no usable one" in message
         assert "engines are GPU-specific" in message
     if not HAS_TENSORRT:

@@ -147,9 +147,15 @@ class Backend(ABC):
         """Fill what the model file can tell (inputs, outputs, max_batch_size) in place."""
         return None  # most backends cannot tell anything from their file
 
+    #: A ``KIND_GPU`` group without ``gpus`` puts ``count`` instances on every GPU, as
+    #: Triton does; False: on GPU 0 only.
+    spread_over_gpus: ClassVar[bool] = True
+
     @classmethod
-    def gpu_available(cls) -> bool:
-        return False
+    def gpu_count(cls) -> int:
+        """GPUs this backend can put instances on (``KIND_GPU`` spreads over all of them
+        unless the group lists ``gpus``); 0 refuses ``KIND_GPU``."""
+        return 0
 
     @abstractmethod
     def execute(
@@ -204,11 +210,14 @@ def count_parameter(config: ModelConfig, key: str, unit: str = "") -> int | None
     return value
 
 
-def instance_specs(config: ModelConfig, gpu_count: int) -> list[InstanceSpec]:
+def instance_specs(
+    config: ModelConfig, gpu_count: int, spread_over_gpus: bool = True
+) -> list[InstanceSpec]:
     """Expand ``instance_group`` into one spec per instance (Triton's defaults applied).
 
     ``gpu_count`` is how many GPUs the backend can use: KIND_AUTO falls back to the CPU
-    without one, KIND_GPU refuses to load.
+    without one, KIND_GPU refuses to load. A GPU group without ``gpus`` puts its ``count``
+    instances on each of them (``spread_over_gpus``), else on GPU 0.
     """
     specs: list[tuple[str, str, int]] = []
     for group_index, group in enumerate(config.instance_group):
@@ -227,7 +236,15 @@ def instance_specs(config: ModelConfig, gpu_count: int) -> list[InstanceSpec]:
                     "on a GPU when there is one and on the CPU otherwise",
                     Status.INVALID_ARG,
                 )
-            gpus = list(group.gpus) or list(range(gpu_count))
+            gpus = list(group.gpus) or list(range(gpu_count if spread_over_gpus else 1))
+            for gpu in gpus:
+                if not 0 <= gpu < gpu_count:
+                    raise KilnError(
+                        f"instance group {name} of model {config.name} specifies invalid or "
+                        f"unsupported gpu id {gpu}: the {config.backend or 'model'} backend "
+                        f"can use GPUs {', '.join(map(str, range(gpu_count)))}",
+                        Status.INVALID_ARG,
+                    )
             for gpu in gpus:
                 specs.extend((name, "gpu", gpu) for _ in range(max(group.count, 1)))
         else:

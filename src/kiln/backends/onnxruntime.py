@@ -15,6 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from kiln.backends.base import Backend, InstanceSpec, cpu_count, parameter
+from kiln.backends.gpus import visible_gpu_count
 from kiln.backends.ort_providers import (
     check_session_providers,
     execution_providers,
@@ -65,8 +66,10 @@ class OnnxRuntimeBackend(Backend):
     default_model_filename: ClassVar[str] = "model.onnx"
 
     @classmethod
-    def gpu_available(cls) -> bool:
-        return "CUDAExecutionProvider" in ort.get_available_providers()
+    def gpu_count(cls) -> int:
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            return 0
+        return visible_gpu_count()
 
     @classmethod
     def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:

@@ -59,8 +59,8 @@ class PyTorchBackend(Backend):
     default_model_filename: ClassVar[str] = TORCHSCRIPT_FILE
 
     @classmethod
-    def gpu_available(cls) -> bool:
-        return torch.cuda.is_available()
+    def gpu_count(cls) -> int:
+        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
     @classmethod
     def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:

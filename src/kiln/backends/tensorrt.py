@@ -119,12 +119,12 @@ class TensorRTBackend(Backend):
     default_model_filename: ClassVar[str] = DEFAULT_PLAN
 
     @classmethod
-    def gpu_available(cls) -> bool:
+    def gpu_count(cls) -> int:
         try:
             import torch
         except ImportError:
-            return False
-        return bool(torch.cuda.is_available())
+            return 0
+        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
     @classmethod
     def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:

@@ -109,8 +109,9 @@ class ModelRuntime:
             self._load_ensemble()
             self.load_seconds = time.perf_counter() - start
             return
-        gpus = 1 if self.backend_cls.gpu_available() else 0
-        specs = instance_specs(self.config, gpus)
+        specs = instance_specs(
+            self.config, self.backend_cls.gpu_count(), self.backend_cls.spread_over_gpus
+        )
         # A malformed warm-up sample fails the load before any session is built.
         samples = await loop.run_in_executor(
             None, build_samples, self.config, self.signature, self.version_dir.parent

@@ -95,11 +95,15 @@ class LLMBackend(Backend):
             )
         self.async_engine = AsyncEngine(self.engine, config.name)
 
+    #: One engine serves the model (the routes use the first instance): a ``KIND_GPU``
+    #: group without ``gpus`` runs on GPU 0 alone, not on every GPU.
+    spread_over_gpus: ClassVar[bool] = False
+
     @classmethod
-    def gpu_available(cls) -> bool:
+    def gpu_count(cls) -> int:
         import torch
 
-        return bool(torch.cuda.is_available())
+        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
     def execute(
         self, inputs: dict[str, np.ndarray], output_names: list[str]

@@ -38,6 +38,7 @@ from kiln.backends.base import (
     count_parameter,
     parameter,
 )
+from kiln.backends.gpus import visible_gpu_count
 from kiln.backends.python import bls
 from kiln.backends.python.cancel import BatchWatch, FlagPool, OpenStream
 from kiln.backends.python.custom_metrics import FamilySnapshot, read_store
@@ -131,6 +132,12 @@ class PythonBackend(Backend):
     name: ClassVar[str] = "python"
     default_model_filename: ClassVar[str] = "model.py"
     wants_requests: ClassVar[bool] = True
+
+    @classmethod
+    def gpu_count(cls) -> int:
+        """The model's own code uses the GPU (it gets ``model_instance_kind`` GPU and its
+        ``model_instance_device_id``), so ``KIND_GPU`` needs only a GPU to be there."""
+        return visible_gpu_count()
 
     @classmethod
     def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:

@@ -1,0 +1,60 @@
+"""Counting the GPUs a process may use, without a GPU framework (``kiln.backends.gpus``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln.backends.gpus import physical_gpu_count, visible_gpu_count
+from kiln.backends.python.backend import PythonBackend
+
+
+def _driver(tmp_path: Path, gpus: int) -> Path:
+    """A stand-in for /proc/driver/nvidia/gpus: one folder per GPU, by PCI address."""
+    proc = tmp_path / "gpus"
+    proc.mkdir()
+    for i in range(gpus):
+        (proc / f"0000:{i:02x}:00.0").mkdir()
+    return proc
+
+
+def test_the_driver_s_gpus_are_counted(tmp_path: Path) -> None:
+    assert physical_gpu_count(_driver(tmp_path, 4)) == 4
+
+
+def test_no_driver_no_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", None)  # NVML not installed
+    assert physical_gpu_count(tmp_path / "absent") == 0
+    assert visible_gpu_count(tmp_path / "absent", {}) == 0
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [
+        (None, 4),  # unset: all of them
+        ("", 0),
+        ("-1", 0),
+        ("1", 1),
+        ("0,2", 2),
+        ("2,7,1", 1),  # CUDA stops at the first invalid entry
+        ("GPU-8f6c0d1e-aaaa-bbbb-cccc-0123456789ab,1", 2),  # UUIDs count too
+        ("0,1,2,3,0,1", 4),  # never more than the machine has
+    ],
+)
+def test_cuda_visible_devices_narrows_them(
+    tmp_path: Path, visible: str | None, expected: int
+) -> None:
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    assert visible_gpu_count(_driver(tmp_path, 4), env) == expected
+
+
+def test_the_python_backend_offers_the_machine_s_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its model's own code uses the GPU: KIND_GPU needs a GPU to be there, nothing else
+    (before, the python backend refused KIND_GPU on every machine)."""
+    import kiln.backends.python.backend as python_backend
+
+    monkeypatch.setattr(python_backend, "visible_gpu_count", lambda: 2)
+    assert PythonBackend.gpu_count() == 2
+    monkeypatch.setattr(python_backend, "visible_gpu_count", lambda: 0)
+    assert PythonBackend.gpu_count() == 0
