@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,16 @@ def repo(example_repo: Path, tmp_path: Path) -> Path:
     (model / "config.pbtxt").write_text(BLS_CONFIG)
     (model / "1" / "model.py").write_text(textwrap.dedent(BLS_MODEL))
     return copy
+
+
+def _written(path: Path, timeout: float = 30.0) -> Path:
+    """``path`` once the server's trace writer thread has put it there (files appear whole:
+    written aside, then renamed)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} was not written"
+        time.sleep(0.02)
+    return path
 
 
 def _traces(path: Path) -> dict[int, dict[str, Any]]:
@@ -231,7 +242,7 @@ def test_log_frequency_and_trace_count_over_the_api(
     client = grpcclient.InferenceServerClient(server.grpc_url)
     for _ in range(4):  # every 2nd: two traces, written to t.json.0 at the second
         client.infer("simple", simple_inputs(grpcclient))
-    first = _traces(Path(f"{out}.0"))
+    first = _traces(_written(Path(f"{out}.0")))
     assert [t["model_name"] for t in first.values()] == ["simple", "simple"]
     settings = client.get_trace_settings(as_json=True)["settings"]
     assert settings["trace_count"]["value"] == ["1"]  # the count left, as Triton reports

@@ -4,6 +4,7 @@ the ``--trace-config`` parser, without a server."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,7 @@ def test_log_frequency_writes_numbered_files_and_the_rest_at_the_end(tmp_path: P
     out = tmp_path / "t.json"
     tracer = _tracer(out, trace_rate="1", log_frequency="2")
     _run(tracer, n=5)
+    tracer.sync()  # the numbered files are written on the writer thread
     first, second = _read(tmp_path / "t.json.0"), _read(tmp_path / "t.json.1")
     assert len([e for e in first if "model_name" in e]) == 2
     assert len([e for e in second if "model_name" in e]) == 2
@@ -74,6 +76,30 @@ def test_log_frequency_writes_numbered_files_and_the_rest_at_the_end(tmp_path: P
     tracer.close()  # the fifth goes to the next index, not to t.json
     assert len([e for e in _read(tmp_path / "t.json.2") if "model_name" in e]) == 1
     assert not out.exists()
+
+
+def test_trace_files_are_written_off_the_calling_thread_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request ends on the event loop: the N-th one hands the file to the writer thread
+    rather than serialising and writing it there."""
+    import kiln.core.trace as trace_module
+
+    writes: list[tuple[str, str]] = []
+    dump = trace_module._dump
+
+    def recorded(target: str, entries: list[dict[str, object]], append: bool) -> None:
+        writes.append((threading.current_thread().name, Path(target).name))
+        dump(target, entries, append)
+
+    monkeypatch.setattr(trace_module, "_dump", recorded)
+    tracer = _tracer(tmp_path / "t.json", trace_rate="1", log_frequency="1")
+    ids = _run(tracer, n=6)
+    tracer.close()
+    assert [name for _, name in writes] == [f"t.json.{i}" for i in range(6)]
+    assert all(thread.startswith("kiln-trace-writer") for thread, _ in writes), writes
+    for i, trace_id in enumerate(ids):
+        assert {e["id"] for e in _read(tmp_path / f"t.json.{i}")} == {trace_id}
 
 
 def test_tensors_level_records_inputs_and_outputs_without_timestamps(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,13 @@ class Trace:
 
 
 class TraceFile:
-    """One ``trace_file``: what its channels collected, written as JSON arrays."""
+    """One ``trace_file``: what its channels collected, written as JSON arrays.
+
+    Requests end on the event loop, and with ``log_frequency`` every N-th one would write a
+    file there (serialising N traces and a disk write: milliseconds the loop would not
+    serve anyone). The writes go to one writer thread instead, in order; ``flush`` waits
+    for them (a setting that ends, the server stopping).
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -158,6 +165,8 @@ class TraceFile:
         self.index = 0  # the next ``path.N`` (log_frequency > 0)
         self.indexed = False  # some traces went to ``path.N`` files already
         self.lock = threading.Lock()
+        self._writer: ThreadPoolExecutor | None = None  # one thread: writes stay in order
+        self._last: Future[None] | None = None  # the latest write handed to it
 
     def add(self, trace: Trace, log_frequency: int) -> None:
         with self.lock:
@@ -168,12 +177,23 @@ class TraceFile:
 
     def flush(self) -> None:
         """Write what is pending: to the next index if some went to indexed files, else
-        to the file itself (its earlier traces kept)."""
+        to the file itself (its earlier traces kept); return once every write is done."""
         with self.lock:
             if self.pending:
                 self._write(indexed=self.indexed)
+            last = self._last
+        if last is not None:
+            last.result()
+
+    def sync(self) -> None:
+        """Wait for the writes handed to the writer so far (what is pending stays)."""
+        with self.lock:
+            last = self._last
+        if last is not None:
+            last.result()
 
     def _write(self, indexed: bool) -> None:
+        """Hand what is pending to the writer (under ``lock``)."""
         entries, self.pending, self.traces = self.pending, [], 0
         if indexed:
             target = f"{self.path}.{self.index}"
@@ -181,15 +201,24 @@ class TraceFile:
             self.indexed = True
         else:
             target = self.path
-            entries = _previous(target) + entries
-        try:
-            Path(target).parent.mkdir(parents=True, exist_ok=True)
-            tmp = f"{target}.tmp{os.getpid()}"
-            with open(tmp, "wb") as f:
-                f.write(orjson.dumps(entries, option=orjson.OPT_INDENT_2))
-            os.replace(tmp, target)
-        except OSError as exc:
-            log.error("cannot write trace file %s: %s; %d entries lost", target, exc, len(entries))
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kiln-trace-writer")
+        self._last = self._writer.submit(_dump, target, entries, not indexed)
+
+
+def _dump(target: str, entries: list[dict[str, Any]], append: bool) -> None:
+    """On the writer thread: ``entries`` as the JSON array at ``target`` (after what an
+    earlier setting wrote there, with ``append``), replaced at once (no half file)."""
+    if append:
+        entries = _previous(target) + entries
+    try:
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{target}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(orjson.dumps(entries, option=orjson.OPT_INDENT_2))
+        os.replace(tmp, target)
+    except OSError as exc:
+        log.error("cannot write trace file %s: %s; %d entries lost", target, exc, len(entries))
 
 
 def _previous(path: str) -> list[dict[str, Any]]:
@@ -337,6 +366,11 @@ class Tracer:
 
     def _channel(self, model: str) -> Channel | None:
         return self._models.get(model, self._global)
+
+    def sync(self) -> None:
+        """Wait for the trace files handed to the writer thread so far."""
+        for file in list(self._files.values()):
+            file.sync()
 
     def close(self) -> None:
         """The server stops: every pending trace is written."""
