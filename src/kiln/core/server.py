@@ -202,15 +202,19 @@ class Server:
             ]
         return response
 
-    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:
-        """The responses of one request as they come: 0..N for a decoupled model, else 1."""
+    async def infer_stream(
+        self, request: InferenceRequest, window: int = 0
+    ) -> AsyncIterator[InferenceResponse]:
+        """The responses of one request as they come: 0..N for a decoupled model, else 1.
+        ``window`` > 0: a model that can pause sends no more while that many wait untaken
+        (``core/stream.py``)."""
         if self.shutting_down:
             raise KilnError("server is shutting down", Status.UNAVAILABLE)
         runtime = self.repository.get(request.model_name, request.model_version)
         if not runtime.decoupled:
             yield await self.infer(request)  # classification and the rest, as infer does
             return
-        async for response in runtime.infer_stream(request):
+        async for response in runtime.infer_stream(request, window):
             yield response
 
     def is_decoupled(self, name: str, version: str = "") -> bool:

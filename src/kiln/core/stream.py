@@ -47,6 +47,13 @@ _END = StreamItem(None, True)
 #: What ``on_credit`` is called with to lift a window for good.
 UNLIMITED = -1
 
+#: The window of a client's stream (gRPC ``ModelStreamInfer``, HTTP ``generate_stream``):
+#: a model that can pause (a Python model's response sender) sends no more while this many
+#: of its responses wait untaken. The front ends take a response only as their client's
+#: connection takes the one before (HTTP/2 and TCP flow control), so a client that reads
+#: slowly, or not at all, holds the model back instead of filling the server's memory.
+CLIENT_STREAM_WINDOW = 64
+
 
 class ResponseStream:
     def __init__(self, loop: asyncio.AbstractEventLoop, window: int = 0) -> None:

@@ -13,12 +13,16 @@ from google.protobuf import json_format
 
 from kiln.core.errors import KilnError
 from kiln.core.server import Server
+from kiln.core.stream import CLIENT_STREAM_WINDOW
 from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done, trace_context
 from kiln.frontends import shm_io
 from kiln.frontends.grpc import grpc_service_pb2 as pb
 from kiln.frontends.grpc.codec import decode_request, encode_response, parameters_to_dict
 from kiln.frontends.grpc.errors import error_message, guarded
 from kiln.frontends.grpc.shared_memory import Context, SharedMemoryRpcs
+
+#: Messages of one ModelStreamInfer call waiting for the client (see ``ModelStreamInfer``).
+STREAM_QUEUE = 16
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +101,10 @@ class InferenceServicer(SharedMemoryRpcs):
         """Every request runs as soon as it arrives; responses go back as they complete
         (a decoupled model's 0..N responses each as its own message). A failed request
         answers with ``error_message`` and the stream stays open."""
-        done: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        # Bounded: the writer below takes a message only as the client's HTTP/2 window
+        # lets the one before go (``h2.calls``), so a client that does not read stops the
+        # requests' tasks here, and their models at CLIENT_STREAM_WINDOW.
+        done: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(STREAM_QUEUE)
         running: set[asyncio.Task[None]] = set()
 
         async def one(message: pb.ModelInferRequest) -> None:
@@ -105,7 +112,8 @@ class InferenceServicer(SharedMemoryRpcs):
                 request = decode_request(message)
                 if self.server.is_decoupled(request.model_name, request.model_version):
                     # 0..N messages for this request, as the model sends them
-                    async for response in self.server.infer_stream(request):
+                    stream = self.server.infer_stream(request, CLIENT_STREAM_WINDOW)
+                    async for response in stream:
                         reply = encode_response(response)
                         await done.put(pb.ModelStreamInferResponse(infer_response=reply))
                     return

@@ -20,6 +20,7 @@ from starlette.responses import Response, StreamingResponse
 
 from kiln.core.errors import KilnError, invalid_arg
 from kiln.core.signature import ModelSignature
+from kiln.core.stream import CLIENT_STREAM_WINDOW
 from kiln.core.types import InferenceRequest, InferenceResponse, InferInput, element_count
 from kiln.frontends.http import llm_generate
 from kiln.frontends.http.codec import from_json, parse_json, to_json_data
@@ -104,7 +105,9 @@ async def generate_stream(frontend: Any, request: Request) -> Response:
     if llm is not None:
         return await llm_generate.generate_stream(frontend, request, llm)
     req = await _request(frontend, request)
-    stream = frontend.server.infer_stream(req).__aiter__()
+    # uvicorn sends an event only once the client's socket took the ones before: a slow
+    # reader holds the model back at the window (``core/stream.py``).
+    stream = frontend.server.infer_stream(req, CLIENT_STREAM_WINDOW).__aiter__()
     try:
         # The first response is awaited here, so an early error keeps its HTTP status.
         first: InferenceResponse | None = await stream.__anext__()
