@@ -141,9 +141,16 @@ class Arena:
         offset = self._reserve(nbytes)
         if nbytes:
             assert self._map is not None
-            target = np.ndarray(array.shape, array.dtype, buffer=self._map, offset=offset)
-            np.copyto(target, array)
-            del target  # no export left behind to block a later remap
+            try:
+                # One copy of the bytes, without building an array over the map (a third
+                # of the time for a small tensor); C-contiguous arrays of buffer types.
+                if not array.flags.c_contiguous:
+                    raise ValueError("not contiguous")
+                self._map[offset : offset + nbytes] = memoryview(array).cast("B")
+            except (ValueError, TypeError):
+                target = np.ndarray(array.shape, array.dtype, buffer=self._map, offset=offset)
+                np.copyto(target, array)
+                del target  # no export left behind to block a later remap
         return (name, array.dtype.str, tuple(array.shape), offset, nbytes)
 
     def read(self, header: Header, copy: bool = True) -> np.ndarray:

@@ -325,6 +325,10 @@ class InferenceTrace:
         return self._context
 
 
+#: The trace of an untraced request (immutable: shared by all of them).
+_UNTRACED = InferenceTrace()
+
+
 class InferenceRequest:
     """A request the model receives in ``execute``, or builds to call another model (BLS)."""
 
@@ -342,7 +346,7 @@ class InferenceRequest:
         trace: InferenceTrace | None = None,
         **_: Any,  # preferred_memory: meaningless on a CPU-only backend
     ) -> None:
-        self._trace = trace if trace is not None else InferenceTrace()
+        self._trace = trace if trace is not None else _UNTRACED
         self._model_name = model_name
         self._inputs = list(inputs or [])
         self._outputs = list(requested_output_names or [])

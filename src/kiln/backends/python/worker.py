@@ -486,7 +486,11 @@ class Worker:
                 correlation_id=wire["correlation_id"],
                 flags=wire["flags"],
                 parameters=wire["parameters"],
-                trace=pb_utils.InferenceTrace(wire.get("trace", 0), wire.get("trace_context")),
+                trace=(
+                    pb_utils.InferenceTrace(wire["trace"], wire.get("trace_context"))
+                    if "trace" in wire
+                    else None
+                ),
             )
             request._cancel_flag = (channel.flags, wire["cancel_at"])
             if self.decoupled:
@@ -499,7 +503,7 @@ class Worker:
         senders = [r._sender for r in requests if r._sender is not None]
         try:
             result = self.model.execute(requests)
-            if inspect.isawaitable(result):
+            if type(result) is not list and inspect.isawaitable(result):
                 if self.decoupled and detach:
                     return self._execute_async(result, requests, senders)
                 result = self.run(result)
