@@ -201,8 +201,8 @@ async def test_places_come_back_when_a_branch_fails_or_the_request_is_cancelled(
     assert scheduler.in_flight(0) == scheduler.in_flight(1) == 0
 
 
-async def test_the_stream_grants_what_was_taken_only_when_the_producer_may_wait() -> None:
-    stream = ResponseStream(asyncio.get_running_loop(), window=2)
+async def test_the_stream_grants_what_was_taken_every_half_window() -> None:
+    stream = ResponseStream(asyncio.get_running_loop(), window=4)
     grants: list[int] = []
     stream.on_credit(grants.append)
     reader = aiter(stream)
@@ -210,28 +210,44 @@ async def test_the_stream_grants_what_was_taken_only_when_the_producer_may_wait(
     async def take() -> None:
         await anext(reader)
 
-    for _ in range(2):
+    for _ in range(4):  # a whole window: the producer waits now
         stream.send({"T": np.array([0])}, False, None)
     await _settle()
     assert grants == []  # nothing taken yet: nothing to grant
     await take()
-    assert grants == [1]  # a whole window sent and one taken: the producer may go on
-    stream.send({"T": np.array([0])}, False, None)
-    await _settle()
-    assert grants == [1]  # 1 taken, already granted: nothing new to say
+    assert grants == []  # one taken: less than half a window
     await take()
-    assert grants == [1, 2]  # 3 sent, 2 past the last grant: the producer waits again
-    stream.send({"T": np.array([0])}, False, None)
+    assert grants == [2]  # half a window taken: the producer may send two more
+    for _ in range(2):
+        stream.send({"T": np.array([0])}, False, None)
     await _settle()
-    assert grants == [1, 2]  # it has not sent a whole window since: no message
+    assert grants == [2]  # sends grant nothing
+    for _ in range(3):
+        await take()
+    assert grants == [2, 4]  # 5 taken: the grant said 4
     await take()
-    assert grants == [1, 2, 3]
+    assert grants == [2, 4, 6]  # all six taken
     stream.send(None, True, None)  # a FINAL flag takes no credit
     await _settle()
     await take()
-    assert grants == [1, 2, 3]
+    assert grants == [2, 4, 6]
     stream.cancel()
-    assert grants == [1, 2, 3, -1]  # the reader left: the producer is let go
+    assert grants == [2, 4, 6, -1]  # the reader left: the producer is let go
+
+
+async def test_a_waiting_producer_always_gets_a_grant_once_its_window_is_taken() -> None:
+    """An odd window: a producer that sent all of it waits; once the reader took what came,
+    at least half a window is there to grant, so it never waits for good."""
+    stream = ResponseStream(asyncio.get_running_loop(), window=3)
+    grants: list[int] = []
+    stream.on_credit(grants.append)
+    reader = aiter(stream)
+    for _ in range(3):
+        stream.send({"T": np.array([0])}, False, None)
+    await _settle()
+    for _ in range(3):
+        await anext(reader)
+    assert grants and grants[-1] == 3
 
 
 async def test_a_stream_without_a_window_never_grants() -> None:
