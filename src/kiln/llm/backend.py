@@ -84,6 +84,16 @@ class LLMBackend(Backend):
 
     def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
         super().__init__(config, version_dir, instance)
+        if instance.total_instances > 1:
+            # Each instance would load the weights and reserve its KV cache, and the
+            # routes serve from the first: the others would hold memory for nothing.
+            raise KilnError(
+                f"model '{config.name}': the llm backend runs one engine per model, and "
+                f"instance_group asks for {instance.total_instances} instances; set one "
+                "instance (count: 1, one GPU in gpus), and serve the same weights under "
+                "another model name for a second engine",
+                Status.INVALID_ARG,
+            )
         folder = Path(parameter(config, "model_path", "") or version_dir)
         self.tokenizer = Tokenizer(folder)
         self.engine = LLMEngine(folder, engine_config(config, instance))
