@@ -58,3 +58,20 @@ def test_the_python_backend_offers_the_machine_s_gpus(monkeypatch: pytest.Monkey
     assert PythonBackend.gpu_count() == 2
     monkeypatch.setattr(python_backend, "visible_gpu_count", lambda: 0)
     assert PythonBackend.gpu_count() == 0
+
+
+def test_onnxruntime_with_a_cuda_provider_counts_one_gpu_at_least(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Neither the driver's entries nor NVML readable: the CUDA provider's presence says
+    one GPU, as it did before kiln counted them."""
+    import kiln.backends.onnxruntime as ort_backend
+
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(ort_backend.ort, "get_available_providers", lambda: providers)
+    monkeypatch.setattr(ort_backend, "visible_gpu_count", lambda: 0)
+    assert ort_backend.OnnxRuntimeBackend.gpu_count() == 1
+    monkeypatch.setattr(ort_backend, "visible_gpu_count", lambda: 4)
+    assert ort_backend.OnnxRuntimeBackend.gpu_count() == 4
+    monkeypatch.setattr(ort_backend.ort, "get_available_providers", lambda: providers[1:])
+    assert ort_backend.OnnxRuntimeBackend.gpu_count() == 0

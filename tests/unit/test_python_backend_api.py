@@ -37,6 +37,9 @@ def arenas() -> Iterator[tuple[Arena, Arena]]:
         np.zeros((0, 5), dtype=np.int32),
         np.array(7, dtype=np.uint8),
         np.arange(10, dtype=np.float64)[::2],  # not contiguous
+        np.arange(12, dtype=np.int64).reshape(3, 4).T,  # Fortran order: copied by numpy
+        np.arange(6, dtype=">i4"),  # big-endian: its bytes as they are
+        np.array(["2020-01-01"], dtype="datetime64[D]"),  # exports no buffer: numpy copies
     ],
 )
 def test_arena_roundtrip_numbers(arenas: tuple[Arena, Arena], array: np.ndarray) -> None:

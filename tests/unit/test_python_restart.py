@@ -18,32 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kiln.backends.base import InstanceSpec, ResponseSink
+from kiln.backends.base import ResponseSink
 from kiln.backends.python.backend import PythonBackend
 from kiln.backends.python.process import WorkerDied
 from kiln.config.loader import parse_config_text
-
-SPEC = InstanceSpec(name="double_0", kind="cpu", device_id=0, index=0, total_instances=1)
-
-MODEL = """
-import triton_python_backend_utils as pb_utils
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [
-            pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(
-                "OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() * 2)])
-            for r in requests
-        ]
-"""
-
-CONFIG = """
-name: "double"
-backend: "python"
-max_batch_size: 4
-input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
-output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
-"""
+from tests.unit.test_python_loopcall import CONFIG, MODEL, SPEC
 
 
 class _Request:

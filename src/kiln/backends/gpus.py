@@ -35,6 +35,15 @@ def physical_gpu_count(proc: Path = NVIDIA_PROC) -> int:
         return 0
 
 
+def torch_gpu_count() -> int:
+    """The GPUs torch sees (0 without torch or without a CUDA build of it)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
 def visible_gpu_count(proc: Path = NVIDIA_PROC, environ: dict[str, str] | None = None) -> int:
     """The GPUs CUDA would show this process: ``CUDA_VISIBLE_DEVICES`` lists them (by index
     or UUID) up to its first invalid entry; unset, all of them."""

@@ -69,7 +69,8 @@ class OnnxRuntimeBackend(Backend):
     def gpu_count(cls) -> int:
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             return 0
-        return visible_gpu_count()
+        # Neither the driver's /proc entries nor NVML readable: the provider says one.
+        return visible_gpu_count() or 1
 
     @classmethod
     def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kiln.backends.base import Backend, InstanceSpec, count_parameter, parameter
+from kiln.backends.gpus import torch_gpu_count
 from kiln.backends.torch_io import Binding, bind_inputs, bind_outputs
 from kiln.config.model_config_pb2 import DataType as PbDataType
 from kiln.config.model_config_pb2 import ModelConfig
@@ -60,7 +61,7 @@ class PyTorchBackend(Backend):
 
     @classmethod
     def gpu_count(cls) -> int:
-        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+        return torch_gpu_count()
 
     @classmethod
     def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:

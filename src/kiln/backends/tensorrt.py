@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kiln.backends.base import Backend, InstanceSpec
+from kiln.backends.gpus import torch_gpu_count
 from kiln.backends.tensorrt_plan import (
     DEFAULT_PLAN,
     TORCH_TYPES,
@@ -120,11 +121,7 @@ class TensorRTBackend(Backend):
 
     @classmethod
     def gpu_count(cls) -> int:
-        try:
-            import torch
-        except ImportError:
-            return 0
-        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+        return torch_gpu_count()
 
     @classmethod
     def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:

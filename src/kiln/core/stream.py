@@ -106,12 +106,9 @@ class ResponseStream:
 
     def _grant(self) -> None:
         """Tell the producer what was taken once half a window has been taken since the
-        last grant: a producer that keeps pace with its reader then never reaches the end
-        of its window, and costs two grants per window. (Granting only when the producer
-        had sent a whole window put it at the window's edge for good, with a grant per
-        response: a fifth fewer responses per second to a fast reader.) A producer that
-        waits has sent a whole window, so once the reader took all of it, half of it is
-        always there to grant."""
+        last grant: two grants per window, and a producer that keeps pace with its reader
+        never reaches the window's end. A producer that waits has sent a whole window, so
+        once the reader took it, at least half a window is there to grant."""
         if self._credit is not None and self._taken - self._granted >= self._half:
             self._granted = self._taken
             self._credit(self._taken)

@@ -181,9 +181,7 @@ class TraceFile:
         with self.lock:
             if self.pending:
                 self._write(indexed=self.indexed)
-            last = self._last
-        if last is not None:
-            last.result()
+        self.sync()
 
     def sync(self) -> None:
         """Wait for the writes handed to the writer so far (what is pending stays)."""

@@ -14,6 +14,7 @@ from typing import ClassVar
 import numpy as np
 
 from kiln.backends.base import Backend, InstanceSpec, parameter
+from kiln.backends.gpus import torch_gpu_count
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status
 from kiln.llm.async_engine import AsyncEngine
@@ -81,6 +82,9 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
 class LLMBackend(Backend):
     name = "llm"
     platforms: ClassVar[tuple[str, ...]] = ()
+    #: One engine serves the model (the routes use the first instance): a ``KIND_GPU``
+    #: group without ``gpus`` runs on GPU 0 alone, not on every GPU.
+    spread_over_gpus: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
         super().__init__(config, version_dir, instance)
@@ -105,15 +109,9 @@ class LLMBackend(Backend):
             )
         self.async_engine = AsyncEngine(self.engine, config.name)
 
-    #: One engine serves the model (the routes use the first instance): a ``KIND_GPU``
-    #: group without ``gpus`` runs on GPU 0 alone, not on every GPU.
-    spread_over_gpus: ClassVar[bool] = False
-
     @classmethod
     def gpu_count(cls) -> int:
-        import torch
-
-        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+        return torch_gpu_count()
 
     def execute(
         self, inputs: dict[str, np.ndarray], output_names: list[str]

@@ -110,11 +110,10 @@ class WorkerProcess:
         try:
             # A BLS answer goes out from a helper thread while the loop may be sending the
             # next batch: one message's bytes must not interleave with another's.
-            with self._send_lock:
-                current = self.conn
-                if current is None or (conn is not None and current is not conn):
+            with self.sending(conn):
+                if self.conn is None:
                     raise WorkerDied("the worker was restarted")
-                current.send(message)
+                self.conn.send(message)
         except OSError as exc:
             raise WorkerDied(self._exit_text()) from exc
 

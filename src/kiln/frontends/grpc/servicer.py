@@ -21,6 +21,8 @@ from kiln.frontends.grpc.codec import decode_request, encode_response, parameter
 from kiln.frontends.grpc.errors import error_message, guarded
 from kiln.frontends.grpc.shared_memory import Context, SharedMemoryRpcs
 
+log = logging.getLogger(__name__)
+
 #: Messages of one ModelStreamInfer call waiting for their client: at HIGH its requests'
 #: tasks wait until the writer has brought them down to LOW (``_Outbox``).
 OUTBOX_HIGH = 64
@@ -34,8 +36,8 @@ class _Outbox:
     (``h2.calls``), so a client that does not read fills this; at ``OUTBOX_HIGH`` the
     requests' tasks wait (and stop taking their models' responses, which pauses a Python
     model at ``CLIENT_STREAM_WINDOW``) until the writer has brought it down to
-    ``OUTBOX_LOW``. With a bounded ``asyncio.Queue`` instead, a full queue woke a task for
-    every message the writer took: a quarter fewer messages per second to a fast client.
+    ``OUTBOX_LOW``, rather than waking a task for every message the writer takes, as a full
+    bounded ``asyncio.Queue`` would.
     """
 
     def __init__(self) -> None:
@@ -58,9 +60,6 @@ class _Outbox:
         if not self._room.is_set() and self._queue.qsize() <= OUTBOX_LOW:
             self._room.set()
         return message
-
-
-log = logging.getLogger(__name__)
 
 
 def _parse(obj: Any, message: Any) -> Any:
