@@ -91,10 +91,12 @@ async def drive_http(
 
 
 async def drive_grpc(
-    target: str, request: bytes, concurrency: int, server_pid: int, warmup: float,
-    duration: float,
+    target: str, request: bytes | list[bytes], concurrency: int, server_pid: int,
+    warmup: float, duration: float,
 ) -> Window:  # fmt: skip
-    slots: list[Slot] = [GrpcSlot(target, [request], 60.0) for _ in range(concurrency)]
+    """``request``: what every worker sends, or a list with one request per worker."""
+    each = request if isinstance(request, list) else [request] * concurrency
+    slots: list[Slot] = [GrpcSlot(target, [each[i]], 60.0) for i in range(concurrency)]
     return await _closed_loop(slots, server_pid, warmup, duration)
 
 

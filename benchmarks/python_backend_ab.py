@@ -10,20 +10,25 @@ git worktrees of two commits::
 
 Options shape the model: ``--max-batch-size 0`` (no batch dimension, so the scheduler
 without batching), ``--dynamic-batching``, ``--compute-us N`` (the identity behind an N µs
-busy loop). Prints, per tree and cell, µs over raw (1/throughput), server CPU µs per
-request, p50 and p99 ms, one figure per pair.
+busy loop), ``--sequence`` (``sequence_batching { }``: over gRPC, each client sends
+requests that are each a sequence of their own, START and END, its own sequence id).
+Prints, per tree and cell, µs over raw (1/throughput), server CPU µs per request, p50 and
+p99 ms, one figure per pair.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import tempfile
 from pathlib import Path
 
 import python_backend as pb
-from peer_servers import start_kiln
+from loadgen import Window, drive_grpc
+from peer_servers import ServerProcess, start_kiln
 from serving_baseline import percentiles, run_raw
+from tritonclient.grpc import service_pb2
 
 COMPUTE = """        import time
 
@@ -33,8 +38,11 @@ COMPUTE = """        import time
 """
 
 
-def build(repo: Path, max_batch_size: int, batching: bool, compute_us: int) -> None:
+def build(repo: Path, max_batch_size: int, batching: bool, compute_us: int, sequence: bool) -> None:
     pb.build_repository(repo, batching)
+    if sequence:
+        config = repo / pb.PY_MODEL / "config.pbtxt"
+        config.write_text(config.read_text() + "sequence_batching { }\n")
     if max_batch_size != 8:
         config = repo / pb.PY_MODEL / "config.pbtxt"
         text = config.read_text().replace("max_batch_size: 8", f"max_batch_size: {max_batch_size}")
@@ -48,6 +56,21 @@ def build(repo: Path, max_batch_size: int, batching: bool, compute_us: int) -> N
         model.write_text(source.replace(anchor, COMPUTE.format(seconds=compute_us / 1e6) + anchor))
 
 
+def drive_sequences(server: ServerProcess, c: int, duration: float) -> Window:
+    """gRPC load in which every request is a sequence of its own (START and END), each
+    client with its own sequence id, so the sequence batcher runs every one."""
+    requests = []
+    for i in range(c):
+        request = service_pb2.ModelInferRequest.FromString(pb.grpc_request(pb.PY_MODEL, pb.INPUTS))
+        request.parameters["sequence_id"].int64_param = 1000 + i
+        request.parameters["sequence_start"].bool_param = True
+        request.parameters["sequence_end"].bool_param = True
+        requests.append(request.SerializeToString())
+    target = f"127.0.0.1:{server.grpc_port}"
+    warmup = min(1.0, duration / 5)
+    return asyncio.run(drive_grpc(target, requests, c, server.pid, warmup, duration))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trees", required=True, help="comma-separated kiln src folders")
@@ -58,13 +81,16 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--dynamic-batching", action="store_true")
     parser.add_argument("--compute-us", type=int, default=0)
+    parser.add_argument("--sequence", action="store_true")
     args = parser.parse_args()
+    if args.sequence and args.protocols != "gRPC":
+        parser.error("--sequence drives gRPC only: add --protocols gRPC")
     trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")]
     results: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "models"
-        build(repo, args.max_batch_size, args.dynamic_batching, args.compute_us)
+        build(repo, args.max_batch_size, args.dynamic_batching, args.compute_us, args.sequence)
         for pair in range(args.pairs):
             raw = {}
             for c in concurrency:
@@ -79,8 +105,11 @@ def main() -> None:
                     server.wait_ready((pb.PY_MODEL,))
                     for c in concurrency:
                         for protocol in args.protocols.split(","):
-                            pb.verify(server, protocol, pb.PY_MODEL)
-                            w = pb.drive(server, protocol, pb.PY_MODEL, c, args.duration)
+                            if args.sequence:
+                                w = drive_sequences(server, c, args.duration)
+                            else:
+                                pb.verify(server, protocol, pb.PY_MODEL)
+                                w = pb.drive(server, protocol, pb.PY_MODEL, c, args.duration)
                             n = len(w.latencies)
                             over = 1e6 * w.seconds / n - 1e6 / raw[c]
                             p50, p99 = percentiles(w.latencies)

@@ -10,7 +10,9 @@ about those counts and the tokens, none about durations."""
 from __future__ import annotations
 
 import json
+import os
 import queue
+import signal
 import textwrap
 import threading
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from kiln.backends.python.worker import RECLAIM_BYTES
 from tests.conftest import KilnProcess
@@ -180,6 +183,56 @@ class TritonPythonModel:
             time.sleep(0.01)
 """
 
+# Under the sequence batcher: a sequence's first request hands its stream to a thread of
+# the model's, which sends 1, then holds the FINAL flag until the sequence's next request
+# has run (20 s at most), then sends 3 if it did, -1 if not. The next request answers 2.
+SEQ_HANDOFF = """
+import threading
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+def _out(value):
+    return pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([value], np.int32))])
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.next_ran = {}  # sequence id -> set once the sequence's next request ran
+
+    def execute(self, requests):
+        for r in requests:
+            corrid = r.correlation_id()
+            if r.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
+                ran = self.next_ran[corrid] = threading.Event()
+                threading.Thread(target=self.first, args=(r, ran), daemon=True).start()
+            else:
+                r.get_response_sender().send(
+                    _out(2), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                self.next_ran.pop(corrid).set()
+        return None
+
+    def first(self, request, ran):
+        sender = request.get_response_sender()
+        sender.send(_out(1))
+        seen = ran.wait(20)
+        sender.send(_out(3 if seen else -1), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
+# Under the sequence batcher, not decoupled: sleeps X seconds, answers its worker's pid.
+SEQ_PID = """
+import os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            time.sleep(float(pb_utils.get_input_tensor_by_name(r, "X").as_numpy()[0]))
+            out.append(pb_utils.InferenceResponse(
+                [pb_utils.Tensor("OUT", np.array([os.getpid()], np.int32))]))
+        return out
+"""
+
 SQUARE_IO = """
 input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
@@ -197,6 +250,21 @@ MODELS = {
     "square_unary": (SQUARE, SQUARE_IO),  # refused by its own initialize
     "loop_thread": (LOOP_THREAD, GENERATOR_IO),
     "async_execute": (ASYNC_EXECUTE, GENERATOR_IO),
+    "seq_handoff": (
+        SEQ_HANDOFF,
+        """
+        input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        model_transaction_policy { decoupled: true }
+        sequence_batching { }""",
+    ),
+    "seq_pid": (
+        SEQ_PID,
+        """
+        input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        sequence_batching { }""",
+    ),
     "bls_loop": (
         BLS_LOOP,
         """
@@ -316,6 +384,59 @@ def test_a_client_that_leaves_does_not_hold_the_instance(server: KilnProcess) ->
     assert done.wait(30)
     answers = _grpc_streams(server, "loop_thread", [6])
     assert [t for t, _ in answers["6"]] == [600 + i for i in range(COUNT)]
+
+
+def test_a_sequence_s_next_request_runs_while_the_one_before_still_streams(
+    server: KilnProcess,
+) -> None:
+    """As on Triton, the sequence batcher gives a decoupled model the sequence's next
+    request once ``execute`` has returned for the one before, not once that request's
+    FINAL flag has gone out: here the first request's stream ends only after the second
+    request ran (a batcher that waited for the FINAL flag would have the model's thread
+    give up after 20 s and send -1)."""
+    got: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: got.put(error or result))
+    for value, start, end in ((0, True, False), (0, False, True)):
+        tensor = grpcclient.InferInput("X", [1], "INT32")
+        tensor.set_data_from_numpy(np.array([value], np.int32))
+        client.async_stream_infer(
+            "seq_handoff", [tensor], request_id="first" if start else "next",
+            sequence_id=41, sequence_start=start, sequence_end=end)  # fmt: skip
+    answers: dict[str, list[int]] = {"first": [], "next": []}
+    for _ in range(3):
+        item = got.get(timeout=60)
+        assert not isinstance(item, Exception), item
+        answers[item.get_response().id].append(int(item.as_numpy("OUT")[0]))
+    client.stop_stream()
+    client.close()
+    assert answers == {"first": [1, 3], "next": [2]}
+
+
+def test_a_sequence_outlives_its_worker_s_death(server: KilnProcess) -> None:
+    """The worker is killed while it executes a sequence's first request: that request
+    fails naming the model, and the sequence's next request, waiting behind it, is
+    answered by the restarted worker."""
+    client = httpclient.InferenceServerClient(server.http_url, concurrency=2)
+
+    def send(seconds: int, sequence: int, start: bool, end: bool) -> Any:
+        x = httpclient.InferInput("X", [1], "INT32")
+        x.set_data_from_numpy(np.array([seconds], np.int32))
+        return client.async_infer(
+            "seq_pid", [x], sequence_id=sequence, sequence_start=start, sequence_end=end
+        )
+
+    pid = int(send(0, 50, True, True).get_result(timeout=60).as_numpy("OUT")[0])
+    first = send(30, 51, True, False)  # sleeps in execute until killed
+    threading.Event().wait(0.5)
+    second = send(0, 51, False, True)  # waits for the first: same sequence
+    threading.Event().wait(0.5)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(InferenceServerException, match="seq_pid"):
+        first.get_result(timeout=60)
+    answer = int(second.get_result(timeout=60).as_numpy("OUT")[0])
+    assert answer not in (0, pid)  # a new worker's pid
+    client.close()
 
 
 def test_hundreds_of_bls_calls_in_one_execute_keep_the_side_arenas_bounded(

@@ -16,7 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -35,6 +35,15 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+class Stamped(BackendRequest, Protocol):
+    """A request an instance runs for a scheduler (``Instance.submit_requests``): a
+    ``Job``, or one row of a sequence batch (``RowRequest``). Its ``times`` are stamped
+    where it leaves the queue."""
+
+    @property
+    def times(self) -> RequestTimes: ...
 
 
 @dataclass(slots=True)
@@ -193,7 +202,7 @@ class Instance:
         self._busy_until = 0  # when its last loop-driven batch ended, monotonic ns
         self._thread_calls = 0  # submit_requests batches on the thread path, not answered
         # submit_requests batches waiting for those to end (``_after_thread_calls``)
-        self._behind_thread: list[tuple[list[Job], asyncio.Future[Any]]] = []
+        self._behind_thread: list[tuple[list[Stamped], asyncio.Future[Any]]] = []
 
     async def run(
         self, inputs: dict[str, np.ndarray], output_names: list[str]
@@ -221,7 +230,7 @@ class Instance:
         return self._submit(fn, *args)
 
     def _limited(
-        self, start: Callable[[], asyncio.Future[T]], jobs: Sequence[Job]
+        self, start: Callable[[], asyncio.Future[T]], jobs: Sequence[Stamped]
     ) -> asyncio.Future[T]:
         """``start()`` once the rate limiter grants this instance's resources; they are
         given back when its future is done. The wait is queue time for ``jobs``."""
@@ -307,17 +316,18 @@ class Instance:
         return outcomes, start, time.monotonic_ns()
 
     def submit_requests(
-        self, jobs: list[Job]
+        self, requests: Sequence[Stamped]
     ) -> asyncio.Future[tuple[list[RequestOutcome], int, int]]:
         """``execute_requests`` for this instance: driven from the loop when the backend
         can (``Backend.start_requests``), else on the instance's thread; with the rate
         limiter, once this instance's resources are free."""
+        jobs = list(requests)
         if self.limit is not None:
             return self._limited(lambda: self._submit_requests(jobs), jobs)
         return self._submit_requests(jobs)
 
     def _submit_requests(
-        self, jobs: list[Job]
+        self, jobs: list[Stamped]
     ) -> asyncio.Future[tuple[list[RequestOutcome], int, int]]:
         if self._thread_calls:
             # A batch runs on the thread path (the backend asked for it, e.g. during a
@@ -367,14 +377,16 @@ class Instance:
         started.add_done_callback(done)
         return future
 
-    def _on_thread(self, jobs: list[Job]) -> asyncio.Future[tuple[list[RequestOutcome], int, int]]:
+    def _on_thread(
+        self, jobs: list[Stamped]
+    ) -> asyncio.Future[tuple[list[RequestOutcome], int, int]]:
         self._thread_calls += 1
         running = self._submit(self.execute_requests, jobs)  # within its caller's grant
         running.add_done_callback(self._thread_call_done)
         return running
 
     def _after_thread_calls(
-        self, jobs: list[Job]
+        self, jobs: list[Stamped]
     ) -> asyncio.Future[tuple[list[RequestOutcome], int, int]]:
         outer: asyncio.Future[tuple[list[RequestOutcome], int, int]]
         outer = asyncio.get_running_loop().create_future()

@@ -5,7 +5,9 @@ in arrival order, and carries its implicit state from one request to the next. S
 ``direct`` pins a sequence to one batch row of one instance for its whole life and runs a
 batch of that instance's rows (empty rows READY false); ``oldest`` batches the oldest
 waiting requests of different sequences on whichever instance is free. One asyncio task
-forms batches; merging, compute and splitting run on the instance's own thread.
+forms batches; merging, compute and splitting run on the instance's own thread, but for a
+backend that takes requests unmerged (the Python backend), which runs them as it runs the
+other schedulers' batches (``Instance.submit_requests``).
 
 **Iterative sequences** (``iterative_sequence: true``, Triton's generative sequence
 batching): a request sent without a ``sequence_id`` is a sequence of its own, named by the
@@ -274,8 +276,11 @@ class SequenceScheduler(Scheduler):
         outcome: Outcome
         instance = self.instances[index]
         try:
-            jobs = [row.job for row in rows if row.job is not None]
-            outcome = await instance.call(self._compute, instance, rows, jobs=jobs)
+            if instance.backend.wants_requests:
+                outcome = await self._run_requests(instance, rows)
+            else:
+                jobs = [row.job for row in rows if row.job is not None]
+                outcome = await instance.call(self._compute, instance, rows, jobs=jobs)
         except Exception as exc:
             outcome = exc
         finally:
@@ -285,8 +290,6 @@ class SequenceScheduler(Scheduler):
 
     def _compute(self, instance: Instance, rows: list[Row]) -> list[RowResult | KilnError | None]:
         """On the instance's thread: build the batch, execute, split; stamps times."""
-        if instance.backend.wants_requests:
-            return self._compute_requests(instance, rows)
         inputs = batch_inputs(rows, self.controls, self.states, self.batching, self.model)
         names = list(
             dict.fromkeys(
@@ -306,20 +309,24 @@ class SequenceScheduler(Scheduler):
         self.stats.record_execution(len(jobs), start - queue_end, end - start, done - end)
         return list(results)
 
-    def _compute_requests(
+    async def _run_requests(
         self, instance: Instance, rows: list[Row]
     ) -> list[RowResult | KilnError | None]:
         """A backend that takes requests unmerged (the Python backend): each request of the
         batch is its own, with its own control values and state, as Triton hands a Python
         model its sequence batch; empty slots are left out, and a decoupled model's
-        responses stream to each request's own client."""
+        responses stream to each request's own client. The instance runs the batch as it
+        runs the other schedulers' (``Instance.submit_requests``: from the event loop when
+        the backend can), so a decoupled model's batch ends when its ``execute`` returns,
+        as on Triton: the sequence's next request may run while the model's threads still
+        stream the responses of the one before."""
         real = [row for row in rows if row.job is not None]
         requests = [
             RowRequest(row, batch_inputs([row], self.controls, self.states, self.batching,
                                          self.model), self.states)
             for row in real
         ]  # fmt: skip
-        outcomes, start, end = instance.execute_requests(list(requests))
+        outcomes, start, end = await instance.submit_requests(list(requests))
         done = time.monotonic_ns()
         results: list[RowResult | KilnError | None] = []
         answers = iter(outcomes)  # one per real row, in order

@@ -17,6 +17,7 @@ import numpy as np
 
 from kiln.config.model_config_pb2 import ModelSequenceBatching
 from kiln.core.errors import KilnError, Status
+from kiln.core.stats import RequestTimes
 from kiln.core.types import DataType
 from kiln.scheduling.base import Job
 from kiln.scheduling.sequence_config import ControlSpec, CorrId, StateSpec, corrid_value
@@ -65,6 +66,10 @@ class RowRequest:
         self.request_id = row.job.request_id
         self.sink = row.job.sink
         self.deadline_ns = 0
+
+    @property
+    def times(self) -> RequestTimes:
+        return self.job.times
 
     @property
     def response_parameters(self) -> dict[str, Any] | None:

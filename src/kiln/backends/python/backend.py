@@ -4,11 +4,11 @@ A batch writes the requests' tensors into the worker's inbound arena, sends thei
 and serves what the worker sends back until its ``executed`` answer (decoupled responses,
 BLS calls). Normally the event loop does this itself (``start_requests``, ``loopcall.py``):
 no instance thread sits between the loop and the worker. ``execute_requests`` does the same
-on the instance's thread, for warm-up, the sequence batcher, and the first batch after a
-restart. A worker that dies, or overruns its batch's deadline (the earliest request
-``timeout``, or ``execute_timeout_secs``: see ``deadline.py``), fails the requests in
-flight and is restarted (and re-initialized) on a separate thread; the next execute waits
-for that restart, but no longer than its own requests' deadlines.
+on the instance's thread, for warm-up and the first batch after a restart. A worker that
+dies, or overruns its batch's deadline (the earliest request ``timeout``, or
+``execute_timeout_secs``: see ``deadline.py``), fails the requests in flight and is
+restarted (and re-initialized) on a separate thread; the next execute waits for that
+restart, but no longer than its own requests' deadlines.
 """
 
 from __future__ import annotations

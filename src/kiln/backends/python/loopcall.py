@@ -35,8 +35,8 @@ uses, so the two paths can take turns on one worker.
 **Detached requests.** A decoupled model's batch is answered when its ``execute`` returns
 (``detach``); requests still without their FINAL flag stay in ``PythonBackend.streams``, and
 the loop keeps reading the pipe while any does, between batches too. Only the loop path
-detaches: the thread path (the sequence batcher, warm-up, the first batch after a restart)
-waits for every FINAL flag, so no stream is open when it reads the pipe in the loop's turn.
+detaches: the thread path (warm-up, the first batch after a restart) waits for every FINAL
+flag, so no stream is open when it reads the pipe in the loop's turn.
 """
 
 from __future__ import annotations
