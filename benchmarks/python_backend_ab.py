@@ -11,7 +11,8 @@ git worktrees of two commits::
 Options shape the model: ``--max-batch-size 0`` (no batch dimension, so the scheduler
 without batching), ``--dynamic-batching``, ``--compute-us N`` (the identity behind an N µs
 busy loop), ``--sequence`` (``sequence_batching { }``: over gRPC, each client sends
-requests that are each a sequence of their own, START and END, its own sequence id).
+requests that are each a sequence of their own, START and END, its own sequence id),
+``--bls`` (the Python model answers each request with a BLS call to ``identity_onnx``).
 Prints, per tree and cell, µs over raw (1/throughput), server CPU µs per request, p50 and
 p99 ms, one figure per pair.
 """
@@ -38,8 +39,33 @@ COMPUTE = """        import time
 """
 
 
-def build(repo: Path, max_batch_size: int, batching: bool, compute_us: int, sequence: bool) -> None:
+BLS_MODEL = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0")
+            reply = pb_utils.InferenceRequest(
+                model_name="identity_onnx", requested_output_names=["OUTPUT0"], inputs=[x]
+            ).exec()
+            if reply.has_error():
+                raise pb_utils.TritonModelException(reply.error().message())
+            out = pb_utils.get_output_tensor_by_name(reply, "OUTPUT0")
+            responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
+        return responses
+"""
+
+
+def build(
+    repo: Path, max_batch_size: int, batching: bool, compute_us: int, sequence: bool,
+    bls: bool = False,
+) -> None:  # fmt: skip
     pb.build_repository(repo, batching)
+    if bls:
+        (repo / pb.PY_MODEL / "1" / "model.py").write_text(BLS_MODEL)
     if sequence:
         config = repo / pb.PY_MODEL / "config.pbtxt"
         config.write_text(config.read_text() + "sequence_batching { }\n")
@@ -82,6 +108,7 @@ def main() -> None:
     parser.add_argument("--dynamic-batching", action="store_true")
     parser.add_argument("--compute-us", type=int, default=0)
     parser.add_argument("--sequence", action="store_true")
+    parser.add_argument("--bls", action="store_true")
     args = parser.parse_args()
     if args.sequence and args.protocols != "gRPC":
         parser.error("--sequence drives gRPC only: add --protocols gRPC")
@@ -90,7 +117,10 @@ def main() -> None:
     results: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "models"
-        build(repo, args.max_batch_size, args.dynamic_batching, args.compute_us, args.sequence)
+        build(
+            repo, args.max_batch_size, args.dynamic_batching, args.compute_us, args.sequence,
+            args.bls,
+        )  # fmt: skip
         for pair in range(args.pairs):
             raw = {}
             for c in concurrency:

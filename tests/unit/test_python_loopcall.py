@@ -551,6 +551,45 @@ def test_schedulers_free_lists_spread_over_instances_before_pipelining() -> None
     assert free_slots([c]) == [c]  # type: ignore[list-item]
 
 
+async def test_a_bls_call_read_by_the_loop_runs_on_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The callee runs as a task of the server's loop, on its thread: the thread-side
+    ``bls.call`` (an executor thread waiting on the loop) is not used, and the answer,
+    written back into the worker's side arena, is the callee's."""
+    import threading
+
+    from kiln.backends.python import bls
+    from kiln.core.types import DataType, InferenceResponse, InferOutput
+
+    loop_thread = threading.get_ident()
+    seen: list[tuple[str, int, list[float]]] = []
+
+    async def infer(request: Any) -> Any:
+        x = request.inputs[0].data
+        seen.append((request.model_name, threading.get_ident(), x.reshape(-1).tolist()))
+        out = InferOutput("OUT", DataType.FP32, x.shape, x + 1)
+        return InferenceResponse("elsewhere", "1", outputs=[out])
+
+    def no_thread(request: Any) -> Any:
+        raise AssertionError("a BLS call read by the loop went to a thread")
+
+    monkeypatch.setattr(bls, "call", no_thread)
+    instance = Instance(
+        PythonBackend(parse_config_text(CONFIG), _model(tmp_path, BLS_ECHO), SPEC), "double"
+    )
+    bls.install(infer, asyncio.get_running_loop())
+    try:
+        (out,) = await asyncio.wait_for(_run(instance, [_job(7)]), 30)
+        assert not isinstance(out, KilnError), out
+        assert out["OUT"].tolist() == [[8, 8]]
+        assert seen == [("elsewhere", loop_thread, [7.0, 7.0])]
+        assert instance.loop_driven_calls == 1
+    finally:
+        bls.uninstall(infer)
+        instance.close()
+
+
 async def test_a_batch_queued_behind_one_making_a_bls_call_waits_its_turn(
     instance: Instance, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -559,13 +598,13 @@ async def test_a_batch_queued_behind_one_making_a_bls_call_waits_its_turn(
     later, not read it as the answer."""
     from kiln.backends.python import bls
 
-    real_call = bls.call
+    real_call = bls.call_async
 
-    def slow_call(*args: Any) -> Any:
-        time.sleep(0.3)
-        return real_call(*args)
+    async def slow_call(*args: Any) -> Any:
+        await asyncio.sleep(0.3)
+        return await real_call(*args)
 
-    monkeypatch.setattr(bls, "call", slow_call)
+    monkeypatch.setattr(bls, "call_async", slow_call)
     first = instance.submit_requests([_job(-4)])
     second = instance.submit_requests([_job(6)])
     (error,), _, _ = await asyncio.wait_for(first, 30)
@@ -702,10 +741,11 @@ class TritonPythonModel:
 async def test_a_bls_answer_for_a_killed_worker_does_not_reach_its_successor(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batch overruns its request's timeout while its BLS call is still out (answered
-    on an executor thread): the worker is killed and restarted. When that BLS call returns
-    late, its answer belongs to nobody: it must not be sent to the new worker, where the
-    next batch's own BLS call would take it as its answer."""
+    """A batch overruns its request's timeout while its BLS call is still out (a task of
+    the loop): the worker is killed and restarted. When that BLS call returns late, its
+    answer belongs to nobody: it must not be sent to the new worker, where the next
+    batch's own BLS call (on the instance's thread, the first batch after a restart, or
+    on the loop) would take it as its answer."""
     import threading
 
     from kiln.backends.python import bls
@@ -715,29 +755,35 @@ async def test_a_bls_answer_for_a_killed_worker_does_not_reach_its_successor(
     )
     second_asked = threading.Event()
     stale_done = threading.Event()  # the first call's answer went out, or was dropped
-    stale_thread: list[int] = []
 
-    def fake_call(request: Any) -> Any:
+    def second_call(request: Any) -> Any:
         x = request.inputs[0].data
-        if x.flat[0] == 100:  # the first batch's call: answered only once the second asks
-            stale_thread.append(threading.get_ident())
-            second_asked.wait(20)
-        else:
-            second_asked.set()
-            stale_done.wait(20)
+        second_asked.set()
+        stale_done.wait(20)
         return {"OUT": x + 1}, {}  # outputs, the response's parameters
 
-    answer = PythonBackend._bls
+    async def fake_call(request: Any) -> Any:
+        x = request.inputs[0].data
+        if x.flat[0] != 100:
+            return await asyncio.to_thread(second_call, request)
+        # the first batch's call: answered only once the second asks
+        await asyncio.to_thread(second_asked.wait, 20)
+        return {"OUT": x + 1}, {}
 
-    def watched(self: PythonBackend, *args: Any) -> None:
+    answer = PythonBackend._bls_async
+
+    async def watched(
+        self: PythonBackend, call: Any, inputs: dict[str, np.ndarray], conn: Any
+    ) -> None:
         try:
-            answer(self, *args)
+            await answer(self, call, inputs, conn)
         finally:
-            if threading.get_ident() in stale_thread:
+            if next(iter(inputs.values())).flat[0] == 100:
                 stale_done.set()
 
-    monkeypatch.setattr(bls, "call", fake_call)
-    monkeypatch.setattr(PythonBackend, "_bls", watched)
+    monkeypatch.setattr(bls, "call_async", fake_call)
+    monkeypatch.setattr(bls, "call", second_call)
+    monkeypatch.setattr(PythonBackend, "_bls_async", watched)
     try:
         soon = time.monotonic_ns() + 300_000_000
         (error,) = await asyncio.wait_for(_run(instance, [_job(100, deadline_ns=soon)]), 30)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import itertools
 import json
@@ -187,6 +188,7 @@ class PythonBackend(Backend):
         # Decoupled BLS calls in flight, by (the pipe they came on, the worker's stream id).
         self._bls_open: dict[tuple[Wire | None, int], _OpenBls] = {}
         self._bls_lock = threading.Lock()
+        self._bls_tasks: set[asyncio.Task[None]] = set()  # BLS calls run on the loop
         self.execute_timeout = _seconds(config, "execute_timeout_secs", None)
         self.initialize_timeout = _seconds(config, "initialize_timeout_secs", 300.0)
         busy_poll_us = count_parameter(config, "busy_poll_us", "microseconds, 0 = off")
@@ -691,7 +693,6 @@ class PythonBackend(Backend):
         if call.get("stream") is not None:
             self._bls_stream(call, inputs, conn)
             return
-        worker = self.worker
         outputs: dict[str, np.ndarray] | None = None
         error: tuple[str, int] | None = None
         params: dict[str, Any] = {}
@@ -701,6 +702,49 @@ class PythonBackend(Backend):
             error = (exc.message, _STATUS_CODES.get(exc.status, 1))
         except Exception as exc:
             error = (f"{type(exc).__name__}: {exc}", 1)
+        self._bls_result(outputs, error, params, conn)
+
+    def bls_on_loop(
+        self, call: dict[str, Any], inputs: dict[str, np.ndarray], conn: Wire | None
+    ) -> None:
+        """Answer a (not decoupled) BLS call that the loop read from the worker: the callee
+        runs as a task of the loop, and the answer goes to the worker when it is done,
+        with no thread between (``_bls`` from a thread cost two thread hand-offs each way:
+        benchmarks/README.md, "BLS calls on the event loop")."""
+        # In a context of its own: the pipe's reader runs in the context of the request
+        # that registered it, whose trace the call must not take for its parent (the
+        # worker names the caller's trace itself, ``call["trace"]``).
+        coro = self._bls_async(call, inputs, conn)
+        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+        self._bls_tasks.add(task)
+        task.add_done_callback(self._bls_tasks.discard)
+
+    async def _bls_async(
+        self, call: dict[str, Any], inputs: dict[str, np.ndarray], conn: Wire | None
+    ) -> None:
+        outputs: dict[str, np.ndarray] | None = None
+        error: tuple[str, int] | None = None
+        params: dict[str, Any] = {}
+        try:
+            outputs, params = await bls.call_async(self._bls_request(call, inputs))
+        except KilnError as exc:
+            error = (exc.message, _STATUS_CODES.get(exc.status, 1))
+        except Exception as exc:
+            error = (f"{type(exc).__name__}: {exc}", 1)
+        # The worker may have gone away meanwhile: the reader sees its pipe close, and
+        # the answer goes to nobody (not to the worker restarted in its place).
+        with contextlib.suppress(WorkerDied):
+            self._bls_result(outputs, error, params, conn)
+
+    def _bls_result(
+        self,
+        outputs: dict[str, np.ndarray] | None,
+        error: tuple[str, int] | None,
+        params: dict[str, Any],
+        conn: Wire | None,
+    ) -> None:
+        """Send a BLS call's answer: its tensors into the side arena, then the message."""
+        worker = self.worker
         # Under the send lock: a restart's first message (initialize) waits for it, so the
         # arena is not written while a new worker uses it.
         with worker.sending(conn):

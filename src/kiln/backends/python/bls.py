@@ -1,8 +1,11 @@
 """BLS: a Python model calling another kiln model, through the server that runs it.
 
 The server installs its ``infer`` and event loop here when it starts. A worker's request
-arrives on an instance's thread (which is waiting on that worker anyway), so the thread
-hands the call to the event loop and blocks until the answer is back.
+that arrives on the event loop (the worker's pipe is read there: ``loopcall.py``) runs as a
+task of the loop (``call_async``); one that arrives on an instance's thread (which is
+waiting on that worker anyway) is handed to the loop, the thread blocking until the answer
+is back (``call``). A decoupled call (``call_stream``) and model control go through a
+thread either way: the model reads their answers from a queue.
 """
 
 from __future__ import annotations
@@ -107,7 +110,20 @@ def call(request: InferenceRequest) -> tuple[dict[str, np.ndarray], dict[str, An
     response's parameters."""
     target = _require_target(request.model_name)
     future = asyncio.run_coroutine_threadsafe(target.infer(request), target.loop)
-    response = future.result()
+    return _answer(future.result())
+
+
+async def call_async(request: InferenceRequest) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """``call`` from a coroutine: on the server's loop it runs there, with no thread in
+    between; on another loop, it waits for the server's."""
+    target = _require_target(request.model_name)
+    if asyncio.get_running_loop() is target.loop:
+        return _answer(await target.infer(request))
+    future = asyncio.run_coroutine_threadsafe(target.infer(request), target.loop)
+    return _answer(await asyncio.wrap_future(future))
+
+
+def _answer(response: InferenceResponse) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     return {out.name: out.data for out in response.outputs}, dict(response.parameters)
 
 

@@ -23,11 +23,13 @@ it went to sleep after each one when the pipe held only two: at 16 concurrent re
 a 2-vCPU VM, eight cut the server's CPU per request by about a quarter
 (benchmarks/README.md, "Python-backend overhead", run 13).
 
-What blocks stays off the loop: a BLS call (it waits for another model, which runs on this
-same loop) goes to a thread of the loop's default executor, and so does the handling of a
-worker that died (waiting for its exit status). When a worker dies or overruns a deadline,
-the oldest batch fails and the batches queued behind it, which never started, fail with
-``NotStarted``: the instance runs them again on its thread, after the restart.
+What blocks stays off the loop: a decoupled BLS call (its parts queue up for a thread) and
+model control go to a thread of the loop's default executor, and so does the handling of a
+worker that died (waiting for its exit status). A plain BLS call runs as a task of the loop:
+the callee is served by this same loop, and its answer goes back to the worker when done.
+When a worker dies or overruns a deadline, the oldest batch fails and the batches queued
+behind it, which never started, fail with ``NotStarted``: the instance runs them again on
+its thread, after the restart.
 
 The pipe is the worker's ``wire.Wire``: the loop reads into the same buffer the thread path
 uses, so the two paths can take turns on one worker.
@@ -263,10 +265,12 @@ class WorkerPipe:
             elif backend._side_message(message, conn):
                 pass
             elif kind == "bls":
-                # The call waits for another model served by this loop: not on the loop.
                 # Its tensors are read now: the worker may reuse their space later.
                 inputs = backend._bls_received(message[1], conn)
-                self.loop.run_in_executor(None, backend._answer_bls, message[1], inputs, conn)
+                if message[1].get("stream") is None:  # the callee runs as a loop task
+                    backend.bls_on_loop(message[1], inputs, conn)
+                else:  # the model reads the parts from a thread's queue
+                    self.loop.run_in_executor(None, backend._answer_bls, message[1], inputs, conn)
             elif kind == "control":  # a load or unload waits for the repository: not either
                 self.loop.run_in_executor(None, backend._control, message[1], conn)
         if self.broken:
