@@ -126,9 +126,11 @@ def start_triton(
     work: Path,
     model_file: str = "triton_model.py",
     edit_config: Callable[[str], str] = lambda text: text,
+    model_files: dict[str, str] | None = None,
 ) -> ServerProcess:
-    """``model_file`` (under ``peers/``) becomes each ``model.py``; ``edit_config`` may add
-    e.g. ``dynamic_batching`` to the generated ``config.pbtxt``."""
+    """``model_file`` (under ``peers/``) becomes each ``model.py``, but for the models
+    ``model_files`` names another for; ``edit_config`` may add e.g. ``dynamic_batching`` to
+    the generated ``config.pbtxt``."""
     venv = BENCH / "pytriton"
     site, libdir = _venv_paths(venv)
     shipped = Path(site) / "pytriton" / "tritonserver"
@@ -139,7 +141,8 @@ def start_triton(
         config = triton_repo / model / "config.pbtxt"
         text = config.read_text().replace('platform: "onnxruntime_onnx"', 'backend: "python"')
         config.write_text(edit_config(text))
-        shutil.copy(PEERS / model_file, triton_repo / model / "1" / "model.py")
+        source = (model_files or {}).get(model, model_file)
+        shutil.copy(PEERS / source, triton_repo / model / "1" / "model.py")
     # The wheel keeps one python-backend stub per Python version; Triton looks for the stub
     # next to libtriton_python.so, so assemble a backend directory with the matching one.
     backends = work / "triton_backends" / "python"

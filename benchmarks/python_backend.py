@@ -17,7 +17,11 @@ Each round starts kiln then Triton and drives each model over HTTP/binary and gR
 concurrency 1 and 16 with ``loadgen.py``; medians over rounds are reported. Usage::
 
     .venv/bin/python benchmarks/python_backend.py [--rounds 2] [--duration 3] [--json out.json]
-        [--dynamic-batching]
+        [--dynamic-batching] [--bls]
+
+``--bls`` adds ``bls_python`` (``peers/bls_model.py``) on both servers: each request answered
+with a BLS call to ``identity_python``; its µs over raw minus the identity's is what a BLS
+call costs on each server.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ WIDTH = 1024
 CONCURRENCY = (1, 16)
 PROTOCOLS = ("HTTP/binary", "gRPC")
 ONNX_MODEL, PY_MODEL = "identity_onnx", "identity_python"
+BLS_MODEL = "bls_python"  # --bls: answers each request with a BLS call to PY_MODEL
 INPUTS = {"INPUT0": np.random.default_rng(0).standard_normal((1, WIDTH), dtype=np.float32)}
 
 
@@ -67,7 +72,7 @@ instance_group [ {{ count: 1 kind: KIND_CPU }} ]
     )
 
 
-def build_repository(repo: Path, batching: bool = False) -> None:
+def build_repository(repo: Path, batching: bool = False, bls: bool = False) -> None:
     (repo / ONNX_MODEL / "1").mkdir(parents=True)
     (repo / PY_MODEL / "1").mkdir(parents=True)
     spec = ["batch", WIDTH]
@@ -85,6 +90,12 @@ def build_repository(repo: Path, batching: bool = False) -> None:
     )
     (repo / PY_MODEL / "config.pbtxt").write_text(_config(PY_MODEL, 'backend: "python"', batching))
     shutil.copy(PEERS / "identity_model.py", repo / PY_MODEL / "1" / "model.py")
+    if bls:
+        (repo / BLS_MODEL / "1").mkdir(parents=True)
+        (repo / BLS_MODEL / "config.pbtxt").write_text(
+            _config(BLS_MODEL, 'backend: "python"', batching)
+        )
+        shutil.copy(PEERS / "bls_model.py", repo / BLS_MODEL / "1" / "model.py")
 
 
 @dataclass(slots=True)
@@ -171,6 +182,24 @@ def medians(rows: list[Row]) -> dict[Key, dict[str, float]]:
     }
 
 
+def bls_lines(med: dict[Key, dict[str, float]]) -> list[str]:
+    """``--bls``: what the BLS call adds to the identity on each server (bls_python's µs
+    over raw minus identity_python's), kiln against Triton."""
+    lines = []
+    for protocol in PROTOCOLS:
+        for c in CONCURRENCY:
+            cost = {}
+            for server in ("kiln", "Triton"):
+                b = med.get((server, BLS_MODEL, protocol, c))
+                i = med.get((server, PY_MODEL, protocol, c))
+                if b is not None and i is not None:
+                    cost[server] = b["over_raw_us"] - i["over_raw_us"]
+            if cost:
+                lines.append(f"{protocol} c={c}: a BLS call adds " + ", ".join(
+                    f"{server} {us:+,.0f} µs" for server, us in cost.items()))  # fmt: skip
+    return lines
+
+
 def verdicts(med: dict[Key, dict[str, float]]) -> list[str]:
     """kiln's Python backend against Triton's, per protocol and concurrency."""
     lines = []
@@ -215,6 +244,10 @@ def main() -> None:
     parser.add_argument(
         "--dynamic-batching", action="store_true", help="dynamic_batching { } in both configs"
     )
+    parser.add_argument(
+        "--bls", action="store_true",
+        help=f"also {BLS_MODEL}: a BLS call to {PY_MODEL} per request, on both servers",
+    )  # fmt: skip
     args = parser.parse_args()
     console = Console(width=160)
     load_before = os.getloadavg()
@@ -222,18 +255,22 @@ def main() -> None:
     skipped = missing_reason("pytriton")
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "models"
-        build_repository(repo, args.dynamic_batching)
+        build_repository(repo, args.dynamic_batching, args.bls)
+        python_models = (PY_MODEL, BLS_MODEL) if args.bls else (PY_MODEL,)
         for rnd in range(1, args.rounds + 1):
             work = Path(tmp) / f"round{rnd}"
             work.mkdir()
-            runs = [("kiln", (ONNX_MODEL, PY_MODEL))]
+            runs = [("kiln", (ONNX_MODEL, *python_models))]
             if skipped is None:
-                runs.append(("Triton", (PY_MODEL,)))
+                runs.append(("Triton", python_models))
             for name, models in runs:
                 if name == "kiln":
                     server = start_kiln(repo, work)
                 else:
-                    server = start_triton(repo, models, work, model_file="identity_model.py")
+                    server = start_triton(
+                        repo, models, work, model_file="identity_model.py",
+                        model_files={BLS_MODEL: "bls_model.py"},
+                    )  # fmt: skip
                 try:
                     server.wait_ready(models)
                     rows.extend(measure(server, models, repo, rnd, args.duration, console))
@@ -249,11 +286,14 @@ def main() -> None:
         console.print(f"[bold red]Triton skipped[/]: {skipped}")
     for line in verdicts(med):
         console.print(line)
+    for line in bls_lines(med):
+        console.print(line)
     if args.json:
         payload = {
             "rows": [asdict(r) for r in rows],
             "medians": [{"key": list(k), **v} for k, v in med.items()],
             "verdicts": verdicts(med),
+            "bls": bls_lines(med),
             "loadavg": {"before": load_before, "after": load_after},
             "skipped_triton": skipped,
             "dynamic_batching": args.dynamic_batching,

@@ -12,7 +12,8 @@ Options shape the model: ``--max-batch-size 0`` (no batch dimension, so the sche
 without batching), ``--dynamic-batching``, ``--compute-us N`` (the identity behind an N µs
 busy loop), ``--sequence`` (``sequence_batching { }``: over gRPC, each client sends
 requests that are each a sequence of their own, START and END, its own sequence id),
-``--bls`` (the Python model answers each request with a BLS call to ``identity_onnx``).
+``--bls`` (the Python model answers each request with a BLS call to ``identity_onnx``;
+``--bls-callee python``: to a second Python identity, ``callee_python``).
 Prints, per tree and cell, µs over raw (1/throughput), server CPU µs per request, p50 and
 p99 ms, one figure per pair.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -39,33 +41,22 @@ COMPUTE = """        import time
 """
 
 
-BLS_MODEL = """\
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "INPUT0")
-            reply = pb_utils.InferenceRequest(
-                model_name="identity_onnx", requested_output_names=["OUTPUT0"], inputs=[x]
-            ).exec()
-            if reply.has_error():
-                raise pb_utils.TritonModelException(reply.error().message())
-            out = pb_utils.get_output_tensor_by_name(reply, "OUTPUT0")
-            responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
-        return responses
-"""
-
-
 def build(
     repo: Path, max_batch_size: int, batching: bool, compute_us: int, sequence: bool,
-    bls: bool = False,
+    bls: bool = False, bls_callee: str = "onnx",
 ) -> None:  # fmt: skip
     pb.build_repository(repo, batching)
     if bls:
-        (repo / pb.PY_MODEL / "1" / "model.py").write_text(BLS_MODEL)
+        callee = pb.ONNX_MODEL
+        if bls_callee == "python":  # a copy of the Python identity under another name
+            callee = "callee_python"
+            shutil.copytree(repo / pb.PY_MODEL, repo / callee)
+            config = repo / callee / "config.pbtxt"
+            config.write_text(config.read_text().replace(pb.PY_MODEL, callee))
+        # Triton's BLS model of python_backend.py --bls, calling ``callee`` instead
+        source = (pb.PEERS / "bls_model.py").read_text()
+        model = repo / pb.PY_MODEL / "1" / "model.py"
+        model.write_text(source.replace(f'model_name="{pb.PY_MODEL}"', f'model_name="{callee}"'))
     if sequence:
         config = repo / pb.PY_MODEL / "config.pbtxt"
         config.write_text(config.read_text() + "sequence_batching { }\n")
@@ -109,6 +100,7 @@ def main() -> None:
     parser.add_argument("--compute-us", type=int, default=0)
     parser.add_argument("--sequence", action="store_true")
     parser.add_argument("--bls", action="store_true")
+    parser.add_argument("--bls-callee", choices=("onnx", "python"), default="onnx")
     args = parser.parse_args()
     if args.sequence and args.protocols != "gRPC":
         parser.error("--sequence drives gRPC only: add --protocols gRPC")
@@ -119,7 +111,7 @@ def main() -> None:
         repo = Path(tmp) / "models"
         build(
             repo, args.max_batch_size, args.dynamic_batching, args.compute_us, args.sequence,
-            args.bls,
+            args.bls, args.bls_callee,
         )  # fmt: skip
         for pair in range(args.pairs):
             raw = {}
@@ -132,7 +124,7 @@ def main() -> None:
                 os.environ["PYTHONPATH"] = tree
                 server = start_kiln(repo, work)
                 try:
-                    server.wait_ready((pb.PY_MODEL,))
+                    server.wait_ready(tuple(sorted(p.name for p in repo.iterdir())))
                     for c in concurrency:
                         for protocol in args.protocols.split(","):
                             if args.sequence:

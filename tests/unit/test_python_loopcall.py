@@ -19,6 +19,7 @@ import pytest
 from kiln.backends.base import InstanceSpec
 from kiln.backends.python.backend import PythonBackend
 from kiln.backends.python.deadline import BatchDeadline
+from kiln.backends.python.loopcall import WorkerPipe
 from kiln.backends.python.wire import Wire
 from kiln.config.loader import parse_config_text
 from kiln.core.errors import KilnError, Status
@@ -588,6 +589,71 @@ async def test_a_bls_call_read_by_the_loop_runs_on_the_loop(
     finally:
         bls.uninstall(infer)
         instance.close()
+
+
+async def test_a_lone_request_s_bls_call_is_a_lone_request_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the only request in flight waits for its BLS call, the callee's request is
+    the only one the loop has (so its worker is busy-polled for, ``_busy_poll_budget``);
+    the count is whole again after the call, and the loop then polls for the worker's
+    answer instead of sleeping until the pipe wakes it."""
+    from kiln.backends.python import bls
+    from kiln.core import activity
+    from kiln.core.types import DataType, InferenceResponse, InferOutput
+
+    alone: list[tuple[bool, int]] = []
+
+    async def infer(request: Any) -> Any:
+        activity.inflight += 1  # as the runtime counts the callee's request
+        try:
+            alone.append((activity.alone(), activity.inflight))
+            x = request.inputs[0].data
+            return InferenceResponse(
+                "elsewhere", "1", outputs=[InferOutput("OUT", DataType.FP32, x.shape, x + 1)]
+            )
+        finally:
+            activity.inflight -= 1
+
+    backend = PythonBackend(parse_config_text(CONFIG), _model(tmp_path, BLS_ECHO), SPEC)
+    instance = Instance(backend, "double")
+    polled: list[int] = []
+    poll = WorkerPipe.poll_after_answer
+
+    def watched(self: WorkerPipe, budget_ns: int) -> None:
+        polled.append(budget_ns)
+        poll(self, budget_ns)
+
+    monkeypatch.setattr(WorkerPipe, "poll_after_answer", watched)
+    monkeypatch.setattr(activity, "inflight", 1)  # the caller's own request
+    bls.install(infer, asyncio.get_running_loop())
+    try:
+        (out,) = await asyncio.wait_for(_run(instance, [_job(3)]), 30)
+        assert out["OUT"].tolist() == [[4, 4]]
+        assert alone == [(True, 1)]
+        assert activity.inflight == 1
+        assert polled == [backend.busy_poll_ns]
+    finally:
+        bls.uninstall(infer)
+        instance.close()
+
+
+async def test_the_reader_does_not_block_when_a_busy_poll_took_the_bytes() -> None:
+    """The pipe's reader runs once the loop saw the socket readable; a busy poll
+    (``poll_after_answer``) may have read those bytes since: it must return, not wait in
+    ``recv`` for more and hold the loop."""
+    ours, theirs = socketpair()
+    pipe = WorkerPipe.__new__(WorkerPipe)
+    pipe.conn = Wire(ours)
+    drained: list[bool] = []
+    pipe._drain = lambda: drained.append(True)  # type: ignore[method-assign]
+    theirs.sendall(_framed(("executed", [], None)))
+    pipe._readable()  # reads the message
+    assert drained == [True]
+    done = await asyncio.wait_for(asyncio.to_thread(pipe._readable), 5)  # nothing left
+    assert done is None and drained == [True]
+    ours.close()
+    theirs.close()
 
 
 async def test_a_batch_queued_behind_one_making_a_bls_call_waits_its_turn(

@@ -725,16 +725,31 @@ class PythonBackend(Backend):
         outputs: dict[str, np.ndarray] | None = None
         error: tuple[str, int] | None = None
         params: dict[str, Any] = {}
+        # A call made from an ``execute`` in progress: that batch's requests, counted in
+        # flight, wait for this call, so one of them does not count meanwhile. A lone
+        # request's BLS call is then a lone request too, and the callee's worker is
+        # busy-polled for as the caller's is (``_busy_poll_budget``).
+        pipe = self._pipe
+        nested = pipe is not None and pipe.conn is conn and bool(pipe.calls)
+        if nested:
+            activity.inflight -= 1
         try:
             outputs, params = await bls.call_async(self._bls_request(call, inputs))
         except KilnError as exc:
             error = (exc.message, _STATUS_CODES.get(exc.status, 1))
         except Exception as exc:
             error = (f"{type(exc).__name__}: {exc}", 1)
+        finally:
+            if nested:
+                activity.inflight += 1
         # The worker may have gone away meanwhile: the reader sees its pipe close, and
         # the answer goes to nobody (not to the worker restarted in its place).
         with contextlib.suppress(WorkerDied):
             self._bls_result(outputs, error, params, conn)
+            if nested and pipe is not None and self.busy_poll_ns and activity.alone():
+                # The worker goes on with the answer: its next message (the batch's
+                # answer, or another call) usually follows soon.
+                pipe.poll_after_answer(self.busy_poll_ns)
 
     def _bls_result(
         self,

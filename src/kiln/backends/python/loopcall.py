@@ -238,9 +238,20 @@ class WorkerPipe:
         self._drain()
         return call.future.done() or self.broken
 
+    def poll_after_answer(self, budget_ns: int) -> None:
+        """The loop answered the worker for a lone request (a BLS call from the running
+        batch): poll for the worker's next message for up to ``budget_ns`` instead of
+        waiting for the loop to be woken (see ``_busy_poll``)."""
+        if self.broken or not self.calls:
+            return
+        self._busy_poll(self.calls[0], time.monotonic_ns() + budget_ns)
+
     def _readable(self) -> None:
         try:
-            self.conn.fill()  # the loop said it is readable: this does not block
+            # Not waiting: a busy poll (``poll_after_answer``) may have read what made the
+            # socket readable since the loop saw it so.
+            if not self.conn.fill(wait=False):
+                return
         except (EOFError, OSError):
             self._lost(WorkerDied(""))
             return
