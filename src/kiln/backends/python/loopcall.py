@@ -280,7 +280,11 @@ class WorkerPipe:
                 inputs = backend._bls_received(message[1], conn)
                 if message[1].get("stream") is None:  # the callee runs as a loop task
                     backend.bls_on_loop(message[1], inputs, conn)
-                else:  # the model reads the parts from a thread's queue
+                else:
+                    # A decoupled one's parts are written from a thread while the loop
+                    # keeps reading the worker: a model relaying each part as a response
+                    # fills its socket, and written from the loop (blocking writes) the
+                    # two would wait on each other's full buffer.
                     self.loop.run_in_executor(None, backend._answer_bls, message[1], inputs, conn)
             elif kind == "control":  # a load or unload waits for the repository: not either
                 self.loop.run_in_executor(None, backend._control, message[1], conn)
