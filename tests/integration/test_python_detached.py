@@ -218,16 +218,24 @@ class TritonPythonModel:
 """
 
 # Under the sequence batcher, not decoupled: sleeps X seconds, answers its worker's pid.
+# Before a sleep it writes the sequence id to a file `sleeping` in its model's folder.
 SEQ_PID = """
 import os, time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
+    def initialize(self, args):
+        self.marker = os.path.join(args["model_repository"], "sleeping")
+
     def execute(self, requests):
         out = []
         for r in requests:
-            time.sleep(float(pb_utils.get_input_tensor_by_name(r, "X").as_numpy()[0]))
+            seconds = float(pb_utils.get_input_tensor_by_name(r, "X").as_numpy()[0])
+            if seconds:
+                with open(self.marker, "w") as f:
+                    f.write(str(r.correlation_id()))
+            time.sleep(seconds)
             out.append(pb_utils.InferenceResponse(
                 [pb_utils.Tensor("OUT", np.array([os.getpid()], np.int32))]))
         return out
@@ -427,10 +435,14 @@ def test_a_sequence_outlives_its_worker_s_death(server: KilnProcess) -> None:
         )
 
     pid = int(send(0, 50, True, True).get_result(timeout=60).as_numpy("OUT")[0])
+    marker = server.repository / "seq_pid" / "sleeping"
     first = send(30, 51, True, False)  # sleeps in execute until killed
-    threading.Event().wait(0.5)
+    for _ in range(3000):  # until it is inside execute (30 s at most)
+        if marker.exists() and marker.read_text() == "51":
+            break
+        threading.Event().wait(0.01)
     second = send(0, 51, False, True)  # waits for the first: same sequence
-    threading.Event().wait(0.5)
+    threading.Event().wait(0.3)  # let it reach the sequence batcher (it must wait either way)
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(InferenceServerException, match="seq_pid"):
         first.get_result(timeout=60)
