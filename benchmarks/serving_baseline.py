@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -113,6 +114,17 @@ def run_raw(
     feed = batch1_inputs(model) if feed is None else feed
     for _ in range(50):  # warm-up
         session.run(None, feed)
+    r = run_threads(lambda: session.run(None, feed), concurrency, duration)
+    r.model = model
+    return r
+
+
+def run_threads(
+    call: Callable[[], object], concurrency: int, duration: float, target: str = "raw ORT"
+) -> Result:
+    """``call`` in a closed loop from ``concurrency`` threads of this process for
+    ``duration`` seconds (an engine that releases the GIL runs them in parallel); the
+    process's CPU seconds over the run."""
     latencies: list[list[float]] = [[] for _ in range(concurrency)]
     stop = time.perf_counter() + duration
 
@@ -121,7 +133,7 @@ def run_raw(
             t0 = time.perf_counter()
             if t0 >= stop:
                 return
-            session.run(None, feed)
+            call()
             out.append(time.perf_counter() - t0)
 
     cpu0 = time.process_time()
@@ -135,7 +147,7 @@ def run_raw(
     flat = [x for lat in latencies for x in lat]
     p50, p99 = percentiles(flat)
     cpu = time.process_time() - cpu0
-    return Result(model, "raw ORT", concurrency, len(flat), elapsed, p50, p99, cpu, 0.0)
+    return Result("", target, concurrency, len(flat), elapsed, p50, p99, cpu, 0.0)
 
 
 async def drive_http(url: str, body: bytes, concurrency: int, duration: float) -> list[float]:
