@@ -61,6 +61,46 @@ async def test_short_calls_run_inline_after_the_first() -> None:
         instance.close()
 
 
+async def test_a_backend_inline_only_alone_goes_to_its_thread_under_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``inline_only_alone`` (the PyTorch backend): a short call runs inline while its
+    request is the only one in flight in the server, and on the instance's thread when
+    others are, where it overlaps the loop's work."""
+    from kiln.core import activity
+
+    backend = Spin()
+    backend.inline_only_alone = True
+    instance = Instance(backend, "m", inline_max_us=50_000)
+    loop_thread = threading.get_ident()
+    try:
+        monkeypatch.setattr(activity, "inflight", 1)
+        await _call(instance, 1.0)  # the first call measures on the thread
+        await _call(instance, 2.0)
+        monkeypatch.setattr(activity, "inflight", 3)
+        await _call(instance, 3.0)
+        monkeypatch.setattr(activity, "inflight", 1)
+        await _call(instance, 4.0)
+        assert backend.threads[1] == loop_thread and backend.threads[3] == loop_thread
+        assert backend.threads[2] != loop_thread
+        assert instance.inline_calls == 2
+    finally:
+        instance.close()
+
+
+def test_the_pytorch_backend_runs_inline_only_alone_on_the_cpu(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from kiln.backends.pytorch import PyTorchBackend
+    from kiln.config.loader import parse_config_text
+    from kiln.examples import build_example_repository
+
+    build_example_repository(tmp_path, ["torch_mlp"])
+    config = parse_config_text((tmp_path / "torch_mlp" / "config.pbtxt").read_text())
+    backend = PyTorchBackend(config, tmp_path / "torch_mlp" / "1", SPEC)
+    assert backend.inline_capable and backend.inline_only_alone
+    backend.close()
+
+
 async def test_a_long_call_sends_the_next_ones_back_to_the_thread() -> None:
     backend = Spin()
     instance = Instance(backend, "m", inline_max_us=5_000)

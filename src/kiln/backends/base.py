@@ -120,6 +120,10 @@ class Backend(ABC):
     #: True when a call may run on the event loop's thread if it is short enough (CPU
     #: compute that needs nothing else from the server); see ``Instance.submit``.
     inline_capable: bool = False
+    #: ... and only while its request is the only one in flight in the server (the loop
+    #: has nothing else to do); under load the call goes to the instance's thread, where
+    #: it overlaps the loop's work on another core.
+    inline_only_alone: bool = False
     #: batches the scheduler without batching may have started on one instance at once
     #: (``start_requests`` queues them: the Python backend's worker pipe, ``loopcall.py``;
     #: set per model from its config there)

@@ -110,6 +110,12 @@ class PyTorchBackend(Backend):
             for t in config.output
         }
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # A lone request's short CPU call runs on the event loop's thread (``Instance``):
+        # the two thread hand-offs cost more than a small model's compute. Under load the
+        # instance's thread computes while the loop serves the other requests
+        # (benchmarks/README.md, "PyTorch backend").
+        self.inline_capable = self.device.type == "cpu"
+        self.inline_only_alone = True
         log.info(
             "model '%s': %s on %s, inputs by %s, outputs by %s",
             name,

@@ -27,6 +27,7 @@ from kiln.backends.base import (
     RequestOutcome,
     ResponseSink,
 )
+from kiln.core import activity
 from kiln.core.errors import KilnError, Status
 from kiln.core.stats import ModelStats, RequestTimes
 
@@ -178,7 +179,8 @@ class Instance:
     ``inline_max_us`` (model parameter ``inline_execution_max_us``, 0 = never), the call
     runs right away on the loop's thread instead: the loop is held for about as long as it
     takes to parse one request. A call that runs longer pushes the average up and the next
-    ones go back to the thread."""
+    ones go back to the thread. A backend with ``inline_only_alone`` (the PyTorch backend)
+    runs inline only while its request is the only one in flight in the server."""
 
     def __init__(
         self,
@@ -196,6 +198,7 @@ class Instance:
             limit[0].unregister(limit[1])
         self._worker = _Worker(f"kiln-{model}-{backend.instance.index}")
         self.inline_max_ns = inline_max_us * 1000 if backend.inline_capable else 0
+        self._inline_only_alone = backend.inline_only_alone
         self.call_ns: float | None = None  # moving average of a call's CPU time, ns
         self.inline_calls = 0  # calls that ran on the loop's thread (tests, diagnostics)
         self.loop_driven_calls = 0  # batches the backend ran from the loop (same)
@@ -266,7 +269,11 @@ class Instance:
         return outer
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        if self.call_ns is not None and self.call_ns < self.inline_max_ns:
+        if (
+            self.call_ns is not None
+            and self.call_ns < self.inline_max_ns
+            and (not self._inline_only_alone or activity.alone())
+        ):
             future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
             start = time.thread_time_ns()
             try:
