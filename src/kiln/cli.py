@@ -410,6 +410,21 @@ def serve(
 )
 @click.option("--shared-memory", type=click.Choice(["none", "system"]), default="none")
 @click.option(
+    "--sequence-length",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="A model with sequence_batching: requests per sequence (START on the first, END on "
+    "the last), each concurrent client its own sequence.",
+)
+@click.option(
+    "--sequence-id-start",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="A model with sequence_batching: client N sends sequence id START+N.",
+)
+@click.option(
     "--measurement-interval-ms",
     "--measurement-interval",
     "-p",

@@ -131,6 +131,34 @@ def test_open_loop_request_rate(server: KilnProcess, tmp_path: Path) -> None:
     assert doc["total"]["requests"] == success_count(server, "mlp") - before
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_sequence_model_gets_sequences(
+    server: KilnProcess, tmp_path: Path, protocol: str
+) -> None:
+    """``simple_sequence`` has ``sequence_batching``: each client sends sequences of
+    ``--sequence-length`` requests under its own id, START first and END last (a request
+    without a sequence id, or a sequence without START, fails on the server), and every
+    request the generator counts reached the model."""
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    report = tmp_path / "r.json"
+    before = success_count(server, "simple_sequence")
+    done = bench("simple_sequence", "-u", url, "-i", protocol, "--concurrency", "1:2",
+                 "--sequence-length", "5", *SHORT, "--json", str(report))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(report.read_text())
+    check_report(doc, "simple_sequence", [1, 2])
+    assert doc["sequence_length"] == 5
+    assert doc["total"]["requests"] == success_count(server, "simple_sequence") - before
+    assert "sequences of 5" in done.stdout
+
+
+def test_a_sequence_model_refuses_the_open_loop(server: KilnProcess) -> None:
+    done = bench("simple_sequence", "-u", server.http_url, "--request-rate", "50", *SHORT)
+    assert done.returncode == 2
+    assert "model 'simple_sequence' has sequence_batching" in done.stderr
+    assert "--concurrency-range" in done.stderr
+
+
 def test_python_api_batch_size(server: KilnProcess) -> None:
     before = success_count(server, "mlp")
     result = run(model="mlp", url=server.grpc_url, protocol=Protocol.GRPC, batch_size=4,

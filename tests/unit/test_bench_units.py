@@ -170,6 +170,44 @@ def test_percentile_nearest_rank() -> None:
     assert percentile([], 50) == 0.0
 
 
+def test_sequence_requests_mark_start_and_end_and_cycle_the_data() -> None:
+    """perf_analyzer's sequences: one id per client, START on the first request and END
+    on the last (both on a sequence of one), the data entries in turn; identical requests
+    are encoded once."""
+    from kiln.bench.runner import sequence_requests
+    from kiln.bench.wire import Placement, grpc_request, http_body
+    from kiln.frontends.grpc import grpc_service_pb2 as pb
+
+    calls: list[tuple[object, object]] = []  # (entry's x, parameters) per encoding
+
+    def encode(entry: dict[str, object], placement: Placement, params: object) -> bytes:
+        calls.append((entry["x"], params))
+        return str(len(calls) - 1).encode()  # the request names its encoding
+
+    entries: list[dict[str, object]] = [{"x": 0}, {"x": 1}]
+    placements = [Placement(), Placement()]
+    out = [calls[int(o)] for o in sequence_requests(encode, entries, placements, 5, 42)]
+    assert [x for x, _ in out] == [0, 1, 0, 1, 0]
+    assert [params for _, params in out] == [
+        {"sequence_id": 42, "sequence_start": True},
+        {"sequence_id": 42}, {"sequence_id": 42}, {"sequence_id": 42},
+        {"sequence_id": 42, "sequence_end": True},
+    ]  # fmt: skip
+    assert len(calls) == 4  # the middle requests of entry 0 are encoded once
+    (one,) = sequence_requests(encode, entries, placements, 1, 7)
+    assert calls[int(one)][1] == {"sequence_id": 7, "sequence_start": True, "sequence_end": True}
+
+    # the parameters reach both wire formats
+    spec = ModelSpec("m", "", [TensorSpec("IN", "INT32", [1])])
+    feed = {"IN": np.array([3], np.int32)}
+    params = {"sequence_id": 9, "sequence_start": True}
+    body = http_body(spec, feed, False, Placement(), params)
+    assert json.loads(body.body)["parameters"] == params
+    request = pb.ModelInferRequest.FromString(grpc_request(spec, feed, Placement(), params))
+    assert request.parameters["sequence_id"].int64_param == 9
+    assert request.parameters["sequence_start"].bool_param is True
+
+
 def _window(n: int, latency: float) -> Window:
     return Window(1.0, [latency] * n)
 

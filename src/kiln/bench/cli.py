@@ -82,6 +82,8 @@ def execute(params: dict[str, object]) -> None:
             input_data=str(params["input_data"]),
             shapes=dict(_parse_shape(s) for s in params["shape"]),  # type: ignore[attr-defined]
             shared_memory=str(params["shared_memory"]),
+            sequence_length=int(str(params.get("sequence_length", 20))),
+            sequence_id_start=int(str(params.get("sequence_id_start", 1))),
             measurement_interval_ms=int(str(params["measurement_interval"])),
             duration_s=params["duration"],  # type: ignore[arg-type]
             stability_percentage=float(str(params["stability_percentage"])),

@@ -69,14 +69,18 @@ class StatsSnapshot:
         return snap
 
 
-def _spec(meta: dict[str, Any], max_batch_size: int, version: str) -> ModelSpec:
+def _spec(
+    meta: dict[str, Any], max_batch_size: int, version: str, sequence: bool = False
+) -> ModelSpec:
     def tensors(key: str) -> list[TensorSpec]:
         return [
             TensorSpec(t["name"], t["datatype"], [int(d) for d in t.get("shape", [])])
             for t in meta.get(key, [])
         ]
 
-    return ModelSpec(meta["name"], version, tensors("inputs"), tensors("outputs"), max_batch_size)
+    return ModelSpec(
+        meta["name"], version, tensors("inputs"), tensors("outputs"), max_batch_size, sequence
+    )
 
 
 class Control:
@@ -144,19 +148,23 @@ class Control:
                 pb.ModelConfigResponse,
             )
             meta_doc = json_format.MessageToDict(meta, preserving_proto_field_name=True)
-            return _spec(meta_doc, int(config.config.max_batch_size), version)
+            sequence = config.config.HasField("sequence_batching")
+            return _spec(meta_doc, int(config.config.max_batch_size), version, sequence)
         status, body = await self._get(self.model_path)
         if status != 200:
             raise self._unknown_model(error_text(status, body))
         meta_doc = orjson.loads(body)
         status, body = await self._get(self.model_path + "/config")
         # A server without the config extension: guess batching from a leading -1 dim.
+        sequence = False
         if status == 200:
-            max_batch = int(orjson.loads(body).get("max_batch_size", 0))
+            config_doc = orjson.loads(body)
+            max_batch = int(config_doc.get("max_batch_size", 0))
+            sequence = "sequence_batching" in config_doc
         else:
             first = [t.get("shape", [0])[:1] for t in meta_doc.get("inputs", [])]
             max_batch = 1 if first and all(f == [-1] for f in first) else 0
-        return _spec(meta_doc, max_batch, version)
+        return _spec(meta_doc, max_batch, version, sequence)
 
     async def stats(self) -> StatsSnapshot:
         if self.grpc:

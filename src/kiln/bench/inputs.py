@@ -52,6 +52,7 @@ class ModelSpec:
     inputs: list[TensorSpec]
     outputs: list[TensorSpec] = field(default_factory=list)
     max_batch_size: int = 0
+    sequence: bool = False  # its config has sequence_batching: requests need sequence ids
 
 
 def request_shapes(

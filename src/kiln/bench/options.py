@@ -95,6 +95,10 @@ class BenchOptions:
     input_data: str = "random"  # random | zero | FILE.json | FILE.npz
     shapes: dict[str, list[int]] = field(default_factory=dict)
     shared_memory: str = "none"  # none | system
+    # A model with sequence_batching (perf_analyzer's defaults): each closed-loop client
+    # sends sequences of this many requests under its own id, sequence_id_start + client.
+    sequence_length: int = 20
+    sequence_id_start: int = 1
     measurement_interval_ms: int = 2000
     duration_s: float | None = None  # fixed single window instead of stability windows
     stability_percentage: float = 10.0
@@ -135,6 +139,10 @@ class BenchOptions:
             raise BenchError("--request-rate levels must be > 0")
         if self.max_outstanding < 1:
             raise BenchError("--max-outstanding must be >= 1")
+        if self.sequence_length < 1:
+            raise BenchError(f"--sequence-length must be >= 1, got {self.sequence_length}")
+        if self.sequence_id_start < 1:
+            raise BenchError(f"--sequence-id-start must be >= 1, got {self.sequence_id_start}")
 
     @property
     def open_loop(self) -> bool:

@@ -64,6 +64,8 @@ def print_table(result: BenchResult, console: Console) -> None:
     title = f"{o.model} · {result.encoding} · {o.url} · batch {o.batch_size}" + (
         " · shm" if o.shared_memory == "system" else ""
     )
+    if result.spec.sequence:
+        title += f" · sequences of {o.sequence_length}"
     table = Table(title=title, title_justify="left")
     first = "concurrency" if not o.open_loop else "rate"
     names = [first, "infer/s", "avg ms", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "queue µs",

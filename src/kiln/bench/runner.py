@@ -59,6 +59,8 @@ class BenchResult:
             "batch_size": o.batch_size,
             "input_data": o.input_data,
             "mode": "request_rate" if o.open_loop else "concurrency",
+            # a model with sequence_batching: requests per sequence, else None
+            "sequence_length": o.sequence_length if self.spec.sequence else None,
             "distribution": o.distribution.value if o.open_loop else None,
             "started": self.started,
             "levels": [level_json(level) for level in self.levels],
@@ -91,17 +93,66 @@ def level_json(level: LevelResult) -> dict[str, Any]:
     }
 
 
-async def _requests(options: BenchOptions, control: Control, spec: ModelSpec,
-                    placements: list[Placement], entries: list[Any]) -> list[bytes]:  # fmt: skip
+# One request's bytes from a data entry, its shared-memory placement and its parameters.
+Encode = Callable[[dict[str, Any], Placement, dict[str, Any] | None], bytes]
+# The requests client N sends, in a loop.
+ClientRequests = Callable[[int], list[bytes]]
+
+
+def _encoder(options: BenchOptions, control: Control, spec: ModelSpec) -> Encode:
     if options.protocol is Wire.GRPC:
-        return [grpc_request(spec, e, p) for e, p in zip(entries, placements, strict=True)]
+        return lambda entry, placement, params: grpc_request(spec, entry, placement, params)
     path = control.model_path + "/infer"
-    out = []
-    for entry, placement in zip(entries, placements, strict=True):
-        body = http_body(spec, entry, options.binary, placement)
+
+    def encode(entry: dict[str, Any], placement: Placement, params: dict[str, Any] | None) -> bytes:
+        body = http_body(spec, entry, options.binary, placement, params)
         headers = {**body.headers, **options.auth_headers()}
-        out.append(http_request("POST", control.host, path, body.body, headers))
+        return http_request("POST", control.host, path, body.body, headers)
+
+    return encode
+
+
+def sequence_requests(
+    encode: Encode, entries: list[Any], placements: list[Placement], length: int,
+    sequence_id: int,
+) -> list[bytes]:  # fmt: skip
+    """One client's requests for a model with ``sequence_batching``, as perf_analyzer sends
+    them: a sequence of ``length`` under ``sequence_id``, START on the first and END on the
+    last, cycling through the data entries. The client sends them in a loop, so each round
+    is a new sequence under the same id (a START after END starts it afresh)."""
+    encoded: dict[tuple[int, bool, bool], bytes] = {}
+    out = []
+    for k in range(length):
+        index = k % len(entries)
+        start, end = k == 0, k == length - 1
+        key = (index, start, end)
+        if key not in encoded:
+            params: dict[str, Any] = {"sequence_id": sequence_id}
+            if start:
+                params["sequence_start"] = True
+            if end:
+                params["sequence_end"] = True
+            encoded[key] = encode(entries[index], placements[index], params)
+        out.append(encoded[key])
     return out
+
+
+def _client_requests(
+    options: BenchOptions, encode: Encode, spec: ModelSpec, entries: list[Any],
+    placements: list[Placement],
+) -> ClientRequests:  # fmt: skip
+    if not spec.sequence:
+        shared = [encode(e, p, None) for e, p in zip(entries, placements, strict=True)]
+        return lambda client: shared
+    if options.open_loop:
+        raise BenchError(
+            f"model '{spec.name}' has sequence_batching: its requests belong to sequences, "
+            "which kiln bench sends from closed-loop clients; use --concurrency-range, not "
+            "--request-rate-range"
+        )
+    return lambda client: sequence_requests(
+        encode, entries, placements, options.sequence_length, options.sequence_id_start + client
+    )
 
 
 async def run_async(options: BenchOptions, progress: Progress | None = None) -> BenchResult:
@@ -121,7 +172,9 @@ async def run_async(options: BenchOptions, progress: Progress | None = None) -> 
             region = ClientRegion(spec, entries, options.batch_size)
             await control.shm_register(region.name, region.key, region.byte_size)
             placements = region.placements
-        requests = await _requests(options, control, spec, placements, entries)
+        requests = _client_requests(
+            options, _encoder(options, control, spec), spec, entries, placements
+        )
         result = BenchResult(
             options, spec, started=datetime.datetime.now().isoformat("T", "seconds")
         )
@@ -144,7 +197,7 @@ async def run_async(options: BenchOptions, progress: Progress | None = None) -> 
         await control.close()
 
 
-async def _level(options: BenchOptions, control: Control, requests: list[bytes],
+async def _level(options: BenchOptions, control: Control, requests: ClientRequests,
                  recorder: Recorder, level: float,
                  progress: Progress | None) -> LevelResult:  # fmt: skip
     plan = Plan(
@@ -155,10 +208,11 @@ async def _level(options: BenchOptions, control: Control, requests: list[bytes],
         options.duration_s,
     )
 
-    def make_slot() -> Slot:
+    def make_slot(client: int = 0) -> Slot:
+        mine = requests(client)
         if options.protocol is Wire.GRPC:
-            return GrpcSlot(control.target, requests, options.timeout_s, options.grpc_metadata())
-        return HttpSlot(HttpConnection(control.host, control.port, options.timeout_s), requests)
+            return GrpcSlot(control.target, mine, options.timeout_s, options.grpc_metadata())
+        return HttpSlot(HttpConnection(control.host, control.port, options.timeout_s), mine)
 
     on_window: Callable[[int, Window], None] = progress.window if progress else lambda t, w: None
     trials = 1 if options.duration_s is not None else options.max_trials
@@ -173,7 +227,7 @@ async def _level(options: BenchOptions, control: Control, requests: list[bytes],
     concurrency = int(level)
     if progress:
         progress.level(f"concurrency {concurrency}", trials)
-    slots = [make_slot() for _ in range(concurrency)]
+    slots = [make_slot(client) for client in range(concurrency)]
     try:
         for slot in slots:
             if isinstance(slot, HttpSlot):

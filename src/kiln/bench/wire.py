@@ -72,8 +72,13 @@ def _outputs_json(spec: ModelSpec, placement: Placement, binary: bool) -> list[d
 
 
 def http_body(
-    spec: ModelSpec, entry: dict[str, np.ndarray], binary: bool, placement: Placement
+    spec: ModelSpec,
+    entry: dict[str, np.ndarray],
+    binary: bool,
+    placement: Placement,
+    parameters: dict[str, Any] | None = None,
 ) -> HttpBody:
+    """``parameters``: the request's own (a sequence's id and flags)."""
     types = {t.name: t.datatype for t in spec.inputs}
     inputs: list[dict[str, Any]] = []
     blobs: list[bytes] = []
@@ -89,6 +94,8 @@ def http_body(
             tensor["data"] = json_data(types[name], arr)
         inputs.append(tensor)
     doc: dict[str, Any] = {"inputs": inputs}
+    if parameters:
+        doc["parameters"] = parameters
     outputs = _outputs_json(spec, placement, binary)
     if outputs:
         doc["outputs"] = outputs
@@ -110,10 +117,18 @@ def _param(value: Any) -> pb.InferParameter:
     return pb.InferParameter(string_param=str(value))
 
 
-def grpc_request(spec: ModelSpec, entry: dict[str, np.ndarray], placement: Placement) -> bytes:
-    """A serialised ``ModelInferRequest`` with ``raw_input_contents`` (tritonclient's way)."""
+def grpc_request(
+    spec: ModelSpec,
+    entry: dict[str, np.ndarray],
+    placement: Placement,
+    parameters: dict[str, Any] | None = None,
+) -> bytes:
+    """A serialised ``ModelInferRequest`` with ``raw_input_contents`` (tritonclient's way);
+    ``parameters``: the request's own (a sequence's id and flags)."""
     types = {t.name: t.datatype for t in spec.inputs}
     request = pb.ModelInferRequest(model_name=spec.name, model_version=spec.version)
+    for key, value in (parameters or {}).items():
+        request.parameters[key].CopyFrom(_param(value))
     for name, arr in entry.items():
         tensor = request.inputs.add(name=name, datatype=types[name], shape=list(arr.shape))
         if name in placement.inputs:
