@@ -418,6 +418,12 @@ def serve(
     "the last), each concurrent client its own sequence.",
 )
 @click.option(
+    "--streaming",
+    is_flag=True,
+    help="gRPC: send over a ModelStreamInfer stream, a request done at its final response "
+    "(always for a decoupled model).",
+)
+@click.option(
     "--sequence-id-start",
     default=1,
     show_default=True,

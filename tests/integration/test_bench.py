@@ -159,6 +159,52 @@ def test_a_sequence_model_refuses_the_open_loop(server: KilnProcess) -> None:
     assert "--concurrency-range" in done.stderr
 
 
+def test_a_decoupled_model_is_streamed(server: KilnProcess, tmp_path: Path) -> None:
+    """``repeat_int32`` is decoupled: its requests go over a ``ModelStreamInfer`` stream,
+    each one done at its final response; every one the generator counts succeeded on the
+    server. A plain model streams with ``--streaming``."""
+    report = tmp_path / "r.json"
+    before = success_count(server, "repeat_int32")
+    done = bench("repeat_int32", "-u", server.grpc_url, "-i", "grpc", "--shape", "IN:4",
+                 "--concurrency", "1:2", *SHORT, "--json", str(report))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(report.read_text())
+    assert doc["streaming"] is True
+    check_report(doc, "repeat_int32", [1, 2])
+    assert doc["total"]["requests"] == success_count(server, "repeat_int32") - before
+    assert "streaming" in done.stdout
+    done = bench("mlp", "-u", server.grpc_url, "-i", "grpc", "--streaming", "--concurrency",
+                 "1", *SHORT, "--json", str(report))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(report.read_text())["streaming"] is True
+
+
+async def test_a_streamed_request_ends_at_its_final_response(server: KilnProcess) -> None:
+    from kiln.bench.inputs import ModelSpec, TensorSpec
+    from kiln.bench.transport import GrpcStreamSlot
+    from kiln.bench.wire import Placement, grpc_request
+
+    spec = ModelSpec("repeat_int32", "", [TensorSpec("IN", "INT32", [-1])], decoupled=True)
+    request = grpc_request(spec, {"IN": np.arange(4, dtype=np.int32)}, Placement(),
+                           {"triton_enable_empty_final_response": True})  # fmt: skip
+    slot = GrpcStreamSlot(server.grpc_url, [request], 30.0)
+    try:
+        await slot.infer()
+        assert slot.responses == 5  # four responses, then the FINAL flag on its own
+        await slot.infer()  # the same stream carries the next request
+        assert slot.responses == 10
+    finally:
+        await slot.close()
+
+
+def test_a_decoupled_model_needs_grpc(server: KilnProcess) -> None:
+    done = bench("repeat_int32", "-u", server.http_url, "--shape", "IN:4", *SHORT)
+    assert done.returncode == 2
+    assert "model 'repeat_int32' is decoupled" in done.stderr and "-i grpc" in done.stderr
+    done = bench("mlp", "-u", server.http_url, "--streaming", *SHORT)
+    assert done.returncode == 2 and "--streaming needs gRPC" in done.stderr
+
+
 def test_python_api_batch_size(server: KilnProcess) -> None:
     before = success_count(server, "mlp")
     result = run(model="mlp", url=server.grpc_url, protocol=Protocol.GRPC, batch_size=4,

@@ -84,6 +84,7 @@ def execute(params: dict[str, object]) -> None:
             shared_memory=str(params["shared_memory"]),
             sequence_length=int(str(params.get("sequence_length", 20))),
             sequence_id_start=int(str(params.get("sequence_id_start", 1))),
+            streaming=bool(params.get("streaming", False)),
             measurement_interval_ms=int(str(params["measurement_interval"])),
             duration_s=params["duration"],  # type: ignore[arg-type]
             stability_percentage=float(str(params["stability_percentage"])),

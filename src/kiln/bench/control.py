@@ -70,8 +70,9 @@ class StatsSnapshot:
 
 
 def _spec(
-    meta: dict[str, Any], max_batch_size: int, version: str, sequence: bool = False
-) -> ModelSpec:
+    meta: dict[str, Any], max_batch_size: int, version: str, sequence: bool = False,
+    decoupled: bool = False,
+) -> ModelSpec:  # fmt: skip
     def tensors(key: str) -> list[TensorSpec]:
         return [
             TensorSpec(t["name"], t["datatype"], [int(d) for d in t.get("shape", [])])
@@ -79,8 +80,9 @@ def _spec(
         ]
 
     return ModelSpec(
-        meta["name"], version, tensors("inputs"), tensors("outputs"), max_batch_size, sequence
-    )
+        meta["name"], version, tensors("inputs"), tensors("outputs"), max_batch_size, sequence,
+        decoupled,
+    )  # fmt: skip
 
 
 class Control:
@@ -149,22 +151,25 @@ class Control:
             )
             meta_doc = json_format.MessageToDict(meta, preserving_proto_field_name=True)
             sequence = config.config.HasField("sequence_batching")
-            return _spec(meta_doc, int(config.config.max_batch_size), version, sequence)
+            decoupled = config.config.model_transaction_policy.decoupled
+            return _spec(meta_doc, int(config.config.max_batch_size), version, sequence, decoupled)
         status, body = await self._get(self.model_path)
         if status != 200:
             raise self._unknown_model(error_text(status, body))
         meta_doc = orjson.loads(body)
         status, body = await self._get(self.model_path + "/config")
         # A server without the config extension: guess batching from a leading -1 dim.
-        sequence = False
+        sequence = decoupled = False
         if status == 200:
             config_doc = orjson.loads(body)
             max_batch = int(config_doc.get("max_batch_size", 0))
             sequence = "sequence_batching" in config_doc
+            policy = config_doc.get("model_transaction_policy") or {}
+            decoupled = bool(policy.get("decoupled", False))
         else:
             first = [t.get("shape", [0])[:1] for t in meta_doc.get("inputs", [])]
             max_batch = 1 if first and all(f == [-1] for f in first) else 0
-        return _spec(meta_doc, max_batch, version, sequence)
+        return _spec(meta_doc, max_batch, version, sequence, decoupled)
 
     async def stats(self) -> StatsSnapshot:
         if self.grpc:

@@ -53,6 +53,7 @@ class ModelSpec:
     outputs: list[TensorSpec] = field(default_factory=list)
     max_batch_size: int = 0
     sequence: bool = False  # its config has sequence_batching: requests need sequence ids
+    decoupled: bool = False  # 0..N responses per request: only a gRPC stream carries them
 
 
 def request_shapes(

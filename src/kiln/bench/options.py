@@ -99,6 +99,9 @@ class BenchOptions:
     # sends sequences of this many requests under its own id, sequence_id_start + client.
     sequence_length: int = 20
     sequence_id_start: int = 1
+    # gRPC: send over ModelStreamInfer, a request done at its final response (perf_analyzer's
+    # --streaming); a decoupled model is always streamed
+    streaming: bool = False
     measurement_interval_ms: int = 2000
     duration_s: float | None = None  # fixed single window instead of stability windows
     stability_percentage: float = 10.0
@@ -141,6 +144,8 @@ class BenchOptions:
             raise BenchError("--max-outstanding must be >= 1")
         if self.sequence_length < 1:
             raise BenchError(f"--sequence-length must be >= 1, got {self.sequence_length}")
+        if self.streaming and self.protocol is not Protocol.GRPC:
+            raise BenchError("--streaming needs gRPC: add -i grpc")
         if self.sequence_id_start < 1:
             raise BenchError(f"--sequence-id-start must be >= 1, got {self.sequence_id_start}")
 

@@ -66,6 +66,8 @@ def print_table(result: BenchResult, console: Console) -> None:
     )
     if result.spec.sequence:
         title += f" · sequences of {o.sequence_length}"
+    if result.to_json()["streaming"]:
+        title += " · streaming"
     table = Table(title=title, title_justify="left")
     first = "concurrency" if not o.open_loop else "rate"
     names = [first, "infer/s", "avg ms", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "queue µs",

@@ -16,7 +16,13 @@ from kiln.bench.options import BenchError, BenchOptions
 from kiln.bench.options import Protocol as Wire
 from kiln.bench.shm import ClientRegion
 from kiln.bench.stats import LevelResult, Window, summarize
-from kiln.bench.transport import GrpcSlot, HttpConnection, HttpSlot, http_request
+from kiln.bench.transport import (
+    GrpcSlot,
+    GrpcStreamSlot,
+    HttpConnection,
+    HttpSlot,
+    http_request,
+)
 from kiln.bench.wire import Placement, grpc_request, http_body
 
 
@@ -61,6 +67,8 @@ class BenchResult:
             "mode": "request_rate" if o.open_loop else "concurrency",
             # a model with sequence_batching: requests per sequence, else None
             "sequence_length": o.sequence_length if self.spec.sequence else None,
+            # requests over a gRPC ModelStreamInfer stream (a decoupled model always)
+            "streaming": o.protocol is Wire.GRPC and (o.streaming or self.spec.decoupled),
             "distribution": o.distribution.value if o.open_loop else None,
             "started": self.started,
             "levels": [level_json(level) for level in self.levels],
@@ -99,8 +107,26 @@ Encode = Callable[[dict[str, Any], Placement, dict[str, Any] | None], bytes]
 ClientRequests = Callable[[int], list[bytes]]
 
 
+def streams(options: BenchOptions, spec: ModelSpec) -> bool:
+    """Whether requests go over a gRPC ``ModelStreamInfer`` stream: with ``--streaming``,
+    and always for a decoupled model, whose 0..N responses nothing else carries."""
+    if not spec.decoupled:
+        return options.streaming
+    if options.protocol is not Wire.GRPC:
+        raise BenchError(
+            f"model '{spec.name}' is decoupled (0..N responses per request): kiln bench "
+            "sends its requests over a gRPC stream, add -i grpc"
+        )
+    return True
+
+
 def _encoder(options: BenchOptions, control: Control, spec: ModelSpec) -> Encode:
     if options.protocol is Wire.GRPC:
+        if streams(options, spec):  # the end of a request's responses is always marked
+            mark = {"triton_enable_empty_final_response": True}
+            return lambda entry, placement, params: grpc_request(
+                spec, entry, placement, {**mark, **(params or {})}
+            )
         return lambda entry, placement, params: grpc_request(spec, entry, placement, params)
     path = control.model_path + "/infer"
 
@@ -175,13 +201,14 @@ async def run_async(options: BenchOptions, progress: Progress | None = None) -> 
         requests = _client_requests(
             options, _encoder(options, control, spec), spec, entries, placements
         )
+        streaming = streams(options, spec)
         result = BenchResult(
             options, spec, started=datetime.datetime.now().isoformat("T", "seconds")
         )
         recorder = Recorder()
         for level in options.request_rates or options.concurrency:
             result.levels.append(
-                await _level(options, control, requests, recorder, level, progress)
+                await _level(options, control, requests, recorder, level, progress, streaming)
             )
         result.total_requests = recorder.total_ok
         result.total_errors = recorder.total_errors
@@ -198,8 +225,8 @@ async def run_async(options: BenchOptions, progress: Progress | None = None) -> 
 
 
 async def _level(options: BenchOptions, control: Control, requests: ClientRequests,
-                 recorder: Recorder, level: float,
-                 progress: Progress | None) -> LevelResult:  # fmt: skip
+                 recorder: Recorder, level: float, progress: Progress | None,
+                 streaming: bool = False) -> LevelResult:  # fmt: skip
     plan = Plan(
         options.measurement_interval_ms / 1000.0,
         options.max_trials,
@@ -210,6 +237,8 @@ async def _level(options: BenchOptions, control: Control, requests: ClientReques
 
     def make_slot(client: int = 0) -> Slot:
         mine = requests(client)
+        if streaming:
+            return GrpcStreamSlot(control.target, mine, options.timeout_s, options.grpc_metadata())
         if options.protocol is Wire.GRPC:
             return GrpcSlot(control.target, mine, options.timeout_s, options.grpc_metadata())
         return HttpSlot(HttpConnection(control.host, control.port, options.timeout_s), mine)

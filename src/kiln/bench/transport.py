@@ -10,6 +10,7 @@ bytes with no (de)serialiser, and the response bytes are not decoded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +18,10 @@ import grpc
 import httptools
 import orjson
 
+from kiln.frontends.grpc import grpc_service_pb2 as pb
+
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+MODEL_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
 class RequestError(Exception):
@@ -163,3 +167,55 @@ class GrpcSlot:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class GrpcStreamSlot(GrpcSlot):
+    """A worker's ``ModelStreamInfer`` stream (perf_analyzer's ``--streaming``): each
+    request is written to the stream and answered once its final response has come, so a
+    decoupled model's 0..N responses count as one request. Requests carry
+    ``triton_enable_empty_final_response`` (``stream_request`` adds it), so the end is marked
+    even when the model sends its FINAL flag alone; a response without
+    ``triton_final_response`` (a model that is not decoupled) is final. Responses are
+    decoded only for that flag and an error."""
+
+    stream: Any = None  # the call, opened by the first request
+    responses = 0  # over the slot's life, final ones included
+
+    async def infer(self) -> None:
+        if self.stream is None:
+            self.stream = self.channel.stream_stream(MODEL_STREAM_INFER)(metadata=self.metadata)
+        request = self.requests[self.next]
+        self.next = (self.next + 1) % len(self.requests)
+        try:
+            await self.stream.write(request)
+            while True:
+                raw = await asyncio.wait_for(self.stream.read(), self.timeout_s)
+                if raw is grpc.aio.EOF:
+                    raise RequestError("gRPC stream closed by the server")
+                self.responses += 1
+                response = pb.ModelStreamInferResponse.FromString(raw)
+                if response.error_message:
+                    raise RequestError(f"gRPC stream error: {response.error_message}")
+                final = response.infer_response.parameters.get("triton_final_response")
+                if final is None or final.bool_param:
+                    return
+        except TimeoutError:
+            self._reset()
+            raise RequestError(f"no final response within {self.timeout_s:g} s") from None
+        except grpc.aio.AioRpcError as exc:
+            self._reset()
+            raise RequestError(f"gRPC {exc.code().name}: {exc.details()}") from None
+
+    def _reset(self) -> None:
+        """A stream in an unknown state (a late response would answer the next request):
+        the next request opens a new one."""
+        if self.stream is not None:
+            self.stream.cancel()
+            self.stream = None
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+                await self.stream.done_writing()
+            self.stream.cancel()
+        await super().close()
