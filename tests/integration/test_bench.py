@@ -171,12 +171,18 @@ def test_a_decoupled_model_is_streamed(server: KilnProcess, tmp_path: Path) -> N
     doc = json.loads(report.read_text())
     assert doc["streaming"] is True
     check_report(doc, "repeat_int32", [1, 2])
+    for level in doc["levels"]:  # four responses with outputs per request (IN has four)
+        assert level["responses_per_sec"] == pytest.approx(4 * level["requests_per_sec"])
     assert doc["total"]["requests"] == success_count(server, "repeat_int32") - before
     assert "streaming" in done.stdout
-    done = bench("mlp", "-u", server.grpc_url, "-i", "grpc", "--streaming", "--concurrency",
-                 "1", *SHORT, "--json", str(report))  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert json.loads(report.read_text())["streaming"] is True
+    done = bench("mlp", "-u", server.grpc_url, "-i", "grpc", "--streaming", "--request-rate",
+                 "50", *SHORT, "--json", str(report))  # fmt: skip
+    assert done.returncode == 0, done.stderr  # the open loop streams too
+    doc = json.loads(report.read_text())
+    assert doc["streaming"] is True and doc["levels"][0]["requests"] > 0
+    assert doc["levels"][0]["responses_per_sec"] == pytest.approx(
+        doc["levels"][0]["requests_per_sec"]
+    )
 
 
 async def test_a_streamed_request_ends_at_its_final_response(server: KilnProcess) -> None:
@@ -189,9 +195,9 @@ async def test_a_streamed_request_ends_at_its_final_response(server: KilnProcess
                            {"triton_enable_empty_final_response": True})  # fmt: skip
     slot = GrpcStreamSlot(server.grpc_url, [request], 30.0)
     try:
-        await slot.infer()
-        assert slot.responses == 5  # four responses, then the FINAL flag on its own
-        await slot.infer()  # the same stream carries the next request
+        assert await slot.infer() == 4  # four responses with outputs...
+        assert slot.responses == 5  # ...then the FINAL flag on its own
+        assert await slot.infer() == 4  # the same stream carries the next request
         assert slot.responses == 10
     finally:
         await slot.close()

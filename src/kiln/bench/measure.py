@@ -25,7 +25,10 @@ from kiln.bench.transport import RequestError
 class Slot(Protocol):
     """What a worker drives: one request at a time on its own connection."""
 
-    async def infer(self) -> None: ...
+    async def infer(self) -> int | None:
+        """Send one request and wait for it; a streamed request returns how many responses
+        carried outputs (a decoupled model's 0..N), others None."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -35,6 +38,7 @@ class Recorder:
     """Completions since the last window cut, plus run-wide totals."""
 
     latencies: list[float] = field(default_factory=list)
+    responses: int = 0  # streamed requests' responses with outputs
     errors: int = 0
     dropped: int = 0
     late: int = 0
@@ -46,7 +50,7 @@ class Recorder:
     async def timed(self, slot: Slot) -> None:
         t0 = time.perf_counter()
         try:
-            await slot.infer()
+            answered = await slot.infer()
         except (RequestError, OSError) as exc:
             self.errors += 1
             self.total_errors += 1
@@ -55,10 +59,12 @@ class Recorder:
             return
         self.latencies.append(time.perf_counter() - t0)
         self.total_ok += 1
+        if answered:
+            self.responses += answered
 
-    def cut(self) -> tuple[list[float], int, int, int]:
-        taken = self.latencies, self.errors, self.dropped, self.late
-        self.latencies, self.errors, self.dropped, self.late = [], 0, 0, 0
+    def cut(self) -> tuple[list[float], int, int, int, int]:
+        taken = self.latencies, self.errors, self.dropped, self.late, self.responses
+        self.latencies, self.errors, self.dropped, self.late, self.responses = [], 0, 0, 0, 0
         return taken
 
 
@@ -88,10 +94,12 @@ async def measure(
     interval = plan.duration_s if plan.duration_s is not None else plan.interval_s
     for trial in range(trials):
         await asyncio.sleep(max(0.0, t0 + interval - time.perf_counter()))
-        latencies, errors, dropped, late = recorder.cut()
+        latencies, errors, dropped, late, responses = recorder.cut()
         t1, cpu1 = time.perf_counter(), own_cpu()
         after = await stats()
-        window = Window(t1 - t0, latencies, errors, cpu1 - cpu0, after - before, dropped, late)
+        window = Window(
+            t1 - t0, latencies, errors, cpu1 - cpu0, after - before, dropped, late, responses
+        )
         windows.append(window)
         on_window(trial, window)
         # The next window starts after the stats call so its own cost is not counted twice.

@@ -66,7 +66,8 @@ def print_table(result: BenchResult, console: Console) -> None:
     )
     if result.spec.sequence:
         title += f" · sequences of {o.sequence_length}"
-    if result.to_json()["streaming"]:
+    streaming = bool(result.to_json()["streaming"])
+    if streaming:
         title += " · streaming"
     table = Table(title=title, title_justify="left")
     first = "concurrency" if not o.open_loop else "rate"
@@ -76,6 +77,8 @@ def print_table(result: BenchResult, console: Console) -> None:
         table.add_column(name, justify="right")
     if o.open_loop:
         table.add_column("dropped/late", justify="right")
+    if streaming:
+        table.add_column("responses/s", justify="right")
     for lv in result.levels:
         lat, srv = lv.latency_us, lv.server_us
         stable = "" if lv.stable else " *"
@@ -88,6 +91,8 @@ def print_table(result: BenchResult, console: Console) -> None:
         ]  # fmt: skip
         if o.open_loop:
             row.append(f"{lv.dropped}/{lv.late}")
+        if streaming:
+            row.append(f"{lv.responses_per_sec:,.1f}")
         table.add_row(*row)
     console.print(table)
     if any(not lv.stable for lv in result.levels):

@@ -87,6 +87,8 @@ def level_json(level: LevelResult) -> dict[str, Any]:
         "request_rate": level.request_rate,
         "throughput_infer_per_sec": level.throughput,
         "requests_per_sec": level.requests_per_sec,
+        # streamed requests: their responses that carried outputs, per second
+        "responses_per_sec": level.responses_per_sec if level.responses else None,
         "requests": level.requests,
         "errors": level.errors,
         "dropped": level.dropped,

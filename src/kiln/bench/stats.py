@@ -61,6 +61,7 @@ class Window:
     server: StatsSnapshot = field(default_factory=StatsSnapshot)
     dropped: int = 0
     late: int = 0
+    responses: int = 0  # streamed requests' responses with outputs
 
     @property
     def throughput(self) -> float:
@@ -109,10 +110,15 @@ class LevelResult:
     client_cpu_us_per_request: float
     dropped: int = 0
     late: int = 0
+    responses: int = 0  # streamed: responses with outputs (a decoupled model's 0..N each)
 
     @property
     def requests_per_sec(self) -> float:
         return self.requests / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def responses_per_sec(self) -> float:
+        return self.responses / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def throughput(self) -> float:
@@ -161,4 +167,5 @@ def summarize(
         client_cpu_us_per_request=cpu / max(n + errors, 1) * 1e6,
         dropped=sum(w.dropped for w in used),
         late=sum(w.late for w in used),
+        responses=sum(w.responses for w in used),
     )

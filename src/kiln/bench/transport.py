@@ -131,12 +131,13 @@ class HttpSlot:
     def __init__(self, connection: HttpConnection, requests: Sequence[bytes]) -> None:
         self.connection, self.requests, self.next = connection, requests, 0
 
-    async def infer(self) -> None:
+    async def infer(self) -> int | None:
         request = self.requests[self.next]
         self.next = (self.next + 1) % len(self.requests)
         status, body = await self.connection.send(request)
         if status != 200:
             raise RequestError(error_text(status, body))
+        return None  # one response: nothing to count
 
     async def close(self) -> None:
         self.connection.close()
@@ -157,13 +158,14 @@ class GrpcSlot:
         self.requests, self.next, self.timeout_s = requests, 0, timeout_s
         self.metadata = metadata
 
-    async def infer(self) -> None:
+    async def infer(self) -> int | None:
         request = self.requests[self.next]
         self.next = (self.next + 1) % len(self.requests)
         try:
             await self.call(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             raise RequestError(f"gRPC {exc.code().name}: {exc.details()}") from None
+        return None  # one response: nothing to count
 
     async def close(self) -> None:
         await self.channel.close()
@@ -181,13 +183,16 @@ class GrpcStreamSlot(GrpcSlot):
     stream: Any = None  # the call, opened by the first request
     responses = 0  # over the slot's life, final ones included
 
-    async def infer(self) -> None:
+    async def infer(self) -> int:
+        """The request's responses that carried outputs (the FINAL marker alone does not
+        count)."""
         if self.stream is None:
             self.stream = self.channel.stream_stream(MODEL_STREAM_INFER)(metadata=self.metadata)
         request = self.requests[self.next]
         self.next = (self.next + 1) % len(self.requests)
         try:
             await self.stream.write(request)
+            answered = 0
             while True:
                 raw = await asyncio.wait_for(self.stream.read(), self.timeout_s)
                 if raw is grpc.aio.EOF:
@@ -196,9 +201,10 @@ class GrpcStreamSlot(GrpcSlot):
                 response = pb.ModelStreamInferResponse.FromString(raw)
                 if response.error_message:
                     raise RequestError(f"gRPC stream error: {response.error_message}")
+                answered += bool(response.infer_response.outputs)
                 final = response.infer_response.parameters.get("triton_final_response")
                 if final is None or final.bool_param:
-                    return
+                    return answered
         except TimeoutError:
             self._reset()
             raise RequestError(f"no final response within {self.timeout_s:g} s") from None
