@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from loadgen import MODEL_INFER, Window, drive_grpc, drive_http
 from peer_servers import ServerProcess, start_kiln
-from python_backend import Row, medians
+from python_backend import Key, Row, medians
 from rich.console import Console
 from rich.table import Table
 from serving_baseline import percentiles, run_raw, run_threads
@@ -144,9 +144,6 @@ def measure(repo: Path, work: Path, rnd: int, duration: float, log: Console) -> 
     finally:
         server.close()
     return rows
-
-
-Key = tuple[str, str, str, int]
 
 
 def raw_of(med: dict[Key, dict[str, float]], model: str, c: int) -> dict[str, float]:

@@ -66,7 +66,7 @@ def print_table(result: BenchResult, console: Console) -> None:
     )
     if result.spec.sequence:
         title += f" · sequences of {o.sequence_length}"
-    streaming = bool(result.to_json()["streaming"])
+    streaming = result.streaming
     if streaming:
         title += " · streaming"
     table = Table(title=title, title_justify="left")

@@ -53,6 +53,12 @@ class BenchResult:
             return "grpc"
         return "http-binary" if self.options.binary else "http-json"
 
+    @property
+    def streaming(self) -> bool:
+        """Requests went over a gRPC ModelStreamInfer stream (a decoupled model always)."""
+        o = self.options
+        return o.protocol is Wire.GRPC and (o.streaming or self.spec.decoupled)
+
     def to_json(self) -> dict[str, Any]:
         o = self.options
         return {
@@ -67,8 +73,7 @@ class BenchResult:
             "mode": "request_rate" if o.open_loop else "concurrency",
             # a model with sequence_batching: requests per sequence, else None
             "sequence_length": o.sequence_length if self.spec.sequence else None,
-            # requests over a gRPC ModelStreamInfer stream (a decoupled model always)
-            "streaming": o.protocol is Wire.GRPC and (o.streaming or self.spec.decoupled),
+            "streaming": self.streaming,
             "distribution": o.distribution.value if o.open_loop else None,
             "started": self.started,
             "levels": [level_json(level) for level in self.levels],
