@@ -60,18 +60,36 @@ def test_the_python_backend_offers_the_machine_s_gpus(monkeypatch: pytest.Monkey
     assert PythonBackend.gpu_count() == 0
 
 
-def test_onnxruntime_with_a_cuda_provider_counts_one_gpu_at_least(
+def test_onnxruntime_counts_the_driver_s_gpus_not_its_provider_list(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Neither the driver's entries nor NVML readable: the CUDA provider's presence says
-    one GPU, as it did before kiln counted them."""
+    """onnxruntime-gpu lists the CUDA provider on a machine with no GPU: only the driver
+    (or NVML) says how many there are. Before, the provider alone counted as one GPU."""
     import kiln.backends.onnxruntime as ort_backend
 
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     monkeypatch.setattr(ort_backend.ort, "get_available_providers", lambda: providers)
     monkeypatch.setattr(ort_backend, "visible_gpu_count", lambda: 0)
-    assert ort_backend.OnnxRuntimeBackend.gpu_count() == 1
+    assert ort_backend.OnnxRuntimeBackend.gpu_count() == 0
     monkeypatch.setattr(ort_backend, "visible_gpu_count", lambda: 4)
     assert ort_backend.OnnxRuntimeBackend.gpu_count() == 4
     monkeypatch.setattr(ort_backend.ort, "get_available_providers", lambda: providers[1:])
     assert ort_backend.OnnxRuntimeBackend.gpu_count() == 0
+
+
+def test_kind_auto_runs_on_the_cpu_when_onnxruntime_gpu_finds_no_driver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A config with no instance_group (KIND_AUTO) on a GPU-less machine with
+    onnxruntime-gpu installed: the instances are CPU ones, as Triton places them."""
+    import kiln.backends.onnxruntime as ort_backend
+    from kiln.backends.base import instance_specs
+    from kiln.config.model_config_pb2 import ModelConfig, ModelInstanceGroup
+
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(ort_backend.ort, "get_available_providers", lambda: providers)
+    monkeypatch.setattr(ort_backend, "visible_gpu_count", lambda: 0)
+    config = ModelConfig(name="simple", backend="onnxruntime")
+    config.instance_group.add(kind=ModelInstanceGroup.KIND_AUTO, count=2)
+    specs = instance_specs(config, ort_backend.OnnxRuntimeBackend.gpu_count())
+    assert [s.kind for s in specs] == ["cpu", "cpu"]

@@ -69,8 +69,9 @@ class OnnxRuntimeBackend(Backend):
     def gpu_count(cls) -> int:
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             return 0
-        # Neither the driver's /proc entries nor NVML readable: the provider says one.
-        return visible_gpu_count() or 1
+        # The driver decides, not the provider list: onnxruntime-gpu names CUDA on a machine
+        # with no GPU at all, and KIND_AUTO must then fall back to the CPU, as on Triton.
+        return visible_gpu_count()
 
     @classmethod
     def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:
