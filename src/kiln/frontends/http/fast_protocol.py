@@ -14,8 +14,10 @@ header timeout keep working because the in-flight request stands in ``self.cycle
 uvicorn's own cycle would.
 
 API keys and restricted API groups are checked here exactly as the access middleware
-checks them; a request that carries an ``Origin`` header while CORS is configured goes
-to the ASGI app, whose CORS middleware adds the headers a browser needs.
+checks them. A browser's request (``Origin`` or ``Sec-Fetch-Site``) and one whose ``Host``
+kiln does not answer to go to the ASGI app, whose browser guard refuses them (403 / 421,
+:mod:`kiln.frontends.http.browser`) and whose CORS middleware adds the headers a browser
+needs; clients that are not browsers pay one set lookup per header for this.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kiln.core.access import AccessPolicy, ApiGroup
 from kiln.core.errors import KilnError, Status
 from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done, trace_context
 from kiln.frontends.http.app import HttpFrontend
+from kiln.frontends.http.browser import BROWSER_HEADERS, BrowserGuard
 from kiln.frontends.http.fast_infer import (
     INFER_PATH,
     WANTED_HEADERS,
@@ -75,10 +78,12 @@ def fast_infer_protocol(
     base: type[HttpToolsProtocol],
     frontend: HttpFrontend,
     access: AccessPolicy | None = None,
-    cors: bool = False,
+    browser: BrowserGuard | None = None,
 ) -> type[HttpToolsProtocol]:
-    """``access``: the HTTP access policy when it is enabled; ``cors``: CORS is configured."""
+    """``access``: the HTTP access policy when it is enabled; ``browser``: the host names
+    answered (requests this path leaves to the ASGI app's guard)."""
     max_body = frontend.max_body
+    host_ok = (browser or BrowserGuard(None, frozenset())).host_ok
     read_timeout = frontend.read_timeout
     tracer = frontend.server.tracer
 
@@ -127,8 +132,8 @@ def fast_infer_protocol(
                 name = WANTED_HEADERS.get(key)
                 if name is not None:
                     headers[name] = value.decode("latin-1")
-                elif cors and key == b"origin":
-                    return None  # a browser's request: CORS headers come from the ASGI app
+                elif key in BROWSER_HEADERS and (key != b"host" or not host_ok(value)):
+                    return None  # a browser's request or a foreign Host: the ASGI app judges
             length = headers.get("content-length")
             if length is None or not length.isdigit() or int(length) > max_body:
                 return None  # chunked or too large: the ASGI path reads and refuses it
