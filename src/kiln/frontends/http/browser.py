@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 STATE_CHANGING = frozenset({"POST", "PUT", "DELETE", "PATCH"})
 LOCAL_NAMES = ("localhost", "127.0.0.1", "[::1]")
-# The headers the fast infer path must hand to this check (it defers such requests).
-BROWSER_HEADERS = frozenset({b"host", b"origin", b"sec-fetch-site"})
 
 
 def host_name(host: str) -> str:
@@ -64,6 +62,8 @@ class BrowserGuard:
     hosts: frozenset[bytes] | None
     cors_origins: frozenset[str]
     bind: str = ""
+    # Host values already judged: the fast path then pays one dict lookup per request.
+    _seen: dict[bytes, bool] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def create(
@@ -80,7 +80,15 @@ class BrowserGuard:
         return cls(hosts, origins, bind)
 
     def host_ok(self, host: bytes) -> bool:
-        """Cheap enough for the fast infer path: a few bytes operations and a set lookup."""
+        """Whether kiln answers to ``Host: host``; one dict lookup once a value was seen."""
+        ok = self._seen.get(host)
+        if ok is None:
+            if len(self._seen) >= 64:  # made-up names must not grow it without bound
+                self._seen.clear()
+            ok = self._seen[host] = self._judge(host)
+        return ok
+
+    def _judge(self, host: bytes) -> bool:
         if self.hosts is None or not host:  # no Host: HTTP/1.0, never a browser
             return True
         host = host.strip().lower()
