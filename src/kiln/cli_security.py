@@ -64,6 +64,9 @@ _OPTIONS = [
                  show_default=True, help="Most input tensors in one request (0: no limit)."),
     click.option("--max-tensor-elements", type=click.IntRange(min=0), default=0,
                  show_default=True, help="Most elements in one input tensor (0: no limit)."),
+    click.option("--http-allowed-host", "http_allowed_hosts", multiple=True, metavar="HOST",
+                 help="Also answer HTTP requests whose Host is HOST (default: localhost names "
+                 "and the bind address on loopback, any on other addresses); may repeat."),
 ]  # fmt: skip
 
 
@@ -127,4 +130,15 @@ def build_security(p: dict[str, Any]) -> SecurityOptions:
         http_read_timeout_secs=p["http_read_timeout_secs"],
         http_header_timeout_secs=p["http_header_timeout_secs"],
         grpc_max_message_bytes=p["grpc_max_message_bytes"],
+        http_allowed_hosts=_allowed_hosts(p["http_allowed_hosts"]),
     )
+
+
+def _allowed_hosts(hosts: tuple[str, ...]) -> tuple[str, ...]:
+    for h in hosts:
+        if not h or "/" in h or any(c.isspace() for c in h):
+            raise click.BadParameter(
+                f"'{h}' is not a host name (HOST or HOST:PORT, no scheme)",
+                param_hint="--http-allowed-host",
+            )
+    return tuple(hosts)

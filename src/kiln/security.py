@@ -89,3 +89,5 @@ class SecurityOptions:
     # kiln: a request body must arrive within this long (408 beyond; 0: no limit).
     http_read_timeout_secs: float = 60.0
     grpc_max_message_bytes: int = 2**31 - 1
+    # kiln: Host names answered besides localhost's and the bind address (421 otherwise).
+    http_allowed_hosts: tuple[str, ...] = ()

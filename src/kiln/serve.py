@@ -18,9 +18,10 @@ from typing import Any
 import uvicorn
 from starlette.middleware.cors import CORSMiddleware
 
-from kiln.core.server import Server, ServerOptions
+from kiln.core.server import ControlMode, Server, ServerOptions
 from kiln.frontends.http.access import AccessMiddleware
 from kiln.frontends.http.app import HttpFrontend
+from kiln.frontends.http.browser import BrowserGuard, BrowserGuardMiddleware
 from kiln.frontends.http.fast_protocol import fast_infer_protocol
 from kiln.frontends.http.live_routes import live_routes
 from kiln.frontends.http.monitor_routes import monitor_routes
@@ -67,9 +68,11 @@ def _uvicorn(
     timeout: float,
     security: SecurityOptions | None = None,
     fast: HttpFrontend | None = None,
+    browser: BrowserGuard | None = None,
 ) -> _Uvicorn:
     """``security``: the main HTTP listener's TLS and limits; None for the metrics port.
-    ``fast``: answer inference inside the HTTP protocol with this frontend."""
+    ``fast``: answer inference inside the HTTP protocol with this frontend; ``browser``: the
+    guard ``app`` applies, whose host names the fast path checks too."""
     sec = security or SecurityOptions()
     tls: dict[str, object] = {}
     if security is not None and security.http_tls is not None:
@@ -83,7 +86,7 @@ def _uvicorn(
     protocol = header_timeout_protocol(sec.http_header_timeout_secs)
     if fast is not None:
         access = sec.http_access if sec.http_access.enabled else None
-        protocol = fast_infer_protocol(protocol, fast, access, bool(sec.cors_origins))
+        protocol = fast_infer_protocol(protocol, fast, access, browser)
     config = uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=host,
@@ -103,9 +106,12 @@ def _uvicorn(
     return _Uvicorn(config)
 
 
-def _http_app(frontend: HttpFrontend, routes: list[Any], security: SecurityOptions) -> Any:
+def _http_app(
+    frontend: HttpFrontend, routes: list[Any], security: SecurityOptions, browser: BrowserGuard
+) -> Any:
     """The HTTP app inside its access check, inside CORS (so browsers' preflight requests,
-    which carry no credentials, are answered before the key is asked for)."""
+    which carry no credentials, are answered before the key is asked for), inside the
+    browser guard (a foreign Host or a cross-site state change reaches nothing)."""
     app: Any = frontend.app(routes)
     if security.http_access.enabled:
         app = AccessMiddleware(app, security.http_access)
@@ -123,7 +129,7 @@ def _http_app(frontend: HttpFrontend, routes: list[Any], security: SecurityOptio
             ],
             expose_headers=["inference-header-content-length"],
         )
-    return app
+    return BrowserGuardMiddleware(app, browser)
 
 
 async def run(options: ServerOptions, endpoints: Endpoints) -> int:
@@ -143,6 +149,9 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
             external_url = f"http://{endpoints.host}:{endpoints.http_port}"
             monitor = MonitorService(metrics, endpoints.monitor, external_url)
     security = endpoints.security
+    browser = BrowserGuard.create(
+        endpoints.host, security.http_allowed_hosts, security.cors_origins
+    )
     frontend = HttpFrontend(server, security.http_read_timeout_secs)
     http = _uvicorn(
         _http_app(
@@ -153,18 +162,20 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
                 *openai_routes(server),
             ],
             security,
+            browser,
         ),
         endpoints.host,
         endpoints.http_port,
         options.exit_timeout_secs,
         security,
         fast=frontend,
+        browser=browser,
     )
     servers = [http]
     if metrics is not None and endpoints.allow_metrics:
         servers.append(
             _uvicorn(
-                metrics_app(metrics),
+                BrowserGuardMiddleware(metrics_app(metrics), browser),
                 endpoints.host,
                 endpoints.metrics_port,
                 options.exit_timeout_secs,
@@ -213,6 +224,12 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         endpoints.host,
         endpoints.metrics_port,
     )
+    if options.model_control_mode is ControlMode.EXPLICIT and not security.http_access.api_keys:
+        log.warning(
+            "model control mode is explicit and no API key is set: anyone who can reach "
+            "the HTTP or gRPC port can load models, and a load with file: parameters runs "
+            "code as this user; set --api-key (docs/security.md)"
+        )
     if monitor is not None:
         monitor.start()
     await server.start()

@@ -43,7 +43,7 @@ def body_for(a: int, b: int) -> bytes:
 
 def post(path: str, body: bytes, extra: str = "", version: str = "1.1") -> bytes:
     head = (
-        f"POST {path} HTTP/{version}\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/{version}\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n{extra}\r\n"
     )
     return head.encode() + body
@@ -92,7 +92,7 @@ def test_pipelined_requests_answer_in_order_across_both_paths(server: KilnProces
     with sock:
         sock.sendall(
             post("/v2/models/simple/infer", body_for(1, 1))
-            + b"GET /v2/models/simple HTTP/1.1\r\nHost: x\r\n\r\n"  # an ASGI route
+            + b"GET /v2/models/simple HTTP/1.1\r\nHost: localhost\r\n\r\n"  # an ASGI route
             + post("/v2/models/simple/infer", body_for(5, 2))
             + post("/v2/models/simple/versions/1/infer", body_for(7, 3))
         )
@@ -134,7 +134,7 @@ def test_chunked_body_is_read_by_the_asgi_path(server: KilnProcess) -> None:
     sock, reader = connect(server)
     with sock:
         sock.sendall(
-            b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: x\r\n"
+            b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: localhost\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n" + chunked + b"0\r\n\r\n"
         )
         status, _, out = reader.response()

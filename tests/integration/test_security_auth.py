@@ -213,9 +213,11 @@ def test_limits_refused_alike_over_http_and_grpc(secured: KilnProcess) -> None:
 def test_dashboard_key_cookie_opens_api_gets(secured: KilnProcess) -> None:
     base = f"http://{secured.http_url}"
     assert requests.get(base + "/dashboard/", timeout=10).status_code == 200  # the shell
-    assert requests.get(base + "/dashboard/?api_key=wrong", timeout=10).status_code == 401
+    wrong = {"authorization": "Bearer wrong"}
+    assert requests.post(base + "/dashboard/session", headers=wrong, timeout=10).status_code == 401
     with requests.Session() as s:
-        assert s.get(base + "/dashboard/?api_key=" + KEY, timeout=10).status_code == 200
+        # the page's key form: the key in a header, never in the URL
+        assert s.post(base + "/dashboard/session", headers=AUTH, timeout=10).status_code == 204
         assert s.get(base + "/api/live", timeout=10).status_code == 200
         # the cookie never authorises anything but monitoring reads
         assert s.get(base + "/v2", timeout=10).status_code == 401

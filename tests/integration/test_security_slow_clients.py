@@ -32,7 +32,7 @@ def _connect(server: KilnProcess) -> socket.socket:
 
 def test_unfinished_headers_close_the_connection(strict: KilnProcess) -> None:
     with _connect(strict) as sock:
-        sock.sendall(b"GET /v2 HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        sock.sendall(b"GET /v2 HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
         assert sock.recv(1024) == b""  # closed by the server, not by our timeout
     assert requests.get(f"http://{strict.http_url}/v2", timeout=10).status_code == 200
 
@@ -45,7 +45,7 @@ def test_idle_connection_is_closed(strict: KilnProcess) -> None:
 def test_slow_body_gets_408(strict: KilnProcess) -> None:
     with _connect(strict) as sock:
         sock.sendall(
-            b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: x\r\n"
+            b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: localhost\r\n"
             b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"inputs"'
         )
         reply = b""

@@ -78,7 +78,7 @@ def _read_response(sock: ssl.SSLSocket) -> tuple[bytes, bytes]:
 
 def test_an_idle_keep_alive_client_does_not_hold_up_shutdown(https: KilnProcess, pki: Pki) -> None:
     sock = _connect(https, pki)
-    sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: kiln\r\n\r\n")
+    sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: localhost\r\n\r\n")
     head, _ = _read_response(sock)
     assert head.startswith(b"HTTP/1.1 200")
     # The client now sits on its open connection and reads nothing (as a pool does).
@@ -108,7 +108,7 @@ def test_a_slow_reader_gets_the_whole_response_before_the_close(
     )
     sock = _connect(https, pki)
     sock.sendall(
-        b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: kiln\r\nConnection: close\r\n"
+        b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
         b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
         + b"\r\n\r\n" + body
     )  # fmt: skip

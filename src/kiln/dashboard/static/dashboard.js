@@ -238,6 +238,7 @@
     let s;
     try {
       const resp = await fetch("/api/live", { cache: "no-store" });
+      if (resp.status === 401) return askKey();
       s = await resp.json();
       if (!resp.ok) throw new Error(s.error || "HTTP " + resp.status);
     } catch (err) {
@@ -282,6 +283,34 @@
     (only || charts).forEach(render);
   }
 
+  // With API keys, the key is typed into the page's form and sent once in a header to
+  // POST /dashboard/session, which sets an HttpOnly cookie for /api/*: never in a URL, where
+  // browser history, server logs and Referer headers would keep it.
+  function askKey(error = null) {
+    $("#status").textContent = "API key needed";
+    if (error !== null) $("#login-error").textContent = error; // polls keep the last one
+    if ($("#login").hidden) {
+      $("#login").hidden = false;
+      $("#api-key").focus();
+    }
+  }
+
+  async function login(event) {
+    event.preventDefault();
+    const input = $("#api-key");
+    let resp;
+    try {
+      resp = await fetch("/dashboard/session", { method: "POST", headers: { Authorization: "Bearer " + input.value.trim() } });
+    } catch (err) {
+      return askKey("cannot send the key: " + err.message);
+    }
+    input.value = "";
+    if (!resp.ok) return askKey(resp.status === 401 ? "wrong key" : "HTTP " + resp.status);
+    $("#login").hidden = true;
+    await poll();
+    loadHistory();
+  }
+
   function pickRange(button) {
     document.querySelectorAll("#range button").forEach((b) => b.classList.toggle("active", b === button));
     rangeS = RANGES[button.dataset.range];
@@ -290,6 +319,7 @@
     loadHistory();
   }
 
+  $("#login").addEventListener("submit", login);
   document.querySelectorAll("#range button").forEach((b) => b.addEventListener("click", () => pickRange(b)));
   window.addEventListener("resize", () => {
     for (const c of charts.values()) if (c.plot) c.plot.setSize({ width: Math.max(c.body.clientWidth, 300), height: 200 });

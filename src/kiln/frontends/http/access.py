@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import re
 from http.cookies import SimpleCookie
-from urllib.parse import parse_qs
 
 import orjson
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kiln.core.access import AccessPolicy, ApiGroup
+from kiln.core.access import AccessPolicy, ApiGroup, presented_key
 
 # The dashboard's page loads without a key (it holds no data); its fetches of /api/* carry
-# this cookie, set when the page is opened as /dashboard/?api_key=KEY.
+# this cookie, set by POST /dashboard/session with the key in a header (the page's form):
+# never in a URL, where browser history, logs and Referer headers would keep it.
 COOKIE = "kiln_api_key"
+SESSION_PATH = "/dashboard/session"
 
 _MODEL = r"/v2/models/[^/]+(?:/versions/[^/]+)?"
 _RULES: list[tuple[re.Pattern[str], ApiGroup | None]] = [
@@ -61,8 +62,8 @@ class AccessMiddleware:
         group = api_group(path)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         if group is None:
-            if path.startswith("/dashboard"):
-                await self._dashboard(scope, receive, send)
+            if path == SESSION_PATH and scope["method"] == "POST":
+                await self._session(scope, headers, send)
             else:
                 await self.app(scope, receive, send)
             return
@@ -80,26 +81,28 @@ class AccessMiddleware:
         else:
             await _reply(send, 403, denial.message)
 
-    async def _dashboard(self, scope: Scope, receive: Receive, send: Send) -> None:
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        key = (query.get("api_key") or [""])[0]
-        if not key or not self.policy.api_keys:
-            await self.app(scope, receive, send)
+    async def _session(self, scope: Scope, headers: dict[str, str], send: Send) -> None:
+        key = presented_key(headers.get)
+        if not key:
+            message = "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            await _reply(send, 401, message, [(b"www-authenticate", b"Bearer")])
             return
         if not self.policy.key_matches(key):
             await _reply(send, 401, "invalid API key", [(b"www-authenticate", b"Bearer")])
             return
         secure = "; Secure" if scope.get("scheme") == "https" else ""
         cookie = f"{COOKIE}={key}; Path=/api; HttpOnly; SameSite=Strict{secure}"
-
-        async def with_cookie(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                raw = list(message.get("headers", []))
-                raw.append((b"set-cookie", cookie.encode("latin-1")))
-                message = {**message, "headers": raw}
-            await send(message)
-
-        await self.app(scope, receive, with_cookie)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 204,
+                "headers": [
+                    (b"set-cookie", cookie.encode("latin-1")),
+                    (b"cache-control", b"no-store"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": b""})
 
 
 def _cookie_key(header: str | None) -> list[str]:

@@ -14,8 +14,10 @@ header timeout keep working because the in-flight request stands in ``self.cycle
 uvicorn's own cycle would.
 
 API keys and restricted API groups are checked here exactly as the access middleware
-checks them; a request that carries an ``Origin`` header while CORS is configured goes
-to the ASGI app, whose CORS middleware adds the headers a browser needs.
+checks them. A browser's request (``Origin`` or ``Sec-Fetch-Site``) and one whose ``Host``
+kiln does not answer to go to the ASGI app, whose browser guard refuses them (403 / 421,
+:mod:`kiln.frontends.http.browser`) and whose CORS middleware adds the headers a browser
+needs; other clients pay one dict lookup per request for this (the Host value's).
 """
 
 from __future__ import annotations
@@ -32,12 +34,16 @@ from kiln.core.access import AccessPolicy, ApiGroup
 from kiln.core.errors import KilnError, Status
 from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done, trace_context
 from kiln.frontends.http.app import HttpFrontend
+from kiln.frontends.http.browser import BrowserGuard
 from kiln.frontends.http.fast_infer import (
     INFER_PATH,
     WANTED_HEADERS,
     answer,
     error,
 )
+
+# markers in the header lookup (no header name holds a NUL)
+_HOST, _BROWSER = "\0host", "\0browser"
 
 
 class _Nothing:
@@ -75,10 +81,17 @@ def fast_infer_protocol(
     base: type[HttpToolsProtocol],
     frontend: HttpFrontend,
     access: AccessPolicy | None = None,
-    cors: bool = False,
+    browser: BrowserGuard | None = None,
 ) -> type[HttpToolsProtocol]:
-    """``access``: the HTTP access policy when it is enabled; ``cors``: CORS is configured."""
+    """``access``: the HTTP access policy when it is enabled; ``browser``: the host names
+    answered (requests this path leaves to the ASGI app's guard)."""
     max_body = frontend.max_body
+    # One dict lookup per header finds the wanted ones and those that send the request to
+    # the ASGI app's browser guard (Host only where kiln checks it).
+    lookup: dict[bytes, str] = {**WANTED_HEADERS, b"origin": _BROWSER, b"sec-fetch-site": _BROWSER}
+    if browser is not None and browser.hosts is not None:
+        lookup[b"host"] = _HOST
+    host_ok = (browser or BrowserGuard(None, frozenset())).host_ok
     read_timeout = frontend.read_timeout
     tracer = frontend.server.tracer
 
@@ -124,11 +137,16 @@ def fast_infer_protocol(
                 return None
             headers: dict[str, str] = {}
             for key, value in self.headers:
-                name = WANTED_HEADERS.get(key)
-                if name is not None:
+                name = lookup.get(key)
+                if name is None:
+                    continue
+                if name is _HOST:
+                    if not host_ok(value):
+                        return None  # a foreign Host: the ASGI app answers 421
+                elif name is _BROWSER:
+                    return None  # a browser's request: the ASGI app judges it, adds CORS
+                else:
                     headers[name] = value.decode("latin-1")
-                elif cors and key == b"origin":
-                    return None  # a browser's request: CORS headers come from the ASGI app
             length = headers.get("content-length")
             if length is None or not length.isdigit() or int(length) > max_body:
                 return None  # chunked or too large: the ASGI path reads and refuses it

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.core.server import Server
 from kiln.dashboard import STATIC_DIR
@@ -51,6 +52,36 @@ def merge_models(
     return rows
 
 
+# The page must not be framed by another site (clickjacking) nor have a response sniffed
+# into another type; a policy a response already has keeps its directives.
+_NOSNIFF = (b"x-content-type-options", b"nosniff")
+_FRAME_ANCESTORS = b"frame-ancestors 'none'"
+
+
+def page_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    out = [(k, v) for k, v in raw if k.lower() != b"x-content-type-options"]
+    out.append(_NOSNIFF)
+    for i, (k, v) in enumerate(out):
+        if k.lower() == b"content-security-policy":
+            out[i] = (k, v.rstrip(b"; ") + b"; " + _FRAME_ANCESTORS)
+            return out
+    out.append((b"content-security-policy", _FRAME_ANCESTORS))
+    return out
+
+
+class DashboardHeaders:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": page_headers(list(message.get("headers", [])))}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
 def live_routes(
     server: Server, metrics: MetricsService | None, monitor: MonitorService | None
 ) -> list[BaseRoute]:
@@ -82,10 +113,16 @@ def live_routes(
         return json_response(summary)
 
     async def to_page(request: Request) -> Response:
-        return RedirectResponse("/dashboard/", 307)
+        redirect = RedirectResponse("/dashboard/", 307)
+        redirect.raw_headers = page_headers(redirect.raw_headers)
+        return redirect
 
     return [
         Route("/api/live", live, methods=["GET"]),
         Route("/dashboard", to_page, methods=["GET"]),
-        Mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard"),
+        Mount(
+            "/dashboard",
+            DashboardHeaders(StaticFiles(directory=STATIC_DIR, html=True)),
+            name="dashboard",
+        ),
     ]
