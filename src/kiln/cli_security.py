@@ -64,6 +64,12 @@ _OPTIONS = [
                  show_default=True, help="Most input tensors in one request (0: no limit)."),
     click.option("--max-tensor-elements", type=click.IntRange(min=0), default=0,
                  show_default=True, help="Most elements in one input tensor (0: no limit)."),
+    click.option("--max-shm-regions", type=click.IntRange(min=1), default=1024,
+                 show_default=True,
+                 help="Most system shared memory regions registered at once (400 beyond)."),
+    click.option("--allow-shm-other-owners", is_flag=True,
+                 help="Let clients register /dev/shm objects of other users too (the server "
+                 "reads and writes them with its own rights)."),
 ]  # fmt: skip
 
 
