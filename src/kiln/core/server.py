@@ -271,7 +271,7 @@ class Server:
             raise invalid_arg("load parameter 'config' must be a JSON string")
         if isinstance(config, bytes):
             config = config.decode("utf-8", "replace")
-        files = decode_files(parameters)
+        files = decode_files(name, parameters)
         await self.repository.load(name, config, files or None)
 
     async def unload_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
