@@ -209,10 +209,11 @@ class SharedMemoryManager:
                     f"{start + len(data)} bytes now (its object was truncated after "
                     "registration)"
                 )
-            view = memoryview(data).cast("B")
-            done = 0
-            while done < len(view):
-                done += os.pwrite(region.fd, view[done:], start + done)
+            done = os.pwrite(region.fd, data, start)
+            if done < len(data):  # a partial write: rare, so the view only then
+                view = memoryview(data).cast("B")
+                while done < len(view):
+                    done += os.pwrite(region.fd, view[done:], start + done)
 
     def acquire(self, names: list[str]) -> None:
         """Mark regions in use by a request (so they cannot be unregistered under it)."""
