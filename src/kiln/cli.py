@@ -327,6 +327,8 @@ def serve(
         cache=parsed_cache_config,
         max_input_tensors=security_params["max_input_tensors"],
         max_tensor_elements=security_params["max_tensor_elements"],
+        max_shm_regions=security_params["max_shm_regions"],
+        allow_shm_other_owners=security_params["allow_shm_other_owners"],
         rate_limit=rate_limit == "execution_count",
         rate_limit_resources=overrides,
         trace=trace,

@@ -67,6 +67,12 @@ _OPTIONS = [
     click.option("--http-allowed-host", "http_allowed_hosts", multiple=True, metavar="HOST",
                  help="Also answer HTTP requests whose Host is HOST (default: localhost names "
                  "and the bind address on loopback, any on other addresses); may repeat."),
+    click.option("--max-shm-regions", type=click.IntRange(min=1), default=1024,
+                 show_default=True,
+                 help="Most system shared memory regions registered at once (400 beyond)."),
+    click.option("--allow-shm-other-owners", is_flag=True,
+                 help="Let clients register /dev/shm objects of other users too (the server "
+                 "reads and writes them with its own rights)."),
 ]  # fmt: skip
 
 

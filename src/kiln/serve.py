@@ -251,6 +251,10 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         # its thread: leave now so the exit timeout really bounds the shutdown.
         log.warning("models still busy after %.0fs: exiting anyway", options.exit_timeout_secs)
         logging.shutdown()
+        # os._exit skips atexit: the Python backend's arenas would stay in /dev/shm.
+        from kiln.backends.python.process import remove_private_dirs
+
+        remove_private_dirs()
         os._exit(0)
     if monitor is not None:
         monitor.stop()

@@ -20,7 +20,7 @@ from kiln.core.classification import classify, requested_count
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.runtime import ModelRuntime
 from kiln.core.settings import LogSettings, TraceSettings
-from kiln.core.shm import SharedMemoryManager
+from kiln.core.shm import MAX_REGIONS, SharedMemoryManager
 from kiln.core.signature import check_request_limits
 from kiln.core.trace import Tracer
 from kiln.core.trace_otel import OtelOptions
@@ -73,6 +73,8 @@ class ServerOptions:
     # --trace-config / --trace-file ...: the starting global trace settings
     trace: TraceSettings = field(default_factory=TraceSettings)
     trace_otel: OtelOptions | None = None  # mode=opentelemetry: the exporter's options
+    max_shm_regions: int = MAX_REGIONS  # --max-shm-regions
+    allow_shm_other_owners: bool = False  # --allow-shm-other-owners
 
 
 class Server:
@@ -87,7 +89,10 @@ class Server:
             auto_complete=options.auto_complete_config,
             rate_limiter=RateLimiter(options.rate_limit_resources) if options.rate_limit else None,
         )
-        self.shm = SharedMemoryManager()
+        self.shm = SharedMemoryManager(
+            max_regions=options.max_shm_regions,
+            allow_other_owners=options.allow_shm_other_owners,
+        )
         self.tracer = Tracer(options.trace, options.trace_otel)
         self.repository.tracer = self.tracer
         self.poller: RepositoryPoller | None = None
@@ -266,7 +271,7 @@ class Server:
             raise invalid_arg("load parameter 'config' must be a JSON string")
         if isinstance(config, bytes):
             config = config.decode("utf-8", "replace")
-        files = decode_files(parameters)
+        files = decode_files(name, parameters)
         await self.repository.load(name, config, files or None)
 
     async def unload_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:

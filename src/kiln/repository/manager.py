@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import contextvars
 import logging
 import shutil
@@ -201,16 +202,34 @@ class RepositoryManager:
         self, entry: ModelEntry, config_json: str | None, files: dict[str, bytes] | None
     ) -> None:
         name = entry.name
-        files_dir = None
-        if files:
-            if config_json is None:
-                raise invalid_arg(f"failed to load '{name}': 'file:' parameters need 'config'")
-            files_dir = _write_files(name, files)
-            model_dir = files_dir
-        else:
+        if not files:
             model_dir = self.model_dir(name)
             # model_dir is <resolved repository>/<name>: its parent is the repository.
             check_tree_inside(model_dir, model_dir.parent, name)
+            await self._load_dir(entry, model_dir, config_json, None)
+            return
+        if config_json is None:
+            raise invalid_arg(f"failed to load '{name}': 'file:' parameters need 'config'")
+        files_dir = _write_files(name, files)
+        try:
+            await self._load_dir(entry, files_dir, config_json, files_dir)
+        except BaseException as exc:
+            # Nothing else owns the folder unless the new versions took it: every failure
+            # path removes it (it may hold a client's large files), and its private path
+            # is not told to the client.
+            if entry.files_dir != files_dir:
+                shutil.rmtree(files_dir, ignore_errors=True)
+            _hide_folder(exc, files_dir)
+            raise
+
+    async def _load_dir(
+        self,
+        entry: ModelEntry,
+        model_dir: Path,
+        config_json: str | None,
+        files_dir: Path | None,
+    ) -> None:
+        name = entry.name
         config_path = model_dir / CONFIG_NAME
         text: str | None = None
         if config_json is not None:
@@ -282,8 +301,6 @@ class RepositoryManager:
             for runtime in new.values():
                 if runtime.ready:
                     await runtime.unload(0)
-            if files_dir is not None:
-                shutil.rmtree(files_dir, ignore_errors=True)
             version, err = errors[0]
             msg = err.message if isinstance(err, KilnError) else f"{type(err).__name__}: {err}"
             raise KilnError(f"failed to load '{name}' version {version}: {msg}", Status.INVALID_ARG)
@@ -446,23 +463,85 @@ def _complete_scheduling(config: ModelConfig, default_batcher: bool = True) -> N
 
 
 def _write_files(name: str, files: dict[str, bytes]) -> Path:
-    """Materialise ``file:<version>/<name>`` load parameters in a private temp folder."""
+    """Materialise ``file:<version>/<name>`` load parameters in a private temp folder
+    (their names were checked by ``decode_files``)."""
     root = Path(tempfile.mkdtemp(prefix=f"kiln-{name}-"))
-    for rel, content in files.items():
-        target = (root / rel).resolve()
-        if not target.is_relative_to(root) or rel.startswith("/"):
-            shutil.rmtree(root, ignore_errors=True)
-            raise invalid_arg(f"load of '{name}': file path '{rel}' escapes the model folder")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(content)
+    try:
+        for rel, content in files.items():
+            target = (root / rel).resolve()
+            if not target.is_relative_to(root) or rel.startswith("/"):
+                raise invalid_arg(f"load of '{name}': file path '{rel}' escapes the model folder")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(content)
+    except OSError as exc:
+        shutil.rmtree(root, ignore_errors=True)
+        # Triton's words for a model folder it cannot build; no private path in them.
+        raise invalid_arg(
+            f"failed to load '{name}', failed to poll from model repository: "
+            f"cannot write the 'file:' parameters ({exc.strerror})"
+        ) from None
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
     return root
 
 
-def decode_files(parameters: dict[str, object]) -> dict[str, bytes]:
-    """``file:1/model.onnx`` -> base64 content (HTTP) or raw bytes (gRPC)."""
+def _hide_folder(exc: BaseException, folder: Path) -> None:
+    """Say ``file:<name>`` where a message names a file of a load's private folder."""
+
+    def hide(text: str) -> str:
+        return text.replace(f"{folder}/", "file:").replace(str(folder), "file:")
+
+    exc.args = tuple(hide(a) if isinstance(a, str) else a for a in exc.args)
+    # KilnError and ConfigError keep their text in attributes, OSError its file names.
+    for attr in ("message", "path", "filename", "filename2"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, str):
+            setattr(exc, attr, hide(value))
+
+
+#: Linux's NAME_MAX and PATH_MAX, in bytes: a longer name cannot be written.
+_NAME_MAX = 255
+_PATH_MAX = 4096
+
+
+def decode_files(name: str, parameters: dict[str, object]) -> dict[str, bytes]:
+    """``file:1/model.onnx`` -> base64 content (HTTP) or raw bytes (gRPC). Every name is
+    checked before anything is written (``_write_files``)."""
     files = {}
     for key, value in parameters.items():
-        if key.startswith("file:"):
-            raw = value if isinstance(value, bytes) else base64.b64decode(str(value))
-            files[key[5:]] = raw
+        if not key.startswith("file:"):
+            continue
+        rel = key[5:]
+        _check_file_name(name, key, rel)
+        if isinstance(value, bytes):
+            raw = value
+        elif isinstance(value, str):
+            try:
+                raw = base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError):
+                raise invalid_arg(
+                    f"failed to load '{name}': load parameter '{key}' is not valid base64"
+                ) from None
+        else:
+            raise invalid_arg(
+                f"failed to load '{name}': load parameter '{key}' must be a base64 string"
+            )
+        files[rel] = raw
     return files
+
+
+def _check_file_name(name: str, key: str, rel: str) -> None:
+    if not rel or rel.endswith("/"):
+        raise invalid_arg(f"failed to load '{name}': load parameter '{key}' names no file")
+    if "\x00" in rel:
+        raise invalid_arg(f"failed to load '{name}': load parameter {key!r} holds a NUL character")
+    parts = rel.split("/")
+    if rel.startswith("/") or ".." in parts:
+        raise invalid_arg(f"load of '{name}': file path '{rel}' escapes the model folder")
+    encoded = [p.encode("utf-8", "surrogateescape") for p in parts]
+    if any(len(p) > _NAME_MAX for p in encoded) or len(rel.encode("utf-8", "replace")) > _PATH_MAX:
+        raise invalid_arg(
+            f"failed to load '{name}', failed to poll from model repository: the name of "
+            f"load parameter '{key[:64]}...' is too long"
+        )

@@ -80,8 +80,10 @@ class Arena:
         self._remap(os.stat(path).st_size)
 
     @classmethod
-    def create(cls, prefix: str, size: int = 1 << 20) -> Arena:
-        fd, path = tempfile.mkstemp(prefix=prefix, dir=SHM_DIR)
+    def create(cls, prefix: str, size: int = 1 << 20, directory: str | None = SHM_DIR) -> Arena:
+        """``directory``: the worker's private folder (``process.private_shm_dir``), where
+        no client's shared memory key can name the arena."""
+        fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
         try:
             os.ftruncate(fd, size)
         finally:

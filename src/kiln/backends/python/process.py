@@ -8,6 +8,7 @@ closes, so a waiting ``recv`` wakes with EOF instead of hanging.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -29,6 +30,29 @@ from kiln.backends.python.wire import Wire
 #: ``pipeline_depth``).
 ARENA_SLOTS = 8
 
+# Every worker's private folder still on disk: removed by ``remove_private_dirs`` when the
+# server exits without closing its workers (``os._exit`` at the exit timeout).
+_PRIVATE_DIRS: set[Path] = set()
+
+
+def private_shm_dir(label: str) -> Path:
+    """A 0700 folder of its own under /dev/shm for one worker's arenas: a client's system
+    shared memory key names a file directly in /dev/shm and cannot hold a '/', so it can
+    never name a file in here (the server would open it for the client otherwise)."""
+    path = Path(tempfile.mkdtemp(prefix=f"kiln-py-{label}-", dir=SHM_DIR))  # mode 0700
+    _PRIVATE_DIRS.add(path)
+    return path
+
+
+def remove_private_dirs() -> None:
+    """Remove every worker's folder (and its arenas): for an exit that skips ``close``."""
+    for path in list(_PRIVATE_DIRS):
+        shutil.rmtree(path, ignore_errors=True)
+        _PRIVATE_DIRS.discard(path)
+
+
+atexit.register(remove_private_dirs)
+
 
 class WorkerDied(Exception):
     """The worker exited (crash, SIGKILL, OOM) while the server waited on it."""
@@ -49,22 +73,24 @@ class WorkerProcess:
         """``env``: the model's own Python environment (``EXECUTION_ENV_PATH``)."""
         self.model_path = model_path
         self.env = env
-        self.label = label  # names the arena files, so a stray one says whose it was
+        self.label = label  # names the arena folder, so a stray one says whose it was
+        self.private_dir = private_shm_dir(label)
+        here = str(self.private_dir)
         # One (inbound, outbound) pair per batch that may be in the pipe at once (the
         # backend's pipeline_depth): a batch's tensors stay put while the next is written.
         self.arenas = [
-            (Arena.create(f"kiln-py-{label}-in{i}-"), Arena.create(f"kiln-py-{label}-out{i}-"))
+            (Arena.create(f"in{i}-", directory=here), Arena.create(f"out{i}-", directory=here))
             for i in range(slots)
         ]
         # Traffic not tied to one batch: a decoupled model's responses and every BLS call
         # (a model's threads may send them after its execute returned, while the next
         # batch uses the slots), reclaimed as the worker asks (``worker.Channel.reclaim``).
-        self.side_in = Arena.create(f"kiln-py-{label}-side-in-")  # BLS answers
-        self.side_out = Arena.create(f"kiln-py-{label}-side-out-")  # responses, BLS calls
+        self.side_in = Arena.create("side-in-", directory=here)  # BLS answers
+        self.side_out = Arena.create("side-out-", directory=here)  # responses, BLS calls
         # One cancellation byte per request the worker has (``cancel.FlagPool``).
-        self.flags = Arena.create(f"kiln-py-{label}-flags-", size=1 << 16)
+        self.flags = Arena.create("flags-", size=1 << 16, directory=here)
         # custom metrics (custom_metrics.py): written by the worker, read at scrape time
-        self.metrics_dir = Path(tempfile.mkdtemp(prefix=f"kiln-py-{label}-metrics-", dir=SHM_DIR))
+        self.metrics_dir = Path(tempfile.mkdtemp(prefix="metrics-", dir=here))
         self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Wire | None = None
         self._send_lock = threading.RLock()  # reentrant: see ``sending``
@@ -188,4 +214,5 @@ class WorkerProcess:
         self.stop(timeout)
         for arena in self._all_arenas():
             arena.close()
-        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        shutil.rmtree(self.private_dir, ignore_errors=True)
+        _PRIVATE_DIRS.discard(self.private_dir)

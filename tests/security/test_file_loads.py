@@ -1,0 +1,137 @@
+"""Model loads with ``file:`` parameters (issue #25, item 4): a failed load leaves nothing
+behind in the temp folder and names no private path, and bad parameters (base64, NUL,
+empty or overlong file names) are a 400 with a precise message before anything is written.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import KilnProcess
+
+MODEL = "filemodel"
+ONNX_CONFIG = json.dumps({"name": MODEL, "backend": "onnxruntime"})
+BIG = b"\x08\x07" * (2 << 20)  # 4 MiB that is no ONNX model
+
+
+@pytest.fixture(scope="module")
+def temp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The server's TMPDIR: where a load's private folder is made."""
+    return tmp_path_factory.mktemp("server-tmp")
+
+
+@pytest.fixture(scope="module")
+def explicit(example_repo: Path, temp_root: Path) -> Iterator[KilnProcess]:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TMPDIR", str(temp_root))
+        server = KilnProcess(
+            example_repo, args=["--model-control-mode=explicit", "--load-model=simple"]
+        ).start()
+    yield server
+    server.stop()
+
+
+def _load(server: KilnProcess, parameters: dict[str, str]) -> requests.Response:
+    url = f"http://{server.http_url}/v2/repository/models/{MODEL}/load"
+    return requests.post(url, json={"parameters": parameters}, timeout=60)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _assert_private_path_hidden(text: str, temp_root: Path) -> None:
+    assert str(temp_root) not in text
+    assert f"kiln-{MODEL}-" not in text
+
+
+def _index_reason(server: KilnProcess) -> str:
+    index = httpclient.InferenceServerClient(server.http_url).get_model_repository_index()
+    return " ".join(str(m.get("reason", "")) for m in index if m["name"] == MODEL)
+
+
+FAILING_LOADS = {
+    "not-onnx": {"config": ONNX_CONFIG, "file:1/model.onnx": _b64(BIG)},
+    "no-version-folder": {"config": ONNX_CONFIG, "file:model.onnx": _b64(BIG)},
+    "bad-config": {
+        "config": json.dumps({"name": MODEL, "backend": "onnxruntime", "max_batch_size": -3}),
+        "file:1/model.onnx": _b64(BIG),
+    },
+    "config-not-json": {"config": "{", "file:1/model.onnx": _b64(BIG)},
+}
+
+
+@pytest.mark.parametrize("case", list(FAILING_LOADS))
+def test_failed_file_loads_leave_no_folder_and_name_no_private_path(
+    explicit: KilnProcess, temp_root: Path, case: str
+) -> None:
+    before = sorted(p.name for p in temp_root.iterdir())
+    for _ in range(3):
+        r = _load(explicit, FAILING_LOADS[case])
+        assert r.status_code == 400, r.text
+        _assert_private_path_hidden(r.text, temp_root)
+    assert sorted(p.name for p in temp_root.iterdir()) == before
+    _assert_private_path_hidden(_index_reason(explicit), temp_root)
+    assert httpclient.InferenceServerClient(explicit.http_url).is_model_ready("simple")
+
+
+def test_failed_grpc_file_load_leaves_no_folder(explicit: KilnProcess, temp_root: Path) -> None:
+    before = sorted(p.name for p in temp_root.iterdir())
+    client = grpcclient.InferenceServerClient(explicit.grpc_url)
+    with pytest.raises(InferenceServerException) as err:
+        client.load_model(MODEL, config=ONNX_CONFIG, files={"file:1/model.onnx": BIG})
+    _assert_private_path_hidden(str(err.value.message()), temp_root)
+    assert sorted(p.name for p in temp_root.iterdir()) == before
+
+
+def test_bad_base64_is_a_400_naming_the_parameter(explicit: KilnProcess, temp_root: Path) -> None:
+    before = sorted(p.name for p in temp_root.iterdir())
+    for value in ("not base64!", "QUJDRA", "QU\nJD"):  # junk, no padding, a newline
+        r = _load(explicit, {"config": ONNX_CONFIG, "file:1/model.onnx": value})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert "'file:1/model.onnx'" in error and "base64" in error, error
+    assert sorted(p.name for p in temp_root.iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    ("key", "text"),
+    [
+        ("file:1/mod\x00el.onnx", "NUL"),
+        ("file:", "names no file"),
+        ("file:1/", "names no file"),
+        ("file:1/" + "m" * 300 + ".onnx", "failed to poll from model repository"),
+        ("file:" + "/".join(["d" * 200] * 30) + "/model.onnx", "failed to poll from model"),
+    ],
+    ids=["nul", "empty", "folder-only", "long-name", "long-path"],
+)
+def test_bad_file_names_are_a_400_before_anything_is_written(
+    explicit: KilnProcess, temp_root: Path, key: str, text: str
+) -> None:
+    before = sorted(p.name for p in temp_root.iterdir())
+    r = _load(explicit, {"config": ONNX_CONFIG, "file:1/good.txt": _b64(b"x"), key: _b64(b"x")})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert text in error and MODEL in error, error
+    assert "OSError" not in error and "Errno" not in error
+    _assert_private_path_hidden(error, temp_root)
+    assert sorted(p.name for p in temp_root.iterdir()) == before
+
+
+def test_overlong_file_name_over_grpc_is_invalid_argument(explicit: KilnProcess) -> None:
+    client = grpcclient.InferenceServerClient(explicit.grpc_url)
+    with pytest.raises(InferenceServerException) as err:
+        client.load_model(MODEL, config=ONNX_CONFIG, files={"file:1/" + "m" * 300 + ".onnx": b"x"})
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert f"failed to load '{MODEL}', failed to poll from model repository" in str(
+        err.value.message()
+    )
