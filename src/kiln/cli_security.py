@@ -64,6 +64,13 @@ _OPTIONS = [
                  show_default=True, help="Most input tensors in one request (0: no limit)."),
     click.option("--max-tensor-elements", type=click.IntRange(min=0), default=0,
                  show_default=True, help="Most elements in one input tensor (0: no limit)."),
+    click.option("--http-max-header-size", type=click.IntRange(min=1024), default=64 * 1024,
+                 show_default=True,
+                 help="Largest HTTP request head (request line and headers) in bytes; 431 "
+                 "beyond. Both the HTTP and the metrics port."),
+    click.option("--http-max-headers", type=click.IntRange(min=1), default=100,
+                 show_default=True,
+                 help="Most header fields in one HTTP request; 431 beyond."),
 ]  # fmt: skip
 
 
@@ -127,4 +134,6 @@ def build_security(p: dict[str, Any]) -> SecurityOptions:
         http_read_timeout_secs=p["http_read_timeout_secs"],
         http_header_timeout_secs=p["http_header_timeout_secs"],
         grpc_max_message_bytes=p["grpc_max_message_bytes"],
+        http_max_header_size=p["http_max_header_size"],
+        http_max_headers=p["http_max_headers"],
     )

@@ -89,3 +89,7 @@ class SecurityOptions:
     # kiln: a request body must arrive within this long (408 beyond; 0: no limit).
     http_read_timeout_secs: float = 60.0
     grpc_max_message_bytes: int = 2**31 - 1
+    # kiln: a request head (request line + headers) beyond this many bytes gets 431.
+    http_max_header_size: int = 64 * 1024
+    # kiln: a request with more header fields than this gets 431.
+    http_max_headers: int = 100

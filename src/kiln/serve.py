@@ -67,10 +67,13 @@ def _uvicorn(
     timeout: float,
     security: SecurityOptions | None = None,
     fast: HttpFrontend | None = None,
+    head: SecurityOptions | None = None,
 ) -> _Uvicorn:
     """``security``: the main HTTP listener's TLS and limits; None for the metrics port.
-    ``fast``: answer inference inside the HTTP protocol with this frontend."""
+    ``fast``: answer inference inside the HTTP protocol with this frontend. ``head``: whose
+    request-head limits apply (both listeners share them); ``security``'s by default."""
     sec = security or SecurityOptions()
+    head = head or sec
     tls: dict[str, object] = {}
     if security is not None and security.http_tls is not None:
         t = security.http_tls
@@ -80,7 +83,9 @@ def _uvicorn(
             "ssl_ca_certs": str(t.ca_certs) if t.ca_certs else None,
             "ssl_cert_reqs": t.cert_reqs,
         }
-    protocol = header_timeout_protocol(sec.http_header_timeout_secs)
+    protocol = header_timeout_protocol(
+        sec.http_header_timeout_secs, head.http_max_header_size, head.http_max_headers
+    )
     if fast is not None:
         access = sec.http_access if sec.http_access.enabled else None
         protocol = fast_infer_protocol(protocol, fast, access, bool(sec.cors_origins))
@@ -168,6 +173,7 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
                 endpoints.host,
                 endpoints.metrics_port,
                 options.exit_timeout_secs,
+                head=security,
             )
         )
     grpc_server = None

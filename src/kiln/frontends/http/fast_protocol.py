@@ -103,7 +103,7 @@ def fast_infer_protocol(
             if cycle is None:
                 super().on_headers_complete()
                 return
-            self._disarm()  # the header timeout, as the base class does
+            self._head_complete()  # the header timeout and head limit, as the base class does
             self._fast_rx = cycle
             self.cycle = cycle  # type: ignore[assignment]
             cycle.recv_start = self._begun
@@ -147,6 +147,7 @@ def fast_infer_protocol(
                 super().on_message_complete()
                 return
             self._fast_rx = None
+            self._message_complete()
             self._cancel_read_timer()
             if cycle.recv_start:
                 cycle.recv_end = time.monotonic_ns()
