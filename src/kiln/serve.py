@@ -25,6 +25,7 @@ from kiln.frontends.http.fast_protocol import fast_infer_protocol
 from kiln.frontends.http.live_routes import live_routes
 from kiln.frontends.http.monitor_routes import monitor_routes
 from kiln.frontends.http.slow_clients import header_timeout_protocol
+from kiln.frontends.http.unread_body import CloseUnreadBody
 from kiln.frontends.openai.routes import openai_routes
 from kiln.metrics.app import MetricsOptions, MetricsService, metrics_app
 from kiln.metrics.monitor import MonitorOptions, MonitorService
@@ -90,7 +91,7 @@ def _uvicorn(
         access = sec.http_access if sec.http_access.enabled else None
         protocol = fast_infer_protocol(protocol, fast, access, bool(sec.cors_origins))
     config = uvicorn.Config(
-        app,  # type: ignore[arg-type]
+        CloseUnreadBody(app),  # type: ignore[arg-type]
         host=host,
         port=port,
         loop="none",

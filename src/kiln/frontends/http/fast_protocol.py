@@ -14,8 +14,10 @@ header timeout keep working because the in-flight request stands in ``self.cycle
 uvicorn's own cycle would.
 
 API keys and restricted API groups are checked here exactly as the access middleware
-checks them; a request that carries an ``Origin`` header while CORS is configured goes
-to the ASGI app, whose CORS middleware adds the headers a browser needs.
+checks them, as soon as the head has arrived: a refused request is answered and its
+connection closed without reading (buffering) its body. A request that carries an
+``Origin`` header while CORS is configured goes to the ASGI app, whose CORS middleware adds
+the headers a browser needs.
 """
 
 from __future__ import annotations
@@ -104,8 +106,10 @@ def fast_infer_protocol(
                 super().on_headers_complete()
                 return
             self._head_complete()  # the header timeout and head limit, as the base class does
-            self._fast_rx = cycle
             self.cycle = cycle  # type: ignore[assignment]
+            if access is not None and self._denied(cycle):
+                return  # answered and closing: not one byte of the body is buffered
+            self._fast_rx = cycle
             cycle.recv_start = self._begun
 
         def _fast_cycle(self) -> _FastCycle | None:
@@ -157,8 +161,6 @@ def fast_infer_protocol(
 
         async def _serve(self, cycle: _FastCycle) -> None:
             headers, match = cycle.headers, cycle.match
-            if access is not None and self._denied(cycle):
-                return
             slot = None
             if cycle.recv_start and tracer.enabled:
                 # this task's own context: the runtime files a sampled trace here
@@ -194,6 +196,7 @@ def fast_infer_protocol(
             status = 403
             if denial.kind == "unauthenticated":
                 status, extra["WWW-Authenticate"] = 401, "Bearer"
+            cycle.keep_alive = False  # the body was not read: it would be parsed as a request
             self._respond(cycle, status, orjson.dumps({"error": denial.message}), extra)
             self._complete(cycle)
             return True
