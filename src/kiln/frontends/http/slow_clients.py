@@ -74,11 +74,13 @@ def header_timeout_protocol(
                 return  # refused (closing) or lost: nothing more is parsed
             # While a head is arriving, feed the parser no more than the room left in the
             # head limit; if the head is still unfinished at the limit, refuse it.
-            while self._in_head and len(data) > max_head_bytes - self._head_bytes:
+            rest: bytes | memoryview = data
+            while self._in_head and len(rest) > max_head_bytes - self._head_bytes:
                 room = max_head_bytes - self._head_bytes
-                chunk, data = data[:room], data[room:]
+                view = memoryview(rest)  # the parser takes any buffer: slice without copies
+                chunk, rest = view[:room], view[room:]
                 self._head_bytes += len(chunk)
-                super().data_received(chunk)
+                super().data_received(chunk)  # type: ignore[arg-type]
                 if self._refused is not None or self.transport.is_closing():
                     return
                 if self._in_head and self._head_bytes >= max_head_bytes:
@@ -87,8 +89,8 @@ def header_timeout_protocol(
                     )
                     return
             if self._in_head:
-                self._head_bytes += len(data)
-            super().data_received(data)
+                self._head_bytes += len(rest)
+            super().data_received(rest)  # type: ignore[arg-type]
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
