@@ -73,6 +73,13 @@ _OPTIONS = [
     click.option("--allow-shm-other-owners", is_flag=True,
                  help="Let clients register /dev/shm objects of other users too (the server "
                  "reads and writes them with its own rights)."),
+    click.option("--http-max-header-size", type=click.IntRange(min=1024), default=64 * 1024,
+                 show_default=True,
+                 help="Largest HTTP request head (request line and headers) in bytes; 431 "
+                 "beyond. Both the HTTP and the metrics port."),
+    click.option("--http-max-headers", type=click.IntRange(min=1), default=100,
+                 show_default=True,
+                 help="Most header fields in one HTTP request; 431 beyond."),
 ]  # fmt: skip
 
 
@@ -137,6 +144,8 @@ def build_security(p: dict[str, Any]) -> SecurityOptions:
         http_header_timeout_secs=p["http_header_timeout_secs"],
         grpc_max_message_bytes=p["grpc_max_message_bytes"],
         http_allowed_hosts=_allowed_hosts(p["http_allowed_hosts"]),
+        http_max_header_size=p["http_max_header_size"],
+        http_max_headers=p["http_max_headers"],
     )
 
 

@@ -91,3 +91,7 @@ class SecurityOptions:
     grpc_max_message_bytes: int = 2**31 - 1
     # kiln: Host names answered besides localhost's and the bind address (421 otherwise).
     http_allowed_hosts: tuple[str, ...] = ()
+    # kiln: a request head (request line + headers) beyond this many bytes gets 431.
+    http_max_header_size: int = 64 * 1024
+    # kiln: a request with more header fields than this gets 431.
+    http_max_headers: int = 100

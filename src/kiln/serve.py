@@ -26,6 +26,7 @@ from kiln.frontends.http.fast_protocol import fast_infer_protocol
 from kiln.frontends.http.live_routes import live_routes
 from kiln.frontends.http.monitor_routes import monitor_routes
 from kiln.frontends.http.slow_clients import header_timeout_protocol
+from kiln.frontends.http.unread_body import CloseUnreadBody
 from kiln.frontends.openai.routes import openai_routes
 from kiln.metrics.app import MetricsOptions, MetricsService, metrics_app
 from kiln.metrics.monitor import MonitorOptions, MonitorService
@@ -69,11 +70,14 @@ def _uvicorn(
     security: SecurityOptions | None = None,
     fast: HttpFrontend | None = None,
     browser: BrowserGuard | None = None,
+    head: SecurityOptions | None = None,
 ) -> _Uvicorn:
     """``security``: the main HTTP listener's TLS and limits; None for the metrics port.
     ``fast``: answer inference inside the HTTP protocol with this frontend; ``browser``: the
-    guard ``app`` applies, whose host names the fast path checks too."""
+    guard ``app`` applies, whose host names the fast path checks too. ``head``: whose
+    request-head limits apply (both listeners share them); ``security``'s by default."""
     sec = security or SecurityOptions()
+    head = head or sec
     tls: dict[str, object] = {}
     if security is not None and security.http_tls is not None:
         t = security.http_tls
@@ -83,12 +87,14 @@ def _uvicorn(
             "ssl_ca_certs": str(t.ca_certs) if t.ca_certs else None,
             "ssl_cert_reqs": t.cert_reqs,
         }
-    protocol = header_timeout_protocol(sec.http_header_timeout_secs)
+    protocol = header_timeout_protocol(
+        sec.http_header_timeout_secs, head.http_max_header_size, head.http_max_headers
+    )
     if fast is not None:
         access = sec.http_access if sec.http_access.enabled else None
         protocol = fast_infer_protocol(protocol, fast, access, browser)
     config = uvicorn.Config(
-        app,  # type: ignore[arg-type]
+        CloseUnreadBody(app),  # type: ignore[arg-type]
         host=host,
         port=port,
         loop="none",
@@ -179,6 +185,7 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
                 endpoints.host,
                 endpoints.metrics_port,
                 options.exit_timeout_secs,
+                head=security,
             )
         )
     grpc_server = None

@@ -128,6 +128,15 @@ class HttpFrontend:
                 f"decompressed request body exceeds the limit of {self.max_body} bytes",
                 Status.PAYLOAD_TOO_LARGE,
             )
+        # The stream must end exactly where the body does: zlib stops at the end of the first
+        # gzip member, so trailing bytes or a second member would be dropped unseen.
+        if not d.eof:
+            raise KilnError(f"the {encoding}-compressed request body is truncated")
+        if d.unused_data:
+            raise KilnError(
+                f"{len(d.unused_data)} bytes follow the end of the {encoding}-compressed "
+                "request body (trailing data or a second gzip member)"
+            )
         return out
 
     @staticmethod

@@ -14,10 +14,12 @@ header timeout keep working because the in-flight request stands in ``self.cycle
 uvicorn's own cycle would.
 
 API keys and restricted API groups are checked here exactly as the access middleware
-checks them. A browser's request (``Origin`` or ``Sec-Fetch-Site``) and one whose ``Host``
-kiln does not answer to go to the ASGI app, whose browser guard refuses them (403 / 421,
-:mod:`kiln.frontends.http.browser`) and whose CORS middleware adds the headers a browser
-needs; other clients pay one dict lookup per request for this (the Host value's).
+checks them, as soon as the head has arrived: a refused request is answered and its
+connection closed without reading (buffering) its body. A browser's request (``Origin`` or
+``Sec-Fetch-Site``) and one whose ``Host`` kiln does not answer to go to the ASGI app, whose
+browser guard refuses them (403 / 421, :mod:`kiln.frontends.http.browser`) and whose CORS
+middleware adds the headers a browser needs; other clients pay one dict lookup per request
+for this (the Host value's).
 """
 
 from __future__ import annotations
@@ -116,9 +118,11 @@ def fast_infer_protocol(
             if cycle is None:
                 super().on_headers_complete()
                 return
-            self._disarm()  # the header timeout, as the base class does
-            self._fast_rx = cycle
+            self._head_complete()  # the header timeout and head limit, as the base class does
             self.cycle = cycle  # type: ignore[assignment]
+            if access is not None and self._denied(cycle):
+                return  # answered and closing: not one byte of the body is buffered
+            self._fast_rx = cycle
             cycle.recv_start = self._begun
 
         def _fast_cycle(self) -> _FastCycle | None:
@@ -165,6 +169,7 @@ def fast_infer_protocol(
                 super().on_message_complete()
                 return
             self._fast_rx = None
+            self._message_complete()
             self._cancel_read_timer()
             if cycle.recv_start:
                 cycle.recv_end = time.monotonic_ns()
@@ -174,8 +179,6 @@ def fast_infer_protocol(
 
         async def _serve(self, cycle: _FastCycle) -> None:
             headers, match = cycle.headers, cycle.match
-            if access is not None and self._denied(cycle):
-                return
             slot = None
             if cycle.recv_start and tracer.enabled:
                 # this task's own context: the runtime files a sampled trace here
@@ -211,6 +214,7 @@ def fast_infer_protocol(
             status = 403
             if denial.kind == "unauthenticated":
                 status, extra["WWW-Authenticate"] = 401, "Bearer"
+            cycle.keep_alive = False  # the body was not read: it would be parsed as a request
             self._respond(cycle, status, orjson.dumps({"error": denial.message}), extra)
             self._complete(cycle)
             return True
