@@ -23,7 +23,7 @@ def post(path: str, body: bytes, extra: str = "", length: int | None = None) -> 
     """A POST with ``body``; ``length``: the Content-Length to declare (``len(body)``)."""
     size = len(body) if length is None else length
     head = (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         f"Content-Length: {size}\r\n{extra}\r\n"
     )
     return head.encode() + body

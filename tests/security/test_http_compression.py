@@ -38,7 +38,7 @@ def _infer(
     with sock:
         if chunked:  # the ASGI path reads it
             sock.sendall(
-                f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Encoding: {encoding}\r\n"
+                f"POST {INFER} HTTP/1.1\r\nHost: localhost\r\nContent-Encoding: {encoding}\r\n"
                 f"Transfer-Encoding: chunked\r\n\r\n{len(body):x}\r\n".encode()
                 + body
                 + b"\r\n0\r\n\r\n"

@@ -82,7 +82,7 @@ def test_fast_inference_is_refused_before_its_body(
         (post(INFER, b"", KEYED, length=100 * TEN_MB), 413),
         # chunked, so it takes the ASGI path to the access middleware
         (
-            b"POST " + INFER.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+            b"POST " + INFER.encode() + b" HTTP/1.1\r\nHost: localhost\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n1000\r\n",
             401,
         ),

@@ -60,7 +60,7 @@ def test_a_megabyte_of_headers_gets_431_while_others_are_answered(server: KilnPr
     worker = threading.Thread(target=other_client)
     worker.start()
     try:
-        head = b"GET /v2 HTTP/1.1\r\nHost: x\r\n" + _headers(1024, 1024)  # 1 MiB
+        head = b"GET /v2 HTTP/1.1\r\nHost: localhost\r\n" + _headers(1024, 1024)  # 1 MiB
         status, headers, body, closed = _refused(server.http_port, head)
     finally:
         done.set()
@@ -72,7 +72,7 @@ def test_a_megabyte_of_headers_gets_431_while_others_are_answered(server: KilnPr
 
 
 def test_one_huge_header_value_gets_431(server: KilnProcess) -> None:
-    head = b"GET /v2 HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20)
+    head = b"GET /v2 HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (1 << 20)
     status, _, body, closed = _refused(server.http_port, head)
     assert status == 431 and closed
     assert "exceeds 65536 bytes" in json.loads(body)["error"]
@@ -85,7 +85,7 @@ def test_a_huge_url_gets_431(server: KilnProcess) -> None:
 
 
 def test_a_thousand_small_headers_get_431(server: KilnProcess) -> None:
-    head = b"GET /v2 HTTP/1.1\r\nHost: x\r\n" + _headers(1000, 1) + b"\r\n"
+    head = b"GET /v2 HTTP/1.1\r\nHost: localhost\r\n" + _headers(1000, 1) + b"\r\n"
     status, headers, body, closed = _refused(server.http_port, head)
     assert status == 431 and headers["connection"] == "close" and closed
     assert "more than 100 header fields (--http-max-headers)" in json.loads(body)["error"]
@@ -99,8 +99,8 @@ def test_unauthenticated_inference_with_huge_headers_gets_431(server: KilnProces
 
 def test_the_metrics_port_is_bounded_too(server: KilnProcess) -> None:
     for head in (
-        b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + _headers(1024, 1024),
-        b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + _headers(1000, 1) + b"\r\n",
+        b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n" + _headers(1024, 1024),
+        b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n" + _headers(1000, 1) + b"\r\n",
     ):
         status, _, _, closed = _refused(server.metrics_port, head)
         assert status == 431 and closed
