@@ -5,6 +5,7 @@ GOAWAY codes), and an in-process gRPC server with test routes for them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ from kiln.core.access import AccessPolicy, ApiGroup
 from kiln.frontends.grpc.h2 import frames as f
 from kiln.frontends.grpc.h2 import rpc
 from kiln.frontends.grpc.h2.calls import Route
+from kiln.frontends.grpc.h2.connection import Limits
 from kiln.frontends.grpc.h2.dispatch import Dispatcher
 from kiln.frontends.grpc.h2.hpack import Decoder, Header, encode
 from kiln.frontends.grpc.h2.server import H2GrpcServer
@@ -65,12 +67,23 @@ class Response:
 
 
 class RawH2:
-    """``settings``: our SETTINGS; ``preface=False`` sends nothing on connect."""
+    """``settings``: our SETTINGS; ``preface=False`` sends nothing on connect;
+    ``rcvbuf``: a small receive buffer, for a client that does not read."""
 
     def __init__(
-        self, port: int, settings: dict[int, int] | None = None, preface: bool = True
+        self,
+        port: int,
+        settings: dict[int, int] | None = None,
+        preface: bool = True,
+        rcvbuf: int | None = None,
     ) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if rcvbuf is None:
+            self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        else:  # set before connecting: the window the kernel offers follows it
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            self.sock.settimeout(10)
+            self.sock.connect(("127.0.0.1", port))
         self.reader = f.FrameReader(f.MAX_FRAME_LIMIT, preface=False)
         self.decoder = Decoder()
         self.pending: list[f.Frame] = []
@@ -119,7 +132,8 @@ class RawH2:
         if ftype == f.SETTINGS and not flags & f.ACK:
             self.server_settings.update(f.parse_settings(payload))
             if self.ack:
-                self.send(f.SETTINGS_ACK)
+                with contextlib.suppress(OSError):  # closed: what it sent can still be read
+                    self.send(f.SETTINGS_ACK)
         return frame
 
     def frames(self, timeout: float = 10.0) -> Iterator[f.Frame]:
@@ -178,6 +192,9 @@ class Observed:
     cancelled: list[str] = field(default_factory=list)
     started: threading.Event = field(default_factory=threading.Event)
     metadata: list[tuple[tuple[str, str | bytes], ...]] = field(default_factory=list)
+    # Stubborn handlers, once cancelled, keep running until this is set (on the loop)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    running: list[str] = field(default_factory=list)  # Stubborn handlers not yet ended
 
 
 def make_routes(seen: Observed) -> list[Route]:
@@ -195,6 +212,19 @@ def make_routes(seen: Observed) -> list[Route]:
         except asyncio.CancelledError:
             seen.cancelled.append("sleep")
             raise
+        return b""
+
+    async def stubborn(request: bytes, context: Any) -> bytes:
+        """A handler whose cancellation takes until ``seen.release`` (a model call that
+        cannot be interrupted)."""
+        seen.running.append("stubborn")
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await seen.release.wait()
+            raise
+        finally:
+            seen.running.remove("stubborn")
         return b""
 
     async def fail(request: bytes, context: Any) -> bytes:
@@ -228,6 +258,7 @@ def make_routes(seen: Observed) -> list[Route]:
         route("Echo", echo),
         route("Big", big),
         route("Sleep", sleep),
+        route("Stubborn", stubborn),
         route("Fail", fail),
         route("Abort", abort),
         route("Stream", stream, True),
@@ -253,7 +284,9 @@ class InProcessServer:
 
 @contextmanager
 def in_process_server(
-    max_message_bytes: int = 2**31 - 1, access: AccessPolicy | None = None
+    max_message_bytes: int = 2**31 - 1,
+    access: AccessPolicy | None = None,
+    limits: Limits | None = None,
 ) -> Iterator[InProcessServer]:
     """The test routes on kiln's gRPC server, its event loop on a thread of its own."""
     import uvloop
@@ -264,7 +297,8 @@ def in_process_server(
     holder: dict[str, Any] = {}
 
     async def main() -> None:
-        server = H2GrpcServer(Dispatcher(make_routes(seen), max_message_bytes, access))
+        dispatcher = Dispatcher(make_routes(seen), max_message_bytes, access)
+        server = H2GrpcServer(dispatcher, limits=limits)
         await server.start("127.0.0.1", 0)
         holder["server"] = server
         started.set()

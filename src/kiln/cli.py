@@ -14,6 +14,7 @@ from kiln import __version__
 from kiln.cli_bench_openai import OPENAI_ONLY, check_flags, openai_options
 from kiln.cli_security import build_security, security_options
 from kiln.optimize.cli import optimize_options
+from kiln.security import DEFAULT_MAX_INPUT_BYTES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -171,7 +172,7 @@ def main() -> None:
 )
 @click.option(
     "--http-max-input-size",
-    default=64 * 1024 * 1024,
+    default=DEFAULT_MAX_INPUT_BYTES,
     show_default=True,
     help="Largest request body in bytes (413 beyond).",
 )

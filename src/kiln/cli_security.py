@@ -11,7 +11,13 @@ from typing import Any, TypeVar
 import click
 
 from kiln.core.access import AccessConfigError, AccessPolicy, Restriction, read_key_file
-from kiln.security import GrpcTls, HttpTls, SecurityOptions, TlsConfigError
+from kiln.security import (
+    DEFAULT_MAX_INPUT_BYTES,
+    GrpcTls,
+    HttpTls,
+    SecurityOptions,
+    TlsConfigError,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -45,8 +51,9 @@ _OPTIONS = [
     click.option("--grpc-use-ssl-mutual", is_flag=True,
                  help="gRPC mutual TLS: clients must present a certificate."),
     click.option("--grpc-max-message-bytes", type=click.IntRange(1, 2**31 - 1),
-                 default=2**31 - 1, show_default=True,
-                 help="Largest gRPC message, both directions (RESOURCE_EXHAUSTED beyond)."),
+                 default=DEFAULT_MAX_INPUT_BYTES, show_default=True,
+                 help="Largest gRPC message, both directions (RESOURCE_EXHAUSTED beyond); "
+                 "the same default as --http-max-input-size."),
     click.option("--http-cors-allow-origin", "cors_origins", multiple=True, metavar="ORIGIN",
                  help="Send CORS headers for this browser origin; may repeat. Off by default."),
     click.option("--http-timeout-keep-alive", type=click.FloatRange(min=0.1), default=30.0,
@@ -80,6 +87,10 @@ _OPTIONS = [
     click.option("--http-max-headers", type=click.IntRange(min=1), default=100,
                  show_default=True,
                  help="Most header fields in one HTTP request; 431 beyond."),
+    click.option("--grpc-max-connection-idle-secs", type=click.FloatRange(min=0), default=300.0,
+                 show_default=True,
+                 help="Close gRPC connections with no call for this long (GOAWAY; 0: never); "
+                 "grpc's max_connection_idle."),
 ]  # fmt: skip
 
 
@@ -146,6 +157,7 @@ def build_security(p: dict[str, Any]) -> SecurityOptions:
         http_allowed_hosts=_allowed_hosts(p["http_allowed_hosts"]),
         http_max_header_size=p["http_max_header_size"],
         http_max_headers=p["http_max_headers"],
+        grpc_max_connection_idle_secs=p["grpc_max_connection_idle_secs"],
     )
 
 

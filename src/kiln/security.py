@@ -9,6 +9,10 @@ from pathlib import Path
 
 from kiln.core.access import AccessPolicy
 
+# The largest request either frontend takes by default: HTTP's --http-max-input-size and
+# gRPC's --grpc-max-message-bytes.
+DEFAULT_MAX_INPUT_BYTES = 64 * 2**20
+
 
 class TlsConfigError(ValueError):
     pass
@@ -88,10 +92,12 @@ class SecurityOptions:
     http_header_timeout_secs: float = 30.0
     # kiln: a request body must arrive within this long (408 beyond; 0: no limit).
     http_read_timeout_secs: float = 60.0
-    grpc_max_message_bytes: int = 2**31 - 1
     # kiln: Host names answered besides localhost's and the bind address (421 otherwise).
     http_allowed_hosts: tuple[str, ...] = ()
     # kiln: a request head (request line + headers) beyond this many bytes gets 431.
     http_max_header_size: int = 64 * 1024
     # kiln: a request with more header fields than this gets 431.
     http_max_headers: int = 100
+    grpc_max_message_bytes: int = DEFAULT_MAX_INPUT_BYTES
+    # kiln: gRPC connections without a stream for this long are closed (0: never).
+    grpc_max_connection_idle_secs: float = 300.0

@@ -201,6 +201,9 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
                 access=security.grpc_access,
                 tls=security.grpc_tls,
                 implementation=endpoints.grpc_implementation,
+                idle_timeout=security.grpc_max_connection_idle_secs,
+                # one slowloris limit for both: an HTTP/2 header block as HTTP headers
+                header_timeout=security.http_header_timeout_secs,
             )
         except (OSError, RuntimeError) as exc:  # grpcio reports a failed bind as RuntimeError
             log.error("gRPC cannot listen on %s:%d: %s", endpoints.host, endpoints.grpc_port, exc)

@@ -55,7 +55,9 @@ def build_repo(example_repo: Path, root: Path) -> Path:
 @pytest.fixture(scope="module")
 def server(example_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     repo = build_repo(example_repo, tmp_path_factory.mktemp("transport"))
-    process = KilnProcess(repo).start()
+    # a 64 MiB tensor makes a message a little over the 64 MiB default: raised, as a
+    # deployment sending such tensors would
+    process = KilnProcess(repo, args=["--grpc-max-message-bytes", str(80 * 2**20)]).start()
     yield process
     process.stop()
 

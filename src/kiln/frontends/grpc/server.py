@@ -20,11 +20,11 @@ from kiln.frontends.grpc.wire import (
     INFERENCE_DESCRIPTOR,
     INFERENCE_SERVICE,
 )
-from kiln.security import GrpcTls
+from kiln.security import DEFAULT_MAX_INPUT_BYTES, GrpcTls
 
-# Triton's limit for both directions: gRPC's 4 MiB default is far too small for tensors,
-# and a protobuf message cannot exceed 2 GiB anyway.
-MAX_MESSAGE_BYTES = 2**31 - 1
+# One default with HTTP's --http-max-input-size for both directions (gRPC's 4 MiB default
+# is far too small for tensors; Triton's 2 GiB lets one message hold that much memory).
+MAX_MESSAGE_BYTES = DEFAULT_MAX_INPUT_BYTES
 IMPLEMENTATIONS = ("kiln", "grpcio")
 
 
@@ -40,12 +40,17 @@ async def start_grpc(
     access: AccessPolicy | None = None,
     tls: GrpcTls | None = None,
     implementation: str = "kiln",
+    idle_timeout: float = 300.0,
+    header_timeout: float = 30.0,
 ) -> GrpcListener:
-    """Listen on ``host:port``; a port in use raises OSError."""
+    """Listen on ``host:port``; a port in use raises OSError. ``idle_timeout``: close
+    connections without a stream for this long (0: never); ``header_timeout``: a header
+    block must be complete within this long (kiln's transport only)."""
     if implementation == "grpcio":
-        return await _start_grpcio(server, host, port, max_message_bytes, access, tls)
+        return await _start_grpcio(server, host, port, max_message_bytes, access, tls, idle_timeout)
     if implementation != "kiln":
         raise ValueError(f"unknown gRPC implementation '{implementation}'")
+    from kiln.frontends.grpc.h2.connection import Limits
     from kiln.frontends.grpc.h2.dispatch import Dispatcher
     from kiln.frontends.grpc.h2.routes import service_routes
     from kiln.frontends.grpc.h2.server import H2GrpcServer
@@ -57,6 +62,7 @@ async def start_grpc(
     listener = H2GrpcServer(
         Dispatcher(routes, max_message_bytes, access),
         tls.ssl_context() if tls is not None else None,
+        Limits(header_timeout=header_timeout, idle_timeout=idle_timeout),
     )
     await listener.start(host, port)
     return listener
@@ -69,6 +75,7 @@ async def _start_grpcio(
     max_message_bytes: int,
     access: AccessPolicy | None,
     tls: GrpcTls | None,
+    idle_timeout: float,
 ) -> GrpcListener:
     import grpc
 
@@ -76,6 +83,7 @@ async def _start_grpcio(
     from kiln.frontends.grpc.wire import generic_handler
 
     interceptors = [AccessInterceptor(access)] if access is not None and access.enabled else []
+    idle = [("grpc.max_connection_idle_ms", int(idle_timeout * 1000))] if idle_timeout > 0 else []
     grpc_server = grpc.aio.server(
         interceptors=interceptors,
         options=[
@@ -83,6 +91,7 @@ async def _start_grpcio(
             ("grpc.max_send_message_length", max_message_bytes),
             # Without this a second server could bind the same port and steal half the calls.
             ("grpc.so_reuseport", 0),
+            *idle,
         ],
     )
     grpc_server.add_generic_rpc_handlers(

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 #: tasks wait until the writer has brought them down to LOW (``_Outbox``).
 OUTBOX_HIGH = 64
 OUTBOX_LOW = 16
+#: Requests of one ModelStreamInfer call running at once: beyond, the call stops reading
+#: its stream, so the client is held by HTTP/2 flow control rather than the server
+#: holding a task (and a request) for every message it sends.
+STREAM_MAX_IN_FLIGHT = 1024
 
 
 class _Outbox:
@@ -138,6 +142,11 @@ class InferenceServicer(SharedMemoryRpcs):
         answers with ``error_message`` and the stream stays open."""
         done = _Outbox()  # a client that does not read holds the requests back
         running: set[asyncio.Task[None]] = set()
+        room = asyncio.Semaphore(STREAM_MAX_IN_FLIGHT)
+
+        def finished(task: asyncio.Task[None]) -> None:
+            running.discard(task)
+            room.release()
 
         async def one(message: pb.ModelInferRequest) -> None:
             try:
@@ -168,9 +177,10 @@ class InferenceServicer(SharedMemoryRpcs):
         async def read() -> None:
             try:
                 async for message in requests:
+                    await room.acquire()
                     task = asyncio.create_task(one(message))
                     running.add(task)
-                    task.add_done_callback(running.discard)
+                    task.add_done_callback(finished)
                 if running:
                     await asyncio.gather(*running)
             finally:

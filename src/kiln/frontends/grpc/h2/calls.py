@@ -62,9 +62,9 @@ class Route:
 
 class Call:
     __slots__ = (
-        "_cancelled", "_code", "_details", "_withheld", "conn", "deadline", "done", "encoding",
-        "headers", "headers_sent", "limit", "messages", "queue", "reader", "registry", "route",
-        "stream", "task", "timer",
+        "_cancelled", "_code", "_details", "_orphaned", "_withheld", "conn", "deadline", "done",
+        "encoding", "headers", "headers_sent", "limit", "messages", "queue", "reader", "registry",
+        "route", "stream", "task", "timer",
     )  # fmt: skip
 
     def __init__(
@@ -100,6 +100,7 @@ class Call:
         self._details = ""
         self._cancelled = False
         self._withheld = 0  # bytes received but not credited back (a full backlog)
+        self._orphaned = False  # counted in conn.orphans until the task ends
 
     # ---- from the connection ---------------------------------------------------------
     def on_data(self, data: bytes) -> None:
@@ -137,8 +138,18 @@ class Call:
         self._cancelled = not self.done
         self.done = True
         self._stop_timer()
-        if self.task is not None:
-            self.task.cancel()
+        task = self.task
+        if task is not None:
+            if not task.done() and not self._orphaned:
+                # The stream is gone but the handler runs until the cancellation reaches
+                # it: it keeps its slot (MAX_CONCURRENT_STREAMS) until then.
+                self._orphaned = True
+                self.conn.orphans += 1
+                task.add_done_callback(self._released)
+            task.cancel()
+
+    def _released(self, task: asyncio.Task[None]) -> None:
+        self.conn.orphans -= 1
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, cast
 
 from kiln.frontends.grpc.h2 import frames as f
-from kiln.frontends.grpc.h2.hpack import Decoder, HpackError
+from kiln.frontends.grpc.h2.hpack import Decoder, HeaderListTooLarge, HpackError
 from kiln.frontends.grpc.h2.sender import CONNECTION_WINDOW, STREAM_WINDOW, Sender
 from kiln.frontends.grpc.h2.streams import Dispatcher, Stream
 
@@ -35,18 +37,60 @@ LINGER = 2.0  # seconds a connection closed for an error keeps reading (see fail
 # ENHANCE_YOUR_CALM: opening and resetting streams in a loop costs the client nothing and
 # the server a call each (the "rapid reset" attack, CVE-2023-44487). Generous for real
 # cancellations.
+# Resets we send for a stream error the client provoked count too ("MadeYouReset",
+# CVE-2025-8671): a malformed frame on a stream costs the client as little as a reset.
 MAX_RESETS_PER_SECOND = 1000
+# SETTINGS: each INITIAL_WINDOW_SIZE walks every open stream, so one frame may carry this
+# many entries (nghttp2's default) and a client may send this many frames a second.
+MAX_SETTINGS_ENTRIES = 32
+MAX_SETTINGS_PER_SECOND = 100
+# Empty CONTINUATION (or HEADERS) fragments in one header block: they cost nothing to send
+# and keep the connection in the "expecting CONTINUATION" state forever.
+MAX_EMPTY_FRAGMENTS = 4
+# An unfinished header block (HEADERS without END_HEADERS) must be completed within this
+# long (the HTTP side's header timeout, --http-header-timeout-secs, by default).
+HEADER_TIMEOUT = 30.0
+# A connection with no stream open and none opened for this long is closed with
+# GOAWAY(NO_ERROR) (grpc's max_connection_idle; 0: never).
+IDLE_TIMEOUT = 300.0
 
-SERVER_SETTINGS = {
-    f.ENABLE_PUSH: 0,
-    f.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT,
-    f.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
-    f.MAX_FRAME_SIZE: MAX_FRAME,
-    f.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
-}
-SERVER_PREFACE = f.settings_frame(SERVER_SETTINGS) + f.window_update(
-    0, CONNECTION_WINDOW - f.DEFAULT_WINDOW
-)
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a server sets for its connections (the module's defaults otherwise)."""
+
+    max_concurrent: int = MAX_CONCURRENT
+    header_timeout: float = HEADER_TIMEOUT
+    idle_timeout: float = IDLE_TIMEOUT
+
+
+@lru_cache(maxsize=8)
+def server_preface(max_concurrent: int) -> bytes:
+    settings = {
+        f.ENABLE_PUSH: 0,
+        f.MAX_CONCURRENT_STREAMS: max_concurrent,
+        f.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+        f.MAX_FRAME_SIZE: MAX_FRAME,
+        f.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
+    }
+    return f.settings_frame(settings) + f.window_update(0, CONNECTION_WINDOW - f.DEFAULT_WINDOW)
+
+
+class _Rate:
+    """Events in the current one-second window, for limits checked on rare frames."""
+
+    __slots__ = ("count", "since")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.since = 0.0
+
+    def exceeds(self, limit: int) -> bool:
+        now = asyncio.get_running_loop().time()
+        if now - self.since > 1.0:
+            self.since, self.count = now, 0
+        self.count += 1
+        return self.count > limit
 
 
 class Connection(Sender):
@@ -55,6 +99,7 @@ class Connection(Sender):
         dispatcher: Dispatcher,
         on_open: Callable[[Connection], None] = lambda conn: None,
         on_close: Callable[[Connection], None] = lambda conn: None,
+        limits: Limits = Limits(),
     ) -> None:
         """``on_open``/``on_close``: the server's bookkeeping of live connections (a TLS
         connection counts from its completed handshake: one that fails never opens)."""
@@ -62,16 +107,24 @@ class Connection(Sender):
         self.dispatcher = dispatcher
         self._on_open = on_open
         self.last_stream_id = 0
+        self.limits = limits
         self._reader = f.FrameReader(MAX_FRAME)
-        self._decoder = Decoder()
+        self._decoder = Decoder(max_list_size=MAX_HEADER_LIST)
         self._got_settings = False
         self._continuation: tuple[int, int, list[bytes], int] | None = None
+        self._empty_fragments = 0
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_mark = -1
+        # calls whose stream is gone (reset) but whose handler has not ended yet: they
+        # keep their MAX_CONCURRENT_STREAMS slot until it has
+        self.orphans = 0
         self._peer_window = f.DEFAULT_WINDOW  # its SETTINGS_INITIAL_WINDOW_SIZE
         self._recv_window = CONNECTION_WINDOW  # what the peer may still send us
         self._recv_unacked = 0
         self._preface_timer: asyncio.TimerHandle | None = None
-        self._resets = 0
-        self._resets_since = 0.0
+        self._resets = _Rate()
+        self._settings = _Rate()
         self.peer = ""
 
     # ---- asyncio.Protocol ------------------------------------------------------------
@@ -81,10 +134,12 @@ class Connection(Sender):
         if isinstance(peer, tuple) and len(peer) >= 2:
             family = "ipv6" if ":" in str(peer[0]) else "ipv4"
             self.peer = f"{family}:{peer[0]}:{peer[1]}"
-        self.transport.write(SERVER_PREFACE)
+        self.transport.write(server_preface(self.limits.max_concurrent))
         self._on_open(self)
         loop = asyncio.get_running_loop()
         self._preface_timer = loop.call_later(PREFACE_TIMEOUT, self._preface_expired)
+        if self.limits.idle_timeout > 0:
+            self._idle_timer = loop.call_later(self.limits.idle_timeout, self._idle_check)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
@@ -107,6 +162,7 @@ class Connection(Sender):
                             handler(self, flags, sid, payload)
                 except f.H2StreamError as exc:
                     self._reset(exc.stream_id, exc.code)
+                    self._count_reset()
                 if self.closed:
                     return
         except f.H2ConnectionError as exc:
@@ -121,8 +177,9 @@ class Connection(Sender):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self._preface_timer is not None:
-            self._preface_timer.cancel()
+        for timer in (self._preface_timer, self._header_timer, self._idle_timer):
+            if timer is not None:
+                timer.cancel()
         streams = list(self.streams.values())
         self.streams.clear()
         self._blocked.clear()
@@ -175,6 +232,38 @@ class Connection(Sender):
         if not self._got_settings:
             self.fail(f.SETTINGS_TIMEOUT, "no client preface")
 
+    def _header_expired(self) -> None:
+        self._header_timer = None
+        if self._continuation is not None:
+            seconds = self.limits.header_timeout
+            self.fail(f.ENHANCE_YOUR_CALM, f"header block not finished within {seconds:g}s")
+
+    def _idle_check(self) -> None:
+        """Idle: no stream open now, and none opened since the last check."""
+        self._idle_timer = None
+        if self.closed:
+            return
+        if (
+            not self.streams
+            and not self.orphans
+            and self._continuation is None
+            and self.last_stream_id == self._idle_mark
+        ):
+            log.info("gRPC connection %s closed: idle", self.peer)
+            self.drain()
+            return
+        self._idle_mark = self.last_stream_id
+        loop = asyncio.get_running_loop()
+        self._idle_timer = loop.call_later(self.limits.idle_timeout, self._idle_check)
+
+    def _count_reset(self) -> None:
+        if self._resets.exceeds(MAX_RESETS_PER_SECOND):
+            raise f.H2ConnectionError(f.ENHANCE_YOUR_CALM, "too many streams reset")
+
+    def reset(self, stream: Stream, code: int) -> None:
+        super().reset(stream, code)
+        self._count_reset()
+
     # ---- frames ----------------------------------------------------------------------
     def _on_data(self, flags: int, sid: int, payload: bytes) -> None:
         if sid == 0:
@@ -226,21 +315,34 @@ class Connection(Sender):
             if len(payload) < 5:
                 raise f.H2ConnectionError(f.FRAME_SIZE_ERROR, "HEADERS too short for priority")
             payload = payload[5:]
+        if len(payload) > MAX_HEADER_BLOCK:
+            raise f.H2ConnectionError(f.ENHANCE_YOUR_CALM, "header block too large")
         if flags & f.END_HEADERS:
             self._headers_done(sid, flags, payload)
         else:
             self._continuation = (sid, flags, [payload], len(payload))
+            self._empty_fragments = 0 if payload else 1
+            self._header_timer = asyncio.get_running_loop().call_later(
+                self.limits.header_timeout, self._header_expired
+            )
 
     def _on_continuation(self, flags: int, sid: int, payload: bytes) -> None:
         if self._continuation is None or self._continuation[0] != sid:
             raise f.H2ConnectionError(f.PROTOCOL_ERROR, "unexpected CONTINUATION")
         first, first_flags, parts, size = self._continuation
+        if not payload:
+            self._empty_fragments += 1
+            if self._empty_fragments > MAX_EMPTY_FRAGMENTS:
+                raise f.H2ConnectionError(f.ENHANCE_YOUR_CALM, "too many empty CONTINUATION")
         parts.append(payload)
         size += len(payload)
         if size > MAX_HEADER_BLOCK:
             raise f.H2ConnectionError(f.ENHANCE_YOUR_CALM, "header block too large")
         if flags & f.END_HEADERS:
             self._continuation = None
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
             self._headers_done(sid, first_flags, b"".join(parts))
         else:
             self._continuation = (first, first_flags, parts, size)
@@ -248,13 +350,20 @@ class Connection(Sender):
     def _headers_done(self, sid: int, flags: int, block: bytes) -> None:
         # Always decode: the table must follow the client's encoder even for a stream we
         # are about to refuse.
+        too_large = 0
         try:
             headers = self._decoder.decode(block)
+        except HeaderListTooLarge as exc:
+            if exc.fatal:  # decoding stopped: the table may be out of step
+                raise f.H2ConnectionError(f.ENHANCE_YOUR_CALM, str(exc)) from None
+            headers, too_large = (), exc.size
         except HpackError as exc:
             raise f.H2ConnectionError(f.COMPRESSION_ERROR, f"HPACK: {exc}") from None
         end_stream = bool(flags & f.END_STREAM)
         stream = self.streams.get(sid)
         if stream is not None:  # trailers of a request
+            if too_large:
+                raise f.H2StreamError(sid, f.ENHANCE_YOUR_CALM, "trailers too large")
             if stream.remote_closed:
                 raise f.H2StreamError(sid, f.STREAM_CLOSED, "HEADERS after END_STREAM")
             if not end_stream:
@@ -272,12 +381,15 @@ class Connection(Sender):
         self.last_stream_id = sid
         if self.draining:
             raise f.H2StreamError(sid, f.REFUSED_STREAM, "shutting down")
-        if len(self.streams) >= MAX_CONCURRENT:
+        if len(self.streams) + self.orphans >= self.limits.max_concurrent:
             raise f.H2StreamError(sid, f.REFUSED_STREAM, "too many concurrent streams")
         stream = Stream(sid, self._peer_window, STREAM_WINDOW)
         stream.remote_closed = end_stream
         self.streams[sid] = stream
-        self.dispatcher.open(self, stream, headers, end_stream)
+        if too_large:
+            self.dispatcher.too_large(self, stream, too_large, MAX_HEADER_LIST)
+        else:
+            self.dispatcher.open(self, stream, headers, end_stream)
 
     def _on_priority(self, flags: int, sid: int, payload: bytes) -> None:
         if sid == 0:
@@ -299,12 +411,7 @@ class Connection(Sender):
         self._forget(stream)
         if stream.handler is not None:
             stream.handler.on_reset()
-        now = asyncio.get_running_loop().time()
-        if now - self._resets_since > 1.0:
-            self._resets_since, self._resets = now, 0
-        self._resets += 1
-        if self._resets > MAX_RESETS_PER_SECOND:
-            raise f.H2ConnectionError(f.ENHANCE_YOUR_CALM, "too many streams reset")
+        self._count_reset()
 
     def _on_settings(self, flags: int, sid: int, payload: bytes) -> None:
         if sid != 0:
@@ -315,17 +422,17 @@ class Connection(Sender):
             return
         if len(payload) % 6:
             raise f.H2ConnectionError(f.FRAME_SIZE_ERROR, "SETTINGS of the wrong size")
+        if len(payload) > 6 * MAX_SETTINGS_ENTRIES:
+            raise f.H2ConnectionError(f.ENHANCE_YOUR_CALM, "too many entries in one SETTINGS")
+        if self._settings.exceeds(MAX_SETTINGS_PER_SECOND):
+            raise f.H2ConnectionError(f.ENHANCE_YOUR_CALM, "too many SETTINGS frames")
         self._got_settings = True
+        window = None
         for key, value in f.parse_settings(payload):
             if key == f.INITIAL_WINDOW_SIZE:
                 if value > f.MAX_WINDOW:
                     raise f.H2ConnectionError(f.FLOW_CONTROL_ERROR, "initial window too large")
-                delta = value - self._peer_window
-                self._peer_window = value
-                for stream in self.streams.values():
-                    stream.send_window += delta
-                    if stream.send_window > f.MAX_WINDOW:
-                        raise f.H2ConnectionError(f.FLOW_CONTROL_ERROR, "window overflow")
+                window = value  # only the last one counts: applied once, below
             elif key == f.MAX_FRAME_SIZE:
                 if not f.DEFAULT_MAX_FRAME <= value <= f.MAX_FRAME_LIMIT:
                     raise f.H2ConnectionError(f.PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value}")
@@ -334,7 +441,14 @@ class Connection(Sender):
                 raise f.H2ConnectionError(f.PROTOCOL_ERROR, f"ENABLE_PUSH {value}")
             # HEADER_TABLE_SIZE: our encoder never indexes, so any size suits it;
             # MAX_CONCURRENT_STREAMS limits streams we open, and we open none.
-        self.write(f.SETTINGS_ACK)
+        if window is not None and window != self._peer_window:
+            delta = window - self._peer_window
+            self._peer_window = window
+            for stream in self.streams.values():
+                stream.send_window += delta
+                if stream.send_window > f.MAX_WINDOW:
+                    raise f.H2ConnectionError(f.FLOW_CONTROL_ERROR, "window overflow")
+        self.write_control(f.SETTINGS_ACK)
         self._flush_blocked()
 
     def _on_push_promise(self, flags: int, sid: int, payload: bytes) -> None:
@@ -346,7 +460,7 @@ class Connection(Sender):
         if len(payload) != 8:
             raise f.H2ConnectionError(f.FRAME_SIZE_ERROR, "PING of the wrong size")
         if not flags & f.ACK:
-            self.write(f.ping_ack(payload))
+            self.write_control(f.ping_ack(payload))
 
     def _on_goaway(self, flags: int, sid: int, payload: bytes) -> None:
         if sid != 0:

@@ -25,6 +25,9 @@ _CONNECTION_HEADERS = frozenset(
 )
 _ENCODINGS = frozenset((b"identity", b"gzip", b"deflate"))
 _HEAD_CACHE_SIZE = 256
+# Header lists larger than this are examined each time rather than kept (a client could
+# otherwise park 256 x 64 KiB of its own headers in the server).
+_HEAD_CACHE_MAX_LIST = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +64,10 @@ class Dispatcher:
         head = self._heads.get(headers)
         if head is None:
             head = self.examine(headers)
-            if len(self._heads) >= _HEAD_CACHE_SIZE:
-                self._heads.clear()
-            self._heads[headers] = head
+            if sum(len(k) + len(v) for k, v in headers) <= _HEAD_CACHE_MAX_LIST:
+                if len(self._heads) >= _HEAD_CACHE_SIZE:
+                    self._heads.clear()
+                self._heads[headers] = head
         route = head.route
         if route is None:
             if head.malformed:
@@ -80,6 +84,11 @@ class Dispatcher:
             call.start()
         if end_stream:
             call.on_end()
+
+    def too_large(self, conn: Connection, stream: Stream, size: int, limit: int) -> None:
+        message = f"header list of {size} bytes exceeds the limit of {limit}"
+        block = rpc.status_block(rpc.RESOURCE_EXHAUSTED, message, trailers_only=True)
+        conn.send_headers(stream, block, end_stream=True)
 
     def examine(self, headers: tuple[Header, ...]) -> Head:
         method = path = timeout = encoding = None

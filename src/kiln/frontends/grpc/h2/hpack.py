@@ -47,12 +47,38 @@ ENTRY_OVERHEAD = 32  # §4.1
 # Integers are refused beyond 5 continuation bytes (35 bits): no length or index needs
 # more, and a decoder must not loop on however many continuation bytes a peer sends.
 _MAX_INT_SHIFT = 28
+# The caches keep what a client repeats (paths, content types, a method's block), all
+# short: longer strings and blocks are not kept, so what a connection retains is bounded
+# (entries x size) whatever a client sends.
 _HUFFMAN_CACHE_SIZE = 512
+_HUFFMAN_CACHE_MAX_STRING = 128
 _BLOCK_CACHE_SIZE = 64
+_BLOCK_CACHE_MAX_BLOCK = 256
+# Past this multiple of the list limit decoding stops (the connection must then close):
+# a block of one-byte references to a large table entry would otherwise decode into a
+# list far larger than the block.
+_FATAL_LIST_FACTOR = 4
 
 
 class HpackError(ValueError):
     """A malformed header block: a COMPRESSION_ERROR for the whole connection."""
+
+
+class HeaderListTooLarge(HpackError):
+    """The decoded list exceeds ``max_list_size`` (name + value + 32 a field, RFC 9113
+    §6.5.2). ``fatal``: decoding stopped part-way (the table may be out of step, so the
+    connection must end); otherwise the whole block was decoded and only the request
+    is refused."""
+
+    def __init__(self, size: int, limit: int, fatal: bool) -> None:
+        more = " or more" if fatal else ""
+        super().__init__(f"header list of {size} bytes{more} exceeds the limit of {limit}")
+        self.size = size
+        self.fatal = fatal
+
+
+def _drop(field: Header) -> None:
+    """Where fields go once the list is over its limit."""
 
 
 def decode_int(data: bytes, pos: int, prefix_bits: int) -> tuple[int, int]:
@@ -93,11 +119,15 @@ def encode_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
 
 class Decoder:
     """One connection's decoder. ``max_table_size``: our SETTINGS_HEADER_TABLE_SIZE, the
-    most the client's size updates may ask for."""
+    most the client's size updates may ask for; ``max_list_size``: our
+    SETTINGS_MAX_HEADER_LIST_SIZE (None: no limit)."""
 
-    __slots__ = ("_blocks", "_entries", "_huffman", "_limit", "_max_size", "_size")
+    __slots__ = (
+        "_blocks", "_entries", "_huffman", "_limit", "_max_list", "_max_size", "_size",
+    )  # fmt: skip
 
-    def __init__(self, max_table_size: int = 4096) -> None:
+    def __init__(self, max_table_size: int = 4096, max_list_size: int | None = None) -> None:
+        self._max_list = max_list_size if max_list_size is not None else 2**62
         self._entries: list[Header] = []  # newest last: dynamic index i is entries[-i]
         self._size = 0
         self._max_size = max_table_size
@@ -163,9 +193,10 @@ class Decoder:
                 text = huffman.decode(raw)
             except huffman.HuffmanError as exc:
                 raise HpackError(str(exc)) from None
-            if len(self._huffman) >= _HUFFMAN_CACHE_SIZE:
-                self._huffman.clear()
-            self._huffman[raw] = text
+            if length <= _HUFFMAN_CACHE_MAX_STRING:
+                if len(self._huffman) >= _HUFFMAN_CACHE_SIZE:
+                    self._huffman.clear()
+                self._huffman[raw] = text
         return text, end
 
     def decode(self, data: bytes) -> tuple[Header, ...]:
@@ -178,7 +209,14 @@ class Decoder:
         end = len(data)
         fields_seen = False
         indexed_only = True
+        size = 0  # the decoded list's size as RFC 9113 §6.5.2 counts it
+        limit = self._max_list
         while pos < end:
+            if size > limit:
+                if append is not _drop:  # keep decoding (the table), but not the fields
+                    append = _drop
+                if size > limit * _FATAL_LIST_FACTOR:
+                    raise HeaderListTooLarge(size, limit, fatal=True)
             byte = data[pos]
             if byte & 0x80:  # indexed field (§6.1)
                 if byte != 0xFF:
@@ -186,7 +224,9 @@ class Decoder:
                     pos += 1
                 else:
                     index, pos = decode_int(data, pos, 7)
-                append(self._field(index))
+                field = self._field(index)
+                size += len(field[0]) + len(field[1]) + ENTRY_OVERHEAD
+                append(field)
             elif byte & 0x40:  # literal with incremental indexing (§6.2.1)
                 indexed_only = False
                 index, pos = decode_int(data, pos, 6)
@@ -196,6 +236,7 @@ class Decoder:
                     name, pos = self._string(data, pos)
                 value, pos = self._string(data, pos)
                 self._add(name, value)
+                size += len(name) + len(value) + ENTRY_OVERHEAD
                 append((name, value))
             elif byte & 0x20:  # dynamic table size update (§6.3)
                 if fields_seen:
@@ -212,10 +253,13 @@ class Decoder:
                 else:
                     name, pos = self._string(data, pos)
                 value, pos = self._string(data, pos)
+                size += len(name) + len(value) + ENTRY_OVERHEAD
                 append((name, value))
             fields_seen = True
+        if size > limit:
+            raise HeaderListTooLarge(size, limit, fatal=False)
         result = tuple(headers)
-        if indexed_only and data:
+        if indexed_only and 0 < len(data) <= _BLOCK_CACHE_MAX_BLOCK:
             if len(self._blocks) >= _BLOCK_CACHE_SIZE:
                 self._blocks.clear()
             self._blocks[data] = result

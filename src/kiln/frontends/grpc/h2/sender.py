@@ -9,16 +9,24 @@ closed.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from kiln.frontends.grpc.h2 import frames as f
 from kiln.frontends.grpc.h2.streams import Stream
 
+log = logging.getLogger(__name__)
+
 # What we advertise. Windows are large because tensors are: a 64 MiB request moves in
 # 4 MiB steps per stream without waiting on us in between.
 STREAM_WINDOW = 4 * 2**20
 CONNECTION_WINDOW = 16 * 2**20
+# Control frames a client makes us send (PING and SETTINGS acknowledgements, RST_STREAM
+# answers) that may wait behind a paused socket: a client that sends them without reading
+# ours would otherwise grow our buffer without end. Beyond this the connection is dropped
+# (nghttp2's and Go's limit).
+MAX_QUEUED_CONTROL = 10_000
 
 
 class Sender(asyncio.Protocol):
@@ -34,13 +42,34 @@ class Sender(asyncio.Protocol):
         self._out: list[bytes] | None = None  # batches writes made while reading
         self._paused = False
         self._waiters: list[asyncio.Future[None]] = []
+        self._queued_control = 0  # control frames written while the socket is paused
 
     def pause_writing(self) -> None:
         self._paused = True
 
     def resume_writing(self) -> None:
         self._paused = False
+        self._queued_control = 0  # below the low-water mark: they have gone out
         self._wake()
+
+    def write_control(self, data: bytes) -> None:
+        """A frame the peer induced: counted while the socket is paused."""
+        if self._paused:
+            self._queued_control += 1
+            if self._queued_control > MAX_QUEUED_CONTROL:
+                self.abort("too many control frames queued for a client that does not read")
+                return
+        self.write(data)
+
+    def abort(self, message: str) -> None:
+        """Drop the connection and what is buffered for it: a GOAWAY would only wait
+        behind the rest for a client that does not read."""
+        if self.closed or self.transport is None:
+            return
+        log.info("gRPC connection closed: %s", message)
+        self.closed = True
+        self._out = None
+        self.transport.abort()  # connection_lost cancels the calls
 
     def write(self, data: bytes) -> None:
         if self._out is not None:
@@ -135,8 +164,9 @@ class Sender(asyncio.Protocol):
         self.send_trailers(stream, trailers)
 
     def reset(self, stream: Stream, code: int) -> None:
-        """RST_STREAM from our side; the handler is not called back."""
-        self.write(f.rst_stream(stream.id, code))
+        """RST_STREAM from our side for a malformed request; the handler is not called
+        back."""
+        self.write_control(f.rst_stream(stream.id, code))
         stream.local_closed = stream.remote_closed = True
         self._forget(stream)
 
@@ -155,7 +185,7 @@ class Sender(asyncio.Protocol):
         if not stream.remote_closed:
             # the answer is complete before the request: ask the client to stop sending
             # (§8.1), which is how gRPC servers end a call early
-            self.write(f.rst_stream(stream.id, f.NO_ERROR))
+            self.write_control(f.rst_stream(stream.id, f.NO_ERROR))
             stream.remote_closed = True
         self._forget(stream)
 
@@ -208,7 +238,7 @@ class Sender(asyncio.Protocol):
             self._flush(stream)
 
     def _reset(self, stream_id: int, code: int) -> None:
-        self.write(f.rst_stream(stream_id, code))
+        self.write_control(f.rst_stream(stream_id, code))
         stream = self.streams.get(stream_id)
         if stream is not None:
             stream.local_closed = stream.remote_closed = True

@@ -8,15 +8,21 @@ import logging
 import ssl
 
 from kiln.frontends.grpc.h2 import rpc
-from kiln.frontends.grpc.h2.connection import Connection
+from kiln.frontends.grpc.h2.connection import Connection, Limits
 from kiln.frontends.grpc.h2.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 
 
 class H2GrpcServer:
-    def __init__(self, dispatcher: Dispatcher, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        ssl_context: ssl.SSLContext | None = None,
+        limits: Limits | None = None,
+    ) -> None:
         self.dispatcher = dispatcher
+        self.limits = limits if limits is not None else Limits()
         self.ssl_context = ssl_context
         self.connections: set[Connection] = set()
         self._listener: asyncio.Server | None = None
@@ -30,7 +36,7 @@ class H2GrpcServer:
         return [s.getsockname()[:2] for s in self._listener.sockets]
 
     def _connection(self) -> Connection:
-        return Connection(self.dispatcher, self._opened, self._closed)
+        return Connection(self.dispatcher, self._opened, self._closed, self.limits)
 
     def _opened(self, conn: Connection) -> None:
         self.connections.add(conn)

@@ -30,6 +30,9 @@ class Dispatcher(Protocol):
     ) -> None:
         """A new request: set ``stream.handler``, or answer at once."""
 
+    def too_large(self, conn: Any, stream: Stream, size: int, limit: int) -> None:
+        """A new request whose header list exceeds ``limit``: answer at once."""
+
 
 class Stream:
     __slots__ = (
