@@ -134,4 +134,9 @@ def inflate(payload: bytes, encoding: bytes, limit: int) -> bytes:
         raise MessageTooLarge(len(out), limit)
     if not stream.eof:
         raise ValueError(f"truncated {encoding.decode()} message")
+    if stream.unused_data:  # zlib stops at the end of the first gzip member
+        raise ValueError(
+            f"{len(stream.unused_data)} bytes follow the end of the {encoding.decode()} message "
+            "(trailing data or a second gzip member)"
+        )
     return out
