@@ -43,11 +43,11 @@ def tensor_elements(
         # bool is no dimension; NumPy integers are (a shape built in Python)
         if isinstance(d, bool) or not isinstance(d, int | np.integer) or d < 0:
             raise invalid_arg(
-                f"{where}: 'shape' must hold non-negative integers, got {_fmt(shape)}"
+                f"{where}: 'shape' must hold non-negative integers, got {list(shape)}"
             )
         count *= int(d)
         if count > INT64_MAX:  # early: a huge product is never built up
-            raise invalid_arg(f"{where}: the element count of shape {_fmt(shape)} overflows int64")
+            raise invalid_arg(f"{where}: the element count of shape {list(shape)} overflows int64")
     if max_elements and count > max_elements:
         raise invalid_arg(
             f"{where} has {count} elements (shape {_fmt(shape)}), more than the server's "
