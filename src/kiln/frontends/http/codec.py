@@ -30,6 +30,8 @@ _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
 # Triton's binary tensor extension: the JSON header's length when binary data follows it.
 HEADER_LENGTH = "inference-header-content-length"
+# JSON integer tensors up to this many values are range-checked with Python's min/max.
+_SMALL = 1024
 
 
 def _shape(model: str, tensor: str, value: Any, max_elements: int) -> tuple[int, ...]:
@@ -247,6 +249,12 @@ def _numbers(flat: list[Any], types: set[type], dtype: np.dtype[Any]) -> np.ndar
     if dtype.kind in "iu":
         if types != {int}:
             raise TypeError(f"expected integers, got {_what(types - {int})}")
+        info = np.iinfo(dtype)
+        if len(flat) <= _SMALL:  # builtins beat NumPy's per-call cost on a few values
+            low, high = min(flat), max(flat)
+            if low < info.min or high > info.max:
+                raise OverflowError(f"{low if low < info.min else high} is out of range")
+            return np.array(flat, dtype=dtype)
         try:
             wide = np.array(flat, dtype=np.int64)
         except OverflowError:
@@ -254,7 +262,6 @@ def _numbers(flat: list[Any], types: set[type], dtype: np.dtype[Any]) -> np.ndar
                 raise OverflowError("a value is out of range") from None
             # UINT64 values >= 2**63; a negative one makes this raise too
             wide = np.array(flat, dtype=np.uint64)
-        info = np.iinfo(dtype)
         low, high = int(wide.min()), int(wide.max())
         if low < info.min or high > info.max:
             raise OverflowError(f"{low if low < info.min else high} is out of range")
