@@ -18,6 +18,7 @@ from kiln.backends.python import bls
 from kiln.config.loader import config_to_json
 from kiln.core.classification import classify, requested_count
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
+from kiln.core.limits import check_parameters
 from kiln.core.runtime import ModelRuntime
 from kiln.core.settings import LogSettings, TraceSettings
 from kiln.core.shm import MAX_REGIONS, SharedMemoryManager
@@ -191,8 +192,7 @@ class Server:
         if self.shutting_down:
             raise KilnError("server is shutting down", Status.UNAVAILABLE)
         runtime = self.repository.get(request.model_name, request.model_version)
-        opts = self.options
-        check_request_limits(request, opts.max_input_tensors, opts.max_tensor_elements)
+        self._admit(request)
         counts = {
             o.name: n for o in request.outputs if (n := requested_count(o.name, o.parameters))
         }
@@ -207,6 +207,12 @@ class Server:
             ]
         return response
 
+    def _admit(self, request: InferenceRequest) -> None:
+        """What every request must satisfy whatever its frontend, before any scheduling."""
+        opts = self.options
+        check_request_limits(request, opts.max_input_tensors, opts.max_tensor_elements)
+        check_parameters(request)
+
     async def infer_stream(
         self, request: InferenceRequest, window: int = 0
     ) -> AsyncIterator[InferenceResponse]:
@@ -219,6 +225,7 @@ class Server:
         if not runtime.decoupled:
             yield await self.infer(request)  # classification and the rest, as infer does
             return
+        self._admit(request)
         async for response in runtime.infer_stream(request, window):
             yield response
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from kiln.config.model_config_pb2 import DataType as PbDataType
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import invalid_arg
-from kiln.core.types import DataType, InferenceRequest, element_count
+from kiln.core.limits import tensor_elements
+from kiln.core.types import DataType, InferenceRequest
 from kiln.scheduling.sequence_config import scheduler_inputs, state_outputs
 
 
@@ -149,12 +150,7 @@ def check_request_limits(request: InferenceRequest, max_tensors: int, max_elemen
             f"inference request for model '{model}' has {len(request.inputs)} inputs, more "
             f"than the server's limit of {max_tensors} (--max-input-tensors)"
         )
-    if max_elements:
-        for tensor in request.inputs:
-            count = element_count(tensor.shape)
-            if count > max_elements:
-                raise invalid_arg(
-                    f"input '{tensor.name}' for model '{model}' has {count} elements (shape "
-                    f"{_fmt(tensor.shape)}), more than the server's limit of {max_elements} "
-                    "(--max-tensor-elements)"
-                )
+    for tensor in request.inputs:
+        # shape, rank and element count: the frontends checked them while decoding; a
+        # request built in Python (the API, BLS) is checked here
+        tensor_elements(model, tensor.name, tensor.shape, max_elements)

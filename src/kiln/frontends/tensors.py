@@ -25,8 +25,11 @@ def serialize_bytes(data: np.ndarray) -> bytes:
 def deserialize_bytes(name: str, buf: memoryview | bytes, count: int) -> np.ndarray:
     """The inverse of :func:`serialize_bytes`; every length is checked against the buffer."""
     view = memoryview(buf)
-    out = np.empty(count, dtype=object)
     pos, end = 0, len(view)
+    # Each element needs its 4-byte length: when the buffer cannot hold ``count`` of them,
+    # nothing is sized by the client's shape (np.empty(2**31) is 16 GiB of pointers) and
+    # the walk below, which then must fail within end // 4 steps, only finds the error.
+    out = np.empty(count, dtype=object) if count <= end // 4 else None
     for i in range(count):
         if pos + 4 > end:
             raise invalid_arg(f"input '{name}': BYTES data ends after {i} of {count} elements")
@@ -37,12 +40,14 @@ def deserialize_bytes(name: str, buf: memoryview | bytes, count: int) -> np.ndar
                 f"input '{name}': BYTES element {i} has length {length}, which runs past the "
                 f"end of its buffer ({end - pos} bytes left)"
             )
-        out[i] = bytes(view[pos : pos + length])
+        if out is not None:
+            out[i] = bytes(view[pos : pos + length])
         pos += length
     if pos != end:
         raise invalid_arg(
             f"input '{name}': {end - pos} bytes left over after {count} BYTES elements"
         )
+    assert out is not None  # count <= end // 4 whenever the walk gets here
     return out
 
 

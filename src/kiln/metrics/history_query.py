@@ -29,6 +29,7 @@ from kiln.metrics.history import QUANTILES, STORED_METRICS, connect
 from kiln.metrics.snapshot import COUNTERS
 
 MAX_POINTS = 11000  # per series, as Prometheus's range queries
+MAX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, as unix seconds
 
 # name -> (numerator counters, denominator counters, unit, meaning)
 DERIVED: dict[str, tuple[tuple[str, ...], tuple[str, ...], str, str]] = {
@@ -123,10 +124,19 @@ def _validate(q: HistoryQuery) -> None:
         raise HistoryQueryError(
             f"unknown history metric '{q.metric}' (known: {', '.join(sorted(known))})"
         )
-    if not (math.isfinite(q.start) and math.isfinite(q.end)) or q.end < q.start:
+    for field, value in (("start", q.start), ("end", q.end)):
+        # SQLite keeps milliseconds in an int64: a time beyond year 9999 cannot be asked for
+        if not (math.isfinite(value) and 0 <= value <= MAX_TIME):
+            raise HistoryQueryError(
+                f"'{field}' must be a time between 1970 and 9999 (0 to {MAX_TIME:.0f} unix "
+                f"seconds), got {value}"
+            )
+    if q.end < q.start:
         raise HistoryQueryError(f"'end' ({q.end}) must not be before 'start' ({q.start})")
-    if not math.isfinite(q.step) or q.step <= 0:
-        raise HistoryQueryError(f"'step' must be a positive number of seconds, got {q.step}")
+    if not math.isfinite(q.step) or not 0 < q.step <= MAX_TIME:
+        raise HistoryQueryError(
+            f"'step' must be a positive number of seconds up to {MAX_TIME:.0f}, got {q.step}"
+        )
     if (q.end - q.start) / q.step > MAX_POINTS:
         raise HistoryQueryError(
             f"exceeded maximum resolution of {MAX_POINTS} points per series: "

@@ -42,15 +42,27 @@ def serialize_bytes(array: np.ndarray) -> bytes:
 
 
 def deserialize_bytes(buffer: memoryview | bytes, shape: tuple[int, ...]) -> np.ndarray:
+    """The inverse of :func:`serialize_bytes`; ``shape`` comes from the other process, so
+    it is checked against the buffer before it sizes anything."""
     count = 1
     for d in shape:
+        if d < 0:
+            raise ValueError(f"BYTES tensor of shape {list(shape)}: negative dimension")
         count *= d
-    out = np.empty(count, dtype=object)
     view = memoryview(buffer)
+    end = len(view)
+    if count > end // 4:  # each element has a 4-byte length
+        raise ValueError(
+            f"BYTES tensor of shape {list(shape)} needs at least {4 * count} bytes, "
+            f"the arena holds {end}"
+        )
+    out = np.empty(count, dtype=object)
     pos = 0
     for i in range(count):
         (length,) = struct.unpack_from("<I", view, pos)
         pos += 4
+        if pos + length > end:
+            raise ValueError(f"BYTES element {i} runs past the end of its {end}-byte buffer")
         out[i] = bytes(view[pos : pos + length])
         pos += length
     return out.reshape(shape)

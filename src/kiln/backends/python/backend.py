@@ -41,6 +41,7 @@ from kiln.backends.base import (
 )
 from kiln.backends.gpus import visible_gpu_count
 from kiln.backends.python import bls
+from kiln.backends.python.arena import Arena
 from kiln.backends.python.cancel import BatchWatch, FlagPool, OpenStream
 from kiln.backends.python.custom_metrics import FamilySnapshot, read_store
 from kiln.backends.python.deadline import (
@@ -420,6 +421,15 @@ class PythonBackend(Backend):
         inbound.reset()
         streams = self.streams if self.decoupled else None
         watch = BatchWatch.start(self.flag_pool, requests, streams, self._keys)
+        try:
+            return self._messages(requests, inbound, watch), watch
+        except BaseException:
+            watch.end()  # its flags and stream keys go back: the batch is never sent
+            raise
+
+    def _messages(
+        self, requests: list[BackendRequest], inbound: Arena, watch: BatchWatch
+    ) -> list[dict[str, Any]]:
         wire = [
             {
                 "inputs": [inbound.write(n, a) for n, a in r.inputs.items()],
@@ -443,7 +453,7 @@ class PythonBackend(Backend):
             for message, request, key in zip(wire, requests, watch.keys, strict=True):
                 message["key"] = key
                 self._flow(message, request.sink, key)
-        return wire, watch
+        return wire
 
     def _flow(self, message: dict[str, Any], sink: ResponseSink | None, key: int) -> None:
         """A stream with a window (an ensemble's ``max_inflight_requests``): the worker's

@@ -54,7 +54,7 @@ from kiln.backends.base import BackendRequest, NotStarted, RequestOutcome
 from kiln.backends.python.deadline import BatchDeadline, batch_deadline
 from kiln.backends.python.process import ARENA_SLOTS, WorkerDied
 from kiln.backends.python.wire import Wire
-from kiln.core.errors import KilnError
+from kiln.core.errors import KilnError, Status
 
 if TYPE_CHECKING:
     from kiln.backends.python.backend import PythonBackend
@@ -187,6 +187,26 @@ class WorkerPipe:
             self.calls.pop()
             self._held.append(call)
             self._lost(exc)
+            return
+        except BaseException as exc:
+            # Nothing reached the worker (a message is pickled whole before it is
+            # written): undo the queueing, or every later answer would go to this batch
+            # and the model would hang until a reload. Only this batch fails.
+            self.calls.pop()
+            self._next_slot = call.slot
+            if not isinstance(exc, Exception):
+                call.fail(KilnError(f"model '{backend.model}': the batch was not sent"))
+                raise
+            log.exception("model '%s': could not send a batch to the Python worker", backend.model)
+            call.fail(
+                exc
+                if isinstance(exc, KilnError)
+                else KilnError(
+                    f"model '{backend.model}': could not send the batch to the Python worker: "
+                    f"{type(exc).__name__}: {exc}",
+                    Status.INTERNAL,
+                )
+            )
             return
         if idle:
             self._begin(call)

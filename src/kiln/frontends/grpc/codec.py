@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from kiln.core.errors import invalid_arg
+from kiln.core.limits import tensor_elements
 from kiln.core.types import (
     DataType,
     InferenceRequest,
@@ -76,7 +77,8 @@ def to_infer_parameter(value: Any) -> InferParameter:
 
 
 # ---- request -------------------------------------------------------------------------
-def decode_request(msg: ModelInferRequest) -> InferenceRequest:
+def decode_request(msg: ModelInferRequest, max_elements: int = 0) -> InferenceRequest:
+    """``max_elements``: ``--max-tensor-elements`` (0: none), applied before decoding data."""
     request = InferenceRequest(
         model_name=msg.model_name,
         model_version=msg.model_version,
@@ -87,6 +89,14 @@ def decode_request(msg: ModelInferRequest) -> InferenceRequest:
     # raw entries go, in order, to the inputs that carry their data in the message: the
     # ones with a shared-memory region take none (as tritonclient sends them).
     wants_raw = [t.name for t in msg.inputs if SHM_REGION not in t.parameters]
+    if raw:
+        # Triton's check and text, before the count (its client examples test for it)
+        for tensor in msg.inputs:
+            if SHM_REGION not in tensor.parameters and tensor.HasField("contents"):
+                raise invalid_arg(
+                    f"contents field must not be specified when using raw_input_contents "
+                    f"for '{tensor.name}' for model '{msg.model_name}'"
+                )
     if raw and len(raw) != len(wants_raw):
         if len(raw) < len(wants_raw):
             detail = f"input '{wants_raw[len(raw)]}' has none"
@@ -104,8 +114,7 @@ def decode_request(msg: ModelInferRequest) -> InferenceRequest:
         except ValueError as exc:
             raise invalid_arg(f"input '{name}': {exc}") from None
         shape = tuple(tensor.shape)
-        if any(d < 0 for d in shape):
-            raise invalid_arg(f"input '{name}': shape must hold non-negative integers")
+        tensor_elements(msg.model_name, name, shape, max_elements)  # before any data
         params = parameters_to_dict(tensor.parameters)
         has_contents = tensor.HasField("contents")
         if SHM_REGION in params:
@@ -116,11 +125,6 @@ def decode_request(msg: ModelInferRequest) -> InferenceRequest:
                 )
             data = np.empty(0)  # filled in by the shared-memory layer
         elif raw:
-            if has_contents:
-                raise invalid_arg(
-                    f"contents field must not be specified when using raw_input_contents for "
-                    f"'{name}' for model '{msg.model_name}'"
-                )
             data = from_raw(name, datatype, shape, raw[next_raw])
             next_raw += 1
         else:

@@ -110,7 +110,7 @@ class InferenceServicer(SharedMemoryRpcs):
 
     # ---- inference -------------------------------------------------------------------
     async def _infer(self, message: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        request = decode_request(message)
+        request = decode_request(message, self.server.options.max_tensor_elements)
         response = await shm_io.infer(self.server, request)
         return encode_response(response)
 
@@ -125,7 +125,7 @@ class InferenceServicer(SharedMemoryRpcs):
         token = FRONTEND.set(slot)
         send_start = 0
         try:
-            decoded = decode_request(request)
+            decoded = decode_request(request, self.server.options.max_tensor_elements)
             slot.recv_end = time.monotonic_ns()
             response = await shm_io.infer(self.server, decoded)
             send_start = time.monotonic_ns()
@@ -150,7 +150,7 @@ class InferenceServicer(SharedMemoryRpcs):
 
         async def one(message: pb.ModelInferRequest) -> None:
             try:
-                request = decode_request(message)
+                request = decode_request(message, self.server.options.max_tensor_elements)
                 if self.server.is_decoupled(request.model_name, request.model_version):
                     # 0..N messages for this request, as the model sends them
                     stream = self.server.infer_stream(request, CLIENT_STREAM_WINDOW)

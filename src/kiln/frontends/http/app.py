@@ -34,6 +34,9 @@ from kiln.frontends.http.openapi import openapi_document
 
 log = logging.getLogger(__name__)
 
+# Request bodies above this decode off the event loop (see ``infer_body``).
+OFF_LOOP_DECODE_BYTES = 1 << 20
+
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -199,20 +202,27 @@ class HttpFrontend:
     ) -> tuple[bytes, dict[str, str]]:
         """One inference from a request body to a response body and its headers; shared by
         the Starlette route and the fast path (:mod:`kiln.frontends.http.fast_infer`)."""
-        if raw_length is None:
-            req = decode_request(body, None, name, version)
-        else:
+        header_length: int | None = None
+        if raw_length is not None:
             try:
                 header_length = int(raw_length)
             except ValueError:
                 raise KilnError(
                     f"Inference-Header-Content-Length must be an integer, got '{raw_length}'"
                 ) from None
-            if header_length == 0:
-                sig = self.server.model(name, version).signature
-                req = decode_raw_request(body, sig, name, version)
+        if header_length == 0:
+            sig = self.server.model(name, version).signature
+            req = decode_raw_request(body, sig, name, version)
+        else:
+            limit = self.server.options.max_tensor_elements
+            args = (body, header_length, name, version, limit)
+            if len(body) > OFF_LOOP_DECODE_BYTES:
+                # JSON tensors cost Python work per element: a big body decodes on a thread
+                # so other clients are answered meanwhile (small ones stay on the loop,
+                # where a thread hop would cost more than the decode)
+                req = await asyncio.to_thread(decode_request, *args)
             else:
-                req = decode_request(body, header_length, name, version)
+                req = decode_request(*args)
         resp = await shm_io.infer(self.server, req)
         out, json_length = encode_response(resp, req)
         headers: dict[str, str] = {}

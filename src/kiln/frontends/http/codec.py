@@ -7,12 +7,14 @@ names the tensor it is about. Shape/model checks happen later, once, in core.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
 import numpy as np
 import orjson
 
 from kiln.core.errors import invalid_arg
+from kiln.core.limits import tensor_elements
 from kiln.core.signature import ModelSignature
 from kiln.core.types import (
     DataType,
@@ -28,16 +30,14 @@ _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
 # Triton's binary tensor extension: the JSON header's length when binary data follows it.
 HEADER_LENGTH = "inference-header-content-length"
+# JSON integer tensors up to this many values are range-checked with Python's min/max.
+_SMALL = 1024
 
 
-def _shape(tensor: str, value: Any) -> tuple[int, ...]:
+def _shape(model: str, tensor: str, value: Any, max_elements: int) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise invalid_arg(f"input '{tensor}': 'shape' must be an array of integers")
-    for d in value:
-        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
-            raise invalid_arg(
-                f"input '{tensor}': 'shape' must hold non-negative integers, got {value}"
-            )
+    tensor_elements(model, tensor, value, max_elements)  # rank, dims, count: before any data
     return tuple(value)
 
 
@@ -61,8 +61,13 @@ def parse_json(buffer: bytes | memoryview) -> dict[str, Any]:
 
 
 def decode_request(
-    body: bytes, header_length: int | None, model_name: str, model_version: str
+    body: bytes,
+    header_length: int | None,
+    model_name: str,
+    model_version: str,
+    max_elements: int = 0,
 ) -> InferenceRequest:
+    """``max_elements``: ``--max-tensor-elements`` (0: none), applied before decoding data."""
     if header_length is None:
         header, binary = memoryview(body), memoryview(b"")
     else:
@@ -97,7 +102,7 @@ def decode_request(
             datatype = DataType.from_wire(raw_dt)
         except ValueError as exc:
             raise invalid_arg(f"input '{name}': {exc}") from None
-        shape = _shape(name, item.get("shape"))
+        shape = _shape(model_name, name, item.get("shape"), max_elements)
         params = _parameters(f"input '{name}'", item.get("parameters"))
         size = params.get("binary_data_size")
         if size is not None:
@@ -176,6 +181,9 @@ def decode_raw_request(
 
 
 def from_json(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) -> np.ndarray:
+    """``data``, flat or nested, as a ``shape`` tensor. Its layout and element count are
+    checked against the shape before any array is built from it, and NumPy never guesses
+    a type from it: a guess of strings sizes every element as the longest one."""
     if datatype in (DataType.FP16, DataType.BF16):
         raise invalid_arg(
             f"receiving {datatype.value} data via JSON is not supported. Please use the binary "
@@ -183,81 +191,91 @@ def from_json(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) 
         )
     count = element_count(shape)
     try:
+        groups, types = _leaves(data)
+        held = sum(map(len, groups))
+        if held != count:  # before anything is built from the data
+            raise invalid_arg(
+                f"input '{name}': shape {list(shape)} expects {count} elements, but 'data' "
+                f"holds {held}"
+            )
+        flat = groups[0] if len(groups) == 1 else list(chain.from_iterable(groups))
         if datatype is DataType.BYTES:
-            flat = _flatten(data)
-            arr = np.empty(len(flat), dtype=object)
-            for i, v in enumerate(flat):
-                if isinstance(v, str):
-                    arr[i] = v.encode()
-                elif isinstance(v, (bytes, int, float)) and not isinstance(v, bool):
-                    arr[i] = str(v).encode()
-                else:
-                    raise TypeError(f"element {i} is {type(v).__name__}")
+            arr = _bytes(flat, types)
         elif datatype is DataType.BOOL:
-            flat = _flatten(data)
-            if not all(isinstance(v, bool) for v in flat):
+            if types - {bool}:
                 raise TypeError("BOOL data must be JSON booleans")
             arr = np.array(flat, dtype=np.bool_)
         else:
-            arr = _numbers(data, datatype.numpy_dtype)
+            arr = _numbers(flat, types, datatype.numpy_dtype)
     except (TypeError, ValueError, OverflowError) as exc:
         raise invalid_arg(
             f"input '{name}': unable to parse 'data' as {datatype.value}: {exc}"
         ) from None
-    if arr.size != count:
-        raise invalid_arg(
-            f"input '{name}': shape {list(shape)} expects {count} elements, but 'data' holds "
-            f"{arr.size}"
-        )
     return arr.reshape(shape)
 
 
-def _numbers(data: Any, dtype: np.dtype[Any]) -> np.ndarray:
+def _leaves(data: Any) -> tuple[list[list[Any]], set[type]]:
+    """The innermost arrays of ``data`` (their scalars in order) and the scalars' types.
+    Walks one nesting level at a time: Python work per array, C work (``map``) per scalar,
+    and nothing sized by a guess."""
+    groups: list[list[Any]] = [data if isinstance(data, list) else [data]]
+    while True:
+        types: set[type] = set()
+        for group in groups:
+            types.update(map(type, group))
+        if list not in types:
+            return groups, types
+        if len(types) > 1:
+            raise TypeError("'data' mixes arrays and values at one depth")
+        groups = list(chain.from_iterable(groups))
+        if len({len(g) for g in groups}) > 1:
+            raise ValueError("'data' is a ragged nested array")
+
+
+def _bytes(flat: list[Any], types: set[type]) -> np.ndarray:
+    if types - {str, int, float}:
+        raise TypeError(f"expected strings, got {_what(types - {str, int, float})}")
+    arr = np.empty(len(flat), dtype=object)
+    for i, v in enumerate(flat):
+        arr[i] = v.encode() if isinstance(v, str) else str(v).encode()
+    return arr
+
+
+def _numbers(flat: list[Any], types: set[type], dtype: np.dtype[Any]) -> np.ndarray:
     """JSON numbers -> ``dtype``, refusing what a cast would silently change: 2.5 or true
     for an integer tensor, strings, and integers outside the type's range."""
-    # Let NumPy infer first: its choice (bool, int, float, str, object) says what was sent.
-    arr = np.array(data)
-    if arr.size == 0:
-        return arr.astype(dtype)
-    kind = arr.dtype.kind
+    if not flat:
+        return np.empty(0, dtype=dtype)
     if dtype.kind in "iu":
-        if kind not in "iu" and not (kind == "O" and _all_ints(arr)):
-            raise TypeError(f"expected integers, got {_what(kind)}")
+        if types != {int}:
+            raise TypeError(f"expected integers, got {_what(types - {int})}")
         info = np.iinfo(dtype)
-        # Python ints compare exactly, so the range check also holds beyond int64.
-        low, high = min(arr.flat), max(arr.flat)
+        if len(flat) <= _SMALL:  # builtins beat NumPy's per-call cost on a few values
+            low, high = min(flat), max(flat)
+            if low < info.min or high > info.max:
+                raise OverflowError(f"{low if low < info.min else high} is out of range")
+            return np.array(flat, dtype=dtype)
+        try:
+            wide = np.array(flat, dtype=np.int64)
+        except OverflowError:
+            if dtype != np.uint64:
+                raise OverflowError("a value is out of range") from None
+            # UINT64 values >= 2**63; a negative one makes this raise too
+            wide = np.array(flat, dtype=np.uint64)
+        low, high = int(wide.min()), int(wide.max())
         if low < info.min or high > info.max:
             raise OverflowError(f"{low if low < info.min else high} is out of range")
-    elif kind not in "iuf":
-        raise TypeError(f"expected numbers, got {_what(kind)}")
-    return arr.astype(dtype)
+        return wide.astype(dtype)
+    if types - {int, float}:
+        raise TypeError(f"expected numbers, got {_what(types - {int, float})}")
+    return np.array(flat, dtype=np.float64).astype(dtype)
 
 
-def _all_ints(arr: np.ndarray) -> bool:
-    # Integers beyond int64 (e.g. UINT64 values >= 2**63) make NumPy fall back to objects.
-    return all(isinstance(v, int) and not isinstance(v, bool) for v in arr.flat)
-
-
-def _what(kind: str) -> str:
-    return {"b": "booleans", "f": "floats", "U": "strings", "O": "mixed values"}.get(
-        kind, "non-numbers"
-    )
-
-
-def _flatten(data: Any) -> list[Any]:
-    if not isinstance(data, list):
-        return [data]
-    if not data or not isinstance(data[0], list):
-        return data
-    out: list[Any] = []
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(reversed(item))
-        else:
-            out.append(item)
-    return out
+def _what(types: set[type]) -> str:
+    if len(types) > 1:
+        return "mixed values"
+    names = {bool: "booleans", float: "floats", str: "strings", dict: "objects"}
+    return names.get(next(iter(types)), "non-numbers") if types else "nothing"
 
 
 def _want_binary(request: InferenceRequest, name: str, default: bool) -> bool:
