@@ -165,7 +165,7 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
             [
                 *monitor_routes(monitor),
                 *live_routes(server, metrics, monitor),
-                *openai_routes(server),
+                *openai_routes(server, frontend),
             ],
             security,
             browser,

@@ -136,11 +136,16 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # a bug or a device error: fail what is in flight
+            except Exception as exc:  # outside the model run (the engine's own bug)
                 log.exception("llm engine step failed")
                 self._fail_all(KilnError(f"llm engine step failed: {exc}", Status.INTERNAL))
                 continue
             self._deliver(outputs)
+            # the model run failed for these alone: the others of the step went on
+            for rid, error in self.engine.failed:
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    stream.put(KilnError(f"llm engine step failed: {error}", Status.INTERNAL))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """One cross-thread call per step and event loop, not one per request: with 64
@@ -166,8 +171,13 @@ class AsyncEngine:
                 command.priority,
                 command.arrival_time,
             )
-        except KilnError as exc:
+        except Exception as exc:  # anything else must not end this thread, and every stream
             stream = self._streams.get(command.request_id)
+            if not isinstance(exc, KilnError):
+                log.exception("llm engine: request %s could not be added", command.request_id)
+                exc = KilnError(
+                    f"llm engine: the request could not be added: {exc}", Status.INTERNAL
+                )
             if stream is not None:
                 stream.put(exc)
 

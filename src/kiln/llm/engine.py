@@ -11,8 +11,9 @@ from kiln.core.errors import KilnError, Status
 from kiln.llm.block_manager import BlockManager
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.model_runner import ModelRunner
+from kiln.llm.params import INT64_MAX, INT64_MIN, InvalidField
 from kiln.llm.sampler import SampledToken, TokenLogprobs
-from kiln.llm.scheduler import Scheduler
+from kiln.llm.scheduler import Scheduler, SchedulerOutput
 from kiln.llm.sequence import RequestState, SamplingParams, Sequence
 from kiln.llm.stats import LatencyStats
 
@@ -75,6 +76,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.stats = EngineStats()
+        #: the requests the last step failed, with the error (they left the engine)
+        self.failed: list[tuple[str, Exception]] = []
 
     def check_request(self, prompt_len: int, params: SamplingParams, priority: int = 0) -> None:
         """Refuse what can never be served, before it takes a place in the queue."""
@@ -94,12 +97,31 @@ class LLMEngine:
         self.check_n(params.n)
         self.check_priority(priority)
         vocab = self.args.vocab_size
-        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        # Checked here, before the request joins a batch: a value the step's tensors cannot
+        # take would fail the step, and with it every request the step holds.
+        outside = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if outside:
-            raise KilnError(
+            raise InvalidField(
+                "logit_bias",
                 f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {vocab})",
-                Status.INVALID_ARG,
             )
+        outside = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if outside:
+            raise InvalidField(
+                "stop_token_ids",
+                f"stop_token_ids names token id {outside[0]}, outside the vocabulary [0, {vocab})",
+            )
+        for field_, count in (
+            ("logprobs", params.logprobs),
+            ("prompt_logprobs", params.prompt_logprobs),
+        ):
+            if count is not None and not 0 <= count <= vocab:
+                raise InvalidField(
+                    field_, f"{field_} must be in [0, {vocab}] (the vocabulary), got {count}"
+                )
+        seed = params.seed
+        if seed is not None and not INT64_MIN <= seed <= INT64_MAX:
+            raise InvalidField("seed", f"seed must be in [{INT64_MIN}, {INT64_MAX}], got {seed}")
 
     def check_n(self, n: int) -> None:
         # the n samples of a request run together: they must fit in one running batch
@@ -161,6 +183,7 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
+        self.failed = []
         out = self.scheduler.schedule()
         if not out.seqs:
             return []
@@ -170,7 +193,7 @@ class LLMEngine:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
                 latency.request_queue_time.observe(now - seq.request.arrival_time)
-        sampled = self.runner.run(out)
+        sampled = self._run(out)
         now = time.monotonic()
         self.stats.num_steps += 1
         self.stats.max_step_tokens = max(self.stats.max_step_tokens, out.total_tokens)
@@ -196,6 +219,52 @@ class LLMEngine:
         for seq in self.scheduler.remove_finished():
             self._retire(seq, now)
         return results
+
+    def _run(self, out: SchedulerOutput) -> dict[int, SampledToken]:
+        """The step's model run. When it raises, each request of the step runs again alone,
+        and only those whose own run fails leave the engine (listed in ``failed``, their
+        sequences dropped from ``out``): one request's bad input or bug must not fail the
+        others that happened to share its batch. A re-run recomputes the same K/V into the
+        same slots (and the prompt logprobs not yet known), so it is safe to repeat."""
+        try:
+            return self.runner.run(out)
+        except Exception as exc:
+            groups: dict[str, SchedulerOutput] = {}
+            for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+                group = groups.setdefault(seq.request_id, SchedulerOutput())
+                group.seqs.append(seq)
+                group.num_new_tokens.append(n)
+            if len(groups) == 1:
+                self.failed = [(next(iter(groups)), exc)]
+                sampled: dict[int, SampledToken] = {}
+            else:
+                log.warning("llm engine: a step of %d requests failed (%s): running each alone",
+                            len(groups), exc)  # fmt: skip
+                sampled = self._run_alone(groups, out.copies)
+        failed = {rid for rid, _ in self.failed}
+        kept = [(s, n) for s, n in zip(out.seqs, out.num_new_tokens, strict=True)
+                if s.request_id not in failed]  # fmt: skip
+        out.seqs, out.num_new_tokens = [s for s, _ in kept], [n for _, n in kept]
+        now = time.monotonic()
+        for rid in failed:
+            for seq in self.scheduler.abort(rid):
+                self._retire(seq, now)
+        return sampled
+
+    def _run_alone(
+        self, groups: dict[str, SchedulerOutput], copies: list[tuple[int, int]]
+    ) -> dict[int, SampledToken]:
+        sampled: dict[int, SampledToken] = {}
+        for rid, group in groups.items():
+            # its own copy-on-write copies only: another's would overwrite K/V it wrote
+            own = {b for s in group.seqs for b in s.block_table}
+            group.copies = [c for c in copies if c[1] in own]
+            try:
+                sampled.update(self.runner.run(group))
+            except Exception as exc:
+                log.exception("llm engine: request %s failed its step", rid)
+                self.failed.append((rid, exc))
+        return sampled
 
     def _append(self, seq: Sequence, sampled: SampledToken, now: float) -> RequestOutput:
         token = sampled.token_id

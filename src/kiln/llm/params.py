@@ -6,6 +6,7 @@ bad value raises :class:`InvalidField`, which names the field for the frontend's
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,14 @@ SAMPLING_FIELDS = (
 
 #: OpenAI's bound on a ``logit_bias`` value
 MAX_LOGIT_BIAS = 100.0
+#: vLLM's bounds on integer fields (``seed``, ``top_k``...): a torch ``long``. A value out
+#: of them overflows a tensor on the engine's thread, where it would fail the whole step.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+#: ``stop_token_ids`` are checked against every sampled token: a few suffice
+MAX_STOP_TOKEN_IDS = 1024
+#: a ``logit_bias`` key: ASCII digits only (``str.isdigit`` takes "²" and other scripts'
+#: digits, which ``int`` refuses)
+_TOKEN_ID = re.compile(r"[0-9]{1,19}")
 
 
 class InvalidField(KilnError):
@@ -43,15 +52,23 @@ def number(body: Mapping[str, Any], key: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidField(key, f"'{key}' must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer past float's range
+        raise InvalidField(key, f"'{key}' is out of range") from None
 
 
-def integer(body: Mapping[str, Any], key: str) -> int | None:
+def integer(
+    body: Mapping[str, Any], key: str, low: int = INT64_MIN, high: int = INT64_MAX
+) -> int | None:
+    """An integer field in [``low``, ``high``] (by default a torch ``long``, as vLLM's)."""
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidField(key, f"'{key}' must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise InvalidField(key, f"{key} must be in [{low}, {high}], got {value}")
     return value
 
 
@@ -72,7 +89,7 @@ def logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
     pairs: dict[int, float] = {}
     for key, value in raw.items():
         text = str(key)
-        if not text.isdigit():
+        if not _TOKEN_ID.fullmatch(text):
             raise InvalidField(
                 "logit_bias", f"logit_bias keys must be token ids (integers), got {key!r}"
             )
@@ -96,7 +113,7 @@ def sampling_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     top_p = number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise InvalidField("top_p", f"top_p must be in (0, 1], got {top_p}")
-    top_k = integer(body, "top_k") or 0
+    top_k = integer(body, "top_k") or 0  # past the vocabulary: all of it (the sampler clamps)
     if top_k < -1:
         raise InvalidField("top_k", f"top_k must be -1 (off) or positive, got {top_k}")
     repetition = number(body, "repetition_penalty", 1.0)
@@ -109,6 +126,14 @@ def sampling_fields(body: Mapping[str, Any]) -> dict[str, Any]:
         isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
     ):
         raise InvalidField("stop_token_ids", "'stop_token_ids' must be a list of integers")
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidField(
+            "stop_token_ids",
+            f"'stop_token_ids' holds {len(stop_ids)} ids, more than {MAX_STOP_TOKEN_IDS}",
+        )
+    # the vocabulary's bound is the engine's (check_request); this one keeps ids integers
+    if any(not 0 <= t <= INT64_MAX for t in stop_ids):
+        raise InvalidField("stop_token_ids", "stop_token_ids must be token ids (>= 0)")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise InvalidField("ignore_eos", f"'ignore_eos' must be a boolean, got {ignore_eos!r}")

@@ -156,7 +156,9 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         probs = torch.softmax(logits, dim=-1)
         floor = _column(min_p, dev) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
-    top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+    vocab = logits.shape[1]
+    # past the vocabulary top_k keeps it all; clamped, it always fits the tensor below
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
     if any(k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
         logits = _top_k_top_p(logits, top_k, top_p)

@@ -12,6 +12,9 @@ from typing import Any
 
 from kiln.core.errors import KilnError, Status
 
+#: past this many characters a text is tokenized without holding the GIL
+_LONG_TEXT = 4096
+
 
 def _token_text(value: Any) -> str:
     # tokenizer_config.json writes special tokens as strings or as {"content": ...}
@@ -65,6 +68,12 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         # special tokens in a rendered chat template are already in the text
+        if len(text) > _LONG_TEXT:
+            # encode_batch releases the GIL while it works (encode holds it throughout: a
+            # megabyte of text froze every thread, the event loop's too, for seconds)
+            batch = self._tok.encode_batch([text], add_special_tokens=False)
+            long_ids: list[int] = batch[0].ids
+            return long_ids
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         return ids
 

@@ -73,22 +73,18 @@ class HttpFrontend:
                 "(--http-max-input-size)",
                 Status.PAYLOAD_TOO_LARGE,
             )
-        message = await receive()  # uvicorn: at once when the body is already buffered
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-        body = self._check_size(message.get("body", b""))
-        if message.get("more_body", False):
-            chunks = [body]
-            try:
-                async with asyncio.timeout(self.read_timeout or None):
-                    await self._read_chunks(receive, chunks, len(body))
-            except TimeoutError:
-                raise KilnError(
-                    f"request body not received within {self.read_timeout:g}s "
-                    "(--http-read-timeout-secs)",
-                    Status.REQUEST_TIMEOUT,
-                ) from None
-            body = b"".join(chunks)
+        chunks: list[bytes] = []
+        try:
+            # the first chunk too: a client that sends the head and no body byte waits here
+            async with asyncio.timeout(self.read_timeout or None):
+                await self._read_chunks(receive, chunks, 0)
+        except TimeoutError:
+            raise KilnError(
+                f"request body not received within {self.read_timeout:g}s "
+                "(--http-read-timeout-secs)",
+                Status.REQUEST_TIMEOUT,
+            ) from None
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         return self.decode_body(body, encoding) if encoding else body
 
     def decode_body(self, body: bytes, encoding: str) -> bytes:

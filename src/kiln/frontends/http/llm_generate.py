@@ -14,6 +14,7 @@ completion unless ``exclude_input_in_output`` is true (vLLM backend's default);
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -28,6 +29,7 @@ from kiln.core.errors import KilnError, Status, invalid_arg
 from kiln.core.trace import http_slot
 from kiln.frontends.http.codec import parse_json
 from kiln.frontends.openai.generation import Delta, run
+from kiln.frontends.openai.protocol import MAX_CHARS_PER_TOKEN
 from kiln.llm.params import SAMPLING_FIELDS, InvalidField, integer, sampling_fields
 from kiln.llm.sequence import SamplingParams
 
@@ -43,6 +45,8 @@ _FLAGS = (
 )
 _KNOWN = frozenset((*SAMPLING_FIELDS, *_FLAGS, "max_tokens", "stop"))
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, which Triton's vLLM backend keeps
+#: stop strings are searched in every chunk of new text: a bound on that work
+MAX_STOP_STRINGS = 64
 
 
 @dataclass(slots=True)
@@ -117,13 +121,23 @@ def decode(body: dict[str, Any], llm: LLMBackend, model: str, version: str) -> L
     stops = tuple([stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [None])
     if not all(isinstance(s, str) and s for s in stops):
         raise invalid_arg("generate request: 'stop' must be a string or a list of strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid_arg(
+            f"generate request: 'stop' holds {len(stops)} strings, more than {MAX_STOP_STRINGS}"
+        )
     try:
         sampling = sampling_fields(fields)
         max_tokens = integer(fields, "max_tokens")
     except InvalidField as exc:
         raise invalid_arg(f"generate request for model '{model}': {exc.message}") from None
-    ids = llm.tokenizer.encode(text)
     limit = llm.engine.config.max_model_len
+    if len(text) > limit * MAX_CHARS_PER_TOKEN:  # cannot fit: refused before tokenizing
+        raise invalid_arg(
+            f"generate request for model '{model}': 'text_input' has {len(text)} characters, "
+            f"more than {limit * MAX_CHARS_PER_TOKEN} ({MAX_CHARS_PER_TOKEN} per token): it "
+            f"cannot fit the model's context of {limit} tokens"
+        )
+    ids = llm.tokenizer.encode(text)
     room = limit - len(ids)
     if max_tokens is not None and (max_tokens <= 0 or max_tokens > max(room, 1)):
         raise invalid_arg(
@@ -133,7 +147,10 @@ def decode(body: dict[str, Any], llm: LLMBackend, model: str, version: str) -> L
     params = SamplingParams(
         max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, max(room, 1)), **sampling
     )
-    llm.engine.check_request(len(ids), params)
+    try:
+        llm.engine.check_request(len(ids), params)
+    except InvalidField as exc:
+        raise invalid_arg(f"generate request for model '{model}': {exc.message}") from None
     rid = str(body.get("id", ""))
     no_stream = fields.get("stream") is False
     return LLMGenerateRequest(model, version, rid, text, ids, params, stops, flags, no_stream)
@@ -164,7 +181,8 @@ async def _decoded(frontend: Any, request: Request, llm: LLMBackend) -> LLMGener
     body = parse_json(await frontend.read_body(request))
     if slot is not None:
         slot.recv_end = time.monotonic_ns()
-    return decode(body, llm, p["model"], runtime.version_str)
+    # tokenizing takes time in proportion to the prompt: off the event loop
+    return await asyncio.to_thread(decode, body, llm, p["model"], runtime.version_str)
 
 
 async def _whole(llm: LLMBackend, req: LLMGenerateRequest) -> dict[str, Any]:

@@ -13,6 +13,13 @@ from kiln.llm.params import InvalidField, integer, sampling_fields
 from kiln.llm.sequence import SamplingParams
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
+#: the most messages one chat request may hold: far past any real conversation, and the
+#: chat template renders each of them (a bound on that work, with the prompt's length)
+MAX_MESSAGES = 4096
+#: a prompt longer than ``max_model_len`` times this many characters cannot fit the
+#: context whatever the tokenizer (real ones average 3-5 characters a token): refused
+#: before tokenizing it, which costs time in proportion to its length
+MAX_CHARS_PER_TOKEN = 64
 
 
 class OpenAIError(Exception):
@@ -39,7 +46,8 @@ class OpenAIError(Exception):
         type_ = "invalid_request_error" if status < 500 else "server_error"
         if exc.status is Status.UNAVAILABLE:
             type_ = "service_unavailable"
-        return cls(str(exc), status, type_=type_)
+        param = exc.field if isinstance(exc, InvalidField) else None
+        return cls(str(exc), status, param=param, type_=type_)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -175,6 +183,11 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("'messages' must be a non-empty list", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise OpenAIError(
+            f"'messages' holds {len(messages)} messages, more than {MAX_MESSAGES}",
+            param="messages",
+        )
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
@@ -201,6 +214,20 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             )
         out.append({**m, "content": content})
     return out
+
+
+def check_prompt_chars(chars: int, max_model_len: int, param: str) -> None:
+    """Refuse a prompt of ``chars`` characters that cannot fit ``max_model_len`` tokens
+    (see :data:`MAX_CHARS_PER_TOKEN`), without tokenizing it."""
+    limit = max_model_len * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, the "
+            f"{param} has {chars} characters, more than {limit} ({MAX_CHARS_PER_TOKEN} per "
+            "token), which cannot fit. Please reduce the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def chat_request(body: dict[str, Any], rendered_prompt: str) -> GenerationRequest:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -9,13 +10,14 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from kiln.core.errors import KilnError
 from kiln.core.server import Server
 from kiln.core.trace import FrontendSlot, http_slot
+from kiln.frontends.http.app import HttpFrontend
 from kiln.frontends.openai.generation import Delta, run
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
@@ -27,8 +29,10 @@ from kiln.frontends.openai.protocol import (
     OpenAIError,
     chat_messages,
     chat_request,
+    check_prompt_chars,
     completion_request,
 )
+from kiln.llm.params import InvalidField
 
 if TYPE_CHECKING:  # importing the backend imports torch
     from kiln.llm.backend import LLMBackend
@@ -69,9 +73,12 @@ def _llm(server: Server, name: str) -> LLMBackend:
     return llm
 
 
-async def _body(request: Request) -> dict[str, Any]:
+async def _body(request: Request, reader: HttpFrontend) -> dict[str, Any]:
+    # the HTTP frontend's reader: --http-max-input-size (413) and --http-read-timeout-secs
+    # (408) hold here as on the KServe routes
+    raw = await reader.read_body(request)
     try:
-        body = orjson.loads(await request.body())
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise OpenAIError(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -79,16 +86,56 @@ async def _body(request: Request) -> dict[str, Any]:
     return body
 
 
-async def _received(request: Request, slot: FrontendSlot | None) -> dict[str, Any]:
+async def _received(
+    request: Request, slot: FrontendSlot | None, reader: HttpFrontend
+) -> dict[str, Any]:
     """The request's JSON body; a traced request's receive ends here."""
-    body = await _body(request)
+    body = await _body(request, reader)
     if slot is not None:
         slot.recv_end = time.monotonic_ns()
     return body
 
 
+def _precheck_prompt(server: Server, body: dict[str, Any]) -> None:
+    """Refuse a completion prompt that cannot fit the model's context from its size alone,
+    before the work in proportion to it (checking each token id, tokenizing)."""
+    model, prompt = body.get("model"), body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one, as completion_request reads it
+    if not isinstance(model, str) or not isinstance(prompt, str | list):
+        return  # completion_request names the field
+    llm = llm_models(server).get(model)
+    if llm is None:
+        return
+    limit = llm.engine.config.max_model_len
+    if isinstance(prompt, str):
+        check_prompt_chars(len(prompt), limit, "prompt")
+    elif len(prompt) >= limit and isinstance(prompt[0], int):
+        raise OpenAIError(
+            f"This model's maximum context length is {limit} tokens. However, the prompt "
+            f"has {len(prompt)} tokens, leaving no room to generate. Please reduce the prompt.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+
+
+def _chat_prompt(llm: LLMBackend, messages: list[dict[str, Any]]) -> str:
+    check_prompt_chars(
+        sum(len(m["content"]) for m in messages), llm.engine.config.max_model_len, "messages"
+    )
+    return llm.tokenizer.apply_chat_template(messages)
+
+
 def _prepare(llm: LLMBackend, req: GenerationRequest, default_max: int | None) -> list[int]:
-    ids = req.prompt if isinstance(req.prompt, list) else llm.tokenizer.encode(req.prompt)
+    """The prompt's token ids, the request's checks done. On a worker thread: tokenizing
+    takes time in proportion to the prompt, which must not stall the event loop."""
+    vocab = llm.engine.args.vocab_size
+    if isinstance(req.prompt, list):
+        ids = req.prompt
+        if any(not 0 <= t < vocab for t in ids):
+            raise OpenAIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    else:
+        ids = llm.tokenizer.encode(req.prompt)
     limit = llm.engine.config.max_model_len
     room = limit - len(ids)
     max_tokens = req.max_tokens or (min(default_max, room) if default_max else room)
@@ -111,6 +158,8 @@ def _prepare(llm: LLMBackend, req: GenerationRequest, default_max: int | None) -
             raise OpenAIError(str(exc), param=param) from None
     try:
         llm.engine.check_request(len(ids), req.params, req.priority)
+    except InvalidField as exc:
+        raise OpenAIError(str(exc), param=exc.field) from None
     except KilnError as exc:
         raise OpenAIError(str(exc), param="prompt", code="context_length_exceeded") from None
     return ids
@@ -280,7 +329,11 @@ async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat
     )
 
 
-def openai_routes(server: Server) -> list[BaseRoute]:
+def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[BaseRoute]:
+    """``reader``: the HTTP frontend whose body limits apply (default: the server's size
+    limit, no read timeout)."""
+    reader = reader or HttpFrontend(server)
+
     async def models(request: Request) -> Response:
         data = [
             {
@@ -297,10 +350,15 @@ def openai_routes(server: Server) -> list[BaseRoute]:
     async def completions(request: Request) -> Response:
         slot = http_slot(server.tracer, request.headers)
         try:
-            req = completion_request(await _received(request, slot))
+            body = await _received(request, slot, reader)
+            _precheck_prompt(server, body)
+            req = completion_request(body)
             llm = _llm(server, req.model)
-            ids = _prepare(llm, req, 16)  # OpenAI's default max_tokens for completions
+            # OpenAI's default max_tokens for completions: 16
+            ids = await asyncio.to_thread(_prepare, llm, req, 16)
             return await _respond(llm, req, ids, chat=False)
+        except ClientDisconnect:
+            return Response(status_code=400)  # nobody reads it
         except OpenAIError as exc:
             return _json(exc.body(), exc.status)
         except KilnError as exc:
@@ -310,15 +368,18 @@ def openai_routes(server: Server) -> list[BaseRoute]:
     async def chat(request: Request) -> Response:
         slot = http_slot(server.tracer, request.headers)
         try:
-            body = await _received(request, slot)
+            body = await _received(request, slot, reader)
             messages = chat_messages(body)
             model = body.get("model")
             llm = _llm(server, model) if isinstance(model, str) else None
-            prompt = llm.tokenizer.apply_chat_template(messages) if llm else ""
+            # the template renders in proportion to the messages: off the event loop too
+            prompt = await asyncio.to_thread(_chat_prompt, llm, messages) if llm else ""
             req = chat_request(body, prompt)
             llm = _llm(server, req.model)
-            ids = _prepare(llm, req, None)
+            ids = await asyncio.to_thread(_prepare, llm, req, None)
             return await _respond(llm, req, ids, chat=True)
+        except ClientDisconnect:
+            return Response(status_code=400)
         except OpenAIError as exc:
             return _json(exc.body(), exc.status)
         except KilnError as exc:
