@@ -128,6 +128,12 @@ class Backend(ABC):
     #: (``start_requests`` queues them: the Python backend's worker pipe, ``loopcall.py``;
     #: set per model from its config there)
     pipeline_depth: int = 1
+    #: KServe ``infer`` runs even when the model is decoupled (one whole response; the
+    #: llm backends, whose ``stream`` input decides), where Triton refuses it
+    infer_when_decoupled: ClassVar[bool] = False
+    #: batches started on one instance run at once, not one after another (an engine
+    #: that batches by itself): none waited for another, so none counts queue time for it
+    runs_concurrently: ClassVar[bool] = False
     #: the model version's statistics, set by its runtime at load: for backends that serve
     #: requests outside the schedulers (the llm backend's OpenAI and generate routes)
     model_stats: ModelStats | None = None

@@ -21,7 +21,11 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "tensorrt": ("kiln.backends.tensorrt", "TensorRTBackend", "tensorrt"),
     # kiln's LLM engine over a Hugging Face folder; served on /v1/* (frontends/openai)
     "llm": ("kiln.llm.backend", "LLMBackend", "llm"),
+    # a Triton vLLM-backend folder (1/model.json of vLLM engine arguments), same engine
+    "vllm": ("kiln.llm.backend", "VLLMBackend", "llm"),
 }
+#: the backends served by kiln's LLM engine (the OpenAI and generate routes find them)
+LLM_BACKENDS = frozenset(("llm", "vllm"))
 _PLATFORMS = {
     "onnxruntime_onnx": "onnxruntime",
     "ensemble": "ensemble",

@@ -209,7 +209,7 @@ class ModelRuntime:
         times = RequestTimes(received=time.monotonic_ns())
         if self.state is not ModelState.READY or self.scheduler is None:
             raise unavailable(f"model '{self.name}' version {self.version} is not ready")
-        if self.decoupled:
+        if self.decoupled and not self.backend_cls.infer_when_decoupled:
             # Triton's wording, with the way out: a decoupled model answers only on a stream.
             raise KilnError(
                 f"model '{self.name}' uses the decoupled transaction policy: this end point "
@@ -240,6 +240,8 @@ class ModelRuntime:
                 self._trace_queued(trace, request, job)
             try:
                 raw = await self.scheduler.schedule(job)
+                if self.decoupled:  # its one response carries what it sent, as on a stream
+                    names = [n for n in names if n in raw]
                 outputs = self._outputs(raw, names, batch)
                 if trace is not None:
                     self._trace_computed(trace, times, outputs)

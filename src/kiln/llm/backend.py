@@ -1,22 +1,29 @@
 """``backend: "llm"``: a Hugging Face folder served by kiln's engine.
 
 The version folder (``<repository>/<model>/1/``) holds ``config.json``, ``*.safetensors``
-and the tokenizer files. Requests come through the OpenAI frontend (``/v1/*``) or Triton's
-generate extension (``/v2/models/{m}/generate``); the KServe v2 ``infer`` path is refused.
+and the tokenizer files. Requests come through the OpenAI frontend (``/v1/*``), Triton's
+generate extension (``/v2/models/{m}/generate``), or core (KServe v2 ``infer`` and gRPC
+``ModelStreamInfer``) with Triton's vLLM-backend tensors (``triton_tensors.py``).
+
+``backend: "vllm"``: a Triton vLLM-backend folder, whose ``1/model.json`` holds vLLM engine
+arguments (``model_json.py``), served by the same engine.
 """
 
 from __future__ import annotations
 
+import asyncio
+from contextlib import aclosing
 from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 
-from kiln.backends.base import Backend, InstanceSpec, parameter
+from kiln.backends.base import Backend, BackendRequest, InstanceSpec, RequestOutcome, parameter
 from kiln.backends.gpus import torch_gpu_count
-from kiln.config.model_config_pb2 import ModelConfig
+from kiln.config.model_config_pb2 import ModelConfig, ModelInstanceGroup
 from kiln.core.errors import KilnError, Status
+from kiln.llm import model_json, triton_tensors
 from kiln.llm.async_engine import AsyncEngine
 from kiln.llm.config import EngineConfig
 from kiln.llm.engine import LLMEngine
@@ -75,8 +82,19 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
     policy = parameter(config, "scheduling_policy")
     if policy is not None:
         out.scheduling_policy = policy.strip().lower()
-    out.device = f"cuda:{instance.device_id}" if instance.kind == "gpu" else "cpu"
+    out.device = _device(config, instance)
     return out
+
+
+def _device(config: ModelConfig, instance: InstanceSpec) -> str:
+    """The instance's device; ``KIND_MODEL`` (the model decides, as Triton's vLLM backend's
+    sample config asks): GPU 0 when torch sees one."""
+    if instance.kind == "gpu":
+        return f"cuda:{instance.device_id}"
+    kinds = {g.kind for g in config.instance_group}
+    if ModelInstanceGroup.KIND_MODEL in kinds and torch_gpu_count():
+        return "cuda:0"
+    return "cpu"
 
 
 class LLMBackend(Backend):
@@ -85,6 +103,13 @@ class LLMBackend(Backend):
     #: One engine serves the model (the routes use the first instance): a ``KIND_GPU``
     #: group without ``gpus`` runs on GPU 0 alone, not on every GPU.
     spread_over_gpus: ClassVar[bool] = False
+    #: requests reach the engine unmerged, each with its response sink (decoupled)
+    wants_requests: ClassVar[bool] = True
+    #: KServe ``infer`` gets the whole output as one response even though the model
+    #: streams on ``ModelStreamInfer`` (Triton would refuse it; a vLLM client may send it)
+    infer_when_decoupled: ClassVar[bool] = True
+    #: the engine runs the requests started on it at once (continuous batching)
+    runs_concurrently: ClassVar[bool] = True
 
     def __init__(self, config: ModelConfig, version_dir: Path, instance: InstanceSpec) -> None:
         super().__init__(config, version_dir, instance)
@@ -98,9 +123,9 @@ class LLMBackend(Backend):
                 "another model name for a second engine",
                 Status.INVALID_ARG,
             )
-        folder = Path(parameter(config, "model_path", "") or version_dir)
-        self.tokenizer = Tokenizer(folder)
-        self.engine = LLMEngine(folder, engine_config(config, instance))
+        folder, tokenizer, settings = self._settings(config, version_dir, instance)
+        self.tokenizer = Tokenizer(tokenizer)
+        self.engine = LLMEngine(folder, settings)
         eos = self.tokenizer.eos_token_id
         if eos is not None and eos not in self.engine.args.eos_token_ids:
             # chat models often end turns with the tokenizer's eos, not config.json's
@@ -108,6 +133,20 @@ class LLMBackend(Backend):
                 self.engine.args, eos_token_ids=(*self.engine.args.eos_token_ids, eos)
             )
         self.async_engine = AsyncEngine(self.engine, config.name)
+        # as many requests started at once as the engine holds (running and waiting)
+        self.pipeline_depth = self.engine.config.max_num_seqs + self.engine.config.max_waiting
+
+    @classmethod
+    def _settings(
+        cls, config: ModelConfig, version_dir: Path, instance: InstanceSpec
+    ) -> tuple[Path, Path, EngineConfig]:
+        """The weights' folder, the tokenizer's, and the engine's settings."""
+        folder = Path(parameter(config, "model_path", "") or version_dir)
+        return folder, folder, engine_config(config, instance)
+
+    @classmethod
+    def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:
+        triton_tensors.auto_complete(config)
 
     @classmethod
     def gpu_count(cls) -> int:
@@ -116,11 +155,57 @@ class LLMBackend(Backend):
     def execute(
         self, inputs: dict[str, np.ndarray], output_names: list[str]
     ) -> dict[str, np.ndarray]:
-        raise KilnError(
-            f"model '{self.config.name}' is an LLM: use /v1/completions, /v1/chat/completions "
-            f"or /v2/models/{self.config.name}/generate",
-            Status.UNSUPPORTED,
+        raise KilnError(  # requests come one by one (start_requests), never merged
+            f"model '{self.config.name}' takes requests one by one", Status.INTERNAL
         )
+
+    def start_requests(
+        self, requests: list[BackendRequest]
+    ) -> asyncio.Future[list[RequestOutcome]]:
+        """On the loop: each request runs as its own task, its tokens streamed from the
+        engine's thread; the future resolves once every one has answered."""
+        loop = asyncio.get_running_loop()
+        tasks = []
+        for request in requests:
+            task = loop.create_task(self._serve(request))
+            add = getattr(request, "add_cancel_callback", None)
+            if add is not None:  # the client went away: the engine aborts the sequence
+                add(task.cancel)
+            tasks.append(task)
+        return asyncio.gather(*tasks)
+
+    async def _serve(self, request: BackendRequest) -> RequestOutcome:
+        sink = request.sink
+        try:
+            req = await asyncio.to_thread(
+                triton_tensors.parse, self, request.inputs, request.parameters, sink is not None
+            )
+            whole: dict[str, np.ndarray] = {}
+            async with aclosing(triton_tensors.generate(self, req)) as responses:
+                async for outputs, final in responses:
+                    if sink is None:
+                        whole = outputs
+                    else:
+                        sink.send(outputs, final, None)
+            return whole
+        except KilnError as exc:
+            return exc
+        except asyncio.CancelledError:
+            return KilnError(f"model '{self.config.name}': request cancelled", Status.CANCELLED)
 
     def close(self) -> None:
         self.async_engine.close()
+
+
+class VLLMBackend(LLMBackend):
+    """``backend: "vllm"``: Triton's vLLM-backend model folder on kiln's engine."""
+
+    name = "vllm"
+
+    @classmethod
+    def _settings(
+        cls, config: ModelConfig, version_dir: Path, instance: InstanceSpec
+    ) -> tuple[Path, Path, EngineConfig]:
+        read = model_json.load(config.name, version_dir)
+        read.engine.device = _device(config, instance)
+        return read.folder, read.tokenizer, read.engine

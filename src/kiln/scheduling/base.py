@@ -372,7 +372,8 @@ class Instance:
                 # A batch queued behind another on this instance (``pipeline_depth``)
                 # began computing when that one ended.
                 end = time.monotonic_ns()
-                began = max(start, self._busy_until)
+                concurrent = self.backend.runs_concurrently
+                began = start if concurrent else max(start, self._busy_until)
                 self._busy_until = end
                 if began > start:
                     # It waited for the batch before it: queue time, as when it waits

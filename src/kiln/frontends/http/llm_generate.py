@@ -25,6 +25,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from kiln.backends.registry import LLM_BACKENDS
 from kiln.core.errors import KilnError, Status, invalid_arg
 from kiln.core.trace import http_slot
 from kiln.frontends.http.codec import parse_json
@@ -68,10 +69,10 @@ def find_llm(server: Any, request: Request) -> LLMBackend | None:
     unknown model raises Triton's not-found error)."""
     p = request.path_params
     runtime = server.model(p["model"], p.get("version", ""))
-    if runtime.config.backend != "llm":
+    if runtime.config.backend not in LLM_BACKENDS:
         return None
     for instance in getattr(runtime.scheduler, "instances", ()):
-        if instance.backend.name == "llm":
+        if instance.backend.name in LLM_BACKENDS:
             backend: LLMBackend = instance.backend
             return backend
     raise KilnError(f"model '{runtime.name}' is not ready", Status.UNAVAILABLE)

@@ -14,6 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from kiln.backends.registry import LLM_BACKENDS
 from kiln.core.errors import KilnError
 from kiln.core.server import Server
 from kiln.core.trace import FrontendSlot, http_slot
@@ -55,7 +56,7 @@ def llm_models(server: Server) -> dict[str, LLMBackend]:
             continue
         scheduler = getattr(runtime, "scheduler", None)
         for instance in getattr(scheduler, "instances", ()):
-            if instance.backend.name == "llm":
+            if instance.backend.name in LLM_BACKENDS:
                 found[entry["name"]] = instance.backend
                 break
     return found

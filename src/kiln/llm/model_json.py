@@ -1,0 +1,191 @@
+"""``1/model.json`` of a Triton vLLM-backend model folder -> kiln's engine settings.
+
+Triton's vLLM backend passes the file's keys to vLLM's ``AsyncEngineArgs``. kiln honours the
+engine arguments its engine has, under vLLM's names, and refuses every other one by name at
+load: a setting that changes what a model computes must never be dropped in silence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.core.errors import KilnError, Status
+from kiln.llm.config import EngineConfig
+
+log = logging.getLogger("kiln.llm")
+
+FILENAME = "model.json"
+#: vLLM's ``dtype`` spellings -> kiln's (``auto``: the engine's default, float32)
+_DTYPES = {
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+}
+#: vLLM engine arguments that change nothing kiln computes (logging, statistics)
+_LOGGING_ONLY = frozenset(
+    ("disable_log_requests", "enable_log_requests", "disable_log_stats", "max_log_len")
+)
+_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMModel:
+    """What ``model.json`` says: the weights' folder, the tokenizer's, the engine's limits."""
+
+    folder: Path
+    tokenizer: Path
+    engine: EngineConfig
+
+
+def _error(model: str, message: str) -> KilnError:
+    return KilnError(f"model '{model}': {FILENAME}: {message}", Status.INVALID_ARG)
+
+
+def _integer(model: str, key: str, value: Any) -> int:
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _error(model, f"'{key}' must be an integer, got {value!r}")
+    return value
+
+
+def _boolean(model: str, key: str, value: Any) -> bool:
+    if isinstance(value, str) and value.strip().lower() in _BOOLEANS:
+        return _BOOLEANS[value.strip().lower()]
+    if not isinstance(value, bool):
+        raise _error(model, f"'{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _fraction(model: str, key: str, value: Any) -> float:
+    try:
+        number = float(value) if not isinstance(value, bool) else -1.0
+    except (TypeError, ValueError):
+        number = -1.0
+    if not 0 < number <= 1:
+        raise _error(model, f"'{key}' must be a number in (0, 1], got {value!r}")
+    return number
+
+
+def _folder(model: str, key: str, value: Any, version_dir: Path) -> Path:
+    if not isinstance(value, str) or not value:
+        raise _error(model, f"'{key}' must be a path, got {value!r}")
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = version_dir / path  # a relative path: beside model.json, not the cwd
+    if not path.is_dir():
+        # vLLM would download a hub id; kiln serves what is on disk
+        raise _error(
+            model,
+            f"'{key}' is '{value}', which is not a local folder: kiln serves a Hugging Face "
+            "folder on disk (download it first, e.g. `huggingface-cli download NAME "
+            "--local-dir DIR`, and give DIR)",
+        )
+    return path
+
+
+def _single(model: str, key: str, value: Any) -> None:
+    if _integer(model, key, value) != 1:
+        raise _error(model, f"'{key}' is {value}: kiln runs a model on one device (1 only)")
+
+
+def _not_true(model: str, key: str, value: Any) -> None:
+    if _boolean(model, key, value):
+        raise _error(model, f"'{key}': true is not supported (kiln runs no model code)")
+
+
+#: vLLM engine argument -> (EngineConfig attribute, converter)
+_SETTINGS: dict[str, tuple[str, Callable[[str, str, Any], Any]]] = {
+    "max_model_len": ("max_model_len", lambda m, k, v: _integer(m, k, v)),
+    "max_num_seqs": ("max_num_seqs", lambda m, k, v: _integer(m, k, v)),
+    "max_num_batched_tokens": ("max_num_batched_tokens", lambda m, k, v: _integer(m, k, v)),
+    "block_size": ("block_size", lambda m, k, v: _integer(m, k, v)),
+    "num_gpu_blocks_override": ("num_gpu_blocks", lambda m, k, v: _integer(m, k, v)),
+    "kv_cache_memory_bytes": ("kv_cache_memory_bytes", lambda m, k, v: _integer(m, k, v)),
+    "enable_prefix_caching": ("enable_prefix_caching", lambda m, k, v: _boolean(m, k, v)),
+    "enforce_eager": ("enforce_eager", lambda m, k, v: _boolean(m, k, v)),
+    "scheduling_policy": ("scheduling_policy", lambda m, k, v: str(v).strip().lower()),
+    "cuda_graph_sizes": (
+        "cuda_graph_sizes",
+        lambda m, k, v: tuple(_integer(m, k, s) for s in (v if isinstance(v, list) else [v])),
+    ),
+}
+
+
+def _apply(model: str, raw: dict[str, Any], out: EngineConfig) -> None:
+    """The engine arguments kiln has, checked, into ``out``; any other is refused."""
+    checks: dict[str, Callable[[Any], None]] = {
+        "dtype": lambda v: _dtype(model, v, out),
+        "tensor_parallel_size": lambda v: _single(model, "tensor_parallel_size", v),
+        "pipeline_parallel_size": lambda v: _single(model, "pipeline_parallel_size", v),
+        "trust_remote_code": lambda v: _not_true(model, "trust_remote_code", v),
+        "gpu_memory_utilization": lambda v: _memory_utilization(model, v),
+    }
+    known = (*_SETTINGS, *checks, *_LOGGING_ONLY)
+    unknown = sorted(k for k in raw if k not in known)
+    if unknown:
+        raise _error(
+            model,
+            f"engine argument '{unknown[0]}' is not supported by kiln's engine "
+            f"(supported: model, tokenizer, {', '.join(sorted(known))})",
+        )
+    for key, value in raw.items():
+        if key in _SETTINGS:
+            attribute, convert = _SETTINGS[key]
+            setattr(out, attribute, convert(model, key, value))
+        elif key in checks:
+            checks[key](value)
+
+
+def _dtype(model: str, value: Any, out: EngineConfig) -> None:
+    text = str(value).strip().lower()
+    if text == "auto":
+        return  # kiln's default (float32) until the checkpoint's own dtype is read
+    if text not in _DTYPES:
+        raise _error(model, f"'dtype' must be auto or one of {sorted(_DTYPES)}, got {value!r}")
+    out.dtype = _DTYPES[text]
+
+
+def _memory_utilization(model: str, value: Any) -> None:
+    # Checked, then not used: kiln sizes the KV cache from kv_cache_memory_bytes (or
+    # num_gpu_blocks_override), as vLLM's CPU backend ignores this argument too.
+    fraction = _fraction(model, "gpu_memory_utilization", value)
+    log.info(
+        "model '%s': gpu_memory_utilization %.2f is not used; the KV cache is sized by "
+        "kv_cache_memory_bytes",
+        model,
+        fraction,
+    )
+
+
+def load(model: str, version_dir: Path) -> VLLMModel:
+    """Read ``version_dir/model.json``; errors name the file and the key."""
+    path = version_dir / FILENAME
+    if not path.is_file():
+        raise KilnError(
+            f"model '{model}': backend vllm needs '{FILENAME}' (vLLM engine arguments) in "
+            f"{version_dir}",
+            Status.INVALID_ARG,
+        )
+    try:
+        raw = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _error(model, f"not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise _error(model, "must be a JSON object of vLLM engine arguments")
+    raw = dict(raw)
+    if "model" not in raw:
+        raise _error(model, "'model' (the model's folder) is missing")
+    folder = _folder(model, "model", raw.pop("model"), version_dir)
+    tokenizer = raw.pop("tokenizer", None)
+    tokens = folder if tokenizer is None else _folder(model, "tokenizer", tokenizer, version_dir)
+    engine = EngineConfig()
+    _apply(model, raw, engine)
+    return VLLMModel(folder, tokens, engine)
