@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import queue
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -279,3 +280,38 @@ def test_metadata_and_config_auto_completed(server: KilnProcess) -> None:
     optional = {t["name"]: t.get("optional", False) for t in config["input"]}
     assert optional["text_input"] is False
     assert optional["return_finish_reason"] is True
+
+
+def _metric(server: KilnProcess, name: str) -> float:
+    text = requests.get(server.metrics_url, timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'"{MODEL}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exposed")
+
+
+def _running(server: KilnProcess) -> float:
+    return _metric(server, "kiln_llm_num_requests_running")
+
+
+def test_cancelled_stream_aborts_the_sequence(server: KilnProcess) -> None:
+    """A client that cancels its stream mid-generation ends its sequence in the engine (it
+    would otherwise run to max_tokens), and the model's statistics count it as failed."""
+    got: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    long = {"temperature": 0, "max_tokens": 240, "ignore_eos": True}
+    before = _metric(server, "kiln_llm_generation_tokens_total")
+    client.start_stream(callback=lambda result, error: got.put(error or result))
+    client.async_stream_infer(MODEL, inputs=_inputs(grpcclient, stream=True, sampling=long))
+    got.get(timeout=60)  # generation has started
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = 600  # polls of 0.1 s: the engine's thread sees the abort at its next step
+    while _running(server) and deadline:
+        deadline -= 1
+        time.sleep(0.1)
+    assert _running(server) == 0
+    assert _metric(server, "kiln_llm_generation_tokens_total") - before < 240  # aborted
+    stats = requests.get(f"http://{server.http_url}/v2/models/{MODEL}/stats", timeout=10).json()
+    fail = stats["model_stats"][0]["inference_stats"]["fail"]
+    assert fail["count"] >= 1

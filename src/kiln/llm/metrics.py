@@ -14,6 +14,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from kiln.backends.registry import LLM_BACKENDS
+
 LABELS = ("model_name",)
 #: (family name, help, the ``LatencyStats`` field it reads)
 HISTOGRAMS = (
@@ -43,7 +45,7 @@ HISTOGRAMS = (
 def _engines(runtimes: Iterable[Any]) -> Iterator[tuple[str, Any]]:
     for rt in runtimes:
         for instance in getattr(getattr(rt, "scheduler", None), "instances", ()):
-            if getattr(instance.backend, "name", "") == "llm":
+            if getattr(instance.backend, "name", "") in LLM_BACKENDS:
                 yield rt.name, instance.backend.engine
 
 
