@@ -119,10 +119,10 @@ def test_grafana_dashboard_panels_query_exported_metrics(scraped: set[str]) -> N
         assert names, expr
         used |= names
     # GPU and LLM families exist only with a GPU / an llm model, which this server lacks
-    llm = {n for n in KNOWN_METRICS if n.startswith("kiln_llm_")}
+    llm = {n for n in KNOWN_METRICS if n.startswith("vllm:")}
     llm |= {f"{n}_bucket" for n in llm}
     unknown = {n for n in used if n not in scraped and n not in GPU_NAMES and n not in llm}
     assert not unknown, unknown
-    assert any("kiln_llm_generation_tokens_total" in e for e in exprs)
+    assert any("vllm:generation_tokens_total" in e for e in exprs)
     assert "kiln_request_duration_seconds_bucket" in used
     assert any("histogram_quantile(0.99" in e for e in exprs)
