@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 
 from kiln.llm.stats import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS  # noqa: E402
 from tests.conftest import KilnProcess, free_port  # noqa: E402
+from tests.integration.deploy_helpers import metric_names_in, scrape_names  # noqa: E402
 from tests.integration.test_prometheus import (  # noqa: E402
     _get_json,
     _query,
@@ -36,7 +37,8 @@ parameters { key: "max_num_seqs" value { string_value: "8" } }
 parameters { key: "num_gpu_blocks" value { string_value: "96" } }
 parameters { key: "enable_prefix_caching" value { string_value: "true" } }
 """
-DEPLOY_RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "kiln-alerts.yml"
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY_RULES = ROOT / "deploy" / "prometheus" / "kiln-alerts.yml"
 IGNORE_EOS = {"ignore_eos": True}
 # vLLM's v1 families (prometheus_client's family names: counters without ``_total``)
 GAUGES = {
@@ -209,6 +211,16 @@ def test_request_success_counts_stop_strings_and_aborts(
     # the engine may sample a few tokens before the stop string's abort reaches it
     assert grew("vllm:generation_tokens_total") >= done.usage.completion_tokens
     assert _value(after, "vllm:num_requests_running") == 0
+
+
+def test_the_helm_charts_llm_autoscaling_metric_is_exported(server: KilnProcess) -> None:
+    """The Prometheus Adapter rule behind the chart's ``targetLLMRequestsWaitingPerPod``
+    reads a series this server exports."""
+    rules = yaml.safe_load((ROOT / "deploy" / "helm" / "kiln" / "adapter-rules.yaml").read_text())
+    [rule] = [r for r in rules["rules"] if r["name"]["as"] == "vllm_num_requests_waiting"]
+    names = metric_names_in(rule["seriesQuery"]) | metric_names_in(rule["metricsQuery"])
+    assert names == {"vllm:num_requests_waiting"}
+    assert names <= scrape_names(server.metrics_url)
 
 
 def test_prometheus_evaluates_the_llm_alert_rules(
