@@ -223,6 +223,16 @@ def test_the_helm_charts_llm_autoscaling_metric_is_exported(server: KilnProcess)
     assert names <= scrape_names(server.metrics_url)
 
 
+def test_the_llm_alert_rules_name_only_exported_series(server: KilnProcess) -> None:
+    scraped = scrape_names(server.metrics_url)
+    doc = yaml.safe_load(DEPLOY_RULES.read_text())
+    llm = [r for g in doc["groups"] for r in g["rules"] if r["alert"].startswith("KilnLLM")]
+    assert len(llm) == 4
+    for rule in llm:
+        names = metric_names_in(str(rule["expr"]))
+        assert names and names <= scraped, (rule["alert"], names - scraped)
+
+
 def test_prometheus_evaluates_the_llm_alert_rules(
     server: KilnProcess, client: openai.OpenAI, tmp_path: Path
 ) -> None:
