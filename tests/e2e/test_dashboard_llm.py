@@ -226,5 +226,5 @@ def test_api_live_history_and_kiln_monitor_show_the_llm(server: KilnProcess) -> 
         server, "/api/history", metric="llm_generation_tokens_per_s", model="tiny", start="now-5m"
     )
     [series] = result["series"]
-    assert series["labels"] == {"model_name": "tiny"}
+    assert series["labels"] == {"model_name": "tiny", "engine": "0"}  # vLLM's labels
     assert max(v for _, v in series["points"]) > 0
