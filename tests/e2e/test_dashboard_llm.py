@@ -128,7 +128,7 @@ def test_dashboard_shows_the_llm_section_with_live_figures(
                  .textContent !== '\u2013'""",  # the page's 'no figure'
             timeout=TIMEOUT_MS,
         )
-        for chart_id in ("llm-tokens", "llm-kv-cache", "llm-ttft"):
+        for chart_id in ("llm-tokens", "llm-kv-cache", "llm-ttft", "llm-itl"):
             w.wait_chart_positive(chart_id)
         cells = {
             name: row.locator(f"td.{name}").inner_text()
@@ -143,6 +143,8 @@ def test_dashboard_shows_the_llm_section_with_live_figures(
     assert 0 < w.chart("llm-kv-cache")["tiny"] <= 100  # in flight at some reading
     ttft = w.chart("llm-ttft")
     assert ttft["tiny p99"] >= ttft["tiny p50"] > 0
+    itl = w.chart("llm-itl")  # from vllm:inter_token_latency_seconds
+    assert itl["tiny p99"] >= itl["tiny p50"] > 0
 
     ARTIFACTS.mkdir(exist_ok=True)
     w.page.screenshot(path=str(ARTIFACTS / "dashboard-llm.png"), full_page=True)
@@ -181,8 +183,9 @@ def _tokens_per_s(server: KilnProcess) -> Callable[[], float | None]:
 def _generated(server: KilnProcess) -> int:
     """The engine's counter from /metrics: always fresh (/api/live shares its readings)."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    found = re.search(r'^kiln_llm_generation_tokens_total\{model_name="tiny"\} (\S+)$', text, re.M)
-    assert found, "kiln_llm_generation_tokens_total not exposed"
+    line = r'^vllm:generation_tokens_total\{model_name="tiny",engine="0"\} (\S+)$'
+    found = re.search(line, text, re.M)
+    assert found, "vllm:generation_tokens_total not exposed"
     return int(float(found.group(1)))
 
 
@@ -223,5 +226,5 @@ def test_api_live_history_and_kiln_monitor_show_the_llm(server: KilnProcess) -> 
         server, "/api/history", metric="llm_generation_tokens_per_s", model="tiny", start="now-5m"
     )
     [series] = result["series"]
-    assert series["labels"] == {"model_name": "tiny"}
+    assert series["labels"] == {"model_name": "tiny", "engine": "0"}  # vLLM's labels
     assert max(v for _, v in series["points"]) > 0

@@ -189,6 +189,8 @@ def test_default_rules_are_loaded(kiln_server: KilnProcess) -> None:
     assert set(rules) == {
         "KilnGpuTemperatureHigh", "KilnGpuMemoryNearFull", "KilnP99LatencyHigh",
         "KilnQueueTimeRising", "KilnErrorRatioHigh", "KilnModelNotReady",
+        "KilnLLMTimeToFirstTokenHigh", "KilnLLMKVCachePressure", "KilnLLMPreemptions",
+        "KilnLLMWaitingQueueHigh",
     }  # fmt: skip
     assert all(r["source"].startswith("<kiln>/default_rules.yaml:") for r in rules.values())
     assert all(r["health"] == "ok" for r in rules.values())

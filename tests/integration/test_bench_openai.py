@@ -45,7 +45,7 @@ def counters(server: KilnProcess) -> dict[str, float]:
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     out = {}
     for line in text.splitlines():
-        for name in ("kiln_llm_prompt_tokens_total", "kiln_llm_generation_tokens_total"):
+        for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
             if line.startswith(name + "{") and 'model_name="tiny"' in line:
                 out[name] = float(line.rsplit(" ", 1)[1])
     assert len(out) == 2, text
@@ -87,8 +87,8 @@ def test_cli_report_matches_requests_and_server_counters(
     # the server counted the same tokens, plus the one warm-up request
     warm = doc["warmup"]
     assert warm["output_tokens"] == 1
-    gen = after["kiln_llm_generation_tokens_total"] - before["kiln_llm_generation_tokens_total"]
-    prompt = after["kiln_llm_prompt_tokens_total"] - before["kiln_llm_prompt_tokens_total"]
+    gen = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    prompt = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
     assert gen == doc["total_output_tokens"] + warm["output_tokens"]
     assert prompt == doc["total_input_tokens"] + warm["prompt_tokens"]
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):

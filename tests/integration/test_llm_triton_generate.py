@@ -175,7 +175,7 @@ def test_unknown_model_is_404(http: Http) -> None:
 
 def test_disconnect_mid_stream_frees_the_sequence(server: KilnProcess, http: Http) -> None:
     body = {"text_input": "a long story", "parameters": {**GREEDY, "max_tokens": 240}}
-    before = _metric(server, "kiln_llm_generation_tokens_total")
+    before = _metric(server, "vllm:generation_tokens_total")
     with http.post("/v2/models/tiny/generate_stream", json=body, stream=True) as response:
         received = 0
         for line in response.iter_lines():
@@ -183,13 +183,13 @@ def test_disconnect_mid_stream_frees_the_sequence(server: KilnProcess, http: Htt
             if received >= 3:
                 break
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _metric(server, "kiln_llm_num_requests_running") > 0:
+    while time.monotonic() < deadline and _metric(server, "vllm:num_requests_running") > 0:
         time.sleep(0.1)
-    assert _metric(server, "kiln_llm_num_requests_running") == 0
-    assert _metric(server, "kiln_llm_num_requests_waiting") == 0
-    assert _metric(server, "kiln_llm_kv_cache_usage_perc") == 0.0
+    assert _metric(server, "vllm:num_requests_running") == 0
+    assert _metric(server, "vllm:num_requests_waiting") == 0
+    assert _metric(server, "vllm:kv_cache_usage_perc") == 0.0
     # the request was aborted, not run to its 240 tokens
-    assert _metric(server, "kiln_llm_generation_tokens_total") - before < 240
+    assert _metric(server, "vllm:generation_tokens_total") - before < 240
 
 
 def test_generate_takes_logit_bias_as_the_openai_api_does(http: Http) -> None:

@@ -291,7 +291,7 @@ def _metric(server: KilnProcess, name: str) -> float:
 
 
 def _running(server: KilnProcess) -> float:
-    return _metric(server, "kiln_llm_num_requests_running")
+    return _metric(server, "vllm:num_requests_running")
 
 
 def test_cancelled_stream_aborts_the_sequence(server: KilnProcess) -> None:
@@ -300,7 +300,7 @@ def test_cancelled_stream_aborts_the_sequence(server: KilnProcess) -> None:
     got: queue.Queue[Any] = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     long = {"temperature": 0, "max_tokens": 240, "ignore_eos": True}
-    before = _metric(server, "kiln_llm_generation_tokens_total")
+    before = _metric(server, "vllm:generation_tokens_total")
     client.start_stream(callback=lambda result, error: got.put(error or result))
     client.async_stream_infer(MODEL, inputs=_inputs(grpcclient, stream=True, sampling=long))
     got.get(timeout=60)  # generation has started
@@ -311,7 +311,7 @@ def test_cancelled_stream_aborts_the_sequence(server: KilnProcess) -> None:
         deadline -= 1
         time.sleep(0.1)
     assert _running(server) == 0
-    assert _metric(server, "kiln_llm_generation_tokens_total") - before < 240  # aborted
+    assert _metric(server, "vllm:generation_tokens_total") - before < 240  # aborted
     stats = requests.get(f"http://{server.http_url}/v2/models/{MODEL}/stats", timeout=10).json()
     fail = stats["model_stats"][0]["inference_stats"]["fail"]
     assert fail["count"] >= 1

@@ -43,13 +43,14 @@ def client(server: KilnProcess) -> openai.OpenAI:
 
 
 def _scrape(server: KilnProcess) -> dict[str, float]:
-    """``name{labels}`` -> value, for the tiny model's kiln_llm_* samples."""
+    """``name{labels}`` -> value, for the tiny model's vllm:* samples."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read()
     out: dict[str, float] = {}
     for line in text.decode().splitlines():
-        if line.startswith("kiln_llm_") and 'model_name="tiny"' in line:
+        if line.startswith("vllm:") and 'model_name="tiny"' in line:
             key, value = line.rsplit(" ", 1)
-            out[re.sub(r'model_name="tiny",?', "", key).replace("{}", "")] = float(value)
+            key = re.sub(r'(model_name="tiny"|engine="0"),?', "", key).replace(",}", "}")
+            out[key.replace("{}", "")] = float(value)
     return out
 
 
@@ -147,20 +148,20 @@ def test_metrics_count_prefix_hits_and_latencies(
         )
     after = _scrape(server)
     grew = lambda name: after[name] - before.get(name, 0.0)  # noqa: E731
-    assert grew("kiln_llm_prefix_cache_queries_total") > 0
-    hits = grew("kiln_llm_prefix_cache_hits_total")
+    assert grew("vllm:prefix_cache_queries_total") > 0
+    hits = grew("vllm:prefix_cache_hits_total")
     assert hits > 0 and hits % 4 == 0  # whole blocks of the shared prefix
     for name in (
-        "kiln_llm_time_to_first_token_seconds",
-        "kiln_llm_e2e_request_latency_seconds",
-        "kiln_llm_request_queue_time_seconds",
+        "vllm:time_to_first_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
     ):
         assert grew(name + "_count") == 2
         assert grew(f'{name}_bucket{{le="+Inf"}}') == 2
         assert after[name + "_sum"] > 0
-    assert grew("kiln_llm_inter_token_latency_seconds_count") == 4  # 2 gaps per request
-    assert 'kiln_llm_time_to_first_token_seconds_bucket{le="0.001"}' in after
-    assert 'kiln_llm_e2e_request_latency_seconds_bucket{le="7680.0"}' in after
+    assert grew("vllm:inter_token_latency_seconds_count") == 4  # 2 gaps per request
+    assert 'vllm:time_to_first_token_seconds_bucket{le="0.001"}' in after
+    assert 'vllm:e2e_request_latency_seconds_bucket{le="7680.0"}' in after
 
 
 def _triton_stats(server: KilnProcess) -> dict[str, int]:
@@ -248,24 +249,24 @@ def test_a_cache_salt_shares_the_prefix_cache_only_with_the_same_salt(
     prompt = "salted: " + LONG
 
     def hits_of(**extra: object) -> float:
-        before = _scrape(server).get("kiln_llm_prefix_cache_hits_total", 0.0)
+        before = _scrape(server).get("vllm:prefix_cache_hits_total", 0.0)
         client.completions.create(  # type: ignore[call-overload]
             model="tiny", prompt=prompt, max_tokens=1, extra_body={"ignore_eos": True, **extra}
         )
-        return _scrape(server)["kiln_llm_prefix_cache_hits_total"] - before
+        return _scrape(server)["vllm:prefix_cache_hits_total"] - before
 
     assert hits_of(cache_salt="tenant-a") == 0  # first time under this salt
     assert hits_of(cache_salt="tenant-a") > 0  # the same salt: the prompt is cached
     assert hits_of(cache_salt="tenant-b") == 0  # another salt sees none of it
     assert hits_of() == 0  # nor does a request without one
     assert hits_of() > 0  # ... which caches for the unsalted
-    before = _scrape(server)["kiln_llm_prefix_cache_hits_total"]
+    before = _scrape(server)["vllm:prefix_cache_hits_total"]
     messages = [{"role": "user", "content": prompt}]
     for _ in range(2):
         client.chat.completions.create(  # type: ignore[call-overload]
             model="tiny", messages=messages, max_tokens=1, extra_body={"cache_salt": "chat-a"}
         )
-    assert _scrape(server)["kiln_llm_prefix_cache_hits_total"] > before
+    assert _scrape(server)["vllm:prefix_cache_hits_total"] > before
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(  # type: ignore[call-overload]
             model="tiny", prompt="x", max_tokens=1, extra_body={"cache_salt": ""}

@@ -9,6 +9,7 @@ import pytest
 
 from kiln.metrics.promql import ExprError, parse, parse_duration
 from kiln.metrics.promql_eval import evaluate, histogram_quantile
+from kiln.metrics.rules import default_rules
 from kiln.metrics.snapshot import Labels, Snapshot
 
 MLP: Labels = (("model", "mlp"), ("version", "1"))
@@ -155,10 +156,43 @@ def test_histogram_quantile_over_a_rate_window() -> None:
 
 def test_rules_may_name_the_llm_engine_series() -> None:
     tiny: Labels = (("model_name", "tiny"),)
-    usage = parse("kiln_llm_kv_cache_usage_perc > 0.9")
-    assert evaluate(usage, [snap(0, kiln_llm_kv_cache_usage_perc={tiny: 0.95})]) == {tiny: 0.95}
-    name = "kiln_llm_time_to_first_token_seconds_bucket"
+    usage = parse("vllm:kv_cache_usage_perc > 0.9")
+    assert evaluate(usage, [snap(0, **{"vllm:kv_cache_usage_perc": {tiny: 0.95}})]) == {tiny: 0.95}
+    name = "vllm:time_to_first_token_seconds_bucket"
     fast, inf = (("le", "0.1"), *tiny), (("le", "+Inf"), *tiny)
     ttft = [snap(0, **{name: {fast: 0, inf: 0}}), snap(10, **{name: {fast: 4, inf: 4}})]
     p99 = parse(f"histogram_quantile(0.99, sum by (model_name, le) (rate({name}[1m])))")
     assert evaluate(p99, ttft) == {tiny: pytest.approx(0.099)}
+
+
+def test_the_llm_default_rules_fire_on_llm_trouble_only() -> None:
+    rules = {r.name: r.expr for r in default_rules() if r.name.startswith("KilnLLM")}
+    tiny: Labels = (("engine", "0"), ("model_name", "tiny"))
+    model: Labels = (("model_name", "tiny"),)
+
+    def window(slow: bool, usage: float, preempted: float, waiting: float) -> list[Snapshot]:
+        # 30 first tokens in a minute, all within 0.5 s, or all in (2.5 s, 5 s]
+        def at(ts: float, n: float) -> Snapshot:
+            fast = 0 if slow else n
+            counts = {"0.5": fast, "2.5": fast, "5.0": n, "+Inf": n}
+            buckets = {(*tiny, ("le", le)): c for le, c in counts.items()}
+            return snap(
+                ts,
+                **{
+                    "vllm:time_to_first_token_seconds_bucket": buckets,
+                    "vllm:kv_cache_usage_perc": {tiny: usage},
+                    "vllm:num_preemptions_total": {tiny: preempted * ts},
+                    "vllm:num_requests_waiting": {tiny: waiting},
+                },
+            )
+
+        return [at(0, 0), at(60, 30)]
+
+    calm = window(False, usage=0.3, preempted=0, waiting=2)
+    assert all(evaluate(expr, calm) == {} for expr in rules.values())
+    trouble = window(True, usage=0.95, preempted=0.5, waiting=25)
+    fired = {name: evaluate(expr, trouble) for name, expr in rules.items()}
+    assert fired["KilnLLMTimeToFirstTokenHigh"] == {model: pytest.approx(4.975)}
+    assert fired["KilnLLMKVCachePressure"] == {tiny: 0.95}
+    assert fired["KilnLLMPreemptions"] == {model: pytest.approx(0.5)}
+    assert fired["KilnLLMWaitingQueueHigh"] == {model: 25}

@@ -93,5 +93,9 @@ def test_default_rules_cover_the_issue() -> None:
         "KilnQueueTimeRising",
         "KilnErrorRatioHigh",
         "KilnModelNotReady",
+        "KilnLLMTimeToFirstTokenHigh",
+        "KilnLLMKVCachePressure",
+        "KilnLLMPreemptions",
+        "KilnLLMWaitingQueueHigh",
     }
     assert all(r.labels.get("severity") and r.annotations.get("summary") for r in default_rules())

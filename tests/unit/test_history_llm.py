@@ -30,14 +30,14 @@ def _snapshot(i: int) -> Snapshot:
     return Snapshot(
         T0 + i,
         {
-            "kiln_llm_num_requests_running": {TINY: 3.0, OTHER: 1.0},
-            "kiln_llm_num_requests_waiting": {TINY: 2.0, OTHER: 0.0},
-            "kiln_llm_kv_cache_usage_perc": {TINY: 0.5, OTHER: 0.25},
-            "kiln_llm_generation_tokens_total": {TINY: 50.0 * i, OTHER: 7.0},
-            "kiln_llm_prompt_tokens_total": {TINY: 20.0 * i, OTHER: 7.0},
-            "kiln_llm_prefix_cache_queries_total": {TINY: 10.0 * i, OTHER: 0.0},
-            "kiln_llm_prefix_cache_hits_total": {TINY: 5.0 * i, OTHER: 0.0},
-            "kiln_llm_time_to_first_token_seconds_bucket": {
+            "vllm:num_requests_running": {TINY: 3.0, OTHER: 1.0},
+            "vllm:num_requests_waiting": {TINY: 2.0, OTHER: 0.0},
+            "vllm:kv_cache_usage_perc": {TINY: 0.5, OTHER: 0.25},
+            "vllm:generation_tokens_total": {TINY: 50.0 * i, OTHER: 7.0},
+            "vllm:prompt_tokens_total": {TINY: 20.0 * i, OTHER: 7.0},
+            "vllm:prefix_cache_queries_total": {TINY: 10.0 * i, OTHER: 0.0},
+            "vllm:prefix_cache_hits_total": {TINY: 5.0 * i, OTHER: 0.0},
+            "vllm:time_to_first_token_seconds_bucket": {
                 **_ttft("tiny", (fast, fast + slow, fast + slow)),
                 **_ttft("other", (0, 0, 0)),
             },
@@ -64,9 +64,9 @@ def _query(db: Path, metric: str, step: float = 2.0, model: str = "") -> dict[st
 def test_tokens_per_second_and_gauges(db: Path) -> None:
     assert _query(db, "llm_generation_tokens_per_s") == {"tiny": [50.0] * 5, "other": [0.0] * 5}
     assert _query(db, "llm_prompt_tokens_per_s", model="tiny") == {"tiny": [20.0] * 5}
-    assert _query(db, "kiln_llm_kv_cache_usage_perc", step=10) == {"tiny": [0.5], "other": [0.25]}
-    assert _query(db, "kiln_llm_num_requests_running", step=10, model="other") == {"other": [1.0]}
-    assert _query(db, "kiln_llm_num_requests_waiting", step=10, model="tiny") == {"tiny": [2.0]}
+    assert _query(db, "vllm:kv_cache_usage_perc", step=10) == {"tiny": [0.5], "other": [0.25]}
+    assert _query(db, "vllm:num_requests_running", step=10, model="other") == {"other": [1.0]}
+    assert _query(db, "vllm:num_requests_waiting", step=10, model="tiny") == {"tiny": [2.0]}
 
 
 def test_prefix_cache_hit_rate_is_a_ratio_of_increases(db: Path) -> None:
@@ -87,7 +87,7 @@ def test_the_catalog_lists_the_llm_metrics() -> None:
     names = {m["name"]: m["kind"] for m in catalog()}
     assert names["llm_generation_tokens_per_s"] == "rate"
     assert names["llm_prefix_cache_hit_rate"] == "ratio"
-    assert names["kiln_llm_kv_cache_usage_perc"] == "gauge"
-    assert names["kiln_llm_generation_tokens_total"] == "rate"
+    assert names["vllm:kv_cache_usage_perc"] == "gauge"
+    assert names["vllm:generation_tokens_total"] == "rate"
     for q in ("time_to_first_token_p50", "time_to_first_token_p99", "inter_token_latency_p99"):
         assert names[f"kiln_llm_{q}_seconds"] == "gauge"

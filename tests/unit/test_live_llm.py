@@ -1,5 +1,5 @@
 """The LLM engine's live figures (the ``llm`` list of ``/api/live``) from synthetic
-snapshots of the ``kiln_llm_*`` families: window rates, quantiles from bucket deltas,
+snapshots of the ``vllm:*`` families: window rates, quantiles from bucket deltas,
 the prefix-cache hit rate, and null (never 0) where the window measured nothing."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from kiln.metrics.live import LiveTracker
 from kiln.metrics.llm_live import llm_figures
 from kiln.metrics.snapshot import Labels, Snapshot, labels_of
 
-TTFT = "kiln_llm_time_to_first_token_seconds_bucket"
-ITL = "kiln_llm_inter_token_latency_seconds_bucket"
+TTFT = "vllm:time_to_first_token_seconds_bucket"
+ITL = "vllm:inter_token_latency_seconds_bucket"
 
 
 def _m(model: str) -> Labels:
@@ -42,14 +42,14 @@ def llm_snap(
     return Snapshot(
         ts,
         {
-            "kiln_llm_num_requests_running": {m: running},
-            "kiln_llm_num_requests_waiting": {m: waiting},
-            "kiln_llm_kv_cache_usage_perc": {m: usage},
-            "kiln_llm_num_preemptions_total": {m: preemptions},
-            "kiln_llm_prompt_tokens_total": {m: prompt},
-            "kiln_llm_generation_tokens_total": {m: generation},
-            "kiln_llm_prefix_cache_queries_total": {m: queries},
-            "kiln_llm_prefix_cache_hits_total": {m: hits},
+            "vllm:num_requests_running": {m: running},
+            "vllm:num_requests_waiting": {m: waiting},
+            "vllm:kv_cache_usage_perc": {m: usage},
+            "vllm:num_preemptions_total": {m: preemptions},
+            "vllm:prompt_tokens_total": {m: prompt},
+            "vllm:generation_tokens_total": {m: generation},
+            "vllm:prefix_cache_queries_total": {m: queries},
+            "vllm:prefix_cache_hits_total": {m: hits},
             TTFT: _buckets(model, ttft),
             ITL: _buckets(model, itl),
         },

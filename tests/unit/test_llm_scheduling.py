@@ -142,8 +142,12 @@ def test_accounting_survives_a_mix_of_everything(llama: Path) -> None:
     assert engine.block_manager.stats.hits > 0
     assert engine.scheduler.num_preemptions > 0
     _all_released(engine)
-    # every request left the engine once: one end-to-end sample each
-    assert engine.stats.latency.e2e_request_latency.count == 5
+    # every sample left the engine once (vLLM counts each of n as a request): 3+1+1+2+2
+    h = engine.stats.histograms
+    assert h.e2e_request_latency.count == 9
+    assert sum(engine.stats.request_success.values()) == 9
+    assert engine.stats.request_success["abort"] == 2  # "gone" and one sample of "n3"
+    assert h.params_n.count == 5  # once per request
 
 
 def test_latency_histograms_count_requests_and_tokens(llama: Path) -> None:
@@ -151,13 +155,28 @@ def test_latency_histograms_count_requests_and_tokens(llama: Path) -> None:
     engine.generate([PROMPT, PROMPT[:3]], GREEDY)
     engine.add_request("n", PROMPT, replace(GREEDY, n=2))
     drain(engine)
-    latency = engine.stats.latency
-    assert latency.time_to_first_token.count == 3  # one per request, not per sample
-    assert latency.request_queue_time.count == 3
-    assert latency.e2e_request_latency.count == 3
+    h = engine.stats.histograms
+    # one per sample, as vLLM's parallel sampling runs each of n as a child request
+    for each in (
+        h.time_to_first_token,
+        h.queue_time,
+        h.e2e_request_latency,
+        h.prefill_time,
+        h.decode_time,
+        h.inference_time,
+        h.time_per_output_token,
+        h.prompt_tokens,
+    ):
+        assert each.count == 4
+    assert h.params_n.count == h.max_num_generation_tokens.count == 3  # once per request
+    assert h.params_n.total == 1 + 1 + 2
+    assert h.generation_tokens.total == 4 * 8 and h.max_num_generation_tokens.total == 3 * 8
+    assert h.prompt_tokens.total == 3 * len(PROMPT) + 3
     # every token but each sample's first: 2 requests x 7 + 2 samples x 7
-    assert latency.inter_token_latency.count == 28
-    buckets, total = latency.inter_token_latency.snapshot()
+    assert h.inter_token_latency.count == 28
+    assert engine.stats.request_success == {"stop": 0, "length": 4, "abort": 0, "error": 0}
+    assert h.iteration_tokens.count == engine.stats.num_steps
+    buckets, total = h.inter_token_latency.snapshot()
     assert buckets[-1] == ("+Inf", 28.0) and total > 0
     assert [c for _, c in buckets] == sorted(c for _, c in buckets)
 

@@ -54,6 +54,7 @@ class _Add:
 class _Abort:
     request_id: str
     index: int | None = None  # one sample of the request, or all of them
+    reason: str = "abort"  # the finished_reason it counts under in vllm:request_success
 
 
 class AsyncEngine:
@@ -108,9 +109,10 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(rid, None)
 
-    def abort(self, request_id: str, index: int | None = None) -> None:
-        """Stop one sample of a request (a stop string matched it) or the whole request."""
-        self._send(_Abort(request_id, index))
+    def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
+        """Stop one sample of a request (a stop string matched it: ``reason="stop"``) or
+        the whole request."""
+        self._send(_Abort(request_id, index, reason))
 
     def _send(self, command: _Add | _Abort | None) -> None:
         self._commands.put(command)
@@ -161,7 +163,7 @@ class AsyncEngine:
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
-            self.engine.abort(command.request_id, command.index)
+            self.engine.abort(command.request_id, command.index, command.reason)
             return
         try:
             self.engine.add_request(
@@ -183,5 +185,5 @@ class AsyncEngine:
 
     def _fail_all(self, error: KilnError) -> None:
         for rid, stream in list(self._streams.items()):
-            self.engine.abort(rid)
+            self.engine.abort(rid, reason="error")
             stream.put(error)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kiln.core.errors import KilnError, Status
@@ -15,7 +15,7 @@ from kiln.llm.params import INT64_MAX, INT64_MIN, InvalidField
 from kiln.llm.sampler import SampledToken, TokenLogprobs
 from kiln.llm.scheduler import Scheduler, SchedulerOutput
 from kiln.llm.sequence import RequestState, SamplingParams, Sequence
-from kiln.llm.stats import LatencyStats
+from kiln.llm.stats import EngineStats, RequestHistograms
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +39,6 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     #: when the request was first scheduled (``time.monotonic()``; its queue time ends)
     first_scheduled_time: float | None = None
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_steps: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    #: the most tokens one step ran (the budget bounds it)
-    max_step_tokens: int = 0
-    latency: LatencyStats = field(default_factory=LatencyStats)
 
 
 class LLMEngine:
@@ -75,7 +65,7 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager)
-        self.stats = EngineStats()
+        self.stats = EngineStats(RequestHistograms.for_model(config.max_model_len))
         #: the requests the last step failed, with the error (they left the engine)
         self.failed: list[tuple[str, Exception]] = []
 
@@ -165,19 +155,42 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, request_id: str, index: int | None = None) -> bool:
-        """Abort the request (or its sample ``index`` alone)."""
+    def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> bool:
+        """Abort the request (or its sample ``index`` alone). ``reason`` is the
+        ``finished_reason`` it counts under: ``stop`` when a stop string ended it."""
         removed = self.scheduler.abort(request_id, index)
         now = time.monotonic()
         for seq in removed:
-            self._retire(seq, now)
+            self._retire(seq, now, reason)
         return bool(removed)
 
-    def _retire(self, seq: Sequence, now: float) -> None:
+    def _retire(self, seq: Sequence, now: float, reason: str | None = None) -> None:
+        """A sample left the engine: observe it as vLLM observes a finished request."""
+        stats, h = self.stats, self.stats.histograms
+        reason = reason or seq.finish_reason or "abort"
+        stats.request_success[reason] = stats.request_success.get(reason, 0) + 1
         state = seq.request
+        generated = seq.num_output_tokens
+        h.e2e_request_latency.observe(now - state.arrival_time)
+        h.prompt_tokens.observe(seq.num_prompt_tokens)
+        h.generation_tokens.observe(generated)
+        h.params_max_tokens.observe(seq.params.max_tokens)
+        scheduled = state.first_scheduled_time
+        if scheduled is not None:
+            h.queue_time.observe(scheduled - state.arrival_time)
+            h.prefill_kv_computed_tokens.observe(seq.num_prompt_tokens - state.num_cached_tokens)
+        first, last = seq.first_token_time, seq.last_token_time
+        if scheduled is not None and first is not None and last is not None:
+            h.prefill_time.observe(first - scheduled)
+            h.decode_time.observe(last - first)
+            h.inference_time.observe(last - scheduled)
+            if generated > 1:
+                h.time_per_output_token.observe((last - first) / (generated - 1))
+        state.max_output_tokens = max(state.max_output_tokens, generated)
         state.num_live -= 1
         if state.num_live == 0:  # the request's last sample has left the engine
-            self.stats.latency.e2e_request_latency.observe(now - state.arrival_time)
+            h.params_n.observe(seq.params.n)
+            h.max_num_generation_tokens.observe(state.max_output_tokens)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -187,16 +200,17 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.seqs:
             return []
-        latency = self.stats.latency
         now = time.monotonic()
         for seq in out.seqs:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
-                latency.request_queue_time.observe(now - seq.request.arrival_time)
+                # admission has just given it its prefix-cache hits, nothing more yet
+                seq.request.num_cached_tokens = seq.num_computed_tokens
         sampled = self._run(out)
         now = time.monotonic()
         self.stats.num_steps += 1
         self.stats.max_step_tokens = max(self.stats.max_step_tokens, out.total_tokens)
+        self.stats.histograms.iteration_tokens.observe(out.total_tokens)
         results: list[RequestOutput] = []
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
@@ -206,6 +220,7 @@ class LLMEngine:
                 continue  # a prompt chunk: nothing to report yet
             if seq.num_output_tokens == 0 and seq.index == 0:
                 self.stats.num_prompt_tokens += seq.num_prompt_tokens
+                self.stats.num_prompt_tokens_cached += seq.request.num_cached_tokens
             samples = [seq, *seq.forks]
             for child in seq.forks:
                 self.block_manager.fork(seq, child)
@@ -248,7 +263,7 @@ class LLMEngine:
         now = time.monotonic()
         for rid in failed:
             for seq in self.scheduler.abort(rid):
-                self._retire(seq, now)
+                self._retire(seq, now, "error")
         return sampled
 
     def _run_alone(
@@ -268,12 +283,12 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, sampled: SampledToken, now: float) -> RequestOutput:
         token = sampled.token_id
-        latency = self.stats.latency
+        h = self.stats.histograms
         if seq.last_token_time is not None:
-            latency.inter_token_latency.observe(now - seq.last_token_time)
-        elif seq.request.first_token_time is None:
-            seq.request.first_token_time = now
-            latency.time_to_first_token.observe(now - seq.request.arrival_time)
+            h.inter_token_latency.observe(now - seq.last_token_time)
+        else:
+            seq.first_token_time = now
+            h.time_to_first_token.observe(now - seq.request.arrival_time)
         seq.last_token_time = now
         seq.append(token)
         self.stats.num_generation_tokens += 1

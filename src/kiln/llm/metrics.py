@@ -1,5 +1,8 @@
-"""``kiln_llm_*`` families (vLLM's names under kiln's prefix), read at scrape time from the
-engines of the loaded llm models. Importing this module does not import torch."""
+"""vLLM's ``vllm:*`` families (names, types, labels, buckets, help), read at scrape time
+from the engines of the loaded llm models, so a Grafana dashboard or alert rule written for
+vLLM works on kiln unchanged. Labels: ``model_name`` (the served name) and ``engine`` (vLLM's
+data-parallel engine index: kiln runs one engine per model, ``"0"``). Importing this module
+does not import torch."""
 
 from __future__ import annotations
 
@@ -15,31 +18,18 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kiln.backends.registry import LLM_BACKENDS
+from kiln.llm.stats import FINISH_REASONS, HISTOGRAMS
 
-LABELS = ("model_name",)
-#: (family name, help, the ``LatencyStats`` field it reads)
-HISTOGRAMS = (
-    (
-        "kiln_llm_time_to_first_token_seconds",
-        "Time from a request's arrival to its first generated token",
-        "time_to_first_token",
-    ),
-    (
-        "kiln_llm_inter_token_latency_seconds",
-        "Time between two consecutive tokens of one sequence",
-        "inter_token_latency",
-    ),
-    (
-        "kiln_llm_e2e_request_latency_seconds",
-        "Time from a request's arrival to its last sample leaving the engine",
-        "e2e_request_latency",
-    ),
-    (
-        "kiln_llm_request_queue_time_seconds",
-        "Time a request waited before it was first scheduled",
-        "request_queue_time",
-    ),
-)
+PREFIX = "vllm:"
+LABELS = ("model_name", "engine")
+ENGINE = "0"
+#: ``vllm:prompt_tokens_by_source``'s ``source`` values (kiln has no external KV transfer)
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+CACHE_CONFIG_KEYS = (
+    "block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "num_cpu_blocks",
+    "kv_cache_size_tokens", "sliding_window",
+)  # fmt: skip
 
 
 def _engines(runtimes: Iterable[Any]) -> Iterator[tuple[str, Any]]:
@@ -49,54 +39,112 @@ def _engines(runtimes: Iterable[Any]) -> Iterator[tuple[str, Any]]:
                 yield rt.name, instance.backend.engine
 
 
+def cache_config_info(engine: Any) -> dict[str, str]:
+    """vLLM's ``CacheConfig.metrics_info()`` for the fields kiln has (Python ``str()`` of each
+    value, as vLLM writes them)."""
+    config, blocks = engine.config, engine.block_manager.num_blocks
+    return {
+        "block_size": str(config.block_size),
+        "cache_dtype": "auto",  # the KV cache is kept in the model's dtype
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "num_gpu_blocks": str(blocks),
+        "num_cpu_blocks": "None",
+        "kv_cache_size_tokens": str(blocks * config.block_size),
+        "sliding_window": str(engine.args.sliding_window),
+    }
+
+
+def _gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, labels=(*LABELS, *extra))
+
+
+def _counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> CounterMetricFamily:
+    # rendered ``vllm:<name>_total``, as prometheus_client renders vLLM's counters
+    return CounterMetricFamily(PREFIX + name, doc, labels=(*LABELS, *extra))
+
+
 class LLMCollector(Collector):
     def __init__(self, runtimes: Callable[[], Iterable[Any]]) -> None:
         self.runtimes = runtimes
 
     def collect(self) -> Iterator[Metric]:
-        running = GaugeMetricFamily(
-            "kiln_llm_num_requests_running", "Requests in the running batch", labels=LABELS
+        running = _gauge("num_requests_running", "Number of requests in model execution batches.")
+        waiting = _gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        by_reason = _gauge(
+            "num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+            "scheduling capacity; 'deferred' = deferred by transient constraints. Sum of all "
+            "reasons equals vllm:num_requests_waiting.",
+            ("reason",),
         )
-        waiting = GaugeMetricFamily(
-            "kiln_llm_num_requests_waiting", "Requests waiting to be scheduled", labels=LABELS
+        sleep = _gauge(
+            "engine_sleep_state",
+            "Engine sleep state; awake = 1 means engine is awake (kiln's engines never sleep).",
+            ("sleep_state",),
         )
-        usage = GaugeMetricFamily(
-            "kiln_llm_kv_cache_usage_perc",
-            "KV-cache usage: 1 means all blocks are held by sequences",
-            labels=LABELS,
+        usage = _gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        queries = _counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
-        preemptions = CounterMetricFamily(
-            "kiln_llm_num_preemptions", "Cumulative number of preemptions", labels=LABELS
+        hits = _counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
-        prompt = CounterMetricFamily(
-            "kiln_llm_prompt_tokens", "Prefill tokens processed", labels=LABELS
+        preemptions = _counter(
+            "num_preemptions", "Cumulative number of preemption from the engine."
         )
-        generation = CounterMetricFamily(
-            "kiln_llm_generation_tokens", "Generation tokens processed", labels=LABELS
+        prompt = _counter("prompt_tokens", "Number of prefill tokens processed.")
+        by_source = _counter(
+            "prompt_tokens_by_source", "Number of prompt tokens by source.", ("source",)
         )
-        queries = CounterMetricFamily(
-            "kiln_llm_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache at admission",
-            labels=LABELS,
+        cached = _counter(
+            "prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
-        hits = CounterMetricFamily(
-            "kiln_llm_prefix_cache_hits",
-            "Prompt tokens found in the prefix cache (not recomputed)",
-            labels=LABELS,
+        generation = _counter("generation_tokens", "Number of generation tokens processed.")
+        success = _counter(
+            "request_success", "Count of successfully processed requests.", ("finished_reason",)
         )
-        histograms = [HistogramMetricFamily(n, doc, labels=LABELS) for n, doc, _ in HISTOGRAMS]
-        for name, engine in _engines(self.runtimes()):
-            sched = engine.scheduler
-            running.add_metric([name], len(sched.running))
-            waiting.add_metric([name], len(sched.waiting))
-            usage.add_metric([name], engine.block_manager.usage())
-            preemptions.add_metric([name], sched.num_preemptions)
-            prompt.add_metric([name], engine.stats.num_prompt_tokens)
-            generation.add_metric([name], engine.stats.num_generation_tokens)
-            queries.add_metric([name], engine.block_manager.stats.queries)
-            hits.add_metric([name], engine.block_manager.stats.hits)
+        histograms = [
+            HistogramMetricFamily(PREFIX + name, doc, labels=LABELS) for name, doc, _ in HISTOGRAMS
+        ]
+        # vLLM serves one model and leaves model_name off; kiln adds it to tell models apart
+        info = GaugeMetricFamily(
+            PREFIX + "cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=(*LABELS, *CACHE_CONFIG_KEYS),
+        )
+        engines = list(_engines(self.runtimes()))
+        if not engines:
+            return  # no llm model: no vllm:* family at all
+        for name, engine in engines:
+            labels = [name, ENGINE]
+            stats, sched, blocks = engine.stats, engine.scheduler, engine.block_manager
+            running.add_metric(labels, len(sched.running))
+            waiting.add_metric(labels, len(sched.waiting))
+            by_reason.add_metric([*labels, "capacity"], len(sched.waiting))
+            by_reason.add_metric([*labels, "deferred"], 0)
+            for state in SLEEP_STATES:
+                sleep.add_metric([*labels, state], 1 if state == "awake" else 0)
+            usage.add_metric(labels, blocks.usage())
+            queries.add_metric(labels, blocks.stats.queries)
+            hits.add_metric(labels, blocks.stats.hits)
+            preemptions.add_metric(labels, sched.num_preemptions)
+            prompt.add_metric(labels, stats.num_prompt_tokens)
+            computed = stats.num_prompt_tokens - stats.num_prompt_tokens_cached
+            for source, value in zip(
+                PROMPT_SOURCES, (computed, stats.num_prompt_tokens_cached, 0), strict=True
+            ):
+                by_source.add_metric([*labels, source], value)
+            cached.add_metric(labels, stats.num_prompt_tokens_cached)
+            generation.add_metric(labels, stats.num_generation_tokens)
+            reasons = dict(stats.request_success)
+            for reason in (*FINISH_REASONS, *(r for r in reasons if r not in FINISH_REASONS)):
+                success.add_metric([*labels, reason], reasons.get(reason, 0))
             for family, (_, _, attr) in zip(histograms, HISTOGRAMS, strict=True):
-                buckets, total = getattr(engine.stats.latency, attr).snapshot()
-                family.add_metric([name], buckets, total)
-        yield from (running, waiting, usage, preemptions, prompt, generation, queries, hits)
+                buckets, total = getattr(stats.histograms, attr).snapshot()
+                family.add_metric(labels, buckets, total)
+            config = cache_config_info(engine)
+            info.add_metric([*labels, *(config[k] for k in CACHE_CONFIG_KEYS)], 1)
+        yield from (running, waiting, by_reason, sleep, usage, queries, hits, preemptions)
+        yield from (prompt, by_source, cached, generation, success)
         yield from histograms
+        yield info

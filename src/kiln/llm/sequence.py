@@ -58,9 +58,13 @@ class RequestState:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
+    #: prompt tokens the prefix cache held when it was first scheduled
+    num_cached_tokens: int = 0
     #: sequences of the request not yet finished or aborted
     num_live: int = 1
+    #: the most tokens one of its samples generated (vLLM's
+    #: ``request_max_num_generation_tokens``), over the samples that left
+    max_output_tokens: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -96,6 +100,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     #: the prefix cache's content key of each cached leading block (chains the next one)
     chain_keys: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
     last_token_time: float | None = None
     #: with ``prompt_logprobs``: one entry per prompt token computed so far (the first,
     #: which nothing predicts, is None)

@@ -62,16 +62,16 @@ STORED_METRICS = (
     "nv_energy_consumption",
     "kiln_gpu_temperature_celsius",
     # LLM engine (label model_name): load and throughput; rates are derived at query time.
-    "kiln_llm_num_requests_running",
-    "kiln_llm_num_requests_waiting",
-    "kiln_llm_kv_cache_usage_perc",
-    "kiln_llm_num_preemptions_total",
-    "kiln_llm_prompt_tokens_total",
-    "kiln_llm_generation_tokens_total",
-    "kiln_llm_prefix_cache_queries_total",
-    "kiln_llm_prefix_cache_hits_total",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
 )
-_TTFT, _ITL = "kiln_llm_time_to_first_token_seconds", "kiln_llm_inter_token_latency_seconds"
+_TTFT, _ITL = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"
 # name -> (histogram family, quantile): computed per sampling interval from the delta of
 # the family's buckets, so each row describes the requests of that interval only.
 QUANTILES: dict[str, tuple[str, float]] = {
@@ -81,7 +81,7 @@ QUANTILES: dict[str, tuple[str, float]] = {
     "kiln_llm_time_to_first_token_p99_seconds": (_TTFT, 0.99),
     "kiln_llm_inter_token_latency_p50_seconds": (_ITL, 0.5),
     "kiln_llm_inter_token_latency_p99_seconds": (_ITL, 0.99),
-    "kiln_llm_e2e_request_latency_p50_seconds": ("kiln_llm_e2e_request_latency_seconds", 0.5),
+    "kiln_llm_e2e_request_latency_p50_seconds": ("vllm:e2e_request_latency_seconds", 0.5),
 }
 
 

@@ -68,8 +68,8 @@ DERIVED: dict[str, tuple[tuple[str, ...], tuple[str, ...], str, str]] = {
         "failed / all requests",
     ),
     "llm_prefix_cache_hit_rate": (
-        ("kiln_llm_prefix_cache_hits_total",),
-        ("kiln_llm_prefix_cache_queries_total",),
+        ("vllm:prefix_cache_hits_total",),
+        ("vllm:prefix_cache_queries_total",),
         "",
         "LLM prompt tokens found in the prefix cache / looked up",
     ),
@@ -78,11 +78,11 @@ DERIVED: dict[str, tuple[tuple[str, ...], tuple[str, ...], str, str]] = {
 ALIASES: dict[str, tuple[str, str, str]] = {
     "throughput": ("nv_inference_count", "1/s", "inferences/s"),
     "llm_generation_tokens_per_s": (
-        "kiln_llm_generation_tokens_total",
+        "vllm:generation_tokens_total",
         "1/s",
         "LLM generated tokens/s",
     ),
-    "llm_prompt_tokens_per_s": ("kiln_llm_prompt_tokens_total", "1/s", "LLM prefill tokens/s"),
+    "llm_prompt_tokens_per_s": ("vllm:prompt_tokens_total", "1/s", "LLM prefill tokens/s"),
 }
 
 

@@ -1,6 +1,6 @@
 """The LLM engine's live figures (the ``llm`` list of ``GET /api/live``).
 
-Read from the ``kiln_llm_*`` families (label ``model_name``) the same way the per-model
+Read from the ``vllm:*`` families (label ``model_name``) the same way the per-model
 figures are: gauges as they are now, counters and histogram buckets as increases between
 two snapshots ``window_s`` apart, so tokens/s, the prefix-cache hit rate and the latency
 quantiles describe the window, not the server's whole life. Schema in docs/monitoring.md.
@@ -15,24 +15,24 @@ from kiln.metrics.promql_eval import histogram_quantile
 from kiln.metrics.snapshot import Labels, Snapshot
 
 _GAUGES = {
-    "running": "kiln_llm_num_requests_running",
-    "waiting": "kiln_llm_num_requests_waiting",
-    "kv_cache_usage": "kiln_llm_kv_cache_usage_perc",
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+    "kv_cache_usage": "vllm:kv_cache_usage_perc",
 }
 _COUNTERS = {
-    "preemptions": "kiln_llm_num_preemptions_total",
-    "prompt_tokens": "kiln_llm_prompt_tokens_total",
-    "generation_tokens": "kiln_llm_generation_tokens_total",
-    "prefix_queries": "kiln_llm_prefix_cache_queries_total",
-    "prefix_hits": "kiln_llm_prefix_cache_hits_total",
+    "preemptions": "vllm:num_preemptions_total",
+    "prompt_tokens": "vllm:prompt_tokens_total",
+    "generation_tokens": "vllm:generation_tokens_total",
+    "prefix_queries": "vllm:prefix_cache_queries_total",
+    "prefix_hits": "vllm:prefix_cache_hits_total",
 }
 # (figure name, histogram family, quantile): what a vLLM user watches first.
 _QUANTILES = (
-    ("ttft_p50_ms", "kiln_llm_time_to_first_token_seconds", 0.5),
-    ("ttft_p99_ms", "kiln_llm_time_to_first_token_seconds", 0.99),
-    ("itl_p50_ms", "kiln_llm_inter_token_latency_seconds", 0.5),
-    ("itl_p99_ms", "kiln_llm_inter_token_latency_seconds", 0.99),
-    ("e2e_p50_ms", "kiln_llm_e2e_request_latency_seconds", 0.5),
+    ("ttft_p50_ms", "vllm:time_to_first_token_seconds", 0.5),
+    ("ttft_p99_ms", "vllm:time_to_first_token_seconds", 0.99),
+    ("itl_p50_ms", "vllm:inter_token_latency_seconds", 0.5),
+    ("itl_p99_ms", "vllm:inter_token_latency_seconds", 0.99),
+    ("e2e_p50_ms", "vllm:e2e_request_latency_seconds", 0.5),
 )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from prometheus_client.core import Metric
 
+from kiln.llm.stats import HISTOGRAMS as LLM_HISTOGRAMS
 from kiln.metrics.gpu import FAMILIES as GPU_FAMILIES
 
 Labels = tuple[tuple[str, str], ...]  # sorted (name, value) pairs: hashable and canonical
@@ -21,10 +22,7 @@ _HISTOGRAMS = (
     "kiln_request_duration_seconds",
     "kiln_batch_size",
     "nv_inference_first_response_histogram_ms",
-    "kiln_llm_time_to_first_token_seconds",
-    "kiln_llm_inter_token_latency_seconds",
-    "kiln_llm_e2e_request_latency_seconds",
-    "kiln_llm_request_queue_time_seconds",
+    *(f"vllm:{name}" for name, _, _ in LLM_HISTOGRAMS),
 )
 _SUMMARIES = tuple(
     f"nv_inference_{p}_summary_us"
@@ -49,11 +47,14 @@ COUNTERS: frozenset[str] = frozenset(
         "nv_cache_miss_duration_per_model",
         "nv_energy_consumption",
         "process_cpu_seconds_total",
-        "kiln_llm_num_preemptions_total",
-        "kiln_llm_prompt_tokens_total",
-        "kiln_llm_generation_tokens_total",
-        "kiln_llm_prefix_cache_queries_total",
-        "kiln_llm_prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total",
+        "vllm:prompt_tokens_by_source_total",
+        "vllm:prompt_tokens_cached_total",
+        "vllm:generation_tokens_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:request_success_total",
         *(f"{h}_{s}" for h in _HISTOGRAMS for s in ("bucket", "sum", "count")),
         *(f"{h}_{s}" for h in _SUMMARIES for s in ("sum", "count")),
     }
@@ -72,9 +73,12 @@ GAUGES: frozenset[str] = frozenset(
         "process_max_fds",
         "process_start_time_seconds",
         "kiln_gpu_clock_event_active",
-        "kiln_llm_num_requests_running",
-        "kiln_llm_num_requests_waiting",
-        "kiln_llm_kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_waiting_by_reason",
+        "vllm:engine_sleep_state",
+        "vllm:kv_cache_usage_perc",
+        "vllm:cache_config_info",
         *_SUMMARIES,
         *(name for _, name, _, is_counter in GPU_FAMILIES if not is_counter),
     }

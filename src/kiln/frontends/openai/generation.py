@@ -64,7 +64,7 @@ async def run(
     one delta that carries its ``finish_reason``. The request counts in the model's Triton
     statistics (success, or a failure with its reason; a caller that stops reading early
     is CANCELED) with its whole time as compute: the engine's own histograms
-    (``kiln_llm_*``) split queue, first token and decode."""
+    (``vllm:*``) split queue, first token and decode."""
     stats = llm.model_stats
     times = RequestTimes(received=time.monotonic_ns())
     times.queue_end = times.input_end = times.received
@@ -175,8 +175,8 @@ async def _run(
                 at = c.pending.find(stop)
                 if at >= 0:
                     c.pending, reason = c.pending[:at], "stop"
-                    if not out.finished and left > 1:
-                        engine.abort(rid, out.index)  # the other choices go on
+                    if not out.finished:  # the other choices go on
+                        engine.abort(rid, out.index, "stop")
                     break
             if reason is not None:
                 c.done, left = True, left - 1
