@@ -1,7 +1,8 @@
 """Pick the next token for every sequence of a step, in one batch of tensor operations.
 
 The order is vLLM's: ``logit_bias`` added to the raw logits (OpenAI's: before any
-sampling), the bans (``min_tokens``' stop tokens, ``bad_words``), penalties (repetition, frequency, presence), then greedy rows take the argmax;
+sampling), the bans (``min_tokens``' stop tokens, ``bad_words``), penalties (repetition,
+frequency, presence), then greedy rows take the argmax;
 the others are divided by their temperature, filtered by min-p, then top-k and top-p, and
 drawn. Every parameter is per row. A draw is an
 exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which picks token ``i`` with
