@@ -8,6 +8,8 @@ ones are logged once."""
 from __future__ import annotations
 
 import json
+import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,6 +63,14 @@ def _tokens(http: httpx.Client, **body: Any) -> list[int]:
     assert reply.status_code == 200, reply.text
     tokens: list[int] = reply.json()["tokens"]
     return tokens
+
+
+def _metric(server: KilnProcess, name: str) -> float:
+    text = urllib.request.urlopen(server.metrics_url).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{") and 'model_name="tiny"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exposed")
 
 
 def _error(reply: httpx.Response) -> dict[str, Any]:
@@ -151,6 +161,24 @@ def test_a_list_of_prompts_equals_separate_requests(client: openai.OpenAI) -> No
     assert usage and usage.completion_tokens == 36
 
 
+def test_leaving_a_streamed_list_early_frees_every_prompt(
+    client: openai.OpenAI, server: KilnProcess
+) -> None:
+    stream = client.completions.create(
+        model="tiny", prompt=["a long story", "another one", [5, 6, 7]], max_tokens=200,
+        temperature=0, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for i, _ in enumerate(stream):
+        if i == 4:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _metric(server, "kiln_llm_num_requests_running"):
+        time.sleep(0.1)
+    assert _metric(server, "kiln_llm_num_requests_running") == 0
+    assert _metric(server, "kiln_llm_kv_cache_usage_perc") == 0.0
+
+
 def test_a_bad_prompt_in_a_list_is_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt=["ok", ""], max_tokens=2)
@@ -213,6 +241,29 @@ def test_include_stop_str_in_output(client: openai.OpenAI) -> None:
     streamed = client.completions.create(stop=stop, stream=True, **kw, temperature=0,
                                          extra_body=extra)  # fmt: skip
     assert "".join(c.choices[0].text for c in streamed if c.choices) == text[: at + len(stop)]
+
+
+def test_a_stop_tokens_text_is_kept_only_when_asked(
+    client: openai.OpenAI, http: httpx.Client
+) -> None:
+    kw: dict[str, Any] = dict(model="tiny", prompt="hello", max_tokens=16, logprobs=0)
+    free = client.completions.create(**kw, **GREEDY).choices[0]
+    assert free.logprobs and free.logprobs.tokens
+    tokens = free.logprobs.tokens
+    token = next(
+        t
+        for t in tokens[1:]
+        if t.isprintable() and "\ufffd" not in t and len(_tokens(http, prompt=t)) == 1
+    )
+    (stop_id,) = _tokens(http, prompt=token)
+    extra: dict[str, Any] = {"ignore_eos": True, "stop_token_ids": [stop_id]}
+    cut = client.completions.create(**kw, temperature=0, extra_body=extra).choices[0]
+    assert cut.finish_reason == "stop" and cut.logprobs
+    assert cut.logprobs.tokens == tokens[: tokens.index(token) + 1]  # it did stop there
+    assert free.text.startswith(cut.text) and not cut.text.endswith(token)
+    extra["include_stop_str_in_output"] = True
+    kept = client.completions.create(**kw, temperature=0, extra_body=extra).choices[0]
+    assert kept.text == cut.text + token
 
 
 def test_skip_special_tokens(client: openai.OpenAI, http: httpx.Client) -> None:
