@@ -5,6 +5,7 @@ Only translation lives here: the engine enforces the context length and the queu
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,9 +154,10 @@ def check_fields(body: dict[str, Any], known: frozenset[str], what: str) -> None
         if harmless is not None:
             # a bool is an int in Python: 1 must not pass for True, nor 0 for False
             if not any(value == h and type(value) is type(h) for h in harmless):
+                allowed = [json.dumps(h) for h in harmless if h is not None]
                 raise OpenAIError(
-                    f"'{key}' is not supported by kiln (send no '{key}', or "
-                    f"{' or '.join(repr(h) for h in harmless if h is not None) or 'null'})",
+                    f"'{key}' is not supported by kiln: send no '{key}'"
+                    + (f", or {' or '.join(allowed)}" if allowed else ""),
                     param=key,
                 )
         elif key not in known and key not in _WARNED and len(_WARNED) < _MAX_WARNED:
