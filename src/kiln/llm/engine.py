@@ -101,6 +101,18 @@ class LLMEngine:
                 "stop_token_ids",
                 f"stop_token_ids names token id {outside[0]}, outside the vocabulary [0, {vocab})",
             )
+        outside = [t for w in params.bad_words_token_ids for t in w if not 0 <= t < vocab]
+        if outside:
+            raise InvalidField(
+                "bad_words",
+                f"bad_words tokenize to token id {outside[0]}, outside the vocabulary [0, {vocab})",
+            )
+        if not 0 <= params.min_tokens <= params.max_tokens:
+            raise InvalidField(
+                "min_tokens",
+                f"min_tokens must be in [0, max_tokens ({params.max_tokens})], "
+                f"got {params.min_tokens}",
+            )
         for field_, count in (
             ("logprobs", params.logprobs),
             ("prompt_logprobs", params.prompt_logprobs),

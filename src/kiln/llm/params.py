@@ -26,6 +26,7 @@ SAMPLING_FIELDS = (
     "ignore_eos",
     "logit_bias",
     "cache_salt",
+    "min_tokens",
 )
 
 #: OpenAI's bound on a ``logit_bias`` value
@@ -140,8 +141,12 @@ def sampling_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise InvalidField("cache_salt", f"'cache_salt' must be a non-empty string, got {salt!r}")
+    min_tokens = integer(body, "min_tokens") or 0
+    if min_tokens < 0:
+        raise InvalidField("min_tokens", f"min_tokens must be >= 0, got {min_tokens}")
     return {
         "cache_salt": salt,
+        "min_tokens": min_tokens,
         "logit_bias": logit_bias(body),
         "temperature": temperature,
         "top_p": top_p,

@@ -1,7 +1,8 @@
 """Pick the next token for every sequence of a step, in one batch of tensor operations.
 
 The order is vLLM's: ``logit_bias`` added to the raw logits (OpenAI's: before any
-sampling), penalties (repetition, frequency, presence), then greedy rows take the argmax;
+sampling), the bans (``min_tokens``' stop tokens, ``bad_words``), penalties (repetition,
+frequency, presence), then greedy rows take the argmax;
 the others are divided by their temperature, filtered by min-p, then top-k and top-p, and
 drawn. Every parameter is per row. A draw is an
 exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which picks token ``i`` with
@@ -66,6 +67,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
     raw = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
     if any(p.logit_bias for p in params):
         logits = apply_logit_bias(logits, seqs)
+    if any(p.min_tokens or p.bad_words_token_ids for p in params):
+        logits = apply_bans(logits, seqs)
     if any(
         p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
     ):
@@ -109,6 +112,38 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
         torch.tensor(bias, dtype=logits.dtype, device=dev),
         accumulate=True,
     )
+    return logits
+
+
+def banned_tokens(seq: Sequence) -> list[int]:
+    """The tokens ``seq`` may not sample next: its stop tokens while fewer than
+    ``min_tokens`` are out, and the last token of each bad word whose other tokens end
+    the output (vLLM's rule; it looks at the output only, not the prompt)."""
+    p = seq.params
+    out: list[int] = []
+    if seq.num_output_tokens < p.min_tokens:
+        out.extend(p.stop_token_ids)
+        if not p.ignore_eos:
+            out.extend(seq.eos_token_ids)
+    if p.bad_words_token_ids:
+        output = seq.output_token_ids
+        for word in p.bad_words_token_ids:
+            before = len(word) - 1
+            if before <= len(output) and (before == 0 or output[-before:] == list(word[:-1])):
+                out.append(word[-1])
+    return out
+
+
+def apply_bans(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Each row's :func:`banned_tokens` set to -inf (one scatter for the batch)."""
+    banned = [banned_tokens(s) for s in seqs]
+    rows = [i for i, ids in enumerate(banned) for _ in ids]
+    if not rows:
+        return logits
+    ids = [t for ids in banned for t in ids]
+    dev = logits.device
+    logits = logits.clone()
+    logits[torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)] = float("-inf")
     return logits
 
 

@@ -42,6 +42,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     #: vLLM's ``cache_salt``: the prefix cache matches only requests with the same salt
     cache_salt: str | None = None
+    #: vLLM's ``min_tokens``: EOS and ``stop_token_ids`` are banned (and stop nothing)
+    #: until this many tokens are out
+    min_tokens: int = 0
+    #: vLLM's ``bad_words``, tokenized: a sequence's last token is banned wherever the
+    #: output ends with the ones before it (a one-token word is banned everywhere)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 class SequenceStatus(enum.Enum):
@@ -148,6 +154,8 @@ class Sequence:
         """Add a sampled token; finish on a stop token or at ``max_tokens``."""
         self.token_ids.append(token_id)
         p = self.params
+        if self.num_output_tokens < p.min_tokens:
+            return  # as vLLM: nothing stops it before min_tokens (<= max_tokens)
         if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
             self.finish("stop")
         elif self.num_output_tokens >= p.max_tokens:

@@ -77,9 +77,29 @@ class Tokenizer:
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        text: str = self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text: str = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return text
+
+    def token_pieces(self, ids: list[int]) -> list[str]:
+        """The vocabulary's own strings of ``ids`` (``Ġthe`` for a byte-level BPE), as
+        vLLM's ``/tokenize`` returns them with ``return_token_strs``."""
+        return [self._tok.id_to_token(t) or "" for t in ids]
+
+    def bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of ``bad_words``: each word as written (leading spaces
+        stripped) and, where a leading space makes a different first token of the same
+        length, with one, so that it is banned at the start of the text and after a space."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.encode(word.lstrip()))
+            if not bare:
+                continue
+            out.append(bare)
+            spaced = tuple(self.encode(" " + word.lstrip()))
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return tuple(out)
 
     def token_text(self, token_id: int) -> str:
         """One token alone as text (special tokens included), as logprobs show it."""
@@ -94,7 +114,17 @@ class Tokenizer:
             return bytes(alphabet[c] for c in piece)
         return self.token_text(token_id).encode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The conversation as the model's template writes it. ``template_kwargs``: more
+        variables for the template (vLLM's ``chat_template_kwargs``, e.g.
+        ``enable_thinking``). ``continue_final_message``: the text ends with the last
+        message's content, left open for the model to continue (``transformers``' rule)."""
         if self.chat_template is None:
             raise KilnError(
                 "this model's tokenizer has no chat template: use /v1/completions",
@@ -109,14 +139,34 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages,
-                add_generation_prompt=True,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-            )
+            variables = {
+                "bos_token": self.bos_token,
+                "eos_token": self.eos_token,
+                "add_generation_prompt": add_generation_prompt,
+                **(template_kwargs or {}),  # vLLM's order: the request's kwargs win
+            }
+            text = env.from_string(self.chat_template).render(messages=messages, **variables)
         except TemplateError as exc:
             raise KilnError(f"chat template: {exc}", Status.INVALID_ARG) from exc
+        if continue_final_message:
+            text = _open_final_message(text, messages[-1].get("content") or "")
+        return text
+
+
+def _open_final_message(text: str, final: str) -> str:
+    """``text`` cut just after the last message's content (its end-of-turn tokens gone);
+    trailing whitespace the template trimmed stays trimmed."""
+    at = text.rfind(final.strip())
+    if not final.strip() or at < 0:
+        raise KilnError(
+            "continue_final_message: the final message does not appear in the chat as the "
+            "template renders it",
+            Status.INVALID_ARG,
+        )
+    whole = final.lstrip()
+    if text[at : at + len(whole)] == whole:
+        return text[: at + len(whole)]
+    return text[: at + len(final.strip())]
 
 
 class IncrementalDetokenizer:
@@ -128,10 +178,11 @@ class IncrementalDetokenizer:
     already released, kept so that a tokenizer's leading-space and merge rules see the
     same context) to the end, minus the text those prefix tokens make alone."""
 
-    __slots__ = ("_ids", "_prefix", "_read", "_tok")
+    __slots__ = ("_ids", "_prefix", "_read", "_skip", "_tok")
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # the window starts here
         self._read = 0  # ids before this are released as text
@@ -139,8 +190,8 @@ class IncrementalDetokenizer:
     def add(self, ids: list[int], final: bool = False) -> str:
         self._ids.extend(ids)
         window = self._ids[self._prefix :]
-        before = self._tok.decode(window[: self._read - self._prefix])
-        text = self._tok.decode(window)
+        before = self._tok.decode(window[: self._read - self._prefix], self._skip)
+        text = self._tok.decode(window, self._skip)
         if (text.endswith("\ufffd") and not final) or len(text) <= len(before):
             return ""  # an unfinished character, or nothing visible yet
         self._prefix, self._read = self._read, len(self._ids)

@@ -37,6 +37,9 @@ _RULES: list[tuple[re.Pattern[str], ApiGroup | None]] = [
     (re.compile(_MODEL + r"$"), ApiGroup.METADATA),
     (re.compile(r"/v2/?$"), ApiGroup.METADATA),
     (re.compile(r"/v1/.*"), ApiGroup.INFERENCE),  # OpenAI-compatible routes
+    (re.compile(r"/(de)?tokenize$"), ApiGroup.INFERENCE),  # vLLM's, beside them
+    (re.compile(r"/health$"), ApiGroup.HEALTH),
+    (re.compile(r"/version$"), ApiGroup.METADATA),
     (re.compile(r"/dashboard(/.*)?$"), None),
 ]
 

@@ -52,6 +52,15 @@ class _Choice:
         return taken
 
 
+@dataclass(frozen=True, slots=True)
+class OutputOptions:
+    """vLLM's options on how tokens become text."""
+
+    #: a stop string (or stop token) that ended a choice stays at the end of its text
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
 async def run(
     llm: LLMBackend,
     prompt_ids: list[int],
@@ -59,6 +68,7 @@ async def run(
     stops: tuple[str, ...],
     priority: int = 0,
     request_id: str = "",
+    options: OutputOptions = OutputOptions(),
 ) -> AsyncGenerator[Delta, None]:
     """Deltas of every choice, interleaved as the steps produce them; each choice ends with
     one delta that carries its ``finish_reason``. The request counts in the model's Triton
@@ -76,7 +86,7 @@ async def run(
     completion = 0
     try:
         # closed explicitly so that a caller leaving early aborts the sequence at once
-        run_ = _run(llm, prompt_ids, params, stops, priority, timing)
+        run_ = _run(llm, prompt_ids, params, stops, priority, timing, options)
         async with aclosing(run_) as deltas:
             async for delta in deltas:
                 if timing is not None and delta.finish_reason:  # a choice's last delta
@@ -148,10 +158,12 @@ async def _run(
     stops: tuple[str, ...],
     priority: int,
     timing: _Timing | None = None,
+    options: OutputOptions = OutputOptions(),
 ) -> AsyncGenerator[Delta, None]:
     # a stop string may straddle two tokens: hold back what could be its beginning
     hold = max((len(s) for s in stops), default=1) - 1
-    choices = [_Choice(IncrementalDetokenizer(llm.tokenizer)) for _ in range(params.n)]
+    skip = options.skip_special_tokens
+    choices = [_Choice(IncrementalDetokenizer(llm.tokenizer, skip)) for _ in range(params.n)]
     left = params.n
     rid = f"oai-{uuid.uuid4().hex}"
     prompt_len = len(prompt_ids)
@@ -166,14 +178,20 @@ async def _run(
             if c.done:
                 continue  # a stop string ended it; its abort is on the way
             completion = out.num_output_tokens
-            c.pending += c.detok.add(out.new_token_ids, final=out.finished)
+            ids = out.new_token_ids
+            if out.finish_reason == "stop" and not options.include_stop_str_in_output:
+                ids = ids[:-1]  # as vLLM: the stop token's own text is not output
+            c.pending += c.detok.add(ids, final=out.finished)
             c.pending_logprobs.extend(out.logprobs or ())
             if out.prompt_logprobs is not None:
                 c.prompt_logprobs = out.prompt_logprobs
             reason = out.finish_reason if out.finished else None
-            for stop in stops:
+            # as vLLM: before min_tokens are out, no stop string ends the choice either
+            for stop in stops if completion > params.min_tokens else ():
                 at = c.pending.find(stop)
                 if at >= 0:
+                    if options.include_stop_str_in_output:
+                        at += len(stop)
                     c.pending, reason = c.pending[:at], "stop"
                     if not out.finished:  # the other choices go on
                         engine.abort(rid, out.index, "stop")
@@ -197,3 +215,43 @@ async def _run(
                     text, None, prompt_len, completion, out.index, logprobs,
                     c.take_prompt_logprobs(),
                 )  # fmt: skip
+
+
+async def merged(streams: list[AsyncGenerator[Delta, None]], n: int) -> AsyncGenerator[Delta, None]:
+    """The deltas of several prompts' runs (a completions list of prompts) as they come,
+    prompt ``i``'s choice ``j`` renumbered ``i * n + j`` as OpenAI numbers them. Leaving
+    early, or one run failing, closes every run (which aborts its engine request)."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for delta in only:
+                yield delta
+        return
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncGenerator[Delta, None]) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((i, delta))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        else:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                item.index += i * n
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()

@@ -5,12 +5,98 @@ Only translation lives here: the engine enforces the context length and the queu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.core.errors import KilnError, Status
-from kiln.llm.params import InvalidField, integer, sampling_fields
+from kiln.llm.params import SAMPLING_FIELDS, InvalidField, integer, sampling_fields
 from kiln.llm.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
+
+#: OpenAI and vLLM request fields that kiln knows but does not implement, each with the
+#: values that ask for nothing (clients that fill in every field send those). Any other
+#: value answers 400 naming the field: never a 200 that quietly did something else. The
+#: one list of them: a change that implements a field removes its line.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    # structured outputs
+    "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,),
+    "structured_outputs": (None,),
+    # tool calling
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    # other OpenAI fields
+    "suffix": (None, ""),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "store": (None, False),
+    # other vLLM fields
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),  # beam search's
+    "include_reasoning": (None, True),
+    "allowed_token_ids": (None,),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "add_special_tokens": (None, False),
+    "chat_template": (None,),
+    "mm_processor_kwargs": (None, {}),
+    "prompt_embeds": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+}
+_COMMON_FIELDS = (
+    *SAMPLING_FIELDS,
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "n",
+    "best_of",  # = n only (see _best_of)
+    "stop",
+    "logprobs",
+    "echo",
+    "prompt_logprobs",
+    "priority",
+    "user",  # OpenAI's end-user id, for the provider's abuse monitoring: nothing to do
+    "request_id",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "bad_words",
+    "truncate_prompt_tokens",
+)
+#: the template's options, for chat and /tokenize
+_TEMPLATE_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "documents",
+)
+COMPLETION_FIELDS = frozenset((*_COMMON_FIELDS, "prompt"))
+CHAT_FIELDS = frozenset(
+    (*_COMMON_FIELDS, *_TEMPLATE_FIELDS, "messages", "max_completion_tokens", "top_logprobs")
+)
+TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "return_token_strs", *_TEMPLATE_FIELDS))
+DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
+#: unknown field names already warned about (one warning each, as vLLM logs them); bounded,
+#: since the names come from clients
+_WARNED: set[str] = set()
+_MAX_WARNED = 1024
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 #: the most messages one chat request may hold: far past any real conversation, and the
@@ -60,10 +146,44 @@ class OpenAIError(Exception):
         }
 
 
+def check_fields(body: dict[str, Any], known: frozenset[str], what: str) -> None:
+    """400 for a field of :data:`UNSUPPORTED_FIELDS` that asks for something; one log
+    warning per field name that nobody knows (the request goes on without it)."""
+    for key, value in body.items():
+        harmless = UNSUPPORTED_FIELDS.get(key)
+        if harmless is not None:
+            # a bool is an int in Python: 1 must not pass for True, nor 0 for False
+            if not any(value == h and type(value) is type(h) for h in harmless):
+                allowed = [json.dumps(h) for h in harmless if h is not None]
+                raise OpenAIError(
+                    f"'{key}' is not supported by kiln: send no '{key}'"
+                    + (f", or {' or '.join(allowed)}" if allowed else ""),
+                    param=key,
+                )
+        elif key not in known and key not in _WARNED and len(_WARNED) < _MAX_WARNED:
+            _WARNED.add(key)
+            log.warning(
+                "%s request: field %r is not an OpenAI or vLLM field kiln knows: ignored "
+                "(logged once per field name)",
+                what,
+                key[:100],
+            )
+
+
+def flag(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise OpenAIError(f"'{key}' must be a boolean, got {value!r}", param=key)
+    return value
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     model: str
-    prompt: str | list[int]  # text, or token ids (completions only)
+    #: text or token ids, one engine request each (a completions list; chat: one)
+    prompts: list[str | list[int]]
     max_tokens: int | None
     params: SamplingParams
     stream: bool
@@ -74,6 +194,18 @@ class GenerationRequest:
     prompt_logprobs_field: bool = False
     #: vLLM's request priority: lower runs earlier (``scheduling_policy: priority`` only)
     priority: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    bad_words: tuple[str, ...] = ()
+    #: keep the prompt's last this many tokens (vLLM's ``truncate_prompt_tokens``)
+    truncate_prompt_tokens: int | None = None
+    #: chat: the answer's role, and (vLLM's ``echo``) the last message's text it starts with
+    role: str = "assistant"
+    chat_echo: str = ""
+    #: the client's ``request_id`` (vLLM's): the answer's ``id`` is built from it
+    request_id: str | None = None
+    #: chat: the template's options (:func:`chat_template_options`)
+    template: dict[str, Any] = field(default_factory=dict)
 
 
 MAX_LOGPROBS = 20
@@ -97,8 +229,56 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return count
 
 
+#: ``bad_words`` are matched against every sequence's output at every step: a bound on that
+MAX_BAD_WORDS = 256
+
+
+def _best_of(body: dict[str, Any], n: int) -> None:
+    """``best_of`` equal to ``n`` is plain sampling; kiln does not rank extra samples."""
+    best_of = integer(body, "best_of")
+    if best_of is None or best_of == n:
+        return
+    if best_of < n:
+        raise OpenAIError(f"best_of must be >= n ({n}), got {best_of}", param="best_of")
+    raise OpenAIError(
+        f"'best_of' greater than n is not supported by kiln (got {best_of}, n = {n}): ask for "
+        "n choices and rank them with their logprobs",
+        param="best_of",
+    )
+
+
+def _output_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's output and prompt options (keyword arguments of :class:`GenerationRequest`)."""
+    words = body.get("bad_words")
+    if words is None:
+        words = []
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise OpenAIError("'bad_words' must be a list of strings", param="bad_words")
+    if len(words) > MAX_BAD_WORDS:
+        raise OpenAIError(
+            f"'bad_words' holds {len(words)} words, more than {MAX_BAD_WORDS}", param="bad_words"
+        )
+    truncate = integer(body, "truncate_prompt_tokens")
+    if truncate is not None and truncate < 1 and truncate != -1:
+        raise OpenAIError(
+            f"truncate_prompt_tokens must be >= 1 (or -1: the model's context), got {truncate}",
+            param="truncate_prompt_tokens",
+        )
+    request_id = body.get("request_id")
+    if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        raise OpenAIError("'request_id' must be a non-empty string", param="request_id")
+    flag(body, "spaces_between_special_tokens", True)  # no effect with tokenizer.json's
+    return {
+        "include_stop_str_in_output": flag(body, "include_stop_str_in_output", False),
+        "skip_special_tokens": flag(body, "skip_special_tokens", True),
+        "bad_words": tuple(w for w in words if w.strip()),
+        "truncate_prompt_tokens": truncate,
+        "request_id": request_id,
+    }
+
+
 def _common(
-    body: dict[str, Any], prompt: str | list[int], max_key: str, chat: bool
+    body: dict[str, Any], prompts: list[str | list[int]], max_key: str, chat: bool
 ) -> GenerationRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -110,6 +290,8 @@ def _common(
             max_tokens = integer(body, "max_tokens")
         n = integer(body, "n")
         priority = integer(body, "priority") or 0
+        _best_of(body, n or 1)
+        output = _output_fields(body)
     except InvalidField as exc:
         raise OpenAIError(exc.message, param=exc.field) from None
     if max_tokens is not None and max_tokens <= 0:
@@ -124,7 +306,7 @@ def _common(
     if not isinstance(options, dict):
         raise OpenAIError("'stream_options' must be an object", param="stream_options")
     logprobs = _logprobs(body, chat)
-    echo = bool(body.get("echo", False))
+    echo = flag(body, "echo", False)
     stream = bool(body.get("stream", False))
     try:
         prompt_logprobs = integer(body, "prompt_logprobs")
@@ -152,7 +334,7 @@ def _common(
     )
     return GenerationRequest(
         model=model,
-        prompt=prompt,
+        prompts=prompts,
         max_tokens=max_tokens,
         params=params,
         stream=stream,
@@ -161,22 +343,42 @@ def _common(
         echo=echo,
         prompt_logprobs_field=prompt_logprobs is not None,
         priority=priority,
+        **output,
     )
 
 
-def completion_request(body: dict[str, Any]) -> GenerationRequest:
+def _is_token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """The ``prompt`` field as a list of prompts: a string, token ids, or a list of either
+    (OpenAI's batch: choice ``index`` = prompt ``i`` * ``n`` + sample ``j``)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        prompts: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        prompts = [None]
+    for i, p in enumerate(prompts):
+        if not (isinstance(p, str) and p) and not _is_token_ids(p):
+            where = "'prompt'" if len(prompts) == 1 else f"prompt[{i}]"
             raise OpenAIError(
-                "'prompt' must be a string or a list of token ids (one prompt per request)",
+                f"{where} must be a non-empty string or a list of token ids (or 'prompt' a "
+                "list of those)",
                 param="prompt",
             )
-    elif not isinstance(prompt, str) or not prompt:
-        raise OpenAIError("'prompt' must be a non-empty string or token ids", param="prompt")
-    return _common(body, prompt, "max_tokens", chat=False)
+    return prompts
+
+
+def completion_request(body: dict[str, Any]) -> GenerationRequest:
+    check_fields(body, COMPLETION_FIELDS, "completions")
+    return _common(body, completion_prompts(body), "max_tokens", chat=False)
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -230,5 +432,64 @@ def check_prompt_chars(chars: int, max_model_len: int, param: str) -> None:
         )
 
 
-def chat_request(body: dict[str, Any], rendered_prompt: str) -> GenerationRequest:
-    return _common(body, rendered_prompt, "max_completion_tokens", chat=True)
+def chat_template_options(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's template options of a chat or ``/tokenize`` request, as keyword arguments of
+    ``Tokenizer.apply_chat_template``."""
+    continue_final = flag(body, "continue_final_message", False)
+    # transformers refuses both at once; vLLM too, when both are sent true. Asking to
+    # continue the last message alone turns the generation prompt off.
+    add_prompt = flag(body, "add_generation_prompt", not continue_final)
+    if continue_final and add_prompt:
+        raise OpenAIError(
+            "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true",
+            param="continue_final_message",
+        )
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise OpenAIError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    if "messages" in kwargs:
+        raise OpenAIError(
+            "chat_template_kwargs may not set 'messages': send them in 'messages'",
+            param="chat_template_kwargs",
+        )
+    documents = body.get("documents")
+    if documents is not None:
+        if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
+            raise OpenAIError("'documents' must be a list of objects", param="documents")
+        kwargs = {"documents": documents, **kwargs}
+    return {
+        "add_generation_prompt": add_prompt,
+        "continue_final_message": continue_final,
+        "template_kwargs": kwargs,
+    }
+
+
+def chat_request(
+    body: dict[str, Any],
+    messages: list[dict[str, Any]],
+    rendered_prompt: str,
+    template: dict[str, Any],
+) -> GenerationRequest:
+    req = _common(body, [rendered_prompt], "max_completion_tokens", chat=True)
+    # vLLM's roles: the answer is the assistant's after a generation prompt, else it
+    # continues the last message's role; echo starts it with that message when it is ours
+    req.role = "assistant" if template["add_generation_prompt"] else messages[-1]["role"]
+    if req.echo and messages[-1]["role"] == req.role:
+        req.chat_echo = messages[-1]["content"]
+    req.template = template
+    return req
+
+
+def detokenize_ids(body: dict[str, Any], vocab: int) -> list[int]:
+    """``/detokenize``'s ``tokens``: token ids of the vocabulary."""
+    check_fields(body, DETOKENIZE_FIELDS, "detokenize")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        raise OpenAIError("'tokens' must be a list of token ids", param="tokens")
+    if any(not 0 <= t < vocab for t in tokens):
+        raise OpenAIError(f"token ids must be in [0, {vocab})", param="tokens")
+    return tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -14,26 +14,34 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from kiln import __version__
 from kiln.backends.registry import LLM_BACKENDS
 from kiln.core.errors import KilnError
 from kiln.core.server import Server
 from kiln.core.trace import FrontendSlot, http_slot
 from kiln.frontends.http.app import HttpFrontend
-from kiln.frontends.openai.generation import Delta, run
+from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
     chat_logprobs,
     vllm_prompt_logprobs,
 )
 from kiln.frontends.openai.protocol import (
+    CHAT_FIELDS,
+    TOKENIZE_FIELDS,
     GenerationRequest,
     OpenAIError,
     chat_messages,
     chat_request,
+    chat_template_options,
+    check_fields,
     check_prompt_chars,
     completion_request,
+    detokenize_ids,
+    flag,
 )
 from kiln.llm.params import InvalidField
+from kiln.llm.sequence import SamplingParams
 
 if TYPE_CHECKING:  # importing the backend imports torch
     from kiln.llm.backend import LLMBackend
@@ -100,55 +108,70 @@ async def _received(
 def _precheck_prompt(server: Server, body: dict[str, Any]) -> None:
     """Refuse a completion prompt that cannot fit the model's context from its size alone,
     before the work in proportion to it (checking each token id, tokenizing)."""
-    model, prompt = body.get("model"), body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one, as completion_request reads it
-    if not isinstance(model, str) or not isinstance(prompt, str | list):
+    model, raw = body.get("model"), body.get("prompt")
+    if not isinstance(model, str) or not isinstance(raw, str | list):
         return  # completion_request names the field
     llm = llm_models(server).get(model)
     if llm is None:
         return
     limit = llm.engine.config.max_model_len
-    if isinstance(prompt, str):
-        check_prompt_chars(len(prompt), limit, "prompt")
-    elif len(prompt) >= limit and isinstance(prompt[0], int):
-        raise OpenAIError(
-            f"This model's maximum context length is {limit} tokens. However, the prompt "
-            f"has {len(prompt)} tokens, leaving no room to generate. Please reduce the prompt.",
-            param="prompt",
-            code="context_length_exceeded",
-        )
+    prompts = raw if isinstance(raw, list) and raw and isinstance(raw[0], str | list) else [raw]
+    truncating = body.get("truncate_prompt_tokens") is not None
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            check_prompt_chars(len(prompt), limit, "prompt")
+        elif isinstance(prompt, list) and not truncating and len(prompt) >= limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, the prompt "
+                f"has {len(prompt)} tokens, leaving no room to generate. Please reduce the "
+                "prompt.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
 
 
-def _chat_prompt(llm: LLMBackend, messages: list[dict[str, Any]]) -> str:
+def _chat_prompt(llm: LLMBackend, messages: list[dict[str, Any]], template: dict[str, Any]) -> str:
     check_prompt_chars(
         sum(len(m["content"]) for m in messages), llm.engine.config.max_model_len, "messages"
     )
-    return llm.tokenizer.apply_chat_template(messages)
+    return llm.tokenizer.apply_chat_template(messages, **template)
 
 
-def _prepare(llm: LLMBackend, req: GenerationRequest, default_max: int | None) -> list[int]:
-    """The prompt's token ids, the request's checks done. On a worker thread: tokenizing
-    takes time in proportion to the prompt, which must not stall the event loop."""
+def _prompt_ids(llm: LLMBackend, req: GenerationRequest, prompt: str | list[int]) -> list[int]:
     vocab = llm.engine.args.vocab_size
-    if isinstance(req.prompt, list):
-        ids = req.prompt
+    if isinstance(prompt, list):
+        ids = prompt
         if any(not 0 <= t < vocab for t in ids):
             raise OpenAIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
     else:
-        ids = llm.tokenizer.encode(req.prompt)
-    limit = llm.engine.config.max_model_len
-    room = limit - len(ids)
-    max_tokens = req.max_tokens or (min(default_max, room) if default_max else room)
-    if max_tokens > room and room > 0:
+        ids = llm.tokenizer.encode(prompt)
+    keep = req.truncate_prompt_tokens
+    if keep is not None:
+        limit = llm.engine.config.max_model_len
+        keep = limit if keep == -1 else keep
+        if keep > limit:
+            raise OpenAIError(
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({limit})",
+                param="truncate_prompt_tokens",
+            )
+        ids = ids[-keep:]  # vLLM keeps the prompt's end: the text right before the answer
+    return ids
+
+
+def _prepare(
+    llm: LLMBackend, req: GenerationRequest, default_max: int | None
+) -> list[tuple[list[int], SamplingParams]]:
+    """Each prompt's token ids and sampling parameters, the request's checks done. On a
+    worker thread: tokenizing takes time in proportion to the prompt, which must not stall
+    the event loop."""
+    config = llm.engine.config
+    if len(req.prompts) > config.max_waiting + config.max_num_seqs:
         raise OpenAIError(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
-            "completion). Please reduce the prompt or max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
+            f"'prompt' holds {len(req.prompts)} prompts, more than the model queues at once "
+            f"({config.max_waiting + config.max_num_seqs})",
+            param="prompt",
         )
-    req.params = replace(req.params, max_tokens=max(max_tokens, 1))
+    bad_words = llm.tokenizer.bad_words_ids(req.bad_words) if req.bad_words else ()
     for param, check in (
         ("n", lambda: llm.engine.check_n(req.params.n)),
         ("priority", lambda: llm.engine.check_priority(req.priority)),
@@ -157,13 +180,29 @@ def _prepare(llm: LLMBackend, req: GenerationRequest, default_max: int | None) -
             check()
         except KilnError as exc:
             raise OpenAIError(str(exc), param=param) from None
-    try:
-        llm.engine.check_request(len(ids), req.params, req.priority)
-    except InvalidField as exc:
-        raise OpenAIError(str(exc), param=exc.field) from None
-    except KilnError as exc:
-        raise OpenAIError(str(exc), param="prompt", code="context_length_exceeded") from None
-    return ids
+    prepared = []
+    for prompt in req.prompts:
+        ids = _prompt_ids(llm, req, prompt)
+        limit = config.max_model_len
+        room = limit - len(ids)
+        max_tokens = req.max_tokens or (min(default_max, room) if default_max else room)
+        if max_tokens > room and room > 0:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        params = replace(req.params, max_tokens=max(max_tokens, 1), bad_words_token_ids=bad_words)
+        try:
+            llm.engine.check_request(len(ids), params, req.priority)
+        except InvalidField as exc:
+            raise OpenAIError(str(exc), param=exc.field) from None
+        except KilnError as exc:
+            raise OpenAIError(str(exc), param="prompt", code="context_length_exceeded") from None
+        prepared.append((ids, params))
+    return prepared
 
 
 def _usage(prompt_tokens: int, completion: dict[int, int]) -> dict[str, int]:
@@ -197,11 +236,12 @@ def _logprobs_format(
 
 @dataclass(slots=True)
 class _Echo:
-    """A streamed completion's ``echo``: each choice's first chunk starts with the prompt
+    """A streamed completion's ``echo``: each choice's first chunk starts with its prompt
     (and, with logprobs, the prompt tokens' logprobs from text offset 0), as vLLM streams it."""
 
-    text: str
-    first_token: int
+    texts: list[str]  # per prompt
+    first_tokens: list[int]  # per prompt
+    n: int
     pending: set[int]  # the choices whose prompt has not gone out yet
 
 
@@ -211,6 +251,7 @@ async def _sse(
     chat: bool,
     rid: str,
     formats: list[LogprobsFormat | None],
+    prompt_tokens: int,
     echo: _Echo | None = None,
 ) -> AsyncIterator[bytes]:
     """``formats``: each choice's logprobs formatter (None: no logprobs asked)."""
@@ -218,38 +259,44 @@ async def _sse(
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": kind, "created": created, "model": req.model}
 
+    def event(choice: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
+
     def chunk(index: int, d: Delta | None) -> bytes:
         text = d.text if d else None
         fmt = formats[index]
         lp = None
         if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if d is None else {}
+            delta: dict[str, Any] = {"role": req.role, "content": ""} if d is None else {}
             if text:
                 delta["content"] = text
             choice: dict[str, Any] = {"index": index, "delta": delta}
         elif echo is not None and d is not None and index in echo.pending:
             echo.pending.discard(index)
-            choice = {"index": index, "text": echo.text + (text or "")}
+            choice = {"index": index, "text": echo.texts[index // echo.n] + (text or "")}
             if isinstance(fmt, CompletionLogprobs) and d.prompt_logprobs:
                 # the prompt's tokens first, from offset 0 (the first has no logprob)
                 known = [e for e in d.prompt_logprobs[1:] if e is not None]
-                lp = fmt(known + d.logprobs, echo.first_token)
+                lp = fmt(known + d.logprobs, echo.first_tokens[index // echo.n])
         else:
             choice = {"index": index, "text": text or ""}
         if lp is None and fmt is not None and d is not None:
             lp = fmt(d.logprobs)
         choice.update(logprobs=lp, finish_reason=d.finish_reason if d else None)
-        return b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
+        return event(choice)
 
     if chat:
         for index in range(req.params.n):
             yield chunk(index, None)
+        if req.chat_echo:  # vLLM's chat echo: the last message's text, after the role
+            for index in range(req.params.n):
+                content = {"content": req.chat_echo}
+                yield event({"index": index, "delta": content, "logprobs": None,
+                             "finish_reason": None})  # fmt: skip
     completion: dict[int, int] = {}
-    prompt_tokens = 0
     try:
         async for d in deltas:
             completion[d.index] = d.completion_tokens
-            prompt_tokens = d.prompt_tokens
             if d.text or d.finish_reason or (echo is not None and d.index in echo.pending):
                 yield chunk(d.index, d)
     except KilnError as exc:
@@ -260,26 +307,43 @@ async def _sse(
     yield b"data: [DONE]\n\n"
 
 
-async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat: bool) -> Response:
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    deltas = run(llm, ids, req.params, req.stop, req.priority, rid)
-    n = req.params.n
-    echo = not chat and req.echo
-    # a prompt of token ids is echoed as its text, as vLLM does
-    echoed = (
-        "" if not echo else req.prompt if isinstance(req.prompt, str) else llm.tokenizer.decode(ids)
+async def _respond(
+    llm: LLMBackend,
+    req: GenerationRequest,
+    prepared: list[tuple[list[int], SamplingParams]],
+    chat: bool,
+) -> Response:
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
+    options = OutputOptions(req.include_stop_str_in_output, req.skip_special_tokens)
+    deltas = merged(
+        [run(llm, ids, p, req.stop, req.priority, rid, options) for ids, p in prepared],
+        req.params.n,
     )
+    n = req.params.n
+    total = n * len(prepared)
+    prompt_tokens = sum(len(ids) for ids, _ in prepared)
+    firsts = [ids[0] for ids, _ in prepared]
+    echo = not chat and req.echo
+    # a prompt of token ids (or a truncated one) is echoed as its text, as vLLM does
+    echoed = [
+        ""
+        if not echo
+        else p
+        if isinstance(p, str) and req.truncate_prompt_tokens is None
+        else llm.tokenizer.decode(ids)
+        for p, (ids, _) in zip(req.prompts, prepared, strict=True)
+    ]
     if req.stream:
         # the prompt's logprobs go through the same formatter, so offsets start at 0
-        formats = [_logprobs_format(llm, req, chat, "") for _ in range(n)]
-        streamed = _Echo(echoed, ids[0], set(range(n))) if echo else None
-        events = _sse(deltas, req, chat, rid, formats, streamed)
+        formats = [_logprobs_format(llm, req, chat, "") for _ in range(total)]
+        streamed = _Echo(echoed, firsts, n, set(range(total))) if echo else None
+        events = _sse(deltas, req, chat, rid, formats, prompt_tokens, streamed)
         return StreamingResponse(events, media_type="text/event-stream")
-    formats = [_logprobs_format(llm, req, chat, echoed) for _ in range(n)]
-    texts: list[list[str]] = [[] for _ in range(n)]
-    entries: list[list[TokenLogprobs]] = [[] for _ in range(n)]
-    prompt_entries: list[list[TokenLogprobs | None] | None] = [None] * n
-    reasons: list[str | None] = [None] * n
+    formats = [_logprobs_format(llm, req, chat, echoed[i // n]) for i in range(total)]
+    texts: list[list[str]] = [[] for _ in range(total)]
+    entries: list[list[TokenLogprobs]] = [[] for _ in range(total)]
+    prompt_entries: list[list[TokenLogprobs | None] | None] = [None] * total
+    reasons: list[str | None] = [None] * total
     completion: dict[int, int] = {}
     try:
         async for d in deltas:
@@ -292,22 +356,22 @@ async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat
     except KilnError as exc:
         raise OpenAIError.from_kiln(exc) from None
     choices: list[dict[str, Any]] = []
-    for index in range(n):
+    for index in range(total):
         content = "".join(texts[index])
         if chat:
             choice: dict[str, Any] = {
                 "index": index,
-                "message": {"role": "assistant", "content": content},
+                "message": {"role": req.role, "content": req.chat_echo + content},
             }
         else:
-            choice = {"index": index, "text": echoed + content}
+            choice = {"index": index, "text": echoed[index // n] + content}
         fmt = formats[index]
         prompt = prompt_entries[index]
         lp: dict[str, Any] | None = None
         if fmt is not None and prompt and echo and isinstance(fmt, CompletionLogprobs):
             # echo: the prompt's tokens first, from text offset 0 (the first has no logprob)
             known = [e for e in prompt[1:] if e is not None]
-            lp = CompletionLogprobs(llm.tokenizer, 0)(known + entries[index], ids[0])
+            lp = CompletionLogprobs(llm.tokenizer, 0)(known + entries[index], firsts[index // n])
         elif fmt is not None:
             lp = fmt(entries[index])
         choice.update(logprobs=lp, finish_reason=reasons[index])
@@ -325,39 +389,55 @@ async def _respond(llm: LLMBackend, req: GenerationRequest, ids: list[int], chat
             "model": req.model,
             "choices": choices,
             **body,
-            "usage": _usage(len(ids), completion),
+            "usage": _usage(prompt_tokens, completion),
         }
     )
 
 
-def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[BaseRoute]:
-    """``reader``: the HTTP frontend whose body limits apply (default: the server's size
-    limit, no read timeout)."""
-    reader = reader or HttpFrontend(server)
+def _model_for(server: Server, body: dict[str, Any]) -> LLMBackend:
+    """``/tokenize`` and ``/detokenize``: ``model`` may be left out when one model serves."""
+    model = body.get("model")
+    if model is None:
+        models = llm_models(server)
+        if len(models) == 1:
+            return next(iter(models.values()))
+        raise OpenAIError(f"'model' is required: {len(models)} llm models are ready", param="model")
+    if not isinstance(model, str):
+        raise OpenAIError("'model' must be a string", param="model")
+    return _llm(server, model)
 
-    async def models(request: Request) -> Response:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "kiln",
-                "max_model_len": llm.engine.config.max_model_len,
-            }
-            for name, llm in sorted(llm_models(server).items())
-        ]
-        return _json({"object": "list", "data": data})
 
-    async def completions(request: Request) -> Response:
-        slot = http_slot(server.tracer, request.headers)
+def _tokenize(llm: LLMBackend, body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` rendered as chat renders
+    them. On a worker thread (the template and the tokenizer work in proportion)."""
+    limit = llm.engine.config.max_model_len
+    pieces = flag(body, "return_token_strs", False)
+    if "messages" in body:
+        text = _chat_prompt(llm, chat_messages(body), chat_template_options(body))
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise OpenAIError("'prompt' (a string) or 'messages' is required", param="prompt")
+        check_prompt_chars(len(prompt), limit, "prompt")
+        text = prompt
+    ids = llm.tokenizer.encode(text)
+    return {
+        "count": len(ids),
+        "max_model_len": limit,
+        "tokens": ids,
+        "token_strs": llm.tokenizer.token_pieces(ids) if pieces else None,
+    }
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _answers_errors(handler: Handler) -> Handler:
+    """OpenAI's error shape for what ``handler`` raises."""
+
+    async def guarded(request: Request) -> Response:
         try:
-            body = await _received(request, slot, reader)
-            _precheck_prompt(server, body)
-            req = completion_request(body)
-            llm = _llm(server, req.model)
-            # OpenAI's default max_tokens for completions: 16
-            ids = await asyncio.to_thread(_prepare, llm, req, 16)
-            return await _respond(llm, req, ids, chat=False)
+            return await handler(request)
         except ClientDisconnect:
             return Response(status_code=400)  # nobody reads it
         except OpenAIError as exc:
@@ -366,29 +446,100 @@ def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[Ba
             err = OpenAIError.from_kiln(exc)
             return _json(err.body(), err.status)
 
+    return guarded
+
+
+def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[BaseRoute]:
+    """``reader``: the HTTP frontend whose body limits apply (default: the server's size
+    limit, no read timeout)."""
+    reader = reader or HttpFrontend(server)
+
+    async def models(request: Request) -> Response:
+        created = int(time.time())
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "kiln",
+                "root": name,
+                "parent": None,
+                "max_model_len": llm.engine.config.max_model_len,
+                "permission": [_permission(created)],
+            }
+            for name, llm in sorted(llm_models(server).items())
+        ]
+        return _json({"object": "list", "data": data})
+
+    async def completions(request: Request) -> Response:
+        slot = http_slot(server.tracer, request.headers)
+        body = await _received(request, slot, reader)
+        req = completion_request(body)
+        _precheck_prompt(server, body)
+        llm = _llm(server, req.model)
+        # OpenAI's default max_tokens for completions: 16
+        prepared = await asyncio.to_thread(_prepare, llm, req, 16)
+        return await _respond(llm, req, prepared, chat=False)
+
     async def chat(request: Request) -> Response:
         slot = http_slot(server.tracer, request.headers)
-        try:
-            body = await _received(request, slot, reader)
-            messages = chat_messages(body)
-            model = body.get("model")
-            llm = _llm(server, model) if isinstance(model, str) else None
-            # the template renders in proportion to the messages: off the event loop too
-            prompt = await asyncio.to_thread(_chat_prompt, llm, messages) if llm else ""
-            req = chat_request(body, prompt)
-            llm = _llm(server, req.model)
-            ids = await asyncio.to_thread(_prepare, llm, req, None)
-            return await _respond(llm, req, ids, chat=True)
-        except ClientDisconnect:
-            return Response(status_code=400)
-        except OpenAIError as exc:
-            return _json(exc.body(), exc.status)
-        except KilnError as exc:
-            err = OpenAIError.from_kiln(exc)
-            return _json(err.body(), err.status)
+        body = await _received(request, slot, reader)
+        check_fields(body, CHAT_FIELDS, "chat completions")
+        messages = chat_messages(body)
+        template = chat_template_options(body)
+        model = body.get("model")
+        llm = _llm(server, model) if isinstance(model, str) else None
+        # the template renders in proportion to the messages: off the event loop too
+        prompt = await asyncio.to_thread(_chat_prompt, llm, messages, template) if llm else ""
+        req = chat_request(body, messages, prompt, template)
+        llm = _llm(server, req.model)
+        prepared = await asyncio.to_thread(_prepare, llm, req, None)
+        return await _respond(llm, req, prepared, chat=True)
+
+    async def tokenize(request: Request) -> Response:
+        body = await _body(request, reader)
+        check_fields(body, TOKENIZE_FIELDS, "tokenize")
+        llm = _model_for(server, body)
+        return _json(await asyncio.to_thread(_tokenize, llm, body))
+
+    async def detokenize(request: Request) -> Response:
+        body = await _body(request, reader)
+        llm = _model_for(server, body)
+        ids = detokenize_ids(body, llm.engine.args.vocab_size)
+        # as vLLM's: the text of every token, special ones included
+        text = await asyncio.to_thread(llm.tokenizer.decode, ids, False)
+        return _json({"prompt": text})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def version(request: Request) -> Response:
+        return _json({"version": __version__})
 
     return [
         Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", _answers_errors(completions), methods=["POST"]),
+        Route("/v1/chat/completions", _answers_errors(chat), methods=["POST"]),
+        Route("/tokenize", _answers_errors(tokenize), methods=["POST"]),
+        Route("/detokenize", _answers_errors(detokenize), methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
     ]
+
+
+def _permission(created: int) -> dict[str, Any]:
+    """vLLM's ``ModelPermission`` entry (OpenAI's legacy field; nothing is restricted)."""
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }

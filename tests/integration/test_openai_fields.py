@@ -1,0 +1,440 @@
+"""vLLM's other endpoints (``/tokenize``, ``/detokenize``, ``/health``, ``/version``) and
+request fields on a ``kiln serve`` process, driven by the real ``openai`` client (raw
+``httpx`` where the SDK has no method): lists of prompts, ``min_tokens``, ``bad_words``,
+``include_stop_str_in_output``, ``skip_special_tokens``, ``truncate_prompt_tokens``, the chat
+template's options and chat ``echo``; fields kiln does not implement answer 400, unknown
+ones are logged once."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("transformers")
+
+import kiln  # noqa: E402
+from tests.conftest import KilnProcess  # noqa: E402
+from tests.llm_models import CHAT_TEMPLATE, tiny_llm_repository  # noqa: E402
+
+CONFIG = """
+name: "tiny"
+backend: "llm"
+parameters { key: "block_size" value { string_value: "4" } }
+parameters { key: "max_num_seqs" value { string_value: "8" } }
+parameters { key: "num_gpu_blocks" value { string_value: "128" } }
+parameters { key: "dtype" value { string_value: "float32" } }
+"""
+#: the test model's template, plus a variable that only chat_template_kwargs can set
+TEMPLATE = CHAT_TEMPLATE + "{% if enable_thinking %}<think>{% endif %}"
+GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
+    repo = tiny_llm_repository(tmp_path_factory.mktemp("llm"), CONFIG)
+    config_path = repo / "tiny" / "1" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    proc = KilnProcess(repo).start(timeout=120)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(server: KilnProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def http(server: KilnProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=f"http://{server.http_url}", timeout=60) as c:
+        yield c
+
+
+def _tokens(http: httpx.Client, **body: Any) -> list[int]:
+    reply = http.post("/tokenize", json={"model": "tiny", **body})
+    assert reply.status_code == 200, reply.text
+    tokens: list[int] = reply.json()["tokens"]
+    return tokens
+
+
+def _metric(server: KilnProcess, name: str) -> float:
+    text = urllib.request.urlopen(server.metrics_url).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{") and 'model_name="tiny"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exposed")
+
+
+def _error(reply: httpx.Response) -> dict[str, Any]:
+    assert reply.status_code == 400, reply.text
+    error: dict[str, Any] = reply.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    return error
+
+
+# --- endpoints -------------------------------------------------------------------------
+
+
+def test_tokenize_and_detokenize(http: httpx.Client) -> None:
+    reply = http.post("/tokenize", json={"model": "tiny", "prompt": "hello world"}).json()
+    assert reply["count"] == len(reply["tokens"]) > 0
+    assert reply["max_model_len"] == 256 and reply["token_strs"] is None
+    # model may be left out while one model serves; token_strs are the vocabulary's pieces
+    alone = http.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True})
+    assert alone.json()["tokens"] == reply["tokens"]
+    assert "".join(alone.json()["token_strs"]).replace("\u0120", " ") == "hello world"
+    back = http.post("/detokenize", json={"model": "tiny", "tokens": reply["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": "hello world"}
+    # chat messages are rendered as the chat endpoint renders them; special tokens decode
+    chat = _tokens(http, messages=[{"role": "user", "content": "hi"}])
+    assert chat == _tokens(http, prompt="<|user|>hi</s><|assistant|>")
+    text = http.post("/detokenize", json={"tokens": chat}).json()["prompt"]
+    assert text == "<|user|>hi</s><|assistant|>"
+
+
+def test_tokenize_and_detokenize_bad_input(http: httpx.Client) -> None:
+    assert _error(http.post("/tokenize", json={"model": "tiny"}))["param"] == "prompt"
+    assert _error(http.post("/tokenize", json={"prompt": 3}))["param"] == "prompt"
+    bad = http.post("/detokenize", json={"tokens": [1, 300]})
+    assert _error(bad)["param"] == "tokens"
+    assert _error(http.post("/detokenize", json={"tokens": "1 2"}))["param"] == "tokens"
+    missing = http.post("/tokenize", json={"model": "nope", "prompt": "x"})
+    assert missing.status_code == 404
+
+
+def test_health_version_and_models(http: httpx.Client, client: openai.OpenAI) -> None:
+    health = http.get("/health")
+    assert health.status_code == 200 and health.content == b""
+    assert http.get("/version").json() == {"version": kiln.__version__}
+    (model,) = client.models.list().data
+    assert model.id == "tiny" and model.object == "model" and model.owned_by == "kiln"
+    extra = model.model_extra or {}
+    assert extra["max_model_len"] == 256
+    assert extra["root"] == "tiny" and extra["parent"] is None
+    assert extra["permission"][0]["object"] == "model_permission"
+
+
+# --- a list of prompts -------------------------------------------------------------------
+
+
+def test_a_list_of_prompts_equals_separate_requests(client: openai.OpenAI) -> None:
+    prompts: list[Any] = ["the quick brown fox", [5, 6, 7, 8, 9], "hello"]
+    kw: dict[str, Any] = dict(
+        model="tiny", max_tokens=6, temperature=0.9, seed=5, n=2, logprobs=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    batch = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in batch.choices] == list(range(6))
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    for i, reply in enumerate(alone):
+        for j in range(2):
+            mine, theirs = batch.choices[i * 2 + j], reply.choices[j]
+            assert mine.text == theirs.text
+            assert mine.logprobs and theirs.logprobs
+            assert mine.logprobs.tokens == theirs.logprobs.tokens  # token for token
+    assert batch.usage and batch.usage.prompt_tokens == sum(
+        r.usage.prompt_tokens for r in alone if r.usage
+    )
+    assert batch.usage.completion_tokens == 6 * 6
+    # streamed, the chunks carry the same indices and add up to the same texts
+    texts = [""] * 6
+    reasons: list[str | None] = [None] * 6
+    stream = client.completions.create(
+        prompt=prompts, stream=True, stream_options={"include_usage": True}, **kw
+    )
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert texts == [c.text for c in batch.choices]
+    assert reasons == ["length"] * 6
+    assert usage and usage.completion_tokens == 36
+
+
+def test_leaving_a_streamed_list_early_frees_every_prompt(
+    client: openai.OpenAI, server: KilnProcess
+) -> None:
+    stream = client.completions.create(
+        model="tiny", prompt=["a long story", "another one", [5, 6, 7]], max_tokens=200,
+        temperature=0, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for i, _ in enumerate(stream):
+        if i == 4:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _metric(server, "kiln_llm_num_requests_running"):
+        time.sleep(0.1)
+    assert _metric(server, "kiln_llm_num_requests_running") == 0
+    assert _metric(server, "kiln_llm_kv_cache_usage_perc") == 0.0
+
+
+def test_a_bad_prompt_in_a_list_is_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=["ok", ""], max_tokens=2)
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == "prompt" and "prompt[1]" in body["message"]
+
+
+# --- sampling and output fields ----------------------------------------------------------
+
+
+def test_min_tokens_holds_off_eos(client: openai.OpenAI, http: httpx.Client) -> None:
+    (eos,) = _tokens(http, prompt="</s>")
+    kw: dict[str, Any] = dict(
+        model="tiny", prompt="hello", max_tokens=10, temperature=0, logit_bias={str(eos): 100}
+    )
+    eager = client.completions.create(**kw)
+    assert eager.usage and eager.usage.completion_tokens == 1
+    assert eager.choices[0].finish_reason == "stop"
+    held = client.completions.create(extra_body={"min_tokens": 4}, **kw)
+    # four tokens that are not EOS, then the EOS the bias forces
+    assert held.usage and held.usage.completion_tokens == 5
+    assert held.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(extra_body={"min_tokens": 11}, **kw)
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "min_tokens"
+
+
+def test_bad_words_never_appear(client: openai.OpenAI, http: httpx.Client) -> None:
+    kw: dict[str, Any] = dict(model="tiny", prompt="hello", max_tokens=16, logprobs=0)
+    free = client.completions.create(**kw, **GREEDY).choices[0]
+    assert free.logprobs and free.logprobs.tokens
+
+    def one_token(t: str) -> bool:  # banned wherever it is written, with a space or not
+        word = t.strip()
+        return (
+            word.isprintable()
+            and "\ufffd" not in word
+            and len(_tokens(http, prompt=word)) == 1
+            and len(_tokens(http, prompt=t)) == 1
+        )
+
+    word = next(t.strip() for t in free.logprobs.tokens if t.strip() and one_token(t))
+    extra = {"ignore_eos": True, "bad_words": [word]}
+    banned = client.completions.create(**kw, temperature=0, extra_body=extra).choices[0]
+    assert banned.logprobs and banned.logprobs.tokens
+    assert all(t.strip() != word for t in banned.logprobs.tokens)
+    assert banned.text != free.text
+
+
+def test_include_stop_str_in_output(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="tiny", prompt="the quick brown fox", max_tokens=16)
+    text = client.completions.create(**kw, **GREEDY).choices[0].text
+    stop = text[4:7]
+    at = text.find(stop)
+    cut = client.completions.create(stop=stop, **kw, **GREEDY).choices[0]
+    assert cut.text == text[:at] and cut.finish_reason == "stop"
+    extra = {"ignore_eos": True, "include_stop_str_in_output": True}
+    kept = client.completions.create(stop=stop, **kw, temperature=0, extra_body=extra)
+    assert kept.choices[0].text == text[: at + len(stop)]
+    streamed = client.completions.create(stop=stop, stream=True, **kw, temperature=0,
+                                         extra_body=extra)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text[: at + len(stop)]
+
+
+def test_a_stop_tokens_text_is_kept_only_when_asked(
+    client: openai.OpenAI, http: httpx.Client
+) -> None:
+    kw: dict[str, Any] = dict(model="tiny", prompt="hello", max_tokens=16, logprobs=0)
+    free = client.completions.create(**kw, **GREEDY).choices[0]
+    assert free.logprobs and free.logprobs.tokens
+    tokens = free.logprobs.tokens
+    token = next(
+        t
+        for t in tokens[1:]
+        if t.isprintable() and "\ufffd" not in t and len(_tokens(http, prompt=t)) == 1
+    )
+    (stop_id,) = _tokens(http, prompt=token)
+    extra: dict[str, Any] = {"ignore_eos": True, "stop_token_ids": [stop_id]}
+    cut = client.completions.create(**kw, temperature=0, extra_body=extra).choices[0]
+    assert cut.finish_reason == "stop" and cut.logprobs
+    assert cut.logprobs.tokens == tokens[: tokens.index(token) + 1]  # it did stop there
+    assert free.text.startswith(cut.text) and not cut.text.endswith(token)
+    extra["include_stop_str_in_output"] = True
+    kept = client.completions.create(**kw, temperature=0, extra_body=extra).choices[0]
+    assert kept.text == cut.text + token
+
+
+def test_skip_special_tokens(client: openai.OpenAI, http: httpx.Client) -> None:
+    (user,) = _tokens(http, prompt="<|user|>")
+    kw: dict[str, Any] = dict(
+        model="tiny", prompt="hi", max_tokens=3, temperature=0, logit_bias={str(user): 100}
+    )
+    assert client.completions.create(**kw).choices[0].text == ""
+    shown = client.completions.create(extra_body={"skip_special_tokens": False}, **kw)
+    assert shown.choices[0].text == "<|user|>" * 3
+    # accepted as vLLM accepts it (no effect with a tokenizer.json tokenizer), checked
+    same = client.completions.create(extra_body={"spaces_between_special_tokens": False}, **kw)
+    assert same.choices[0].text == ""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(extra_body={"spaces_between_special_tokens": "no"}, **kw)
+    assert isinstance(info.value.body, dict)
+    assert info.value.body["param"] == "spaces_between_special_tokens"
+
+
+def test_truncate_prompt_tokens_keeps_the_end(client: openai.OpenAI, http: httpx.Client) -> None:
+    prompt = "the quick brown fox jumps over the lazy dog"
+    ids = _tokens(http, prompt=prompt)
+    kw: dict[str, Any] = dict(model="tiny", max_tokens=6, **GREEDY)
+    kw["extra_body"] = {**kw["extra_body"], "truncate_prompt_tokens": 3}
+    cut = client.completions.create(prompt=prompt, **kw)
+    assert cut.usage and cut.usage.prompt_tokens == 3
+    tail = client.completions.create(prompt=ids[-3:], max_tokens=6, model="tiny", **GREEDY)
+    assert cut.choices[0].text == tail.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            prompt=prompt, model="tiny", extra_body={"truncate_prompt_tokens": 0}
+        )
+    assert isinstance(info.value.body, dict)
+    assert info.value.body["param"] == "truncate_prompt_tokens"
+
+
+# --- the chat template's options and chat echo -------------------------------------------
+
+CONVERSATION = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "the quick"},
+]
+OPEN = "<|user|>hi</s><|assistant|>the quick"
+
+
+def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    plain = _tokens(http, messages=messages)
+    thinking = _tokens(http, messages=messages, chat_template_kwargs={"enable_thinking": True})
+    assert thinking == _tokens(http, prompt="<|user|>hi</s><|assistant|><think>") != plain
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=2,  # type: ignore[arg-type]
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )  # fmt: skip
+    assert reply.usage and reply.usage.prompt_tokens == len(thinking)
+    bad = {"model": "tiny", "messages": messages, "chat_template_kwargs": ["x"]}
+    assert _error(http.post("/v1/chat/completions", json=bad))["param"] == "chat_template_kwargs"
+
+
+def test_add_generation_prompt_and_continue_final_message(http: httpx.Client) -> None:
+    no_prompt = _tokens(http, messages=CONVERSATION[:1], add_generation_prompt=False)
+    assert no_prompt == _tokens(http, prompt="<|user|>hi</s>")
+    both = dict(add_generation_prompt=False, continue_final_message=True)
+    assert _tokens(http, messages=CONVERSATION, **both) == _tokens(http, prompt=OPEN)
+    # asking to continue alone turns the generation prompt off; both true is refused
+    assert _tokens(http, messages=CONVERSATION, continue_final_message=True) == _tokens(
+        http, prompt=OPEN
+    )
+    body = {"model": "tiny", "messages": CONVERSATION, "continue_final_message": True,
+            "add_generation_prompt": True}  # fmt: skip
+    assert _error(http.post("/v1/chat/completions", json=body))["param"] == (
+        "continue_final_message"
+    )
+
+
+def test_chat_echo_continues_the_final_message(client: openai.OpenAI) -> None:
+    reference = client.completions.create(model="tiny", prompt=OPEN, max_tokens=6, **GREEDY)
+    extra = {"ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False}
+    kw: dict[str, Any] = dict(model="tiny", messages=CONVERSATION, max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(extra_body=extra, **kw)
+    assert plain.choices[0].message.content == reference.choices[0].text
+    assert plain.choices[0].message.role == "assistant"
+    echoed = client.chat.completions.create(extra_body={**extra, "echo": True}, **kw)
+    assert echoed.choices[0].message.content == "the quick" + reference.choices[0].text
+    chunks = list(client.chat.completions.create(stream=True, extra_body={**extra, "echo": True},
+                                                 **kw))  # fmt: skip
+    contents = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert contents[1] == "the quick"
+    assert "".join(contents) == echoed.choices[0].message.content
+    # echo with a generation prompt: the answer is a new assistant turn, after a user's
+    fresh = client.chat.completions.create(
+        model="tiny", messages=CONVERSATION[:1], max_tokens=3, temperature=0,
+        extra_body={"echo": True},
+    )  # fmt: skip
+    alone = client.chat.completions.create(
+        model="tiny", messages=CONVERSATION[:1], max_tokens=3, temperature=0
+    )
+    assert fresh.choices[0].message.content == alone.choices[0].message.content
+
+
+# --- fields kiln does not implement, and unknown ones --------------------------------------
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "param"),
+    [
+        ("chat", {"tools": [TOOL]}, "tools"),
+        ("chat", {"tools": [TOOL], "tool_choice": "required"}, "tools"),
+        ("chat", {"tool_choice": "auto"}, "tool_choice"),
+        ("chat", {"parallel_tool_calls": True}, "parallel_tool_calls"),
+        ("chat", {"functions": [TOOL["function"]]}, "functions"),
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"guided_choice": ["a", "b"]}, "guided_choice"),
+        ("completions", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("completions", {"guided_regex": "[a-z]+"}, "guided_regex"),
+        ("completions", {"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+        ("completions", {"best_of": 3}, "best_of"),
+        ("completions", {"best_of": 1, "n": 2}, "best_of"),
+        ("completions", {"suffix": "the end"}, "suffix"),
+        ("completions", {"use_beam_search": True}, "use_beam_search"),
+        ("completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ("completions", {"echo": "yes"}, "echo"),
+    ],
+)
+def test_unsupported_fields_are_400_naming_them(
+    http: httpx.Client, endpoint: str, fields: dict[str, Any], param: str
+) -> None:
+    if endpoint == "chat":
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}
+        reply = http.post("/v1/chat/completions", json={"max_tokens": 2, **body})
+    else:
+        reply = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
+                                                   "max_tokens": 2, **fields})  # fmt: skip
+    assert _error(reply)["param"] == param
+
+
+def test_unsupported_fields_through_the_sdk(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}],
+            tools=[TOOL], max_tokens=2,  # type: ignore[list-item]
+        )  # fmt: skip
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="hi", best_of=2, max_tokens=2)
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "best_of"
+
+
+def test_values_that_ask_for_nothing_are_accepted(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        tools=[], tool_choice="none", response_format={"type": "text"}, user="someone",
+    )  # fmt: skip
+    assert reply.choices
+    done = client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=2, best_of=2)
+    assert len(done.choices) == 2
+
+
+def test_unknown_fields_are_ignored_with_one_warning(
+    client: openai.OpenAI, server: KilnProcess
+) -> None:
+    for _ in range(3):
+        reply = client.completions.create(
+            model="tiny", prompt="hi", max_tokens=2, extra_body={"frobnicate_level": 3}
+        )
+        assert reply.choices
+    client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_body={"frobnicate_level": 3},
+    )  # fmt: skip
+    lines = [line for line in server.log().splitlines() if "frobnicate_level" in line]
+    assert len(lines) == 1 and "ignored" in lines[0]

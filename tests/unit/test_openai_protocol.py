@@ -1,0 +1,110 @@
+"""The OpenAI frontend's field rules: unsupported fields and the values that ask for
+nothing, unknown fields warned once, the chat template's options, and the last message
+left open for ``continue_final_message``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kiln.core.errors import KilnError
+from kiln.frontends.openai import protocol
+from kiln.frontends.openai.protocol import (
+    COMPLETION_FIELDS,
+    OpenAIError,
+    chat_template_options,
+    check_fields,
+    completion_prompts,
+)
+from kiln.llm.tokenizer import _open_final_message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tools", [{"type": "function"}]),
+        ("use_beam_search", True),
+        ("use_beam_search", 0),  # 0 is not False: a bool is asked for
+        ("length_penalty", 0.5),
+        ("length_penalty", True),
+        ("response_format", {"type": "json_object"}),
+        ("suffix", "x"),
+    ],
+)
+def test_unsupported_values_are_refused_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(OpenAIError) as info:
+        check_fields({"model": "m", field: value}, COMPLETION_FIELDS, "completions")
+    assert info.value.status == 400 and info.value.param == field
+    assert "not supported" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tools", []),
+        ("tools", None),
+        ("tool_choice", "none"),
+        ("use_beam_search", False),
+        ("length_penalty", 1),
+        ("length_penalty", 1.0),
+        ("response_format", {"type": "text"}),
+        ("suffix", ""),
+    ],
+)
+def test_values_that_ask_for_nothing_pass(field: str, value: object) -> None:
+    check_fields({"model": "m", field: value}, COMPLETION_FIELDS, "completions")
+
+
+def test_unknown_fields_warn_once_per_name(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(protocol, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger=protocol.log.name):
+        for _ in range(3):
+            check_fields({"model": "m", "zzz": 1, "yyy": 2}, COMPLETION_FIELDS, "completions")
+    assert sorted(r.args[1] for r in caplog.records) == ["yyy", "zzz"]  # type: ignore[index]
+
+
+def test_the_warned_names_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "_WARNED", set())
+    for i in range(protocol._MAX_WARNED + 50):
+        check_fields({f"field{i}": 1}, COMPLETION_FIELDS, "completions")
+    assert len(protocol._WARNED) == protocol._MAX_WARNED
+
+
+def test_prompt_lists() -> None:
+    assert completion_prompts({"prompt": "a"}) == ["a"]
+    assert completion_prompts({"prompt": [1, 2]}) == [[1, 2]]
+    assert completion_prompts({"prompt": ["a", [1, 2]]}) == ["a", [1, 2]]
+    for bad in (None, [], [[]], ["a", 3], [True], "", [["a"]]):
+        with pytest.raises(OpenAIError):
+            completion_prompts({"prompt": bad})
+
+
+def test_template_options() -> None:
+    assert chat_template_options({}) == {
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "template_kwargs": {},
+    }
+    opened = chat_template_options({"continue_final_message": True, "documents": [{"a": "b"}]})
+    assert opened["add_generation_prompt"] is False
+    assert opened["template_kwargs"] == {"documents": [{"a": "b"}]}
+    for bad in (
+        {"continue_final_message": True, "add_generation_prompt": True},
+        {"chat_template_kwargs": {"messages": []}},
+        {"chat_template_kwargs": "x"},
+        {"add_generation_prompt": "no"},
+        {"documents": "x"},
+    ):
+        with pytest.raises(OpenAIError):
+            chat_template_options(bad)
+
+
+def test_the_final_message_is_left_open() -> None:
+    assert _open_final_message("<u>hi</s><a>the quick</s>", "the quick") == "<u>hi</s><a>the quick"
+    # a template that trims the message: the trimmed text ends it
+    assert _open_final_message("<a>the quick</s>", "the quick  ") == "<a>the quick"
+    with pytest.raises(KilnError):
+        _open_final_message("<a>something else</s>", "the quick")
