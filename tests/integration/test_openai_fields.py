@@ -173,10 +173,10 @@ def test_leaving_a_streamed_list_early_frees_every_prompt(
             break
     stream.close()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _metric(server, "kiln_llm_num_requests_running"):
+    while time.monotonic() < deadline and _metric(server, "vllm:num_requests_running"):
         time.sleep(0.1)
-    assert _metric(server, "kiln_llm_num_requests_running") == 0
-    assert _metric(server, "kiln_llm_kv_cache_usage_perc") == 0.0
+    assert _metric(server, "vllm:num_requests_running") == 0
+    assert _metric(server, "vllm:kv_cache_usage_perc") == 0.0
 
 
 def test_a_bad_prompt_in_a_list_is_400(client: openai.OpenAI) -> None:
