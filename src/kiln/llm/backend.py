@@ -20,6 +20,7 @@ from kiln.core.errors import KilnError, Status
 from kiln.llm.async_engine import AsyncEngine
 from kiln.llm.config import EngineConfig
 from kiln.llm.engine import LLMEngine
+from kiln.llm.structured import GrammarCompiler
 from kiln.llm.tokenizer import Tokenizer
 
 _INT_PARAMETERS = (
@@ -107,6 +108,8 @@ class LLMBackend(Backend):
             self.engine.args = replace(
                 self.engine.args, eos_token_ids=(*self.engine.args.eos_token_ids, eos)
             )
+        args = self.engine.args
+        self.engine.grammars = GrammarCompiler(self.tokenizer, args.vocab_size, args.eos_token_ids)
         self.async_engine = AsyncEngine(self.engine, config.name)
 
     @classmethod

@@ -1,21 +1,24 @@
 """Pick the next token for every sequence of a step, in one batch of tensor operations.
 
-The order is vLLM's: ``logit_bias`` added to the raw logits (OpenAI's: before any
-sampling), penalties (repetition, frequency, presence), then greedy rows take the argmax;
-the others are divided by their temperature, filtered by min-p, then top-k and top-p, and
-drawn. Every parameter is per row. A draw is an
+The order is vLLM's: a structured-output request's grammar bitmask first (the tokens its
+grammar does not allow next get ``-inf``, so nothing after can pick them), ``logit_bias``
+added to the raw logits (OpenAI's: before any sampling), penalties (repetition, frequency,
+presence), then greedy rows take the argmax; the others are divided by their temperature,
+filtered by min-p, then top-k and top-p, and drawn. Every parameter is per row. A draw is an
 exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which picks token ``i`` with
 probability ``p_i``; a request with a ``seed`` draws its ``q`` from its own generator, so it
 gets the same tokens whatever else shares its batch.
 
 Logprobs are those of the model's raw distribution (``log_softmax`` of the logits before
-bias, penalties, temperature and filtering), as vLLM returns by default.
+bias, penalties, temperature and filtering; after the grammar's mask, as in vLLM, where
+the mask is applied to the model's logits), as vLLM returns by default.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kiln.llm.sequence import Sequence
@@ -61,6 +64,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
     if not seqs:
         return []
     logits = logits.float()
+    if any(s.grammar is not None for s in seqs):
+        logits = apply_grammar_bitmask(logits, seqs)
     params = [s.params for s in seqs]
     wants_logprobs = any(p.logprobs is not None for p in params)
     raw = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
@@ -94,6 +99,29 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 
 def _greedy_mask(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
     return torch.tensor([s.params.temperature == 0 for s in seqs], device=device)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Each constrained row's disallowed tokens set to ``-inf``; the other rows are left as
+    they are, so constrained and free requests share the step."""
+    from kiln.llm.structured import fill_bitmask
+
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    matchers = [seqs[i].grammar for i in rows]
+    vocab = logits.shape[1]
+    words = fill_bitmask([m for m in matchers if m is not None], vocab)
+    dev = logits.device
+    if dev.type == "cpu":
+        allowed = torch.from_numpy(
+            np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
+        ).bool()
+    else:  # unpacked on the device: the packed mask is 32x smaller to copy
+        packed = torch.from_numpy(words).to(dev).unsqueeze(-1)
+        bits = (packed >> torch.arange(32, dtype=torch.int32, device=dev)) & 1
+        allowed = bits.reshape(len(rows), -1)[:, :vocab].bool()
+    banned = torch.zeros(logits.shape, dtype=torch.bool, device=dev)
+    banned[torch.tensor(rows, device=dev)] = ~allowed
+    return logits.masked_fill(banned, float("-inf"))
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import Any
 from kiln.core.errors import KilnError, Status
 from kiln.llm.params import InvalidField, integer, sampling_fields
 from kiln.llm.sequence import SamplingParams
+from kiln.llm.structured import from_request as structured_outputs
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 #: the most messages one chat request may hold: far past any real conversation, and the
@@ -110,6 +111,7 @@ def _common(
             max_tokens = integer(body, "max_tokens")
         n = integer(body, "n")
         priority = integer(body, "priority") or 0
+        structured = structured_outputs(body)
     except InvalidField as exc:
         raise OpenAIError(exc.message, param=exc.field) from None
     if max_tokens is not None and max_tokens <= 0:
@@ -148,6 +150,7 @@ def _common(
         n=n or 1,
         # an echoed prompt gets its logprobs too (completions, whole or streamed)
         prompt_logprobs=max((v for v in (echoed, prompt_logprobs) if v is not None), default=None),
+        structured_outputs=structured,
         **fields,
     )
     return GenerationRequest(

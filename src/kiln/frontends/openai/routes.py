@@ -158,6 +158,9 @@ def _prepare(llm: LLMBackend, req: GenerationRequest, default_max: int | None) -
             raise OpenAIError(str(exc), param=param) from None
     try:
         llm.engine.check_request(len(ids), req.params, req.priority)
+        spec, grammars = req.params.structured_outputs, llm.engine.grammars
+        if spec is not None and grammars is not None:
+            grammars.compile(spec)  # here, off the event loop; the engine finds it cached
     except InvalidField as exc:
         raise OpenAIError(str(exc), param=exc.field) from None
     except KilnError as exc:
