@@ -18,7 +18,7 @@ jsonschema = pytest.importorskip("jsonschema")
 import torch  # noqa: E402
 
 from kiln.llm.config import EngineConfig  # noqa: E402
-from kiln.llm.engine import LLMEngine  # noqa: E402
+from kiln.llm.engine import LLMEngine, RequestOutput  # noqa: E402
 from kiln.llm.params import InvalidField  # noqa: E402
 from kiln.llm.sampler import apply_grammar_bitmask  # noqa: E402
 from kiln.llm.sequence import SamplingParams, Sequence  # noqa: E402
@@ -283,6 +283,24 @@ def test_finished_grammar_ends_even_with_ignore_eos(
     drain(engine)
     assert seq.finish_reason == "stop"
     assert _text(seq) in ("yes", "no")
+
+
+def test_logprobs_of_banned_tokens_are_finite(engine: LLMEngine, tokenizer: Tokenizer) -> None:
+    spec = StructuredOutputsParams("choice", json.dumps(["yes", "no"]))
+    engine.add_request("lp", tokenizer.encode("hi"), _params(spec, logprobs=5))
+    entries = [e for r in drain_results(engine) for e in r.logprobs or ()]
+    assert entries
+    for e in entries:
+        values = [e.logprob, *(lp for _, lp in e.top)]
+        assert all(v >= -9999.0 for v in values), values
+        assert e.top[-1][1] == -9999.0  # fewer than 5 tokens are allowed: the rest floor
+
+
+def drain_results(engine: LLMEngine) -> list[RequestOutput]:
+    out: list[RequestOutput] = []
+    while engine.has_work():
+        out.extend(engine.step())
+    return out
 
 
 def test_bitmask_rows(engine: LLMEngine, tokenizer: Tokenizer) -> None:

