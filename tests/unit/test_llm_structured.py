@@ -15,12 +15,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kiln.llm.config import EngineConfig  # noqa: E402
 from kiln.llm.engine import LLMEngine, RequestOutput  # noqa: E402
 from kiln.llm.params import InvalidField  # noqa: E402
-from kiln.llm.sampler import apply_grammar_bitmask  # noqa: E402
+from kiln.llm.sampler import apply_grammar_bitmask, unpack_bitmask  # noqa: E402
 from kiln.llm.sequence import SamplingParams, Sequence  # noqa: E402
 from kiln.llm.structured import (  # noqa: E402
     GrammarCompiler,
@@ -318,6 +319,17 @@ def test_bitmask_rows(engine: LLMEngine, tokenizer: Tokenizer) -> None:
     starts = {tokenizer.token_text(t) for t in allowed}
     assert allowed and all("yes".startswith(s) or "no".startswith(s) for s in starts), starts
     assert torch.equal(masked[1][allowed], logits[1][allowed])
+
+
+def test_device_unpacking_matches_numpy() -> None:
+    """The GPU's unpacking (torch bit shifts), run on the CPU, against numpy's."""
+    rng = np.random.default_rng(0)
+    words = rng.integers(-(2**31), 2**31, size=(2, 10), dtype=np.int64).astype(np.int32)
+    vocab, rows = 300, [0, 2]
+    got = unpack_bitmask(words, rows, 3, vocab, torch.device("cpu"))
+    bits = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    assert torch.equal(got[rows], torch.from_numpy(bits).bool())
+    assert bool(got[1].all())
 
 
 def test_compiled_grammars_are_cached(folder: Path, tokenizer: Tokenizer) -> None:

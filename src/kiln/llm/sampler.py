@@ -122,13 +122,22 @@ def apply_grammar_bitmask(logits: torch.Tensor, seqs: list[Sequence]) -> torch.T
             every[rows] = bits
             bits = every
         allowed = torch.from_numpy(bits).view(torch.bool)
-    else:  # unpacked on the device: the packed mask is 32x smaller to copy
-        packed = torch.from_numpy(words).to(dev).unsqueeze(-1)
-        shifts = torch.arange(32, dtype=torch.int32, device=dev)
-        unpacked = ((packed >> shifts) & 1).reshape(len(rows), -1)[:, :vocab].bool()
-        allowed = torch.ones((batch, vocab), dtype=torch.bool, device=dev)
-        allowed[torch.tensor(rows, device=dev)] = unpacked
+    else:
+        allowed = unpack_bitmask(words, rows, batch, vocab, dev)
     return torch.where(allowed, logits, float("-inf"))
+
+
+def unpack_bitmask(
+    words: np.ndarray, rows: list[int], batch: int, vocab: int, device: torch.device
+) -> torch.Tensor:
+    """[batch, vocab] bools: ``words``' bits in ``rows``, True elsewhere. Unpacked on the
+    device (a GPU's path): the packed mask is 32x smaller to copy there."""
+    packed = torch.from_numpy(words).to(device).unsqueeze(-1)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    unpacked = ((packed >> shifts) & 1).reshape(len(rows), -1)[:, :vocab].bool()
+    allowed = torch.ones((batch, vocab), dtype=torch.bool, device=device)
+    allowed[torch.tensor(rows, device=device)] = unpacked
+    return allowed
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
