@@ -27,6 +27,7 @@ from kiln.llm import model_json, triton_tensors
 from kiln.llm.async_engine import AsyncEngine
 from kiln.llm.config import EngineConfig
 from kiln.llm.engine import LLMEngine
+from kiln.llm.structured import GrammarCompiler
 from kiln.llm.tokenizer import Tokenizer
 
 _INT_PARAMETERS = (
@@ -132,6 +133,8 @@ class LLMBackend(Backend):
             self.engine.args = replace(
                 self.engine.args, eos_token_ids=(*self.engine.args.eos_token_ids, eos)
             )
+        args = self.engine.args
+        self.engine.grammars = GrammarCompiler(self.tokenizer, args.vocab_size, args.eos_token_ids)
         self.async_engine = AsyncEngine(self.engine, config.name)
         # as many requests started at once as the engine holds (running and waiting)
         self.pipeline_depth = self.engine.config.max_num_seqs + self.engine.config.max_waiting

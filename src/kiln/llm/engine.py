@@ -16,6 +16,7 @@ from kiln.llm.sampler import SampledToken, TokenLogprobs
 from kiln.llm.scheduler import Scheduler, SchedulerOutput
 from kiln.llm.sequence import RequestState, SamplingParams, Sequence
 from kiln.llm.stats import EngineStats, RequestHistograms
+from kiln.llm.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ class LLMEngine:
         self.stats = EngineStats(RequestHistograms.for_model(config.max_model_len))
         #: the requests the last step failed, with the error (they left the engine)
         self.failed: list[tuple[str, Exception]] = []
+        #: compiles ``structured_outputs`` for this model's tokenizer; set by whoever owns
+        #: the tokenizer (the backend): without it, constrained requests are refused
+        self.grammars: GrammarCompiler | None = None
 
     def check_request(self, prompt_len: int, params: SamplingParams, priority: int = 0) -> None:
         """Refuse what can never be served, before it takes a place in the queue."""
@@ -124,6 +128,9 @@ class LLMEngine:
         seed = params.seed
         if seed is not None and not INT64_MIN <= seed <= INT64_MAX:
             raise InvalidField("seed", f"seed must be in [{INT64_MIN}, {INT64_MAX}], got {seed}")
+        spec = params.structured_outputs
+        if spec is not None and self.grammars is None:
+            raise InvalidField(spec.param, "this model has no tokenizer for structured outputs")
 
     def check_n(self, n: int) -> None:
         # the n samples of a request run together: they must fit in one running batch
@@ -164,6 +171,11 @@ class LLMEngine:
             Sequence(request_id, list(prompt_token_ids), params, eos, index=i, request=state)
             for i in range(1, params.n)
         ]
+        spec = params.structured_outputs
+        if spec is not None and self.grammars is not None:
+            # the frontend compiled it off the event loop: a cache hit here, unless evicted
+            for sample in (seq, *seq.forks):
+                sample.grammar = self.grammars.matcher(spec)
         self.scheduler.add(seq)
         return seq
 

@@ -1,25 +1,31 @@
 """Pick the next token for every sequence of a step, in one batch of tensor operations.
 
-The order is vLLM's: ``logit_bias`` added to the raw logits (OpenAI's: before any
-sampling), the bans (``min_tokens``' stop tokens, ``bad_words``), penalties (repetition,
-frequency, presence), then greedy rows take the argmax;
-the others are divided by their temperature, filtered by min-p, then top-k and top-p, and
-drawn. Every parameter is per row. A draw is an
+The order is vLLM's: a structured-output request's grammar bitmask first (the tokens its
+grammar does not allow next get ``-inf``, so nothing after can pick them), ``logit_bias``
+added to the raw logits (OpenAI's: before any sampling), the bans (``min_tokens``' stop
+tokens, ``bad_words``), penalties (repetition, frequency, presence), then greedy rows take
+the argmax; the others are divided by their temperature, filtered by min-p, then top-k and
+top-p, and drawn. Every parameter is per row. A draw is an
 exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which picks token ``i`` with
 probability ``p_i``; a request with a ``seed`` draws its ``q`` from its own generator, so it
 gets the same tokens whatever else shares its batch.
 
 Logprobs are those of the model's raw distribution (``log_softmax`` of the logits before
-bias, penalties, temperature and filtering), as vLLM returns by default.
+bias, penalties, temperature and filtering; after the grammar's mask, as in vLLM, where
+the mask is applied to the model's logits), as vLLM returns by default.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kiln.llm.sequence import Sequence
+
+#: vLLM's value for the logprob of a token that cannot be sampled (-inf)
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +68,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
     if not seqs:
         return []
     logits = logits.float()
+    if any(s.grammar is not None for s in seqs):
+        logits = apply_grammar_bitmask(logits, seqs)
     params = [s.params for s in seqs]
     wants_logprobs = any(p.logprobs is not None for p in params)
     raw = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
@@ -97,6 +105,42 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 
 def _greedy_mask(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
     return torch.tensor([s.params.temperature == 0 for s in seqs], device=device)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Each constrained row's disallowed tokens set to ``-inf``; the other rows are left as
+    they are, so constrained and free requests share the step. One ``where`` over the
+    batch: on the CPU it took a third of ``masked_fill``'s time (64 x 49,152 logits)."""
+    from kiln.llm.structured import fill_bitmask
+
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    matchers = [m for m in (seqs[i].grammar for i in rows) if m is not None]
+    batch, vocab = logits.shape
+    words = fill_bitmask(matchers, vocab)
+    dev = logits.device
+    if dev.type == "cpu":
+        bits = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
+        if len(rows) < batch:  # the free rows allow everything
+            every = np.ones((batch, vocab), dtype=np.uint8)
+            every[rows] = bits
+            bits = every
+        allowed = torch.from_numpy(bits).view(torch.bool)
+    else:
+        allowed = unpack_bitmask(words, rows, batch, vocab, dev)
+    return torch.where(allowed, logits, float("-inf"))
+
+
+def unpack_bitmask(
+    words: np.ndarray, rows: list[int], batch: int, vocab: int, device: torch.device
+) -> torch.Tensor:
+    """[batch, vocab] bools: ``words``' bits in ``rows``, True elsewhere. Unpacked on the
+    device (a GPU's path): the packed mask is 32x smaller to copy there."""
+    packed = torch.from_numpy(words).to(device).unsqueeze(-1)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    unpacked = ((packed >> shifts) & 1).reshape(len(rows), -1)[:, :vocab].bool()
+    allowed = torch.ones((batch, vocab), dtype=torch.bool, device=device)
+    allowed[torch.tensor(rows, device=device)] = unpacked
+    return allowed
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -229,6 +273,8 @@ def _logprobs(
     raw: torch.Tensor, ids: list[int], seqs: list[Sequence]
 ) -> list[TokenLogprobs | None]:
     k = max(s.params.logprobs or 0 for s in seqs)
+    # a grammar's banned tokens have -inf, which JSON cannot carry: vLLM's floor instead
+    raw = raw.clamp_min(LOGPROB_FLOOR)
     chosen = raw.gather(1, torch.tensor(ids, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
     top_values, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
     values, indices = top_values.tolist(), top_ids.tolist()

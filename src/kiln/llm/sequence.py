@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the OpenAI frontend reads SamplingParams without loading torch
+    import llguidance
     import torch
 
     from kiln.llm.sampler import TokenLogprobs
+    from kiln.llm.structured import StructuredOutputsParams
 
 _SEQ_IDS = itertools.count()
 
@@ -48,6 +50,8 @@ class SamplingParams:
     #: vLLM's ``bad_words``, tokenized: a sequence's last token is banned wherever the
     #: output ends with the ones before it (a one-token word is banned everywhere)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    #: vLLM's ``structured_outputs``: the constraint the output must follow
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class SequenceStatus(enum.Enum):
@@ -111,6 +115,9 @@ class Sequence:
     #: with ``prompt_logprobs``: one entry per prompt token computed so far (the first,
     #: which nothing predicts, is None)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    #: with ``structured_outputs``: this sequence's own matcher, advanced by each token
+    #: appended; it masks the sequence's logits every step
+    grammar: llguidance.LLMatcher | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -151,9 +158,18 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def append(self, token_id: int) -> None:
-        """Add a sampled token; finish on a stop token or at ``max_tokens``."""
+        """Add a sampled token; finish on a stop token, when the grammar is complete (its
+        matcher takes nothing more), or at ``max_tokens``."""
         self.token_ids.append(token_id)
         p = self.params
+        grammar = self.grammar
+        if grammar is not None and not grammar.is_stopped():
+            # the mask allowed only tokens the matcher takes: a refusal (an error state)
+            # stops it too, and the sequence ends rather than leaving its grammar
+            grammar.consume_token(token_id)
+        if grammar is not None and grammar.is_stopped():
+            self.finish("stop")  # a complete grammar takes nothing more, min_tokens or not
+            return
         if self.num_output_tokens < p.min_tokens:
             return  # as vLLM: nothing stops it before min_tokens (<= max_tokens)
         if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):

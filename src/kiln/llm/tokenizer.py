@@ -62,6 +62,12 @@ class Tokenizer:
             template = named.get("default") or next(iter(named.values()), None)
         return template if isinstance(template, str) else None
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` tokenizer serialized (tokenizer.json's content), for the
+        structured-output grammar engine."""
+        text: str = self._tok.to_str()
+        return text
+
     @property
     def eos_token_id(self) -> int | None:
         return self._tok.token_to_id(self.eos_token) if self.eos_token else None

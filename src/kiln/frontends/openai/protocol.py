@@ -13,6 +13,7 @@ from typing import Any
 from kiln.core.errors import KilnError, Status
 from kiln.llm.params import SAMPLING_FIELDS, InvalidField, integer, sampling_fields
 from kiln.llm.sequence import SamplingParams
+from kiln.llm.structured import from_request as structured_outputs
 
 log = logging.getLogger(__name__)
 
@@ -21,16 +22,8 @@ log = logging.getLogger(__name__)
 #: value answers 400 naming the field: never a 200 that quietly did something else. The
 #: one list of them: a change that implements a field removes its line.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    # structured outputs
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
-    "guided_whitespace_pattern": (None,),
+    # structured outputs: structural tags
     "structural_tag": (None,),
-    "structured_outputs": (None,),
     # tool calling
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -292,6 +285,7 @@ def _common(
         priority = integer(body, "priority") or 0
         _best_of(body, n or 1)
         output = _output_fields(body)
+        structured = structured_outputs(body)
     except InvalidField as exc:
         raise OpenAIError(exc.message, param=exc.field) from None
     if max_tokens is not None and max_tokens <= 0:
@@ -330,6 +324,7 @@ def _common(
         n=n or 1,
         # an echoed prompt gets its logprobs too (completions, whole or streamed)
         prompt_logprobs=max((v for v in (echoed, prompt_logprobs) if v is not None), default=None),
+        structured_outputs=structured,
         **fields,
     )
     return GenerationRequest(

@@ -197,6 +197,9 @@ def _prepare(
         params = replace(req.params, max_tokens=max(max_tokens, 1), bad_words_token_ids=bad_words)
         try:
             llm.engine.check_request(len(ids), params, req.priority)
+            spec, grammars = params.structured_outputs, llm.engine.grammars
+            if spec is not None and grammars is not None:
+                grammars.compile(spec)  # here, off the event loop; the engine finds it cached
         except InvalidField as exc:
             raise OpenAIError(str(exc), param=exc.field) from None
         except KilnError as exc:
