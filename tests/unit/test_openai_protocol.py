@@ -28,7 +28,7 @@ from kiln.llm.tokenizer import _open_final_message
         ("use_beam_search", 0),  # 0 is not False: a bool is asked for
         ("length_penalty", 0.5),
         ("length_penalty", True),
-        ("response_format", {"type": "json_object"}),
+        ("structural_tag", "{}"),
         ("suffix", "x"),
     ],
 )
@@ -48,7 +48,6 @@ def test_unsupported_values_are_refused_naming_the_field(field: str, value: obje
         ("use_beam_search", False),
         ("length_penalty", 1),
         ("length_penalty", 1.0),
-        ("response_format", {"type": "text"}),
         ("suffix", ""),
     ],
 )

@@ -40,6 +40,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     #: when the request was first scheduled (``time.monotonic()``; its queue time ends)
     first_scheduled_time: float | None = None
+    #: the stop token that finished the sample (not a grammar's end nor a stop string)
+    stop_token_id: int | None = None
 
 
 class LLMEngine:
@@ -331,6 +333,7 @@ class LLMEngine:
             if seq.prompt_logprobs is not None and seq.num_output_tokens == 1
             else None,
             first_scheduled_time=seq.request.first_scheduled_time,
+            stop_token_id=seq.stop_token_id,
         )
 
     def generate(

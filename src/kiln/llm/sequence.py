@@ -96,6 +96,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    #: the stop token that finished it (vLLM's ``stop_reason``): its text is not output
+    stop_token_id: int | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     #: which of the request's ``n`` samples this is (the OpenAI choice ``index``)
@@ -173,6 +175,7 @@ class Sequence:
         if self.num_output_tokens < p.min_tokens:
             return  # as vLLM: nothing stops it before min_tokens (<= max_tokens)
         if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
+            self.stop_token_id = token_id
             self.finish("stop")
         elif self.num_output_tokens >= p.max_tokens:
             self.finish("length")

@@ -179,7 +179,7 @@ async def _run(
                 continue  # a stop string ended it; its abort is on the way
             completion = out.num_output_tokens
             ids = out.new_token_ids
-            if out.finish_reason == "stop" and not options.include_stop_str_in_output:
+            if out.stop_token_id is not None and not options.include_stop_str_in_output:
                 ids = ids[:-1]  # as vLLM: the stop token's own text is not output
             c.pending += c.detok.add(ids, final=out.finished)
             c.pending_logprobs.extend(out.logprobs or ())
