@@ -1,15 +1,17 @@
 """``backend: "llm"``: a Hugging Face folder served by kiln's engine.
 
-The version folder (``<repository>/<model>/1/``) holds ``config.json``, ``*.safetensors``
-and the tokenizer files. Requests come through the OpenAI frontend (``/v1/*``) or Triton's
+The version folder (``<repository>/<model>/1/``), or the ``model_path`` parameter, is a
+Hugging Face folder (``config.json``, ``*.safetensors``, the tokenizer files) or a ``.gguf``
+file. Requests come through the OpenAI frontend (``/v1/*``) or Triton's
 generate extension (``/v2/models/{m}/generate``); the KServe v2 ``infer`` path is refused.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -18,9 +20,12 @@ from kiln.backends.gpus import torch_gpu_count
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status
 from kiln.llm.async_engine import AsyncEngine
+from kiln.llm.checkpoint import FolderCheckpoint, generation_eos_ids, sampling_defaults
 from kiln.llm.config import EngineConfig
 from kiln.llm.engine import LLMEngine
 from kiln.llm.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 _INT_PARAMETERS = (
     "block_size",
@@ -31,6 +36,8 @@ _INT_PARAMETERS = (
     "max_model_len",
     "max_waiting",
 )
+#: vLLM's spellings of the dtypes
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -47,7 +54,22 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
                 f"model '{config.name}': parameter {key} must be an integer, got '{raw}'",
                 Status.INVALID_ARG,
             ) from None
-    out.dtype = parameter(config, "dtype", out.dtype) or out.dtype
+    dtype = (parameter(config, "dtype") or out.dtype).strip().lower()
+    out.dtype = _DTYPE_ALIASES.get(dtype, dtype)
+    raw = parameter(config, "gpu_memory_utilization")
+    if raw is not None:
+        try:
+            out.gpu_memory_utilization = float(raw)
+        except ValueError:
+            raise KilnError(
+                f"model '{config.name}': parameter gpu_memory_utilization must be a number, "
+                f"got '{raw}'",
+                Status.INVALID_ARG,
+            ) from None
+    for key in ("chat_template", "generation_config"):
+        raw = parameter(config, key)
+        if raw:
+            setattr(out, key, raw)
     for key in ("enable_prefix_caching", "enforce_eager"):
         raw = parameter(config, key)
         if raw is None:
@@ -98,16 +120,44 @@ class LLMBackend(Backend):
                 "another model name for a second engine",
                 Status.INVALID_ARG,
             )
-        folder = Path(parameter(config, "model_path", "") or version_dir)
-        self.tokenizer = Tokenizer(folder)
-        self.engine = LLMEngine(folder, engine_config(config, instance))
-        eos = self.tokenizer.eos_token_id
-        if eos is not None and eos not in self.engine.args.eos_token_ids:
-            # chat models often end turns with the tokenizer's eos, not config.json's
-            self.engine.args = replace(
-                self.engine.args, eos_token_ids=(*self.engine.args.eos_token_ids, eos)
+        path = Path(parameter(config, "model_path", "") or version_dir)
+        settings = engine_config(config, instance)
+        # the tokenizer first: its errors come before minutes of weight loading
+        self.tokenizer = Tokenizer.load(path, settings.chat_template)
+        self.engine = LLMEngine(path, settings)
+        generation = self._generation_config(settings.generation_config)
+        #: request fields' defaults from generation_config.json (vLLM's ``auto``)
+        self.sampling_defaults = sampling_defaults(generation)
+        if self.sampling_defaults:
+            log.info(
+                "model '%s': default sampling values from generation_config.json: %s "
+                "(--generation-config vllm to use the engine's)",
+                config.name,
+                self.sampling_defaults,
             )
+        # chat models often end turns with the tokenizer's eos or generation_config's
+        # eos ids, not config.json's
+        eos = self.engine.args.eos_token_ids
+        extra = (self.tokenizer.eos_token_id, *generation_eos_ids(generation))
+        for token in extra:
+            if token is not None and token not in eos:
+                eos = (*eos, token)
+        self.engine.args = replace(self.engine.args, eos_token_ids=eos)
         self.async_engine = AsyncEngine(self.engine, config.name)
+
+    def _generation_config(self, mode: str) -> dict[str, Any]:
+        if mode == "vllm":
+            return {}
+        if mode == "auto":
+            return self.engine.checkpoint.generation_config()
+        path = Path(mode) / "generation_config.json"
+        if not path.is_file():
+            raise KilnError(
+                f"model '{self.config.name}': generation_config must be auto, vllm or a "
+                f"folder holding generation_config.json; {path} does not exist",
+                Status.INVALID_ARG,
+            )
+        return FolderCheckpoint(Path(mode)).generation_config()
 
     @classmethod
     def gpu_count(cls) -> int:

@@ -32,7 +32,7 @@ from kiln.frontends.openai.protocol import (
     check_prompt_chars,
     completion_request,
 )
-from kiln.llm.params import InvalidField
+from kiln.llm.params import InvalidField, with_defaults
 
 if TYPE_CHECKING:  # importing the backend imports torch
     from kiln.llm.backend import LLMBackend
@@ -126,6 +126,13 @@ def _chat_prompt(llm: LLMBackend, messages: list[dict[str, Any]]) -> str:
     return llm.tokenizer.apply_chat_template(messages)
 
 
+def _with_model_defaults(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    """The body with the model's generation_config.json defaults filled in."""
+    model = body.get("model")
+    llm = llm_models(server).get(model) if isinstance(model, str) else None
+    return with_defaults(body, llm.sampling_defaults) if llm is not None else body
+
+
 def _prepare(llm: LLMBackend, req: GenerationRequest, default_max: int | None) -> list[int]:
     """The prompt's token ids, the request's checks done. On a worker thread: tokenizing
     takes time in proportion to the prompt, which must not stall the event loop."""
@@ -135,7 +142,8 @@ def _prepare(llm: LLMBackend, req: GenerationRequest, default_max: int | None) -
         if any(not 0 <= t < vocab for t in ids):
             raise OpenAIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
     else:
-        ids = llm.tokenizer.encode(req.prompt)
+        # completions get the tokenizer's BOS; a chat template writes its own (vLLM's rule)
+        ids = llm.tokenizer.encode(req.prompt, add_special_tokens=default_max is not None)
     limit = llm.engine.config.max_model_len
     room = limit - len(ids)
     max_tokens = req.max_tokens or (min(default_max, room) if default_max else room)
@@ -352,7 +360,7 @@ def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[Ba
         try:
             body = await _received(request, slot, reader)
             _precheck_prompt(server, body)
-            req = completion_request(body)
+            req = completion_request(_with_model_defaults(server, body))
             llm = _llm(server, req.model)
             # OpenAI's default max_tokens for completions: 16
             ids = await asyncio.to_thread(_prepare, llm, req, 16)
@@ -374,7 +382,7 @@ def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[Ba
             llm = _llm(server, model) if isinstance(model, str) else None
             # the template renders in proportion to the messages: off the event loop too
             prompt = await asyncio.to_thread(_chat_prompt, llm, messages) if llm else ""
-            req = chat_request(body, prompt)
+            req = chat_request(_with_model_defaults(server, body), prompt)
             llm = _llm(server, req.model)
             ids = await asyncio.to_thread(_prepare, llm, req, None)
             return await _respond(llm, req, ids, chat=True)
