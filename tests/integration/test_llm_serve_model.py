@@ -3,6 +3,7 @@ vLLM's engine flags, driven by the real ``openai`` client."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -111,3 +112,81 @@ def test_bad_command_lines_are_refused(folder: Path, tmp_path: Path) -> None:
     assert "also a model of" in _serve_fails(
         ["--model-repository", str(tmp_path), "--model", str(folder)]
     )
+
+
+@pytest.fixture(scope="module")
+def llama_style(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a Llama-style tokenizer (its post-processor adds ``<s>``), a chat
+    template that writes ``<s>`` itself, and a generation_config.json asking for greedy
+    decoding and ending on an extra EOS id."""
+    from tokenizers import Tokenizer, processors
+
+    out = tmp_path_factory.mktemp("bos") / "llama-style"
+    out.mkdir()
+    for f in folder.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    tok.save(str(out / "tokenizer.json"))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ bos_token }}" + config["chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    greedy = reference_generate(out, [bos, *_ids(folder, PROMPT)], 8)
+    stop = next(t for i, t in enumerate(greedy) if i >= 2 and t not in greedy[:i])
+    generation = {"temperature": 0.0, "eos_token_id": [stop]}
+    (out / "generation_config.json").write_text(json.dumps(generation))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bos_server(
+    llama_style: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KilnProcess]:
+    home = tmp_path_factory.mktemp("bos-home")
+    args = ["--model", str(llama_style), "--dtype", "float32", "--kv-cache-memory", "1M"]
+    proc = KilnProcess(home / "repo", args=args, with_repository=False).start(timeout=120)
+    yield proc
+    proc.stop()
+
+
+def test_completions_and_generate_get_bos_chat_does_not_double_it(
+    bos_server: KilnProcess, llama_style: Path, folder: Path
+) -> None:
+    import requests
+
+    client = openai.OpenAI(base_url=f"http://{bos_server.http_url}/v1", api_key="x")
+    n = len(_ids(folder, PROMPT))  # the tiny tokenizer without a post-processor
+    out = client.completions.create(model="llama-style", prompt=PROMPT, max_tokens=1)
+    assert out.usage is not None and out.usage.prompt_tokens == n + 1
+    body = {"text_input": PROMPT, "parameters": {"max_tokens": 1, "return_num_input_tokens": True}}
+    url = f"http://{bos_server.http_url}/v2/models/llama-style/generate"
+    assert requests.post(url, json=body, timeout=30).json()["num_input_tokens"] == n + 1
+    # the template's own <s> is the only one
+    messages = [{"role": "user", "content": PROMPT}]
+    reply = client.chat.completions.create(model="llama-style", messages=messages, max_tokens=1)
+    rendered = "<s><|user|>" + PROMPT + "</s><|assistant|>"
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(_ids(folder, rendered))
+
+
+def test_generation_config_defaults_and_eos(bos_server: KilnProcess, llama_style: Path) -> None:
+    from tokenizers import Tokenizer
+
+    client = openai.OpenAI(base_url=f"http://{bos_server.http_url}/v1", api_key="x")
+    bos = Tokenizer.from_file(str(llama_style / "tokenizer.json")).token_to_id("<s>")
+    greedy = reference_generate(llama_style, [bos, *_ids(llama_style, PROMPT)[1:]], 8)
+    stop = json.loads((llama_style / "generation_config.json").read_text())["eos_token_id"][0]
+    expected = greedy[: greedy.index(stop)]
+    # no temperature in the request: generation_config.json's 0.0 (greedy) applies, and its
+    # extra EOS id ends the completion
+    for _ in range(2):
+        out = client.completions.create(
+            model="llama-style", prompt=PROMPT, max_tokens=8, logprobs=0
+        )
+        assert out.choices[0].finish_reason == "stop"
+        assert out.choices[0].logprobs is not None
+        # the tokens up to the EOS id and that id (as in vLLM, its logprob is reported)
+        shown = [_text(llama_style, [t]) for t in [*expected, stop]]
+        assert out.choices[0].logprobs.tokens == shown
