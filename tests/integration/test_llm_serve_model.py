@@ -190,3 +190,27 @@ def test_generation_config_defaults_and_eos(bos_server: KilnProcess, llama_style
         # the tokens up to the EOS id and that id (as in vLLM, its logprob is reported)
         shown = [_text(llama_style, [t]) for t in [*expected, stop]]
         assert out.choices[0].logprobs.tokens == shown
+
+
+def test_explicit_mode_loads_it_and_the_repository_api_reloads_it(
+    folder: Path, tmp_path: Path
+) -> None:
+    import requests
+
+    args = ["--model", str(folder), "--model-control-mode", "explicit"]
+    args += ["--kv-cache-memory", "1M", "--dtype", "float32"]
+    proc = KilnProcess(tmp_path / "repo", args=args, with_repository=False).start(timeout=120)
+    try:
+        base = f"http://{proc.http_url}"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["tiny-llama"]
+        index = requests.post(f"{base}/v2/repository/index", json={}, timeout=30).json()
+        assert [(m["name"], m["state"]) for m in index] == [("tiny-llama", "READY")]
+        url = f"{base}/v2/repository/models/tiny-llama"
+        assert requests.post(f"{url}/unload", json={}, timeout=60).status_code == 200
+        assert [m.id for m in client.models.list()] == []
+        assert requests.post(f"{url}/load", json={}, timeout=120).status_code == 200
+        out = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2)
+        assert out.usage is not None and out.usage.completion_tokens == 2
+    finally:
+        proc.stop()

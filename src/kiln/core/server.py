@@ -124,7 +124,8 @@ class Server:
         if mode in (ControlMode.NONE, ControlMode.POLL) or "*" in self.options.load_models:
             names = self.repository.model_names()
         else:
-            names = list(dict.fromkeys(self.options.load_models))
+            # a --model checkpoint is served from the start in every mode: it was named
+            names = list(dict.fromkeys([*self.options.load_models, *self.repository.served]))
         if self.poller is not None:
             await self.poller.snapshot()  # changes made during the initial load are seen
         await self.repository.load_many(names)
