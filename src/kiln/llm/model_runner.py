@@ -148,15 +148,17 @@ class ModelRunner:
             return config.num_gpu_blocks
         if config.kv_cache_memory_bytes:
             return max(config.kv_cache_memory_bytes // self.block_bytes, 1)
+        # never more than the running sequences can fill at their longest: more would only
+        # keep more prefix-cache entries, and the flex backend's per-step metadata grows
+        # with the cache's pages
+        useful = config.max_num_seqs * config.max_model_len * self.block_bytes
+        useful = useful // config.block_size + self.block_bytes
         if self.device.type == "cuda":
-            budget = self._profile_gpu()
+            budget = min(self._profile_gpu(), useful)
             source = f"gpu_memory_utilization {config.gpu_memory_utilization}"
         else:
-            # vLLM's 4 GiB, or a quarter of what the host has free if that is less; never
-            # more than the running sequences can fill at their longest
-            budget = min(CPU_KV_CACHE_BYTES, _available_memory() // 4)
-            useful = config.max_num_seqs * config.max_model_len * self.block_bytes
-            budget = min(budget, useful // config.block_size + self.block_bytes)
+            # vLLM's 4 GiB, or a quarter of what the host has free if that is less
+            budget = min(CPU_KV_CACHE_BYTES, _available_memory() // 4, useful)
             source = "the CPU default (set kv_cache_memory_bytes / --kv-cache-memory)"
         blocks = max(budget // self.block_bytes, 1)
         log.info(
