@@ -58,14 +58,14 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     )
 
 
-def _write_gguf(folder: Path, path: Path) -> None:
+def _write_gguf(folder: Path, path: Path, arch: str = "llama") -> None:
     import json
 
     from safetensors.torch import load_file
 
     config = json.loads((folder / "config.json").read_text())
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -91,11 +91,12 @@ def _write_gguf(folder: Path, path: Path) -> None:
             module, kind = rest.rsplit(".", 1)
             target = f"blk.{layer}.{_NAMES[module]}.{kind}"
             # q and k scaled up: random attention is near uniform, and greedy tokens would
-            # not see RoPE or the row order at all
+            # not see RoPE or the row order at all; llama.cpp permutes Llama's rows only
+            permute = arch == "llama" and kind == "weight"
             if module == "self_attn.q_proj":
-                w = _permute(w * 6, heads)
+                w = _permute(w * 6, heads) if permute else w * 6
             elif module == "self_attn.k_proj":
-                w = _permute(w * 6, kv)
+                w = _permute(w * 6, kv) if permute else w * 6
         else:
             target = {
                 "model.embed_tokens.weight": "token_embd.weight",
@@ -133,7 +134,19 @@ def test_sentencepiece_tokenizer_matches_transformers(gguf_path: Path) -> None:
     assert ours.chat_template is not None and ours.eos_token == "</s>"
 
 
-def test_greedy_tokens_match_transformers_on_the_same_file(gguf_path: Path) -> None:
+@pytest.fixture(scope="module")
+def qwen2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("gguf-qwen2")
+    path = root / "tiny-qwen2.gguf"
+    _write_gguf(build_tiny_llm(root / "hf", arch="qwen2"), path, arch="qwen2")
+    return path
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen2"])
+def test_greedy_tokens_match_transformers_on_the_same_file(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    gguf_path: Path = request.getfixturevalue("gguf_path" if which == "llama" else "qwen2_path")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     ).eval()
