@@ -136,7 +136,7 @@ def llama_style(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     greedy = reference_generate(out, [bos, *_ids(folder, PROMPT)], 8)
     stop = next(t for i, t in enumerate(greedy) if i >= 2 and t not in greedy[:i])
-    generation = {"temperature": 0.0, "eos_token_id": [stop]}
+    generation = {"temperature": 0.0, "eos_token_id": [stop], "max_new_tokens": 12}
     (out / "generation_config.json").write_text(json.dumps(generation))
     return out
 
@@ -190,6 +190,12 @@ def test_generation_config_defaults_and_eos(bos_server: KilnProcess, llama_style
         # the tokens up to the EOS id and that id (as in vLLM, its logprob is reported)
         shown = [_text(llama_style, [t]) for t in [*expected, stop]]
         assert out.choices[0].logprobs.tokens == shown
+    # its max_new_tokens bounds every request's max_tokens, as in vLLM
+    out = client.completions.create(
+        model="llama-style", prompt=PROMPT, max_tokens=50, extra_body={"ignore_eos": True}
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 12
+    assert out.choices[0].finish_reason == "length"
 
 
 def test_explicit_mode_loads_it_and_the_repository_api_reloads_it(

@@ -142,9 +142,10 @@ def test_generation_config_gives_defaults_and_eos_ids(llama: Path, tmp_path: Pat
     backend = _backend(folder)
     assert backend.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
     assert {7, 9} <= set(backend.engine.args.eos_token_ids)
+    assert backend.max_new_tokens == 5
     backend.close()
     plain = _backend(folder, generation_config="vllm")
-    assert plain.sampling_defaults == {}
+    assert plain.sampling_defaults == {} and plain.max_new_tokens is None
     assert 7 not in plain.engine.args.eos_token_ids
     plain.close()
     other = _copy(llama, tmp_path / "other")

@@ -128,12 +128,17 @@ class LLMBackend(Backend):
         generation = self._generation_config(settings.generation_config)
         #: request fields' defaults from generation_config.json (vLLM's ``auto``)
         self.sampling_defaults = sampling_defaults(generation)
-        if self.sampling_defaults:
+        #: generation_config.json's ``max_new_tokens``: vLLM bounds every request's
+        #: ``max_tokens`` by it (given or defaulted)
+        limit = generation.get("max_new_tokens")
+        self.max_new_tokens = limit if isinstance(limit, int) and limit > 0 else None
+        if self.sampling_defaults or self.max_new_tokens:
             log.info(
-                "model '%s': default sampling values from generation_config.json: %s "
-                "(--generation-config vllm to use the engine's)",
+                "model '%s': default sampling values from generation_config.json: %s, "
+                "max_new_tokens %s (--generation-config vllm to use the engine's)",
                 config.name,
                 self.sampling_defaults,
+                self.max_new_tokens,
             )
         # chat models often end turns with the tokenizer's eos or generation_config's
         # eos ids, not config.json's

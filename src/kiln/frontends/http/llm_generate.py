@@ -150,9 +150,10 @@ def decode(body: dict[str, Any], llm: LLMBackend, model: str, version: str) -> L
             f"generate request for model '{model}': max_tokens must be in [1, {max(room, 1)}] "
             f"(the context holds {limit} tokens, the prompt has {len(ids)}), got {max_tokens}"
         )
-    params = SamplingParams(
-        max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, max(room, 1)), **sampling
-    )
+    max_tokens = max_tokens or min(DEFAULT_MAX_TOKENS, max(room, 1))
+    if llm.max_new_tokens:  # generation_config.json's bound, as vLLM applies it
+        max_tokens = min(max_tokens, llm.max_new_tokens)
+    params = SamplingParams(max_tokens=max_tokens, **sampling)
     try:
         llm.engine.check_request(len(ids), params)
     except InvalidField as exc:

@@ -155,6 +155,8 @@ def _prepare(llm: LLMBackend, req: GenerationRequest, default_max: int | None) -
             param="max_tokens",
             code="context_length_exceeded",
         )
+    if llm.max_new_tokens:  # generation_config.json's bound, as vLLM applies it
+        max_tokens = min(max_tokens, llm.max_new_tokens)
     req.params = replace(req.params, max_tokens=max(max_tokens, 1))
     for param, check in (
         ("n", lambda: llm.engine.check_n(req.params.n)),
