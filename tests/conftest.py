@@ -37,6 +37,9 @@ class KilnProcess:
     metrics_port: int = 0
     log_path: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
+    #: False: no --model-repository (``kiln serve --model``); ``repository`` still holds
+    #: the log and the state folder
+    with_repository: bool = True
 
     def __post_init__(self) -> None:
         self._free_ports = not (self.http_port or self.grpc_port or self.metrics_port)
@@ -77,7 +80,7 @@ class KilnProcess:
     def _launch(self) -> None:
         cmd = [
             sys.executable, "-m", "kiln", "serve",
-            "--model-repository", str(self.repository),
+            *(["--model-repository", str(self.repository)] if self.with_repository else []),
             "--http-port", str(self.http_port),
             "--grpc-port", str(self.grpc_port),
             "--metrics-port", str(self.metrics_port),

@@ -12,6 +12,7 @@ import click
 
 from kiln import __version__
 from kiln.cli_bench_openai import OPENAI_ONLY, check_flags, openai_options
+from kiln.cli_llm import ENGINE_FLAGS, llm_options, served_models
 from kiln.cli_security import build_security, security_options
 from kiln.optimize.cli import optimize_options
 from kiln.security import DEFAULT_MAX_INPUT_BYTES
@@ -28,9 +29,9 @@ def main() -> None:
     "--model-repository",
     "model_repository",
     multiple=True,
-    required=True,
     type=click.Path(file_okay=False, path_type=Path),
-    help="Model repository folder (Triton layout); may be given several times.",
+    help="Model repository folder (Triton layout); may be given several times. Optional "
+    "with --model.",
 )
 @click.option(
     "--model-control-mode",
@@ -228,8 +229,11 @@ def main() -> None:
     show_default=True,
 )
 @security_options
+@llm_options
 def serve(
     model_repository: tuple[Path, ...],
+    models: tuple[Path, ...],
+    served_model_names: tuple[str, ...],
     model_control_mode: str,
     load_model: tuple[str, ...],
     host: str,
@@ -270,7 +274,8 @@ def serve(
     log_level: str,
     **security_params: Any,
 ) -> None:
-    """Serve a model repository over KServe v2 HTTP/gRPC with metrics.
+    """Serve a model repository, or checkpoints (--model), over KServe v2 HTTP/gRPC,
+    OpenAI's API and metrics.
 
     Security (API keys, restricted APIs, TLS, CORS, limits): see docs/security.md."""
     from kiln.core.server import ControlMode, ServerOptions
@@ -288,6 +293,17 @@ def serve(
     for repo in model_repository:
         if not repo.is_dir():
             raise click.BadParameter(f"'{repo}' is not a folder", param_hint="--model-repository")
+    llm_settings = {k: security_params.pop(k) for k in ENGINE_FLAGS}
+    served = served_models(models, served_model_names, llm_settings)
+    if not model_repository and not served:
+        raise click.UsageError("give --model-repository, or --model to serve a checkpoint")
+    for config in served:
+        clash = [r for r in model_repository if (r / config.name).is_dir()]
+        if clash:
+            raise click.BadParameter(
+                f"'{config.name}' is also a model of {clash[0]}: give --served-model-name",
+                param_hint="--model",
+            )
     try:
         parsed_metrics_config = MetricsConfig.parse(metrics_config)
     except MetricsConfigError as exc:
@@ -318,6 +334,7 @@ def serve(
         raise click.BadParameter(str(exc), param_hint="--trace-config") from None
     options = ServerOptions(
         model_repositories=list(model_repository),
+        served_models=served,
         model_control_mode=ControlMode(model_control_mode),
         load_models=list(load_model),
         strict_readiness=strict_readiness,

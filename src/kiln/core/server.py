@@ -16,6 +16,7 @@ from typing import Any
 from kiln import __version__
 from kiln.backends.python import bls
 from kiln.config.loader import config_to_json
+from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.classification import classify, requested_count
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.limits import check_parameters
@@ -59,6 +60,8 @@ EXTENSIONS = [
 @dataclass
 class ServerOptions:
     model_repositories: list[Path]
+    #: ``kiln serve --model``: llm configs built in memory (``model_path`` names each)
+    served_models: list[ModelConfig] = field(default_factory=list)
     model_control_mode: ControlMode = ControlMode.NONE
     load_models: list[str] = field(default_factory=list)
     strict_readiness: bool = True
@@ -89,6 +92,7 @@ class Server:
             response_cache=self.response_cache,
             auto_complete=options.auto_complete_config,
             rate_limiter=RateLimiter(options.rate_limit_resources) if options.rate_limit else None,
+            served=options.served_models,
         )
         self.shm = SharedMemoryManager(
             max_regions=options.max_shm_regions,
@@ -120,7 +124,8 @@ class Server:
         if mode in (ControlMode.NONE, ControlMode.POLL) or "*" in self.options.load_models:
             names = self.repository.model_names()
         else:
-            names = list(dict.fromkeys(self.options.load_models))
+            # a --model checkpoint is served from the start in every mode: it was named
+            names = list(dict.fromkeys([*self.options.load_models, *self.repository.served]))
         if self.poller is not None:
             await self.poller.snapshot()  # changes made during the initial load are seen
         await self.repository.load_many(names)

@@ -1,9 +1,10 @@
 """``backend: "llm"``: a Hugging Face folder served by kiln's engine.
 
-The version folder (``<repository>/<model>/1/``) holds ``config.json``, ``*.safetensors``
-and the tokenizer files. Requests come through the OpenAI frontend (``/v1/*``), Triton's
-generate extension (``/v2/models/{m}/generate``), or core (KServe v2 ``infer`` and gRPC
-``ModelStreamInfer``) with Triton's vLLM-backend tensors (``triton_tensors.py``).
+The version folder (``<repository>/<model>/1/``), or the ``model_path`` parameter, is a
+Hugging Face folder (``config.json``, ``*.safetensors``, the tokenizer files) or a ``.gguf``
+file. Requests come through the OpenAI frontend (``/v1/*``), Triton's generate extension
+(``/v2/models/{m}/generate``), or core (KServe v2 ``infer`` and gRPC ``ModelStreamInfer``)
+with Triton's vLLM-backend tensors (``triton_tensors.py``).
 
 ``backend: "vllm"``: a Triton vLLM-backend folder, whose ``1/model.json`` holds vLLM engine
 arguments (``model_json.py``), served by the same engine.
@@ -12,10 +13,11 @@ arguments (``model_json.py``), served by the same engine.
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 from dataclasses import replace
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -25,10 +27,13 @@ from kiln.config.model_config_pb2 import ModelConfig, ModelInstanceGroup
 from kiln.core.errors import KilnError, Status
 from kiln.llm import model_json, triton_tensors
 from kiln.llm.async_engine import AsyncEngine
+from kiln.llm.checkpoint import FolderCheckpoint, generation_eos_ids, sampling_defaults
 from kiln.llm.config import EngineConfig
 from kiln.llm.engine import LLMEngine
 from kiln.llm.structured import GrammarCompiler
 from kiln.llm.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 _INT_PARAMETERS = (
     "block_size",
@@ -39,6 +44,8 @@ _INT_PARAMETERS = (
     "max_model_len",
     "max_waiting",
 )
+#: vLLM's spellings of the dtypes
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -55,7 +62,22 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
                 f"model '{config.name}': parameter {key} must be an integer, got '{raw}'",
                 Status.INVALID_ARG,
             ) from None
-    out.dtype = parameter(config, "dtype", out.dtype) or out.dtype
+    dtype = (parameter(config, "dtype") or out.dtype).strip().lower()
+    out.dtype = _DTYPE_ALIASES.get(dtype, dtype)
+    raw = parameter(config, "gpu_memory_utilization")
+    if raw is not None:
+        try:
+            out.gpu_memory_utilization = float(raw)
+        except ValueError:
+            raise KilnError(
+                f"model '{config.name}': parameter gpu_memory_utilization must be a number, "
+                f"got '{raw}'",
+                Status.INVALID_ARG,
+            ) from None
+    for key in ("chat_template", "generation_config"):
+        raw = parameter(config, key)
+        if raw:
+            setattr(out, key, raw)
     for key in ("enable_prefix_caching", "enforce_eager"):
         raw = parameter(config, key)
         if raw is None:
@@ -125,14 +147,32 @@ class LLMBackend(Backend):
                 Status.INVALID_ARG,
             )
         folder, tokenizer, settings = self._settings(config, version_dir, instance)
-        self.tokenizer = Tokenizer(tokenizer)
+        # the tokenizer first: its errors come before minutes of weight loading
+        self.tokenizer = Tokenizer.load(tokenizer, settings.chat_template)
         self.engine = LLMEngine(folder, settings)
-        eos = self.tokenizer.eos_token_id
-        if eos is not None and eos not in self.engine.args.eos_token_ids:
-            # chat models often end turns with the tokenizer's eos, not config.json's
-            self.engine.args = replace(
-                self.engine.args, eos_token_ids=(*self.engine.args.eos_token_ids, eos)
+        generation = self._generation_config(settings.generation_config)
+        #: request fields' defaults from generation_config.json (vLLM's ``auto``)
+        self.sampling_defaults = sampling_defaults(generation)
+        #: generation_config.json's ``max_new_tokens``: vLLM bounds every request's
+        #: ``max_tokens`` by it (given or defaulted)
+        limit = generation.get("max_new_tokens")
+        self.max_new_tokens = limit if isinstance(limit, int) and limit > 0 else None
+        if self.sampling_defaults or self.max_new_tokens:
+            log.info(
+                "model '%s': default sampling values from generation_config.json: %s, "
+                "max_new_tokens %s (--generation-config vllm to use the engine's)",
+                config.name,
+                self.sampling_defaults,
+                self.max_new_tokens,
             )
+        # chat models often end turns with the tokenizer's eos or generation_config's
+        # eos ids, not config.json's
+        eos = self.engine.args.eos_token_ids
+        extra = (self.tokenizer.eos_token_id, *generation_eos_ids(generation))
+        for token in extra:
+            if token is not None and token not in eos:
+                eos = (*eos, token)
+        self.engine.args = replace(self.engine.args, eos_token_ids=eos)
         args = self.engine.args
         self.engine.grammars = GrammarCompiler(self.tokenizer, args.vocab_size, args.eos_token_ids)
         self.async_engine = AsyncEngine(self.engine, config.name)
@@ -150,6 +190,20 @@ class LLMBackend(Backend):
     @classmethod
     def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:
         triton_tensors.auto_complete(config)
+
+    def _generation_config(self, mode: str) -> dict[str, Any]:
+        if mode == "vllm":
+            return {}
+        if mode == "auto":
+            return self.engine.checkpoint.generation_config()
+        path = Path(mode) / "generation_config.json"
+        if not path.is_file():
+            raise KilnError(
+                f"model '{self.config.name}': generation_config must be auto, vllm or a "
+                f"folder holding generation_config.json; {path} does not exist",
+                Status.INVALID_ARG,
+            )
+        return FolderCheckpoint(Path(mode)).generation_config()
 
     @classmethod
     def gpu_count(cls) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,10 @@ from kiln.core.errors import KilnError, Status
 # Architectures whose weights and forward pass are Llama's skeleton (names differ only).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+#: vLLM's ``--generation-config``: ``auto`` (the checkpoint's generation_config.json),
+#: ``vllm`` (none: the engine's defaults), or a folder holding a generation_config.json
+GENERATION_CONFIG_MODES = ("auto", "vllm")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flex")
 
 
@@ -94,10 +97,9 @@ class ModelArgs:
 
     @classmethod
     def load(cls, folder: Path) -> ModelArgs:
-        path = folder / "config.json"
-        if not path.is_file():
-            raise KilnError(f"llm backend: no config.json in {folder}", Status.INVALID_ARG)
-        return cls.from_dict(json.loads(path.read_text()))
+        from kiln.llm.checkpoint import open_checkpoint
+
+        return cls.from_dict(open_checkpoint(folder).config())
 
 
 def _sliding_window(
@@ -142,11 +144,17 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     #: blocks in the KV cache; 0: derived from ``kv_cache_memory_bytes``
     num_gpu_blocks: int = 0
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    #: the KV cache's size; 0: sized by the device (CPU: a share of the free memory; GPU:
+    #: ``gpu_memory_utilization`` of the device after a profiling pass, as vLLM)
+    kv_cache_memory_bytes: int = 0
+    #: the share of the GPU's memory this engine may hold: weights, activations, KV cache
+    gpu_memory_utilization: float = 0.9
     #: 0: the model's ``max_position_embeddings``
     max_model_len: int = 0
     max_waiting: int = 1024
-    dtype: str = "float32"
+    #: ``auto``: the checkpoint's dtype on GPU, float32 on the CPU (kiln's CPU kernels are
+    #: float32); or float32 | float16 | bfloat16
+    dtype: str = "auto"
     device: str = "cpu"
     #: reuse the KV of full blocks shared with earlier requests (vLLM V1's default: on)
     enable_prefix_caching: bool = True
@@ -158,6 +166,10 @@ class EngineConfig:
     enforce_eager: bool = False
     #: decode batch sizes to capture as CUDA graphs; empty: 1, 2, 4, ... up to max_num_seqs
     cuda_graph_sizes: tuple[int, ...] = ()
+    #: a Jinja chat template (the text, or a file holding it) replacing the tokenizer's
+    chat_template: str = ""
+    #: ``auto``, ``vllm`` or a folder (GENERATION_CONFIG_MODES)
+    generation_config: str = "auto"
     extra: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -167,6 +179,23 @@ class EngineConfig:
                     f"llm backend: {name} must be positive, got {getattr(self, name)}",
                     Status.INVALID_ARG,
                 )
+        if self.dtype not in DTYPES:
+            raise KilnError(
+                f"llm backend: dtype must be one of {', '.join(DTYPES)}, got '{self.dtype}'",
+                Status.INVALID_ARG,
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise KilnError(
+                "llm backend: gpu_memory_utilization must be in (0, 1], got "
+                f"{self.gpu_memory_utilization}",
+                Status.INVALID_ARG,
+            )
+        if self.kv_cache_memory_bytes < 0 or self.num_gpu_blocks < 0 or self.max_model_len < 0:
+            raise KilnError(
+                "llm backend: kv_cache_memory_bytes, num_gpu_blocks and max_model_len must "
+                "not be negative",
+                Status.INVALID_ARG,
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise KilnError(
                 f"llm backend: scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "

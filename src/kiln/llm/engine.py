@@ -7,10 +7,13 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from kiln.core.errors import KilnError, Status
 from kiln.llm.block_manager import BlockManager
+from kiln.llm.checkpoint import open_checkpoint, torch_dtype_name
 from kiln.llm.config import EngineConfig, ModelArgs
-from kiln.llm.model_runner import ModelRunner
+from kiln.llm.model_runner import ModelRunner, resolve_dtype
 from kiln.llm.params import INT64_MAX, INT64_MIN, InvalidField
 from kiln.llm.sampler import SampledToken, TokenLogprobs
 from kiln.llm.scheduler import Scheduler, SchedulerOutput
@@ -45,11 +48,17 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, folder: Path, config: EngineConfig | None = None) -> None:
+    def __init__(self, path: Path, config: EngineConfig | None = None) -> None:
+        """``path``: a Hugging Face folder or a ``.gguf`` file."""
         config = replace(config) if config is not None else EngineConfig()
         config.check()
-        self.args = ModelArgs.load(folder)
+        self.checkpoint = open_checkpoint(path)
+        raw = self.checkpoint.config()
+        self.args = ModelArgs.from_dict(raw)
         config.max_model_len = config.max_model_len or self.args.max_position_embeddings
+        config.dtype = resolve_dtype(
+            config.dtype, torch_dtype_name(raw), torch.device(config.device)
+        )
         windowed = [i for i, w in enumerate(self.args.layer_windows()) if w is not None]
         if windowed:
             # every backend attends within the window; the blocks before it stay allocated
@@ -60,7 +69,7 @@ class LLMEngine:
                 len(windowed),
                 self.args.num_hidden_layers,
             )
-        self.runner = ModelRunner(folder, self.args, config)
+        self.runner = ModelRunner(self.checkpoint, self.args, config)
         # A sequence alone must always fit in the cache, or preemption could never help it.
         config.max_model_len = min(config.max_model_len, self.runner.num_blocks * config.block_size)
         self.config = config

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import logging
 
 import torch
 
@@ -10,65 +10,92 @@ from kiln.core.errors import KilnError, Status
 from kiln.llm import attention_cpu, cpu_ops
 from kiln.llm.attention import AttentionMetadata, KVWorkspace, cache_shape
 from kiln.llm.attention_flex import FlexMetadata, resolve_attention_backend
+from kiln.llm.checkpoint import Checkpoint
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.cuda_graphs import DecodeGraphs, capture_sizes
 from kiln.llm.models.llama import LlamaForCausalLM
 from kiln.llm.sampler import SampledToken, prompt_logprobs, sample
 from kiln.llm.scheduler import SchedulerOutput
-from kiln.llm.sequence import Sequence
+from kiln.llm.sequence import SamplingParams, Sequence
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise KilnError(f"llm backend: no *.safetensors file in {folder}", Status.INVALID_ARG)
+def load_weights(model: LlamaForCausalLM, checkpoint: Checkpoint, dtype: torch.dtype) -> None:
     expected = set(model.state_dict())
     seen: set[str] = set()
-    for path in files:
-        tensors = load_file(str(path))
+    for source, tensors in checkpoint.weights(dtype):
         unknown = set(tensors) - expected
         if unknown:
             raise KilnError(
-                f"llm backend: {path.name} holds weights kiln's "
+                f"llm backend: {source} holds weights kiln's "
                 f"{model.args.architecture} does not have: {sorted(unknown)[:5]}",
                 Status.INVALID_ARG,
             )
         model.load_state_dict(tensors, strict=False)
         seen |= set(tensors)
+        del tensors  # one file's tensors at a time
     missing = expected - seen
     if model.args.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise KilnError(
-            f"llm backend: weights missing from {folder}: {sorted(missing)[:5]}",
+            f"llm backend: weights missing from {checkpoint.path}: {sorted(missing)[:5]}",
             Status.INVALID_ARG,
         )
 
 
+def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> str:
+    """``auto``: float32 on the CPU (kiln's CPU kernels are float32, and bf16 matmuls there
+    are slower than float32 ones without AMX), the checkpoint's own dtype on a GPU."""
+    if name != "auto":
+        return name
+    if device.type == "cpu":
+        return "float32"
+    return checkpoint_dtype if checkpoint_dtype in DTYPES else "float32"
+
+
+def _available_memory() -> int:
+    """The host's available memory in bytes (``MemAvailable``), or 8 GiB when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+#: vLLM's CPU default for the KV cache (``VLLM_CPU_KVCACHE_SPACE``: 4 GiB)
+CPU_KV_CACHE_BYTES = 4 << 30
+
+
 class ModelRunner:
-    def __init__(self, folder: Path, args: ModelArgs, config: EngineConfig) -> None:
+    def __init__(self, checkpoint: Checkpoint, args: ModelArgs, config: EngineConfig) -> None:
+        self.args = args
+        self.config = config
+        self.device = torch.device(config.device)
         if config.dtype not in DTYPES:
             raise KilnError(
                 f"llm backend: dtype '{config.dtype}' is not one of {sorted(DTYPES)}",
                 Status.INVALID_ARG,
             )
-        self.args = args
-        self.config = config
-        self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         with torch.device("meta"):
             model = LlamaForCausalLM(args, config.max_model_len)
         model = model.to_empty(device=self.device)
         # rope tables are computed, not loaded: rebuild them off the meta device
         model.model.rotary_emb.rebuild(self.device)
-        load_weights(model, folder)
+        # cast before loading: the weights are copied (and rounded) straight into the
+        # serving dtype, never held in float32 beside it
+        model = model.to(self.dtype)
+        load_weights(model, checkpoint, self.dtype)
         if args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        self.model = model.to(self.dtype).eval()
+        self.model = model.eval()
         self.model.fuse()
         #: the layers' distinct sliding windows (None: full attention), a metadata each step
         self.windows = self.model.windows()
@@ -80,9 +107,6 @@ class ModelRunner:
             * args.head_dim
             * self.dtype.itemsize
         )
-        self.num_blocks = config.num_gpu_blocks or max(
-            config.kv_cache_memory_bytes // self.block_bytes, 1
-        )
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.device, config.block_size, self.dtype
         )
@@ -90,9 +114,21 @@ class ModelRunner:
             attention_cpu.warm_up()
         if self.device.type == "cpu" and self.dtype == torch.float32:
             cpu_ops.warm_up()
+        self.workspace = KVWorkspace()
+        self.num_blocks = self._num_blocks()
+        self._allocate_cache(self.num_blocks)
+        self.graphs: DecodeGraphs | None = None
+        # graphs need the flex backend's fixed-shape metadata, and a GPU
+        use_graphs = self.attention_backend == "flex" and not config.enforce_eager
+        if use_graphs and self.device.type == "cuda" and torch.cuda.is_available():
+            sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
+            self.graphs = DecodeGraphs(self, sizes)
+
+    def _allocate_cache(self, num_blocks: int) -> None:
+        config, args = self.config, self.args
         # flex: one scratch page past the pool's, written only by CUDA graphs' dummy rows
         scratch = 1 if self.attention_backend == "flex" else 0
-        pages = self.num_blocks + scratch
+        pages = num_blocks + scratch
         bs, heads, dim = config.block_size, args.num_key_value_heads, args.head_dim
         # flex reads the whole pool as one key sequence, slot by slot ([pages, bs, Hkv, D]);
         # the portable backend gathers head by head ([pages, Hkv, bs, D], see attention.py)
@@ -102,16 +138,83 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             2, args.num_hidden_layers, *layer, dtype=self.dtype, device=self.device
         )
-        self.workspace = KVWorkspace()
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
-        self.graphs: DecodeGraphs | None = None
-        # graphs need the flex backend's fixed-shape metadata, and a GPU
-        use_graphs = self.attention_backend == "flex" and not config.enforce_eager
-        if use_graphs and self.device.type == "cuda" and torch.cuda.is_available():
-            sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
-            self.graphs = DecodeGraphs(self, sizes)
+
+    def _num_blocks(self) -> int:
+        config = self.config
+        if config.num_gpu_blocks:
+            return config.num_gpu_blocks
+        if config.kv_cache_memory_bytes:
+            return max(config.kv_cache_memory_bytes // self.block_bytes, 1)
+        # never more than the running sequences can fill at their longest: more would only
+        # keep more prefix-cache entries, and the flex backend's per-step metadata grows
+        # with the cache's pages
+        useful = config.max_num_seqs * config.max_model_len * self.block_bytes
+        useful = useful // config.block_size + self.block_bytes
+        if self.device.type == "cuda":
+            budget = min(self._profile_gpu(), useful)
+            source = f"gpu_memory_utilization {config.gpu_memory_utilization}"
+        else:
+            # vLLM's 4 GiB, or a quarter of what the host has free if that is less
+            budget = min(CPU_KV_CACHE_BYTES, _available_memory() // 4, useful)
+            source = "the CPU default (set kv_cache_memory_bytes / --kv-cache-memory)"
+        blocks = max(budget // self.block_bytes, 1)
+        log.info(
+            "llm: KV cache of %d blocks (%.1f MiB, %d tokens) from %s",
+            blocks,
+            blocks * self.block_bytes / 2**20,
+            blocks * config.block_size,
+            source,
+        )
+        return blocks
+
+    @torch.inference_mode()
+    def _profile_gpu(self) -> int:
+        """The KV cache's bytes as vLLM sizes it: ``gpu_memory_utilization`` of the device
+        less what is in use once the weights are loaded (this process's and any other's)
+        and less the peak activation memory of one step of ``max_num_batched_tokens``
+        tokens, measured by running it over a cache just large enough for it."""
+        config, dev = self.config, self.device
+        tokens = max(min(config.max_num_batched_tokens, config.max_model_len - 1), 1)
+        blocks = -(-tokens // config.block_size)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        self._allocate_cache(blocks)
+        seq = Sequence("profile", [0] * tokens, SamplingParams(max_tokens=1, temperature=0.0))
+        seq.block_table = list(range(blocks))
+        out = SchedulerOutput([seq], [tokens])
+        logits = self._eager(out, seq.token_ids, list(range(tokens)), [tokens - 1])
+        sample(logits, [seq])
+        torch.cuda.synchronize(dev)
+        cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        peak = torch.cuda.max_memory_allocated(dev)
+        del self.kv_cache, logits
+        for attn in self.model.attention_layers():
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        activations = max(peak - torch.cuda.memory_allocated(dev) - cache_bytes, 0)
+        budget = int(total * config.gpu_memory_utilization) - (total - free) - activations
+        log.info(
+            "llm: GPU memory profile: %.2f GiB total, %.2f GiB in use after loading, "
+            "%.2f GiB peak activations for %d tokens",
+            total / 2**30,
+            (total - free) / 2**30,
+            activations / 2**30,
+            tokens,
+        )
+        if budget < self.block_bytes:
+            raise KilnError(
+                f"llm backend: no GPU memory left for the KV cache: gpu_memory_utilization "
+                f"{config.gpu_memory_utilization} of {total / 2**30:.1f} GiB is less than "
+                f"the {(total - free + activations) / 2**30:.2f} GiB the weights, "
+                "activations and other processes hold; raise gpu_memory_utilization or "
+                "lower max_num_batched_tokens",
+                Status.INVALID_ARG,
+            )
+        return budget
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -105,6 +105,15 @@ def logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+def with_defaults(body: dict[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``body`` with the model's default sampling values (its generation_config.json, as
+    vLLM's ``--generation-config auto``) for the fields it leaves out or sets to null."""
+    if not defaults:
+        return body
+    missing = {k: v for k, v in defaults.items() if body.get(k) is None}
+    return {**body, **missing} if missing else body
+
+
 def sampling_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     """Keyword arguments of :class:`~kiln.llm.sequence.SamplingParams` (all but
     ``max_tokens`` and ``logprobs``, whose defaults and names differ per API)."""

@@ -36,20 +36,37 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 class Tokenizer:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, chat_template: str = "") -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
         path = folder / "tokenizer.json"
         if not path.is_file():
+            if (folder / "tokenizer.model").is_file():
+                raise KilnError(
+                    f"llm backend: {folder} has a SentencePiece tokenizer.model but no "
+                    "tokenizer.json, which kiln needs; write one with transformers (and "
+                    'sentencepiece): python -c "from transformers import AutoTokenizer; '
+                    f"AutoTokenizer.from_pretrained('{folder}').save_pretrained('{folder}')\"",
+                    Status.INVALID_ARG,
+                )
             raise KilnError(f"llm backend: no tokenizer.json in {folder}", Status.INVALID_ARG)
-        self._tok = HFTokenizer.from_file(str(path))
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
-        self.chat_template = self._template(folder, config)
         decoder = json.loads(path.read_text()).get("decoder") or {}
-        self._byte_level = _byte_level_alphabet() if decoder.get("type") == "ByteLevel" else None
+        self._setup(
+            HFTokenizer.from_file(str(path)),
+            _token_text(config.get("bos_token")),
+            _token_text(config.get("eos_token")),
+            _chat_template(chat_template) or self._template(folder, config),
+            decoder.get("type") == "ByteLevel",
+        )
+
+    def _setup(self, tok: Any, bos: str, eos: str, template: str | None, byte_level: bool) -> None:
+        self._tok = tok
+        self.bos_token = bos
+        self.eos_token = eos
+        self.chat_template = template
+        self._byte_level = _byte_level_alphabet() if byte_level else None
 
     @staticmethod
     def _template(folder: Path, config: dict[str, Any]) -> str | None:
@@ -68,19 +85,35 @@ class Tokenizer:
         text: str = self._tok.to_str()
         return text
 
+    @classmethod
+    def load(cls, path: Path, chat_template: str = "") -> Tokenizer:
+        """The tokenizer of a Hugging Face folder or of a ``.gguf`` file (built from its
+        metadata); ``chat_template`` (a template, or a file holding one) replaces the
+        checkpoint's."""
+        if path.suffix != ".gguf" or not path.is_file():
+            return cls(path, chat_template)
+        from kiln.llm.gguf_file import gguf_tokenizer
+
+        tok, bos, eos, template, byte_level = gguf_tokenizer(path)
+        out = cls.__new__(cls)
+        out._setup(tok, bos, eos, _chat_template(chat_template) or template, byte_level)
+        return out
+
     @property
     def eos_token_id(self) -> int | None:
         return self._tok.token_to_id(self.eos_token) if self.eos_token else None
 
-    def encode(self, text: str) -> list[int]:
-        # special tokens in a rendered chat template are already in the text
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``add_special_tokens``: what the tokenizer's post-processor adds (BOS for Llama's),
+        as vLLM does for completions and generate; a rendered chat template already holds
+        its special tokens, so chat prompts are encoded without (vLLM's default too)."""
         if len(text) > _LONG_TEXT:
             # encode_batch releases the GIL while it works (encode holds it throughout: a
             # megabyte of text froze every thread, the event loop's too, for seconds)
-            batch = self._tok.encode_batch([text], add_special_tokens=False)
+            batch = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
             long_ids: list[int] = batch[0].ids
             return long_ids
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -173,6 +206,21 @@ def _open_final_message(text: str, final: str) -> str:
     if text[at : at + len(whole)] == whole:
         return text[: at + len(whole)]
     return text[: at + len(final.strip())]
+
+
+def _chat_template(value: str) -> str | None:
+    """vLLM's ``--chat-template``: a file's path, or the template itself."""
+    if not value:
+        return None
+    if "{" in value or "\n" in value:
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise KilnError(
+            f"chat_template: '{value}' is neither a file nor a Jinja template",
+            Status.INVALID_ARG,
+        )
+    return path.read_text()
 
 
 class IncrementalDetokenizer:

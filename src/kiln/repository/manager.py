@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.backends.base import Backend
 from kiln.backends.registry import backend_class, backend_name, platform_for
 from kiln.config.loader import (
     ConfigError,
@@ -93,8 +94,12 @@ class RepositoryManager:
         response_cache: Cache | None = None,
         auto_complete: bool = True,
         rate_limiter: RateLimiter | None = None,
+        served: list[ModelConfig] | None = None,
     ) -> None:
         self.repositories = [Path(r).resolve() for r in repositories]
+        #: models given on the command line (``kiln serve --model``): a config built in
+        #: memory whose ``model_path`` parameter names the checkpoint, no folder of its own
+        self.served = {c.name: c for c in served or ()}
         # Triton's --disable-auto-complete-config: configs are taken as written (no inputs,
         # outputs or max_batch_size read from the model, no default dynamic batcher).
         self.auto_complete = auto_complete
@@ -114,7 +119,7 @@ class RepositoryManager:
             for p in repo.iterdir():
                 if p.is_dir() and not p.name.startswith("."):
                     names.add(p.name)
-        return sorted(names)
+        return sorted(names | set(self.served))
 
     def model_dir(self, name: str) -> Path:
         check_model_name(name)
@@ -169,7 +174,7 @@ class RepositoryManager:
         """Load (or reload) ``name``; ``dependency``: for an ensemble that needs it, not by
         its own name."""
         check_model_name(name)
-        if name not in self.entries and not files:
+        if name not in self.entries and not files and name not in self.served:
             # Fails for an unknown name before an entry exists: it leaves no index row behind.
             self.model_dir(name)
         entry = self.entries.setdefault(name, ModelEntry(name))
@@ -202,6 +207,9 @@ class RepositoryManager:
         self, entry: ModelEntry, config_json: str | None, files: dict[str, bytes] | None
     ) -> None:
         name = entry.name
+        if not files and config_json is None and name in self.served:
+            await self._load_served(entry, self.served[name])
+            return
         if not files:
             model_dir = self.model_dir(name)
             # model_dir is <resolved repository>/<name>: its parent is the repository.
@@ -279,7 +287,33 @@ class RepositoryManager:
             raise problems[0]
         if is_ensemble(config):
             await self._load_composing(name, config)
+        await self._start(entry, config, {v: versions[v] for v in chosen}, cls, files_dir)
 
+    async def _load_served(self, entry: ModelEntry, served: ModelConfig) -> None:
+        """A ``--model`` checkpoint: version 1, its folder (a ``.gguf`` file's folder) as
+        the version folder; the backend reads the checkpoint from ``model_path``."""
+        config = ModelConfig()
+        config.CopyFrom(served)
+        path = Path(config.parameters["model_path"].string_value)
+        problems = validate_config(config, entry.name, f"--model {path}", text=None)
+        if problems:
+            raise problems[0]
+        cls = backend_class(config.backend)
+        config.platform = platform_for(config.backend)
+        _complete_scheduling(config, default_batcher=self.auto_complete)
+        version_dir = path.parent if path.is_file() else path
+        await self._start(entry, config, {1: version_dir}, cls, None)
+
+    async def _start(
+        self,
+        entry: ModelEntry,
+        config: ModelConfig,
+        versions: dict[int, Path],
+        cls: type[Backend],
+        files_dir: Path | None,
+    ) -> None:
+        """Bring ``versions`` up, then swap them in for the old ones and drain those."""
+        name, chosen = entry.name, sorted(versions)
         entry.state = ModelState.LOADING
         new = {
             v: ModelRuntime(

@@ -31,7 +31,13 @@ from kiln.core.trace import http_slot
 from kiln.frontends.http.codec import parse_json
 from kiln.frontends.openai.generation import Delta, run
 from kiln.frontends.openai.protocol import MAX_CHARS_PER_TOKEN
-from kiln.llm.params import SAMPLING_FIELDS, InvalidField, integer, sampling_fields
+from kiln.llm.params import (
+    SAMPLING_FIELDS,
+    InvalidField,
+    integer,
+    sampling_fields,
+    with_defaults,
+)
 from kiln.llm.sequence import SamplingParams
 
 if TYPE_CHECKING:  # importing the backend imports torch
@@ -127,7 +133,7 @@ def decode(body: dict[str, Any], llm: LLMBackend, model: str, version: str) -> L
             f"generate request: 'stop' holds {len(stops)} strings, more than {MAX_STOP_STRINGS}"
         )
     try:
-        sampling = sampling_fields(fields)
+        sampling = sampling_fields(with_defaults(fields, llm.sampling_defaults))
         max_tokens = integer(fields, "max_tokens")
     except InvalidField as exc:
         raise invalid_arg(f"generate request for model '{model}': {exc.message}") from None
@@ -138,16 +144,17 @@ def decode(body: dict[str, Any], llm: LLMBackend, model: str, version: str) -> L
             f"more than {limit * MAX_CHARS_PER_TOKEN} ({MAX_CHARS_PER_TOKEN} per token): it "
             f"cannot fit the model's context of {limit} tokens"
         )
-    ids = llm.tokenizer.encode(text)
+    ids = llm.tokenizer.encode(text, add_special_tokens=True)  # as vLLM's generate
     room = limit - len(ids)
     if max_tokens is not None and (max_tokens <= 0 or max_tokens > max(room, 1)):
         raise invalid_arg(
             f"generate request for model '{model}': max_tokens must be in [1, {max(room, 1)}] "
             f"(the context holds {limit} tokens, the prompt has {len(ids)}), got {max_tokens}"
         )
-    params = SamplingParams(
-        max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, max(room, 1)), **sampling
-    )
+    max_tokens = max_tokens or min(DEFAULT_MAX_TOKENS, max(room, 1))
+    if llm.max_new_tokens:  # generation_config.json's bound, as vLLM applies it
+        max_tokens = min(max_tokens, llm.max_new_tokens)
+    params = SamplingParams(max_tokens=max_tokens, **sampling)
     try:
         llm.engine.check_request(len(ids), params)
     except InvalidField as exc:

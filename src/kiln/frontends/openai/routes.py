@@ -40,7 +40,7 @@ from kiln.frontends.openai.protocol import (
     detokenize_ids,
     flag,
 )
-from kiln.llm.params import InvalidField
+from kiln.llm.params import InvalidField, with_defaults
 from kiln.llm.sequence import SamplingParams
 
 if TYPE_CHECKING:  # importing the backend imports torch
@@ -137,14 +137,25 @@ def _chat_prompt(llm: LLMBackend, messages: list[dict[str, Any]], template: dict
     return llm.tokenizer.apply_chat_template(messages, **template)
 
 
-def _prompt_ids(llm: LLMBackend, req: GenerationRequest, prompt: str | list[int]) -> list[int]:
+def _with_model_defaults(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    """The body with the model's generation_config.json defaults filled in."""
+    model = body.get("model")
+    llm = llm_models(server).get(model) if isinstance(model, str) else None
+    return with_defaults(body, llm.sampling_defaults) if llm is not None else body
+
+
+def _prompt_ids(
+    llm: LLMBackend, req: GenerationRequest, prompt: str | list[int], bos: bool
+) -> list[int]:
+    """``bos``: the tokenizer's special tokens (BOS) are added, as vLLM does for completions;
+    a rendered chat template already holds its own."""
     vocab = llm.engine.args.vocab_size
     if isinstance(prompt, list):
         ids = prompt
         if any(not 0 <= t < vocab for t in ids):
             raise OpenAIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
     else:
-        ids = llm.tokenizer.encode(prompt)
+        ids = llm.tokenizer.encode(prompt, add_special_tokens=bos)
     keep = req.truncate_prompt_tokens
     if keep is not None:
         limit = llm.engine.config.max_model_len
@@ -182,7 +193,8 @@ def _prepare(
             raise OpenAIError(str(exc), param=param) from None
     prepared = []
     for prompt in req.prompts:
-        ids = _prompt_ids(llm, req, prompt)
+        # completions get the tokenizer's BOS; a chat template writes its own (vLLM's rule)
+        ids = _prompt_ids(llm, req, prompt, bos=default_max is not None)
         limit = config.max_model_len
         room = limit - len(ids)
         max_tokens = req.max_tokens or (min(default_max, room) if default_max else room)
@@ -194,6 +206,8 @@ def _prepare(
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        if llm.max_new_tokens:  # generation_config.json's bound, as vLLM applies it
+            max_tokens = min(max_tokens, llm.max_new_tokens)
         params = replace(req.params, max_tokens=max(max_tokens, 1), bad_words_token_ids=bad_words)
         try:
             llm.engine.check_request(len(ids), params, req.priority)
@@ -477,7 +491,7 @@ def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[Ba
     async def completions(request: Request) -> Response:
         slot = http_slot(server.tracer, request.headers)
         body = await _received(request, slot, reader)
-        req = completion_request(body)
+        req = completion_request(_with_model_defaults(server, body))
         _precheck_prompt(server, body)
         llm = _llm(server, req.model)
         # OpenAI's default max_tokens for completions: 16
@@ -494,7 +508,7 @@ def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[Ba
         llm = _llm(server, model) if isinstance(model, str) else None
         # the template renders in proportion to the messages: off the event loop too
         prompt = await asyncio.to_thread(_chat_prompt, llm, messages, template) if llm else ""
-        req = chat_request(body, messages, prompt, template)
+        req = chat_request(_with_model_defaults(server, body), messages, prompt, template)
         llm = _llm(server, req.model)
         prepared = await asyncio.to_thread(_prepare, llm, req, None)
         return await _respond(llm, req, prepared, chat=True)

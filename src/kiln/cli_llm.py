@@ -1,0 +1,161 @@
+"""``kiln serve --model PATH``: a checkpoint served in one command, with vLLM's engine flags.
+
+Each ``--model`` becomes a repository entry built in memory: ``backend: "llm"`` and the
+flags as the ``parameters`` a config.pbtxt would give (``kiln.llm.backend.engine_config``
+reads both the same way).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from kiln.config.model_config_pb2 import ModelConfig
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: flag (its Python name) -> the llm backend's parameter key
+ENGINE_FLAGS = {
+    "dtype": "dtype",
+    "max_model_len": "max_model_len",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "kv_cache_memory": "kv_cache_memory_bytes",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "block_size": "block_size",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "enforce_eager": "enforce_eager",
+    "scheduling_policy": "scheduling_policy",
+    "chat_template": "chat_template",
+    "generation_config": "generation_config",
+}
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+class ByteSize(click.ParamType):
+    """Bytes, as vLLM reads them: ``1073741824``, ``4G`` / ``4GiB`` (powers of 1024),
+    ``4g`` (powers of 1000)."""
+
+    name = "bytes"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        match = _SIZE.fullmatch(str(value).strip())
+        if match is None:
+            self.fail(f"'{value}' is not a size in bytes (e.g. 4G, 512M, 1073741824)", param, ctx)
+        number, unit, _ = match.groups()
+        scale = 1024 ** ("KMGT".index(unit) + 1) if unit.isupper() else _UNITS[unit]
+        return int(float(number) * scale)
+
+
+def llm_options(func: F) -> F:
+    options = [
+        click.option(
+            "--model",
+            "models",
+            multiple=True,
+            type=click.Path(exists=True, path_type=Path),
+            help="Serve this checkpoint with the llm backend: a Hugging Face folder or a "
+            ".gguf file; may repeat. No config.pbtxt needed (docs/llm.md).",
+        ),
+        click.option(
+            "--served-model-name",
+            "served_model_names",
+            multiple=True,
+            help="The API name of each --model, in order [default: the folder's name or "
+            "the file's stem].",
+        ),
+        click.option(
+            "--dtype",
+            type=click.Choice(["auto", "bfloat16", "float16", "float32", "half", "float"]),
+            default=None,
+            help="Weights and KV cache dtype [default: auto: the checkpoint's on GPU, "
+            "float32 on the CPU].",
+        ),
+        click.option("--max-model-len", type=click.IntRange(min=1), default=None),
+        click.option(
+            "--gpu-memory-utilization",
+            type=click.FloatRange(0, 1, min_open=True),
+            default=None,
+            help="Share of the GPU's memory for weights, activations and KV cache; the KV "
+            "cache gets what a profiling pass leaves [default: 0.9].",
+        ),
+        click.option(
+            "--kv-cache-memory",
+            "--kv-cache-memory-bytes",
+            "kv_cache_memory",
+            type=ByteSize(),
+            default=None,
+            help="KV cache size (4G, 512M, bytes) instead of sizing it from the device "
+            "[CPU default: 4 GiB or a quarter of free memory, at most what max_num_seqs "
+            "full-length sequences fill; logged].",
+        ),
+        click.option("--max-num-seqs", type=click.IntRange(min=1), default=None),
+        click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None),
+        click.option("--block-size", type=click.IntRange(min=1), default=None),
+        click.option(
+            "--enable-prefix-caching/--no-enable-prefix-caching", default=None, show_default=False
+        ),
+        click.option("--enforce-eager", is_flag=True, default=None),
+        click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default=None),
+        click.option(
+            "--chat-template",
+            default=None,
+            help="A Jinja chat template, or a file holding one, replacing the model's.",
+        ),
+        click.option(
+            "--generation-config",
+            default=None,
+            help="auto: default sampling values from the model's generation_config.json; "
+            "vllm: the engine's; or a folder holding a generation_config.json "
+            "[default: auto].",
+        ),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def served_models(
+    models: tuple[Path, ...], names: tuple[str, ...], settings: dict[str, Any]
+) -> list[ModelConfig]:
+    """One in-memory llm config per ``--model``; ``settings``: the engine flags' values."""
+    if len(names) > len(models):
+        raise click.BadParameter(
+            f"{len(names)} names for {len(models)} --model", param_hint="--served-model-name"
+        )
+    given = {k: v for k, v in settings.items() if k in ENGINE_FLAGS and v is not None}
+    if given and not models:
+        flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
+        raise click.BadParameter(
+            f"{flags} apply to --model checkpoints; a config.pbtxt takes them as parameters"
+        )
+    configs = []
+    for i, path in enumerate(models):
+        path = path.resolve()
+        if path.is_file() and path.suffix != ".gguf":
+            raise click.BadParameter(
+                f"'{path}' is a file but not a .gguf file", param_hint="--model"
+            )
+        name = names[i] if i < len(names) else (path.stem if path.is_file() else path.name)
+        config = ModelConfig(name=name, backend="llm")
+        config.parameters["model_path"].string_value = str(path)
+        for key, value in given.items():
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            config.parameters[ENGINE_FLAGS[key]].string_value = text
+        configs.append(config)
+    seen = [c.name for c in configs]
+    duplicates = sorted({n for n in seen if seen.count(n) > 1})
+    if duplicates:
+        raise click.BadParameter(
+            f"two models named {duplicates[0]}: give --served-model-name for each",
+            param_hint="--model",
+        )
+    return configs

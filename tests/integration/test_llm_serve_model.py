@@ -1,0 +1,222 @@
+"""``kiln serve --model PATH``: a Hugging Face folder served without a config.pbtxt, with
+vLLM's engine flags, driven by the real ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+
+from tests.conftest import KilnProcess  # noqa: E402
+from tests.llm_models import build_tiny_llm, reference_generate  # noqa: E402
+
+PROMPT = "the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llm(tmp_path_factory.mktemp("ckpt") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
+    """No --model-repository at all: the folder alone, under two names, with the flags."""
+    home = tmp_path_factory.mktemp("home")
+    args = ["--model", str(folder), "--model", str(folder), "--served-model-name", "tiny"]
+    args += ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4"]
+    args += ["--max-num-batched-tokens", "64", "--kv-cache-memory", "1M", "--block-size", "4"]
+    args += ["--no-enable-prefix-caching", "--chat-template", "{{ messages[0]['content'] }}!"]
+    proc = KilnProcess(home / "repo", args=args, with_repository=False).start(timeout=120)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(server: KilnProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
+
+
+def _ids(folder: Path, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    ids: list[int] = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
+    return ids
+
+
+def _text(folder: Path, ids: list[int]) -> str:
+    from tokenizers import Tokenizer
+
+    text: str = Tokenizer.from_file(str(folder / "tokenizer.json")).decode(ids)
+    return text
+
+
+def test_each_model_is_served_under_its_name(client: openai.OpenAI) -> None:
+    # the first --model takes --served-model-name, the second its folder's name
+    assert sorted(m.id for m in client.models.list()) == ["tiny", "tiny-llama"]
+
+
+def test_greedy_completion_matches_transformers(client: openai.OpenAI, folder: Path) -> None:
+    expected = reference_generate(folder, _ids(folder, PROMPT), 8)
+    for name in ("tiny", "tiny-llama"):
+        out = client.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0)
+        assert out.choices[0].text == _text(folder, expected)
+
+
+def test_flags_reach_the_engine(client: openai.OpenAI, folder: Path) -> None:
+    # --max-model-len 128: a request past it is refused naming the limit
+    with pytest.raises(openai.BadRequestError, match="128"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=200)
+    # --chat-template (inline) replaced the tokenizer's: the prompt is the content and "!"
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=2
+    )
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len(_ids(folder, PROMPT + "!"))
+
+
+def test_default_kv_cache_is_logged(folder: Path, tmp_path: Path) -> None:
+    proc = KilnProcess(tmp_path / "repo", args=["--model", str(folder)], with_repository=False)
+    proc.start(timeout=120)
+    try:
+        assert "KV cache of" in proc.log() and "CPU default" in proc.log()
+    finally:
+        proc.stop()
+
+
+def _serve_fails(args: list[str]) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "kiln", "serve", *args], capture_output=True, timeout=60
+    )
+    assert done.returncode != 0
+    return done.stderr.decode()
+
+
+def test_bad_command_lines_are_refused(folder: Path, tmp_path: Path) -> None:
+    assert "--model-repository, or --model" in _serve_fails([])
+    # engine flags without a --model: they would silently do nothing
+    assert "--max-num-seqs" in _serve_fails(
+        ["--model-repository", str(tmp_path), "--max-num-seqs", "2"]
+    )
+    assert "two models named" in _serve_fails(["--model", str(folder), "--model", str(folder)])
+    text = tmp_path / "weights.bin"
+    text.write_bytes(b"x")
+    assert "not a .gguf file" in _serve_fails(["--model", str(text)])
+    (tmp_path / "tiny-llama").mkdir()
+    assert "also a model of" in _serve_fails(
+        ["--model-repository", str(tmp_path), "--model", str(folder)]
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_style(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a Llama-style tokenizer (its post-processor adds ``<s>``), a chat
+    template that writes ``<s>`` itself, and a generation_config.json asking for greedy
+    decoding and ending on an extra EOS id."""
+    from tokenizers import Tokenizer, processors
+
+    out = tmp_path_factory.mktemp("bos") / "llama-style"
+    out.mkdir()
+    for f in folder.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    tok.save(str(out / "tokenizer.json"))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ bos_token }}" + config["chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    greedy = reference_generate(out, [bos, *_ids(folder, PROMPT)], 8)
+    stop = next(t for i, t in enumerate(greedy) if i >= 2 and t not in greedy[:i])
+    generation = {"temperature": 0.0, "eos_token_id": [stop], "max_new_tokens": 12}
+    (out / "generation_config.json").write_text(json.dumps(generation))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bos_server(
+    llama_style: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KilnProcess]:
+    home = tmp_path_factory.mktemp("bos-home")
+    args = ["--model", str(llama_style), "--dtype", "float32", "--kv-cache-memory", "1M"]
+    proc = KilnProcess(home / "repo", args=args, with_repository=False).start(timeout=120)
+    yield proc
+    proc.stop()
+
+
+def test_completions_and_generate_get_bos_chat_does_not_double_it(
+    bos_server: KilnProcess, llama_style: Path, folder: Path
+) -> None:
+    import requests
+
+    client = openai.OpenAI(base_url=f"http://{bos_server.http_url}/v1", api_key="x")
+    n = len(_ids(folder, PROMPT))  # the tiny tokenizer without a post-processor
+    out = client.completions.create(model="llama-style", prompt=PROMPT, max_tokens=1)
+    assert out.usage is not None and out.usage.prompt_tokens == n + 1
+    body = {"text_input": PROMPT, "parameters": {"max_tokens": 1, "return_num_input_tokens": True}}
+    url = f"http://{bos_server.http_url}/v2/models/llama-style/generate"
+    assert requests.post(url, json=body, timeout=30).json()["num_input_tokens"] == n + 1
+    # the template's own <s> is the only one
+    messages = [{"role": "user", "content": PROMPT}]
+    reply = client.chat.completions.create(model="llama-style", messages=messages, max_tokens=1)
+    rendered = "<s><|user|>" + PROMPT + "</s><|assistant|>"
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(_ids(folder, rendered))
+
+
+def test_generation_config_defaults_and_eos(bos_server: KilnProcess, llama_style: Path) -> None:
+    from tokenizers import Tokenizer
+
+    client = openai.OpenAI(base_url=f"http://{bos_server.http_url}/v1", api_key="x")
+    bos = Tokenizer.from_file(str(llama_style / "tokenizer.json")).token_to_id("<s>")
+    greedy = reference_generate(llama_style, [bos, *_ids(llama_style, PROMPT)[1:]], 8)
+    stop = json.loads((llama_style / "generation_config.json").read_text())["eos_token_id"][0]
+    expected = greedy[: greedy.index(stop)]
+    # no temperature in the request: generation_config.json's 0.0 (greedy) applies, and its
+    # extra EOS id ends the completion
+    for _ in range(2):
+        out = client.completions.create(
+            model="llama-style", prompt=PROMPT, max_tokens=8, logprobs=0
+        )
+        assert out.choices[0].finish_reason == "stop"
+        assert out.choices[0].logprobs is not None
+        # the tokens up to the EOS id and that id (as in vLLM, its logprob is reported)
+        shown = [_text(llama_style, [t]) for t in [*expected, stop]]
+        assert out.choices[0].logprobs.tokens == shown
+    # its max_new_tokens bounds every request's max_tokens, as in vLLM
+    out = client.completions.create(
+        model="llama-style", prompt=PROMPT, max_tokens=50, extra_body={"ignore_eos": True}
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 12
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_explicit_mode_loads_it_and_the_repository_api_reloads_it(
+    folder: Path, tmp_path: Path
+) -> None:
+    import requests
+
+    args = ["--model", str(folder), "--model-control-mode", "explicit"]
+    args += ["--kv-cache-memory", "1M", "--dtype", "float32"]
+    proc = KilnProcess(tmp_path / "repo", args=args, with_repository=False).start(timeout=120)
+    try:
+        base = f"http://{proc.http_url}"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["tiny-llama"]
+        index = requests.post(f"{base}/v2/repository/index", json={}, timeout=30).json()
+        assert [(m["name"], m["state"]) for m in index] == [("tiny-llama", "READY")]
+        url = f"{base}/v2/repository/models/tiny-llama"
+        assert requests.post(f"{url}/unload", json={}, timeout=60).status_code == 200
+        assert [m.id for m in client.models.list()] == []
+        assert requests.post(f"{url}/load", json={}, timeout=120).status_code == 200
+        out = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2)
+        assert out.usage is not None and out.usage.completion_tokens == 2
+    finally:
+        proc.stop()
