@@ -37,6 +37,9 @@ class KilnProcess:
     metrics_port: int = 0
     log_path: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
+    # --model-repository's value when it is not ``repository`` (a bucket: s3://...);
+    # logs and state still go beside ``repository``
+    repository_url: str = ""
 
     def __post_init__(self) -> None:
         self._free_ports = not (self.http_port or self.grpc_port or self.metrics_port)
@@ -77,7 +80,7 @@ class KilnProcess:
     def _launch(self) -> None:
         cmd = [
             sys.executable, "-m", "kiln", "serve",
-            "--model-repository", str(self.repository),
+            "--model-repository", self.repository_url or str(self.repository),
             "--http-port", str(self.http_port),
             "--grpc-port", str(self.grpc_port),
             "--metrics-port", str(self.metrics_port),

@@ -23,14 +23,38 @@ def main() -> None:
     """kiln: optimize, serve and monitor models."""
 
 
+def _open_repositories(values: tuple[str, ...]) -> list[Any]:
+    """Folders as paths; a bucket as its source, listed once here so that a bucket that
+    cannot be read (unreachable, wrong credentials, missing) stops kiln at start."""
+    from kiln.repository.source import LocalSource, RepositoryError, open_source
+
+    opened: list[Any] = []
+    for text in values:
+        try:
+            source = open_source(text)
+            if isinstance(source, LocalSource):
+                if not source.path.is_dir():
+                    raise click.BadParameter(
+                        f"'{text}' is not a folder", param_hint="--model-repository"
+                    )
+                opened.append(Path(text))
+                continue
+            source.refresh()
+        except RepositoryError as exc:
+            logging.getLogger("kiln.cli").error("%s", exc)
+            raise click.ClickException(str(exc)) from None
+        opened.append(source)
+    return opened
+
+
 @main.command()
 @click.option(
     "--model-repository",
     "model_repository",
     multiple=True,
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Model repository folder (Triton layout); may be given several times.",
+    help="Model repository (Triton layout): a folder, or s3://[host:port/]bucket/path "
+    "(kiln[s3]); may be given several times.",
 )
 @click.option(
     "--model-control-mode",
@@ -229,7 +253,7 @@ def main() -> None:
 )
 @security_options
 def serve(
-    model_repository: tuple[Path, ...],
+    model_repository: tuple[str, ...],
     model_control_mode: str,
     load_model: tuple[str, ...],
     host: str,
@@ -285,9 +309,7 @@ def serve(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    for repo in model_repository:
-        if not repo.is_dir():
-            raise click.BadParameter(f"'{repo}' is not a folder", param_hint="--model-repository")
+    repositories = _open_repositories(model_repository)
     try:
         parsed_metrics_config = MetricsConfig.parse(metrics_config)
     except MetricsConfigError as exc:
@@ -317,7 +339,7 @@ def serve(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--trace-config") from None
     options = ServerOptions(
-        model_repositories=list(model_repository),
+        model_repositories=repositories,
         model_control_mode=ControlMode(model_control_mode),
         load_models=list(load_model),
         strict_readiness=strict_readiness,

@@ -28,6 +28,7 @@ from kiln.core.trace_otel import OtelOptions
 from kiln.core.types import InferenceRequest, InferenceResponse
 from kiln.repository.manager import RepositoryManager, check_model_name, decode_files
 from kiln.repository.poll import RepositoryPoller
+from kiln.repository.source import RepositoryError, RepositorySource
 from kiln.scheduling.cache import CacheConfig, open_cache
 from kiln.scheduling.rate_limit import RateLimiter, ResourceOverride
 
@@ -58,7 +59,7 @@ EXTENSIONS = [
 
 @dataclass
 class ServerOptions:
-    model_repositories: list[Path]
+    model_repositories: list[Path | RepositorySource]  # a folder, or a bucket (s3://)
     model_control_mode: ControlMode = ControlMode.NONE
     load_models: list[str] = field(default_factory=list)
     strict_readiness: bool = True
@@ -118,6 +119,10 @@ class Server:
         await self.open()
         mode = self.options.model_control_mode
         if mode in (ControlMode.NONE, ControlMode.POLL) or "*" in self.options.load_models:
+            try:  # a bucket's listing: network I/O
+                await asyncio.get_running_loop().run_in_executor(None, self.repository.refresh)
+            except RepositoryError as exc:  # reached at start-up by the CLI; gone since
+                log.error("%s", exc)
             names = self.repository.model_names()
         else:
             names = list(dict.fromkeys(self.options.load_models))
