@@ -40,8 +40,7 @@ def _open_repositories(values: tuple[str, ...]) -> list[Any]:
                 opened.append(Path(text))
                 continue
             source.refresh()
-        except RepositoryError as exc:
-            logging.getLogger("kiln.cli").error("%s", exc)
+        except RepositoryError as exc:  # click prints "Error: <message>", exits 1
             raise click.ClickException(str(exc)) from None
         opened.append(source)
     return opened
