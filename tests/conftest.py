@@ -40,6 +40,9 @@ class KilnProcess:
     #: False: no --model-repository (``kiln serve --model``); ``repository`` still holds
     #: the log and the state folder
     with_repository: bool = True
+    # --model-repository's value when it is not ``repository`` (a bucket: s3://...);
+    # logs and state still go beside ``repository``
+    repository_url: str = ""
 
     def __post_init__(self) -> None:
         self._free_ports = not (self.http_port or self.grpc_port or self.metrics_port)
@@ -80,7 +83,11 @@ class KilnProcess:
     def _launch(self) -> None:
         cmd = [
             sys.executable, "-m", "kiln", "serve",
-            *(["--model-repository", str(self.repository)] if self.with_repository else []),
+            *(
+                ["--model-repository", self.repository_url or str(self.repository)]
+                if self.with_repository
+                else []
+            ),
             "--http-port", str(self.http_port),
             "--grpc-port", str(self.grpc_port),
             "--metrics-port", str(self.metrics_port),

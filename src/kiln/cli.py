@@ -24,14 +24,36 @@ def main() -> None:
     """kiln: optimize, serve and monitor models."""
 
 
+def _open_repositories(values: tuple[str, ...]) -> list[Any]:
+    """Folders as paths; a bucket as its source, listed once here so that a bucket that
+    cannot be read (unreachable, wrong credentials, missing) stops kiln at start."""
+    from kiln.repository.source import LocalSource, RepositoryError, open_source
+
+    opened: list[Any] = []
+    for text in values:
+        try:
+            source = open_source(text)
+            if isinstance(source, LocalSource):
+                if not source.path.is_dir():
+                    raise click.BadParameter(
+                        f"'{text}' is not a folder", param_hint="--model-repository"
+                    )
+                opened.append(Path(text))
+                continue
+            source.refresh()
+        except RepositoryError as exc:  # click prints "Error: <message>", exits 1
+            raise click.ClickException(str(exc)) from None
+        opened.append(source)
+    return opened
+
+
 @main.command()
 @click.option(
     "--model-repository",
     "model_repository",
     multiple=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Model repository folder (Triton layout); may be given several times. Optional "
-    "with --model.",
+    help="Model repository (Triton layout): a folder, or s3://[host:port/]bucket/path "
+    "(kiln[s3]); may be given several times. Optional with --model.",
 )
 @click.option(
     "--model-control-mode",
@@ -231,7 +253,7 @@ def main() -> None:
 @security_options
 @llm_options
 def serve(
-    model_repository: tuple[Path, ...],
+    model_repository: tuple[str, ...],
     models: tuple[Path, ...],
     served_model_names: tuple[str, ...],
     model_control_mode: str,
@@ -290,15 +312,13 @@ def serve(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    for repo in model_repository:
-        if not repo.is_dir():
-            raise click.BadParameter(f"'{repo}' is not a folder", param_hint="--model-repository")
+    repositories = _open_repositories(model_repository)
     llm_settings = {k: security_params.pop(k) for k in ENGINE_FLAGS}
     served = served_models(models, served_model_names, llm_settings)
-    if not model_repository and not served:
+    if not repositories and not served:
         raise click.UsageError("give --model-repository, or --model to serve a checkpoint")
     for config in served:
-        clash = [r for r in model_repository if (r / config.name).is_dir()]
+        clash = [r for r in repositories if isinstance(r, Path) and (r / config.name).is_dir()]
         if clash:
             raise click.BadParameter(
                 f"'{config.name}' is also a model of {clash[0]}: give --served-model-name",
@@ -333,7 +353,7 @@ def serve(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--trace-config") from None
     options = ServerOptions(
-        model_repositories=list(model_repository),
+        model_repositories=repositories,
         served_models=served,
         model_control_mode=ControlMode(model_control_mode),
         load_models=list(load_model),

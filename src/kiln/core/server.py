@@ -29,6 +29,7 @@ from kiln.core.trace_otel import OtelOptions
 from kiln.core.types import InferenceRequest, InferenceResponse
 from kiln.repository.manager import RepositoryManager, check_model_name, decode_files
 from kiln.repository.poll import RepositoryPoller
+from kiln.repository.source import RepositoryError, RepositorySource
 from kiln.scheduling.cache import CacheConfig, open_cache
 from kiln.scheduling.rate_limit import RateLimiter, ResourceOverride
 
@@ -59,7 +60,7 @@ EXTENSIONS = [
 
 @dataclass
 class ServerOptions:
-    model_repositories: list[Path]
+    model_repositories: list[Path | RepositorySource]  # a folder, or a bucket (s3://)
     #: ``kiln serve --model``: llm configs built in memory (``model_path`` names each)
     served_models: list[ModelConfig] = field(default_factory=list)
     model_control_mode: ControlMode = ControlMode.NONE
@@ -122,6 +123,10 @@ class Server:
         await self.open()
         mode = self.options.model_control_mode
         if mode in (ControlMode.NONE, ControlMode.POLL) or "*" in self.options.load_models:
+            try:  # a bucket's listing: network I/O
+                await asyncio.get_running_loop().run_in_executor(None, self.repository.refresh)
+            except RepositoryError as exc:  # reached at start-up by the CLI; gone since
+                log.error("%s", exc)
             names = self.repository.model_names()
         else:
             # a --model checkpoint is served from the start in every mode: it was named

@@ -14,7 +14,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kiln.core.runtime import ModelState
+from kiln.metrics.exposition import counter
 from kiln.repository.manager import RepositoryManager
+from kiln.repository.source import LocalSource
 
 
 class ReadinessCollector(Collector):
@@ -37,3 +39,25 @@ class ReadinessCollector(Collector):
             elif entry.state is ModelState.UNAVAILABLE and entry.reason != "unloaded":
                 family.add_metric([entry.name, ""], 0)
         yield family
+        yield from self._remote()
+
+    def _remote(self) -> Iterator[Metric]:
+        """Per bucket: failed reads (a poll or a load that could not list or fetch) and
+        objects fetched into the local cache (an unchanged object is fetched once)."""
+        remote = [s for s in self.repository.sources if not isinstance(s, LocalSource)]
+        if not remote:
+            return
+        errors = counter(
+            "kiln_repository_errors_total",
+            "Failed reads of a remote model repository (listings and fetches)",
+        )
+        downloads = counter(
+            "kiln_repository_downloads_total",
+            "Objects fetched from a remote model repository into the local cache",
+        )
+        for source in remote:
+            labels = {"repository": source.url}
+            errors.add_sample(errors.name, labels, source.errors)
+            downloads.add_sample(downloads.name, labels, source.downloads)
+        yield errors
+        yield downloads

@@ -30,6 +30,7 @@ from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.runtime import ModelRuntime, ModelState
 from kiln.core.trace import Tracer
 from kiln.repository.safety import check_config_paths, check_model_name, check_tree_inside
+from kiln.repository.source import Fingerprint, LocalSource, RepositoryError, RepositorySource
 from kiln.scheduling.cache import Cache
 from kiln.scheduling.ensemble_graph import is_ensemble
 from kiln.scheduling.rate_limit import RateLimiter
@@ -89,14 +90,18 @@ class ModelEntry:
 class RepositoryManager:
     def __init__(
         self,
-        repositories: list[Path],
+        repositories: list[Path | RepositorySource],
         drain_timeout: float = 30.0,
         response_cache: Cache | None = None,
         auto_complete: bool = True,
         rate_limiter: RateLimiter | None = None,
         served: list[ModelConfig] | None = None,
     ) -> None:
-        self.repositories = [Path(r).resolve() for r in repositories]
+        # Each --model-repository: a folder, or a bucket fetched into a local cache.
+        self.sources: list[RepositorySource] = [
+            LocalSource(r) if isinstance(r, Path) else r for r in repositories
+        ]
+        self.repositories = [s.path for s in self.sources if isinstance(s, LocalSource)]
         #: models given on the command line (``kiln serve --model``): a config built in
         #: memory whose ``model_path`` parameter names the checkpoint, no folder of its own
         self.served = {c.name: c for c in served or ()}
@@ -112,28 +117,45 @@ class RepositoryManager:
 
     # ---- discovery -------------------------------------------------------------------
     def model_names(self) -> list[str]:
-        names = set()
-        for repo in self.repositories:
-            if not repo.is_dir():
-                continue
-            for p in repo.iterdir():
-                if p.is_dir() and not p.name.startswith("."):
-                    names.add(p.name)
+        """Local folders: as they are now; buckets: as of their last listing; and the
+        models given with ``--model``."""
+        names: set[str] = set()
+        for source in self.sources:
+            names.update(source.model_names())
         return sorted(names | set(self.served))
 
+    def refresh(self) -> None:
+        """List every remote repository again (network I/O: call off the event loop)."""
+        for source in self.sources:
+            source.refresh()
+
+    def fingerprints(self) -> dict[str, Fingerprint]:
+        """Every model's fingerprint; a name in several repositories: the first one's
+        (the folder a load takes). Raises ``RepositoryError`` when one cannot be read."""
+        result: dict[str, Fingerprint] = {}
+        for source in self.sources:
+            for name, fp in source.fingerprints().items():
+                result.setdefault(name, fp)
+        return result
+
     def model_dir(self, name: str) -> Path:
+        """The local folder of model ``name``: a bucket's model is fetched into the local
+        cache first (network I/O: call off the event loop where a bucket may be read)."""
         check_model_name(name)
-        for repo in self.repositories:
-            candidate = repo / name
-            if candidate.is_dir():
-                # a symlinked model folder must still resolve inside its repository
-                if not candidate.resolve().is_relative_to(repo):
-                    raise invalid_arg(f"model '{name}' resolves outside the model repository")
-                return candidate
+        for source in self.sources:
+            try:
+                found = source.locate(name)
+            except RepositoryError as exc:
+                raise KilnError(f"failed to load '{name}': {exc}", Status.UNAVAILABLE) from None
+            if found is not None:
+                return found
         raise not_found(
             f"failed to load '{name}', no version is available: no model folder "
             f"'{name}' in the model repository"
         )
+
+    async def _model_dir(self, name: str) -> Path:
+        return await asyncio.get_running_loop().run_in_executor(None, self.model_dir, name)
 
     # ---- lookup ----------------------------------------------------------------------
     def get(self, name: str, version: str = "") -> ModelRuntime:
@@ -176,7 +198,7 @@ class RepositoryManager:
         check_model_name(name)
         if name not in self.entries and not files and name not in self.served:
             # Fails for an unknown name before an entry exists: it leaves no index row behind.
-            self.model_dir(name)
+            await self._model_dir(name)
         entry = self.entries.setdefault(name, ModelEntry(name))
         async with entry.lock, self._load_slots:
             try:
@@ -211,7 +233,7 @@ class RepositoryManager:
             await self._load_served(entry, self.served[name])
             return
         if not files:
-            model_dir = self.model_dir(name)
+            model_dir = await self._model_dir(name)
             # model_dir is <resolved repository>/<name>: its parent is the repository.
             check_tree_inside(model_dir, model_dir.parent, name)
             await self._load_dir(entry, model_dir, config_json, None)
@@ -430,7 +452,11 @@ class RepositoryManager:
                 log.error("%s", exc.message)
 
         # Ensembles last: their composing models are then loaded once, by their own names.
-        ensembles = [n for n in names if self._declares_ensemble(n)]
+        loop = asyncio.get_running_loop()
+        declares = await asyncio.gather(
+            *(loop.run_in_executor(None, self._declares_ensemble, n) for n in names)
+        )
+        ensembles = [n for n, yes in zip(names, declares, strict=True) if yes]
         await asyncio.gather(*(one(n) for n in names if n not in ensembles))
         await asyncio.gather(*(one(n) for n in ensembles))
 

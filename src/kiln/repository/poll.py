@@ -2,9 +2,11 @@
 
 Every ``--repository-poll-secs`` the repository is scanned (off the event loop) and each
 model folder is reduced to a fingerprint: the config file and every file under its
-version folders, by path, size and modification time. A new or changed fingerprint loads
-the model (new versions come up beside the old ones, then swap in); a vanished folder
-unloads it (requests in flight on it complete first).
+version folders, by path, size and modification time (in a bucket: by key, size and
+ETag). A new or changed fingerprint loads the model (new versions come up beside the old
+ones, then swap in); a vanished folder unloads it (requests in flight on it complete
+first). A bucket that cannot be read changes nothing: the models keep serving as loaded,
+and a model whose fetch failed is tried again at the next poll.
 """
 
 from __future__ import annotations
@@ -12,40 +14,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-from pathlib import Path
 
-from kiln.core.errors import KilnError
+from kiln.core.errors import KilnError, Status
 from kiln.repository.manager import RepositoryManager
+from kiln.repository.source import Fingerprint, RepositoryError, folder_fingerprint
+
+__all__ = ["RepositoryPoller", "fingerprint", "scan"]
+
+fingerprint = folder_fingerprint  # the older name
 
 log = logging.getLogger(__name__)
 
-Fingerprint = tuple[tuple[str, int, int], ...]
-
-
-def fingerprint(model_dir: Path) -> Fingerprint:
-    """(relative path, size, mtime_ns) of every file that defines the model."""
-    entries = []
-    for root, dirs, files in os.walk(model_dir):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(files):
-            path = Path(root) / name
-            try:
-                st = path.stat()
-            except OSError:  # removed while we walk: the next poll sees the result
-                continue
-            entries.append((str(path.relative_to(model_dir)), st.st_size, st.st_mtime_ns))
-    return tuple(entries)
-
 
 def scan(manager: RepositoryManager) -> dict[str, Fingerprint]:
-    result = {}
-    for name in manager.model_names():
-        try:
-            result[name] = fingerprint(manager.model_dir(name))
-        except KilnError:
-            continue  # an invalid folder name: never loadable, nothing to track
-    return result
+    return manager.fingerprints()
 
 
 class RepositoryPoller:
@@ -57,7 +39,10 @@ class RepositoryPoller:
 
     async def snapshot(self) -> None:
         """Remember the repository as it is (call before the initial load)."""
-        self.seen = await asyncio.get_running_loop().run_in_executor(None, scan, self.manager)
+        try:
+            self.seen = await asyncio.get_running_loop().run_in_executor(None, scan, self.manager)
+        except RepositoryError as exc:  # the first poll that reads it loads what it finds
+            log.error("poll: %s", exc)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kiln-repository-poll")
@@ -74,6 +59,8 @@ class RepositoryPoller:
             await asyncio.sleep(self.interval)
             try:
                 await self.poll_once()
+            except RepositoryError as exc:  # counted by its source; the models keep serving
+                log.error("poll: %s; the models keep serving as loaded", exc)
             except Exception:  # a bad poll must not end polling
                 log.exception("repository poll failed")
 
@@ -92,5 +79,7 @@ class RepositoryPoller:
                 await self.manager.load(name)
             except KilnError as exc:  # the reason shows in the repository index
                 log.error("%s", exc.message)
+                if exc.status is Status.UNAVAILABLE:  # the bucket could not be read
+                    self.seen.pop(name, None)
 
         await asyncio.gather(*(load(n) for n in changed))
