@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from kiln.core.errors import KilnError, Status
 from kiln.llm.block_manager import BlockManager
 from kiln.llm.config import EngineConfig, ModelArgs
@@ -320,6 +322,13 @@ class LLMEngine:
             else None,
             first_scheduled_time=seq.request.first_scheduled_time,
         )
+
+    def pool(self, prompts: list[list[int]]) -> torch.Tensor:
+        """The prompts' pooled final hidden states [len(prompts), hidden] (float32), by the
+        model's ``pooler_config``, in one forward pass outside the KV cache."""
+        pooled = self.runner.pool(prompts, self.config.pooler_config.pooling_type)
+        self.stats.num_prompt_tokens += sum(len(p) for p in prompts)
+        return pooled
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
