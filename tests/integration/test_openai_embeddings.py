@@ -157,6 +157,15 @@ def test_vllm_fields(server: KilnProcess) -> None:
     _, tail = _post(server, {"model": "last", "input": list(range(42, 50))})
     assert long["usage"]["prompt_tokens"] == 8
     assert long["data"][0]["embedding"] == tail["data"][0]["embedding"]
+    # vLLM's chat form: the messages as the chat template writes them, without a
+    # generation prompt unless asked
+    chat = {"model": "last", "messages": [{"role": "user", "content": "hi"}]}
+    _, by_messages = _post(server, chat)
+    _, by_text = _post(server, {"model": "last", "input": "<|user|>hi</s>"})
+    assert by_messages["data"] == by_text["data"]
+    _, prompted = _post(server, {**chat, "add_generation_prompt": True})
+    _, prompted_text = _post(server, {"model": "last", "input": "<|user|>hi</s><|assistant|>"})
+    assert prompted["data"] == prompted_text["data"] != by_text["data"]
 
 
 @pytest.mark.parametrize(
@@ -176,7 +185,8 @@ def test_vllm_fields(server: KilnProcess) -> None:
         ({"input": "hi", "normalize": "yes"}, "normalize"),
         ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"input": "hi", "priority": 1}, "priority"),
-        ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"input": "hi", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
         ({"input": "hi", "model": "gen"}, "model"),  # served for generation
     ],
 )

@@ -171,6 +171,11 @@ class AsyncEngine:
                 while True:
                     command = self._commands.get_nowait()
                     if command is None:
+                        for job in self._pools:  # nobody will compute them now
+                            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                                job.future.set_exception(
+                                    KilnError("llm engine: closed", Status.UNAVAILABLE)
+                                )
                         return
                     self._apply(command)
             except queue.Empty:

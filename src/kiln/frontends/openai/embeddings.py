@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from kiln.core.errors import KilnError
-from kiln.frontends.openai.protocol import OpenAIError, check_fields, check_prompt_chars
+from kiln.frontends.openai.protocol import (
+    OpenAIError,
+    chat_messages,
+    chat_template_options,
+    check_fields,
+    check_prompt_chars,
+)
 from kiln.llm.params import InvalidField, integer
 
 if TYPE_CHECKING:  # importing the backend imports torch
@@ -37,6 +43,12 @@ EMBEDDING_FIELDS = frozenset(
         "use_activation",
         "embed_dtype",
         "endianness",
+        # vLLM's chat form: ``messages`` rendered by the chat template, one input
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template_kwargs",
+        "documents",
     )
 )
 ENCODING_FORMATS = ("float", "base64")
@@ -60,6 +72,9 @@ class EmbeddingRequest:
     truncation_side: str = "left"
     request_id: str | None = None
     priority: int = 0
+    #: vLLM's chat form: the messages and the template's options (``inputs`` is empty)
+    messages: list[dict[str, Any]] | None = None
+    template: dict[str, Any] | None = None
 
 
 def _choice(body: dict[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
@@ -84,11 +99,6 @@ def _inputs(body: dict[str, Any]) -> list[str | list[int]]:
     """OpenAI's ``input``: a string, a list of strings, token ids, or a list of token-id
     lists; each one non-empty."""
     raw = body.get("input")
-    if "messages" in body and raw is None:
-        raise OpenAIError(
-            "chat embedding requests ('messages') are not supported by kiln: send 'input'",
-            param="messages",
-        )
     if isinstance(raw, str) or (_is_ids(raw) and raw):
         items: list[Any] = [raw]
     elif isinstance(raw, list) and raw:
@@ -121,7 +131,18 @@ def embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise OpenAIError("'model' is required and must be a string", param="model")
-    inputs = _inputs(body)
+    messages = template = None
+    if "messages" in body:
+        if "input" in body:
+            raise OpenAIError("send 'input' or 'messages', not both", param="messages")
+        messages = chat_messages(body)
+        # vLLM's chat embedding: no generation prompt unless asked for
+        template = chat_template_options(
+            {**body, "add_generation_prompt": body.get("add_generation_prompt", False)}
+        )
+        inputs: list[str | list[int]] = []
+    else:
+        inputs = _inputs(body)
     try:
         dimensions = integer(body, "dimensions")
         truncate = integer(body, "truncate_prompt_tokens")
@@ -163,6 +184,8 @@ def embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
         truncation_side=_choice(body, "truncation_side", ("left", "right"), "left"),
         request_id=request_id,
         priority=priority,
+        messages=messages,
+        template=template,
     )
 
 
@@ -205,6 +228,8 @@ def check_model(llm: LLMBackend, req: EmbeddingRequest) -> None:
             param="input",
         )
     limit = config.max_model_len
+    if req.messages is not None:
+        check_prompt_chars(sum(len(m["content"]) for m in req.messages), limit, "messages")
     for item in req.inputs:
         if isinstance(item, str):
             check_prompt_chars(len(item), limit, "input")
@@ -235,8 +260,12 @@ def token_ids(llm: LLMBackend, req: EmbeddingRequest) -> list[list[int]]:
                 f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({limit})",
                 param="truncate_prompt_tokens",
             )
+    inputs = req.inputs
+    if req.messages is not None:
+        assert req.template is not None
+        inputs = [llm.tokenizer.apply_chat_template(req.messages, **req.template)]
     out = []
-    for item in req.inputs:
+    for item in inputs:
         if isinstance(item, list):
             if any(not 0 <= t < vocab for t in item):
                 raise OpenAIError(f"input token ids must be in [0, {vocab})", param="input")
