@@ -65,6 +65,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, weights: Path) -> Iterator[
             f'name: "{name}"\n{BASE}\n{extra}\n'
             f'parameters {{ key: "model_path" value {{ string_value: "{weights}" }} }}\n'
         )
+    # a matryoshka model: its config.json lists the sizes its vectors may be cut to
+    build_tiny_llm(repo / "mat" / "1", matryoshka_dimensions=[16, 32])
+    (repo / "mat" / "config.pbtxt").write_text(f'name: "mat"\n{BASE}\n{MODELS["last"]}\n')
     proc = KilnProcess(repo).start(timeout=120)
     yield proc
     proc.stop()
@@ -197,6 +200,19 @@ def test_bad_input_is_a_400_naming_the_field(
     assert status == 400, answer
     assert answer["error"]["param"] == param
     assert answer["error"]["type"] == "invalid_request_error"
+
+
+def test_matryoshka_dimensions(client: openai.OpenAI) -> None:
+    whole = client.embeddings.create(model="mat", input="hello", extra_body={"normalize": False})
+    cut = client.embeddings.create(model="mat", input="hello", dimensions=16)
+    raw = np.array(whole.data[0].embedding)
+    assert len(raw) == 64 and len(cut.data[0].embedding) == 16
+    # vLLM's order: cut, then normalize
+    np.testing.assert_allclose(cut.data[0].embedding, raw[:16] / np.linalg.norm(raw[:16]),
+                               atol=1e-6)  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match=r"only supports \[16, 32\]") as err:
+        client.embeddings.create(model="mat", input="hello", dimensions=8)
+    assert err.value.body["param"] == "dimensions"  # type: ignore[index]
 
 
 def test_openai_client_errors_and_pooling_model_generates_nothing(
