@@ -7,6 +7,7 @@ and the thread posts each step's outputs back with ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -14,11 +15,15 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm.engine import LLMEngine, RequestOutput
 from kiln.llm.sequence import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("kiln.llm")
 _IDS = itertools.count()
@@ -57,10 +62,25 @@ class _Abort:
     reason: str = "abort"  # the finished_reason it counts under in vllm:request_success
 
 
+@dataclass(order=True, slots=True)
+class _Pool:
+    """A pooling request: its prompts run in batches between the engine's steps."""
+
+    priority: int
+    order: int
+    prompts: list[list[int]] = field(compare=False)
+    future: concurrent.futures.Future[list[torch.Tensor]] = field(compare=False)
+    results: list[torch.Tensor] = field(default_factory=list, compare=False)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, name: str = "llm") -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Pool | None] = queue.SimpleQueue()
+        #: pooling requests waiting for their next batch, by (priority, arrival)
+        self._pools: list[_Pool] = []
+        #: prompts of pooling requests not yet answered (bounded like the engine's queue)
+        self._pooling = 0
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -109,12 +129,35 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(rid, None)
 
+    async def pool(self, prompts: list[list[int]], priority: int = 0) -> list[torch.Tensor]:
+        """Each prompt's pooled vector (float32, on the CPU), computed on the engine's
+        thread between steps: a generation step waits for at most one pooling batch
+        (``max_num_batched_tokens`` tokens), and a pooling request for the steps in flight.
+        Leaving early (a closed client) drops the prompts not yet computed."""
+        config = self.engine.config
+        with self._lock:
+            limit = config.max_waiting + config.max_num_seqs
+            if self._pooling + len(prompts) > limit:
+                raise KilnError(
+                    f"llm engine: {self._pooling} pooling prompts in flight, the queue is full",
+                    Status.UNAVAILABLE,
+                )
+            self._pooling += len(prompts)
+        job = _Pool(priority, next(_IDS), prompts, concurrent.futures.Future())
+        self._send(job)
+        try:
+            return await asyncio.wrap_future(job.future)
+        finally:
+            job.future.cancel()  # the thread skips what is left of it
+            with self._lock:
+                self._pooling -= len(prompts)
+
     def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
         """Stop one sample of a request (a stop string matched it: ``reason="stop"``) or
         the whole request."""
         self._send(_Abort(request_id, index, reason))
 
-    def _send(self, command: _Add | _Abort | None) -> None:
+    def _send(self, command: _Add | _Abort | _Pool | None) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -128,13 +171,21 @@ class AsyncEngine:
                 while True:
                     command = self._commands.get_nowait()
                     if command is None:
+                        for job in self._pools:  # nobody will compute them now
+                            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                                job.future.set_exception(
+                                    KilnError("llm engine: closed", Status.UNAVAILABLE)
+                                )
                         return
                     self._apply(command)
             except queue.Empty:
                 pass
+            if self._pools:
+                self._pool_batch()
             if not self.engine.has_work():
-                self._wake.wait()
-                self._wake.clear()
+                if not self._pools:
+                    self._wake.wait()
+                    self._wake.clear()
                 continue
             try:
                 outputs = self.engine.step()
@@ -161,7 +212,61 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
                 loop.call_soon_threadsafe(_put_all, items)
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _pool_batch(self) -> None:
+        """One forward pass over the next waiting prompts, up to ``max_num_batched_tokens``
+        tokens (always at least one prompt), from one or more pooling requests in order."""
+        budget = self.engine.config.max_num_batched_tokens
+        batch: list[tuple[_Pool, int]] = []  # (request, prompts taken from it)
+        tokens = 0
+        for job in sorted(self._pools):  # by (priority, arrival)
+            if job.future.cancelled():
+                continue
+            start = len(job.results)
+            end = start
+            while end < len(job.prompts) and (
+                (not batch and end == start) or tokens + len(job.prompts[end]) <= budget
+            ):
+                tokens += len(job.prompts[end])
+                end += 1
+            if end > start:
+                batch.append((job, end - start))
+            if end < len(job.prompts):
+                break
+        self._run_pool(batch)
+        self._pools = [j for j in self._pools if not j.future.done()]
+
+    def _run_pool(self, batch: list[tuple[_Pool, int]]) -> None:
+        """Run the batch; when it fails, each request's part runs alone, so one request's
+        failure fails it alone."""
+        prompts = [
+            p for job, n in batch for p in job.prompts[len(job.results) : len(job.results) + n]
+        ]
+        try:
+            pooled = list(self.engine.pool(prompts).cpu().unbind(0)) if prompts else []
+        except Exception as exc:
+            if len(batch) > 1:
+                for part in batch:
+                    self._run_pool([part])
+                return
+            log.exception("llm engine: a pooling batch failed")
+            for job, _ in batch:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    job.future.set_exception(
+                        KilnError(f"llm engine: pooling failed: {exc}", Status.INTERNAL)
+                    )
+            return
+        at = 0
+        for job, n in batch:
+            job.results.extend(pooled[at : at + n])
+            at += n
+            if len(job.results) == len(job.prompts):
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    job.future.set_result(job.results)  # unless its client has left
+
+    def _apply(self, command: _Add | _Abort | _Pool) -> None:
+        if isinstance(command, _Pool):
+            self._pools.append(command)
+            return
         if isinstance(command, _Abort):
             self.engine.abort(command.request_id, command.index, command.reason)
             return

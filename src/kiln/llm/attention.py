@@ -180,6 +180,40 @@ class AttentionMetadata:
         )
 
 
+@dataclass(slots=True)
+class DenseMetadata:
+    """A forward pass outside the cache (pooling): each sequence attends causally to its own
+    new tokens, which are neither read from nor written to any KV block."""
+
+    prefills: list[PrefillChunk]
+
+    @classmethod
+    def build(cls, lengths: list[int], device: torch.device,
+              window: int | None = None) -> DenseMetadata:  # fmt: skip
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        return cls([_prefill(s, n, 0, [], 1, device, window)
+                    for s, n in zip(starts, lengths, strict=True)])  # fmt: skip
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DenseMetadata
+) -> torch.Tensor:
+    """``q`` [T, H, D], ``k``/``v`` [T, Hkv, D]; returns [T, H, D]."""
+    out = torch.empty_like(q)
+    for p in meta.prefills:
+        span = slice(p.start, p.start + p.length)
+        o = F.scaled_dot_product_attention(
+            q[span].transpose(0, 1)[None],
+            k[span].transpose(0, 1)[None],
+            v[span].transpose(0, 1)[None],
+            attn_mask=p.mask,
+            is_causal=p.mask is None,
+            enable_gqa=True,
+        )
+        out[span] = o[0].transpose(0, 1)
+    return out
+
+
 def window_start(context: int, window: int | None) -> int:
     """The first position the query of a sequence of ``context`` tokens (its own included)
     sees."""

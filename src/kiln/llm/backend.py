@@ -28,7 +28,7 @@ from kiln.core.errors import KilnError, Status
 from kiln.llm import model_json, triton_tensors
 from kiln.llm.async_engine import AsyncEngine
 from kiln.llm.checkpoint import FolderCheckpoint, generation_eos_ids, sampling_defaults
-from kiln.llm.config import EngineConfig
+from kiln.llm.config import EngineConfig, PoolerConfig
 from kiln.llm.engine import LLMEngine
 from kiln.llm.structured import GrammarCompiler
 from kiln.llm.tokenizer import Tokenizer
@@ -106,7 +106,49 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
     if policy is not None:
         out.scheduling_policy = policy.strip().lower()
     out.device = _device(config, instance)
+    _pooling(config, out)
     return out
+
+
+def _pooling(config: ModelConfig, out: EngineConfig) -> None:
+    """vLLM's ``--runner pooling`` (or its older ``--task embed``, or ``--convert embed``)
+    and ``--pooler-config``, as parameters: ``runner``, ``task``, ``convert``,
+    ``pooler_config`` (its JSON), or ``pooling_type`` and ``normalize`` one by one."""
+    name = config.name
+    runner = (parameter(config, "runner") or "generate").strip().lower()
+    for key, value in (("task", "embed"), ("convert", "embed")):
+        raw = parameter(config, key)
+        if raw is None:
+            continue
+        raw = raw.strip().lower()
+        if raw == value:
+            runner = "pooling"
+        elif raw not in ("generate", "auto", "none"):
+            raise KilnError(
+                f"model '{name}': parameter {key} '{raw}' is not supported by kiln "
+                f"('{value}' for embeddings, or 'generate')",
+                Status.INVALID_ARG,
+            )
+    out.runner = runner
+    pooler = parameter(config, "pooler_config") or parameter(config, "override_pooler_config")
+    pooler_config = PoolerConfig.from_json(pooler) if pooler else PoolerConfig()
+    pooling_type = parameter(config, "pooling_type")
+    normalize = parameter(config, "normalize")
+    if normalize is not None and _BOOLEANS.get(normalize.strip().lower()) is None:
+        raise KilnError(
+            f"model '{name}': parameter normalize must be true or false, got '{normalize}'",
+            Status.INVALID_ARG,
+        )
+    out.pooler_config = PoolerConfig(
+        pooling_type.strip().upper() if pooling_type else pooler_config.pooling_type,
+        pooler_config.normalize if normalize is None else _BOOLEANS[normalize.strip().lower()],
+    )
+    if runner != "pooling" and (pooler or pooling_type or normalize):
+        raise KilnError(
+            f"model '{name}': pooling_type, normalize and pooler_config need parameter "
+            "runner 'pooling' (the model serves /v1/embeddings)",
+            Status.INVALID_ARG,
+        )
 
 
 def _device(config: ModelConfig, instance: InstanceSpec) -> str:

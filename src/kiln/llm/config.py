@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,55 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: ``vllm`` (none: the engine's defaults), or a folder holding a generation_config.json
 GENERATION_CONFIG_MODES = ("auto", "vllm")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flex")
+#: vLLM's names. ``LAST``: the last token's state (a causal decoder's only state that saw
+#: the whole input); ``MEAN``: the average over the input's tokens; ``CLS``: the first's.
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+#: vLLM's ``--runner``: ``pooling`` serves ``/v1/embeddings`` (and not generation)
+RUNNERS = ("generate", "pooling")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolerConfig:
+    """vLLM's ``--pooler-config`` fields kiln serves (its defaults for an embed model)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise KilnError(
+                f"llm backend: pooling_type must be one of {', '.join(POOLING_TYPES)}, "
+                f"got '{self.pooling_type}'",
+                Status.INVALID_ARG,
+            )
+
+    @classmethod
+    def from_json(cls, raw: str) -> PoolerConfig:
+        """vLLM's ``--pooler-config`` JSON (``{"pooling_type": "MEAN", "normalize": false}``);
+        any other key is refused, naming it."""
+        try:
+            fields: Any = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise KilnError(
+                f"llm backend: pooler_config is not JSON: {exc}", Status.INVALID_ARG
+            ) from None
+        if not isinstance(fields, dict):
+            raise KilnError("llm backend: pooler_config must be a JSON object", Status.INVALID_ARG)
+        unknown = sorted(set(fields) - {"pooling_type", "normalize"})
+        if unknown:
+            raise KilnError(
+                f"llm backend: pooler_config field '{unknown[0]}' is not supported by kiln "
+                "(supported: pooling_type, normalize)",
+                Status.INVALID_ARG,
+            )
+        normalize = fields.get("normalize", True)
+        if not isinstance(normalize, bool):
+            raise KilnError(
+                f"llm backend: pooler_config normalize must be true or false, got {normalize!r}",
+                Status.INVALID_ARG,
+            )
+        pooling = fields.get("pooling_type", "LAST")
+        return cls(str(pooling).upper(), normalize)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +94,11 @@ class ModelArgs:
     #: layers that attend causally over the whole context despite ``sliding_window``
     #: (Qwen2's below ``max_window_layers``); every other layer uses the window
     full_attention_layers: tuple[int, ...] = ()
+    #: a matryoshka embedding model (``is_matryoshka`` or ``matryoshka_dimensions`` in its
+    #: config, as vLLM reads them): its vectors may be cut to a request's ``dimensions``
+    is_matryoshka: bool = False
+    #: the only sizes it may be cut to (None: any)
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer ``layer`` (None: the whole causal context)."""
@@ -93,6 +148,10 @@ class ModelArgs:
             eos_token_ids=eos_ids,
             sliding_window=window,
             full_attention_layers=full_layers,
+            is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
+            matryoshka_dimensions=tuple(int(d) for d in raw["matryoshka_dimensions"])
+            if raw.get("matryoshka_dimensions")
+            else None,
         )
 
     @classmethod
@@ -170,6 +229,10 @@ class EngineConfig:
     chat_template: str = ""
     #: ``auto``, ``vllm`` or a folder (GENERATION_CONFIG_MODES)
     generation_config: str = "auto"
+    #: vLLM's ``--runner``: ``generate``, or ``pooling`` (``/v1/embeddings``)
+    runner: str = "generate"
+    #: how a ``pooling`` model pools (vLLM's ``--pooler-config``)
+    pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
     extra: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -206,6 +269,11 @@ class EngineConfig:
             raise KilnError(
                 f"llm backend: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got '{self.attention_backend}'",
+                Status.INVALID_ARG,
+            )
+        if self.runner not in RUNNERS:
+            raise KilnError(
+                f"llm backend: runner must be one of {', '.join(RUNNERS)}, got '{self.runner}'",
                 Status.INVALID_ARG,
             )
         if any(s <= 0 for s in self.cuda_graph_sizes):

@@ -345,6 +345,13 @@ class LLMEngine:
             stop_token_id=seq.stop_token_id,
         )
 
+    def pool(self, prompts: list[list[int]]) -> torch.Tensor:
+        """The prompts' pooled final hidden states [len(prompts), hidden] (float32), by the
+        model's ``pooler_config``, in one forward pass outside the KV cache."""
+        pooled = self.runner.pool(prompts, self.config.pooler_config.pooling_type)
+        self.stats.num_prompt_tokens += sum(len(p) for p in prompts)
+        return pooled
+
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[list[int]]:

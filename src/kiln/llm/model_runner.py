@@ -8,12 +8,13 @@ import torch
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm import attention_cpu, cpu_ops
-from kiln.llm.attention import AttentionMetadata, KVWorkspace, cache_shape
+from kiln.llm.attention import AttentionMetadata, DenseMetadata, KVWorkspace, cache_shape
 from kiln.llm.attention_flex import FlexMetadata, resolve_attention_backend
 from kiln.llm.checkpoint import Checkpoint
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.cuda_graphs import DecodeGraphs, capture_sizes
-from kiln.llm.models.llama import LlamaForCausalLM
+from kiln.llm.models.llama import LlamaForCausalLM, StepMetadata
+from kiln.llm.pooling import mean_pool, token_rows
 from kiln.llm.sampler import SampledToken, prompt_logprobs, sample
 from kiln.llm.scheduler import SchedulerOutput
 from kiln.llm.sequence import SamplingParams, Sequence
@@ -263,6 +264,22 @@ class ModelRunner:
             logits = logits[: len(logit_index)]
         sampled = sample(logits, samplers)
         return dict(zip((s.seq_id for s in samplers), sampled, strict=True))
+
+    @torch.inference_mode()
+    def pool(self, prompts: list[list[int]], pooling_type: str) -> torch.Tensor:
+        """One forward pass over ``prompts`` (each alone, causally, outside the KV cache);
+        their pooled final hidden states [len(prompts), hidden], float32."""
+        lengths = [len(p) for p in prompts]
+        dev = self.device
+        metas: StepMetadata = {w: DenseMetadata.build(lengths, dev, w) for w in self.windows}
+        ids = torch.tensor([t for p in prompts for t in p], device=dev)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)
+        rows = token_rows(lengths, pooling_type)
+        if rows is None:
+            return mean_pool(self.model.hidden_states(ids, positions, metas), lengths)
+        # LAST and CLS read one token each: the final norm runs on those rows alone
+        hidden = self.model.hidden_states(ids, positions, metas, rows.to(dev))
+        return hidden.float()
 
     def _eager(
         self,

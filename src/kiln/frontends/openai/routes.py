@@ -20,6 +20,7 @@ from kiln.core.errors import KilnError
 from kiln.core.server import Server
 from kiln.core.trace import FrontendSlot, http_slot
 from kiln.frontends.http.app import HttpFrontend
+from kiln.frontends.openai import embeddings
 from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
@@ -78,6 +79,19 @@ def _llm(server: Server, name: str) -> LLMBackend:
             404,
             param="model",
             code="model_not_found",
+        )
+    return llm
+
+
+def _generator(server: Server, name: str, api: str) -> LLMBackend:
+    """A model that generates: one served with ``runner: pooling`` answers embeddings
+    only, as vLLM's pooling runner does."""
+    llm = _llm(server, name)
+    if llm.engine.config.runner == "pooling":
+        raise OpenAIError(
+            f"The model '{name}' does not support {api} API: it is served with runner "
+            "'pooling' (embeddings)",
+            param="model",
         )
     return llm
 
@@ -493,7 +507,7 @@ def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[Ba
         body = await _received(request, slot, reader)
         req = completion_request(_with_model_defaults(server, body))
         _precheck_prompt(server, body)
-        llm = _llm(server, req.model)
+        llm = _generator(server, req.model, "Completions")
         # OpenAI's default max_tokens for completions: 16
         prepared = await asyncio.to_thread(_prepare, llm, req, 16)
         return await _respond(llm, req, prepared, chat=False)
@@ -509,9 +523,20 @@ def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[Ba
         # the template renders in proportion to the messages: off the event loop too
         prompt = await asyncio.to_thread(_chat_prompt, llm, messages, template) if llm else ""
         req = chat_request(_with_model_defaults(server, body), messages, prompt, template)
-        llm = _llm(server, req.model)
+        llm = _generator(server, req.model, "Chat Completions")
         prepared = await asyncio.to_thread(_prepare, llm, req, None)
         return await _respond(llm, req, prepared, chat=True)
+
+    async def embed(request: Request) -> Response:
+        body = await _received(request, http_slot(server.tracer, request.headers), reader)
+        req = embeddings.embedding_request(body)
+        llm = _llm(server, req.model)
+        embeddings.check_model(llm, req)
+        prompts = await asyncio.to_thread(embeddings.token_ids, llm, req)
+        vectors = await llm.async_engine.pool(prompts, req.priority)
+        tokens = sum(len(p) for p in prompts)
+        raw = await asyncio.to_thread(embeddings.response_body, llm, req, vectors, tokens)
+        return Response(raw, media_type="application/json")
 
     async def tokenize(request: Request) -> Response:
         body = await _body(request, reader)
@@ -537,6 +562,7 @@ def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[Ba
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", _answers_errors(completions), methods=["POST"]),
         Route("/v1/chat/completions", _answers_errors(chat), methods=["POST"]),
+        Route("/v1/embeddings", _answers_errors(embed), methods=["POST"]),
         Route("/tokenize", _answers_errors(tokenize), methods=["POST"]),
         Route("/detokenize", _answers_errors(detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),

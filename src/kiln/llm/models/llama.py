@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.llm import cpu_ops
-from kiln.llm.attention import AttentionMetadata, paged_attention
+from kiln.llm.attention import (
+    AttentionMetadata,
+    DenseMetadata,
+    dense_attention,
+    paged_attention,
+)
 from kiln.llm.attention_flex import FlexMetadata, flex_paged_attention
 from kiln.llm.config import ModelArgs
 from kiln.llm.models.rope import RotaryEmbedding, rotate
@@ -26,7 +31,7 @@ from kiln.llm.models.rope import RotaryEmbedding, rotate
 RMS_NORM_FUSED_MAX_TOKENS = 256
 
 #: a step's attention metadata by sliding window (None: full causal attention)
-StepMetadata = Mapping[int | None, AttentionMetadata | FlexMetadata]
+StepMetadata = Mapping[int | None, AttentionMetadata | FlexMetadata | DenseMetadata]
 
 
 class RMSNorm(nn.Module):
@@ -108,7 +113,9 @@ class Attention(nn.Module):
             k = rotate(self.k_proj(x).view(t, hkv, d), *rope)
             v = self.v_proj(x).view(t, hkv, d)
         meta = metas[self.sliding_window]
-        if isinstance(meta, FlexMetadata):
+        if isinstance(meta, DenseMetadata):
+            out = dense_attention(q, k, v, meta)
+        elif isinstance(meta, FlexMetadata):
             out = flex_paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
         else:
             out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
@@ -222,6 +229,18 @@ class LlamaForCausalLM(nn.Module):
         each (usually one: a model's layers all share theirs)."""
         return list(dict.fromkeys(a.sliding_window for a in self.attention_layers()))
 
+    def _layers(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metas: StepMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer: the last one's output and the residual stream, not yet added."""
+        x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb.lookup(positions, x.dtype)
+        residual: torch.Tensor | None = None
+        for layer in self.model.layers:
+            x, residual = layer(rope, x, residual, metas)
+        assert residual is not None, "a model has at least one layer"
+        return x, residual
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -231,13 +250,23 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits [len(logit_index), vocab] for the flat tokens ``logit_index`` picks;
         ``metas``: the step's attention metadata for each of ``windows()``."""
-        x = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary_emb.lookup(positions, x.dtype)
-        residual: torch.Tensor | None = None
-        for layer in self.model.layers:
-            x, residual = layer(rope, x, residual, metas)
-        assert residual is not None, "a model has at least one layer"
+        x, residual = self._layers(input_ids, positions, metas)
         # only the rows that are sampled: their last add and the final norm
         hidden = self.model.norm.add_forward(x[logit_index], residual[logit_index])
         logits: torch.Tensor = self.lm_head(hidden)
         return logits
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metas: StepMetadata,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final norm's output (``transformers``' ``last_hidden_state``) for the flat
+        tokens ``rows`` picks (None: every token): what a pooler reads."""
+        x, residual = self._layers(input_ids, positions, metas)
+        if rows is not None:
+            x, residual = x[rows], residual[rows]
+        hidden: torch.Tensor = self.model.norm.add_forward(x, residual)
+        return hidden

@@ -1,0 +1,331 @@
+"""``/v1/embeddings``: OpenAI's request and answer, with vLLM's extra fields, for a model
+served with ``runner: pooling`` (its vectors come from ``AsyncEngine.pool``)."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from kiln.core.errors import KilnError
+from kiln.frontends.openai.protocol import (
+    OpenAIError,
+    chat_messages,
+    chat_template_options,
+    check_fields,
+    check_prompt_chars,
+)
+from kiln.llm.params import InvalidField, integer
+
+if TYPE_CHECKING:  # importing the backend imports torch
+    import torch
+
+    from kiln.llm.backend import LLMBackend
+
+EMBEDDING_FIELDS = frozenset(
+    (
+        "model",
+        "input",
+        "encoding_format",
+        "dimensions",
+        "user",
+        "truncate_prompt_tokens",
+        "truncation_side",
+        "padding",
+        "request_id",
+        "priority",
+        "cache_salt",
+        "normalize",
+        "use_activation",
+        "embed_dtype",
+        "endianness",
+        # vLLM's chat form: ``messages`` rendered by the chat template, one input
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template_kwargs",
+        "documents",
+    )
+)
+ENCODING_FORMATS = ("float", "base64")
+EMBED_DTYPES = ("float32", "float16", "bfloat16")
+ENDIANNESS = ("native", "little", "big")
+
+
+@dataclass(slots=True)
+class EmbeddingRequest:
+    model: str
+    #: text or token ids, one vector each
+    inputs: list[str | list[int]]
+    encoding_format: str = "float"
+    embed_dtype: str = "float32"
+    endianness: str = "native"
+    dimensions: int | None = None
+    #: None: the model's ``pooler_config`` decides (vLLM's default: true)
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    #: which end ``truncate_prompt_tokens`` keeps: ``left`` cuts the start (vLLM's default)
+    truncation_side: str = "left"
+    request_id: str | None = None
+    priority: int = 0
+    #: vLLM's chat form: the messages and the template's options (``inputs`` is empty)
+    messages: list[dict[str, Any]] | None = None
+    template: dict[str, Any] | None = None
+
+
+def _choice(body: dict[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
+    value = body.get(key)
+    if value is None:
+        return default
+    if value not in allowed:
+        raise OpenAIError(
+            f"'{key}' must be one of {', '.join(allowed)} (kiln serves these), got {value!r}",
+            param=key,
+        )
+    return str(value)
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def _inputs(body: dict[str, Any]) -> list[str | list[int]]:
+    """OpenAI's ``input``: a string, a list of strings, token ids, or a list of token-id
+    lists; each one non-empty."""
+    raw = body.get("input")
+    if isinstance(raw, str) or (_is_ids(raw) and raw):
+        items: list[Any] = [raw]
+    elif isinstance(raw, list) and raw:
+        items = raw
+    else:
+        raise OpenAIError(
+            "'input' must be a non-empty string, a list of strings, a list of token ids, or "
+            "a list of token-id lists",
+            param="input",
+        )
+    for i, item in enumerate(items):
+        if not (isinstance(item, str) or _is_ids(item)) or not item:
+            where = "'input'" if len(items) == 1 else f"input[{i}]"
+            raise OpenAIError(
+                f"{where} must be a non-empty string or a non-empty list of token ids",
+                param="input",
+            )
+    return items
+
+
+def _flag(body: dict[str, Any], key: str) -> bool | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise OpenAIError(f"'{key}' must be a boolean, got {value!r}", param=key)
+    return value
+
+
+def embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
+    check_fields(body, EMBEDDING_FIELDS, "embeddings")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError("'model' is required and must be a string", param="model")
+    messages = template = None
+    if "messages" in body:
+        if "input" in body:
+            raise OpenAIError("send 'input' or 'messages', not both", param="messages")
+        messages = chat_messages(body)
+        # vLLM's chat embedding: no generation prompt unless asked for
+        template = chat_template_options(
+            {**body, "add_generation_prompt": body.get("add_generation_prompt", False)}
+        )
+        inputs: list[str | list[int]] = []
+    else:
+        inputs = _inputs(body)
+    try:
+        dimensions = integer(body, "dimensions")
+        truncate = integer(body, "truncate_prompt_tokens")
+        priority = integer(body, "priority") or 0
+    except InvalidField as exc:
+        raise OpenAIError(exc.message, param=exc.field) from None
+    if dimensions is not None and dimensions < 1:
+        raise OpenAIError(f"dimensions must be at least 1, got {dimensions}", param="dimensions")
+    if truncate is not None and truncate < 1 and truncate != -1:
+        raise OpenAIError(
+            f"truncate_prompt_tokens must be >= 1 (or -1: the model's context), got {truncate}",
+            param="truncate_prompt_tokens",
+        )
+    # vLLM's newer name for normalize: both may come, and must then agree
+    normalize, activation = _flag(body, "normalize"), _flag(body, "use_activation")
+    if normalize is not None and activation is not None and normalize != activation:
+        raise OpenAIError(
+            "'normalize' and 'use_activation' disagree: send one", param="use_activation"
+        )
+    _choice(body, "padding", ("do_not_pad",), "do_not_pad")
+    salt = body.get("cache_salt")  # pooling reads no prefix cache: nothing for it to salt
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise OpenAIError("'cache_salt' must be a non-empty string", param="cache_salt")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise OpenAIError("'user' must be a string", param="user")
+    request_id = body.get("request_id")
+    if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        raise OpenAIError("'request_id' must be a non-empty string", param="request_id")
+    return EmbeddingRequest(
+        model=model,
+        inputs=inputs,
+        encoding_format=_choice(body, "encoding_format", ENCODING_FORMATS, "float"),
+        embed_dtype=_choice(body, "embed_dtype", EMBED_DTYPES, "float32"),
+        endianness=_choice(body, "endianness", ENDIANNESS, "native"),
+        dimensions=dimensions,
+        normalize=normalize if normalize is not None else activation,
+        truncate_prompt_tokens=truncate,
+        truncation_side=_choice(body, "truncation_side", ("left", "right"), "left"),
+        request_id=request_id,
+        priority=priority,
+        messages=messages,
+        template=template,
+    )
+
+
+def check_model(llm: LLMBackend, req: EmbeddingRequest) -> None:
+    """What the model decides, before any tokenizing: it pools, ``dimensions`` fits it,
+    and the inputs are few and short enough to be worth reading."""
+    config, args = llm.engine.config, llm.engine.args
+    if config.runner != "pooling":
+        raise OpenAIError(
+            f"The model '{req.model}' does not support Embeddings API: it is served for "
+            "generation (set its parameter runner to 'pooling' to serve embeddings)",
+            param="model",
+        )
+    if req.dimensions is not None:
+        if not args.is_matryoshka:
+            raise OpenAIError(
+                f"Model '{req.model}' does not support matryoshka representation, changing "
+                "output dimensions will lead to poor results",
+                param="dimensions",
+            )
+        allowed = args.matryoshka_dimensions
+        if allowed is not None and req.dimensions not in allowed:
+            raise OpenAIError(
+                f"Model '{req.model}' only supports {list(allowed)} matryoshka dimensions",
+                param="dimensions",
+            )
+        if req.dimensions > args.hidden_size:
+            raise OpenAIError(
+                f"dimensions ({req.dimensions}) is more than the model's {args.hidden_size}",
+                param="dimensions",
+            )
+    try:
+        llm.engine.check_priority(req.priority)
+    except KilnError as exc:
+        raise OpenAIError(str(exc), param="priority") from None
+    most = config.max_waiting + config.max_num_seqs
+    if len(req.inputs) > most:
+        raise OpenAIError(
+            f"'input' holds {len(req.inputs)} inputs, more than the model queues at once ({most})",
+            param="input",
+        )
+    limit = config.max_model_len
+    if req.messages is not None:
+        check_prompt_chars(sum(len(m["content"]) for m in req.messages), limit, "messages")
+    for item in req.inputs:
+        if isinstance(item, str):
+            check_prompt_chars(len(item), limit, "input")
+        elif req.truncate_prompt_tokens is None and len(item) > limit:
+            raise _too_long(limit, len(item))
+
+
+def _too_long(limit: int, tokens: int) -> OpenAIError:
+    return OpenAIError(
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{tokens} tokens in the input for embedding generation. Please reduce the length "
+        "of the input.",
+        param="input",
+        code="context_length_exceeded",
+    )
+
+
+def token_ids(llm: LLMBackend, req: EmbeddingRequest) -> list[list[int]]:
+    """Each input's token ids, truncated as asked and checked against the context and the
+    vocabulary. On a worker thread: tokenizing takes time in proportion to the text."""
+    limit = llm.engine.config.max_model_len
+    vocab = llm.engine.args.vocab_size
+    keep = req.truncate_prompt_tokens
+    if keep is not None:
+        keep = limit if keep == -1 else keep
+        if keep > limit:
+            raise OpenAIError(
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({limit})",
+                param="truncate_prompt_tokens",
+            )
+    inputs = req.inputs
+    if req.messages is not None:
+        assert req.template is not None
+        inputs = [llm.tokenizer.apply_chat_template(req.messages, **req.template)]
+    out = []
+    for item in inputs:
+        if isinstance(item, list):
+            if any(not 0 <= t < vocab for t in item):
+                raise OpenAIError(f"input token ids must be in [0, {vocab})", param="input")
+            ids = item
+        else:
+            ids = llm.tokenizer.encode(item)
+        if keep is not None:
+            ids = ids[-keep:] if req.truncation_side == "left" else ids[:keep]
+        if not ids:
+            raise OpenAIError("an input has no tokens", param="input")
+        if len(ids) > limit:
+            raise _too_long(limit, len(ids))
+        out.append(ids)
+    return out
+
+
+def _base64(vector: torch.Tensor, dtype: str, endianness: str) -> str:
+    import torch
+
+    cast = vector.to(getattr(torch, dtype))
+    if dtype == "bfloat16":  # numpy has no bfloat16: its bits as 16-bit integers
+        cast = cast.view(torch.int16)
+    array = cast.numpy()
+    if endianness != "native":
+        array = array.astype(array.dtype.newbyteorder("<" if endianness == "little" else ">"))
+    return base64.b64encode(array.tobytes()).decode()
+
+
+def response_body(
+    llm: LLMBackend, req: EmbeddingRequest, vectors: list[torch.Tensor], prompt_tokens: int
+) -> bytes:
+    """The answer, as JSON bytes. On a worker thread: encoding is in proportion to the
+    vectors."""
+    import torch
+
+    from kiln.llm.pooling import finish
+
+    normalize = req.normalize
+    if normalize is None:
+        normalize = llm.engine.config.pooler_config.normalize
+    stacked = finish(torch.stack(vectors), req.dimensions, normalize)
+    data = []
+    for index, vector in enumerate(stacked):
+        embedding: Any = (
+            vector.numpy()
+            if req.encoding_format == "float"
+            else _base64(vector, req.embed_dtype, req.endianness)
+        )
+        data.append({"index": index, "object": "embedding", "embedding": embedding})
+    body = {
+        "id": f"embd-{req.request_id or uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": req.model,
+        "data": data,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+        },
+    }
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)

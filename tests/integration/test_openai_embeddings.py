@@ -1,0 +1,259 @@
+"""``/v1/embeddings`` of a ``kiln serve`` process, driven by the real ``openai`` client:
+vectors against ``transformers``' ``AutoModel`` (LAST and MEAN pooling, normalized), batches
+of inputs of different lengths, token-id inputs, base64, the errors, and a generation
+request that runs at the same time."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tests.conftest import KilnProcess  # noqa: E402
+from tests.llm_models import build_tiny_llm, reference_generate  # noqa: E402
+
+#: float32 on both sides: states agree to rounding (fused projections, other summation order)
+ATOL = 1e-5
+BASE = """
+backend: "llm"
+parameters { key: "max_num_seqs" value { string_value: "4" } }
+parameters { key: "max_waiting" value { string_value: "4" } }
+parameters { key: "max_num_batched_tokens" value { string_value: "64" } }
+parameters { key: "max_model_len" value { string_value: "128" } }
+"""
+MODELS = {
+    # vLLM's default pooler for a decoder: the last token, normalized
+    "last": 'parameters { key: "runner" value { string_value: "pooling" } }',
+    # vLLM's older spelling (--task embed) and --pooler-config JSON
+    "mean": 'parameters { key: "task" value { string_value: "embed" } }\n'
+    'parameters { key: "pooler_config" value { string_value: '
+    '"{\\"pooling_type\\": \\"MEAN\\"}" } }',
+    "gen": "",
+}
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello",
+    "kiln serves models with continuous batching and a paged kv cache, " * 2,
+]
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llm(tmp_path_factory.mktemp("weights"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, weights: Path) -> Iterator[KilnProcess]:
+    repo = tmp_path_factory.mktemp("repo")
+    for name, extra in MODELS.items():
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(
+            f'name: "{name}"\n{BASE}\n{extra}\n'
+            f'parameters {{ key: "model_path" value {{ string_value: "{weights}" }} }}\n'
+        )
+    # a matryoshka model: its config.json lists the sizes its vectors may be cut to
+    build_tiny_llm(repo / "mat" / "1", matryoshka_dimensions=[16, 32])
+    (repo / "mat" / "config.pbtxt").write_text(f'name: "mat"\n{BASE}\n{MODELS["last"]}\n')
+    proc = KilnProcess(repo).start(timeout=120)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(server: KilnProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(weights: Path) -> Any:
+    import transformers
+
+    from kiln.llm.tokenizer import Tokenizer
+
+    model = transformers.AutoModel.from_pretrained(str(weights), torch_dtype=torch.float32)
+    tokenizer = Tokenizer(weights)
+
+    def embed(item: str | list[int], pooling: str) -> np.ndarray:
+        ids = tokenizer.encode(item) if isinstance(item, str) else item
+        with torch.no_grad():
+            hidden = model.eval()(torch.tensor([ids])).last_hidden_state[0]
+        pooled = hidden[-1] if pooling == "last" else hidden.mean(0)
+        return F.normalize(pooled, dim=-1).numpy()
+
+    return embed
+
+
+def _post(server: KilnProcess, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(
+        f"http://{server.http_url}/v1/embeddings",
+        json.dumps(body).encode(),
+        {"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+@pytest.mark.parametrize("model", ["last", "mean"])
+def test_batch_of_texts_matches_transformers(
+    client: openai.OpenAI, reference: Any, model: str
+) -> None:
+    # the client asks for base64 by default and decodes it: float32, native order
+    got = client.embeddings.create(model=model, input=TEXTS)
+    assert [d.index for d in got.data] == [0, 1, 2]
+    for text, item in zip(TEXTS, got.data, strict=True):
+        np.testing.assert_allclose(item.embedding, reference(text, model), atol=ATOL, rtol=0)
+    assert got.usage.prompt_tokens == got.usage.total_tokens > len(TEXTS)
+    assert got.model == model and got.object == "list"
+
+
+def test_float_encoding_and_token_id_inputs(
+    client: openai.OpenAI, server: KilnProcess, reference: Any
+) -> None:
+    ids = [[5, 17, 42, 99, 3], list(range(30, 70))]
+    as_floats = client.embeddings.create(model="last", input=ids, encoding_format="float")
+    for prompt, item in zip(ids, as_floats.data, strict=True):
+        np.testing.assert_allclose(item.embedding, reference(prompt, "last"), atol=ATOL, rtol=0)
+    assert as_floats.usage.prompt_tokens == 45
+    # one list of ids is one input; base64 holds the very floats the float format writes
+    body = {"model": "last", "input": ids[0]}
+    status, raw = _post(server, {**body, "encoding_format": "base64"})
+    assert status == 200 and len(raw["data"]) == 1
+    _, floats = _post(server, {**body, "encoding_format": "float"})
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype=np.float32)
+    np.testing.assert_array_equal(decoded, np.float32(floats["data"][0]["embedding"]))
+    assert raw["id"].startswith("embd-") and raw["usage"]["prompt_tokens"] == 5
+
+
+def test_vllm_fields(server: KilnProcess) -> None:
+    body = {"model": "mean", "input": "hello world", "encoding_format": "float"}
+    _, plain = _post(server, body)
+    vector = np.array(plain["data"][0]["embedding"])
+    _, raw = _post(server, {**body, "normalize": False})
+    unnormalized = np.array(raw["data"][0]["embedding"])
+    assert abs(np.linalg.norm(unnormalized) - 1) > 1e-3
+    np.testing.assert_allclose(unnormalized / np.linalg.norm(unnormalized), vector, atol=1e-6)
+    _, half = _post(server, {**body, "encoding_format": "base64", "embed_dtype": "float16",
+                             "endianness": "big", "request_id": "abc"})  # fmt: skip
+    decoded = np.frombuffer(base64.b64decode(half["data"][0]["embedding"]), dtype=">f2")
+    np.testing.assert_array_equal(decoded, vector.astype(np.float16))
+    assert half["id"] == "embd-abc"
+    # truncate_prompt_tokens keeps the input's last tokens, as vLLM does
+    _, long = _post(server, {"model": "last", "input": list(range(10, 50)),
+                             "truncate_prompt_tokens": 8})  # fmt: skip
+    _, tail = _post(server, {"model": "last", "input": list(range(42, 50))})
+    assert long["usage"]["prompt_tokens"] == 8
+    assert long["data"][0]["embedding"] == tail["data"][0]["embedding"]
+    # vLLM's chat form: the messages as the chat template writes them, without a
+    # generation prompt unless asked
+    chat = {"model": "last", "messages": [{"role": "user", "content": "hi"}]}
+    _, by_messages = _post(server, chat)
+    _, by_text = _post(server, {"model": "last", "input": "<|user|>hi</s>"})
+    assert by_messages["data"] == by_text["data"]
+    _, prompted = _post(server, {**chat, "add_generation_prompt": True})
+    _, prompted_text = _post(server, {"model": "last", "input": "<|user|>hi</s><|assistant|>"})
+    assert prompted["data"] == prompted_text["data"] != by_text["data"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [[]]}, "input"),
+        ({"input": ["a", 3]}, "input"),
+        ({"input": ["a"] * 9}, "input"),  # more than max_waiting + max_num_seqs
+        ({"input": list(range(1, 130))}, "input"),  # past max_model_len (128)
+        ({"input": "the " * 200}, "input"),
+        ({"input": [1000]}, "input"),  # outside the vocabulary
+        ({"input": "hi", "dimensions": 16}, "dimensions"),  # not a matryoshka model
+        ({"input": "hi", "encoding_format": "bytes"}, "encoding_format"),
+        ({"input": "hi", "embed_dtype": "fp8_e4m3"}, "embed_dtype"),
+        ({"input": "hi", "normalize": "yes"}, "normalize"),
+        ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"input": "hi", "priority": 1}, "priority"),
+        ({"messages": "hi"}, "messages"),
+        ({"input": "hi", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
+        ({"input": "hi", "model": "gen"}, "model"),  # served for generation
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(
+    server: KilnProcess, body: dict[str, Any], param: str
+) -> None:
+    status, answer = _post(server, {"model": "last", **body})
+    assert status == 400, answer
+    assert answer["error"]["param"] == param
+    assert answer["error"]["type"] == "invalid_request_error"
+
+
+def test_matryoshka_dimensions(client: openai.OpenAI) -> None:
+    whole = client.embeddings.create(model="mat", input="hello", extra_body={"normalize": False})
+    cut = client.embeddings.create(model="mat", input="hello", dimensions=16)
+    raw = np.array(whole.data[0].embedding)
+    assert len(raw) == 64 and len(cut.data[0].embedding) == 16
+    # vLLM's order: cut, then normalize
+    np.testing.assert_allclose(cut.data[0].embedding, raw[:16] / np.linalg.norm(raw[:16]),
+                               atol=1e-6)  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match=r"only supports \[16, 32\]") as err:
+        client.embeddings.create(model="mat", input="hello", dimensions=8)
+    assert err.value.body["param"] == "dimensions"  # type: ignore[index]
+
+
+def test_openai_client_errors_and_pooling_model_generates_nothing(
+    client: openai.OpenAI,
+) -> None:
+    with pytest.raises(openai.BadRequestError, match="does not support matryoshka"):
+        client.embeddings.create(model="last", input="hi", dimensions=8)
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="nope", input="hi")
+    # vLLM's pooling runner answers no completions
+    with pytest.raises(openai.BadRequestError, match="does not support Completions API"):
+        client.completions.create(model="last", prompt="hi", max_tokens=2)
+
+
+def test_generation_completes_while_embeddings_run(
+    client: openai.OpenAI, weights: Path, reference: Any
+) -> None:
+    """Embedding batches run off the event loop (on their engine's thread): a generation
+    request sent while they run completes, token for token as ``transformers``
+    generates. (Pooling batches sharing one engine with generation steps:
+    tests/unit/test_llm_pooling.py.)"""
+    from kiln.llm.tokenizer import Tokenizer
+
+    texts = [TEXTS[2]] * 8
+    results: list[Any] = []
+
+    def embed() -> None:
+        for _ in range(3):
+            results.append(client.embeddings.create(model="last", input=texts))
+
+    worker = threading.Thread(target=embed)
+    worker.start()
+    prompt = [5, 17, 42, 99, 3]
+    got = client.completions.create(
+        model="gen", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    worker.join(timeout=120)
+    assert got.choices[0].text == Tokenizer(weights).decode(reference_generate(weights, prompt, 8))
+    assert got.usage is not None and got.usage.completion_tokens == 8
+    assert len(results) == 3
+    expected = reference(TEXTS[2], "last")
+    for answer in results:
+        for item in answer.data:
+            np.testing.assert_allclose(item.embedding, expected, atol=ATOL, rtol=0)
