@@ -10,14 +10,17 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from kiln.backends.base import Backend, InstanceSpec, instance_specs, parameter
+from kiln.backends.registry import LLM_BACKENDS
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core import activity
 from kiln.core.classification import load_labels
-from kiln.core.errors import KilnError, Status, internal, unavailable
+from kiln.core.engine_client import EngineClient
+from kiln.core.errors import KilnError, Status, internal, invalid_arg, unavailable
 from kiln.core.signature import ModelSignature
 from kiln.core.stats import FailureReason, ModelStats, RequestTimes, failure_reason
 from kiln.core.stream import ResponseStream
@@ -38,6 +41,9 @@ from kiln.scheduling.ensemble_graph import build_graph, is_ensemble
 from kiln.scheduling.ragged import RaggedBatching
 from kiln.scheduling.rate_limit import Holder, RateLimiter
 from kiln.scheduling.sequence import SequenceScheduler
+
+if TYPE_CHECKING:  # importing the llm backend imports torch
+    from kiln.llm.backend import LLMBackend
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +98,7 @@ class ModelRuntime:
         self._resolve = resolve  # ensembles look their composing models up through it
         # 0..N responses per request, only through the stream APIs (infer_stream)
         self.decoupled = config.model_transaction_policy.decoupled
+        self._engine_client: EngineClient | None = None  # an llm model's (``llm_engine``)
 
     async def load(self) -> None:
         """Create every instance off the event loop, then the scheduler."""
@@ -191,6 +198,49 @@ class ModelRuntime:
     @property
     def inflight(self) -> int:
         return self._inflight
+
+    def llm_engine(self) -> EngineClient:
+        """This version's LLM engine (``backend: "llm"`` / ``"vllm"``), for the routes
+        that serve it (``Server.llm_engine``)."""
+        if self._engine_client is not None and self.ready:
+            return self._engine_client
+        self._check_ready()
+        assert self.scheduler is not None  # ready
+        for instance in self.scheduler.instances:
+            if instance.backend.name in LLM_BACKENDS:
+                self._engine_client = EngineClient(
+                    self.name,
+                    self.version_str,
+                    cast("LLMBackend", instance.backend),
+                    self.stats,
+                    self.tracer,
+                    self._begin_llm_request,
+                )
+                return self._engine_client
+        raise invalid_arg(
+            f"model '{self.name}' is served by the {self.config.backend or self.config.platform}"
+            " backend, not by an llm backend: use /v2/models/{model}/infer"
+        )
+
+    def _check_ready(self) -> None:
+        if self.state is not ModelState.READY or self.scheduler is None:
+            raise unavailable(f"model '{self.name}' version {self.version} is not ready")
+
+    def _begin_llm_request(self) -> Callable[[], None]:
+        """An LLM request starts: refused as infer refuses it when the model no longer
+        serves, else counted in flight until the returned call (unload waits for it)."""
+        self._check_ready()
+        self._inflight += 1
+        activity.inflight += 1
+        self._idle.clear()
+
+        def end() -> None:
+            self._inflight -= 1
+            activity.inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+        return end
 
     def _inputs(self, request: InferenceRequest) -> tuple[dict[str, np.ndarray], int]:
         """The validated request's inputs as the model takes them, and its batch size."""
