@@ -487,6 +487,8 @@ class ModelRuntime:
 
     async def drain(self, timeout: float | None = None) -> bool:
         """Wait until no request is in flight; False if the timeout expired first."""
+        if self._idle.is_set():
+            return True  # wait_for with a timeout of 0 would time out even so
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True

@@ -124,6 +124,29 @@ async def run(
                 )  # fmt: skip
 
 
+async def started(deltas: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:
+    """``deltas`` with its first delta awaited already, so that an error before any output
+    (the model began unloading since it was resolved, the engine's queue is full) is an
+    HTTP error with its status, not an event of a stream that began with 200."""
+    try:
+        first: Delta | None = await deltas.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await deltas.aclose()
+        raise
+
+    async def rest() -> AsyncGenerator[Delta, None]:
+        async with aclosing(deltas):
+            if first is None:
+                return
+            yield first
+            async for delta in deltas:
+                yield delta
+
+    return rest()
+
+
 async def merged(streams: list[AsyncGenerator[Delta, None]], n: int) -> AsyncGenerator[Delta, None]:
     """The deltas of several prompts' runs (a completions list of prompts) as they come,
     prompt ``i``'s choice ``j`` renumbered ``i * n + j`` as OpenAI numbers them. Leaving

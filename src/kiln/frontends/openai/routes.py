@@ -20,7 +20,7 @@ from kiln.core.errors import KilnError, Status
 from kiln.core.server import Server
 from kiln.core.trace import FrontendSlot, http_slot
 from kiln.frontends.http.app import HttpFrontend
-from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run
+from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run, started
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
     chat_logprobs,
@@ -320,6 +320,7 @@ async def _respond(
         # the prompt's logprobs go through the same formatter, so offsets start at 0
         formats = [_logprobs_format(llm, req, chat, "") for _ in range(total)]
         streamed = _Echo(echoed, firsts, n, set(range(total))) if echo else None
+        deltas = await started(deltas)  # an error before any output: its HTTP status
         events = _sse(deltas, req, chat, rid, formats, prompt_tokens, streamed)
         return StreamingResponse(events, media_type="text/event-stream")
     formats = [_logprobs_format(llm, req, chat, echoed[i // n]) for i in range(total)]
