@@ -115,9 +115,10 @@ async def test_past_the_drain_timeout_a_stream_ends_with_a_clear_error(folder: P
 
 async def test_a_model_of_another_backend_has_no_engine(folder: Path) -> None:
     async with loaded(folder) as runtime:
-        runtime.scheduler.instances[0].backend.name = "onnxruntime"  # type: ignore[union-attr]
-        runtime._engine_client = None
+        instances = runtime.scheduler.instances  # type: ignore[union-attr]
+        instances[0].backend.name = "onnxruntime"  # as if another backend served it
+        runtime._engine_client = runtime._llm_client(instances)
         with pytest.raises(KilnError) as info:
             runtime.llm_engine()
         assert info.value.status is Status.INVALID_ARG
-        assert "not by an llm backend" in info.value.message
+        assert "not by an llm backend: use /v2/models/tiny/infer" in info.value.message

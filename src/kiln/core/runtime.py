@@ -145,6 +145,7 @@ class ModelRuntime:
                 await loop.run_in_executor(None, inst.close)
             raise
         self.scheduler = self._scheduler(instances)
+        self._engine_client = self._llm_client(instances)
         self.load_seconds = time.perf_counter() - start
         self.state = ModelState.READY
 
@@ -202,25 +203,30 @@ class ModelRuntime:
     def llm_engine(self) -> EngineClient:
         """This version's LLM engine (``backend: "llm"`` / ``"vllm"``), for the routes
         that serve it (``Server.llm_engine``)."""
-        if self._engine_client is not None and self.ready:
-            return self._engine_client
         self._check_ready()
-        assert self.scheduler is not None  # ready
-        for instance in self.scheduler.instances:
+        if self._engine_client is None:
+            kind = self.config.backend or self.config.platform
+            raise invalid_arg(
+                f"model '{self.name}' is served by the {kind} backend, not by an llm "
+                f"backend: use /v2/models/{self.name}/infer"
+            )
+        return self._engine_client
+
+    def _llm_client(self, instances: list[Instance]) -> EngineClient | None:
+        """The client of the model's engine when an llm backend serves it (built once, at
+        load, so that the metrics thread and the event loop share it)."""
+        for instance in instances:
             if instance.backend.name in LLM_BACKENDS:
-                self._engine_client = EngineClient(
+                backend = cast("LLMBackend", instance.backend)
+                return EngineClient(
                     self.name,
                     self.version_str,
-                    cast("LLMBackend", instance.backend),
+                    backend,
                     self.stats,
                     self.tracer,
                     self._begin_llm_request,
                 )
-                return self._engine_client
-        raise invalid_arg(
-            f"model '{self.name}' is served by the {self.config.backend or self.config.platform}"
-            " backend, not by an llm backend: use /v2/models/{model}/infer"
-        )
+        return None
 
     def _check_ready(self) -> None:
         if self.state is not ModelState.READY or self.scheduler is None:
