@@ -10,14 +10,17 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from kiln.backends.base import Backend, InstanceSpec, instance_specs, parameter
+from kiln.backends.registry import LLM_BACKENDS
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core import activity
 from kiln.core.classification import load_labels
-from kiln.core.errors import KilnError, Status, internal, unavailable
+from kiln.core.engine_client import EngineClient
+from kiln.core.errors import KilnError, Status, internal, invalid_arg, unavailable
 from kiln.core.signature import ModelSignature
 from kiln.core.stats import FailureReason, ModelStats, RequestTimes, failure_reason
 from kiln.core.stream import ResponseStream
@@ -38,6 +41,9 @@ from kiln.scheduling.ensemble_graph import build_graph, is_ensemble
 from kiln.scheduling.ragged import RaggedBatching
 from kiln.scheduling.rate_limit import Holder, RateLimiter
 from kiln.scheduling.sequence import SequenceScheduler
+
+if TYPE_CHECKING:  # importing the llm backend imports torch
+    from kiln.llm.backend import LLMBackend
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +98,7 @@ class ModelRuntime:
         self._resolve = resolve  # ensembles look their composing models up through it
         # 0..N responses per request, only through the stream APIs (infer_stream)
         self.decoupled = config.model_transaction_policy.decoupled
+        self._engine_client: EngineClient | None = None  # an llm model's (``llm_engine``)
 
     async def load(self) -> None:
         """Create every instance off the event loop, then the scheduler."""
@@ -138,6 +145,7 @@ class ModelRuntime:
                 await loop.run_in_executor(None, inst.close)
             raise
         self.scheduler = self._scheduler(instances)
+        self._engine_client = self._llm_client(instances)
         self.load_seconds = time.perf_counter() - start
         self.state = ModelState.READY
 
@@ -191,6 +199,54 @@ class ModelRuntime:
     @property
     def inflight(self) -> int:
         return self._inflight
+
+    def llm_engine(self) -> EngineClient:
+        """This version's LLM engine (``backend: "llm"`` / ``"vllm"``), for the routes
+        that serve it (``Server.llm_engine``)."""
+        self._check_ready()
+        if self._engine_client is None:
+            kind = self.config.backend or self.config.platform
+            raise invalid_arg(
+                f"model '{self.name}' is served by the {kind} backend, not by an llm "
+                f"backend: use /v2/models/{self.name}/infer"
+            )
+        return self._engine_client
+
+    def _llm_client(self, instances: list[Instance]) -> EngineClient | None:
+        """The client of the model's engine when an llm backend serves it (built once, at
+        load, so that the metrics thread and the event loop share it)."""
+        for instance in instances:
+            if instance.backend.name in LLM_BACKENDS:
+                backend = cast("LLMBackend", instance.backend)
+                return EngineClient(
+                    self.name,
+                    self.version_str,
+                    backend,
+                    self.stats,
+                    self.tracer,
+                    self._begin_llm_request,
+                )
+        return None
+
+    def _check_ready(self) -> None:
+        if self.state is not ModelState.READY or self.scheduler is None:
+            raise unavailable(f"model '{self.name}' version {self.version} is not ready")
+
+    def _begin_llm_request(self) -> Callable[[], None]:
+        """An LLM request starts: refused as infer refuses it when the model no longer
+        serves, else counted in flight until the returned call (unload waits for it)."""
+        self._check_ready()
+        self._inflight += 1
+        activity.inflight += 1
+        self._idle.clear()
+
+        def end() -> None:
+            self._inflight -= 1
+            activity.inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+        return end
 
     def _inputs(self, request: InferenceRequest) -> tuple[dict[str, np.ndarray], int]:
         """The validated request's inputs as the model takes them, and its batch size."""
@@ -437,6 +493,8 @@ class ModelRuntime:
 
     async def drain(self, timeout: float | None = None) -> bool:
         """Wait until no request is in flight; False if the timeout expired first."""
+        if self._idle.is_set():
+            return True  # wait_for with a timeout of 0 would time out even so
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True

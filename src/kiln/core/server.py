@@ -15,9 +15,11 @@ from typing import Any
 
 from kiln import __version__
 from kiln.backends.python import bls
+from kiln.backends.registry import LLM_BACKENDS
 from kiln.config.loader import config_to_json
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.classification import classify, requested_count
+from kiln.core.engine_client import EngineClient
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.limits import check_parameters
 from kiln.core.runtime import ModelRuntime
@@ -238,6 +240,26 @@ class Server:
         self._admit(request)
         async for response in runtime.infer_stream(request, window):
             yield response
+
+    # ---- llm engines -----------------------------------------------------------------
+    def llm_engine(self, name: str, version: str = "") -> EngineClient:
+        """An LLM model's engine, resolved as ``infer`` resolves a model (the same errors:
+        unknown, not ready, unloading); its requests count, trace and drain as infer's.
+        A model of another backend: 400."""
+        if self.shutting_down:
+            raise KilnError("server is shutting down", Status.UNAVAILABLE)
+        return self.repository.get(name, version).llm_engine()
+
+    def llm_engines(self) -> dict[str, EngineClient]:
+        """The ready LLM models' engines, by name (each model's latest ready version)."""
+        found: dict[str, EngineClient] = {}
+        for runtime in sorted(self.repository.runtimes(), key=lambda r: r.version):
+            if runtime.ready and runtime.config.backend in LLM_BACKENDS:
+                try:
+                    found[runtime.name] = runtime.llm_engine()
+                except KilnError:
+                    continue  # unloaded meanwhile
+        return found
 
     def is_decoupled(self, name: str, version: str = "") -> bool:
         return self.repository.get(name, version).decoupled

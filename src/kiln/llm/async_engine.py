@@ -76,6 +76,8 @@ class _Pool:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, name: str = "llm") -> None:
         self.engine = engine
+        self.name = name
+        self._closed = False
         self._commands: queue.SimpleQueue[_Add | _Abort | _Pool | None] = queue.SimpleQueue()
         #: pooling requests waiting for their next batch, by (priority, arrival)
         self._pools: list[_Pool] = []
@@ -105,6 +107,8 @@ class AsyncEngine:
         self.engine.check_request(len(prompt), params, priority)
         config = self.engine.config
         with self._lock:
+            if self._closed:
+                raise KilnError(f"model '{self.name}' is unloaded", Status.UNAVAILABLE)
             if len(self._streams) >= config.max_waiting + config.max_num_seqs:
                 raise KilnError(
                     f"llm engine: {len(self._streams)} requests in flight, the queue is full",
@@ -162,8 +166,22 @@ class AsyncEngine:
         self._wake.set()
 
     def close(self) -> None:
+        """Stop the step loop. Core closes the engine once the model's requests drained
+        (or its drain timeout passed): a stream still open then ends with this error,
+        never hangs."""
+        with self._lock:
+            self._closed = True
+            streams = list(self._streams.values())
         self._send(None)
         self._thread.join(timeout=10)
+        error = KilnError(
+            f"model '{self.name}' was unloaded before the request finished (its in-flight "
+            "requests did not end within the unload's drain timeout, --exit-timeout-secs)",
+            Status.UNAVAILABLE,
+        )
+        for stream in streams:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                stream.put(error)
 
     def _run(self) -> None:
         while True:

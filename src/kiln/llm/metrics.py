@@ -6,8 +6,8 @@ does not import torch."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -17,8 +17,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kiln.backends.registry import LLM_BACKENDS
 from kiln.llm.stats import FINISH_REASONS, HISTOGRAMS
+
+if TYPE_CHECKING:
+    from kiln.core.engine_client import EngineClient
 
 PREFIX = "vllm:"
 LABELS = ("model_name", "engine")
@@ -30,13 +32,6 @@ CACHE_CONFIG_KEYS = (
     "block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "num_cpu_blocks",
     "kv_cache_size_tokens", "sliding_window",
 )  # fmt: skip
-
-
-def _engines(runtimes: Iterable[Any]) -> Iterator[tuple[str, Any]]:
-    for rt in runtimes:
-        for instance in getattr(getattr(rt, "scheduler", None), "instances", ()):
-            if getattr(instance.backend, "name", "") in LLM_BACKENDS:
-                yield rt.name, instance.backend.engine
 
 
 def cache_config_info(engine: Any) -> dict[str, str]:
@@ -64,8 +59,9 @@ def _counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> CounterMetricF
 
 
 class LLMCollector(Collector):
-    def __init__(self, runtimes: Callable[[], Iterable[Any]]) -> None:
-        self.runtimes = runtimes
+    def __init__(self, engines: Callable[[], Mapping[str, EngineClient]]) -> None:
+        """``engines``: the ready LLM models' engines by name (``Server.llm_engines``)."""
+        self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
         running = _gauge("num_requests_running", "Number of requests in model execution batches.")
@@ -112,7 +108,7 @@ class LLMCollector(Collector):
             "Information of the LLMEngine CacheConfig",
             labels=(*LABELS, *CACHE_CONFIG_KEYS),
         )
-        engines = list(_engines(self.runtimes()))
+        engines = [(name, client.engine) for name, client in self.engines().items()]
         if not engines:
             return  # no llm model: no vllm:* family at all
         for name, engine in engines:

@@ -48,7 +48,7 @@ class MetricsService:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ServerCollector(server.repository.runtimes, options.config))
         self.registry.register(ReadinessCollector(server.repository))
-        self.registry.register(LLMCollector(server.repository.runtimes))
+        self.registry.register(LLMCollector(server.llm_engines))
         self.registry.register(CustomMetricsCollector(server.repository.runtimes))
         # process_resident_memory_bytes, process_cpu_seconds_total, open fds, start time.
         self.registry.register(ProcessCollector(registry=None))

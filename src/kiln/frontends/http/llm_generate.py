@@ -26,7 +26,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kiln.backends.registry import LLM_BACKENDS
-from kiln.core.errors import KilnError, Status, invalid_arg
+from kiln.core.engine_client import EngineClient
+from kiln.core.errors import KilnError, invalid_arg
 from kiln.core.trace import http_slot
 from kiln.frontends.http.codec import parse_json
 from kiln.frontends.openai.generation import Delta, run
@@ -40,8 +41,8 @@ from kiln.llm.params import (
 )
 from kiln.llm.sequence import SamplingParams
 
-if TYPE_CHECKING:  # importing the backend imports torch
-    from kiln.llm.backend import LLMBackend
+if TYPE_CHECKING:
+    from kiln.core.server import Server
 
 _FLAGS = (
     "stream",
@@ -70,18 +71,14 @@ class LLMGenerateRequest:
     explicit_no_stream: bool = False
 
 
-def find_llm(server: Any, request: Request) -> LLMBackend | None:
-    """The llm backend serving the request's model, or None for any other backend (an
-    unknown model raises Triton's not-found error)."""
+def find_llm(server: Server, request: Request) -> EngineClient | None:
+    """The engine of the request's model through core, or None for a model of another
+    backend (an unknown or not ready model raises infer's error)."""
     p = request.path_params
     runtime = server.model(p["model"], p.get("version", ""))
     if runtime.config.backend not in LLM_BACKENDS:
         return None
-    for instance in getattr(runtime.scheduler, "instances", ()):
-        if instance.backend.name in LLM_BACKENDS:
-            backend: LLMBackend = instance.backend
-            return backend
-    raise KilnError(f"model '{runtime.name}' is not ready", Status.UNAVAILABLE)
+    return server.llm_engine(p["model"], p.get("version", ""))
 
 
 def _fields(body: dict[str, Any], model: str) -> dict[str, Any]:
@@ -111,7 +108,7 @@ def _fields(body: dict[str, Any], model: str) -> dict[str, Any]:
     return fields
 
 
-def decode(body: dict[str, Any], llm: LLMBackend, model: str, version: str) -> LLMGenerateRequest:
+def decode(body: dict[str, Any], llm: EngineClient, model: str, version: str) -> LLMGenerateRequest:
     text = body.get("text_input")
     if isinstance(text, list) and len(text) == 1:
         text = text[0]  # the generate extension's flat one-element list
@@ -137,7 +134,7 @@ def decode(body: dict[str, Any], llm: LLMBackend, model: str, version: str) -> L
         max_tokens = integer(fields, "max_tokens")
     except InvalidField as exc:
         raise invalid_arg(f"generate request for model '{model}': {exc.message}") from None
-    limit = llm.engine.config.max_model_len
+    limit = llm.max_model_len
     if len(text) > limit * MAX_CHARS_PER_TOKEN:  # cannot fit: refused before tokenizing
         raise invalid_arg(
             f"generate request for model '{model}': 'text_input' has {len(text)} characters, "
@@ -156,7 +153,7 @@ def decode(body: dict[str, Any], llm: LLMBackend, model: str, version: str) -> L
         max_tokens = min(max_tokens, llm.max_new_tokens)
     params = SamplingParams(max_tokens=max_tokens, **sampling)
     try:
-        llm.engine.check_request(len(ids), params)
+        llm.check_request(len(ids), params)
     except InvalidField as exc:
         raise invalid_arg(f"generate request for model '{model}': {exc.message}") from None
     rid = str(body.get("id", ""))
@@ -182,18 +179,17 @@ def _event(body: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-async def _decoded(frontend: Any, request: Request, llm: LLMBackend) -> LLMGenerateRequest:
+async def _decoded(frontend: Any, request: Request, llm: EngineClient) -> LLMGenerateRequest:
     p = request.path_params
     slot = http_slot(frontend.server.tracer, request.headers)  # while the server traces
-    runtime = frontend.server.model(p["model"], p.get("version", ""))
     body = parse_json(await frontend.read_body(request))
     if slot is not None:
         slot.recv_end = time.monotonic_ns()
     # tokenizing takes time in proportion to the prompt: off the event loop
-    return await asyncio.to_thread(decode, body, llm, p["model"], runtime.version_str)
+    return await asyncio.to_thread(decode, body, llm, p["model"], llm.model_version)
 
 
-async def _whole(llm: LLMBackend, req: LLMGenerateRequest) -> dict[str, Any]:
+async def _whole(llm: EngineClient, req: LLMGenerateRequest) -> dict[str, Any]:
     texts: list[str] = []
     last: Delta | None = None
     async with aclosing(run(llm, req.prompt_ids, req.params, req.stop, 0, req.id)) as deltas:
@@ -205,7 +201,7 @@ async def _whole(llm: LLMBackend, req: LLMGenerateRequest) -> dict[str, Any]:
     return _payload(req, prefix + "".join(texts), last, last.completion_tokens)
 
 
-async def generate(frontend: Any, request: Request, llm: LLMBackend) -> Response:
+async def generate(frontend: Any, request: Request, llm: EngineClient) -> Response:
     req = await _decoded(frontend, request, llm)
     if req.flags["stream"]:
         raise invalid_arg(
@@ -215,7 +211,7 @@ async def generate(frontend: Any, request: Request, llm: LLMBackend) -> Response
     return Response(orjson.dumps(await _whole(llm, req)), media_type="application/json")
 
 
-async def generate_stream(frontend: Any, request: Request, llm: LLMBackend) -> Response:
+async def generate_stream(frontend: Any, request: Request, llm: EngineClient) -> Response:
     """One event per chunk of new text; with ``"stream": false``, one event with the whole
     output, as Triton's vLLM backend answers a non-streaming request."""
     req = await _decoded(frontend, request, llm)

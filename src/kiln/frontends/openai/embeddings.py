@@ -24,7 +24,7 @@ from kiln.llm.params import InvalidField, integer
 if TYPE_CHECKING:  # importing the backend imports torch
     import torch
 
-    from kiln.llm.backend import LLMBackend
+    from kiln.core.engine_client import EngineClient
 
 EMBEDDING_FIELDS = frozenset(
     (
@@ -189,7 +189,7 @@ def embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
     )
 
 
-def check_model(llm: LLMBackend, req: EmbeddingRequest) -> None:
+def check_model(llm: EngineClient, req: EmbeddingRequest) -> None:
     """What the model decides, before any tokenizing: it pools, ``dimensions`` fits it,
     and the inputs are few and short enough to be worth reading."""
     config, args = llm.engine.config, llm.engine.args
@@ -247,7 +247,7 @@ def _too_long(limit: int, tokens: int) -> OpenAIError:
     )
 
 
-def token_ids(llm: LLMBackend, req: EmbeddingRequest) -> list[list[int]]:
+def token_ids(llm: EngineClient, req: EmbeddingRequest) -> list[list[int]]:
     """Each input's token ids, truncated as asked and checked against the context and the
     vocabulary. On a worker thread: tokenizing takes time in proportion to the text."""
     limit = llm.engine.config.max_model_len
@@ -295,7 +295,7 @@ def _base64(vector: torch.Tensor, dtype: str, endianness: str) -> str:
 
 
 def response_body(
-    llm: LLMBackend, req: EmbeddingRequest, vectors: list[torch.Tensor], prompt_tokens: int
+    llm: EngineClient, req: EmbeddingRequest, vectors: list[torch.Tensor], prompt_tokens: int
 ) -> bytes:
     """The answer, as JSON bytes. On a worker thread: encoding is in proportion to the
     vectors."""

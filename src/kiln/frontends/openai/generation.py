@@ -4,20 +4,17 @@ applied to the detokenized text."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kiln.core.stats import FailureReason, RequestTimes, failure_reason
 from kiln.llm.sequence import SamplingParams
 from kiln.llm.tokenizer import IncrementalDetokenizer
 
-if TYPE_CHECKING:  # importing the backend imports torch
-    from kiln.core.trace import Trace
-    from kiln.llm.backend import LLMBackend
+if TYPE_CHECKING:  # importing the engine imports torch
+    from kiln.core.engine_client import EngineClient
     from kiln.llm.sampler import TokenLogprobs
 
 
@@ -62,7 +59,7 @@ class OutputOptions:
 
 
 async def run(
-    llm: LLMBackend,
+    llm: EngineClient,
     prompt_ids: list[int],
     params: SamplingParams,
     stops: tuple[str, ...],
@@ -71,95 +68,8 @@ async def run(
     options: OutputOptions = OutputOptions(),
 ) -> AsyncGenerator[Delta, None]:
     """Deltas of every choice, interleaved as the steps produce them; each choice ends with
-    one delta that carries its ``finish_reason``. The request counts in the model's Triton
-    statistics (success, or a failure with its reason; a caller that stops reading early
-    is CANCELED) with its whole time as compute: the engine's own histograms
-    (``vllm:*``) split queue, first token and decode."""
-    stats = llm.model_stats
-    times = RequestTimes(received=time.monotonic_ns())
-    times.queue_end = times.input_end = times.received
-    outcome: FailureReason | None = FailureReason.CANCELED
-    tracer, trace = llm.tracer, None
-    if tracer is not None and tracer.enabled:
-        trace = tracer.begin(llm.config.name, llm.version_dir.name, request_id, times.received)
-    timing = _Timing() if trace is not None else None
-    completion = 0
-    try:
-        # closed explicitly so that a caller leaving early aborts the sequence at once
-        run_ = _run(llm, prompt_ids, params, stops, priority, timing, options)
-        async with aclosing(run_) as deltas:
-            async for delta in deltas:
-                if timing is not None and delta.finish_reason:  # a choice's last delta
-                    completion += delta.completion_tokens
-                yield delta
-        outcome = None
-    except BaseException as exc:
-        if not isinstance(exc, GeneratorExit | asyncio.CancelledError):
-            outcome = failure_reason(exc)
-        raise
-    finally:
-        end = time.monotonic_ns()
-        if stats is not None:
-            times.infer_end = times.output_end = end
-            if outcome is None:
-                stats.record_success(times, 1, end)
-            else:
-                stats.record_failure(times, end, outcome)
-        if trace is not None and timing is not None:
-            _trace_end(trace, times.received, end, timing, params, len(prompt_ids), completion)
-
-
-@dataclass(slots=True)
-class _Timing:
-    """A traced request's times in the engine (``time.monotonic_ns``)."""
-
-    scheduled: int = 0  # first scheduled: its queue time ends
-    first_token: int = 0
-
-
-def _trace_end(
-    trace: Trace, received: int, end: int, timing: _Timing, params: SamplingParams,
-    prompt_tokens: int, completion_tokens: int,
-) -> None:  # fmt: skip
-    """Triton's stamps where they apply (the engine's whole run is the compute), the
-    first token's (``FIRST_TOKEN``), and vLLM's ``gen_ai.*`` span attributes."""
-    trace.stamp("QUEUE_START", received)
-    if timing.scheduled:
-        trace.stamp("COMPUTE_START", timing.scheduled)
-    if timing.first_token:
-        trace.stamp("FIRST_TOKEN", timing.first_token)
-    trace.stamp("COMPUTE_END", end)
-    trace.stamp("INFER_RESPONSE_COMPLETE", end)
-    trace.stamp("REQUEST_END", end)
-    attributes: dict[str, int | float | str] = {
-        "gen_ai.request.id": trace.request_id,
-        "gen_ai.response.model": trace.model_name,
-        "gen_ai.request.n": params.n,
-        "gen_ai.request.temperature": params.temperature,
-        "gen_ai.request.top_p": params.top_p,
-        "gen_ai.usage.prompt_tokens": prompt_tokens,
-        "gen_ai.usage.completion_tokens": completion_tokens,
-        "gen_ai.latency.e2e": (end - received) / 1e9,
-    }
-    if params.max_tokens is not None:
-        attributes["gen_ai.request.max_tokens"] = params.max_tokens
-    if timing.scheduled:
-        attributes["gen_ai.latency.time_in_queue"] = (timing.scheduled - received) / 1e9
-    if timing.first_token:
-        attributes["gen_ai.latency.time_to_first_token"] = (timing.first_token - received) / 1e9
-    trace.attributes = attributes
-    trace.end()
-
-
-async def _run(
-    llm: LLMBackend,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    stops: tuple[str, ...],
-    priority: int,
-    timing: _Timing | None = None,
-    options: OutputOptions = OutputOptions(),
-) -> AsyncGenerator[Delta, None]:
+    one delta that carries its ``finish_reason``. ``request_id``: the id the client knows
+    (its trace's). The request counts, traces and drains in core (``EngineClient``)."""
     # a stop string may straddle two tokens: hold back what could be its beginning
     hold = max((len(s) for s in stops), default=1) - 1
     skip = options.skip_special_tokens
@@ -167,13 +77,10 @@ async def _run(
     left = params.n
     rid = f"oai-{uuid.uuid4().hex}"
     prompt_len = len(prompt_ids)
-    engine = llm.async_engine
-    async with aclosing(engine.generate(prompt_ids, params, rid, priority)) as outputs:
+    outputs = llm.generate(prompt_ids, params, rid, priority, request_id)
+    # closed explicitly so that a caller leaving early aborts the sequence at once
+    async with aclosing(outputs):
         async for out in outputs:
-            if timing is not None and not timing.first_token:
-                timing.first_token = time.monotonic_ns()
-                if out.first_scheduled_time is not None:  # the engine's clock is monotonic too
-                    timing.scheduled = int(out.first_scheduled_time * 1e9)
             c = choices[out.index]
             if c.done:
                 continue  # a stop string ended it; its abort is on the way
@@ -194,7 +101,7 @@ async def _run(
                         at += len(stop)
                     c.pending, reason = c.pending[:at], "stop"
                     if not out.finished:  # the other choices go on
-                        engine.abort(rid, out.index, "stop")
+                        llm.abort(rid, out.index, "stop")
                     break
             if reason is not None:
                 c.done, left = True, left - 1
@@ -215,6 +122,29 @@ async def _run(
                     text, None, prompt_len, completion, out.index, logprobs,
                     c.take_prompt_logprobs(),
                 )  # fmt: skip
+
+
+async def started(deltas: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:
+    """``deltas`` with its first delta awaited already, so that an error before any output
+    (the model began unloading since it was resolved, the engine's queue is full) is an
+    HTTP error with its status, not an event of a stream that began with 200."""
+    try:
+        first: Delta | None = await deltas.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await deltas.aclose()
+        raise
+
+    async def rest() -> AsyncGenerator[Delta, None]:
+        async with aclosing(deltas):
+            if first is None:
+                return
+            yield first
+            async for delta in deltas:
+                yield delta
+
+    return rest()
 
 
 async def merged(streams: list[AsyncGenerator[Delta, None]], n: int) -> AsyncGenerator[Delta, None]:

@@ -15,13 +15,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from kiln import __version__
-from kiln.backends.registry import LLM_BACKENDS
-from kiln.core.errors import KilnError
+from kiln.core.engine_client import EngineClient
+from kiln.core.errors import KilnError, Status
 from kiln.core.server import Server
 from kiln.core.trace import FrontendSlot, http_slot
 from kiln.frontends.http.app import HttpFrontend
 from kiln.frontends.openai import embeddings
-from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run
+from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run, started
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
     chat_logprobs,
@@ -44,8 +44,7 @@ from kiln.frontends.openai.protocol import (
 from kiln.llm.params import InvalidField, with_defaults
 from kiln.llm.sequence import SamplingParams
 
-if TYPE_CHECKING:  # importing the backend imports torch
-    from kiln.llm.backend import LLMBackend
+if TYPE_CHECKING:  # importing the sampler imports torch
     from kiln.llm.sampler import TokenLogprobs
 
 LogprobsFormat = Callable[[list["TokenLogprobs"]], dict[str, Any]]
@@ -55,39 +54,24 @@ def _json(body: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status, media_type="application/json")
 
 
-def llm_models(server: Server) -> dict[str, LLMBackend]:
-    """The ready models served by the llm backend, by name."""
-    found: dict[str, LLMBackend] = {}
-    for entry in server.repository_index(ready_only=True):
-        try:
-            runtime = server.model(entry["name"])
-        except KilnError:
-            continue
-        scheduler = getattr(runtime, "scheduler", None)
-        for instance in getattr(scheduler, "instances", ()):
-            if instance.backend.name in LLM_BACKENDS:
-                found[entry["name"]] = instance.backend
-                break
-    return found
+def _llm(server: Server, name: str) -> EngineClient:
+    """The model's engine through core: an unknown or unloaded model is core's error (the
+    one infer gives), in OpenAI's shape."""
+    try:
+        return server.llm_engine(name)
+    except KilnError as exc:
+        if exc.status is Status.NOT_FOUND:
+            raise OpenAIError(str(exc), 404, param="model", code="model_not_found") from None
+        if exc.status is Status.INVALID_ARG:
+            raise OpenAIError(str(exc), param="model") from None
+        raise
 
 
-def _llm(server: Server, name: str) -> LLMBackend:
-    llm = llm_models(server).get(name)
-    if llm is None:
-        raise OpenAIError(
-            f"The model '{name}' does not exist or is not a ready llm model",
-            404,
-            param="model",
-            code="model_not_found",
-        )
-    return llm
-
-
-def _generator(server: Server, name: str, api: str) -> LLMBackend:
+def _generator(server: Server, name: str, api: str) -> EngineClient:
     """A model that generates: one served with ``runner: pooling`` answers embeddings
     only, as vLLM's pooling runner does."""
     llm = _llm(server, name)
-    if llm.engine.config.runner == "pooling":
+    if llm.runner == "pooling":
         raise OpenAIError(
             f"The model '{name}' does not support {api} API: it is served with runner "
             "'pooling' (embeddings)",
@@ -125,10 +109,10 @@ def _precheck_prompt(server: Server, body: dict[str, Any]) -> None:
     model, raw = body.get("model"), body.get("prompt")
     if not isinstance(model, str) or not isinstance(raw, str | list):
         return  # completion_request names the field
-    llm = llm_models(server).get(model)
+    llm = server.llm_engines().get(model)
     if llm is None:
-        return
-    limit = llm.engine.config.max_model_len
+        return  # not a ready llm model: _llm says so
+    limit = llm.max_model_len
     prompts = raw if isinstance(raw, list) and raw and isinstance(raw[0], str | list) else [raw]
     truncating = body.get("truncate_prompt_tokens") is not None
     for prompt in prompts:
@@ -144,26 +128,26 @@ def _precheck_prompt(server: Server, body: dict[str, Any]) -> None:
             )
 
 
-def _chat_prompt(llm: LLMBackend, messages: list[dict[str, Any]], template: dict[str, Any]) -> str:
-    check_prompt_chars(
-        sum(len(m["content"]) for m in messages), llm.engine.config.max_model_len, "messages"
-    )
+def _chat_prompt(
+    llm: EngineClient, messages: list[dict[str, Any]], template: dict[str, Any]
+) -> str:
+    check_prompt_chars(sum(len(m["content"]) for m in messages), llm.max_model_len, "messages")
     return llm.tokenizer.apply_chat_template(messages, **template)
 
 
 def _with_model_defaults(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     """The body with the model's generation_config.json defaults filled in."""
     model = body.get("model")
-    llm = llm_models(server).get(model) if isinstance(model, str) else None
+    llm = server.llm_engines().get(model) if isinstance(model, str) else None
     return with_defaults(body, llm.sampling_defaults) if llm is not None else body
 
 
 def _prompt_ids(
-    llm: LLMBackend, req: GenerationRequest, prompt: str | list[int], bos: bool
+    llm: EngineClient, req: GenerationRequest, prompt: str | list[int], bos: bool
 ) -> list[int]:
     """``bos``: the tokenizer's special tokens (BOS) are added, as vLLM does for completions;
     a rendered chat template already holds its own."""
-    vocab = llm.engine.args.vocab_size
+    vocab = llm.vocab_size
     if isinstance(prompt, list):
         ids = prompt
         if any(not 0 <= t < vocab for t in ids):
@@ -172,7 +156,7 @@ def _prompt_ids(
         ids = llm.tokenizer.encode(prompt, add_special_tokens=bos)
     keep = req.truncate_prompt_tokens
     if keep is not None:
-        limit = llm.engine.config.max_model_len
+        limit = llm.max_model_len
         keep = limit if keep == -1 else keep
         if keep > limit:
             raise OpenAIError(
@@ -184,22 +168,21 @@ def _prompt_ids(
 
 
 def _prepare(
-    llm: LLMBackend, req: GenerationRequest, default_max: int | None
+    llm: EngineClient, req: GenerationRequest, default_max: int | None
 ) -> list[tuple[list[int], SamplingParams]]:
     """Each prompt's token ids and sampling parameters, the request's checks done. On a
     worker thread: tokenizing takes time in proportion to the prompt, which must not stall
     the event loop."""
-    config = llm.engine.config
-    if len(req.prompts) > config.max_waiting + config.max_num_seqs:
+    if len(req.prompts) > llm.max_queued:
         raise OpenAIError(
             f"'prompt' holds {len(req.prompts)} prompts, more than the model queues at once "
-            f"({config.max_waiting + config.max_num_seqs})",
+            f"({llm.max_queued})",
             param="prompt",
         )
     bad_words = llm.tokenizer.bad_words_ids(req.bad_words) if req.bad_words else ()
     for param, check in (
-        ("n", lambda: llm.engine.check_n(req.params.n)),
-        ("priority", lambda: llm.engine.check_priority(req.priority)),
+        ("n", lambda: llm.check_n(req.params.n)),
+        ("priority", lambda: llm.check_priority(req.priority)),
     ):
         try:
             check()
@@ -209,7 +192,7 @@ def _prepare(
     for prompt in req.prompts:
         # completions get the tokenizer's BOS; a chat template writes its own (vLLM's rule)
         ids = _prompt_ids(llm, req, prompt, bos=default_max is not None)
-        limit = config.max_model_len
+        limit = llm.max_model_len
         room = limit - len(ids)
         max_tokens = req.max_tokens or (min(default_max, room) if default_max else room)
         if max_tokens > room and room > 0:
@@ -224,10 +207,7 @@ def _prepare(
             max_tokens = min(max_tokens, llm.max_new_tokens)
         params = replace(req.params, max_tokens=max(max_tokens, 1), bad_words_token_ids=bad_words)
         try:
-            llm.engine.check_request(len(ids), params, req.priority)
-            spec, grammars = params.structured_outputs, llm.engine.grammars
-            if spec is not None and grammars is not None:
-                grammars.compile(spec)  # here, off the event loop; the engine finds it cached
+            llm.check_request(len(ids), params, req.priority)  # compiles a grammar too
         except InvalidField as exc:
             raise OpenAIError(str(exc), param=exc.field) from None
         except KilnError as exc:
@@ -247,7 +227,7 @@ def _usage(prompt_tokens: int, completion: dict[int, int]) -> dict[str, int]:
 
 
 def _prompt_field(
-    llm: LLMBackend, req: GenerationRequest, entries: list[TokenLogprobs | None] | None
+    llm: EngineClient, req: GenerationRequest, entries: list[TokenLogprobs | None] | None
 ) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's ``prompt_logprobs`` of an answer (None when the engine sent none)."""
     if entries is None:
@@ -256,7 +236,7 @@ def _prompt_field(
 
 
 def _logprobs_format(
-    llm: LLMBackend, req: GenerationRequest, chat: bool, echoed: str
+    llm: EngineClient, req: GenerationRequest, chat: bool, echoed: str
 ) -> LogprobsFormat | None:
     if req.params.logprobs is None:
         return None
@@ -339,7 +319,7 @@ async def _sse(
 
 
 async def _respond(
-    llm: LLMBackend,
+    llm: EngineClient,
     req: GenerationRequest,
     prepared: list[tuple[list[int], SamplingParams]],
     chat: bool,
@@ -368,6 +348,7 @@ async def _respond(
         # the prompt's logprobs go through the same formatter, so offsets start at 0
         formats = [_logprobs_format(llm, req, chat, "") for _ in range(total)]
         streamed = _Echo(echoed, firsts, n, set(range(total))) if echo else None
+        deltas = await started(deltas)  # an error before any output: its HTTP status
         events = _sse(deltas, req, chat, rid, formats, prompt_tokens, streamed)
         return StreamingResponse(events, media_type="text/event-stream")
     formats = [_logprobs_format(llm, req, chat, echoed[i // n]) for i in range(total)]
@@ -425,11 +406,11 @@ async def _respond(
     )
 
 
-def _model_for(server: Server, body: dict[str, Any]) -> LLMBackend:
+def _model_for(server: Server, body: dict[str, Any]) -> EngineClient:
     """``/tokenize`` and ``/detokenize``: ``model`` may be left out when one model serves."""
     model = body.get("model")
     if model is None:
-        models = llm_models(server)
+        models = server.llm_engines()
         if len(models) == 1:
             return next(iter(models.values()))
         raise OpenAIError(f"'model' is required: {len(models)} llm models are ready", param="model")
@@ -438,10 +419,10 @@ def _model_for(server: Server, body: dict[str, Any]) -> LLMBackend:
     return _llm(server, model)
 
 
-def _tokenize(llm: LLMBackend, body: dict[str, Any]) -> dict[str, Any]:
+def _tokenize(llm: EngineClient, body: dict[str, Any]) -> dict[str, Any]:
     """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` rendered as chat renders
     them. On a worker thread (the template and the tokenizer work in proportion)."""
-    limit = llm.engine.config.max_model_len
+    limit = llm.max_model_len
     pieces = flag(body, "return_token_strs", False)
     if "messages" in body:
         text = _chat_prompt(llm, chat_messages(body), chat_template_options(body))
@@ -495,10 +476,10 @@ def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[Ba
                 "owned_by": "kiln",
                 "root": name,
                 "parent": None,
-                "max_model_len": llm.engine.config.max_model_len,
+                "max_model_len": llm.max_model_len,
                 "permission": [_permission(created)],
             }
-            for name, llm in sorted(llm_models(server).items())
+            for name, llm in sorted(server.llm_engines().items())
         ]
         return _json({"object": "list", "data": data})
 
@@ -533,7 +514,7 @@ def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[Ba
         llm = _llm(server, req.model)
         embeddings.check_model(llm, req)
         prompts = await asyncio.to_thread(embeddings.token_ids, llm, req)
-        vectors = await llm.async_engine.pool(prompts, req.priority)
+        vectors = await llm.pool(prompts, req.priority)
         tokens = sum(len(p) for p in prompts)
         raw = await asyncio.to_thread(embeddings.response_body, llm, req, vectors, tokens)
         return Response(raw, media_type="application/json")
@@ -547,7 +528,7 @@ def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[Ba
     async def detokenize(request: Request) -> Response:
         body = await _body(request, reader)
         llm = _model_for(server, body)
-        ids = detokenize_ids(body, llm.engine.args.vocab_size)
+        ids = detokenize_ids(body, llm.vocab_size)
         # as vLLM's: the text of every token, special ones included
         text = await asyncio.to_thread(llm.tokenizer.decode, ids, False)
         return _json({"prompt": text})

@@ -1,0 +1,239 @@
+"""EngineClient: the one way from a frontend to an LLM model's engine, through core.
+
+``Server.llm_engine(model, version)`` resolves the model as ``Server.infer`` does (the same
+not-found / not-ready errors) and hands out this client. Each ``generate`` is one request
+of the model: it counts in the model's in-flight count (so unload, reload and shutdown
+drain it), in its Triton statistics (``nv_inference_*``: success or failure with its
+reason, count, exec_count, queue and compute durations) and is traced by the server's
+tracer with the stamps ``ModelRuntime.infer`` writes, plus the first token's.
+
+vLLM's ``EngineClient`` is the same split: the OpenAI layer sees ``generate`` / ``abort``
+/ the tokenizer / ``max_model_len``, never the engine's internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kiln.core.stats import FailureReason, ModelStats, RequestTimes, failure_reason
+
+if TYPE_CHECKING:  # the llm modules import torch
+    import torch
+
+    from kiln.core.trace import Trace, Tracer
+    from kiln.llm.backend import LLMBackend
+    from kiln.llm.engine import LLMEngine, RequestOutput
+    from kiln.llm.sequence import SamplingParams
+    from kiln.llm.tokenizer import Tokenizer
+
+__all__ = ["EngineClient"]
+
+
+@dataclass(slots=True)
+class _Request:
+    """One ``generate`` in flight: what its accounting needs."""
+
+    n: int
+    ended: set[int] = field(default_factory=set)  # samples finished, or stopped by the caller
+    tokens: dict[int, int] = field(default_factory=dict)  # output tokens per sample
+    scheduled: int = 0  # first scheduled (monotonic ns): its queue time ends
+    first_token: int = 0
+
+
+class EngineClient:
+    """One loaded LLM model version's engine, as frontends may use it."""
+
+    def __init__(
+        self,
+        model_name: str,
+        model_version: str,
+        backend: LLMBackend,
+        stats: ModelStats,
+        tracer: Tracer | None,
+        admit: Callable[[], Callable[[], None]],
+    ) -> None:
+        """``admit``: the runtime's check that it still serves (raising infer's error
+        when not) and in-flight count; it returns the call that ends the request."""
+        self.model_name = model_name
+        self.model_version = model_version
+        self.tokenizer: Tokenizer = backend.tokenizer
+        self._backend = backend
+        self._stats = stats
+        self._tracer = tracer
+        self._admit = admit
+        self._live: dict[str, _Request] = {}
+
+    # ---- what the engine accepts -----------------------------------------------------
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine itself, for the ``vllm:*`` metrics collector (read only)."""
+        return self._backend.engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self._backend.engine.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.engine.args.vocab_size
+
+    @property
+    def max_queued(self) -> int:
+        """Requests the engine holds at once, running and waiting."""
+        config = self._backend.engine.config
+        return config.max_waiting + config.max_num_seqs
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in the engine now (any frontend's, KServe's too)."""
+        return self._backend.async_engine.num_requests
+
+    @property
+    def runner(self) -> str:
+        """vLLM's runner: ``generate``, or ``pooling`` (embeddings)."""
+        return self._backend.engine.config.runner
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """Request fields' defaults from the checkpoint's generation_config.json."""
+        return self._backend.sampling_defaults
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """generation_config.json's ``max_new_tokens``: every request's bound."""
+        return self._backend.max_new_tokens
+
+    def check_request(self, prompt_len: int, params: SamplingParams, priority: int = 0) -> None:
+        self._backend.engine.check_request(prompt_len, params, priority)
+        grammars = self._backend.engine.grammars
+        if params.structured_outputs is not None and grammars is not None:
+            # compiled here (callers are off the event loop); the engine finds it cached
+            grammars.compile(params.structured_outputs)
+
+    def check_n(self, n: int) -> None:
+        self._backend.engine.check_n(n)
+
+    def check_priority(self, priority: int) -> None:
+        self._backend.engine.check_priority(priority)
+
+    # ---- requests --------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        trace_id: str = "",
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The engine's outputs for one request (``request_id``: unique, the engine's;
+        ``trace_id``: the id its trace names, the client's). Leaving early aborts it: it
+        counts as a success when every sample not finished was stopped with
+        ``abort(..., reason="stop")`` (a stop string), else as CANCELED."""
+        times = RequestTimes(received=time.monotonic_ns())
+        done = self._admit()  # not serving: infer's error, before anything is counted
+        live = self._live[request_id] = _Request(params.n)
+        trace = None
+        if self._tracer is not None and self._tracer.enabled:
+            trace = self._tracer.begin(
+                self.model_name, self.model_version, trace_id or request_id, times.received
+            )
+        outcome: FailureReason | None = FailureReason.CANCELED
+        try:
+            engine = self._backend.async_engine
+            async with aclosing(engine.generate(prompt, params, request_id, priority)) as outs:
+                async for out in outs:
+                    if not live.first_token:
+                        live.first_token = time.monotonic_ns()
+                        if out.first_scheduled_time is not None:  # the engine's clock: monotonic
+                            live.scheduled = int(out.first_scheduled_time * 1e9)
+                    live.tokens[out.index] = out.num_output_tokens
+                    if out.finished:
+                        live.ended.add(out.index)
+                    yield out
+            outcome = None
+        except GeneratorExit:
+            if len(live.ended) >= live.n:
+                outcome = None  # every sample ended (stop strings): nothing was cut short
+            raise
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            outcome = failure_reason(exc)
+            raise
+        finally:
+            self._live.pop(request_id, None)
+            end = time.monotonic_ns()
+            self._account(times, live, end, outcome)
+            if trace is not None:
+                _trace_end(trace, times.received, end, live, params, len(prompt))
+            done()
+
+    async def pool(self, prompts: list[list[int]], priority: int = 0) -> list[torch.Tensor]:
+        """Each prompt's pooled vector (``runner: pooling``), counted in flight like a
+        generation so that unload and shutdown wait for it."""
+        done = self._admit()
+        try:
+            return await self._backend.async_engine.pool(prompts, priority)
+        finally:
+            done()
+
+    def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
+        """Stop one sample of a request (a stop string matched it: ``reason="stop"``, which
+        ends it normally) or the whole request."""
+        live = self._live.get(request_id)
+        if live is not None and reason == "stop":
+            live.ended.update(range(live.n) if index is None else (index,))
+        self._backend.async_engine.abort(request_id, index, reason)
+
+    def _account(
+        self, times: RequestTimes, live: _Request, end: int, outcome: FailureReason | None
+    ) -> None:
+        """Triton's statistics: the engine's queue until first scheduled, its run after as
+        compute (one execution: continuous batching has no batch of its own to count)."""
+        times.queue_end = times.input_end = live.scheduled or times.received
+        times.infer_end = times.output_end = end
+        if live.scheduled:
+            self._stats.record_execution(1, 0, end - live.scheduled, 0)
+        if outcome is None:
+            self._stats.record_success(times, 1, end)
+        else:
+            self._stats.record_failure(times, end, outcome)
+
+
+def _trace_end(
+    trace: Trace, received: int, end: int, live: _Request, params: SamplingParams,
+    prompt_tokens: int,
+) -> None:  # fmt: skip
+    """Triton's stamps where they apply (the engine's whole run is the compute), the
+    first token's (``FIRST_TOKEN``), and vLLM's ``gen_ai.*`` span attributes."""
+    trace.stamp("QUEUE_START", received)
+    if live.scheduled:
+        trace.stamp("COMPUTE_START", live.scheduled)
+    if live.first_token:
+        trace.stamp("FIRST_TOKEN", live.first_token)
+    trace.stamp("COMPUTE_END", end)
+    trace.stamp("INFER_RESPONSE_COMPLETE", end)
+    trace.stamp("REQUEST_END", end)
+    attributes: dict[str, int | float | str] = {
+        "gen_ai.request.id": trace.request_id,
+        "gen_ai.response.model": trace.model_name,
+        "gen_ai.request.n": params.n,
+        "gen_ai.request.temperature": params.temperature,
+        "gen_ai.request.top_p": params.top_p,
+        "gen_ai.usage.prompt_tokens": prompt_tokens,
+        "gen_ai.usage.completion_tokens": sum(live.tokens.values()),
+        "gen_ai.latency.e2e": (end - received) / 1e9,
+    }
+    if params.max_tokens is not None:
+        attributes["gen_ai.request.max_tokens"] = params.max_tokens
+    if live.scheduled:
+        attributes["gen_ai.latency.time_in_queue"] = (live.scheduled - received) / 1e9
+    if live.first_token:
+        attributes["gen_ai.latency.time_to_first_token"] = (live.first_token - received) / 1e9
+    trace.attributes = attributes
+    trace.end()
