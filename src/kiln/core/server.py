@@ -63,8 +63,6 @@ EXTENSIONS = [
 @dataclass
 class ServerOptions:
     model_repositories: list[Path | RepositorySource]  # a folder, or a bucket (s3://)
-    #: ``kiln serve --model``: llm configs built in memory (``model_path`` names each)
-    served_models: list[ModelConfig] = field(default_factory=list)
     model_control_mode: ControlMode = ControlMode.NONE
     load_models: list[str] = field(default_factory=list)
     strict_readiness: bool = True
@@ -82,6 +80,8 @@ class ServerOptions:
     trace_otel: OtelOptions | None = None  # mode=opentelemetry: the exporter's options
     max_shm_regions: int = MAX_REGIONS  # --max-shm-regions
     allow_shm_other_owners: bool = False  # --allow-shm-other-owners
+    #: ``kiln serve --model``: llm configs built in memory (``model_path`` names each)
+    served_models: list[ModelConfig] = field(default_factory=list)
 
 
 class Server:
