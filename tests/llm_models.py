@@ -106,6 +106,16 @@ def reference_generate(folder: Path, prompt: list[int], max_new_tokens: int) -> 
     return [int(t) for t in out[0, len(prompt) :]]
 
 
+def llm_config(name: str = "tiny", **parameters: object) -> str:
+    """A ``backend: "llm"`` config.pbtxt with these engine ``parameters``."""
+    lines = [f'name: "{name}"', 'backend: "llm"']
+    lines += [
+        f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}'
+        for k, v in parameters.items()
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def tiny_llm_repository(root: Path, config: str, name: str = "tiny") -> Path:
     """A model repository under ``root`` holding one tiny llm model ``name`` (version 1)
     with ``config`` as its config.pbtxt; returns the repository folder."""

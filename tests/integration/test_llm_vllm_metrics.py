@@ -27,16 +27,11 @@ from tests.integration.test_prometheus import (  # noqa: E402
     _start_prometheus,
     _wait,
 )
-from tests.llm_models import tiny_llm_repository  # noqa: E402
+from tests.llm_models import llm_config, tiny_llm_repository  # noqa: E402
 
-CONFIG = """
-name: "tiny"
-backend: "llm"
-parameters { key: "block_size" value { string_value: "4" } }
-parameters { key: "max_num_seqs" value { string_value: "8" } }
-parameters { key: "num_gpu_blocks" value { string_value: "96" } }
-parameters { key: "enable_prefix_caching" value { string_value: "true" } }
-"""
+CONFIG = llm_config(
+    block_size="4", max_num_seqs="8", num_gpu_blocks="96", enable_prefix_caching="true"
+)
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY_RULES = ROOT / "deploy" / "prometheus" / "kiln-alerts.yml"
 IGNORE_EOS = {"ignore_eos": True}

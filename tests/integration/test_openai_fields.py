@@ -21,16 +21,9 @@ pytest.importorskip("transformers")
 
 import kiln  # noqa: E402
 from tests.conftest import KilnProcess  # noqa: E402
-from tests.llm_models import CHAT_TEMPLATE, tiny_llm_repository  # noqa: E402
+from tests.llm_models import CHAT_TEMPLATE, llm_config, tiny_llm_repository  # noqa: E402
 
-CONFIG = """
-name: "tiny"
-backend: "llm"
-parameters { key: "block_size" value { string_value: "4" } }
-parameters { key: "max_num_seqs" value { string_value: "8" } }
-parameters { key: "num_gpu_blocks" value { string_value: "128" } }
-parameters { key: "dtype" value { string_value: "float32" } }
-"""
+CONFIG = llm_config(block_size="4", max_num_seqs="8", num_gpu_blocks="128", dtype="float32")
 #: the test model's template, plus a variable that only chat_template_kwargs can set
 TEMPLATE = CHAT_TEMPLATE + "{% if enable_thinking %}<think>{% endif %}"
 GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}

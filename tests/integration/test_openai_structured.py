@@ -23,15 +23,10 @@ pytest.importorskip("llguidance")
 from pydantic import BaseModel, Field  # noqa: E402
 
 from tests.conftest import KilnProcess  # noqa: E402
-from tests.llm_models import tiny_llm_repository  # noqa: E402
+from tests.llm_models import llm_config, tiny_llm_repository  # noqa: E402
 from tests.unit.test_llm_structured import ENUMS, ITEMS, PERSON  # noqa: E402
 
-CONFIG = """
-name: "tiny"
-backend: "llm"
-parameters { key: "max_num_seqs" value { string_value: "8" } }
-parameters { key: "num_gpu_blocks" value { string_value: "128" } }
-"""
+CONFIG = llm_config(max_num_seqs="8", num_gpu_blocks="128")
 #: random weights love whitespace: with it allowed a JSON value never ends (vLLM's option)
 COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]

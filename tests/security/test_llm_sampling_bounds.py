@@ -21,15 +21,15 @@ from kiln.llm.config import EngineConfig  # noqa: E402
 from kiln.llm.engine import LLMEngine  # noqa: E402
 from kiln.llm.sequence import SamplingParams  # noqa: E402
 from tests.conftest import KilnProcess  # noqa: E402
-from tests.llm_models import VOCAB, all_blocks_returned, build_tiny_llm, tiny_llm_repository  # noqa: E402
+from tests.llm_models import (  # noqa: E402
+    VOCAB,
+    all_blocks_returned,
+    build_tiny_llm,
+    llm_config,
+    tiny_llm_repository,
+)
 
-CONFIG = """
-name: "tiny"
-backend: "llm"
-parameters { key: "block_size" value { string_value: "4" } }
-parameters { key: "num_gpu_blocks" value { string_value: "128" } }
-parameters { key: "dtype" value { string_value: "float32" } }
-"""
+CONFIG = llm_config(block_size="4", num_gpu_blocks="128", dtype="float32")
 STALL = 60.0  # a reply slower than this is a wedged engine
 
 

@@ -20,15 +20,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
 from tests.conftest import KilnProcess  # noqa: E402
-from tests.llm_models import tiny_llm_repository  # noqa: E402
+from tests.llm_models import llm_config, tiny_llm_repository  # noqa: E402
 
-CONFIG = """
-name: "tiny"
-backend: "llm"
-parameters { key: "block_size" value { string_value: "4" } }
-parameters { key: "num_gpu_blocks" value { string_value: "64" } }
-parameters { key: "dtype" value { string_value: "float32" } }
-"""
+CONFIG = llm_config(block_size="4", num_gpu_blocks="64", dtype="float32")
 MAX_INPUT = 8 * 1024 * 1024
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 # a reply slower than this is a stalled server (none of these takes a second when healthy)
