@@ -15,6 +15,7 @@ import click
 OPENAI_ONLY = (
     "endpoint", "dataset", "num_prompts", "input_len", "output_len", "range_ratio",
     "vocab_size", "burstiness", "max_concurrency", "ignore_eos", "temperature", "seed",
+    "extra_body",
 )  # fmt: skip
 SHARED = (
     "model", "model_opt", "request_rate", "csv", "json_path", "plot", "openai_url", "api_key",
@@ -53,6 +54,9 @@ def openai_options(f: Any) -> Any:
                      help="--openai: sampling temperature (0: greedy)."),
         click.option("--seed", default=0, type=int, help="--openai: seed of prompts and "
                                                          "arrivals."),
+        click.option("--extra-body", default=None, metavar="JSON",
+                     help="--openai: a JSON object merged into every request's body, e.g. "
+                          "'{\"response_format\": {\"type\": \"json_object\"}}'."),
         click.option("--api-key", default=None, envvar=["KILN_API_KEY", "OPENAI_API_KEY"],
                      help="API key of a server started with --api-key, sent as a Bearer "
                      "token [env: KILN_API_KEY, or OPENAI_API_KEY]."),

@@ -151,6 +151,28 @@ def test_a_prompt_the_server_refuses_fails_the_warm_up(server: KilnProcess) -> N
     assert "warm-up request" in done.stderr and "maximum context length" in done.stderr
 
 
+def test_extra_body_reaches_the_server(server: KilnProcess, tmp_path: Path) -> None:
+    """A structured-output benchmark: the schema in --extra-body is what the server applies
+    (a schema it cannot compile fails the warm-up with the server's own message)."""
+    base = ["--openai", server.http_url, "--endpoint", "chat", "--num-prompts", "3",
+            "--output-len", "24", "--input-len", "4"]  # fmt: skip
+    bad = {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+        }
+    }
+    done = bench(*base, "--extra-body", json.dumps(bad))
+    assert done.returncode == 2 and "warm-up request" in done.stderr, done.stderr
+    assert "HTTP 400" in done.stderr and "response_format" in done.stderr
+    good = {"response_format": {"type": "json_object"}}
+    out = tmp_path / "r.json"
+    done = bench(*base, "--extra-body", json.dumps(good), "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["extra_body"] == good and doc["completed"] == 3
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -161,6 +183,9 @@ def test_a_prompt_the_server_refuses_fails_the_warm_up(server: KilnProcess) -> N
         (["mlp", "--max-concurrency", "4"], "--max-concurrency: not used without --openai"),
         (["--openai", "localhost:1", "--request-rate", "fast"], "not a number or 'inf'"),
         (["--openai", "localhost:1", "--range-ratio", "1.5"], "--range-ratio"),
+        (["--openai", "localhost:1", "--extra-body", "{nope"], "--extra-body"),
+        (["--openai", "localhost:1", "--extra-body", "[1]"], "must be a JSON object"),
+        (["mlp", "--extra-body", "{}"], "--extra-body: not used without --openai"),
     ],
 )
 def test_misused_flags_are_usage_errors(args: list[str], message: str) -> None:

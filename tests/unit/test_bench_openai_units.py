@@ -93,7 +93,8 @@ def test_base_url(given: str, expected: str) -> None:
     ("kwargs", "message"),
     [({"num_prompts": 0}, "--num-prompts"), ({"request_rate": 0.0}, "--request-rate"),
      ({"burstiness": 0.0}, "--burstiness"), ({"max_concurrency": 0}, "--max-concurrency"),
-     ({"url": " "}, "base URL")],
+     ({"url": " "}, "base URL"),
+     ({"extra_body": {"stream": False, "model": "x"}}, "--extra-body: model, stream")],
 )  # fmt: skip
 def test_options_are_checked(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(BenchError, match=message):
@@ -109,6 +110,16 @@ def test_request_bodies_stream_with_usage() -> None:
     assert body["messages"] == [{"role": "user", "content": p.prompt}]
     plain = request_body(OpenAIBenchOptions("h:1"), "m", p)
     assert "ignore_eos" not in plain and plain["prompt"] == p.prompt
+
+
+def test_extra_body_is_merged_into_every_request() -> None:
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}
+    opts = OpenAIBenchOptions("h:1", endpoint=Endpoint.CHAT, extra_body={"response_format": schema,
+                              "max_tokens": 7})  # fmt: skip
+    (p,) = random_prompts(Endpoint.CHAT, 1, 3, 2, 0.0, 256, seed=0)
+    body = request_body(opts, "m", p)
+    assert body["response_format"] == schema and body["max_tokens"] == 7
+    assert opts.settings()["extra_body"] == {"response_format": schema, "max_tokens": 7}
 
 
 def test_arrivals() -> None:

@@ -61,6 +61,8 @@ class OpenAIBenchOptions:
     temperature: float = 0.0
     seed: int = 0
     api_key: str = field(default_factory=lambda: os.environ.get("OPENAI_API_KEY", ""))
+    #: merged into every request's body (vLLM's ``--extra-body``): structured outputs, ...
+    extra_body: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 600.0  # per request
     warmup: bool = True  # one untimed request first, as vLLM does
 
@@ -74,6 +76,11 @@ class OpenAIBenchOptions:
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise BenchError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         self.url = base_url(self.url)
+        reserved = sorted(
+            {"model", "stream", "stream_options", "prompt", "messages"} & set(self.extra_body)
+        )
+        if reserved:
+            raise BenchError(f"--extra-body: {', '.join(reserved)} set by the benchmark itself")
 
     def prompts(self) -> list[BenchPrompt]:
         if self.dataset == "random":
@@ -97,6 +104,7 @@ class OpenAIBenchOptions:
             "ignore_eos": self.ignore_eos,
             "temperature": self.temperature,
             "seed": self.seed,
+            "extra_body": self.extra_body or None,
         }
 
 
@@ -120,6 +128,7 @@ def request_body(options: OpenAIBenchOptions, model: str, p: BenchPrompt) -> dic
     }
     if options.ignore_eos:
         body["ignore_eos"] = True  # vLLM's extension (kiln, SGLang too): exact output lengths
+    body.update(options.extra_body)
     if options.endpoint is Endpoint.CHAT:
         body["messages"] = [{"role": "user", "content": p.prompt}]
     else:

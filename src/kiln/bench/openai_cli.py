@@ -44,6 +44,20 @@ def _rate(text: str | None) -> float:
         ) from None
 
 
+def _extra_body(text: str | None) -> dict[str, Any]:
+    import orjson
+
+    if not text:
+        return {}
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON ({exc})", param_hint="--extra-body") from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object", param_hint="--extra-body")
+    return value
+
+
 def execute(params: dict[str, Any]) -> None:
     """Run the OpenAI benchmark from parsed flags; exit 2 on a BenchError, 1 on failures."""
     from rich.console import Console
@@ -75,6 +89,7 @@ def execute(params: dict[str, Any]) -> None:
             temperature=float(params["temperature"]),
             seed=int(params["seed"]),
             api_key=str(params.get("api_key") or ""),
+            extra_body=_extra_body(params.get("extra_body")),
         )
         plot = params.get("plot")
         require_plotting(plot)
