@@ -24,9 +24,9 @@ groups:
 """
 
 
-def monitor(*args: str) -> subprocess.CompletedProcess[str]:
-    # A wide terminal so rich never truncates a column the test reads.
-    env = dict(os.environ, COLUMNS="160", NO_COLOR="1")
+def monitor(*args: str, columns: int = 160) -> subprocess.CompletedProcess[str]:
+    # A wide terminal by default, so every column the test reads is shown.
+    env = dict(os.environ, COLUMNS=str(columns), NO_COLOR="1")
     return subprocess.run(
         [sys.executable, "-m", "kiln", "monitor", *args],
         capture_output=True, text=True, timeout=60, check=False, env=env,
@@ -67,6 +67,12 @@ def test_once_prints_models_their_requests_host_and_firing_alerts(
     # The explicit subcommand is the same view.
     live = monitor("live", server.http_url, "--once")
     assert live.returncode == 0 and _row(live.stdout, "simple")[3] == "5"
+    # 80 columns: whole names and states, fewer columns, nothing cut to "…"
+    narrow = monitor(server.http_url, "--once", columns=80)
+    assert narrow.returncode == 0, narrow.stderr
+    assert "…" not in narrow.stdout and max(map(len, narrow.stdout.splitlines())) <= 80
+    assert _row(narrow.stdout, "simple")[:3] == ["simple", "1", "READY"]
+    assert "columns hidden" in narrow.stdout, narrow.stdout
 
 
 def test_history_subcommand_still_works_beside_it(kiln_server: KilnProcess) -> None:

@@ -7,12 +7,15 @@ loaded, host or GPU figures, alerts.
 
 from __future__ import annotations
 
+import io
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, Group, JustifyMethod, RenderableType
 from rich.live import Live
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -29,19 +32,61 @@ def _n(v: float | None, digits: int = 1, scale: float = 1.0) -> str:
     return "-" if v is None else f"{v * scale:.{digits}f}"
 
 
-def models_table(summary: dict[str, Any]) -> Table:
-    table = Table(title=f"models (rates over the last {summary['window_s']:.0f} s)")
-    for name in ("model", "version", "state"):
-        table.add_column(name)
-    for name in ("requests", "errors", "infer/s", "p50 ms", "p99 ms", "queue µs", "compute µs"):
-        table.add_column(name, justify="right")
-    table.add_column("batch", justify="right")
-    table.add_column("pending", justify="right")
+@dataclass(frozen=True, slots=True)
+class Column:
+    """A column of a live table; ``rank`` 0 is always shown, higher ranks go first when the
+    terminal is too narrow for every column."""
+
+    name: str
+    rank: int
+    justify: JustifyMethod = "right"
+
+
+def fitted_table(
+    title: str, columns: list[Column], rows: list[list[RenderableType]], width: int | None
+) -> Table:
+    """A table of ``rows`` that fits ``width`` without cutting a cell: the highest-ranked
+    columns (the rightmost first among equals) are dropped until it fits, and the caption
+    says how many. Names (rank 0, left-aligned) fold rather than end in "…"."""
+    keep = list(range(len(columns)))
+    while True:
+        table = Table(title=title)
+        for i in keep:
+            c = columns[i]
+            table.add_column(c.name, justify=c.justify, no_wrap=c.rank > 0,
+                             overflow="fold" if c.rank == 0 else "ellipsis")  # fmt: skip
+        for row in rows:
+            table.add_row(*(row[i] for i in keep))
+        droppable = [i for i in keep if columns[i].rank > 0]
+        if width is None or not droppable or _width(table) <= width:
+            break
+        keep.remove(max(droppable, key=lambda i: (columns[i].rank, i)))
+    hidden = len(columns) - len(keep)
+    if hidden:
+        table.caption = f"{hidden} column{'s' * (hidden > 1)} hidden: a wider terminal shows them"
+    return table
+
+
+def _width(table: Table) -> int:
+    console = Console(width=10_000, file=io.StringIO())
+    return Measurement.get(console, console.options, table).maximum
+
+
+MODEL_COLUMNS = [
+    Column("model", 0, "left"), Column("version", 2, "left"), Column("state", 0, "left"),
+    Column("requests", 2), Column("errors", 1), Column("infer/s", 1), Column("p50 ms", 2),
+    Column("p99 ms", 1), Column("queue µs", 3), Column("compute µs", 3), Column("batch", 4),
+    Column("pending", 3),
+]  # fmt: skip
+
+
+def models_table(summary: dict[str, Any], width: int | None = None) -> Table:
+    rows: list[list[RenderableType]] = []
     for m in summary["models"]:
         t, r = m["totals"] or {}, m["rates"] or {}
         state = Text(m["state"] or "?", style="green" if m["state"] == "READY" else "red")
         errors = t.get("failure", 0)
-        table.add_row(
+        rows.append([
             m["model"],
             m["version"] or "-",
             state,
@@ -55,21 +100,24 @@ def models_table(summary: dict[str, Any]) -> Table:
             # the window's batch size when it had executions, else the lifetime average
             _n(r.get("avg_batch_size") or t.get("avg_batch_size"), 2),
             str(t.get("pending", 0)),
-        )
-    return table
+        ])  # fmt: skip
+    title = f"models (rates over the last {summary['window_s']:.0f} s)"
+    return fitted_table(title, MODEL_COLUMNS, rows, width)
 
 
-def llm_table(summary: dict[str, Any]) -> Table:
-    table = Table(title=f"LLM engine (rates over the last {summary['window_s']:.0f} s)")
-    table.add_column("model")
-    for name in (
-        "running", "waiting", "KV cache %", "prompt tok/s", "gen tok/s", "prefix hit %",
-        "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "preemptions",
-    ):  # fmt: skip
-        table.add_column(name, justify="right")
+LLM_COLUMNS = [
+    Column("model", 0, "left"), Column("running", 1), Column("waiting", 1),
+    Column("KV cache %", 1), Column("prompt tok/s", 3), Column("gen tok/s", 1),
+    Column("prefix hit %", 3), Column("TTFT p50 ms", 2), Column("TTFT p99 ms", 2),
+    Column("ITL p50 ms", 3), Column("ITL p99 ms", 3), Column("preemptions", 2),
+]  # fmt: skip
+
+
+def llm_table(summary: dict[str, Any], width: int | None = None) -> Table:
+    rows: list[list[RenderableType]] = []
     for m in summary["llm"]:
         preempted = m["preemptions"]
-        table.add_row(
+        rows.append([
             m["model"],
             str(m["running"]),
             str(m["waiting"]),
@@ -82,40 +130,41 @@ def llm_table(summary: dict[str, Any]) -> Table:
             _n(m["itl_p50_ms"]),
             _n(m["itl_p99_ms"]),
             Text(str(preempted), style="yellow" if preempted else ""),
-        )
-    return table
+        ])  # fmt: skip
+    title = f"LLM engine (rates over the last {summary['window_s']:.0f} s)"
+    return fitted_table(title, LLM_COLUMNS, rows, width)
 
 
-def resources_table(summary: dict[str, Any]) -> Table:
+GPU_COLUMNS = [Column("gpu", 0, "left"), Column("util %", 1), Column("memory GiB", 1),
+               Column("temp °C", 2), Column("power W", 2)]  # fmt: skip
+HOST_COLUMNS = [Column("host CPU %", 1), Column("kiln CPU % of a core", 2),
+                Column("kiln RSS MiB", 2), Column("host memory GiB", 1)]  # fmt: skip
+
+
+def resources_table(summary: dict[str, Any], width: int | None = None) -> Table:
     if summary["gpus"]:
-        table = Table(title="GPUs")
-        for name in ("gpu", "util %", "memory GiB", "temp °C", "power W"):
-            table.add_column(name, justify="left" if name == "gpu" else "right")
+        rows: list[list[RenderableType]] = []
         for g in summary["gpus"]:
             used, total = g.get("memory_used_bytes"), g.get("memory_total_bytes")
-            memory = f"{_n(used, 1, 1 / GiB)} / {_n(total, 1, 1 / GiB)}"
-            table.add_row(
+            rows.append([
                 g["uuid"],
                 _n(g.get("utilization"), 0, 100),
-                memory,
+                f"{_n(used, 1, 1 / GiB)} / {_n(total, 1, 1 / GiB)}",
                 _n(g.get("temperature_celsius"), 0),
                 _n(g.get("power_watts"), 0),
-            )
-        return table
+            ])  # fmt: skip
+        return fitted_table("GPUs", GPU_COLUMNS, rows, width)
     h = summary["host"]
-    table = Table(title="host (no GPU telemetry)")
-    for name in ("host CPU %", "kiln CPU % of a core", "kiln RSS MiB", "host memory GiB"):
-        table.add_column(name, justify="right")
     host_mem = (
         f"{_n(h['memory_used_bytes'], 1, 1 / GiB)} / {_n(h['memory_total_bytes'], 1, 1 / GiB)}"
     )
-    table.add_row(
+    row: list[RenderableType] = [
         _n(h["cpu_utilization"], 0, 100),
         _n(h["process_cpu_cores"], 0, 100),
         _n(h["process_rss_bytes"], 0, 1 / MiB),
         host_mem,
-    )
-    return table
+    ]
+    return fitted_table("host (no GPU telemetry)", HOST_COLUMNS, [row], width)
 
 
 def alerts_text(summary: dict[str, Any]) -> Text:
@@ -133,7 +182,9 @@ def alerts_text(summary: dict[str, Any]) -> Text:
     return text
 
 
-def frame(url: str, summary: dict[str, Any]) -> RenderableType:
+def frame(url: str, summary: dict[str, Any], width: int | None = None) -> RenderableType:
+    """One screen of the live view; ``width`` (the terminal's columns) drops the least
+    important columns of a table that would not fit, instead of cutting every cell."""
     h = summary["history"]
     history = (
         f"history every {h['interval']:g}s"
@@ -142,10 +193,10 @@ def frame(url: str, summary: dict[str, Any]) -> RenderableType:
     )
     when = datetime.fromtimestamp(summary["ts"]).strftime("%H:%M:%S")
     header = Text(f"kiln {base_url(url)}  ·  {when}  ·  {history}", style="bold")
-    parts: list[RenderableType] = [header, models_table(summary)]
+    parts: list[RenderableType] = [header, models_table(summary, width)]
     if summary.get("llm"):  # only when an llm model is loaded (and from servers that know)
-        parts.append(llm_table(summary))
-    return Group(*parts, resources_table(summary), alerts_text(summary))
+        parts.append(llm_table(summary, width))
+    return Group(*parts, resources_table(summary, width), alerts_text(summary))
 
 
 def run_live(
@@ -161,14 +212,15 @@ def run_live(
         if summary["window_s"] == 0:  # nobody asked before: a second reading gives rates
             time.sleep(interval)
             summary = fetch_live(url, api_key=api_key)
-        console.print(frame(url, summary))
+        console.print(frame(url, summary, console.width))
         return
-    with Live(frame(url, summary), console=console, auto_refresh=False) as live:
+    with Live(frame(url, summary, console.width), console=console, auto_refresh=False) as live:
         try:
             while True:
                 time.sleep(interval)
                 try:
-                    view: RenderableType = frame(url, fetch_live(url, api_key=api_key))
+                    latest = fetch_live(url, api_key=api_key)
+                    view: RenderableType = frame(url, latest, console.width)
                 except HistoryClientError as exc:  # keep trying: the server may restart
                     view = Text(f"{exc} (retrying every {interval:g}s)", style="red")
                 live.update(view, refresh=True)
