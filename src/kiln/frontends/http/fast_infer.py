@@ -48,10 +48,14 @@ class FastInfer:
         self.app = app  # every other route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http":
             match = INFER_PATH.fullmatch(scope["path"])
             if match is not None:
-                await self._infer(match, scope, receive, send)
+                if scope["method"] == "POST":
+                    await self._infer(match, scope, receive, send)
+                else:  # Starlette's answer for a known path with another method
+                    body = orjson.dumps({"error": "Method Not Allowed"})
+                    await _send(send, 405, body, {"Content-Type": "application/json"})
                 return
         await self.app(scope, receive, send)
 
@@ -82,14 +86,18 @@ class FastInfer:
             status, out, extra = await answer(
                 self.frontend, match[1], match[2] or "", body, headers
             )
-        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
-        raw.append((b"content-length", str(len(out)).encode()))
         send_start = time.monotonic_ns()
         try:
-            await send({"type": "http.response.start", "status": status, "headers": raw})
-            await send({"type": "http.response.body", "body": out})
+            await _send(send, status, out, extra)
         finally:
             frontend_done(slot, send_start)  # a client gone mid-send ends the trace too
+
+
+async def _send(send: Send, status: int, out: bytes, extra: dict[str, str]) -> None:
+    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+    raw.append((b"content-length", str(len(out)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": out})
 
 
 def error(exc: KilnError) -> tuple[int, bytes, dict[str, str]]:
