@@ -58,9 +58,6 @@ class _Uvicorn(uvicorn.Server):
     def capture_signals(self) -> Generator[None, None, None]:
         yield
 
-    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
-        pass
-
 
 def _uvicorn(
     app: object,
