@@ -1,12 +1,11 @@
 """The inference route without Starlette: ``POST /v2/models/{m}[/versions/{v}]/infer``.
 
-Starlette's middleware stack, router, ``Request`` and ``Response`` cost about as much CPU
-per request as kiln's own decode → schedule → encode path for a small model (measured
-in-process: ~190 µs against ~85 µs per request at concurrency 32). The route that carries
-nearly all the traffic therefore goes straight from ASGI to
-:meth:`HttpFrontend.infer_body`, with the same body limits, errors and headers as every
-other route; everything else falls through to the Starlette app. Access control and CORS
-wrap this app from the outside, so they apply to the fast path unchanged.
+The ASGI fallback of the protocol-level fast path (``fast_protocol.py``: why in
+docs/design/http-fast-path.md): the inference requests it leaves to the ASGI app
+(browsers', chunked, ``Expect: 100-continue``, ...) go straight to
+:meth:`HttpFrontend.infer_body` with the same body limits, errors and headers, skipping
+Starlette's router, ``Request`` and ``Response``; everything else falls through to the
+Starlette app. Access control and CORS wrap this app from the outside.
 """
 
 from __future__ import annotations
