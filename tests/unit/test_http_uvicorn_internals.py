@@ -37,7 +37,14 @@ METHODS = {
 
 # What uvicorn's protocol reads or writes on ``self.cycle``; a _FastCycle stands there
 # while a fast request is in flight, so every name here was checked against it.
-CYCLE_FIELDS = {"body", "disconnected", "keep_alive", "message_event", "more_body", "response_complete"}
+CYCLE_FIELDS = {
+    "body",
+    "disconnected",
+    "keep_alive",
+    "message_event",
+    "more_body",
+    "response_complete",
+}
 
 
 def _methods(cls_: type = HttpToolsProtocol) -> dict[str, ast.FunctionDef]:
