@@ -8,11 +8,9 @@ PYTHON="${PYTHON:-.venv/bin/python}"
 [[ -x "$PYTHON" ]] || PYTHON=python3
 
 find src/kiln -name '*.proto' -print0 | sort -z | while IFS= read -r -d '' proto; do
+    # No --grpc_python_out: the services are registered from the descriptors under their
+    # public wire names (frontends/grpc/wire.py), so *_pb2_grpc.py stubs would go unused.
     args=(-I src --python_out=src --pyi_out=src)
-    # Only files that declare a service need gRPC stubs.
-    if grep -qE '^[[:space:]]*service[[:space:]]' "$proto"; then
-        args+=(--grpc_python_out=src)
-    fi
     echo "protoc ${proto}"
     "$PYTHON" -m grpc_tools.protoc "${args[@]}" "$proto"
 done

@@ -58,9 +58,6 @@ class _Uvicorn(uvicorn.Server):
     def capture_signals(self) -> Generator[None, None, None]:
         yield
 
-    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
-        pass
-
 
 def _uvicorn(
     app: object,
@@ -90,7 +87,8 @@ def _uvicorn(
     protocol = header_timeout_protocol(
         sec.http_header_timeout_secs, head.http_max_header_size, head.http_max_headers
     )
-    if fast is not None:
+    # KILN_HTTP_FAST_PATH=0 leaves /infer to the ASGI app: an A/B switch for benchmarks.
+    if fast is not None and os.environ.get("KILN_HTTP_FAST_PATH", "1") != "0":
         access = sec.http_access if sec.http_access.enabled else None
         protocol = fast_infer_protocol(protocol, fast, access, browser)
     config = uvicorn.Config(

@@ -190,3 +190,35 @@ def test_declared_body_over_the_limit_is_413(server: KilnProcess) -> None:
         sock.sendall(post("/v2/models/simple/infer", big))
         status, _, out = reader.response()
     assert status == 413 and f"limit of {LIMIT} bytes" in json.loads(out)["error"]
+
+
+def _raw_exchange(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def test_kiln_http_fast_path_0_leaves_inference_to_the_asgi_app(
+    server: KilnProcess, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The A/B switch of benchmarks/README.md: the same answer, from the other path (the
+    protocol writes the frontend's header names as they are, the ASGI path lower-cased)."""
+    request = post("/v2/models/simple/infer", body_for(2, 3), "Connection: close\r\n")
+    fast = _raw_exchange(server.http_port, request)
+    repo = tmp_path_factory.mktemp("fastproto-off") / "models"
+    build_example_repository(repo, ["simple"])
+    monkeypatch.setenv("KILN_HTTP_FAST_PATH", "0")
+    off = KilnProcess(repo, ["--no-history"]).start()
+    try:
+        slow = _raw_exchange(off.http_port, request)
+    finally:
+        off.stop()
+    fast_head, fast_body = fast.split(b"\r\n\r\n", 1)
+    slow_head, slow_body = slow.split(b"\r\n\r\n", 1)
+    assert fast_head.startswith(b"HTTP/1.1 200") and slow_head.startswith(b"HTTP/1.1 200")
+    assert fast_body == slow_body and output0(fast_body) == [5] * 16
+    assert b"\r\nContent-Type: application/json" in fast_head
+    assert b"\r\ncontent-type: application/json" in slow_head

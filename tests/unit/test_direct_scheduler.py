@@ -18,7 +18,7 @@ def _scheduler(depth: int = 1) -> tuple[DirectScheduler, Any]:
 async def test_a_freed_slot_goes_to_the_oldest_waiter_not_a_newcomer() -> None:
     """With a queue, a caller arriving after a slot was freed could take it before the
     woken waiter ran, sending that waiter to the back again: at c=16 some requests then
-    waited many times their share (p99 21-24 ms against 4-5 ms, benchmarks/README.md)."""
+    waited many times their share (p99 21-24 ms against 4-5 ms, benchmarks/HISTORY.md)."""
     scheduler, instance = _scheduler()
     held = await scheduler._acquire()
     assert held is instance and scheduler.pending == 0

@@ -128,7 +128,7 @@ class OnnxRuntimeBackend(Backend):
             options.enable_mem_pattern = False
         # ORT's pool threads spin after each run by default; on a server that shares its
         # cores with the front end that spinning steals the CPU the next request needs
-        # (measured: benchmarks/README.md). Opt back in with parameters allow_spinning "1".
+        # (measured: benchmarks/HISTORY.md). Opt back in with parameters allow_spinning "1".
         spinning = parameter(config, "allow_spinning", "0")
         options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
         options.add_session_config_entry("session.inter_op.allow_spinning", spinning)

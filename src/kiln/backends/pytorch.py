@@ -113,7 +113,7 @@ class PyTorchBackend(Backend):
         # A lone request's short CPU call runs on the event loop's thread (``Instance``):
         # the two thread hand-offs cost more than a small model's compute. Under load the
         # instance's thread computes while the loop serves the other requests
-        # (benchmarks/README.md, "PyTorch backend").
+        # (benchmarks/HISTORY.md, "PyTorch backend").
         self.inline_capable = self.device.type == "cpu"
         self.inline_only_alone = True
         log.info(

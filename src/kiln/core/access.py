@@ -102,10 +102,6 @@ class AccessPolicy:
     def enabled(self) -> bool:
         return bool(self.api_keys or self.restrictions)
 
-    def restricted_header(self, group: ApiGroup) -> str | None:
-        r = self._by_group.get(group)
-        return None if r is None else self.header_prefix + r.key
-
     def check(
         self, group: ApiGroup, header: HeaderGetter, extra_keys: Iterable[str] = ()
     ) -> Denial | None:

@@ -13,7 +13,6 @@ import math
 from collections.abc import Iterable
 
 from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -65,7 +64,3 @@ def render(metrics: Iterable[Metric]) -> bytes:
             else:
                 lines.append(f"{s.name} {_value(s.value)}\n")
     return "".join(lines).encode("utf-8")
-
-
-def render_collectors(collectors: Iterable[Collector]) -> bytes:
-    return render(m for c in collectors for m in c.collect())

@@ -35,7 +35,6 @@ class _Worker:
         self.options = options
         self.stop = stop
         self.queue: queue.Queue[bytes] = queue.Queue(options.queue_size)
-        self.delivered = 0
         self.thread = threading.Thread(target=self._run, name="kiln-alert-webhook", daemon=True)
 
     def offer(self, body: bytes) -> None:
@@ -57,7 +56,6 @@ class _Worker:
         for attempt in range(1, self.options.max_attempts + 1):
             error = self._post(body)
             if error is None:
-                self.delivered += 1
                 return
             if attempt == self.options.max_attempts:
                 log.error(

@@ -82,7 +82,7 @@ def build_int8_dynamic(source: Path, workdir: Path) -> Candidate:
 # Two QDQ forms: "static" (int8 activations, symmetric) is what TensorRT takes on a GPU; "u8s8"
 # (uint8 asymmetric activations, int8 weights) is what ONNX Runtime's x86 CPU kernels run
 # fastest. Measured on the digits CNNs (AVX512-VNNI Xeon, ORT 1.31): symmetric int8 activations
-# ran 2-5x slower than u8s8 at batch 32; see benchmarks/README.md.
+# ran 2-5x slower than u8s8 at batch 32; see benchmarks/HISTORY.md.
 STATIC_FORMS = {"static": "int8-static", "u8s8": "int8-u8s8"}
 
 

@@ -171,10 +171,8 @@ INLINE_MAX_US = 200
 class Instance:
     """A backend plus the one thread it computes on.
 
-    A call normally goes to the instance's own thread. Handing it over costs two thread
-    wake-ups and two GIL hand-offs, and the GIL comes back only when the busy event loop
-    lets go of it: for a model that computes in tens of microseconds that hand-off, not
-    the model, dominates (measured: benchmarks/README.md). So when the backend runs on the
+    A call normally goes to the instance's own thread. For a short call that hand-off costs
+    more than the model (docs/design/inline-execution.md), so when the backend runs on the
     CPU (``inline_capable``) and the average CPU time of its recent calls is under
     ``inline_max_us`` (model parameter ``inline_execution_max_us``, 0 = never), the call
     runs right away on the loop's thread instead: the loop is held for about as long as it

@@ -28,7 +28,7 @@ class DirectScheduler(Scheduler):
         # Callers waiting for a slot, oldest first. A freed slot is handed to the oldest
         # directly: with a queue a newcomer could take it first and send a woken waiter
         # to the back again, so some requests waited many times their share (p99 of 15-27
-        # ms against a p50 of 1-3 ms at c=16, benchmarks/README.md).
+        # ms against a p50 of 1-3 ms at c=16, benchmarks/HISTORY.md).
         self._waiters: deque[asyncio.Future[Instance]] = deque()
 
     @property

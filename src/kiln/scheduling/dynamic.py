@@ -191,7 +191,7 @@ class DynamicScheduler(Scheduler):
         seq = self._formed
         self._formed += 1
         # Handed to the instance's thread at once; completion comes back as a callback, so
-        # a batch costs no task and no extra loop iteration (measured: benchmarks/README.md).
+        # a batch costs no task and no extra loop iteration (measured: benchmarks/HISTORY.md).
         jobs = [p.job for p in batch]
         running: asyncio.Future[Any]
         if instance.backend.wants_requests:

@@ -1,9 +1,7 @@
 """A small Redis client for the response cache: RESP2 over asyncio, commands pipelined.
 
-The cache needs five commands (``AUTH``, ``SELECT``, ``PING``, ``GET``, ``SET``) on a
-server's hot path, and redis-py's asyncio client cost about 250 µs of the server's CPU per
-``GET`` on this project's 2-vCPU VM: a hit through it was slower than running a small model
-(benchmarks/README.md, "Response cache"). Here each connection is an ``asyncio.Protocol``
+Why not redis-py: docs/design/resp-client.md. The cache needs five commands (``AUTH``,
+``SELECT``, ``PING``, ``GET``, ``SET``). Each connection is an ``asyncio.Protocol``
 whose replies resolve a FIFO of futures, so any number of requests share a connection
 without waiting for one another (Redis answers in order), and a command costs one
 ``write`` and one parse.

@@ -720,7 +720,7 @@ class PythonBackend(Backend):
         """Answer a (not decoupled) BLS call that the loop read from the worker: the callee
         runs as a task of the loop, and the answer goes to the worker when it is done,
         with no thread between (``_bls`` from a thread cost two thread hand-offs each way:
-        benchmarks/README.md, "BLS calls on the event loop")."""
+        benchmarks/HISTORY.md, "BLS calls on the event loop")."""
         # In a context of its own: the pipe's reader runs in the context of the request
         # that registered it, whose trace the call must not take for its parent (the
         # worker names the caller's trace itself, ``call["trace"]``).

@@ -1,13 +1,8 @@
 """Python-worker batches driven by the event loop, with no instance thread, pipelined.
 
-The thread path (``PythonBackend.execute_requests`` on the instance's thread) costs, per
-batch, two thread wake-ups and two GIL hand-offs on top of the worker's own round trip:
-the loop hands the batch to the instance thread, which sends it and blocks in ``recv``,
-then hands the answer back with ``call_soon_threadsafe``. Measured on a 2-core VM, that hop
-was most of what kiln's Python backend cost over its ONNX Runtime backend
-(benchmarks/README.md, "Python-backend overhead"). Here the loop writes the batch into the
-arena and the pipe itself, watches the pipe with ``add_reader`` and decodes the worker's
-answer when it comes, so the only wake-ups are the worker's and the loop's own.
+Why not the instance thread: docs/design/python-backend-loop.md. The loop writes the batch
+into the arena and the pipe itself, watches the pipe with ``add_reader`` and decodes the
+worker's answer when it comes, so the only wake-ups are the worker's and the loop's own.
 
 **Pipelining.** A worker runs one ``execute`` at a time, but the next batch need not wait
 for the previous answer to be sent: ``WorkerPipe`` keeps up to the model's
@@ -17,11 +12,7 @@ waiting when it finishes one, so under load it neither sleeps between batches no
 for the loop to hand the next one over; the model still sees its batches one at a time, in
 order. Every ``executed`` (or ``error``) answer belongs to the oldest batch; responses of
 decoupled requests find their stream by key, and BLS calls may come from any batch or from
-a model's own thread between batches. Without dynamic
-batching each request is its own batch, and a worker that is faster than the loop feeding
-it went to sleep after each one when the pipe held only two: at 16 concurrent requests on
-a 2-vCPU VM, eight cut the server's CPU per request by about a quarter
-(benchmarks/README.md, "Python-backend overhead", run 13).
+a model's own thread between batches.
 
 What blocks stays off the loop: a decoupled BLS call (its parts queue up for a thread) and
 model control go to a thread of the loop's default executor, and so does the handling of a
@@ -244,7 +235,7 @@ class WorkerPipe:
         Only a lone request busy-polls (``PythonBackend.start_requests``): the loop has
         nothing else to do meanwhile, and going to sleep costs it a wake-up when the answer
         comes, which on a VM's idle vCPU is tens of microseconds of latency and CPU
-        (benchmarks/README.md, "Python-backend overhead"). Linux's ``busy_poll`` socket
+        (benchmarks/HISTORY.md, "Python-backend overhead"). Linux's ``busy_poll`` socket
         option makes the same trade for network receives."""
         clock = time.monotonic_ns
         conn = self.conn

@@ -1,14 +1,10 @@
 """Messages between the server and a Python-backend worker: length-prefixed pickles on a
 stream socket.
 
-Every request crosses this twice, so it is kept to the system calls it needs: one ``send``
+Why not ``multiprocessing.connection``: docs/design/python-backend-wire.md. One ``send``
 per message (header and payload together), one ``recv_into`` a reused buffer for a message
 that arrived whole (the usual case: they are small; tensors travel through the arenas), and a
-``poll`` only when the caller has a deadline. ``multiprocessing.connection.Connection``,
-used before, paid two reads per message and built a selector for every ``poll``: measured
-on this project's 2-vCPU VM, a round trip of the same two messages cost the server 63 µs and
-the worker 42 µs of CPU through it, against 19 µs and 25 µs here (benchmarks/README.md,
-"Python-backend overhead").
+``poll`` only when the caller has a deadline.
 
 A closed peer (the worker exited, or was killed) reads as ``EOFError``.
 """

@@ -25,7 +25,6 @@ from kiln.security import DEFAULT_MAX_INPUT_BYTES, GrpcTls
 # One default with HTTP's --http-max-input-size for both directions (gRPC's 4 MiB default
 # is far too small for tensors; Triton's 2 GiB lets one message hold that much memory).
 MAX_MESSAGE_BYTES = DEFAULT_MAX_INPUT_BYTES
-IMPLEMENTATIONS = ("kiln", "grpcio")
 
 
 class GrpcListener(Protocol):

@@ -4,7 +4,7 @@ kiln's protos live in ``kiln.*`` packages so they can share a process with trito
 and grpcio-health-checking (both register ``inference.*`` / ``grpc.health.v1.*`` in the
 global descriptor pool). gRPC routes on the path string only, so registering the handlers
 as ``/inference.GRPCInferenceService/<Method>`` makes kiln byte-for-byte Triton's service;
-the generated ``*_pb2_grpc`` modules (which would use the ``kiln.`` paths) are not used.
+no ``*_pb2_grpc`` stubs are generated (they would use the ``kiln.`` paths).
 """
 
 from __future__ import annotations

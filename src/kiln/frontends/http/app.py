@@ -23,7 +23,6 @@ from kiln.core.server import Server
 from kiln.frontends import shm_io
 from kiln.frontends.http import generate
 from kiln.frontends.http.codec import (
-    HEADER_LENGTH,
     decode_raw_request,
     decode_request,
     encode_response,
@@ -181,23 +180,12 @@ class HttpFrontend:
         return json_response(self.server.statistics(p.get("model", ""), p.get("version", "")))
 
     # ---- inference -------------------------------------------------------------------
-    async def infer(self, request: Request) -> Response:
-        p, h = request.path_params, request.headers
-        body = await self.read_body(request)
-        out, headers = await self.infer_body(
-            p["model"],
-            p.get("version", ""),
-            body,
-            h.get(HEADER_LENGTH),
-            h.get("accept-encoding", ""),
-        )
-        return Response(out, 200, headers=headers)
-
     async def infer_body(
         self, name: str, version: str, body: bytes, raw_length: str | None, accept: str
     ) -> tuple[bytes, dict[str, str]]:
         """One inference from a request body to a response body and its headers; shared by
-        the Starlette route and the fast path (:mod:`kiln.frontends.http.fast_infer`)."""
+        the protocol-level fast path (:mod:`kiln.frontends.http.fast_protocol`) and its
+        ASGI fallback (:mod:`kiln.frontends.http.fast_infer`)."""
         header_length: int | None = None
         if raw_length is not None:
             try:
@@ -343,8 +331,8 @@ class HttpFrontend:
             add("/v2/models/{model}/versions/{version}" + suffix, handler, methods)
             add("/v2/models/{model}" + suffix, handler, methods)
 
-        # The hot path first: Starlette tries routes in order, one regex each.
-        model_routes("/infer", self.infer, ["POST"])
+        # /infer is answered before Starlette (fast_infer.py, fast_protocol.py); then the
+        # busiest first: Starlette tries routes in order, one regex each.
         model_routes("/generate", self.generate, ["POST"])
         model_routes("/generate_stream", self.generate_stream, ["POST"])
         add("/v2", self.metadata, ["GET"])

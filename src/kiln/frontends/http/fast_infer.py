@@ -1,12 +1,11 @@
 """The inference route without Starlette: ``POST /v2/models/{m}[/versions/{v}]/infer``.
 
-Starlette's middleware stack, router, ``Request`` and ``Response`` cost about as much CPU
-per request as kiln's own decode → schedule → encode path for a small model (measured
-in-process: ~190 µs against ~85 µs per request at concurrency 32). The route that carries
-nearly all the traffic therefore goes straight from ASGI to
-:meth:`HttpFrontend.infer_body`, with the same body limits, errors and headers as every
-other route; everything else falls through to the Starlette app. Access control and CORS
-wrap this app from the outside, so they apply to the fast path unchanged.
+The ASGI fallback of the protocol-level fast path (``fast_protocol.py``: why in
+docs/design/http-fast-path.md): the inference requests it leaves to the ASGI app
+(browsers', chunked, ``Expect: 100-continue``, ...) go straight to
+:meth:`HttpFrontend.infer_body` with the same body limits, errors and headers, skipping
+Starlette's router, ``Request`` and ``Response``; everything else falls through to the
+Starlette app. Access control and CORS wrap this app from the outside.
 """
 
 from __future__ import annotations
@@ -48,10 +47,14 @@ class FastInfer:
         self.app = app  # every other route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http":
             match = INFER_PATH.fullmatch(scope["path"])
             if match is not None:
-                await self._infer(match, scope, receive, send)
+                if scope["method"] == "POST":
+                    await self._infer(match, scope, receive, send)
+                else:  # Starlette's answer for a known path with another method
+                    body = orjson.dumps({"error": "Method Not Allowed"})
+                    await _send(send, 405, body, {"Content-Type": "application/json"})
                 return
         await self.app(scope, receive, send)
 
@@ -82,14 +85,18 @@ class FastInfer:
             status, out, extra = await answer(
                 self.frontend, match[1], match[2] or "", body, headers
             )
-        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
-        raw.append((b"content-length", str(len(out)).encode()))
         send_start = time.monotonic_ns()
         try:
-            await send({"type": "http.response.start", "status": status, "headers": raw})
-            await send({"type": "http.response.body", "body": out})
+            await _send(send, status, out, extra)
         finally:
             frontend_done(slot, send_start)  # a client gone mid-send ends the trace too
+
+
+async def _send(send: Send, status: int, out: bytes, extra: dict[str, str]) -> None:
+    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+    raw.append((b"content-length", str(len(out)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": out})
 
 
 def error(exc: KilnError) -> tuple[int, bytes, dict[str, str]]:

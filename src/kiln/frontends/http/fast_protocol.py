@@ -1,12 +1,9 @@
 """``POST .../infer`` answered inside uvicorn's HTTP protocol, without an ASGI cycle.
 
-uvicorn builds a scope, a ``RequestResponseCycle``, an ``asyncio.Event`` and a task per
-request, and passes the body and the response through ASGI messages: about 50 µs of CPU
-per request under load and over 100 µs for a lone request, where a bare httptools
-protocol needs ~15 µs (measured on the 2-vCPU dev VM; benchmarks/README.md). The
-inference route carries nearly all of a server's traffic, so this protocol takes it over
-at the parser's callbacks: it collects the body, runs the same ``answer`` as the ASGI fast
-path and writes the response bytes itself. Everything else (every other route, and
+Why: docs/design/http-fast-path.md (``KILN_HTTP_FAST_PATH=0`` turns it off). The protocol
+takes the inference route over at the parser's callbacks: it collects the body, runs the
+same ``answer`` as the ASGI fallback (``fast_infer.py``) and writes the response bytes
+itself. Everything else (every other route, and
 inference requests this path does not take: chunked or oversized bodies, ``Expect:
 100-continue``, percent-encoded paths, requests over the concurrency limit) is left to
 uvicorn unchanged. Ordering of pipelined requests, graceful shutdown, keep-alive and the

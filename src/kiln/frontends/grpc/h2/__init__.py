@@ -1,4 +1,5 @@
 """kiln's own gRPC server: HTTP/2 (RFC 9113) and gRPC on it, on kiln's event loop.
+Why not grpc.aio: docs/design/grpc-transport.md.
 
 - ``frames``: frame constants, the incremental reader, encoders
 - ``huffman``, ``hpack``: header compression (RFC 7541)

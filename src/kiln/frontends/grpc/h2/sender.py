@@ -126,7 +126,6 @@ class Sender(asyncio.Protocol):
         if head is not None:
             self.send_headers(stream, head)
         stream.pending.append(memoryview(data))
-        stream.pending_bytes += n
         self._flush(stream)
 
     def send_trailers(self, stream: Stream, block: bytes) -> None:
@@ -194,7 +193,6 @@ class Sender(asyncio.Protocol):
         self._blocked.pop(stream.id, None)
         if stream.pending:
             stream.pending.clear()
-            stream.pending_bytes = 0
             self._wake()
         if self.draining and not self.streams:
             self.close()
@@ -217,7 +215,6 @@ class Sender(asyncio.Protocol):
             n = len(piece)
             self._send_window -= n
             stream.send_window -= n
-            stream.pending_bytes -= n
             out.append(f.frame_head(f.DATA, 0, sid, n))
             out.append(piece)
         if out:

@@ -36,7 +36,7 @@ class Dispatcher(Protocol):
 
 class Stream:
     __slots__ = (
-        "handler", "id", "local_closed", "pending", "pending_bytes", "recv_unacked",
+        "handler", "id", "local_closed", "pending", "recv_unacked",
         "recv_window", "remote_closed", "send_window", "trailers",
     )  # fmt: skip
 
@@ -51,7 +51,6 @@ class Stream:
         self.recv_unacked = 0  # consumed bytes not yet given back to the peer
         # DATA payload waiting for flow-control credit, and the trailers to send after it
         self.pending: deque[memoryview] = deque()
-        self.pending_bytes = 0
         self.trailers: bytes | None = None
         self.remote_closed = False  # END_STREAM received
         self.local_closed = False  # END_STREAM sent
