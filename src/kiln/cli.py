@@ -624,6 +624,27 @@ def monitor_history(
         raise click.ClickException(str(exc)) from None
 
 
+@monitor.command("agent")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--port", default=9400, show_default=True, type=int, help="Port (dcgm-exporter's).")
+@click.option(
+    "--interval",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds between NVML readings.",
+)
+def monitor_agent(host: str, port: int, interval: float) -> None:
+    """Serve this host's GPUs on /metrics with dcgm-exporter's names and labels (no models)."""
+    from kiln.metrics.agent import AgentError, run_agent
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        run_agent(host, port, interval)
+    except (AgentError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 @main.group()
 def trace() -> None:
     """Read request traces (kiln serve --trace-config; docs/tracing.md)."""
