@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,7 +58,7 @@ def test_server_fleet_history_alerts_and_compare(
     ).start()  # fmt: skip
     node_b = agents[1]
 
-    def fleet() -> list[dict[str, object]] | None:
+    def fleet() -> list[dict[str, Any]] | None:
         rows = get_json(server, "/api/live")[1]["fleet"]
         return rows if len(rows) == 3 else None
 
@@ -73,7 +74,7 @@ def test_server_fleet_history_alerts_and_compare(
     node_b.gpus[0].fields["temp"] = 95  # node-b's GPU overheats
     node_b.update()
 
-    def firing() -> list[dict[str, object]] | None:
+    def firing() -> list[dict[str, Any]] | None:
         alerts = get_json(server, "/api/alerts")[1]["alerts"]
         return [a for a in alerts if a["state"] == "firing"] or None
 
