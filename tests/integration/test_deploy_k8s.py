@@ -5,9 +5,12 @@ binds Helm's Go SDK), every manifest validates against the Kubernetes schemas
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
+import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +56,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "everything-on": EVERYTHING_ON,
     "object-storage": {"modelRepository": {"source": "objectStorage"}},
+    "gpu-agent": {"gpuAgent": {"enabled": True}},
     "config-map": {
         "modelRepository": {
             "source": "configMap",
@@ -303,3 +307,64 @@ def test_kserve_runtime_args_start_kiln(example_repo: Path, tmp_path: Path) -> N
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+
+
+def test_gpu_agent_daemonset_is_off_by_default_and_placed_on_gpu_nodes() -> None:
+    assert "DaemonSet" not in {d["kind"] for d in render({})}
+    docs = render({"gpuAgent": {"enabled": True}, "serviceMonitor": {"enabled": True}})
+    ds = by_kind(docs, "DaemonSet")
+    pod = ds["spec"]["template"]
+    spec = pod["spec"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    agent = container(spec, "gpu-agent")
+    assert agent["args"][:2] == ["monitor", "agent"] and "--port=9400" in agent["args"]
+    assert "nvidia.com/gpu" not in agent.get("resources", {}).get("limits", {})  # reserves none
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"
+    # The kiln Service must not send inference traffic to agent pods, and the agent's
+    # ServiceMonitor selects only the agent's Service.
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    kiln_selector = services["kiln"]["spec"]["selector"]
+    labels = pod["metadata"]["labels"]
+    assert not all(labels.get(k) == v for k, v in kiln_selector.items())
+    monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceMonitor"}
+    agent_monitor = monitors["kiln-gpu-agent"]["spec"]
+    assert (
+        agent_monitor["selector"]["matchLabels"] == services["kiln-gpu-agent"]["spec"]["selector"]
+    )
+    assert agent_monitor["endpoints"][0]["port"] == "metrics"
+
+
+def test_gpu_agent_daemonset_args_start_the_agent(tmp_path: Path) -> None:
+    from tests.fake_nvml import fake_gpu, write_spec
+
+    port = free_port()
+    docs = render({"gpuAgent": {"enabled": True, "port": port}})
+    spec = by_kind(docs, "DaemonSet")["spec"]["template"]["spec"]
+    agent = container(spec, "gpu-agent")
+    argv = [*agent["command"], *agent["args"]]
+    assert argv[0] == ENTRYPOINT[0] == "kiln"
+    local = [sys.executable, "-m", "kiln", *(a.replace("0.0.0.0", "127.0.0.1") for a in argv[1:])]
+    nvml = tmp_path / "nvml.json"
+    write_spec(nvml, [fake_gpu("GPU-k8s")])
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, KILN_FAKE_NVML="tests.fake_nvml:from_env",
+               KILN_FAKE_NVML_SPEC=str(nvml), NODE_NAME="gpu-node-1")  # fmt: skip
+    proc = subprocess.Popen(local, env=env, cwd=root, stdout=subprocess.DEVNULL)
+    try:
+        probe = agent["readinessProbe"]["httpGet"]["path"]
+        text = ""
+        for _ in range(300):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{probe}", timeout=1):
+                    pass
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    text = r.read().decode()
+                break
+            except OSError:
+                assert proc.poll() is None
+                time.sleep(0.1)
+        assert 'UUID="GPU-k8s"' in text and 'Hostname="gpu-node-1"' in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0

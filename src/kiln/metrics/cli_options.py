@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from kiln.metrics.fleet import FleetError, FleetOptions, target_url
 from kiln.metrics.history import HistoryOptions
 from kiln.metrics.monitor import MonitorOptions
 from kiln.metrics.notify import WebhookOptions
@@ -39,6 +40,8 @@ def monitor_options(
     alert_eval_interval_secs: float,
     alert_webhooks: tuple[str, ...],
     alert_webhook_timeout_secs: float,
+    monitor_agents: tuple[str, ...] = (),
+    monitor_prometheus: str = "",
 ) -> MonitorOptions:
     try:
         retention = parse_duration(history_retention)
@@ -66,9 +69,23 @@ def monitor_options(
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise click.BadParameter(f"'{url}' is not an http(s) URL", param_hint="--alert-webhook")
+    for address in monitor_agents:
+        try:
+            target_url(address)
+        except FleetError as exc:
+            raise click.BadParameter(str(exc), param_hint="--monitor-agent") from None
+    if monitor_prometheus:
+        parsed = urllib.parse.urlparse(monitor_prometheus)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise click.BadParameter(
+                f"'{monitor_prometheus}' is not an http(s) URL", param_hint="--monitor-prometheus"
+            )
+    # The fleet is scraped as often as history samples (or alerts evaluate, if sooner).
+    interval = min(history_interval_secs, alert_eval_interval_secs)
     return MonitorOptions(
         history_options,
         tuple(rules),
         alert_eval_interval_secs,
         WebhookOptions(tuple(alert_webhooks), alert_webhook_timeout_secs),
+        FleetOptions(tuple(monitor_agents), monitor_prometheus, interval),
     )

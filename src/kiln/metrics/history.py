@@ -61,6 +61,17 @@ STORED_METRICS = (
     "nv_gpu_power_usage",
     "nv_energy_consumption",
     "kiln_gpu_temperature_celsius",
+    # The fleet's GPUs (kiln serve --monitor-agent / --monitor-prometheus), DCGM's names.
+    "DCGM_FI_DEV_GPU_UTIL",
+    "DCGM_FI_DEV_MEM_COPY_UTIL",
+    "DCGM_FI_DEV_FB_USED",
+    "DCGM_FI_DEV_FB_FREE",
+    "DCGM_FI_DEV_GPU_TEMP",
+    "DCGM_FI_DEV_MEMORY_TEMP",
+    "DCGM_FI_DEV_POWER_USAGE",
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+    "DCGM_FI_DEV_SM_CLOCK",
+    "DCGM_FI_DEV_XID_ERRORS",
     # LLM engine (label model_name): load and throughput; rates are derived at query time.
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",

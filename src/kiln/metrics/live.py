@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.metrics.fleet import fleet_figures
 from kiln.metrics.llm_live import llm_figures
 from kiln.metrics.promql_eval import histogram_quantile
 from kiln.metrics.snapshot import Labels, Snapshot
@@ -105,6 +106,7 @@ class LiveTracker:
             "host": host_figures(latest, base),
             "gpus": gpu_figures(latest),
             "llm": llm_figures(latest, base),
+            "fleet": fleet_figures(latest),
         }
 
 

@@ -196,7 +196,12 @@ def frame(url: str, summary: dict[str, Any], width: int | None = None) -> Render
     parts: list[RenderableType] = [header, models_table(summary, width)]
     if summary.get("llm"):  # only when an llm model is loaded (and from servers that know)
         parts.append(llm_table(summary, width))
-    return Group(*parts, resources_table(summary, width), alerts_text(summary))
+    parts.append(resources_table(summary, width))
+    if summary.get("fleet"):  # a server started with --monitor-agent / --monitor-prometheus
+        from kiln.metrics.fleet_cli import fleet_table
+
+        parts.append(fleet_table(summary["fleet"], width))
+    return Group(*parts, alerts_text(summary))
 
 
 def run_live(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from kiln.metrics.alerts import AlertEvaluator
 from kiln.metrics.app import MetricsService
+from kiln.metrics.fleet import FleetOptions, FleetScraper
 from kiln.metrics.history import HistoryOptions, HistorySampler
 from kiln.metrics.notify import Notifier, WebhookOptions
 from kiln.metrics.rules import AlertRule
@@ -22,16 +23,19 @@ class MonitorOptions:
     alert_rules: tuple[AlertRule, ...] = ()
     alert_eval_interval_s: float = 15.0
     webhooks: WebhookOptions = field(default_factory=WebhookOptions)
+    fleet: FleetOptions = field(default_factory=FleetOptions)
 
     @property
     def enabled(self) -> bool:
-        return self.history is not None or bool(self.alert_rules)
+        return self.history is not None or bool(self.alert_rules) or self.fleet.enabled
 
 
 class MonitorService:
     def __init__(self, metrics: MetricsService, options: MonitorOptions, external_url: str) -> None:
         self.metrics = metrics
         self.options = options
+        # The fleet's GPUs join every snapshot: history, alert rules and /api/live see them.
+        self.fleet = FleetScraper(options.fleet) if options.fleet.enabled else None
         self.history = (
             HistorySampler(options.history, self.snapshot) if options.history is not None else None
         )
@@ -48,6 +52,13 @@ class MonitorService:
         )
 
     def snapshot(self) -> Snapshot:
+        snap = self._local_snapshot()
+        if self.fleet is not None:
+            for name, values in self.fleet.values().items():
+                snap.values.setdefault(name, {}).update(values)
+        return snap
+
+    def _local_snapshot(self) -> Snapshot:
         for _ in range(3):
             try:
                 return take_snapshot(self.metrics.registry.collect())
@@ -58,6 +69,8 @@ class MonitorService:
         return take_snapshot(self.metrics.registry.collect())
 
     def start(self) -> None:
+        if self.fleet is not None:
+            self.fleet.start()
         if self.history is not None:
             self.history.start()
         if self.alerts is not None:
@@ -68,3 +81,5 @@ class MonitorService:
             self.alerts.stop()
         if self.history is not None:
             self.history.stop()
+        if self.fleet is not None:
+            self.fleet.stop()

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 
 from kiln.llm.stats import HISTOGRAMS as LLM_HISTOGRAMS
+from kiln.metrics.dcgm import FIELDS as DCGM_FIELDS
+from kiln.metrics.dcgm import PROCESS_MEMORY
 from kiln.metrics.gpu import FAMILIES as GPU_FAMILIES
 
 Labels = tuple[tuple[str, str], ...]  # sorted (name, value) pairs: hashable and canonical
@@ -57,6 +59,8 @@ COUNTERS: frozenset[str] = frozenset(
         "vllm:request_success_total",
         *(f"{h}_{s}" for h in _HISTOGRAMS for s in ("bucket", "sum", "count")),
         *(f"{h}_{s}" for h in _SUMMARIES for s in ("sum", "count")),
+        # dcgm-exporter's counters, from GPU agents (kiln monitor agent) in the fleet
+        *(name for name, kind, _ in DCGM_FIELDS if kind == "counter"),
     }
 )
 GAUGES: frozenset[str] = frozenset(
@@ -81,6 +85,9 @@ GAUGES: frozenset[str] = frozenset(
         "vllm:cache_config_info",
         *_SUMMARIES,
         *(name for _, name, _, is_counter in GPU_FAMILIES if not is_counter),
+        *(name for name, kind, _ in DCGM_FIELDS if kind == "gauge"),
+        PROCESS_MEMORY,
+        "up",  # per fleet target (kiln serve --monitor-agent), as Prometheus writes it
     }
 )
 # Every sample name kiln can export (GPU ones included when this machine has no GPU):

@@ -39,3 +39,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- add .Values.preStopSleepSecs (ceil .Values.server.exitTimeoutSecs) 10 -}}
 {{- end -}}
 {{- end -}}
+
+{{- define "kiln.gpuAgentSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "kiln.name" . }}-gpu-agent
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}

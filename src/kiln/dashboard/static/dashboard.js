@@ -185,6 +185,29 @@
     }
   }
 
+  // Every host's GPUs (kiln serve --monitor-agent / --monitor-prometheus); hidden without.
+  function renderFleet(list) {
+    $("#fleet-panel").hidden = !list.length;
+    const tbody = $("#fleet tbody");
+    tbody.textContent = "";
+    for (const g of list) {
+      const tr = document.createElement("tr");
+      tr.dataset.uuid = g.uuid;
+      cell(tr, g.host);
+      tr.lastChild.title = g.instance || "";
+      cell(tr, g.gpu, "num");
+      cell(tr, g.model_name || "–");
+      cell(tr, fmt(g.utilization_percent, 0), "num util");
+      const total = g.memory_used_mib != null && g.memory_free_mib != null
+        ? g.memory_used_mib + g.memory_free_mib : null;
+      cell(tr, `${fmt(scaled(g.memory_used_mib, 1 / 1024))} / ${fmt(scaled(total, 1 / 1024))}`, "num");
+      cell(tr, fmt(g.temperature_celsius, 0), "num temp" + (g.temperature_celsius >= 85 ? " hot" : ""));
+      cell(tr, fmt(g.power_watts, 0), "num");
+      cell(tr, fmt(g.xid, 0), "num xid" + (g.xid ? " hot" : ""));
+      tbody.append(tr);
+    }
+  }
+
   // Shows the LLM section only while an llm model is loaded; returns charts made just now.
   function ensureLLM(s) {
     const list = s.llm || [];
@@ -266,6 +289,7 @@
     charts.forEach(render);
     renderModels(s.models);
     renderLLM(s.llm || []);
+    renderFleet(s.fleet || []);
     renderAlerts(s);
     renderNotes(s);
     const when = new Date(s.ts * 1000).toLocaleTimeString();

@@ -1,0 +1,249 @@
+"""The fleet: every host's GPUs, scraped from GPU agents, kiln servers or a Prometheus.
+
+A ``FleetScraper`` thread reads each source every ``interval_s`` and keeps the last good
+reading per source. ``kiln serve --monitor-agent/--monitor-prometheus`` merges it into the
+snapshots history and alert rules read (so ``DCGM_FI_DEV_GPU_TEMP > 85`` in a rules file
+evaluates against every host, and history stores the fleet's series); ``kiln monitor
+--agent`` uses the same scraper for its terminal view.
+
+- An agent (``kiln monitor agent`` or dcgm-exporter itself): its ``DCGM_FI_*`` and
+  ``kiln_gpu_process_memory_used_bytes`` series, plus ``instance="host:port"`` as a
+  Prometheus scrape adds it (two agents on one host stay two series).
+- A kiln server's metrics port: its Triton GPU families (``nv_gpu_*``,
+  ``kiln_gpu_temperature_celsius``) translated to the DCGM names and units.
+- Prometheus (``/api/v1/query``): every ``DCGM_FI_*`` series it holds, labels as stored.
+
+A source that fails keeps no stale values: its series disappear until it answers again,
+and its error is shown (``targets``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kiln.metrics.dcgm import NAMES as DCGM_NAMES
+from kiln.metrics.dcgm import PROCESS_MEMORY
+from kiln.metrics.snapshot import Labels, Snapshot, labels_of
+
+log = logging.getLogger(__name__)
+Series = dict[str, dict[Labels, float]]
+MIB = 1024 * 1024
+MAX_BODY = 16 * 1024 * 1024  # a scrape larger than this is not a GPU exporter's
+FLEET_METRICS = DCGM_NAMES | {PROCESS_MEMORY}
+UP_JOB = "kiln-fleet"
+# kiln serve's Triton families -> (DCGM name, scale)
+_FROM_KILN = {
+    "nv_gpu_utilization": ("DCGM_FI_DEV_GPU_UTIL", 100.0),
+    "nv_gpu_memory_used_bytes": ("DCGM_FI_DEV_FB_USED", 1 / MIB),
+    "nv_gpu_power_usage": ("DCGM_FI_DEV_POWER_USAGE", 1.0),
+    "kiln_gpu_temperature_celsius": ("DCGM_FI_DEV_GPU_TEMP", 1.0),
+    "kiln_gpu_sm_clock_mhz": ("DCGM_FI_DEV_SM_CLOCK", 1.0),
+}
+
+
+class FleetError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class FleetOptions:
+    agents: tuple[str, ...] = ()  # host:port or URL of /metrics (agents or kiln servers)
+    prometheus: str = ""  # base URL of a Prometheus server
+    interval_s: float = 5.0
+    timeout_s: float = 5.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.agents or self.prometheus)
+
+
+def target_url(address: str) -> str:
+    url = address if "://" in address else f"http://{address}"
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise FleetError(f"'{address}' is not host:port or an http(s) URL")
+    return url if parsed.path not in ("", "/") else url.rstrip("/") + "/metrics"
+
+
+def _get(url: str, timeout: float) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        body = resp.read(MAX_BODY + 1)
+    if len(body) > MAX_BODY:
+        raise FleetError(f"{url}: answer larger than {MAX_BODY} bytes")
+    return bytes(body)
+
+
+def parse_exposition(text: str, instance: str) -> Series:
+    """The fleet's series in one exporter's text, each labelled with ``instance``."""
+    out: Series = {}
+    kiln_gpus: dict[str, dict[str, float]] = {}  # kiln server: gpu_uuid -> family -> value
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in FLEET_METRICS and "UUID" in s.labels:
+                labels = labels_of({**s.labels, "instance": instance})
+                out.setdefault(s.name, {})[labels] = float(s.value)
+            elif "gpu_uuid" in s.labels and (
+                s.name in _FROM_KILN or s.name == "nv_gpu_memory_total_bytes"
+            ):
+                kiln_gpus.setdefault(s.labels["gpu_uuid"], {})[s.name] = float(s.value)
+    host = instance.rsplit(":", 1)[0]
+    for index, (uuid, values) in enumerate(sorted(kiln_gpus.items())):
+        labels = labels_of({"gpu": str(index), "UUID": uuid, "Hostname": host,
+                            "instance": instance})  # fmt: skip
+        for name, v in values.items():
+            if name in _FROM_KILN:
+                dcgm, scale = _FROM_KILN[name]
+                out.setdefault(dcgm, {})[labels] = v * scale
+        if "nv_gpu_memory_total_bytes" in values and "nv_gpu_memory_used_bytes" in values:
+            free = values["nv_gpu_memory_total_bytes"] - values["nv_gpu_memory_used_bytes"]
+            out.setdefault("DCGM_FI_DEV_FB_FREE", {})[labels] = free / MIB
+    return out
+
+
+def query_prometheus(base: str, timeout: float) -> Series:
+    query = urllib.parse.urlencode({"query": '{__name__=~"DCGM_FI_.*"}'})
+    doc = json.loads(_get(f"{base.rstrip('/')}/api/v1/query?{query}", timeout))
+    if doc.get("status") != "success":
+        raise FleetError(f"Prometheus: {doc.get('error', 'query failed')}")
+    out: Series = {}
+    for item in doc["data"]["result"]:
+        metric = dict(item["metric"])
+        name = metric.pop("__name__", "")
+        if name in DCGM_NAMES:
+            out.setdefault(name, {})[labels_of(metric)] = float(item["value"][1])
+    return out
+
+
+@dataclass(slots=True)
+class TargetStatus:
+    source: str
+    up: bool = False
+    error: str = ""
+    last_scrape: float | None = None
+    gpus: int = 0
+
+
+@dataclass(slots=True)
+class FleetScraper:
+    options: FleetOptions
+    status: dict[str, TargetStatus] = field(default_factory=dict)
+    _values: dict[str, Series] = field(default_factory=dict)  # source -> series
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __post_init__(self) -> None:
+        for a in self.options.agents:
+            target_url(a)  # refuse a bad address before anything starts
+        for source in self.sources():
+            self.status[source] = TargetStatus(source)
+
+    def sources(self) -> list[str]:
+        out = list(self.options.agents)
+        if self.options.prometheus:
+            out.append(f"prometheus {self.options.prometheus}")
+        return out
+
+    def _read(self, source: str) -> Series:
+        timeout = self.options.timeout_s
+        if source.startswith("prometheus "):
+            return query_prometheus(self.options.prometheus, timeout)
+        url = target_url(source)
+        instance = urllib.parse.urlparse(url).netloc
+        return parse_exposition(_get(url, timeout).decode("utf-8", "replace"), instance)
+
+    def scrape_once(self) -> None:
+        for source in self.sources():
+            st = self.status[source]
+            try:
+                series = self._read(source)
+            except (OSError, ValueError, KeyError, urllib.error.URLError) as exc:
+                if st.error != str(exc):
+                    log.warning("fleet: %s: %s", source, exc)
+                st.up, st.error = False, str(exc)
+                with self._lock:
+                    self._values.pop(source, None)  # no stale values
+                continue
+            st.up, st.error, st.last_scrape = True, "", time.time()
+            st.gpus = len({dict(k).get("UUID") for v in series.values() for k in v})
+            with self._lock:
+                self._values[source] = series
+
+    def values(self) -> Series:
+        with self._lock:
+            merged: Series = {}
+            for series in self._values.values():
+                for name, vals in series.items():
+                    merged.setdefault(name, {}).update(vals)
+        # Prometheus's per-target ``up``, so a rule can page on an agent that stopped answering.
+        for source in self.options.agents:
+            instance = urllib.parse.urlparse(target_url(source)).netloc
+            labels = labels_of({"instance": instance, "job": UP_JOB})
+            merged.setdefault("up", {})[labels] = 1.0 if self.status[source].up else 0.0
+        return merged
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(time.time(), self.values())
+
+    def targets(self) -> list[dict[str, Any]]:
+        keys = ("source", "up", "error", "last_scrape", "gpus")
+        return [{k: getattr(s, k) for k in keys} for s in self.status.values()]
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kiln-fleet", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.scrape_once()
+            except Exception:  # the fleet view must never take the server down
+                log.exception("fleet scrape failed")
+            if self._stop.wait(self.options.interval_s):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+_ROW = {
+    "utilization_percent": "DCGM_FI_DEV_GPU_UTIL",
+    "memory_used_mib": "DCGM_FI_DEV_FB_USED",
+    "memory_free_mib": "DCGM_FI_DEV_FB_FREE",
+    "temperature_celsius": "DCGM_FI_DEV_GPU_TEMP",
+    "power_watts": "DCGM_FI_DEV_POWER_USAGE",
+    "xid": "DCGM_FI_DEV_XID_ERRORS",
+}
+
+
+def fleet_figures(snap: Snapshot) -> list[dict[str, Any]]:
+    """One row per (host, GPU) for the live view: the ``fleet`` list of ``/api/live``."""
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for key, metric in _ROW.items():
+        for labels, v in snap.series(metric).items():
+            d = dict(labels)
+            host = d.get("Hostname") or d.get("instance", "")
+            ident = (host, d.get("instance", ""), d.get("UUID", ""))
+            row = rows.setdefault(
+                ident,
+                {"host": host, "instance": d.get("instance", ""), "gpu": d.get("gpu", ""),
+                 "uuid": d.get("UUID", ""), "model_name": d.get("modelName", "")},
+            )  # fmt: skip
+            row[key] = v
+    return [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1], _index(rows[k]["gpu"])))]
+
+
+def _index(gpu: str) -> int:
+    return int(gpu) if gpu.isdigit() else 1 << 30
