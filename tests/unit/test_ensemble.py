@@ -13,11 +13,11 @@ import pytest
 
 from kiln.backends import registry
 from kiln.backends.base import Backend, parameter
+from kiln.config.ensemble_graph import find_cycle, graph_problems, steps_of
 from kiln.config.loader import parse_config_text, validate_config
 from kiln.core.errors import KilnError, Status
 from kiln.core.types import DataType, InferenceRequest, InferInput, RequestedOutput
 from kiln.repository.manager import RepositoryManager
-from kiln.scheduling.ensemble_graph import find_cycle, graph_problems, steps_of
 
 FAIL = -1.0  # an output row starting with this makes the recording model raise
 

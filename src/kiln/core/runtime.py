@@ -16,12 +16,13 @@ import numpy as np
 
 from kiln.backends.base import Backend, InstanceSpec, instance_specs, parameter
 from kiln.backends.registry import LLM_BACKENDS
+from kiln.config.ensemble_graph import build_graph, is_ensemble
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.config.signature import ModelSignature
 from kiln.core import activity
 from kiln.core.classification import load_labels
 from kiln.core.engine_client import EngineClient
 from kiln.core.errors import KilnError, Status, internal, invalid_arg, unavailable
-from kiln.core.signature import ModelSignature
 from kiln.core.stats import FailureReason, ModelStats, RequestTimes, failure_reason
 from kiln.core.stream import ResponseStream
 from kiln.core.trace import CURRENT, Trace, Tracer, owned_by_frontend
@@ -37,7 +38,6 @@ from kiln.scheduling.ensemble import (
     check_composing,
     decoupled_steps,
 )
-from kiln.scheduling.ensemble_graph import build_graph, is_ensemble
 from kiln.scheduling.ragged import RaggedBatching
 from kiln.scheduling.rate_limit import Holder, RateLimiter
 from kiln.scheduling.sequence import SequenceScheduler

@@ -18,6 +18,7 @@ from kiln.backends.python import bls
 from kiln.backends.registry import LLM_BACKENDS
 from kiln.config.loader import config_to_json
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.config.signature import check_request_limits
 from kiln.core.classification import classify, requested_count
 from kiln.core.engine_client import EngineClient
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
@@ -25,7 +26,6 @@ from kiln.core.limits import check_parameters
 from kiln.core.runtime import ModelRuntime
 from kiln.core.settings import LogSettings, TraceSettings
 from kiln.core.shm import MAX_REGIONS, SharedMemoryManager
-from kiln.core.signature import check_request_limits
 from kiln.core.trace import Tracer
 from kiln.core.trace_otel import OtelOptions
 from kiln.core.types import InferenceRequest, InferenceResponse

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kiln.backends.base import Backend
 from kiln.backends.registry import backend_class, backend_name, platform_for
+from kiln.config.ensemble_graph import is_ensemble
 from kiln.config.loader import (
     ConfigError,
     config_from_json,
@@ -32,7 +33,6 @@ from kiln.core.trace import Tracer
 from kiln.repository.safety import check_config_paths, check_model_name, check_tree_inside
 from kiln.repository.source import Fingerprint, LocalSource, RepositoryError, RepositorySource
 from kiln.scheduling.cache import Cache
-from kiln.scheduling.ensemble_graph import is_ensemble
 from kiln.scheduling.rate_limit import RateLimiter
 
 # The ensembles whose load is waiting on this one (outermost first): a composing model that
