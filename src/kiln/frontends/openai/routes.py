@@ -15,9 +15,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from kiln import __version__
-from kiln.core.engine_client import EngineClient
 from kiln.core.errors import KilnError, Status
-from kiln.core.server import Server
 from kiln.core.trace import FrontendSlot, http_slot
 from kiln.frontends.http.app import HttpFrontend
 from kiln.frontends.openai import embeddings
@@ -41,8 +39,10 @@ from kiln.frontends.openai.protocol import (
     detokenize_ids,
     flag,
 )
+from kiln.llm.engine_client import EngineClient
 from kiln.llm.params import InvalidField, with_defaults
 from kiln.llm.sequence import SamplingParams
+from kiln.server.server import Server
 
 if TYPE_CHECKING:  # importing the sampler imports torch
     from kiln.llm.sampler import TokenLogprobs
