@@ -52,8 +52,8 @@ async def start_grpc(
         raise ValueError(f"unknown gRPC implementation '{implementation}'")
     from kiln.frontends.grpc.h2.connection import Limits
     from kiln.frontends.grpc.h2.dispatch import Dispatcher
-    from kiln.frontends.grpc.h2.routes import service_routes
     from kiln.frontends.grpc.h2.server import H2GrpcServer
+    from kiln.frontends.grpc.routes import service_routes
 
     routes = [
         *service_routes(INFERENCE_DESCRIPTOR, INFERENCE_SERVICE, InferenceServicer(server)),
