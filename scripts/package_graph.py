@@ -8,7 +8,8 @@ count, because they are what ties packages together once the code runs.
 
     python scripts/package_graph.py [--src src] [--root kiln] [--edges]
 
-Output: the packages bottom-up (each line: the package and the packages it imports), then the
+Output: the packages bottom-up (each line: its depth, the package and the packages it imports;
+depth 0 imports none of kiln's packages, depth n imports one of depth n-1), then the
 cycles (strongly connected components of more than one package), each with one import per edge
 as evidence. A cycle between a package and its own subpackages only (``llm`` and ``llm.models``:
 the models use the package's layers, its runner uses the models) is an import between modules
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--strict", action="store_true", help="a package-subpackage cycle fails too"
     )
+    parser.add_argument("--quiet", action="store_true", help="print only the cycles")
     args = parser.parse_args(argv)
 
     graph, evidence = build_graph(args.src, args.root)
@@ -164,18 +166,26 @@ def main(argv: list[str] | None = None) -> int:
     def short(name: str) -> str:
         return name[strip:] if name != args.root else args.root
 
-    print(
-        f"# {args.root} package graph: {len(graph)} packages, "
-        f"{sum(map(len, graph.values()))} edges (leaves first)"
-    )
-    for component in components:
+    # depth: 0 for a package that imports none of ours, else 1 + its deepest import (a
+    # cycle's packages share one depth): the listing reads bottom-up, layer by layer
+    depth: dict[str, int] = {}
+    for component in components:  # leaves first
+        members = set(component)
+        below = [depth[b] for p in component for b in graph[p] - members]
         for package in component:
+            depth[package] = 1 + max(below) if below else 0
+    if not args.quiet:
+        print(
+            f"# {args.root} package graph: {len(graph)} packages, "
+            f"{sum(map(len, graph.values()))} edges; depth 0 imports none of ours"
+        )
+        for package in sorted(graph, key=lambda p: (depth[p], p)):
             deps = ", ".join(short(b) for b in sorted(graph[package]))
-            print(f"{short(package):28} -> {deps or '-'}")
+            print(f"{depth[package]:2}  {short(package):20} -> {deps or '-'}")
             if args.edges:
                 for b in sorted(graph[package]):
                     module, target = evidence[(package, b)]
-                    print(f"{'':31}{short(b)}: {module} imports {target}")
+                    print(f"{'':28}{short(b)}: {module} imports {target}")
     cycles = [c for c in components if len(c) > 1]
     failed = False
     for component in cycles:
