@@ -46,6 +46,10 @@ serve: example
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	# the layering rule (docs/architecture.md): the contracts in pyproject.toml, then no
+	# cycle between packages
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python scripts/package_graph.py --quiet
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

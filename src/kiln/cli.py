@@ -316,7 +316,6 @@ def serve(
     OpenAI's API and metrics.
 
     Security (API keys, restricted APIs, TLS, CORS, limits): see docs/security.md."""
-    from kiln.core.server import ControlMode, ServerOptions
     from kiln.core.settings import parse_trace_config
     from kiln.metrics.app import MetricsOptions
     from kiln.metrics.config import MetricsConfig, MetricsConfigError
@@ -324,6 +323,7 @@ def serve(
     from kiln.scheduling.rate_limit import ResourceOverride
     from kiln.serve import Endpoints
     from kiln.serve import serve as run_server
+    from kiln.server.server import ControlMode, ServerOptions
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

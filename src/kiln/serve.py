@@ -18,7 +18,6 @@ from typing import Any
 import uvicorn
 from starlette.middleware.cors import CORSMiddleware
 
-from kiln.core.server import ControlMode, Server, ServerOptions
 from kiln.frontends.http.access import AccessMiddleware
 from kiln.frontends.http.app import HttpFrontend
 from kiln.frontends.http.browser import BrowserGuard, BrowserGuardMiddleware
@@ -32,6 +31,7 @@ from kiln.metrics.app import MetricsOptions, MetricsService, metrics_app
 from kiln.metrics.monitor import MonitorOptions, MonitorService
 from kiln.scheduling.cache import CacheConfigError
 from kiln.security import SecurityOptions
+from kiln.server.server import ControlMode, Server, ServerOptions
 
 log = logging.getLogger("kiln")
 

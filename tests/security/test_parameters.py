@@ -20,10 +20,10 @@ from kiln.backends.base import InstanceSpec
 from kiln.backends.python.backend import PythonBackend
 from kiln.config.loader import parse_config_text
 from kiln.core.errors import KilnError, Status
-from kiln.core.server import ControlMode, Server, ServerOptions
 from kiln.core.stats import RequestTimes
 from kiln.core.types import DataType, InferenceRequest, InferInput
 from kiln.scheduling.base import Instance, Job
+from kiln.server.server import ControlMode, Server, ServerOptions
 from tests.conftest import KilnProcess
 
 IMAGE = np.zeros((1, 28, 28, 1), dtype=np.uint8)

@@ -14,12 +14,13 @@ from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError
 from kiln.core.types import DataType, InferenceRequest, InferInput
 from kiln.repository.manager import RepositoryManager
+from kiln.server.runtime import runtime_factory
 from tests.onnx_models import identity_model
 
 
 @pytest.fixture
 async def manager(tmp_path: Path) -> AsyncIterator[RepositoryManager]:
-    repo = RepositoryManager([tmp_path])
+    repo = RepositoryManager([tmp_path], runtime_factory())
     yield repo
     await repo.unload_all()
 
@@ -183,7 +184,7 @@ async def test_a_python_model_gets_the_batcher_only_if_it_asks(
 # ---- --disable-auto-complete-config ---------------------------------------------------------
 @pytest.fixture
 async def strict(tmp_path: Path) -> AsyncIterator[RepositoryManager]:
-    repo = RepositoryManager([tmp_path], auto_complete=False)
+    repo = RepositoryManager([tmp_path], runtime_factory(), auto_complete=False)
     yield repo
     await repo.unload_all()
 

@@ -21,9 +21,9 @@ from google.protobuf import text_format
 from kiln.backends.base import Backend
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status
-from kiln.core.runtime import ModelRuntime
 from kiln.core.types import DataType, InferenceRequest, InferenceResponse, InferInput
 from kiln.scheduling.dynamic import DynamicScheduler
+from kiln.server.runtime import ModelRuntime
 
 HOLD = 999.0  # a row starting with this blocks its batch until Gate.release is set
 FAIL = -1.0  # a row starting with this makes its batch raise

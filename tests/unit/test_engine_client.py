@@ -15,11 +15,11 @@ pytest.importorskip("transformers")
 
 from kiln.config.loader import parse_config_text
 from kiln.core.errors import KilnError, Status
-from kiln.core.runtime import ModelRuntime
 from kiln.core.stats import FailureReason
 from kiln.frontends.openai.generation import run, started
 from kiln.llm.backend import LLMBackend
 from kiln.llm.sequence import SamplingParams
+from kiln.server.runtime import ModelRuntime
 from tests.llm_models import build_tiny_llm
 
 CONFIG = """

@@ -13,11 +13,12 @@ import pytest
 
 from kiln.backends import registry
 from kiln.backends.base import Backend, parameter
+from kiln.config.ensemble_graph import find_cycle, graph_problems, steps_of
 from kiln.config.loader import parse_config_text, validate_config
 from kiln.core.errors import KilnError, Status
 from kiln.core.types import DataType, InferenceRequest, InferInput, RequestedOutput
 from kiln.repository.manager import RepositoryManager
-from kiln.scheduling.ensemble_graph import find_cycle, graph_problems, steps_of
+from kiln.server.runtime import runtime_factory
 
 FAIL = -1.0  # an output row starting with this makes the recording model raise
 
@@ -108,7 +109,7 @@ async def repo(tmp_path: Path) -> AsyncIterator[tuple[Path, RepositoryManager]]:
     _write(root, "right", _model("right", add=2))
     _write(root, "join", _model("join", ("A", "B")))
     _write(root, "diamond", DIAMOND)
-    manager = RepositoryManager([root], drain_timeout=5)
+    manager = RepositoryManager([root], runtime_factory(), drain_timeout=5)
     yield root, manager
     await manager.unload_all()
 

@@ -11,15 +11,15 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
+from kiln.config.ensemble_graph import EnsembleGraph, Step
 from kiln.config.loader import parse_config_text
+from kiln.config.signature import ModelSignature
 from kiln.core.errors import KilnError, Status
-from kiln.core.signature import ModelSignature
 from kiln.core.stats import ModelStats, RequestTimes
 from kiln.core.stream import ResponseStream
 from kiln.core.types import DataType, InferenceRequest, InferenceResponse, InferOutput
 from kiln.scheduling.base import Job
 from kiln.scheduling.ensemble import EnsembleScheduler, StepFailed
-from kiln.scheduling.ensemble_graph import EnsembleGraph, Step
 
 ENSEMBLE = """
 name: "pipe"

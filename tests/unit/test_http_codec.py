@@ -16,8 +16,8 @@ from tritonclient.utils import (
 )
 
 from kiln.config.loader import parse_config_text
+from kiln.config.signature import ModelSignature
 from kiln.core.errors import KilnError, Status
-from kiln.core.signature import ModelSignature
 from kiln.core.types import DataType, InferenceRequest, InferenceResponse, InferOutput
 from kiln.frontends.http.codec import (
     decode_raw_request,

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kiln.core.server import ControlMode, Server, ServerOptions
 from kiln.examples import reference_outputs
 from kiln.frontends.http.app import HttpFrontend
 from kiln.frontends.http.fast_infer import FastInfer
+from kiln.server.server import ControlMode, Server, ServerOptions
 
 X = np.linspace(-1, 1, 64, dtype=np.float32).reshape(1, 64)
 

@@ -16,8 +16,8 @@ from google.protobuf import text_format
 from kiln.backends.base import Backend, InstanceSpec
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError
-from kiln.core.runtime import ModelRuntime
 from kiln.scheduling.base import Instance
+from kiln.server.runtime import ModelRuntime
 
 SPEC = InstanceSpec("m_0", "cpu", 0, 0, 1)
 Arrays = dict[str, np.ndarray]

@@ -16,6 +16,7 @@ from kiln.core.errors import KilnError, Status
 from kiln.llm import model_json
 from kiln.llm.triton_tensors import auto_complete
 from kiln.repository.manager import RepositoryManager
+from kiln.server.runtime import runtime_factory
 
 
 def _write(tmp_path: Path, args: dict[str, Any]) -> Path:
@@ -98,7 +99,7 @@ async def test_repository_load_names_the_argument(tmp_path: Path) -> None:
     """The refusal is the model's load error, as the repository index reports it."""
     version = _write(tmp_path, {"model": str(tmp_path / "hf"), "swap_space": 4})
     (version.parent / "config.pbtxt").write_text('backend: "vllm"')
-    repo = RepositoryManager([tmp_path])
+    repo = RepositoryManager([tmp_path], runtime_factory())
     with pytest.raises(KilnError, match="engine argument 'swap_space' is not supported"):
         await repo.load("m")
     index = {e["name"]: e for e in repo.index()}

@@ -12,12 +12,12 @@ import pytest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from kiln.core.server import Server, ServerOptions
 from kiln.core.stats import FailureReason, ModelStats, RequestTimes, failure_reason
 from kiln.core.types import DataType, InferenceRequest, InferInput
 from kiln.metrics.app import MetricsOptions, MetricsService
 from kiln.metrics.config import MetricsConfig
 from kiln.metrics.exposition import counter, render
+from kiln.server.server import Server, ServerOptions
 
 TRITON_COUNTERS = [
     "nv_inference_request_success",

@@ -19,9 +19,9 @@ from kiln.backends.python.deadline import BatchDeadline, batch_deadline, expired
 from kiln.config.loader import parse_config_text
 from kiln.config.model_config_pb2 import ModelConfig, ModelDynamicBatching
 from kiln.core.errors import KilnError, Status
-from kiln.core.runtime import ModelRuntime
 from kiln.core.types import DataType, InferenceRequest, InferInput
 from kiln.scheduling.policy import QueuePolicy
+from kiln.server.runtime import ModelRuntime
 
 S = 1_000_000_000  # ns per second
 

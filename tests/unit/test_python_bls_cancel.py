@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.backends import host
 from kiln.backends.base import InstanceSpec
 from kiln.backends.python import bls
 from kiln.backends.python.backend import PythonBackend
@@ -51,7 +52,7 @@ def _request() -> InferenceRequest:
 
 async def test_a_cancel_mid_stream_closes_the_callee_and_ends_with_cancelled() -> None:
     callee = Callee()
-    bls.install(_unary, asyncio.get_running_loop(), callee.stream)
+    host.install(_unary, asyncio.get_running_loop(), callee.stream)
     try:
         call = bls.call_stream(_request())
 
@@ -65,7 +66,7 @@ async def test_a_cancel_mid_stream_closes_the_callee_and_ends_with_cancelled() -
 
         parts = await asyncio.wait_for(asyncio.to_thread(consume), 30)
     finally:
-        bls.uninstall(_unary)
+        host.uninstall(_unary)
     *ticks, last = parts
     assert len(ticks) >= 3 and all(p[0] is not None and not p[1] for p in ticks)
     outputs, final, error, _ = last
@@ -77,13 +78,13 @@ async def test_a_cancel_mid_stream_closes_the_callee_and_ends_with_cancelled() -
 
 async def test_a_cancel_before_the_call_began_never_starts_the_callee() -> None:
     callee = Callee()
-    bls.install(_unary, asyncio.get_running_loop(), callee.stream)
+    host.install(_unary, asyncio.get_running_loop(), callee.stream)
     try:
         call = bls.call_stream(_request())
         call.cancel()  # on the loop's thread: the call cannot have begun yet
         parts = await asyncio.wait_for(asyncio.to_thread(list, call), 30)
     finally:
-        bls.uninstall(_unary)
+        host.uninstall(_unary)
     ((outputs, final, error, _),) = parts
     assert outputs is None and final and error is not None
     assert error.status is Status.CANCELLED
@@ -120,7 +121,7 @@ async def test_a_cancel_read_before_its_helper_thread_started_the_call_is_kept(
     spec = InstanceSpec(name="caller_0", kind="cpu", device_id=0, index=0, total_instances=1)
     backend = PythonBackend(config, version, spec)
     callee = Callee()
-    bls.install(_unary, asyncio.get_running_loop(), callee.stream)
+    host.install(_unary, asyncio.get_running_loop(), callee.stream)
     try:
         conn = backend.worker.conn
         call: dict[str, Any] = {
@@ -134,5 +135,5 @@ async def test_a_cancel_read_before_its_helper_thread_started_the_call_is_kept(
         assert callee.started == 0  # cancelled before it began
         backend._bls_cancel(5, conn)  # a late cancel of a call that ended: nothing
     finally:
-        bls.uninstall(_unary)
+        host.uninstall(_unary)
         backend.close()

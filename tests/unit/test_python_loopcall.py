@@ -560,6 +560,7 @@ async def test_a_bls_call_read_by_the_loop_runs_on_the_loop(
     written back into the worker's side arena, is the callee's."""
     import threading
 
+    from kiln.backends import host
     from kiln.backends.python import bls
     from kiln.core.types import DataType, InferenceResponse, InferOutput
 
@@ -579,7 +580,7 @@ async def test_a_bls_call_read_by_the_loop_runs_on_the_loop(
     instance = Instance(
         PythonBackend(parse_config_text(CONFIG), _model(tmp_path, BLS_ECHO), SPEC), "double"
     )
-    bls.install(infer, asyncio.get_running_loop())
+    host.install(infer, asyncio.get_running_loop())
     try:
         (out,) = await asyncio.wait_for(_run(instance, [_job(7)]), 30)
         assert not isinstance(out, KilnError), out
@@ -587,7 +588,7 @@ async def test_a_bls_call_read_by_the_loop_runs_on_the_loop(
         assert seen == [("elsewhere", loop_thread, [7.0, 7.0])]
         assert instance.loop_driven_calls == 1
     finally:
-        bls.uninstall(infer)
+        host.uninstall(infer)
         instance.close()
 
 
@@ -598,7 +599,7 @@ async def test_a_lone_request_s_bls_call_is_a_lone_request_too(
     the only one the loop has (so its worker is busy-polled for, ``_busy_poll_budget``);
     the count is whole again after the call, and the loop then polls for the worker's
     answer instead of sleeping until the pipe wakes it."""
-    from kiln.backends.python import bls
+    from kiln.backends import host
     from kiln.core import activity
     from kiln.core.types import DataType, InferenceResponse, InferOutput
 
@@ -626,7 +627,7 @@ async def test_a_lone_request_s_bls_call_is_a_lone_request_too(
 
     monkeypatch.setattr(WorkerPipe, "poll_after_answer", watched)
     monkeypatch.setattr(activity, "inflight", 1)  # the caller's own request
-    bls.install(infer, asyncio.get_running_loop())
+    host.install(infer, asyncio.get_running_loop())
     try:
         (out,) = await asyncio.wait_for(_run(instance, [_job(3)]), 30)
         assert out["OUT"].tolist() == [[4, 4]]
@@ -634,7 +635,7 @@ async def test_a_lone_request_s_bls_call_is_a_lone_request_too(
         assert activity.inflight == 1
         assert polled == [backend.busy_poll_ns]
     finally:
-        bls.uninstall(infer)
+        host.uninstall(infer)
         instance.close()
 
 
@@ -930,12 +931,13 @@ async def test_the_server_counts_its_requests_in_flight_for_busy_polling(tmp_pat
     from kiln.core import activity
     from kiln.core.types import DataType, InferenceRequest, InferInput
     from kiln.repository.manager import RepositoryManager
+    from kiln.server.runtime import runtime_factory
 
     _model(tmp_path)
     (tmp_path / "double" / "config.pbtxt").write_text(
         CONFIG + 'parameters { key: "busy_poll_us" value { string_value: "50000" } }'
     )
-    manager = RepositoryManager([tmp_path])
+    manager = RepositoryManager([tmp_path], runtime_factory())
     await manager.load("double")
     try:
         runtime = manager.get("double")
@@ -1161,7 +1163,7 @@ async def test_a_long_bls_stream_relayed_on_the_thread_path_does_not_deadlock(
     the server must keep reading the worker while it writes a BLS stream's parts to it: a
     model relaying each part as a response fills the worker's socket otherwise, and both
     sides wait on each other's full buffer until the execute timeout kills the worker."""
-    from kiln.backends.python import bls
+    from kiln.backends import host
     from kiln.core.types import DataType, InferenceResponse, InferOutput
 
     count = 20_000  # far more than both socket buffers hold
@@ -1183,7 +1185,7 @@ async def test_a_long_bls_stream_relayed_on_the_thread_path_does_not_deadlock(
         + 'parameters { key: "execute_timeout_secs" value { string_value: "60" } }'
     )
     backend = PythonBackend(config, _model(tmp_path, RELAY), SPEC)
-    bls.install(infer, asyncio.get_running_loop(), many)
+    host.install(infer, asyncio.get_running_loop(), many)
     try:
         sink = _CountingSink()
         job = _job(1, sink=sink)
@@ -1191,7 +1193,7 @@ async def test_a_long_bls_stream_relayed_on_the_thread_path_does_not_deadlock(
         assert outcome == {}, outcome
         assert sink.count == count and sink.final
     finally:
-        bls.uninstall(infer)
+        host.uninstall(infer)
         # Deadlocked, the instance's thread would hold the worker's send lock for ever
         # (blocked in a write that the execute timeout does not reach): killing the
         # worker ends that write, so a regression fails here instead of hanging.

@@ -13,8 +13,8 @@ from kiln.backends.base import InstanceSpec
 from kiln.backends.python.backend import PythonBackend
 from kiln.config.loader import validate_config
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.config.signature import ModelSignature
 from kiln.core.errors import KilnError
-from kiln.core.signature import ModelSignature
 from kiln.core.stats import RequestTimes
 from kiln.scheduling.base import Job
 from kiln.scheduling.ragged import RaggedBatching

@@ -16,6 +16,7 @@ from kiln.repository.manager import (
     select_versions,
     version_dirs,
 )
+from kiln.server.runtime import runtime_factory
 
 AVAILABLE = [1, 2, 3, 7]
 
@@ -74,7 +75,7 @@ async def versioned(example_repo: Path, tmp_path: Path) -> AsyncIterator[Reposit
         shutil.copytree(model / "1", model / str(v))
     cfg = model / "config.pbtxt"
     cfg.write_text(cfg.read_text() + "version_policy { latest { num_versions: 2 } }\n")
-    repo = RepositoryManager([tmp_path])
+    repo = RepositoryManager([tmp_path], runtime_factory())
     await repo.load("simple")
     yield repo
     await repo.unload_all()
@@ -160,7 +161,7 @@ async def ensembles(example_repo: Path, tmp_path: Path) -> AsyncIterator[Reposit
                         "outer": ("first", "second_only")}.items():  # fmt: skip
         (tmp_path / name / "1").mkdir(parents=True)
         (tmp_path / name / "config.pbtxt").write_text(_ensemble(name, *steps))
-    repo = RepositoryManager([tmp_path])
+    repo = RepositoryManager([tmp_path], runtime_factory())
     yield repo
     await repo.unload_all()
 

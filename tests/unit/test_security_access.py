@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.config.signature import check_request_limits
 from kiln.core.access import AccessConfigError, AccessPolicy, ApiGroup, Restriction
 from kiln.core.errors import KilnError, Status
-from kiln.core.signature import check_request_limits
 from kiln.core.types import DataType, InferenceRequest, InferInput
 from kiln.frontends.grpc.access import GRPC_HEADER_PREFIX, rpc_group
 from kiln.frontends.http.access import api_group

@@ -21,13 +21,13 @@ from google.protobuf import text_format
 
 from kiln.backends.base import Backend, InstanceSpec, Rescheduled
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.config.signature import ModelSignature
 from kiln.core.errors import KilnError, Status
-from kiln.core.runtime import ModelRuntime
-from kiln.core.signature import ModelSignature
 from kiln.core.stats import ModelStats, RequestTimes
 from kiln.core.types import DataType, InferenceRequest, InferInput
 from kiln.scheduling.base import Instance, Job
 from kiln.scheduling.sequence import SequenceScheduler
+from kiln.server.runtime import ModelRuntime
 
 IDLE_US = 1000
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kiln.config.loader import parse_config_text
+from kiln.config.signature import ModelSignature
 from kiln.core.errors import KilnError, Status
-from kiln.core.signature import ModelSignature
 from kiln.core.types import DataType, InferenceRequest, InferInput, RequestedOutput
 
 BATCHING = ModelSignature(

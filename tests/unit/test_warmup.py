@@ -12,10 +12,10 @@ from google.protobuf import text_format
 
 from kiln.backends.base import Backend
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.config.signature import ModelSignature
 from kiln.core.errors import KilnError
-from kiln.core.runtime import ModelRuntime
-from kiln.core.signature import ModelSignature
-from kiln.core.warmup import build_samples
+from kiln.server.runtime import ModelRuntime
+from kiln.server.warmup import build_samples
 
 BOOM = 13.0  # an INPUT row starting with this makes the recording model raise
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from google.protobuf import descriptor, json_format, text_format
 
+from kiln.config.ensemble_graph import graph_problems
 from kiln.config.model_config_pb2 import DataType as PbDataType
 from kiln.config.model_config_pb2 import ModelConfig
-from kiln.scheduling.ensemble_graph import graph_problems
 
 __all__ = [
     "DEFAULT_CONFIG_NAME",

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.core.errors import invalid_arg
-from kiln.core.server import Server
 from kiln.core.types import InferenceRequest, InferenceResponse
 from kiln.frontends.tensors import from_binary, to_binary
+from kiln.server.server import Server
 
 REGION = "shared_memory_region"
 BYTE_SIZE = "shared_memory_byte_size"

@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 from kiln.llm.stats import FINISH_REASONS, HISTOGRAMS
 
 if TYPE_CHECKING:
-    from kiln.core.engine_client import EngineClient
+    from kiln.llm.engine_client import EngineClient
 
 PREFIX = "vllm:"
 LABELS = ("model_name", "engine")

@@ -16,7 +16,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kiln.core.server import Server
 from kiln.core.stats import ModelStats
 from kiln.llm.metrics import LLMCollector
 from kiln.metrics.collector import ServerCollector
@@ -28,6 +27,7 @@ from kiln.metrics.host import HostCollector
 from kiln.metrics.observer import RuntimeMetrics
 from kiln.metrics.readiness import ReadinessCollector
 from kiln.metrics.sampler import Sampled, TelemetrySampler
+from kiln.server.server import Server
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kiln.core.runtime import ModelRuntime
 from kiln.core.stats import FailureReason
 from kiln.metrics.config import MetricsConfig
 from kiln.metrics.exposition import counter
 from kiln.metrics.observer import SUMMARY_PHASES, Histogram, RuntimeMetrics
+from kiln.server.runtime import ModelRuntime
 
 LABELS = ("model", "version")
 # Upper bounds of kiln_batch_size: powers of two cover every preferred_batch_size layout.

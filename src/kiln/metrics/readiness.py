@@ -13,9 +13,8 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kiln.core.runtime import ModelState
 from kiln.metrics.exposition import counter
-from kiln.repository.manager import RepositoryManager
+from kiln.repository.manager import ModelState, RepositoryManager
 from kiln.repository.source import LocalSource
 
 

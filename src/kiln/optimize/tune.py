@@ -2,7 +2,7 @@
 
 Each point of a small grid (instance count x dynamic batching off / max queue delay, with the
 profiled batch sizes as preferred sizes) is written as a temporary repository entry, loaded by
-an in-process :class:`kiln.core.server.Server`, and driven by a closed loop of concurrent
+an in-process :class:`kiln.server.server.Server`, and driven by a closed loop of concurrent
 asyncio callers of ``Server.infer``, one sample per request as clients send them, for a fixed
 time. The best throughput whose request p99 is within ``--latency-budget-ms`` wins.
 """
@@ -72,8 +72,8 @@ def pick(points: list[ServingPoint], budget_ms: float | None) -> tuple[ServingPo
 async def _measure(
     repo: Path, name: str, data: Batch, concurrency: int, seconds: float
 ) -> tuple[list[float], int, str]:
-    from kiln.core.server import Server, ServerOptions
     from kiln.core.types import DataType, InferenceRequest, InferInput
+    from kiln.server.server import Server, ServerOptions
 
     n = len(next(iter(data.values())))
     requests = []

@@ -11,14 +11,18 @@ import asyncio
 import base64
 import binascii
 import contextvars
+import enum
 import logging
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 from kiln.backends.base import Backend
 from kiln.backends.registry import backend_class, backend_name, platform_for
+from kiln.config.ensemble_graph import is_ensemble
 from kiln.config.loader import (
     ConfigError,
     config_from_json,
@@ -27,13 +31,8 @@ from kiln.config.loader import (
 )
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
-from kiln.core.runtime import ModelRuntime, ModelState
-from kiln.core.trace import Tracer
 from kiln.repository.safety import check_config_paths, check_model_name, check_tree_inside
 from kiln.repository.source import Fingerprint, LocalSource, RepositoryError, RepositorySource
-from kiln.scheduling.cache import Cache
-from kiln.scheduling.ensemble_graph import is_ensemble
-from kiln.scheduling.rate_limit import RateLimiter
 
 # The ensembles whose load is waiting on this one (outermost first): a composing model that
 # is already among them would wait on its own lock, so it is refused as a cycle instead.
@@ -44,6 +43,36 @@ _LOADING_ENSEMBLES: contextvars.ContextVar[tuple[str, ...]] = contextvars.Contex
 log = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.pbtxt"
+
+
+class ModelState(enum.Enum):
+    UNKNOWN = "UNKNOWN"
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+    LOADING = "LOADING"
+    UNLOADING = "UNLOADING"
+
+
+class Runtime(Protocol):
+    """What the repository needs of one loaded model version (``ModelRuntime``)."""
+
+    version: int
+    state: ModelState
+    reason: str
+
+    @property
+    def ready(self) -> bool: ...
+
+    async def load(self) -> None: ...
+
+    async def unload(self, timeout: float) -> None: ...
+
+
+R = TypeVar("R", bound=Runtime)
+# (name, version, config, version folder, backend class, resolve) -> a runtime, not loaded
+# yet; ``resolve`` looks a composing model up (ensembles). Given by the server: the
+# repository sits below it and never imports it.
+RuntimeFactory = Callable[[str, int, ModelConfig, Path, type[Backend], Callable[[str, str], R]], R]
 
 
 def version_dirs(model_dir: Path) -> dict[int, Path]:
@@ -74,9 +103,9 @@ def select_versions(config: ModelConfig, available: list[int]) -> list[int]:
 
 
 @dataclass
-class ModelEntry:
+class ModelEntry(Generic[R]):
     name: str
-    versions: dict[int, ModelRuntime] = field(default_factory=dict)
+    versions: dict[int, R] = field(default_factory=dict)
     config: ModelConfig | None = None
     state: ModelState = ModelState.UNKNOWN
     reason: str = ""
@@ -87,14 +116,13 @@ class ModelEntry:
     dependency: bool = False
 
 
-class RepositoryManager:
+class RepositoryManager(Generic[R]):
     def __init__(
         self,
         repositories: list[Path | RepositorySource],
+        runtime_factory: RuntimeFactory[R],
         drain_timeout: float = 30.0,
-        response_cache: Cache | None = None,
         auto_complete: bool = True,
-        rate_limiter: RateLimiter | None = None,
         served: list[ModelConfig] | None = None,
     ) -> None:
         # Each --model-repository: a folder, or a bucket fetched into a local cache.
@@ -109,10 +137,8 @@ class RepositoryManager:
         # outputs or max_batch_size read from the model, no default dynamic batcher).
         self.auto_complete = auto_complete
         self.drain_timeout = drain_timeout
-        self.response_cache = response_cache  # shared by every model that enables it
-        self.rate_limiter = rate_limiter  # --rate-limit: shared by every model's instances
-        self.tracer: Tracer | None = None  # the server's (set by it)
-        self.entries: dict[str, ModelEntry] = {}
+        self.runtime_factory = runtime_factory
+        self.entries: dict[str, ModelEntry[R]] = {}
         self._load_slots = asyncio.Semaphore(4)  # Triton's --model-load-thread-count
 
     # ---- discovery -------------------------------------------------------------------
@@ -158,7 +184,7 @@ class RepositoryManager:
         return await asyncio.get_running_loop().run_in_executor(None, self.model_dir, name)
 
     # ---- lookup ----------------------------------------------------------------------
-    def get(self, name: str, version: str = "") -> ModelRuntime:
+    def get(self, name: str, version: str = "") -> R:
         entry = self.entries.get(name)
         if entry is None or not entry.versions:
             raise not_found(f"Request for unknown model: '{name}' is not found")
@@ -178,7 +204,7 @@ class RepositoryManager:
             raise KilnError(f"model '{name}' has no ready versions", Status.UNAVAILABLE)
         return max(ready, key=lambda r: r.version)
 
-    def runtimes(self) -> list[ModelRuntime]:
+    def runtimes(self) -> list[R]:
         # Metrics, history and alert threads call this while the event loop loads models:
         # list(dict.values()) copies in one C call under the GIL, a generator would not.
         entries = list(self.entries.values())
@@ -199,7 +225,7 @@ class RepositoryManager:
         if name not in self.entries and not files and name not in self.served:
             # Fails for an unknown name before an entry exists: it leaves no index row behind.
             await self._model_dir(name)
-        entry = self.entries.setdefault(name, ModelEntry(name))
+        entry = self.entries.setdefault(name, ModelEntry[R](name))
         async with entry.lock, self._load_slots:
             try:
                 await self._load(entry, config_json, files)
@@ -219,14 +245,14 @@ class RepositoryManager:
                     f"failed to load '{name}': {type(exc).__name__}: {exc}", Status.INTERNAL
                 ) from exc
 
-    def _fail(self, entry: ModelEntry, reason: str) -> None:
+    def _fail(self, entry: ModelEntry[R], reason: str) -> None:
         if not entry.versions:  # a failed reload keeps the old versions serving
             entry.state = ModelState.UNAVAILABLE
         entry.reason = reason
         log.error("model '%s' failed to load: %s", entry.name, reason)
 
     async def _load(
-        self, entry: ModelEntry, config_json: str | None, files: dict[str, bytes] | None
+        self, entry: ModelEntry[R], config_json: str | None, files: dict[str, bytes] | None
     ) -> None:
         name = entry.name
         if not files and config_json is None and name in self.served:
@@ -254,7 +280,7 @@ class RepositoryManager:
 
     async def _load_dir(
         self,
-        entry: ModelEntry,
+        entry: ModelEntry[R],
         model_dir: Path,
         config_json: str | None,
         files_dir: Path | None,
@@ -311,7 +337,7 @@ class RepositoryManager:
             await self._load_composing(name, config)
         await self._start(entry, config, {v: versions[v] for v in chosen}, cls, files_dir)
 
-    async def _load_served(self, entry: ModelEntry, served: ModelConfig) -> None:
+    async def _load_served(self, entry: ModelEntry[R], served: ModelConfig) -> None:
         """A ``--model`` checkpoint: version 1, its folder (a ``.gguf`` file's folder) as
         the version folder; the backend reads the checkpoint from ``model_path``."""
         config = ModelConfig()
@@ -328,7 +354,7 @@ class RepositoryManager:
 
     async def _start(
         self,
-        entry: ModelEntry,
+        entry: ModelEntry[R],
         config: ModelConfig,
         versions: dict[int, Path],
         cls: type[Backend],
@@ -337,20 +363,7 @@ class RepositoryManager:
         """Bring ``versions`` up, then swap them in for the old ones and drain those."""
         name, chosen = entry.name, sorted(versions)
         entry.state = ModelState.LOADING
-        new = {
-            v: ModelRuntime(
-                name,
-                v,
-                config,
-                versions[v],
-                cls,
-                self.response_cache,
-                resolve=self.get,
-                rate_limiter=self.rate_limiter,
-                tracer=self.tracer,
-            )
-            for v in chosen
-        }
+        new = {v: self.runtime_factory(name, v, config, versions[v], cls, self.get) for v in chosen}
         results = await asyncio.gather(*(r.load() for r in new.values()), return_exceptions=True)
         errors = [(v, e) for v, e in zip(new, results, strict=True) if isinstance(e, BaseException)]
         if errors:
@@ -438,7 +451,7 @@ class RepositoryManager:
                 await self.unload(model, unload_dependents=True)
 
     @staticmethod
-    def _composing(entry: ModelEntry) -> set[str]:
+    def _composing(entry: ModelEntry[R]) -> set[str]:
         config = entry.config
         if config is None or not is_ensemble(config):
             return set()

@@ -34,8 +34,9 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 from kiln.backends.base import Backend
+from kiln.config.ensemble_graph import ENSEMBLE_PLATFORM, EnsembleGraph, Step
+from kiln.config.signature import ModelSignature, TensorSpec
 from kiln.core.errors import KilnError, Status, internal, invalid_arg
-from kiln.core.signature import ModelSignature, TensorSpec
 from kiln.core.stats import ModelStats
 from kiln.core.types import (
     DataType,
@@ -45,7 +46,6 @@ from kiln.core.types import (
     RequestedOutput,
 )
 from kiln.scheduling.base import Job, Scheduler
-from kiln.scheduling.ensemble_graph import ENSEMBLE_PLATFORM, EnsembleGraph, Step
 
 
 class StepModel(Protocol):

@@ -31,6 +31,17 @@ import numpy as np
 
 from kiln.backends.base import Rescheduled
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.config.sequence_config import (
+    Control,
+    ControlSpec,
+    CorrId,
+    SequenceFlags,
+    corrid_value,
+    parse_controls,
+    parse_flags,
+    parse_states,
+)
+from kiln.config.sequence_config import idle_limit_ns as config_idle_limit_ns
 from kiln.core.errors import KilnError, internal, invalid_arg, unavailable
 from kiln.core.stats import ModelStats
 from kiln.scheduling.base import Instance, Job, Scheduler
@@ -42,17 +53,6 @@ from kiln.scheduling.sequence_batch import (
     batch_inputs,
     split_rows,
 )
-from kiln.scheduling.sequence_config import (
-    Control,
-    ControlSpec,
-    CorrId,
-    SequenceFlags,
-    corrid_value,
-    parse_controls,
-    parse_flags,
-    parse_states,
-)
-from kiln.scheduling.sequence_config import idle_limit_ns as config_idle_limit_ns
 from kiln.scheduling.sequence_plan import Planner, planner_for
 from kiln.scheduling.sequence_slots import GoneIds, Sequence, SlotPool, Waiting, describe
 

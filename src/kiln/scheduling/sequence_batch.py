@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from kiln.config.model_config_pb2 import ModelSequenceBatching
+from kiln.config.sequence_config import ControlSpec, CorrId, StateSpec, corrid_value
 from kiln.core.errors import KilnError, Status
 from kiln.core.stats import RequestTimes
 from kiln.core.types import DataType
 from kiln.scheduling.base import Job
-from kiln.scheduling.sequence_config import ControlSpec, CorrId, StateSpec, corrid_value
 
 Kind = ModelSequenceBatching.Control
 # Triton's request flags, as a Python model reads them from ``InferenceRequest.flags()``.

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kiln.config.sequence_config import CorrId, SequenceFlags
 from kiln.scheduling.base import Job
 from kiln.scheduling.queue import ShapeKey
-from kiln.scheduling.sequence_config import CorrId, SequenceFlags
 
 # How many ended / expired ids are remembered to say why a late request is refused.
 _GONE_MEMORY = 4096

@@ -1,6 +1,7 @@
 """BLS: a Python model calling another kiln model, through the server that runs it.
 
-The server installs its ``infer`` and event loop here when it starts. A worker's request
+The server installs its ``infer`` and event loop in ``kiln.backends.host`` when it starts
+(the backends never import the server, which sits above them). A worker's request
 that arrives on the event loop (the worker's pipe is read there: ``loopcall.py``) runs as a
 task of the loop (``call_async``); one that arrives on an instance's thread (which is
 waiting on that worker anyway) is handed to the loop, the thread blocking until the answer
@@ -13,62 +14,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
+from kiln.backends.host import Host, InferStream, current
 from kiln.core.errors import KilnError, Status
 from kiln.core.types import DataType, InferenceRequest, InferenceResponse, InferInput
 from kiln.core.types import RequestedOutput as Wanted
 
-Infer = Callable[[InferenceRequest], Coroutine[Any, Any, InferenceResponse]]
-InferStream = Callable[[InferenceRequest], AsyncIterator[InferenceResponse]]
 # One response of a decoupled BLS call: (outputs or None, final, error or None, the
 # response's parameters).
 Part = tuple[dict[str, np.ndarray] | None, bool, KilnError | None, dict[str, Any]]
 
 
-class ModelControl(Protocol):
-    """What a Python model's ``pb_utils.load_model`` & co. reach: the server."""
-
-    async def load_model(self, name: str, parameters: dict[str, Any] | None = None) -> None: ...
-
-    async def unload_model(self, name: str, parameters: dict[str, Any] | None = None) -> None: ...
-
-    def model_ready(self, name: str, version: str = "") -> bool: ...
-
-
-@dataclass(slots=True)
-class _Target:
-    infer: Infer
-    loop: asyncio.AbstractEventLoop
-    infer_stream: InferStream | None = None
-    control: ModelControl | None = None
-
-
-_target: _Target | None = None
-
-
-def install(
-    infer: Infer,
-    loop: asyncio.AbstractEventLoop,
-    infer_stream: InferStream | None = None,
-    control: ModelControl | None = None,
-) -> None:
-    global _target
-    _target = _Target(infer, loop, infer_stream, control)
-
-
-def uninstall(infer: Infer) -> None:
-    global _target
-    if _target is not None and _target.infer == infer:
-        _target = None
-
-
-def _require_target(model: str) -> _Target:
-    target = _target
+def _require_target(model: str) -> Host:
+    target = current()
     if target is None:
         raise KilnError(
             f"BLS request to model '{model}': no server is running to answer it",
@@ -133,7 +95,7 @@ class StreamCall:
     does: the model sees ``is_cancelled()``, what it sends after that is dropped, and the
     stream ends with a final CANCELLED error unless it had already ended."""
 
-    def __init__(self, request: InferenceRequest, infer_stream: InferStream, target: _Target):
+    def __init__(self, request: InferenceRequest, infer_stream: InferStream, target: Host):
         self._model = request.model_name
         self._loop = target.loop
         self._parts: queue.SimpleQueue[Part] = queue.SimpleQueue()
@@ -202,7 +164,7 @@ def control(call: dict[str, Any]) -> Any:
     """A model's ``load_model`` / ``unload_model`` / ``is_model_ready`` (from a thread
     other than the loop's): what the server answers; ``KilnError`` when it fails."""
     name = str(call.get("name", ""))
-    target = _target
+    target = current()
     if target is None or target.control is None:
         raise KilnError(
             f"model control of '{name}' from a Python model: no server is running to do it",

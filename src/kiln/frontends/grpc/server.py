@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Protocol
 
 from kiln.core.access import AccessPolicy
-from kiln.core.server import Server
 from kiln.frontends.grpc.health import HealthServicer
 from kiln.frontends.grpc.servicer import InferenceServicer
 from kiln.frontends.grpc.wire import (
@@ -21,6 +20,7 @@ from kiln.frontends.grpc.wire import (
     INFERENCE_SERVICE,
 )
 from kiln.security import DEFAULT_MAX_INPUT_BYTES, GrpcTls
+from kiln.server.server import Server
 
 # One default with HTTP's --http-max-input-size for both directions (gRPC's 4 MiB default
 # is far too small for tensors; Triton's 2 GiB lets one message hold that much memory).
@@ -51,8 +51,8 @@ async def start_grpc(
         raise ValueError(f"unknown gRPC implementation '{implementation}'")
     from kiln.frontends.grpc.h2.connection import Limits
     from kiln.frontends.grpc.h2.dispatch import Dispatcher
-    from kiln.frontends.grpc.h2.routes import service_routes
     from kiln.frontends.grpc.h2.server import H2GrpcServer
+    from kiln.frontends.grpc.routes import service_routes
 
     routes = [
         *service_routes(INFERENCE_DESCRIPTOR, INFERENCE_SERVICE, InferenceServicer(server)),

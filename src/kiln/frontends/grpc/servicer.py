@@ -1,5 +1,5 @@
 """``inference.GRPCInferenceService`` on grpc.aio. It only translates: every decision is
-core's (``kiln.core.server.Server``), so gRPC and HTTP answer alike."""
+core's (``kiln.server.server.Server``), so gRPC and HTTP answer alike."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Any
 from google.protobuf import json_format
 
 from kiln.core.errors import KilnError
-from kiln.core.server import Server
 from kiln.core.stream import CLIENT_STREAM_WINDOW
 from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done, trace_context
 from kiln.frontends import shm_io
@@ -20,6 +19,7 @@ from kiln.frontends.grpc import grpc_service_pb2 as pb
 from kiln.frontends.grpc.codec import decode_request, encode_response, parameters_to_dict
 from kiln.frontends.grpc.errors import error_message, guarded
 from kiln.frontends.grpc.shared_memory import Context, SharedMemoryRpcs
+from kiln.server.server import Server
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln.core.errors import KilnError, Status
-from kiln.core.server import Server
 from kiln.frontends.grpc import grpc_service_pb2 as pb
 from kiln.frontends.grpc.errors import guarded
+from kiln.server.server import Server
 
 Context = Any  # grpc.aio.ServicerContext
 

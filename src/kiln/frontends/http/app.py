@@ -19,7 +19,6 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive
 
 from kiln.core.errors import KilnError, Status
-from kiln.core.server import Server
 from kiln.frontends import shm_io
 from kiln.frontends.http import generate
 from kiln.frontends.http.codec import (
@@ -30,6 +29,7 @@ from kiln.frontends.http.codec import (
 )
 from kiln.frontends.http.fast_infer import FastInfer
 from kiln.frontends.http.openapi import openapi_document
+from kiln.server.server import Server
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import orjson
 
+from kiln.config.signature import ModelSignature
 from kiln.core.errors import invalid_arg
 from kiln.core.limits import tensor_elements
-from kiln.core.signature import ModelSignature
 from kiln.core.types import (
     DataType,
     InferenceRequest,

@@ -18,8 +18,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from kiln.config.signature import ModelSignature
 from kiln.core.errors import KilnError, invalid_arg
-from kiln.core.signature import ModelSignature
 from kiln.core.stream import CLIENT_STREAM_WINDOW
 from kiln.core.types import InferenceRequest, InferenceResponse, InferInput, element_count
 from kiln.frontends.http import llm_generate

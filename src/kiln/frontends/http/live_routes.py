@@ -16,12 +16,12 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kiln.core.server import Server
 from kiln.dashboard import STATIC_DIR
 from kiln.frontends.http.app import json_response
 from kiln.metrics.app import MetricsService
 from kiln.metrics.live import LiveTracker
 from kiln.metrics.monitor import MonitorOptions, MonitorService
+from kiln.server.server import Server
 
 
 def _history_status(monitor: MonitorService | None) -> dict[str, Any]:

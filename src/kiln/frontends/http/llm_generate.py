@@ -26,12 +26,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kiln.backends.registry import LLM_BACKENDS
-from kiln.core.engine_client import EngineClient
 from kiln.core.errors import KilnError, invalid_arg
 from kiln.core.trace import http_slot
 from kiln.frontends.http.codec import parse_json
 from kiln.frontends.openai.generation import Delta, run
 from kiln.frontends.openai.protocol import MAX_CHARS_PER_TOKEN
+from kiln.llm.engine_client import EngineClient
 from kiln.llm.params import (
     SAMPLING_FIELDS,
     InvalidField,
@@ -42,7 +42,7 @@ from kiln.llm.params import (
 from kiln.llm.sequence import SamplingParams
 
 if TYPE_CHECKING:
-    from kiln.core.server import Server
+    from kiln.server.server import Server
 
 _FLAGS = (
     "stream",

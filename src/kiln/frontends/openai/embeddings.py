@@ -24,7 +24,7 @@ from kiln.llm.params import InvalidField, integer
 if TYPE_CHECKING:  # importing the backend imports torch
     import torch
 
-    from kiln.core.engine_client import EngineClient
+    from kiln.llm.engine_client import EngineClient
 
 EMBEDDING_FIELDS = frozenset(
     (

@@ -14,7 +14,7 @@ from kiln.llm.sequence import SamplingParams
 from kiln.llm.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:  # importing the engine imports torch
-    from kiln.core.engine_client import EngineClient
+    from kiln.llm.engine_client import EngineClient
     from kiln.llm.sampler import TokenLogprobs
 
 

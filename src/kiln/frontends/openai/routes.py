@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -15,11 +15,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from kiln import __version__
-from kiln.core.engine_client import EngineClient
 from kiln.core.errors import KilnError, Status
-from kiln.core.server import Server
 from kiln.core.trace import FrontendSlot, http_slot
-from kiln.frontends.http.app import HttpFrontend
 from kiln.frontends.openai import embeddings
 from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run, started
 from kiln.frontends.openai.logprobs import (
@@ -41,8 +38,10 @@ from kiln.frontends.openai.protocol import (
     detokenize_ids,
     flag,
 )
+from kiln.llm.engine_client import EngineClient
 from kiln.llm.params import InvalidField, with_defaults
 from kiln.llm.sequence import SamplingParams
+from kiln.server.server import Server
 
 if TYPE_CHECKING:  # importing the sampler imports torch
     from kiln.llm.sampler import TokenLogprobs
@@ -80,7 +79,14 @@ def _generator(server: Server, name: str, api: str) -> EngineClient:
     return llm
 
 
-async def _body(request: Request, reader: HttpFrontend) -> dict[str, Any]:
+class BodyReader(Protocol):
+    """The HTTP frontend these routes are mounted on (``HttpFrontend``): it reads bodies
+    under its limits. Passed in: ``frontends.http`` sits above ``frontends.openai``."""
+
+    async def read_body(self, request: Request) -> bytes: ...
+
+
+async def _body(request: Request, reader: BodyReader) -> dict[str, Any]:
     # the HTTP frontend's reader: --http-max-input-size (413) and --http-read-timeout-secs
     # (408) hold here as on the KServe routes
     raw = await reader.read_body(request)
@@ -94,7 +100,7 @@ async def _body(request: Request, reader: HttpFrontend) -> dict[str, Any]:
 
 
 async def _received(
-    request: Request, slot: FrontendSlot | None, reader: HttpFrontend
+    request: Request, slot: FrontendSlot | None, reader: BodyReader
 ) -> dict[str, Any]:
     """The request's JSON body; a traced request's receive ends here."""
     body = await _body(request, reader)
@@ -461,10 +467,8 @@ def _answers_errors(handler: Handler) -> Handler:
     return guarded
 
 
-def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[BaseRoute]:
-    """``reader``: the HTTP frontend whose body limits apply (default: the server's size
-    limit, no read timeout)."""
-    reader = reader or HttpFrontend(server)
+def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
+    """``reader``: the HTTP frontend whose body limits apply."""
 
     async def models(request: Request) -> Response:
         created = int(time.time())

@@ -21,16 +21,16 @@ import numpy as np
 
 from kiln.config.model_config_pb2 import DataType as PbDataType
 from kiln.config.model_config_pb2 import ModelConfig, ModelWarmup
-from kiln.core.errors import KilnError, Status
-from kiln.core.signature import ModelSignature
-from kiln.core.types import DataType, element_count
-from kiln.scheduling.base import Instance
-from kiln.scheduling.sequence_config import (
+from kiln.config.sequence_config import (
     Control,
     corrid_value,
     parse_controls,
     parse_states,
 )
+from kiln.config.signature import ModelSignature
+from kiln.core.errors import KilnError, Status
+from kiln.core.types import DataType, element_count
+from kiln.scheduling.base import Instance
 
 # Checks a sample's raw outputs the way a real request's are checked (see ModelRuntime).
 OutputCheck = Callable[[dict[str, np.ndarray], list[str], int], object]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import enum
 import itertools
 import logging
 import time
@@ -16,17 +15,18 @@ import numpy as np
 
 from kiln.backends.base import Backend, InstanceSpec, instance_specs, parameter
 from kiln.backends.registry import LLM_BACKENDS
+from kiln.config.ensemble_graph import build_graph, is_ensemble
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.config.signature import ModelSignature
 from kiln.core import activity
 from kiln.core.classification import load_labels
-from kiln.core.engine_client import EngineClient
 from kiln.core.errors import KilnError, Status, internal, invalid_arg, unavailable
-from kiln.core.signature import ModelSignature
 from kiln.core.stats import FailureReason, ModelStats, RequestTimes, failure_reason
 from kiln.core.stream import ResponseStream
 from kiln.core.trace import CURRENT, Trace, Tracer, owned_by_frontend
 from kiln.core.types import DataType, InferenceRequest, InferenceResponse, InferOutput
-from kiln.core.warmup import build_samples, run_warmup
+from kiln.llm.engine_client import EngineClient
+from kiln.repository.manager import ModelState, RuntimeFactory
 from kiln.scheduling.base import INLINE_MAX_US, Instance, Job, Scheduler
 from kiln.scheduling.cache import Cache, model_fingerprint, request_key
 from kiln.scheduling.direct import DirectScheduler
@@ -37,10 +37,10 @@ from kiln.scheduling.ensemble import (
     check_composing,
     decoupled_steps,
 )
-from kiln.scheduling.ensemble_graph import build_graph, is_ensemble
 from kiln.scheduling.ragged import RaggedBatching
 from kiln.scheduling.rate_limit import Holder, RateLimiter
 from kiln.scheduling.sequence import SequenceScheduler
+from kiln.server.warmup import build_samples, run_warmup
 
 if TYPE_CHECKING:  # importing the llm backend imports torch
     from kiln.llm.backend import LLMBackend
@@ -49,14 +49,6 @@ log = logging.getLogger(__name__)
 
 # Tells apart successive loads of one model version in the response cache's keys.
 _LOAD_IDS = itertools.count(1)
-
-
-class ModelState(enum.Enum):
-    UNKNOWN = "UNKNOWN"
-    READY = "READY"
-    UNAVAILABLE = "UNAVAILABLE"
-    LOADING = "LOADING"
-    UNLOADING = "UNLOADING"
 
 
 class ModelRuntime:
@@ -514,6 +506,37 @@ class ModelRuntime:
             self.cache.drop_owner(self._cache_owner)
         self.state = ModelState.UNAVAILABLE
         self.reason = "unloaded"
+
+
+def runtime_factory(
+    cache: Cache | None = None,
+    rate_limiter: RateLimiter | None = None,
+    tracer: Tracer | None = None,
+) -> RuntimeFactory[ModelRuntime]:
+    """What the repository builds each model version with: runtimes sharing the server's
+    response cache (``--cache-config``), rate limiter (``--rate-limit``) and tracer."""
+
+    def build(
+        name: str,
+        version: int,
+        config: ModelConfig,
+        version_dir: Path,
+        backend_cls: type[Backend],
+        resolve: Callable[[str, str], ModelRuntime],
+    ) -> ModelRuntime:
+        return ModelRuntime(
+            name,
+            version,
+            config,
+            version_dir,
+            backend_cls,
+            cache,
+            resolve=resolve,
+            rate_limiter=rate_limiter,
+            tracer=tracer,
+        )
+
+    return build
 
 
 def _model_cache(config: ModelConfig, name: str, cache: Cache | None) -> Cache | None:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 from kiln.config.model_config_pb2 import DataType as PbDataType
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.config.sequence_config import scheduler_inputs, state_outputs
 from kiln.core.errors import invalid_arg
 from kiln.core.limits import tensor_elements
 from kiln.core.types import DataType, InferenceRequest
-from kiln.scheduling.sequence_config import scheduler_inputs, state_outputs
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""core.Server: the repository, the loaded runtimes and server-wide state.
+"""Server: the repository, the loaded runtimes and server-wide state.
 
 Frontends translate wire formats into calls on this object and never touch a backend.
 """
@@ -14,26 +14,26 @@ from pathlib import Path
 from typing import Any
 
 from kiln import __version__
-from kiln.backends.python import bls
+from kiln.backends import host
 from kiln.backends.registry import LLM_BACKENDS
 from kiln.config.loader import config_to_json
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.config.signature import check_request_limits
 from kiln.core.classification import classify, requested_count
-from kiln.core.engine_client import EngineClient
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.limits import check_parameters
-from kiln.core.runtime import ModelRuntime
 from kiln.core.settings import LogSettings, TraceSettings
 from kiln.core.shm import MAX_REGIONS, SharedMemoryManager
-from kiln.core.signature import check_request_limits
 from kiln.core.trace import Tracer
 from kiln.core.trace_otel import OtelOptions
 from kiln.core.types import InferenceRequest, InferenceResponse
+from kiln.llm.engine_client import EngineClient
 from kiln.repository.manager import RepositoryManager, check_model_name, decode_files
 from kiln.repository.poll import RepositoryPoller
 from kiln.repository.source import RepositoryError, RepositorySource
 from kiln.scheduling.cache import CacheConfig, open_cache
 from kiln.scheduling.rate_limit import RateLimiter, ResourceOverride
+from kiln.server.runtime import ModelRuntime, runtime_factory
 
 log = logging.getLogger(__name__)
 
@@ -89,20 +89,19 @@ class Server:
         self.options = options
         self.response_cache = open_cache(options.cache) if options.cache else None
         self._opened = False
+        self.tracer = Tracer(options.trace, options.trace_otel)
+        limiter = RateLimiter(options.rate_limit_resources) if options.rate_limit else None
         self.repository = RepositoryManager(
             options.model_repositories,
+            runtime_factory(self.response_cache, limiter, self.tracer),
             drain_timeout=options.exit_timeout_secs,
-            response_cache=self.response_cache,
             auto_complete=options.auto_complete_config,
-            rate_limiter=RateLimiter(options.rate_limit_resources) if options.rate_limit else None,
             served=options.served_models,
         )
         self.shm = SharedMemoryManager(
             max_regions=options.max_shm_regions,
             allow_other_owners=options.allow_shm_other_owners,
         )
-        self.tracer = Tracer(options.trace, options.trace_otel)
-        self.repository.tracer = self.tracer
         self.poller: RepositoryPoller | None = None
         if options.model_control_mode is ControlMode.POLL:
             self.poller = RepositoryPoller(self.repository, options.repository_poll_secs)
@@ -120,8 +119,9 @@ class Server:
             self._opened = True
 
     async def start(self) -> None:
-        # Python models call other models (BLS) through this server's infer.
-        bls.install(self.infer, asyncio.get_running_loop(), self.infer_stream, self)
+        # Python models call other models (BLS) through this server's infer: injected into
+        # the backends layer, which never imports the server.
+        host.install(self.infer, asyncio.get_running_loop(), self.infer_stream, self)
         await self.open()
         mode = self.options.model_control_mode
         if mode in (ControlMode.NONE, ControlMode.POLL) or "*" in self.options.load_models:
@@ -147,7 +147,7 @@ class Server:
         await self.repository.unload_all()
         if self.response_cache is not None:
             await self.response_cache.close()
-        bls.uninstall(self.infer)
+        host.uninstall(self.infer)
         self.shm.close()
         self.tracer.close()  # traces still pending go to their files
 
