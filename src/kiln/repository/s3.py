@@ -5,40 +5,19 @@ environment), ``s3://host:port/bucket/path`` (an S3-compatible server over HTTP)
 ``s3://https://host:port/bucket/path`` (over HTTPS; ``s3://http://...`` also works).
 Credentials come from the environment as boto3 reads them: ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, and the region from
-``AWS_REGION`` / ``AWS_DEFAULT_REGION``.
-
-A model's objects are fetched into a local cache folder (``KILN_MODEL_CACHE_DIR``, else
-Triton's ``TRITON_AWS_MOUNT_DIRECTORY``, else a private temporary folder removed at exit)
-and fetched again only when an object's ETag or size changed: a restart with the same
-cache folder downloads nothing that is already there. Object keys come from whoever can
-write to the bucket: a key with an empty, ``.`` or ``..`` component is refused before
-anything is written, so no key can place a file outside the cache folder.
+``AWS_REGION`` / ``AWS_DEFAULT_REGION``. Caching: ``object_store.py``.
 """
 
 from __future__ import annotations
 
-import atexit
-import hashlib
-import json
-import logging
 import os
 import shutil
-import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from kiln.repository.safety import check_model_name
-from kiln.repository.source import Fingerprint, RepositoryError
-
-log = logging.getLogger(__name__)
-
-CACHE_ENV = ("KILN_MODEL_CACHE_DIR", "TRITON_AWS_MOUNT_DIRECTORY")
-_MANIFESTS = ".kiln-manifests"  # beside the model folders: (ETag, size) of each cached file
-
-# (size, ETag) of each object of one model, by its path relative to the model folder
-Objects = dict[str, tuple[int, str]]
+from kiln.repository.object_store import ObjectStoreSource
+from kiln.repository.source import RepositoryError
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,32 +51,10 @@ def parse_url(url: str) -> S3Location:
     return S3Location(endpoint, bucket, f"{path}/" if path else "")
 
 
-def safe_relative(key: str, rel: str) -> str:
-    """``rel`` (a key below a model's prefix) if it is a plain relative path, else raise."""
-    parts = rel.split("/")
-    if "\x00" in rel or any(p in ("", ".", "..") for p in parts):
-        raise RepositoryError(
-            f"object key '{key}' is not a plain relative path (an empty, '.' or '..' "
-            "component, or an absolute path): refused, nothing of it is written"
-        )
-    return rel
+class S3Source(ObjectStoreSource):
+    scheme = "s3"
 
-
-def cache_root() -> Path:
-    for var in CACHE_ENV:
-        value = os.environ.get(var)
-        if value:
-            path = Path(value)
-            path.mkdir(parents=True, exist_ok=True)
-            return path.resolve()
-    path = Path(tempfile.mkdtemp(prefix="kiln-model-cache-"))
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-    return path.resolve()
-
-
-class S3Source:
     def __init__(self, url: str, cache_dir: Path | None = None) -> None:
-        self.url = url
         self.location = parse_url(url)
         try:
             import boto3
@@ -124,178 +81,25 @@ class S3Source:
             )
         except Exception as exc:  # a missing AWS_PROFILE, a malformed endpoint ...
             raise RepositoryError(f"model repository '{url}': {_cause(exc, loc)}") from None
-        label = hashlib.sha256(url.encode()).hexdigest()[:12]
-        self.cache = (cache_dir or cache_root()) / f"s3-{loc.bucket}-{label}"
-        self.cache.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.errors = 0
-        self.downloads = 0
-        self._names: list[str] = []
-        self._locks: dict[str, threading.Lock] = {}
-        self._locks_guard = threading.Lock()
+        super().__init__(url, loc.bucket, loc.prefix, cache_dir)
 
-    # ---- listing ---------------------------------------------------------------------
-    def _list(self, prefix: str) -> list[dict[str, Any]]:
-        loc = self.location
-        found: list[dict[str, Any]] = []
-        try:
-            pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=loc.bucket, Prefix=prefix
-            )
-            for page in pages:
-                found.extend(page.get("Contents", []))
-        except Exception as exc:
-            self.errors += 1
-            raise RepositoryError(f"model repository '{self.url}': {_cause(exc, loc)}") from None
-        return found
-
-    def _models(self) -> dict[str, Objects]:
-        """Every model folder's objects (names that cannot be models are left out)."""
-        models: dict[str, Objects] = {}
-        for obj in self._list(self.location.prefix):
-            rest = obj["Key"][len(self.location.prefix) :]
-            name, sep, rel = rest.partition("/")
-            if not sep or name.startswith(".") or not name:
-                continue  # a file at the repository's top, or a hidden folder
-            models.setdefault(name, {})
-            if rel and not rel.endswith("/"):  # "folder/" objects mark folders only
-                models[name][rel] = (int(obj["Size"]), str(obj.get("ETag", "")))
-        return models
-
-    def refresh(self) -> None:
-        self._names = sorted(self._models())
-
-    def model_names(self) -> list[str]:
-        return list(self._names)
-
-    def fingerprints(self) -> dict[str, Fingerprint]:
-        models = self._models()
-        self._names = sorted(models)
-        result: dict[str, Fingerprint] = {}
-        for name, objects in models.items():
-            try:
-                check_model_name(name)
-            except Exception:
-                continue
-            result[name] = tuple((rel, size, etag) for rel, (size, etag) in sorted(objects.items()))
-        return result
-
-    # ---- fetching --------------------------------------------------------------------
-    def locate(self, name: str) -> Path | None:
-        check_model_name(name)
-        prefix = f"{self.location.prefix}{name}/"
-        objects: Objects = {}
-        listed = self._list(prefix)
-        if not listed:
-            return None
-        for obj in listed:
-            rel = obj["Key"][len(prefix) :]
-            if rel and not rel.endswith("/"):
-                try:
-                    objects[safe_relative(obj["Key"], rel)] = (int(obj["Size"]), str(obj["ETag"]))
-                except RepositoryError as exc:
-                    self.errors += 1
-                    raise RepositoryError(
-                        f"model repository '{self.url}', model '{name}': {exc}"
-                    ) from None
-        if name not in self._names:
-            self._names = sorted({*self._names, name})
-        with self._lock(name):
-            return self._sync(name, objects)
-
-    def _lock(self, name: str) -> threading.Lock:
-        with self._locks_guard:
-            return self._locks.setdefault(name, threading.Lock())
-
-    def _sync(self, name: str, objects: Objects) -> Path:
-        """Make ``cache/name`` hold exactly ``objects``, downloading only what changed."""
-        folder = self.cache / name
-        folder.mkdir(exist_ok=True)
-        root = folder.resolve()
-        manifest_path = self.cache / _MANIFESTS / f"{name}.json"
-        manifest = _read_manifest(manifest_path)
-        fetched = 0
-        try:
-            for rel, (size, etag) in sorted(objects.items()):
-                target = folder / rel
-                if not target.resolve().is_relative_to(root):  # a link planted in the cache
-                    raise RepositoryError(f"'{rel}' resolves outside the cache folder")
-                cached = manifest.get(rel)
-                if cached == [etag, size] and target.is_file() and target.stat().st_size == size:
-                    continue
-                manifest[rel] = self._download(f"{self.location.prefix}{name}/{rel}", target)
-                fetched += 1
-        except RepositoryError as exc:
-            self.errors += 1
-            raise RepositoryError(f"model repository '{self.url}', model '{name}': {exc}") from None
-        except OSError as exc:
-            self.errors += 1
-            raise RepositoryError(
-                f"model repository '{self.url}', model '{name}': cannot write the local cache "
-                f"{self.cache}: {exc}"
-            ) from None
-        finally:
-            _write_manifest(manifest_path, {k: v for k, v in manifest.items() if k in objects})
-        _prune(folder, set(objects))
-        self.downloads += fetched
-        log.info(
-            "model '%s' from %s: %d file(s) fetched, %d from the local cache %s",
-            name,
-            self.url,
-            fetched,
-            len(objects) - fetched,
-            folder,
+    def list_objects(self, prefix: str) -> list[tuple[str, int, str]]:
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix
         )
-        return folder
+        return [
+            (obj["Key"], int(obj["Size"]), str(obj.get("ETag", "")))
+            for page in pages
+            for obj in page.get("Contents", [])
+        ]
 
-    def _download(self, key: str, target: Path) -> list[Any]:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        part = target.with_name(f".{target.name}.kiln-part")
-        try:
-            response = self._client.get_object(Bucket=self.location.bucket, Key=key)
-            with open(part, "wb") as out:
-                shutil.copyfileobj(response["Body"], out, 1 << 20)
-        except OSError:
-            part.unlink(missing_ok=True)
-            raise
-        except Exception as exc:
-            part.unlink(missing_ok=True)
-            raise RepositoryError(f"fetching '{key}': {_cause(exc, self.location)}") from None
-        os.replace(part, target)
-        return [str(response.get("ETag", "")), target.stat().st_size]
+    def fetch(self, key: str, out: BinaryIO) -> str:
+        response = self._client.get_object(Bucket=self.bucket, Key=key)
+        shutil.copyfileobj(response["Body"], out, 1 << 20)
+        return str(response.get("ETag", ""))
 
-
-def _read_manifest(path: Path) -> dict[str, list[Any]]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_manifest(path: Path, manifest: dict[str, list[Any]]) -> None:
-    path.parent.mkdir(exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, sort_keys=True))
-    os.replace(tmp, path)
-
-
-def _prune(folder: Path, keep: set[str]) -> None:
-    """Remove cached files (and folders) whose objects left the bucket: a deleted version
-    folder must not stay loadable from the cache."""
-    keep_dirs = {str(Path(rel).parent) for rel in keep}
-    keep_dirs |= {str(p) for rel in keep for p in Path(rel).parents}
-    for dirpath, dirnames, filenames in os.walk(folder, topdown=False):
-        base = Path(dirpath)
-        for fname in filenames:
-            path = base / fname
-            if str(path.relative_to(folder)) not in keep:
-                path.unlink(missing_ok=True)
-        for dname in dirnames:
-            path = base / dname
-            if path.is_symlink():
-                path.unlink()
-            elif str(path.relative_to(folder)) not in keep_dirs:
-                shutil.rmtree(path, ignore_errors=True)
+    def cause(self, exc: Exception) -> str:
+        return _cause(exc, self.location)
 
 
 def _cause(exc: Exception, loc: S3Location) -> str:
