@@ -194,7 +194,10 @@ def test_named_call_is_the_answer_itself() -> None:
 
 def test_required_calls_array() -> None:
     parser = RequiredCalls()
-    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "g", "parameters": {}}]'
+    text = (
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+        '{"name": "g", "parameters": {}}]'
+    )
     assert _whole(parser, text) == ("", [("get_weather", {"city": "Paris"}), ("g", {})])
     for step in (1, 6):
         content, calls = _streamed(parser, text, step)

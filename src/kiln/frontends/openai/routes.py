@@ -20,7 +20,7 @@ from kiln.core.errors import KilnError, Status
 from kiln.core.server import Server
 from kiln.core.trace import FrontendSlot, http_slot
 from kiln.frontends.http.app import HttpFrontend
-from kiln.frontends.openai import embeddings
+from kiln.frontends.openai import embeddings, tools
 from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run, started
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
@@ -273,12 +273,24 @@ async def _sse(
     def event(choice: dict[str, Any]) -> bytes:
         return b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
 
-    def chunk(index: int, d: Delta | None) -> bytes:
+    # each choice's tool-call reader (tool_choice auto, required or named)
+    calls = [req.tools.stream() if req.tools else None for _ in range(req.params.n)]
+
+    def chunk(index: int, d: Delta | None) -> bytes | None:
         text = d.text if d else None
+        reason = d.finish_reason if d else None
         fmt = formats[index]
         lp = None
         if chat:
             delta: dict[str, Any] = {"role": req.role, "content": ""} if d is None else {}
+            stream = calls[index] if index < len(calls) else None
+            if stream is not None and d is not None and req.tools is not None:
+                text, deltas = stream.feed(d.text, final=reason is not None)
+                reason = req.tools.finish_reason(stream.called, reason)
+                if deltas:
+                    delta["tool_calls"] = deltas
+                if not (text or deltas or reason or d.logprobs):
+                    return None  # held back: it may begin a tool call
             if text:
                 delta["content"] = text
             choice: dict[str, Any] = {"index": index, "delta": delta}
@@ -293,12 +305,13 @@ async def _sse(
             choice = {"index": index, "text": text or ""}
         if lp is None and fmt is not None and d is not None:
             lp = fmt(d.logprobs)
-        choice.update(logprobs=lp, finish_reason=d.finish_reason if d else None)
+        choice.update(logprobs=lp, finish_reason=reason)
         return event(choice)
 
     if chat:
         for index in range(req.params.n):
-            yield chunk(index, None)
+            yield event({"index": index, "delta": {"role": req.role, "content": ""},
+                         "logprobs": None, "finish_reason": None})  # fmt: skip
         if req.chat_echo:  # vLLM's chat echo: the last message's text, after the role
             for index in range(req.params.n):
                 content = {"content": req.chat_echo}
@@ -309,7 +322,9 @@ async def _sse(
         async for d in deltas:
             completion[d.index] = d.completion_tokens
             if d.text or d.finish_reason or (echo is not None and d.index in echo.pending):
-                yield chunk(d.index, d)
+                out = chunk(d.index, d)
+                if out is not None:
+                    yield out
     except KilnError as exc:
         yield b"data: " + orjson.dumps(OpenAIError.from_kiln(exc).body()) + b"\n\n"
     if req.include_usage and completion:
@@ -370,8 +385,13 @@ async def _respond(
     choices: list[dict[str, Any]] = []
     for index in range(total):
         content = "".join(texts[index])
-        if chat:
-            choice: dict[str, Any] = {
+        if chat and req.tools is not None and req.tools.parser is not None:
+            message, reasons[index] = tools.tool_message(
+                req.tools, req.role, req.chat_echo + content, reasons[index]
+            )
+            choice: dict[str, Any] = {"index": index, "message": message}
+        elif chat:
+            choice = {
                 "index": index,
                 "message": {"role": req.role, "content": req.chat_echo + content},
             }
@@ -501,9 +521,14 @@ def openai_routes(server: Server, reader: HttpFrontend | None = None) -> list[Ba
         template = chat_template_options(body)
         model = body.get("model")
         llm = _llm(server, model) if isinstance(model, str) else None
+        calling = tools.tool_request(body, llm) if llm else None
+        messages = tools.template_messages(messages)
+        if calling is not None:  # transformers' ``tools=`` (the request's kwargs win)
+            template["template_kwargs"] = {"tools": calling.tools, **template["template_kwargs"]}
         # the template renders in proportion to the messages: off the event loop too
         prompt = await asyncio.to_thread(_chat_prompt, llm, messages, template) if llm else ""
         req = chat_request(_with_model_defaults(server, body), messages, prompt, template)
+        tools.apply(req, calling)
         llm = _generator(server, req.model, "Chat Completions")
         prepared = await asyncio.to_thread(_prepare, llm, req, None)
         return await _respond(llm, req, prepared, chat=True)
