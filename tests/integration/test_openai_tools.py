@@ -414,3 +414,28 @@ def test_cli_flags_serve_auto_tool_choice(tmp_path: Path) -> None:
         assert _check_calls(reply.choices[0].message.tool_calls or [])
     finally:
         proc.stop()
+
+
+def test_a_round_trip_with_the_sdks_own_message(client: openai.OpenAI) -> None:
+    """The answer's message goes back into the conversation as the SDK hands it out, with
+    the tool's result: the next request renders it and answers."""
+    messages: list[Any] = list(MESSAGES)
+    reply = client.chat.completions.create(
+        model="tools",
+        messages=messages,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_completion_tokens=100,
+        temperature=0,
+        extra_body=COMPACT,
+    )
+    call = (reply.choices[0].message.tool_calls or [])[0]
+    messages += [
+        reply.choices[0].message,
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+    ]
+    final = client.chat.completions.create(
+        model="tools", messages=messages, tools=TOOLS, tool_choice="none", max_tokens=5
+    )
+    assert final.choices[0].message.content is not None
+    assert final.usage is not None and final.usage.prompt_tokens > reply.usage.prompt_tokens  # type: ignore[union-attr]
