@@ -261,6 +261,7 @@ def test_tools_and_tool_turns_render_as_transformers_renders_them(
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny <&> 'warm'"},
     ]
+    raw = json.loads(json.dumps(messages))
     reply = client.chat.completions.create(
         model="plain",
         messages=messages,  # type: ignore[arg-type]
@@ -280,6 +281,10 @@ def test_tools_and_tool_turns_render_as_transformers_renders_them(
     assert '"enum": ["paris", "rome", "oslo"]' in text and "<&>" in text
     assert reply.usage is not None
     assert reply.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
+    # vLLM's /tokenize renders the same prompt
+    body = {"model": "plain", "messages": raw, "tools": TOOLS}
+    counted = httpx.post(f"http://{server.http_url}/tokenize", json=body, timeout=60)
+    assert counted.json()["count"] == reply.usage.prompt_tokens
 
 
 def test_auto_needs_enable_auto_tool_choice(server: KilnProcess) -> None:

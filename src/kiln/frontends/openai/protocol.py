@@ -84,7 +84,9 @@ COMPLETION_FIELDS = frozenset((*_COMMON_FIELDS, "prompt"))
 CHAT_FIELDS = frozenset(
     (*_COMMON_FIELDS, *_TEMPLATE_FIELDS, "messages", "max_completion_tokens", "top_logprobs")
 ) | {"tools", "tool_choice", "parallel_tool_calls"}
-TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "return_token_strs", *_TEMPLATE_FIELDS))
+TOKENIZE_FIELDS = frozenset(
+    ("model", "prompt", "messages", "return_token_strs", "tools", *_TEMPLATE_FIELDS)
+)
 DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
 #: unknown field names already warned about (one warning each, as vLLM logs them); bounded,
 #: since the names come from clients

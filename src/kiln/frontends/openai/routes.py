@@ -273,37 +273,38 @@ async def _sse(
     def event(choice: dict[str, Any]) -> bytes:
         return b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
 
-    # each choice's tool-call reader (tool_choice auto, required or named)
+    # each choice's tool-call reader (tool_choice auto, required or named; chat is one prompt)
     calls = [req.tools.stream() if req.tools else None for _ in range(req.params.n)]
 
-    def chunk(index: int, d: Delta | None) -> bytes | None:
-        text = d.text if d else None
-        reason = d.finish_reason if d else None
+    def chunk(index: int, d: Delta) -> bytes | None:
+        """The event of choice ``index``'s delta ``d``; None when a tool-call reader holds
+        its text back (it may begin a call)."""
+        text, reason = d.text, d.finish_reason
         fmt = formats[index]
         lp = None
         if chat:
-            delta: dict[str, Any] = {"role": req.role, "content": ""} if d is None else {}
-            stream = calls[index] if index < len(calls) else None
-            if stream is not None and d is not None and req.tools is not None:
+            delta: dict[str, Any] = {}
+            stream = calls[index]
+            if stream is not None and req.tools is not None:
                 text, deltas = stream.feed(d.text, final=reason is not None)
                 reason = req.tools.finish_reason(stream.called, reason)
                 if deltas:
                     delta["tool_calls"] = deltas
                 if not (text or deltas or reason or d.logprobs):
-                    return None  # held back: it may begin a tool call
+                    return None
             if text:
                 delta["content"] = text
             choice: dict[str, Any] = {"index": index, "delta": delta}
-        elif echo is not None and d is not None and index in echo.pending:
+        elif echo is not None and index in echo.pending:
             echo.pending.discard(index)
-            choice = {"index": index, "text": echo.texts[index // echo.n] + (text or "")}
+            choice = {"index": index, "text": echo.texts[index // echo.n] + text}
             if isinstance(fmt, CompletionLogprobs) and d.prompt_logprobs:
                 # the prompt's tokens first, from offset 0 (the first has no logprob)
                 known = [e for e in d.prompt_logprobs[1:] if e is not None]
                 lp = fmt(known + d.logprobs, echo.first_tokens[index // echo.n])
         else:
-            choice = {"index": index, "text": text or ""}
-        if lp is None and fmt is not None and d is not None:
+            choice = {"index": index, "text": text}
+        if lp is None and fmt is not None:
             lp = fmt(d.logprobs)
         choice.update(logprobs=lp, finish_reason=reason)
         return event(choice)
@@ -387,8 +388,10 @@ async def _respond(
         content = "".join(texts[index])
         if chat and req.tools is not None and req.tools.parser is not None:
             message, reasons[index] = tools.tool_message(
-                req.tools, req.role, req.chat_echo + content, reasons[index]
+                req.tools, req.role, content, reasons[index]
             )
+            if req.chat_echo:  # the echoed message is no part of the calls' text
+                message["content"] = req.chat_echo + (message["content"] or "")
             choice: dict[str, Any] = {"index": index, "message": message}
         elif chat:
             choice = {
@@ -445,7 +448,12 @@ def _tokenize(llm: EngineClient, body: dict[str, Any]) -> dict[str, Any]:
     limit = llm.max_model_len
     pieces = flag(body, "return_token_strs", False)
     if "messages" in body:
-        text = _chat_prompt(llm, chat_messages(body), chat_template_options(body))
+        template = chat_template_options(body)
+        listed = tools.check_tools(body)
+        if listed:  # as chat renders them (vLLM's /tokenize takes tools too)
+            template["template_kwargs"] = {"tools": listed, **template["template_kwargs"]}
+        messages = tools.template_messages(chat_messages(body))
+        text = _chat_prompt(llm, messages, template)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

@@ -76,7 +76,8 @@ def _schema_error(schema: Any) -> str | None:
     return None
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+def check_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The request's ``tools``, each checked (an empty list when none)."""
     tools = body.get("tools")
     if tools is None:
         return []
@@ -180,7 +181,7 @@ def _required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, A
 def tool_request(body: dict[str, Any], llm: EngineClient) -> ToolRequest | None:
     """The request's tool calling (None: no tools and no ``tool_choice``), its checks done;
     ``llm``: the model, whose ``tool_call_parser`` reads ``auto``'s answers."""
-    tools = _tools(body)
+    tools = check_tools(body)
     parallel = body.get("parallel_tool_calls")
     if parallel is None:
         parallel = True
