@@ -444,3 +444,25 @@ def test_a_round_trip_with_the_sdks_own_message(client: openai.OpenAI) -> None:
     )
     assert final.choices[0].message.content is not None
     assert final.usage is not None and final.usage.prompt_tokens > reply.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+def test_deep_tool_input_is_400_not_a_crash(server: KilnProcess) -> None:
+    """Nesting that orjson reads but Python's recursion cannot check: a 400 naming the
+    field; deep arguments of a previous call are rendered or refused, never a 500."""
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(150):
+        schema = {"type": "object", "properties": {"a": schema}}
+    url = f"http://{server.http_url}/v1/chat/completions"
+    base = {"model": "plain", "messages": MESSAGES, "max_tokens": 2}
+    r = httpx.post(url, json={**base, "tools": [_tool(parameters=schema)]}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "tools[0].function.parameters"
+    arguments: Any = 1
+    for _ in range(900):
+        arguments = [arguments]
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": ""}}
+    call["function"]["arguments"] = json.dumps(arguments)
+    turn = {"role": "assistant", "content": None, "tool_calls": [call]}
+    r = httpx.post(url, json={**base, "messages": [*MESSAGES, turn]}, timeout=60)
+    assert r.status_code in (200, 400), r.text
+    assert httpx.post(url, json=base, timeout=60).status_code == 200

@@ -190,7 +190,7 @@ class Tokenizer:
                 **(template_kwargs or {}),  # vLLM's order: the request's kwargs win
             }
             text = env.from_string(self.chat_template).render(messages=messages, **variables)
-        except (TemplateError, TypeError, ValueError) as exc:
+        except (TemplateError, TypeError, ValueError, RecursionError) as exc:
             # the request's data the template cannot take (tojson of an undefined
             # field...): the request's error, not the server's
             raise KilnError(f"chat template: {exc}", Status.INVALID_ARG) from exc

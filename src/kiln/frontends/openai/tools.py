@@ -73,6 +73,8 @@ def _schema_error(schema: Any) -> str | None:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         return f"is not a valid JSON Schema: {exc.message}"
+    except RecursionError:  # the meta-schema check recurses with the schema's depth
+        return "is nested too deeply"
     return None
 
 
@@ -257,7 +259,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if isinstance(arguments, str):
                 try:
                     arguments = json.loads(arguments)
-                except json.JSONDecodeError as exc:
+                except (json.JSONDecodeError, RecursionError) as exc:
                     raise OpenAIError(
                         f"{where}.function.arguments is not valid JSON: {exc}",
                         param=f"{where}.function.arguments",
