@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.llm.config import TOOL_CALL_PARSERS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,6 +33,8 @@ ENGINE_FLAGS = {
     "scheduling_policy": "scheduling_policy",
     "chat_template": "chat_template",
     "generation_config": "generation_config",
+    "enable_auto_tool_choice": "enable_auto_tool_choice",
+    "tool_call_parser": "tool_call_parser",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -116,6 +119,19 @@ def llm_options(func: F) -> F:
             help="auto: default sampling values from the model's generation_config.json; "
             "vllm: the engine's; or a folder holding a generation_config.json "
             "[default: auto].",
+        ),
+        click.option(
+            "--enable-auto-tool-choice",
+            is_flag=True,
+            default=None,
+            help="tool_choice auto: the model's tool calls are read from its text with "
+            "--tool-call-parser (docs/llm.md, Tool calling).",
+        ),
+        click.option(
+            "--tool-call-parser",
+            type=click.Choice(list(TOOL_CALL_PARSERS)),
+            default=None,
+            help="The model family's tool-call format, as vLLM names it.",
         ),
     ]
     for option in reversed(options):

@@ -365,10 +365,9 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 @pytest.mark.parametrize(
     ("endpoint", "fields", "param"),
     [
-        ("chat", {"tools": [TOOL]}, "tools"),
-        ("chat", {"tools": [TOOL], "tool_choice": "required"}, "tools"),
+        # tools alone ask for tool_choice auto, which needs --enable-auto-tool-choice
+        ("chat", {"tools": [TOOL]}, "tool_choice"),
         ("chat", {"tool_choice": "auto"}, "tool_choice"),
-        ("chat", {"parallel_tool_calls": True}, "parallel_tool_calls"),
         ("chat", {"functions": [TOOL["function"]]}, "functions"),
         ("completions", {"structural_tag": "{}"}, "structural_tag"),
         ("completions", {"best_of": 3}, "best_of"),
@@ -397,7 +396,7 @@ def test_unsupported_fields_through_the_sdk(client: openai.OpenAI) -> None:
             model="tiny", messages=[{"role": "user", "content": "hi"}],
             tools=[TOOL], max_tokens=2,  # type: ignore[list-item]
         )  # fmt: skip
-    assert isinstance(info.value.body, dict) and info.value.body["param"] == "tools"
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt="hi", best_of=2, max_tokens=2)
     assert isinstance(info.value.body, dict) and info.value.body["param"] == "best_of"

@@ -23,7 +23,8 @@ from kiln.llm.tokenizer import _open_final_message
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("tools", [{"type": "function"}]),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
         ("use_beam_search", True),
         ("use_beam_search", 0),  # 0 is not False: a bool is asked for
         ("length_penalty", 0.5),
@@ -42,9 +43,9 @@ def test_unsupported_values_are_refused_naming_the_field(field: str, value: obje
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("tools", []),
-        ("tools", None),
-        ("tool_choice", "none"),
+        ("functions", []),
+        ("functions", None),
+        ("function_call", "none"),
         ("use_beam_search", False),
         ("length_penalty", 1),
         ("length_penalty", 1.0),

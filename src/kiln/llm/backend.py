@@ -28,7 +28,7 @@ from kiln.core.errors import KilnError, Status
 from kiln.llm import model_json, triton_tensors
 from kiln.llm.async_engine import AsyncEngine
 from kiln.llm.checkpoint import FolderCheckpoint, generation_eos_ids, sampling_defaults
-from kiln.llm.config import EngineConfig, PoolerConfig
+from kiln.llm.config import TOOL_CALL_PARSERS, EngineConfig, PoolerConfig
 from kiln.llm.engine import LLMEngine
 from kiln.llm.structured import GrammarCompiler
 from kiln.llm.tokenizer import Tokenizer
@@ -151,6 +151,34 @@ def _pooling(config: ModelConfig, out: EngineConfig) -> None:
         )
 
 
+def tool_calling(config: ModelConfig) -> tuple[bool, str | None]:
+    """Parameters ``enable_auto_tool_choice`` and ``tool_call_parser``, checked as vLLM
+    checks its flags: auto tool choice needs a parser."""
+    raw = parameter(config, "enable_auto_tool_choice")
+    enabled = False if raw is None else _BOOLEANS.get(raw.strip().lower())
+    if enabled is None:
+        raise KilnError(
+            f"model '{config.name}': parameter enable_auto_tool_choice must be true or false, "
+            f"got '{raw}'",
+            Status.INVALID_ARG,
+        )
+    parser = parameter(config, "tool_call_parser")
+    parser = parser.strip() if parser else None
+    if parser is not None and parser not in TOOL_CALL_PARSERS:
+        raise KilnError(
+            f"model '{config.name}': tool_call_parser '{parser}' is not one kiln has "
+            f"({', '.join(TOOL_CALL_PARSERS)})",
+            Status.INVALID_ARG,
+        )
+    if enabled and parser is None:
+        raise KilnError(
+            f"model '{config.name}': enable_auto_tool_choice needs tool_call_parser "
+            f"(--tool-call-parser {'|'.join(TOOL_CALL_PARSERS)})",
+            Status.INVALID_ARG,
+        )
+    return enabled, parser
+
+
 def _device(config: ModelConfig, instance: InstanceSpec) -> str:
     """The instance's device; ``KIND_MODEL`` (the model decides, as Triton's vLLM backend's
     sample config asks): GPU 0 when torch sees one."""
@@ -189,6 +217,8 @@ class LLMBackend(Backend):
                 Status.INVALID_ARG,
             )
         folder, tokenizer, settings = self._settings(config, version_dir, instance)
+        #: vLLM's ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (the frontend's)
+        self.enable_auto_tool_choice, self.tool_call_parser = tool_calling(config)
         # the tokenizer first: its errors come before minutes of weight loading
         self.tokenizer = Tokenizer.load(tokenizer, settings.chat_template)
         self.engine = LLMEngine(folder, settings)

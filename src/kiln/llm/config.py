@@ -22,6 +22,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flex")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 #: vLLM's ``--runner``: ``pooling`` serves ``/v1/embeddings`` (and not generation)
 RUNNERS = ("generate", "pooling")
+#: vLLM's ``--tool-call-parser`` names kiln has a parser for (kiln.frontends.openai.tool_parsers)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,6 +108,16 @@ class EngineClient:
         """generation_config.json's ``max_new_tokens``: every request's bound."""
         return self._backend.max_new_tokens
 
+    @property
+    def enable_auto_tool_choice(self) -> bool:
+        """vLLM's ``--enable-auto-tool-choice``: ``tool_choice: auto`` is served."""
+        return self._backend.enable_auto_tool_choice
+
+    @property
+    def tool_call_parser(self) -> str | None:
+        """vLLM's ``--tool-call-parser``: the format ``auto`` reads calls in."""
+        return self._backend.tool_call_parser
+
     def check_request(self, prompt_len: int, params: SamplingParams, priority: int = 0) -> None:
         self._backend.engine.check_request(prompt_len, params, priority)
         grammars = self._backend.engine.grammars

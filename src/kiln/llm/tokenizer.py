@@ -175,8 +175,13 @@ class Tokenizer:
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = raise_exception
+        # transformers' tojson: Jinja's escapes <, >, & and ' and sorts keys, which would
+        # write a tool's JSON schema (tools=) differently from the model's training data
+        env.filters["tojson"] = _tojson
         try:
             variables = {
                 "bos_token": self.bos_token,
@@ -185,11 +190,25 @@ class Tokenizer:
                 **(template_kwargs or {}),  # vLLM's order: the request's kwargs win
             }
             text = env.from_string(self.chat_template).render(messages=messages, **variables)
-        except TemplateError as exc:
+        except (TemplateError, TypeError, ValueError, RecursionError) as exc:
+            # the request's data the template cannot take (tojson of an undefined
+            # field...): the request's error, not the server's
             raise KilnError(f"chat template: {exc}", Status.INVALID_ARG) from exc
         if continue_final_message:
             text = _open_final_message(text, messages[-1].get("content") or "")
         return text
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _open_final_message(text: str, final: str) -> str:

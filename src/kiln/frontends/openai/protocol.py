@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm.params import SAMPLING_FIELDS, InvalidField, integer, sampling_fields
 from kiln.llm.sequence import SamplingParams
 from kiln.llm.structured import from_request as structured_outputs
+
+if TYPE_CHECKING:
+    from kiln.frontends.openai.tools import ToolRequest
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +27,9 @@ log = logging.getLogger(__name__)
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # structured outputs: structural tags
     "structural_tag": (None,),
-    # tool calling
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
+    # tool calling: OpenAI's deprecated function calling (``tools`` replaced it)
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
     # other OpenAI fields
     "suffix": (None, ""),
     "audio": (None,),
@@ -83,8 +83,10 @@ _TEMPLATE_FIELDS = (
 COMPLETION_FIELDS = frozenset((*_COMMON_FIELDS, "prompt"))
 CHAT_FIELDS = frozenset(
     (*_COMMON_FIELDS, *_TEMPLATE_FIELDS, "messages", "max_completion_tokens", "top_logprobs")
+) | {"tools", "tool_choice", "parallel_tool_calls"}
+TOKENIZE_FIELDS = frozenset(
+    ("model", "prompt", "messages", "return_token_strs", "tools", *_TEMPLATE_FIELDS)
 )
-TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "return_token_strs", *_TEMPLATE_FIELDS))
 DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
 #: unknown field names already warned about (one warning each, as vLLM logs them); bounded,
 #: since the names come from clients
@@ -199,6 +201,8 @@ class GenerationRequest:
     request_id: str | None = None
     #: chat: the template's options (:func:`chat_template_options`)
     template: dict[str, Any] = field(default_factory=dict)
+    #: chat: ``tools`` and ``tool_choice`` (kiln.frontends.openai.tools)
+    tools: ToolRequest | None = None
 
 
 MAX_LOGPROBS = 20
@@ -404,6 +408,8 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                     param=f"messages[{i}].content",
                 )
             content = "".join(t for t in texts if isinstance(t, str))
+        if content is None and m.get("role") == "assistant" and m.get("tool_calls"):
+            content = ""  # OpenAI's: an assistant turn that only calls tools has none
         if not isinstance(content, str):
             raise OpenAIError(
                 f"messages[{i}].content must be a string or a list of text parts",

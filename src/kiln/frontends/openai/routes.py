@@ -17,7 +17,7 @@ from starlette.routing import BaseRoute, Route
 from kiln import __version__
 from kiln.core.errors import KilnError, Status
 from kiln.core.trace import FrontendSlot, http_slot
-from kiln.frontends.openai import embeddings
+from kiln.frontends.openai import embeddings, tools
 from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run, started
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
@@ -279,32 +279,46 @@ async def _sse(
     def event(choice: dict[str, Any]) -> bytes:
         return b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
 
-    def chunk(index: int, d: Delta | None) -> bytes:
-        text = d.text if d else None
+    # each choice's tool-call reader (tool_choice auto, required or named; chat is one prompt)
+    calls = [req.tools.stream() if req.tools else None for _ in range(req.params.n)]
+
+    def chunk(index: int, d: Delta) -> bytes | None:
+        """The event of choice ``index``'s delta ``d``; None when a tool-call reader holds
+        its text back (it may begin a call)."""
+        text, reason = d.text, d.finish_reason
         fmt = formats[index]
         lp = None
         if chat:
-            delta: dict[str, Any] = {"role": req.role, "content": ""} if d is None else {}
+            delta: dict[str, Any] = {}
+            stream = calls[index]
+            if stream is not None and req.tools is not None:
+                text, deltas = stream.feed(d.text, final=reason is not None)
+                reason = req.tools.finish_reason(stream.called, reason)
+                if deltas:
+                    delta["tool_calls"] = deltas
+                if not (text or deltas or reason or d.logprobs):
+                    return None
             if text:
                 delta["content"] = text
             choice: dict[str, Any] = {"index": index, "delta": delta}
-        elif echo is not None and d is not None and index in echo.pending:
+        elif echo is not None and index in echo.pending:
             echo.pending.discard(index)
-            choice = {"index": index, "text": echo.texts[index // echo.n] + (text or "")}
+            choice = {"index": index, "text": echo.texts[index // echo.n] + text}
             if isinstance(fmt, CompletionLogprobs) and d.prompt_logprobs:
                 # the prompt's tokens first, from offset 0 (the first has no logprob)
                 known = [e for e in d.prompt_logprobs[1:] if e is not None]
                 lp = fmt(known + d.logprobs, echo.first_tokens[index // echo.n])
         else:
-            choice = {"index": index, "text": text or ""}
-        if lp is None and fmt is not None and d is not None:
+            choice = {"index": index, "text": text}
+        if lp is None and fmt is not None:
             lp = fmt(d.logprobs)
-        choice.update(logprobs=lp, finish_reason=d.finish_reason if d else None)
+        choice.update(logprobs=lp, finish_reason=reason)
         return event(choice)
 
     if chat:
         for index in range(req.params.n):
-            yield chunk(index, None)
+            yield event({"index": index, "delta": {"role": req.role, "content": ""},
+                         "logprobs": None, "finish_reason": None})  # fmt: skip
         if req.chat_echo:  # vLLM's chat echo: the last message's text, after the role
             for index in range(req.params.n):
                 content = {"content": req.chat_echo}
@@ -315,7 +329,9 @@ async def _sse(
         async for d in deltas:
             completion[d.index] = d.completion_tokens
             if d.text or d.finish_reason or (echo is not None and d.index in echo.pending):
-                yield chunk(d.index, d)
+                out = chunk(d.index, d)
+                if out is not None:
+                    yield out
     except KilnError as exc:
         yield b"data: " + orjson.dumps(OpenAIError.from_kiln(exc).body()) + b"\n\n"
     if req.include_usage and completion:
@@ -376,8 +392,15 @@ async def _respond(
     choices: list[dict[str, Any]] = []
     for index in range(total):
         content = "".join(texts[index])
-        if chat:
-            choice: dict[str, Any] = {
+        if chat and req.tools is not None and req.tools.parser is not None:
+            message, reasons[index] = tools.tool_message(
+                req.tools, req.role, content, reasons[index]
+            )
+            if req.chat_echo:  # the echoed message is no part of the calls' text
+                message["content"] = req.chat_echo + (message["content"] or "")
+            choice: dict[str, Any] = {"index": index, "message": message}
+        elif chat:
+            choice = {
                 "index": index,
                 "message": {"role": req.role, "content": req.chat_echo + content},
             }
@@ -431,7 +454,12 @@ def _tokenize(llm: EngineClient, body: dict[str, Any]) -> dict[str, Any]:
     limit = llm.max_model_len
     pieces = flag(body, "return_token_strs", False)
     if "messages" in body:
-        text = _chat_prompt(llm, chat_messages(body), chat_template_options(body))
+        template = chat_template_options(body)
+        listed = tools.check_tools(body)
+        if listed:  # as chat renders them (vLLM's /tokenize takes tools too)
+            template["template_kwargs"] = {"tools": listed, **template["template_kwargs"]}
+        messages = tools.template_messages(chat_messages(body))
+        text = _chat_prompt(llm, messages, template)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -505,9 +533,14 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         template = chat_template_options(body)
         model = body.get("model")
         llm = _llm(server, model) if isinstance(model, str) else None
+        calling = tools.tool_request(body, llm) if llm else None
+        messages = tools.template_messages(messages)
+        if calling is not None:  # transformers' ``tools=`` (the request's kwargs win)
+            template["template_kwargs"] = {"tools": calling.tools, **template["template_kwargs"]}
         # the template renders in proportion to the messages: off the event loop too
         prompt = await asyncio.to_thread(_chat_prompt, llm, messages, template) if llm else ""
         req = chat_request(_with_model_defaults(server, body), messages, prompt, template)
+        tools.apply(req, calling)
         llm = _generator(server, req.model, "Chat Completions")
         prepared = await asyncio.to_thread(_prepare, llm, req, None)
         return await _respond(llm, req, prepared, chat=True)
