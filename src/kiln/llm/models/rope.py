@@ -62,8 +62,8 @@ def longrope_frequencies(
         )
     steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     base = theta**steps
-    short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * base)
-    long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * base)
+    short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu") * base)
+    long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32, device="cpu") * base)
     return short, long, float(attention_factor), original
 
 
