@@ -39,14 +39,25 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3-moe": (
         "qwen3_moe",
-        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
-             norm_topk_prob=False),
-    ),  # fmt: skip
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            head_dim=16,
+            norm_topk_prob=False,
+        ),
+    ),
     "qwen3-moe-norm-topk": (
         "qwen3_moe",
-        dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, head_dim=16,
-             norm_topk_prob=True, decoder_sparse_step=2),
-    ),  # fmt: skip
+        dict(
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            head_dim=16,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+        ),
+    ),
     "gemma2": ("gemma2", GEMMA),
     "gemma3": ("gemma3", dict(GEMMA, sliding_window_pattern=2, rope_local_base_freq=100.0)),
     "phi3": ("phi3", dict(pad_token_id=0)),
@@ -54,9 +65,14 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # length (64): the short factors' regime
     "phi4-mini-short": (
         "phi3",
-        dict(pad_token_id=0, head_dim=16, partial_rotary_factor=0.75,
-             original_max_position_embeddings=64, rope_scaling=LONGROPE),
-    ),  # fmt: skip
+        dict(
+            pad_token_id=0,
+            head_dim=16,
+            partial_rotary_factor=0.75,
+            original_max_position_embeddings=64,
+            rope_scaling=LONGROPE,
+        ),
+    ),
 }
 
 
