@@ -126,6 +126,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # graphs need the flex backend's fixed-shape metadata, and a GPU
         use_graphs = self.attention_backend == "flex" and not config.enforce_eager
+        use_graphs = use_graphs and self.model.cuda_graphs  # MoE: host-side routing
         if use_graphs and self.device.type == "cuda" and torch.cuda.is_available():
             sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
             self.graphs = DecodeGraphs(self, sizes)

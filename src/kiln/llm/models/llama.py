@@ -233,6 +233,8 @@ class LlamaForCausalLM(nn.Module):
     #: the decoder layer and norm of this architecture (subclasses name theirs)
     layer_cls: type[nn.Module] = DecoderLayer
     norm_cls: type[RMSNorm] = RMSNorm
+    #: the decode step may be captured as a CUDA graph (no host synchronisation in it)
+    cuda_graphs = True
 
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
         super().__init__()

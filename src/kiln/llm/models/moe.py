@@ -142,7 +142,10 @@ class Qwen3MoeDecoderLayer(DecoderLayer):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     layer_cls: type[nn.Module] = MixtralDecoderLayer
+    # the experts' slice sizes are read on the host each step: no graph capture
+    cuda_graphs = False
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     layer_cls: type[nn.Module] = Qwen3MoeDecoderLayer
+    cuda_graphs = False
