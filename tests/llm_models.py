@@ -68,15 +68,21 @@ def build_tiny_llm(folder: Path, arch: str = "llama", **overrides: Any) -> Path:
         tie_word_embeddings=False,
     )
     shape.update(overrides)
-    if arch == "qwen2":
-        config = transformers.Qwen2Config(**shape)
-        model_cls = transformers.Qwen2ForCausalLM
-    elif arch == "mistral":
-        config = transformers.MistralConfig(**shape)
-        model_cls = transformers.MistralForCausalLM
-    else:
-        config = transformers.LlamaConfig(**shape)
-        model_cls = transformers.LlamaForCausalLM
+    # the newer architectures (tests/unit/test_llm_architectures.py): their classes by name
+    classes = {
+        "qwen2": "Qwen2",
+        "mistral": "Mistral",
+        "llama": "Llama",
+        "qwen3": "Qwen3",
+        "mixtral": "Mixtral",
+        "qwen3_moe": "Qwen3Moe",
+        "gemma2": "Gemma2",
+        "gemma3": "Gemma3Text",
+        "phi3": "Phi3",
+    }
+    name = classes[arch]
+    config = getattr(transformers, f"{name}Config")(**shape)
+    model_cls = getattr(transformers, f"{name.removesuffix('Text')}ForCausalLM")
     torch.manual_seed(0)
     model = model_cls(config)
     # random init gives tiny logits; widen them so greedy picks are far from ties
@@ -91,8 +97,12 @@ def reference_generate(folder: Path, prompt: list[int], max_new_tokens: int) -> 
     import torch
     import transformers
 
+    # Gemma 2's score capping is in transformers' eager attention only
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(folder), torch_dtype=torch.float32, attn_implementation="sdpa"
+        str(folder),
+        torch_dtype=torch.float32,
+        attn_implementation="eager" if arch == "Gemma2ForCausalLM" else "sdpa",
     ).eval()
     with torch.no_grad():
         out = model.generate(

@@ -196,22 +196,56 @@ class DenseMetadata:
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DenseMetadata
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: DenseMetadata,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``q`` [T, H, D], ``k``/``v`` [T, Hkv, D]; returns [T, H, D]."""
     out = torch.empty_like(q)
     for p in meta.prefills:
         span = slice(p.start, p.start + p.length)
-        o = F.scaled_dot_product_attention(
+        o = attend(
             q[span].transpose(0, 1)[None],
             k[span].transpose(0, 1)[None],
             v[span].transpose(0, 1)[None],
-            attn_mask=p.mask,
-            is_causal=p.mask is None,
-            enable_gqa=True,
+            p.mask,
+            scale,
+            softcap,
         )
         out[span] = o[0].transpose(0, 1)
     return out
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """SDPA over ``q`` [B, H, Lq, D] and ``k``/``v`` [B, Hkv, Lk, D] (Hkv divides H);
+    ``mask`` True where a key is seen, None: causal with Lq == Lk. With ``softcap`` (Gemma
+    2) the scores pass through ``c * tanh(s / c)`` before the mask and softmax, which no
+    SDPA kernel does: then the product is spelled out (transformers' eager formula)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        n = q.shape[2]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
 
 
 def window_start(context: int, window: int | None) -> int:
@@ -309,9 +343,13 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] for the step's new tokens; caches
-    [num_blocks, Hkv, block_size, D]. Returns [T, H, D]."""
+    [num_blocks, Hkv, block_size, D]. Returns [T, H, D]. ``scale``: the scores' (None:
+    1 / sqrt(D)); ``softcap``: Gemma 2's score capping (not in the fused cpu kernel: the
+    model runner does not pick it for such a model)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -326,7 +364,8 @@ def paged_attention(
     k_rows = k_cache.view(-1, block_size, head_dim)
     v_rows = v_cache.view(-1, block_size, head_dim)
     if meta.fused is not None:
-        attention_cpu.decode(q, k, v, k_cache, v_cache, meta.fused, out)
+        assert softcap is None, "the fused cpu decode has no soft-capping"
+        attention_cpu.decode(q, k, v, k_cache, v_cache, meta.fused, out, scale)
     ws = meta.workspace
     if meta.decodes:
         ws.reserve(meta.max_rows, block_size, head_dim, k_cache.dtype, k_cache.device)
@@ -338,11 +377,13 @@ def paged_attention(
         length = g.width * block_size
         # the query heads sharing a KV head ride as that head's query rows
         queries = q[g.token_index].view(b, num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(
+        o = attend(
             queries,
             keys.view(b, num_kv_heads, length, head_dim).to(q.dtype),
             values.view(b, num_kv_heads, length, head_dim).to(q.dtype),
-            attn_mask=g.mask,
+            g.mask,
+            scale,
+            softcap,
         )
         # reshape: CUDA's attention kernels may return a layout view() cannot take
         out.index_copy_(0, g.token_index, o.reshape(b, num_heads, head_dim))
@@ -355,13 +396,7 @@ def paged_attention(
             count = p.num_computed + p.length - p.first_key
             keys = k_cache[p.block_table].transpose(0, 1).flatten(1, 2)[:, :count]
             values = v_cache[p.block_table].transpose(0, 1).flatten(1, 2)[:, :count]
-        o = F.scaled_dot_product_attention(
-            queries,
-            keys[None].to(q.dtype),
-            values[None].to(q.dtype),
-            attn_mask=p.mask,
-            is_causal=p.mask is None,
-            enable_gqa=True,
-        )
+        o = attend(queries, keys[None].to(q.dtype), values[None].to(q.dtype), p.mask, scale,
+                   softcap)  # fmt: skip
         out[span] = o[0].transpose(0, 1)
     return out

@@ -309,6 +309,7 @@ def decode(
     v_cache: torch.Tensor,
     fused: FusedDecode,
     out: torch.Tensor,
+    scale: float | None = None,
 ) -> None:
     """Attention of every decoding sequence's new token, after writing its key and value into
     the cache. ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] (the step's new tokens, strided views
@@ -316,7 +317,8 @@ def decode(
     rows of ``out`` ([T, H, D], contiguous)."""
     assert _compiled is not None and _compiled_parallel is not None, "needs numba"
     assert out.is_contiguous()
-    scale = 1.0 / math.sqrt(q.shape[2])
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[2])
     args = (q.numpy(), k.numpy(), v.numpy(), fused.rows, k_cache.numpy(), v_cache.numpy(),
             fused.tables, fused.context, fused.start, scale, out.numpy())  # fmt: skip
     # as many threads as torch's matrix products use (OMP_NUM_THREADS / torch.set_num_threads)

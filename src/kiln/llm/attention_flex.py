@@ -47,13 +47,24 @@ _compiled: Callable[..., Any] | None = None
 
 
 def resolve_attention_backend(
-    name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.float32
+    name: str,
+    device: torch.device,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    softcap: bool = False,
 ) -> str:
     """``torch``, ``cpu`` or ``flex`` for the configured name: ``auto`` is flex on CUDA,
     where its kernels are compiled, the fused CPU kernel on the CPU when numba is installed
-    and the cache is float32, and the portable backend otherwise."""
-    if name == "torch":
+    and the cache is float32, and the portable backend otherwise. A model with attention
+    soft-capping (Gemma 2) runs on the portable backend, the one that caps scores."""
+    if name == "torch" or (name == "auto" and softcap):
         return "torch"
+    if softcap:
+        raise KilnError(
+            f"llm backend: attention_backend '{name}' has no attention logit soft-capping "
+            "(attn_logit_softcapping); use 'torch' or 'auto'",
+            Status.INVALID_ARG,
+        )
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
         problem = _cpu_backend_problem(device, dtype)
         if problem is None:
@@ -333,9 +344,11 @@ def flex_paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: FlexMetadata,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Same contract as ``paged_attention``: ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D];
-    caches [pages, block_size, Hkv, D]. Returns [T, H, D]."""
+    caches [pages, block_size, Hkv, D]. Returns [T, H, D]. No soft-capping: the model
+    runner does not pick this backend for a model that has it."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
@@ -353,6 +366,7 @@ def flex_paged_attention(
             keys,
             values,
             block_mask=g.block_mask,
+            scale=scale,
             enable_gqa=True,
             kernel_options=meta.kernel_options,
         ).transpose(1, 2)  # [B, Lq, H, D]

@@ -9,8 +9,26 @@ from typing import Any
 
 from kiln.core.errors import KilnError, Status
 
-# Architectures whose weights and forward pass are Llama's skeleton (names differ only).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# The architectures kiln runs (``config.json``'s ``architectures``): the Llama skeleton's
+# and those built on it in kiln.llm.models (registry: kiln.llm.models.MODEL_CLASSES)
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+)
+#: whose window (when set) covers every layer, as Mistral's
+_WINDOW_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
+                       "Qwen3MoeForCausalLM")  # fmt: skip
+#: whose window applies only with ``use_sliding_window``, to the layers ``layer_types`` name
+_WINDOW_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+#: Gemma's alternating local/global layers: one global layer every this many by default
+_GEMMA_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: vLLM's ``--generation-config``: ``auto`` (the checkpoint's generation_config.json),
@@ -101,6 +119,12 @@ class ModelArgs:
     is_matryoshka: bool = False
     #: the only sizes it may be cut to (None: any)
     matryoshka_dimensions: tuple[int, ...] | None = None
+    #: Gemma 2's ``attn_logit_softcapping`` (None: none): only the portable attention
+    #: backend caps scores, so the model runner picks it
+    attn_logit_softcapping: float | None = None
+    #: the whole ``config.json``: an architecture's own fields (experts, norms, Gemma's
+    #: local rope) are read by its model class (kiln.llm.models)
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer ``layer`` (None: the whole causal context)."""
@@ -123,10 +147,15 @@ class ModelArgs:
             )
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        # transformers >= 5 nests theta and scaling under ``rope_parameters``
+        # transformers >= 5 nests theta and scaling under ``rope_parameters`` (Gemma 3: one
+        # for each layer type; the global layers' here, the local ones' in kiln.llm.models)
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        if isinstance(rope.get("full_attention"), dict):
+            rope = dict(rope["full_attention"])
         theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if arch == "Gemma3ForCausalLM" and "rope_theta" not in raw and "rope_parameters" not in raw:
+            theta = 1_000_000.0  # Gemma 3's global default
         eos = raw.get("eos_token_id")
         layers = int(raw["num_hidden_layers"])
         window, full_layers = _sliding_window(arch, raw, layers)
@@ -144,7 +173,8 @@ class ModelArgs:
             rope_theta=theta,
             rope_scaling=None if rope_type == "default" else rope,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Gemma ties its head to the embeddings unless the config says otherwise
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch in _GEMMA_PATTERN)),
             # Qwen2 has q/k/v biases without saying so in its config
             attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,
@@ -154,6 +184,11 @@ class ModelArgs:
             matryoshka_dimensions=tuple(int(d) for d in raw["matryoshka_dimensions"])
             if raw.get("matryoshka_dimensions")
             else None,
+            # Gemma 3's config carries the field, but its attention does not read it
+            attn_logit_softcapping=_float_or_none(raw.get("attn_logit_softcapping", 50.0))
+            if arch == "Gemma2ForCausalLM"
+            else None,
+            hf_config=dict(raw),
         )
 
     @classmethod
@@ -170,20 +205,25 @@ def _sliding_window(
     applies ``sliding_window`` to every layer; Qwen2 only with ``use_sliding_window``, and
     then to the layers its ``layer_types`` call ``sliding_attention`` (when absent: layers
     ``max_window_layers`` (default 28) and above)."""
-    window = raw.get("sliding_window")
+    window = raw.get("sliding_window", 4096 if arch in _GEMMA_PATTERN else None)
     if arch == "LlamaForCausalLM" or window is None:
         return None, ()  # Llama has no window; null: full attention everywhere
-    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+    if arch in _WINDOW_QWEN and not raw.get("use_sliding_window", False):
         return None, ()  # Qwen2 configs carry a window they do not use
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise KilnError(
             f"llm backend: sliding_window must be a positive integer, got {window!r}",
             Status.INVALID_ARG,
         )
-    if arch != "Qwen2ForCausalLM":
+    if arch in _WINDOW_EVERY_LAYER:
         return window, ()
     kinds = raw.get("layer_types")
-    if kinds is None:
+    if kinds is None and arch in _GEMMA_PATTERN:
+        # every pattern-th layer global, the others local (transformers' default)
+        pattern = int(raw.get("sliding_window_pattern", _GEMMA_PATTERN[arch]))
+        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(num_layers)]  # fmt: skip
+    elif kinds is None:
         first = int(raw.get("max_window_layers", 28))
         kinds = ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
     unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
@@ -194,6 +234,10 @@ def _sliding_window(
             Status.INVALID_ARG,
         )
     return window, tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from kiln.llm.checkpoint import Checkpoint
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.cuda_graphs import DecodeGraphs, capture_sizes
 from kiln.llm.models.llama import LlamaForCausalLM, StepMetadata
+from kiln.llm.models.registry import build_model
 from kiln.llm.pooling import mean_pool, token_rows
 from kiln.llm.sampler import SampledToken, prompt_logprobs, sample
 from kiln.llm.scheduler import SchedulerOutput
@@ -86,10 +87,10 @@ class ModelRunner:
             )
         self.dtype = DTYPES[config.dtype]
         with torch.device("meta"):
-            model = LlamaForCausalLM(args, config.max_model_len)
+            model = build_model(args, config.max_model_len)
         model = model.to_empty(device=self.device)
         # rope tables are computed, not loaded: rebuild them off the meta device
-        model.model.rotary_emb.rebuild(self.device)
+        model.rebuild_rope(self.device)
         # cast before loading: the weights are copied (and rounded) straight into the
         # serving dtype, never held in float32 beside it
         model = model.to(self.dtype)
@@ -109,7 +110,11 @@ class ModelRunner:
             * self.dtype.itemsize
         )
         self.attention_backend = resolve_attention_backend(
-            config.attention_backend, self.device, config.block_size, self.dtype
+            config.attention_backend,
+            self.device,
+            config.block_size,
+            self.dtype,
+            softcap=args.attn_logit_softcapping is not None,
         )
         if self.attention_backend == "cpu":
             attention_cpu.warm_up()
@@ -121,6 +126,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # graphs need the flex backend's fixed-shape metadata, and a GPU
         use_graphs = self.attention_backend == "flex" and not config.enforce_eager
+        use_graphs = use_graphs and self.model.cuda_graphs  # MoE: host-side routing
         if use_graphs and self.device.type == "cuda" and torch.cuda.is_available():
             sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
             self.graphs = DecodeGraphs(self, sizes)

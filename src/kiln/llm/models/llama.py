@@ -82,6 +82,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, args.hidden_size, bias=o_bias)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        #: the scores' scale (None: 1 / sqrt(head_dim)); Gemma's ``query_pre_attn_scalar``
+        self.scale: float | None = None
+        #: Gemma 2's ``attn_logit_softcapping``: scores become ``c * tanh(s / c)``
+        self.softcap: float | None = None
 
     def fuse(self) -> None:
         """Replace q/k/v_proj (the checkpoint's names) by one projection: one matrix product
@@ -96,6 +100,26 @@ class Attention(nn.Module):
         x: torch.Tensor,
         metas: StepMetadata,
     ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.project(rope, x)
+        meta = metas[self.sliding_window]
+        scale, softcap = self.scale, self.softcap
+        if isinstance(meta, DenseMetadata):
+            out = dense_attention(q, k, v, meta, scale=scale, softcap=softcap)
+        elif isinstance(meta, FlexMetadata):
+            out = flex_paged_attention(q, k, v, self.k_cache, self.v_cache, meta, scale=scale)
+        else:
+            out = paged_attention(
+                q, k, v, self.k_cache, self.v_cache, meta, scale=scale, softcap=softcap
+            )
+        result: torch.Tensor = self.o_proj(out.reshape(t, -1))
+        return result
+
+    def project(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, Hkv, D] of the step's tokens, q and k rotated (the
+        hook the other architectures' attentions override)."""
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
@@ -112,15 +136,7 @@ class Attention(nn.Module):
             q = rotate(self.q_proj(x).view(t, h, d), *rope)
             k = rotate(self.k_proj(x).view(t, hkv, d), *rope)
             v = self.v_proj(x).view(t, hkv, d)
-        meta = metas[self.sliding_window]
-        if isinstance(meta, DenseMetadata):
-            out = dense_attention(q, k, v, meta)
-        elif isinstance(meta, FlexMetadata):
-            out = flex_paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
-        else:
-            out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
-        result: torch.Tensor = self.o_proj(out.reshape(t, -1))
-        return result
+        return q, k, v
 
 
 def _stack(*parts: nn.Linear) -> nn.Linear:
@@ -190,36 +206,62 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(rope, h, metas)
         h = self.post_attention_layernorm.add_forward(h, residual)
+        return self.feed_forward(h), residual
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP (Mixtral's experts sit elsewhere in its checkpoint)."""
         out: torch.Tensor = self.mlp(h)
-        return out, residual
+        return out
 
 
 class Backbone(nn.Module):
-    def __init__(self, args: ModelArgs, max_positions: int) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        rotary_emb: RotaryEmbedding,
+        layer_cls: type[nn.Module] = DecoderLayer,
+        norm_cls: type[RMSNorm] = RMSNorm,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            args.head_dim, max_positions, args.rope_theta, args.rope_scaling
-        )
+        self.layers = nn.ModuleList(layer_cls(args, i) for i in range(args.num_hidden_layers))
+        self.norm = norm_cls(args.hidden_size, args.rms_norm_eps)
+        self.rotary_emb: RotaryEmbedding = rotary_emb
 
 
 class LlamaForCausalLM(nn.Module):
+    #: the decoder layer and norm of this architecture (subclasses name theirs)
+    layer_cls: type[nn.Module] = DecoderLayer
+    norm_cls: type[RMSNorm] = RMSNorm
+    #: the decode step may be captured as a CUDA graph (no host synchronisation in it)
+    cuda_graphs = True
+
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
         super().__init__()
         self.args = args
-        self.model = Backbone(args, max_positions)
+        rope = self.rotary_embedding(args, max_positions)
+        self.model = Backbone(args, rope, self.layer_cls, self.norm_cls)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def rotary_embedding(self, args: ModelArgs, max_positions: int) -> RotaryEmbedding:
+        """The model's RoPE tables (an architecture with its own scheme overrides this)."""
+        return RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
+
     def fuse(self) -> None:
         """Fuse every layer's projections (after the checkpoint is loaded into the
-        separate ones)."""
+        separate ones): every submodule with a ``fuse`` step runs it."""
+        for module in list(self.modules()):
+            fuse = getattr(module, "fuse", None)
+            if module is not self and callable(fuse):
+                fuse()
+
+    def rebuild_rope(self, device: torch.device) -> None:
+        """Compute every rotary table on ``device`` (a model built on the meta device)."""
         for module in self.modules():
-            if isinstance(module, (Attention, MLP)):
-                module.fuse()
+            if isinstance(module, RotaryEmbedding):
+                module.rebuild(device)
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.modules() if isinstance(m, Attention)]
