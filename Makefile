@@ -15,6 +15,9 @@ STAMP := $(VENV)/.kiln-installed
 # npm packages of the grpc-js interop client (tests/integration/test_grpc_js_interop.py)
 INTEROP := tests/interop/grpc_js
 INTEROP_STAMP := $(INTEROP)/node_modules/.package-lock.json
+# Azurite, Microsoft's Azure Storage emulator (tests/integration/test_gcs_azure_repository.py)
+AZURITE := tests/interop/azurite
+AZURITE_STAMP := $(AZURITE)/node_modules/.package-lock.json
 
 .PHONY: setup serve test lint typecheck unit bench example clean system-deps interop-deps
 
@@ -35,7 +38,10 @@ system-deps:
 $(INTEROP_STAMP): $(INTEROP)/package-lock.json | system-deps
 	npm ci --prefix $(INTEROP) --no-audit --no-fund --loglevel=error
 
-interop-deps: $(INTEROP_STAMP)
+$(AZURITE_STAMP): $(AZURITE)/package-lock.json | system-deps
+	npm ci --prefix $(AZURITE) --no-audit --no-fund --loglevel=error
+
+interop-deps: $(INTEROP_STAMP) $(AZURITE_STAMP)
 
 example: $(STAMP)
 	$(BIN)/kiln repo example $(REPO) --overwrite
@@ -61,4 +67,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/serving_baseline.py
 
 clean:
-	rm -rf $(VENV) $(REPO) .pytest_cache .mypy_cache .ruff_cache $(INTEROP)/node_modules
+	rm -rf $(VENV) $(REPO) .pytest_cache .mypy_cache .ruff_cache $(INTEROP)/node_modules $(AZURITE)/node_modules

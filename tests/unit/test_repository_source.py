@@ -1,14 +1,18 @@
-"""Repository sources: s3:// URL forms, object-key safety, schemes kiln refuses."""
+"""Repository sources: s3://, gs:// and as:// URL forms, object-key safety, a missing
+client library named with its extra, schemes kiln refuses."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from kiln.cli import main
-from kiln.repository.s3 import S3Location, parse_url, safe_relative
+from kiln.repository import azure, gcs
+from kiln.repository.object_store import safe_relative
+from kiln.repository.s3 import S3Location, parse_url
 from kiln.repository.source import LocalSource, RepositoryError, open_source
 
 
@@ -57,14 +61,49 @@ def test_a_folder_is_a_local_source(tmp_path: Path) -> None:
     assert list(source.fingerprints()) == ["simple"]
 
 
-@pytest.mark.parametrize(("url", "extra"), [("gs://b/models", "gcs"), ("as://acct/c/m", "azure")])
-def test_gcs_and_azure_are_refused_naming_the_extra(url: str, extra: str) -> None:
-    with pytest.raises(RepositoryError, match=rf"kiln\[{extra}\]"):
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [("gs://bucket/path/to/repo/", ("bucket", "path/to/repo/")), ("gs://b", ("b", ""))],
+)
+def test_gcs_url_forms(url: str, expected: tuple[str, str]) -> None:
+    assert gcs.parse_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [("as://acct/container/path/to/repo", ("acct", "container", "path/to/repo/")),
+     ("as://acct/c/", ("acct", "c", ""))],
+)  # fmt: skip
+def test_azure_url_forms(url: str, expected: tuple[str, str, str]) -> None:
+    assert azure.parse_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [("gs://", "expected gs://bucket/path"), ("gs://host:1/b", "expected gs://bucket/path"),
+     ("as://acct", "expected as://account_name/container_name/path"),
+     ("as://acct/", "expected as://account_name/container_name/path"),
+     ("ftp://h/x", "unknown scheme 'ftp://'")],
+)  # fmt: skip
+def test_malformed_urls_are_refused(url: str, message: str) -> None:
+    with pytest.raises(RepositoryError, match=message):
+        open_source(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "module", "extra"),
+    [("s3://b/m", "boto3", "s3"), ("gs://b/models", "google.cloud.storage", "gcs"),
+     ("as://acct/c/m", "azure.storage.blob", "azure")],
+)  # fmt: skip
+def test_a_missing_client_library_names_the_extra(
+    url: str, module: str, extra: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # import of it raises ImportError
+    with pytest.raises(RepositoryError, match=rf"pip install 'kiln\[{extra}\]'"):
         open_source(url)
     result = CliRunner().invoke(main, ["serve", "--model-repository", url])
     assert result.exit_code == 1
-    assert f"model repository '{url}'" in result.output
-    assert f"kiln[{extra}]" in result.output
+    assert f"model repository '{url}'" in result.output and f"kiln[{extra}]" in result.output
 
 
 def test_a_missing_folder_is_still_a_usage_error(tmp_path: Path) -> None:

@@ -83,8 +83,8 @@ class ObjectStoreSource:
         """(key, size, ETag) of every object whose key starts with ``prefix``."""
         raise NotImplementedError
 
-    def fetch(self, key: str, out: BinaryIO) -> str:
-        """Write object ``key`` into ``out``; its ETag."""
+    def fetch(self, key: str, out: BinaryIO) -> None:
+        """Write object ``key`` into ``out``."""
         raise NotImplementedError
 
     def cause(self, exc: Exception) -> str:
@@ -173,7 +173,10 @@ class ObjectStoreSource:
                 cached = manifest.get(rel)
                 if cached == [etag, size] and target.is_file() and target.stat().st_size == size:
                     continue
-                manifest[rel] = self._download(f"{self.prefix}{name}/{rel}", target)
+                self._download(f"{self.prefix}{name}/{rel}", target)
+                # the listed ETag: an object replaced between listing and fetch is listed
+                # with another ETag at the next look, and fetched again then
+                manifest[rel] = [etag, target.stat().st_size]
                 fetched += 1
         except RepositoryError as exc:
             self.errors += 1
@@ -198,12 +201,12 @@ class ObjectStoreSource:
         )
         return folder
 
-    def _download(self, key: str, target: Path) -> list[Any]:
+    def _download(self, key: str, target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         part = target.with_name(f".{target.name}.kiln-part")
         try:
             with open(part, "wb") as out:
-                etag = self.fetch(key, out)
+                self.fetch(key, out)
         except OSError:
             part.unlink(missing_ok=True)
             raise
@@ -211,7 +214,6 @@ class ObjectStoreSource:
             part.unlink(missing_ok=True)
             raise RepositoryError(f"fetching '{key}': {self.cause(exc)}") from None
         os.replace(part, target)
-        return [etag, target.stat().st_size]
 
 
 def _read_manifest(path: Path) -> dict[str, list[Any]]:

@@ -93,10 +93,9 @@ class S3Source(ObjectStoreSource):
             for obj in page.get("Contents", [])
         ]
 
-    def fetch(self, key: str, out: BinaryIO) -> str:
+    def fetch(self, key: str, out: BinaryIO) -> None:
         response = self._client.get_object(Bucket=self.bucket, Key=key)
         shutil.copyfileobj(response["Body"], out, 1 << 20)
-        return str(response.get("ETag", ""))
 
     def cause(self, exc: Exception) -> str:
         return _cause(exc, self.location)

@@ -102,15 +102,9 @@ def folder_fingerprint(model_dir: Path) -> Fingerprint:
     return tuple(entries)
 
 
-#: URL schemes Triton accepts that kiln does not serve (yet), and the extra they would need.
-_UNSUPPORTED = {
-    "gs": ("Google Cloud Storage", "gcs"),
-    "as": ("Azure Storage", "azure"),
-}
-
-
 def open_source(text: str) -> RepositorySource:
-    """``--model-repository``'s value as a source: a folder, or ``s3://...``.
+    """``--model-repository``'s value as a source: a folder, ``s3://``, ``gs://`` or
+    ``as://...`` (Triton's URL forms).
 
     Raises ``RepositoryError`` for a URL kiln cannot serve (the message says why)."""
     scheme, sep, _ = text.partition("://")
@@ -120,13 +114,14 @@ def open_source(text: str) -> RepositorySource:
         from kiln.repository.s3 import S3Source
 
         return S3Source(text)
-    if scheme in _UNSUPPORTED:
-        service, extra = _UNSUPPORTED[scheme]
-        raise RepositoryError(
-            f"model repository '{text}': {service} ({scheme}://) is not supported by this "
-            f"kiln: it would need the optional extra kiln[{extra}], which is not available "
-            "yet; use a local folder or an S3-compatible bucket (s3://, with kiln[s3])"
-        )
+    if scheme == "gs":
+        from kiln.repository.gcs import GCSSource
+
+        return GCSSource(text)
+    if scheme == "as":
+        from kiln.repository.azure import AzureSource
+
+        return AzureSource(text)
     raise RepositoryError(
-        f"model repository '{text}': unknown scheme '{scheme}://' (a folder or s3://...)"
+        f"model repository '{text}': unknown scheme '{scheme}://' (a folder, s3://, gs:// or as://)"
     )
