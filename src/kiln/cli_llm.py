@@ -32,6 +32,7 @@ ENGINE_FLAGS = {
     "scheduling_policy": "scheduling_policy",
     "chat_template": "chat_template",
     "generation_config": "generation_config",
+    "speculative_config": "speculative_config",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -116,6 +117,13 @@ def llm_options(func: F) -> F:
             help="auto: default sampling values from the model's generation_config.json; "
             "vllm: the engine's; or a folder holding a generation_config.json "
             "[default: auto].",
+        ),
+        click.option(
+            "--speculative-config",
+            default=None,
+            help='Speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} '
+            'or {"model": DRAFT_FOLDER, "num_speculative_tokens": 4} (docs/llm.md).',
         ),
     ]
     for option in reversed(options):

@@ -1,0 +1,213 @@
+"""Speculative decoding (vLLM's ``--speculative-config``): greedy tokens identical with and
+without it (n-gram and draft model; batched, prefix-cached, chunked, preempted), stops
+inside an accepted run, the rejection sampler's distribution, the counters, bad configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from kiln.core.errors import KilnError
+from kiln.llm.config import EngineConfig
+from kiln.llm.engine import LLMEngine
+from kiln.llm.sequence import SamplingParams
+from kiln.llm.spec_config import SpeculativeConfig
+from tests.llm_models import all_blocks_returned, build_tiny_llm, drain
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+#: prompts that repeat themselves (n-gram lookup finds drafts) and ones that do not
+PROMPTS = [
+    [5, 17, 42, 99, 3] * 4,
+    list(range(30, 70)),
+    [250],
+    [7, 8, 9, 10, 11, 12] * 3,
+    [100, 101, 102, 100, 101, 102, 100],
+]
+NGRAM = (
+    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,'
+    ' "prompt_lookup_min": 1}'
+)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llm(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def expected(llama: Path) -> list[list[int]]:
+    return LLMEngine(llama, EngineConfig()).generate(PROMPTS, GREEDY)
+
+
+def _engine(folder: Path, spec: str | None = NGRAM, **kw: object) -> LLMEngine:
+    config = EngineConfig(**kw)  # type: ignore[arg-type]
+    config.speculative_config = SpeculativeConfig.from_json(spec) if spec else None
+    return LLMEngine(folder, config)
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    out = drain(engine)  # checks the block manager's invariants after every step
+    all_blocks_returned(engine)
+    return [out[(f"r{i}", 0)] for i in range(len(prompts))]
+
+
+def test_ngram_greedy_is_identical_batched_with_prefix_caching(
+    llama: Path, expected: list[list[int]]
+) -> None:
+    engine = _engine(llama, enable_prefix_caching=True)
+    # twice: the second round's prompts hit the prefix cache the first one filled
+    assert _run(engine, PROMPTS, GREEDY) == expected
+    assert _run(engine, PROMPTS, GREEDY) == expected
+    assert engine.block_manager.stats.hits > 0
+    stats = engine.spec_stats
+    assert stats is not None and stats.num_accepted_tokens > 0
+    # drafts saved steps: fewer target steps than tokens of the longest-running request
+    assert stats.num_drafts > 0
+
+
+def test_ngram_greedy_is_identical_one_request_at_a_time(
+    llama: Path, expected: list[list[int]]
+) -> None:
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        engine = _engine(llama, enable_prefix_caching=False)
+        assert _run(engine, [prompt], GREEDY) == [want]
+        if prompt == PROMPTS[0]:
+            # its output repeats: 40 tokens (one from the prefill step) in far fewer steps
+            assert engine.stats.num_steps < GREEDY.max_tokens // 2
+
+
+def test_ngram_greedy_is_identical_across_preemption_and_chunked_prefill(
+    llama: Path, expected: list[list[int]]
+) -> None:
+    # 20 blocks of 4 tokens for 5 requests growing to ~60 tokens: preemptions; a budget of
+    # 9 tokens a step splits the prompts and limits the drafts
+    engine = _engine(llama, block_size=4, num_gpu_blocks=20, max_num_batched_tokens=9)
+    assert _run(engine, PROMPTS, GREEDY) == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.spec_stats is not None and engine.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 7])
+def test_accepted_run_stops_at_max_tokens(
+    llama: Path, expected: list[list[int]], max_tokens: int
+) -> None:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine = _engine(llama)
+    assert _run(engine, PROMPTS, params) == [w[:max_tokens] for w in expected]
+
+
+def test_accepted_run_stops_at_a_stop_token(llama: Path, expected: list[list[int]]) -> None:
+    # the first prompt's greedy output repeats one token: drafts of it are accepted in runs,
+    # and a stop token inside a run ends the output there
+    want = expected[1]
+    stop = want[9]
+    params = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(stop,))
+    engine = _engine(llama)
+    seq = engine.add_request("r", PROMPTS[1], params)
+    out = drain(engine)
+    assert out[("r", 0)] == want[: want.index(stop) + 1]
+    assert seq.finish_reason == "stop" and seq.stop_token_id == stop
+    all_blocks_returned(engine)
+
+
+def test_requests_that_cannot_speculate_decode_as_before(llama: Path) -> None:
+    # penalties and logprobs make each row's processing depend on the tokens before it:
+    # those requests decode one token a step, in the same batch as the speculating ones
+    plain = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
+    penal = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, presence_penalty=1)
+    base = _engine(llama, spec=None)
+    want = [base.generate([PROMPTS[0]], plain)[0], base.generate([PROMPTS[3]], penal)[0]]
+    engine = _engine(llama)
+    engine.add_request("a", PROMPTS[0], plain)
+    engine.add_request("b", PROMPTS[3], penal)
+    engine.add_request("c", PROMPTS[0], GREEDY)
+    out = drain(engine)
+    assert [out[("a", 0)], out[("b", 0)]] == want
+    assert engine.spec_stats is not None and engine.spec_stats.num_drafts > 0
+
+
+def test_counters_add_up(llama: Path) -> None:
+    engine = _engine(llama)
+    _run(engine, PROMPTS, GREEDY)
+    stats = engine.spec_stats
+    assert stats is not None
+    assert stats.num_accepted_tokens == sum(stats.accepted_per_pos)
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens <= 3 * stats.num_drafts
+    # position i is accepted only when position i - 1 was
+    assert sorted(stats.accepted_per_pos, reverse=True) == stats.accepted_per_pos
+    # every output token came from a step: accepted drafts plus one per step that sampled
+    generated = len(PROMPTS) * GREEDY.max_tokens
+    assert engine.stats.num_generation_tokens == generated
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "at least 1, got 0"),
+        ('{"method": "ngram", "num_speculative_tokens": -2}', "at least 1, got -2"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' is not supported"),
+        ('{"method": "ngram"}', "'num_speculative_tokens' is required"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "x": 1}', "field 'x'"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs 'model'"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,'
+            ' "prompt_lookup_max": 2}',
+            "prompt_lookup_min <= prompt_lookup_max",
+        ),
+        ("[1]", "JSON object"),
+        ("{", "not JSON"),
+    ],
+)
+def test_bad_config_is_refused_naming_the_reason(raw: str, message: str) -> None:
+    with pytest.raises(KilnError, match="speculative_config") as info:
+        SpeculativeConfig.from_json(raw)
+    assert message in str(info.value)
+
+
+def test_too_many_speculative_tokens_are_refused_at_load(llama: Path) -> None:
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 16})
+    with pytest.raises(KilnError, match="too large: 1 \\+ 16 tokens do not fit"):
+        _engine(llama, spec, max_num_batched_tokens=8)
+    with pytest.raises(KilnError, match="too large for max_model_len 12"):
+        _engine(llama, spec, max_model_len=12)
+
+
+def _pbtxt(spec: str) -> EngineConfig:
+    from google.protobuf import text_format
+
+    from kiln.backends.base import InstanceSpec
+    from kiln.config.model_config_pb2 import ModelConfig
+    from kiln.llm.backend import engine_config
+
+    config = ModelConfig(name="m", backend="llm")
+    config.parameters["speculative_config"].string_value = spec
+    text = text_format.MessageToString(config)
+    instance = InstanceSpec(name="m_0", kind="cpu", device_id=0, index=0, total_instances=1)
+    return engine_config(text_format.Parse(text, ModelConfig()), instance)
+
+
+def test_config_pbtxt_parameter_and_cli_flag() -> None:
+    from kiln.cli_llm import served_models
+
+    spec = _pbtxt(NGRAM).speculative_config
+    assert spec == SpeculativeConfig("ngram", 3, None, 4, 1)
+    with pytest.raises(KilnError, match="model 'm': speculative_config: method 'medusa'"):
+        _pbtxt('{"method": "medusa", "num_speculative_tokens": 2}')
+    # --speculative-config becomes the same parameter
+    (config,) = served_models((Path("."),), ("m",), {"speculative_config": NGRAM})
+    assert config.parameters["speculative_config"].string_value == NGRAM
+    # vLLM: {"model": "ngram"} names the method; {"model": PATH} a draft model
+    assert SpeculativeConfig.from_json('{"model": "ngram", "num_speculative_tokens": 2}') == (
+        SpeculativeConfig("ngram", 2, None, 5, 5)  # vLLM's defaults
+    )
+    one = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 2, '
+                                      '"prompt_lookup_max": 3}')  # fmt: skip
+    assert (one.prompt_lookup_min, one.prompt_lookup_max) == (3, 3)
+    draft = SpeculativeConfig.from_json('{"model": "/d", "num_speculative_tokens": 2}')
+    assert (draft.method, draft.model) == ("draft_model", "/d")
