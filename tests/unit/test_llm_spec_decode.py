@@ -4,6 +4,7 @@ inside an accepted run, the rejection sampler's distribution, the counters, bad 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -211,3 +212,88 @@ def test_config_pbtxt_parameter_and_cli_flag() -> None:
     assert (one.prompt_lookup_min, one.prompt_lookup_max) == (3, 3)
     draft = SpeculativeConfig.from_json('{"model": "/d", "num_speculative_tokens": 2}')
     assert (draft.method, draft.model) == ("draft_model", "/d")
+
+
+# -- the rejection sampler -----------------------------------------------------------------
+
+#: the target's distributions at three places (two drafts and the bonus) over 5 tokens, and
+#: a draft model's, deliberately unlike them (total variation 0.3-0.5 from the target's)
+TARGET = [
+    [0.50, 0.20, 0.15, 0.10, 0.05],
+    [0.05, 0.05, 0.30, 0.40, 0.20],
+    [0.25, 0.25, 0.20, 0.20, 0.10],
+]
+DRAFT = [
+    [0.10, 0.20, 0.50, 0.10, 0.10],
+    [0.40, 0.30, 0.10, 0.10, 0.10],
+]
+TRIALS = 20_000
+
+
+def _tv(counts: list[int], probs: list[float]) -> float:
+    total = sum(counts)
+    return 0.5 * sum(abs(c / total - p) for c, p in zip(counts, probs, strict=True))
+
+
+@functools.cache
+def _emitted(case: str) -> list[list[int]]:
+    """The tokens one verification emits, per trial: drafts drawn from ``DRAFT``
+    (``draft_model``), or the same drafts 0, 3 every time as n-gram lookup gives them."""
+    import torch
+
+    from kiln.llm.spec_decode import rejection_sample
+
+    gen = torch.Generator().manual_seed(1234)
+    target = torch.tensor(TARGET)
+    q = torch.tensor(DRAFT) if case == "draft_model" else None
+    fixed = [0, 3]
+    runs = []
+    for _ in range(TRIALS):
+        if q is not None:
+            drafts = torch.multinomial(q, 1, generator=gen).squeeze(1).tolist()
+        else:
+            drafts = fixed
+        accepted, token = rejection_sample(target, drafts, q, gen)
+        runs.append([*drafts[:accepted], token])
+    return runs
+
+
+@pytest.mark.parametrize("case", ["draft_model", "ngram"])
+def test_rejection_sampler_keeps_the_target_distribution(case: str) -> None:
+    runs = _emitted(case)
+    # the first emitted token follows the target's first distribution, the second (when
+    # the first was an accepted draft) its second, the third (both accepted) its bonus one
+    for place, probs in enumerate(TARGET):
+        counts = [0] * 5
+        for run in runs:
+            if len(run) > place:
+                counts[run[place]] += 1
+        assert sum(counts) > 1000, f"place {place}: too few samples to judge"
+        assert _tv(counts, probs) < 0.025, (place, counts)
+    if case == "draft_model":
+        # drafts were accepted often enough to matter, and blind acceptance would fail
+        # the bound above: the draft's own distribution is far from the target's
+        assert sum(len(r) > 1 for r in runs) > TRIALS // 3
+        assert 0.5 * sum(abs(p - q) for p, q in zip(TARGET[0], DRAFT[0], strict=True)) > 0.3
+
+
+def test_rejection_sampler_acceptance_rate_is_the_overlap() -> None:
+    # P(accept draft 0) = sum(min(p, q)) (Leviathan et al.): 0.1 + 0.2 + 0.15 + 0.1 + 0.05
+    runs = _emitted("draft_model")
+    rate = sum(len(r) > 1 for r in runs) / TRIALS
+    assert rate == pytest.approx(0.60, abs=0.015)
+    # an n-gram draft d is accepted with probability p(d): 0.5 for token 0, then 0.4
+    runs = _emitted("ngram")
+    assert sum(len(r) > 1 for r in runs) / TRIALS == pytest.approx(0.5, abs=0.015)
+    assert sum(len(r) > 2 for r in runs) / TRIALS == pytest.approx(0.2, abs=0.015)
+
+
+def test_sampled_requests_speculate_and_seeds_reproduce(llama: Path) -> None:
+    params = SamplingParams(max_tokens=30, temperature=0.7, top_k=20, seed=7, ignore_eos=True)
+    first = _run(_engine(llama), PROMPTS, params)
+    engine = _engine(llama)
+    # alone or batched, a seeded request draws the same tokens
+    assert _run(engine, [PROMPTS[0]], params) == [first[0]]
+    assert _run(engine, PROMPTS, params) == first
+    assert all(len(t) == 30 for t in first)
+    assert engine.spec_stats is not None and engine.spec_stats.num_accepted_tokens > 0
