@@ -297,3 +297,74 @@ def test_sampled_requests_speculate_and_seeds_reproduce(llama: Path) -> None:
     assert _run(engine, PROMPTS, params) == first
     assert all(len(t) == 30 for t in first)
     assert engine.spec_stats is not None and engine.spec_stats.num_accepted_tokens > 0
+
+
+# -- the draft model -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafts(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Draft models: the target itself (every draft accepted), the target with noise in its
+    MLPs (some accepted), an unrelated random model (hardly any), and one whose vocabulary
+    differs."""
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("drafts")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(llama))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "mlp" in name:
+                weight.add_(torch.randn_like(weight) * weight.std() * 0.5)
+    model.save_pretrained(str(root / "noisy"), safe_serialization=True)
+    return {
+        "self": llama,
+        "noisy": root / "noisy",
+        "other": build_tiny_llm(root / "other", num_hidden_layers=1, hidden_size=32),
+        "vocab": build_tiny_llm(root / "vocab", vocab_size=320),
+    }
+
+
+def _draft(path: Path, k: int = 3) -> str:
+    return json.dumps({"model": str(path), "num_speculative_tokens": k})
+
+
+@pytest.mark.parametrize("draft", ["self", "noisy", "other"])
+def test_draft_model_greedy_is_identical(
+    llama: Path, expected: list[list[int]], drafts: dict[str, Path], draft: str
+) -> None:
+    # few blocks and a small budget: chunked prompts, preemption, drafts cut short
+    engine = _engine(
+        llama, _draft(drafts[draft]), block_size=4, num_gpu_blocks=24, max_num_batched_tokens=10
+    )
+    assert _run(engine, PROMPTS, GREEDY) == expected
+    # and again, the prompts now in the prefix cache (the draft recomputes its own K/V)
+    assert _run(engine, PROMPTS, GREEDY) == expected
+    assert engine.scheduler.num_preemptions > 0
+    stats = engine.spec_stats
+    assert stats is not None and stats.num_drafts > 0
+    rate = stats.num_accepted_tokens / stats.num_draft_tokens
+    if draft == "self":
+        assert rate > 0.95
+    elif draft == "noisy":
+        assert 0.05 < rate < 0.95
+
+
+def test_draft_model_sampled_keeps_acceptance_and_seeds(
+    llama: Path, drafts: dict[str, Path]
+) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    first = _run(_engine(llama, _draft(drafts["self"])), PROMPTS, params)
+    engine = _engine(llama, _draft(drafts["self"]))
+    assert _run(engine, PROMPTS[:2], params) == first[:2]
+    stats = engine.spec_stats
+    # the draft's distribution is the target's (up to rounding): min(1, p/q) ~ 1
+    assert stats is not None and stats.num_accepted_tokens / stats.num_draft_tokens > 0.9
+
+
+def test_draft_model_with_another_vocabulary_is_refused(
+    llama: Path, drafts: dict[str, Path]
+) -> None:
+    with pytest.raises(KilnError, match="vocabulary of 320 tokens, the target 300"):
+        _engine(llama, _draft(drafts["vocab"]))

@@ -13,6 +13,7 @@ from kiln.core.errors import KilnError, Status
 from kiln.llm.block_manager import BlockManager
 from kiln.llm.checkpoint import open_checkpoint, torch_dtype_name
 from kiln.llm.config import EngineConfig, ModelArgs
+from kiln.llm.draft_model import DraftProposer
 from kiln.llm.model_runner import ModelRunner, resolve_dtype
 from kiln.llm.params import INT64_MAX, INT64_MIN, InvalidField
 from kiln.llm.sampler import SampledToken, TokenLogprobs
@@ -79,7 +80,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         spec = config.speculative_config
-        self.proposer: NgramProposer | None = None
+        self.proposer: NgramProposer | DraftProposer | None = None
         #: vLLM's ``spec_decode_*`` counters (None: no speculative decoding)
         self.spec_stats: SpecDecodeStats | None = None
         if spec is not None:
@@ -90,7 +91,13 @@ class LLMEngine:
                     f"{config.max_model_len}",
                     Status.INVALID_ARG,
                 )
-            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if spec.method == "draft_model":
+                assert spec.model is not None
+                self.proposer = DraftProposer(
+                    Path(spec.model), self.args, config, self.runner.num_blocks
+                )
+            else:
+                self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
             self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
         self.stats = EngineStats(RequestHistograms.for_model(config.max_model_len))
         #: the requests the last step failed, with the error (they left the engine)
@@ -347,13 +354,22 @@ class LLMEngine:
     def _propose(self, out: SchedulerOutput) -> None:
         """Draft tokens for the decoding sequences the scheduler gave room for; a sequence
         runs its last token and the drafts found (the slots of those not found stay free)."""
-        assert self.proposer is not None
-        for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens, strict=True)):
-            room = seq.num_computed_tokens + n - seq.num_tokens
-            if room <= 0:
-                continue
-            seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
-            out.num_new_tokens[i] = n - room + len(seq.spec_token_ids)
+        proposer = self.proposer
+        rooms = {
+            seq.seq_id: seq.num_computed_tokens + n - seq.num_tokens
+            for seq, n in zip(out.seqs, out.num_new_tokens, strict=True)
+        }
+        if isinstance(proposer, DraftProposer):
+            if any(room > 0 for room in rooms.values()):
+                proposer.propose(out, rooms)
+        elif proposer is not None:
+            for seq in out.seqs:
+                if rooms[seq.seq_id] > 0:
+                    seq.spec_token_ids = proposer.propose(seq.token_ids, rooms[seq.seq_id])
+        for i, seq in enumerate(out.seqs):
+            room = rooms[seq.seq_id]
+            if room > 0:
+                out.num_new_tokens[i] += len(seq.spec_token_ids) - room
 
     def _append(self, seq: Sequence, sampled: SampledToken, now: float) -> RequestOutput:
         h = self.stats.histograms

@@ -307,9 +307,13 @@ class ModelRunner:
         input_ids: list[int],
         positions: list[int],
         logit_index: list[int],
+        computed: list[int] | None = None,
     ) -> torch.Tensor:
+        """``computed``: the tokens each sequence's cache already holds (default: its
+        ``num_computed_tokens``; a draft model keeps its own count)."""
         tables = [s.block_table for s in out.seqs]
-        computed = [s.num_computed_tokens for s in out.seqs]
+        if computed is None:
+            computed = [s.num_computed_tokens for s in out.seqs]
         metas: dict[int | None, AttentionMetadata | FlexMetadata] = {}
         for window in self.windows:
             if self.attention_backend == "flex":

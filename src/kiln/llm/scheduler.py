@@ -91,8 +91,8 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self.num_speculative_tokens and seq.num_computed_tokens + 1 == seq.num_tokens:
-                # room (slots and budget) for drafts; the engine proposes at most this many
-                # and gives back the budget of those it does not find
+                # room (slots and budget) for drafts: the engine proposes at most this many
+                # (the budget of those n-gram lookup does not find stays unused this step)
                 k = draft_budget(seq, self.num_speculative_tokens, self.config.max_model_len)
                 n += min(k, budget - 1)
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
