@@ -368,3 +368,20 @@ def test_draft_model_with_another_vocabulary_is_refused(
 ) -> None:
     with pytest.raises(KilnError, match="vocabulary of 320 tokens, the target 300"):
         _engine(llama, _draft(drafts["vocab"]))
+
+
+def test_vllm_model_json_takes_speculative_config(tmp_path: Path) -> None:
+    from kiln.llm import model_json
+
+    version = tmp_path / "m" / "1"
+    version.mkdir(parents=True)
+    (tmp_path / "hf").mkdir()
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    args = {"model": str(tmp_path / "hf"), "speculative_config": spec}
+    (version / "model.json").write_text(json.dumps(args))
+    engine = model_json.load("m", version).engine
+    assert engine.speculative_config == SpeculativeConfig("ngram", 2, None, 3, 3)
+    args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 0}
+    (version / "model.json").write_text(json.dumps(args))
+    with pytest.raises(KilnError, match=r"model 'm': model\.json: speculative_config: num_spec"):
+        model_json.load("m", version)
