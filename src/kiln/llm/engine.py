@@ -361,7 +361,15 @@ class LLMEngine:
         }
         if isinstance(proposer, DraftProposer):
             if any(room > 0 for room in rooms.values()):
-                proposer.propose(out, rooms)
+                try:
+                    proposer.propose(out, rooms)
+                except Exception:
+                    # drafts are optional: the step goes on without them, and the draft
+                    # recomputes its K/V from the start (it may be half written)
+                    log.exception("llm engine: the draft model failed; no drafts this step")
+                    for seq in out.seqs:
+                        seq.spec_token_ids, seq.spec_probs = [], None
+                        seq.num_draft_computed = 0
         elif proposer is not None:
             for seq in out.seqs:
                 if rooms[seq.seq_id] > 0:
