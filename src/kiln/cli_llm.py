@@ -35,6 +35,7 @@ ENGINE_FLAGS = {
     "generation_config": "generation_config",
     "enable_auto_tool_choice": "enable_auto_tool_choice",
     "tool_call_parser": "tool_call_parser",
+    "speculative_config": "speculative_config",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -132,6 +133,13 @@ def llm_options(func: F) -> F:
             type=click.Choice(list(TOOL_CALL_PARSERS)),
             default=None,
             help="The model family's tool-call format, as vLLM names it.",
+        ),
+        click.option(
+            "--speculative-config",
+            default=None,
+            help='Speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} '
+            'or {"model": DRAFT_FOLDER, "num_speculative_tokens": 4} (docs/llm.md).',
         ),
     ]
     for option in reversed(options):

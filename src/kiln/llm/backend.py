@@ -30,6 +30,7 @@ from kiln.llm.async_engine import AsyncEngine
 from kiln.llm.checkpoint import FolderCheckpoint, generation_eos_ids, sampling_defaults
 from kiln.llm.config import TOOL_CALL_PARSERS, EngineConfig, PoolerConfig
 from kiln.llm.engine import LLMEngine
+from kiln.llm.spec_config import SpeculativeConfig
 from kiln.llm.structured import GrammarCompiler
 from kiln.llm.tokenizer import Tokenizer
 
@@ -105,6 +106,13 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
     policy = parameter(config, "scheduling_policy")
     if policy is not None:
         out.scheduling_policy = policy.strip().lower()
+    raw = parameter(config, "speculative_config")
+    if raw:
+        try:
+            out.speculative_config = SpeculativeConfig.from_json(raw)
+        except KilnError as exc:
+            message = str(exc).removeprefix("llm backend: ")
+            raise KilnError(f"model '{config.name}': {message}", Status.INVALID_ARG) from None
     out.device = _device(config, instance)
     _pooling(config, out)
     return out

@@ -223,6 +223,21 @@ class BlockManager:
         seq.block_table.extend(self._take() for _ in range(need))
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the tail blocks of ``seq`` past its first ``num_tokens`` tokens (slots a
+        step reserved for speculative drafts that were rejected)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is not None:
+                    self.evictable[block.block_id] = None
+                else:
+                    self.free_block_ids.append(block.block_id)
+        del seq.chain_keys[keep:]
+        seq.num_cached_blocks = min(seq.num_cached_blocks, keep)
+
     def take_copies(self, keep: set[int]) -> list[tuple[int, int]]:
         """The pending copies of the sequences in ``keep`` (a preempted one's are void)."""
         out = [(src, dst) for sid, src, dst in self.copies if sid in keep]

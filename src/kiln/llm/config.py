@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.core.errors import KilnError, Status
+from kiln.llm.spec_config import SpeculativeConfig
 
 # The architectures kiln runs (``config.json``'s ``architectures``): the Llama skeleton's
 # and those built on it in kiln.llm.models (registry: kiln.llm.models.MODEL_CLASSES)
@@ -279,6 +280,8 @@ class EngineConfig:
     runner: str = "generate"
     #: how a ``pooling`` model pools (vLLM's ``--pooler-config``)
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
+    #: vLLM's ``--speculative-config`` (None: no speculative decoding)
+    speculative_config: SpeculativeConfig | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -322,6 +325,8 @@ class EngineConfig:
                 f"llm backend: runner must be one of {', '.join(RUNNERS)}, got '{self.runner}'",
                 Status.INVALID_ARG,
             )
+        if self.speculative_config is not None:
+            self.speculative_config.check(self.max_num_batched_tokens)
         if any(s <= 0 for s in self.cuda_graph_sizes):
             raise KilnError(
                 "llm backend: cuda_graph_sizes must be positive, got "

@@ -13,11 +13,13 @@ from kiln.core.errors import KilnError, Status
 from kiln.llm.block_manager import BlockManager
 from kiln.llm.checkpoint import open_checkpoint, torch_dtype_name
 from kiln.llm.config import EngineConfig, ModelArgs
+from kiln.llm.draft_model import DraftProposer
 from kiln.llm.model_runner import ModelRunner, resolve_dtype
 from kiln.llm.params import INT64_MAX, INT64_MIN, InvalidField
 from kiln.llm.sampler import SampledToken, TokenLogprobs
 from kiln.llm.scheduler import Scheduler, SchedulerOutput
 from kiln.llm.sequence import RequestState, SamplingParams, Sequence
+from kiln.llm.spec_decode import NgramProposer, SpecDecodeStats
 from kiln.llm.stats import EngineStats, RequestHistograms
 from kiln.llm.structured import GrammarCompiler
 
@@ -77,6 +79,26 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager)
+        spec = config.speculative_config
+        self.proposer: NgramProposer | DraftProposer | None = None
+        #: vLLM's ``spec_decode_*`` counters (None: no speculative decoding)
+        self.spec_stats: SpecDecodeStats | None = None
+        if spec is not None:
+            if spec.num_speculative_tokens >= config.max_model_len:
+                raise KilnError(
+                    "llm backend: speculative_config: num_speculative_tokens "
+                    f"{spec.num_speculative_tokens} is too large for max_model_len "
+                    f"{config.max_model_len}",
+                    Status.INVALID_ARG,
+                )
+            if spec.method == "draft_model":
+                assert spec.model is not None
+                self.proposer = DraftProposer(
+                    Path(spec.model), self.args, config, self.runner.num_blocks
+                )
+            else:
+                self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
         self.stats = EngineStats(RequestHistograms.for_model(config.max_model_len))
         #: the requests the last step failed, with the error (they left the engine)
         self.failed: list[tuple[str, Exception]] = []
@@ -241,6 +263,8 @@ class LLMEngine:
                 seq.request.first_scheduled_time = now
                 # admission has just given it its prefix-cache hits, nothing more yet
                 seq.request.num_cached_tokens = seq.num_computed_tokens
+        if self.proposer is not None:
+            self._propose(out)
         sampled = self._run(out)
         now = time.monotonic()
         self.stats.num_steps += 1
@@ -248,9 +272,20 @@ class LLMEngine:
         self.stats.histograms.iteration_tokens.observe(out.total_tokens)
         results: list[RequestOutput] = []
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_blocks(seq)
             token = sampled.get(seq.seq_id)
+            if seq.spec_token_ids:
+                drafts = len(seq.spec_token_ids)
+                accepted = len(token.accepted) if token is not None else 0
+                # the rejected drafts' K/V is stale: those slots are rewritten next step
+                n -= drafts - accepted
+                seq.spec_token_ids, seq.spec_probs = [], None
+                # blocks that only rejected drafts reached go back to the pool
+                self.block_manager.trim(seq, seq.num_tokens + accepted + 1)
+                if self.spec_stats is not None and token is not None:
+                    self.spec_stats.observe(drafts, accepted)
+            seq.num_computed_tokens += n
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+            self.block_manager.cache_blocks(seq)
             if token is None:
                 continue  # a prompt chunk: nothing to report yet
             if seq.num_output_tokens == 0 and seq.index == 0:
@@ -316,8 +351,35 @@ class LLMEngine:
                 self.failed.append((rid, exc))
         return sampled
 
+    def _propose(self, out: SchedulerOutput) -> None:
+        """Draft tokens for the decoding sequences the scheduler gave room for; a sequence
+        runs its last token and the drafts found (the slots of those not found stay free)."""
+        proposer = self.proposer
+        rooms = {
+            seq.seq_id: seq.num_computed_tokens + n - seq.num_tokens
+            for seq, n in zip(out.seqs, out.num_new_tokens, strict=True)
+        }
+        if isinstance(proposer, DraftProposer):
+            if any(room > 0 for room in rooms.values()):
+                try:
+                    proposer.propose(out, rooms)
+                except Exception:
+                    # drafts are optional: the step goes on without them, and the draft
+                    # recomputes its K/V from the start (it may be half written)
+                    log.exception("llm engine: the draft model failed; no drafts this step")
+                    for seq in out.seqs:
+                        seq.spec_token_ids, seq.spec_probs = [], None
+                        seq.num_draft_computed = 0
+        elif proposer is not None:
+            for seq in out.seqs:
+                if rooms[seq.seq_id] > 0:
+                    seq.spec_token_ids = proposer.propose(seq.token_ids, rooms[seq.seq_id])
+        for i, seq in enumerate(out.seqs):
+            room = rooms[seq.seq_id]
+            if room > 0:
+                out.num_new_tokens[i] += len(seq.spec_token_ids) - room
+
     def _append(self, seq: Sequence, sampled: SampledToken, now: float) -> RequestOutput:
-        token = sampled.token_id
         h = self.stats.histograms
         if seq.last_token_time is not None:
             h.inter_token_latency.observe(now - seq.last_token_time)
@@ -325,13 +387,19 @@ class LLMEngine:
             seq.first_token_time = now
             h.time_to_first_token.observe(now - seq.request.arrival_time)
         seq.last_token_time = now
-        seq.append(token)
-        self.stats.num_generation_tokens += 1
-        if not seq.is_finished and seq.num_tokens >= self.config.max_model_len:
-            seq.finish("length")
+        tokens: list[int] = []
+        # accepted drafts, then the sampled token; a stop inside the run truncates it
+        for token in (*sampled.accepted, sampled.token_id):
+            seq.append(token)
+            tokens.append(token)
+            self.stats.num_generation_tokens += 1
+            if not seq.is_finished and seq.num_tokens >= self.config.max_model_len:
+                seq.finish("length")
+            if seq.is_finished:
+                break
         return RequestOutput(
             seq.request_id,
-            [token],
+            tokens,
             seq.is_finished,
             seq.finish_reason,
             seq.num_prompt_tokens,

@@ -144,3 +144,28 @@ class LLMCollector(Collector):
         yield from (prompt, by_source, cached, generation, success)
         yield from histograms
         yield info
+        yield from _spec_decode(engines)
+
+
+def _spec_decode(engines: list[tuple[str, Any]]) -> Iterator[Metric]:
+    """vLLM's ``spec_decode_*`` counters, for the engines with speculative decoding on
+    (vLLM has none of these families without it)."""
+    speculating = [(n, e.spec_stats) for n, e in engines if e.spec_stats is not None]
+    if not speculating:
+        return
+    drafts = _counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+    draft_tokens = _counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+    accepted = _counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+    per_pos = _counter(
+        "spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.",
+        ("position",),
+    )
+    for name, stats in speculating:
+        labels = [name, ENGINE]
+        drafts.add_metric(labels, stats.num_drafts)
+        draft_tokens.add_metric(labels, stats.num_draft_tokens)
+        accepted.add_metric(labels, stats.num_accepted_tokens)
+        for pos, count in enumerate(stats.accepted_per_pos):
+            per_pos.add_metric([*labels, str(pos)], count)
+    yield from (drafts, draft_tokens, accepted, per_pos)

@@ -16,6 +16,7 @@ from typing import Any
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm.config import EngineConfig
+from kiln.llm.spec_config import SpeculativeConfig
 
 log = logging.getLogger("kiln.llm")
 
@@ -101,6 +102,14 @@ def _not_true(model: str, key: str, value: Any) -> None:
         raise _error(model, f"'{key}': true is not supported (kiln runs no model code)")
 
 
+def _speculative(model: str, value: Any) -> SpeculativeConfig:
+    raw = value if isinstance(value, str) else json.dumps(value)
+    try:
+        return SpeculativeConfig.from_json(raw)
+    except KilnError as exc:
+        raise _error(model, str(exc).removeprefix("llm backend: ")) from None
+
+
 #: vLLM engine argument -> (EngineConfig attribute, converter)
 _SETTINGS: dict[str, tuple[str, Callable[[str, str, Any], Any]]] = {
     "max_model_len": ("max_model_len", lambda m, k, v: _integer(m, k, v)),
@@ -112,6 +121,11 @@ _SETTINGS: dict[str, tuple[str, Callable[[str, str, Any], Any]]] = {
     "enable_prefix_caching": ("enable_prefix_caching", lambda m, k, v: _boolean(m, k, v)),
     "enforce_eager": ("enforce_eager", lambda m, k, v: _boolean(m, k, v)),
     "scheduling_policy": ("scheduling_policy", lambda m, k, v: str(v).strip().lower()),
+    # vLLM's model.json holds it as an object (a JSON string is taken too)
+    "speculative_config": (
+        "speculative_config",
+        lambda m, k, v: _speculative(m, v),
+    ),
     "cuda_graph_sizes": (
         "cuda_graph_sizes",
         lambda m, k, v: tuple(_integer(m, k, s) for s in (v if isinstance(v, list) else [v])),

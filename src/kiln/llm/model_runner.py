@@ -19,6 +19,7 @@ from kiln.llm.pooling import mean_pool, token_rows
 from kiln.llm.sampler import SampledToken, prompt_logprobs, sample
 from kiln.llm.scheduler import SchedulerOutput
 from kiln.llm.sequence import SamplingParams, Sequence
+from kiln.llm.spec_decode import verify
 
 log = logging.getLogger(__name__)
 
@@ -243,10 +244,20 @@ class ModelRunner:
         samplers = []
         prompt_rows: list[tuple[Sequence, int]] = []  # (sequence, prompt token predicted)
         prompt_index: list[int] = []
+        spec_index: list[int] = []
+        spec_seqs: list[Sequence] = []
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             base = len(input_ids)
-            input_ids.extend(seq.token_ids[start : start + n])
+            ids = seq.token_ids[start : start + n]
+            drafts = n - len(ids)
+            if drafts:
+                # the last token and its drafts: one logit row each, verified together
+                assert drafts == len(seq.spec_token_ids)
+                ids = ids + seq.spec_token_ids
+                spec_index.extend(range(base, base + n))
+                spec_seqs.append(seq)
+            input_ids.extend(ids)
             positions.extend(range(start, start + n))
             if seq.wants_prompt_logprobs:
                 # position p predicts prompt token p + 1: from the next one not yet known
@@ -256,7 +267,7 @@ class ModelRunner:
                 for p in range(first, min(start + n, seq.num_prompt_tokens - 1)):
                     prompt_index.append(base + p - start)
                     prompt_rows.append((seq, p + 1))
-            if start + n == seq.num_tokens:
+            if start + n == seq.num_tokens:  # (a verifying sequence's n is larger)
                 for target in (seq, *seq.forks):
                     logit_index.append(len(input_ids) - 1)
                     samplers.append(target)
@@ -264,12 +275,21 @@ class ModelRunner:
         if self.graphs and not prompt_rows:
             logits = self.graphs.run(out, input_ids, positions)
         if logits is None:
-            logits = self._eager(out, input_ids, positions, logit_index + prompt_index)
+            rows = logit_index + spec_index + prompt_index
+            logits = self._eager(out, input_ids, positions, rows)
+        verified = len(logit_index) + len(spec_index)
         if prompt_rows:
-            prompt_logprobs(logits[len(logit_index) :], prompt_rows)
-            logits = logits[: len(logit_index)]
-        sampled = sample(logits, samplers)
-        return dict(zip((s.seq_id for s in samplers), sampled, strict=True))
+            prompt_logprobs(logits[verified:], prompt_rows)
+        result = dict(
+            zip(
+                (s.seq_id for s in samplers),
+                sample(logits[: len(logit_index)], samplers),
+                strict=True,
+            )
+        )
+        if spec_seqs:
+            result.update(verify(logits[len(logit_index) : verified], spec_seqs))
+        return result
 
     @torch.inference_mode()
     def pool(self, prompts: list[list[int]], pooling_type: str) -> torch.Tensor:
@@ -293,9 +313,13 @@ class ModelRunner:
         input_ids: list[int],
         positions: list[int],
         logit_index: list[int],
+        computed: list[int] | None = None,
     ) -> torch.Tensor:
+        """``computed``: the tokens each sequence's cache already holds (default: its
+        ``num_computed_tokens``; a draft model keeps its own count)."""
         tables = [s.block_table for s in out.seqs]
-        computed = [s.num_computed_tokens for s in out.seqs]
+        if computed is None:
+            computed = [s.num_computed_tokens for s in out.seqs]
         metas: dict[int | None, AttentionMetadata | FlexMetadata] = {}
         for window in self.windows:
             if self.attention_backend == "flex":

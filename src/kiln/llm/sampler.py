@@ -61,6 +61,8 @@ def prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> N
 class SampledToken:
     token_id: int
     logprobs: TokenLogprobs | None = None
+    #: speculative decoding: the drafts accepted before ``token_id`` (emitted first)
+    accepted: tuple[int, ...] = ()
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
@@ -226,6 +228,13 @@ def _flatten(lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor
 
 
 def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    probs = filtered_probs(logits, seqs)
+    return _argmax(probs / _exponentials(probs, seqs))
+
+
+def filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The distribution each row draws from: its logits over its temperature, filtered by
+    min-p, top-k and top-p, softmaxed (greedy rows: temperature 1)."""
     dev = logits.device
     params = [s.params for s in seqs]
     # greedy rows are divided by 1: their draw is thrown away
@@ -241,8 +250,7 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     top_p = [p.top_p for p in params]
     if any(k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
         logits = _top_k_top_p(logits, top_k, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return _argmax(probs / _exponentials(probs, seqs))
+    return torch.softmax(logits, dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -21,6 +21,7 @@ from kiln.core.errors import KilnError, Status
 from kiln.llm.block_manager import BlockManager
 from kiln.llm.config import EngineConfig
 from kiln.llm.sequence import Sequence, SequenceStatus
+from kiln.llm.spec_config import draft_budget
 
 
 @dataclass(slots=True)
@@ -45,6 +46,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        spec = config.speculative_config
+        #: drafts a decoding sequence may have verified per step (0: no speculation)
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.config.max_waiting:
@@ -86,6 +90,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self.num_speculative_tokens and seq.num_computed_tokens + 1 == seq.num_tokens:
+                # room (slots and budget) for drafts: the engine proposes at most this many
+                # (the budget of those n-gram lookup does not find stays unused this step)
+                k = draft_budget(seq, self.num_speculative_tokens, self.config.max_model_len)
+                n += min(k, budget - 1)
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
                 victim = self._victim()
                 at = self.running.index(victim)
@@ -136,7 +145,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -120,6 +120,13 @@ class Sequence:
     #: with ``structured_outputs``: this sequence's own matcher, advanced by each token
     #: appended; it masks the sequence's logits every step
     grammar: llguidance.LLMatcher | None = None
+    #: speculative decoding: the draft tokens this step verifies (after ``token_ids``)
+    spec_token_ids: list[int] = field(default_factory=list)
+    #: the draft model's distributions they were drawn from ([len(spec_token_ids), vocab]);
+    #: None: a point mass on each (n-gram lookup, or a greedy request)
+    spec_probs: torch.Tensor | None = None
+    #: leading tokens whose K/V the draft model holds (in its own cache, same block table)
+    num_draft_computed: int = 0
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
