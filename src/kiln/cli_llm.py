@@ -32,6 +32,7 @@ ENGINE_FLAGS = {
     "scheduling_policy": "scheduling_policy",
     "chat_template": "chat_template",
     "generation_config": "generation_config",
+    "quantization": "quantization",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -116,6 +117,13 @@ def llm_options(func: F) -> F:
             help="auto: default sampling values from the model's generation_config.json; "
             "vllm: the engine's; or a folder holding a generation_config.json "
             "[default: auto].",
+        ),
+        click.option(
+            "--quantization",
+            "-q",
+            default=None,
+            help="The checkpoint's quantization method (fp8, compressed-tensors, awq, gptq, "
+            "gguf); must match its quantization_config [default: detected from it].",
         ),
     ]
     for option in reversed(options):

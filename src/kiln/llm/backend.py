@@ -102,6 +102,9 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
                 f"separated by commas or spaces, got '{sizes}'",
                 Status.INVALID_ARG,
             ) from None
+    quantization = parameter(config, "quantization")
+    if quantization is not None:
+        out.quantization = quantization.strip().lower() or "auto"
     policy = parameter(config, "scheduling_policy")
     if policy is not None:
         out.scheduling_policy = policy.strip().lower()

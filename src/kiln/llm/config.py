@@ -233,6 +233,9 @@ class EngineConfig:
     runner: str = "generate"
     #: how a ``pooling`` model pools (vLLM's ``--pooler-config``)
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
+    #: vLLM's ``--quantization``: ``auto`` (the checkpoint's ``quantization_config``) or a
+    #: method that must be the checkpoint's (kiln.llm.quantization.METHODS)
+    quantization: str = "auto"
     extra: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:

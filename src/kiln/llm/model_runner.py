@@ -7,7 +7,7 @@ import logging
 import torch
 
 from kiln.core.errors import KilnError, Status
-from kiln.llm import attention_cpu, cpu_ops
+from kiln.llm import attention_cpu, cpu_ops, quantization
 from kiln.llm.attention import AttentionMetadata, DenseMetadata, KVWorkspace, cache_shape
 from kiln.llm.attention_flex import FlexMetadata, resolve_attention_backend
 from kiln.llm.checkpoint import Checkpoint
@@ -93,7 +93,12 @@ class ModelRunner:
         # cast before loading: the weights are copied (and rounded) straight into the
         # serving dtype, never held in float32 beside it
         model = model.to(self.dtype)
+        # quantized projections: the checkpoint's tensors loaded as they are, then converted
+        self.quantization = quantization.apply(
+            model, checkpoint, config.quantization, self.dtype, self.device
+        )
         load_weights(model, checkpoint, self.dtype)
+        quantization.finalize(model)
         if args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         self.model = model.eval()
