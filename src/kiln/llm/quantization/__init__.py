@@ -20,6 +20,7 @@ from torch import nn
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm.quantization.config import METHODS, QuantConfig, check_requested, parse
+from kiln.llm.quantization.gguf_blocks import BLOCKS
 from kiln.llm.quantization.linear import CheckpointLinear
 
 __all__ = ["METHODS", "QuantConfig", "apply", "finalize", "tensor_info"]
@@ -81,6 +82,8 @@ def apply(
 ) -> QuantConfig | None:
     """Swap the projections the checkpoint holds quantized for ``CheckpointLinear``s (before
     loading); the checkpoint's quantization, or None."""
+    if hasattr(checkpoint, "quantized_weights"):
+        return _apply_gguf(model, checkpoint, requested, dtype, device)
     where = str(checkpoint.path)
     quant = parse(checkpoint.config(), where)
     check_requested(requested, quant, where)
@@ -128,6 +131,45 @@ def apply(
             Status.INVALID_ARG,
         )
     log.info("llm: %s: %d projections quantized (%s)", where, swapped, quant.method)
+    return quant
+
+
+def _apply_gguf(
+    model: nn.Module, checkpoint: Any, requested: str, dtype: torch.dtype, device: torch.device
+) -> QuantConfig:
+    """A GGUF file (vLLM's method ``gguf``): its 4-bit projections stay packed (the int4
+    kernel computes their blocks exactly); other types are dequantized at load as before
+    (no torch kernel takes Q8_0's or the other K-quants' blocks)."""
+    where = str(checkpoint.path)
+    quant = QuantConfig("gguf", "gguf", group_size=32)
+    check_requested(requested, quant, where)
+    stored = checkpoint.quantized_weights()
+    kept = 0
+    for name, module in list(model.named_modules()):
+        entry = stored.get(f"{name}.weight")
+        if type(module) is not nn.Linear or entry is None or entry[0] not in BLOCKS:
+            continue
+        kind, shape = entry
+        if module.in_features % BLOCKS[kind][0]:
+            continue
+        own: TensorInfo = {"weight": (shape, torch.uint8)}
+        if module.bias is not None:
+            own["bias"] = ((module.out_features,), dtype)
+        holder = CheckpointLinear(
+            f"{where}: {name}",
+            module.in_features,
+            module.out_features,
+            own,
+            quant,
+            dtype,
+            device,
+            ggml_type=kind,
+        )
+        model.set_submodule(name, holder)
+        checkpoint.keep_quantized.add(f"{name}.weight")
+        kept += 1
+    if kept:
+        log.info("llm: %s: %d projections kept 4-bit (%s)", where, kept, quant.method)
     return quant
 
 

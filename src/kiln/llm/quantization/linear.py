@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.core.errors import KilnError, Status
-from kiln.llm.quantization import packing
+from kiln.llm.quantization import gguf_blocks, packing
 from kiln.llm.quantization.config import QuantConfig
 
 #: the int4 group sizes torch's packed kernels take
@@ -72,7 +72,7 @@ class Int4Linear(QuantLinear):
         self,
         q: torch.Tensor,
         scale: torch.Tensor,
-        zero: torch.Tensor,
+        offset: torch.Tensor,
         group_size: int,
         perm: torch.Tensor | None,
         bias: torch.Tensor | None,
@@ -80,8 +80,7 @@ class Int4Linear(QuantLinear):
         n, k = q.shape
         super().__init__(k, n, bias)
         self.group_size = group_size
-        # (q - z) * s == (q - 8) * s + (8 - z) * s: the kernel's form
-        sz = torch.stack([scale, (8 - zero) * scale], dim=-1).to(torch.bfloat16)
+        sz = torch.stack([scale, offset], dim=-1).to(torch.bfloat16)
         self.register_buffer("scales_and_zeros", sz.contiguous())
         #: act-order: the input's columns in group order
         self.register_buffer("perm", perm)
@@ -228,9 +227,12 @@ class CheckpointLinear(nn.Module):
         quant: QuantConfig,
         dtype: torch.dtype,
         device: torch.device,
+        ggml_type: str = "",
     ) -> None:
         super().__init__()
         self.name, self.quant, self.dtype = name, quant, dtype
+        #: GGUF: the weight's block type (gguf_blocks.BLOCKS)
+        self.ggml_type = ggml_type
         self.in_features, self.out_features = in_features, out_features
         for key, (shape, dt) in tensors.items():
             self.register_buffer(key, torch.empty(shape, dtype=dt, device=device))
@@ -264,6 +266,11 @@ class CheckpointLinear(nn.Module):
         kind = self.quant.weights
         if kind == "int4":
             return self._int4()
+        if kind == "gguf":
+            raw = self._get("weight")
+            assert raw is not None
+            q, scales, offset = gguf_blocks.to_int4(raw, self.ggml_type, self.in_features)
+            return self._packed(q, scales, offset, 32, None)
         weight = self._get("weight")
         assert weight is not None  # checked when the tensors were listed
         if weight.shape != (self.out_features, self.in_features):
@@ -333,11 +340,24 @@ class CheckpointLinear(nn.Module):
             if not torch.equal(g_idx[perm], default):
                 raise self._refuse("g_idx does not give every group group_size rows")
             q = q[:, perm]
-        kernel = group in KERNEL_GROUPS and q.device.type in ("cpu", "cuda")
-        if not kernel:
-            # the dequantizing fallback: the weight in the serving dtype
-            weight = packing.dequantize_int4(q, scale, zero, default)
-            if perm is not None:
-                weight = torch.empty_like(weight).index_copy_(1, perm, weight)
-            return self._dense(weight)
-        return Int4Linear(q, scale, zero, group, perm, self._bias())
+        # (q - z) * s == (q - 8) * s + (8 - z) * s: the kernel's form
+        return self._packed(q, scale, (8 - zero) * scale, group, perm)
+
+    def _packed(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor,
+        group: int,
+        perm: torch.Tensor | None,
+    ) -> nn.Linear:
+        """The packed int4 kernel's module, or where it does not apply (its group sizes,
+        output rows a multiple of 16, CPU or CUDA) the dequantized weight."""
+        kernel = group in KERNEL_GROUPS and q.shape[0] % 16 == 0
+        if kernel and q.device.type in ("cpu", "cuda"):
+            return Int4Linear(q, scale, offset, group, perm, self._bias())
+        s, o = scale.repeat_interleave(group, 0).t(), offset.repeat_interleave(group, 0).t()
+        weight = (q.float() - 8) * s + o
+        if perm is not None:  # back to the checkpoint's column order
+            weight = torch.empty_like(weight).index_copy_(1, perm, weight)
+        return self._dense(weight)

@@ -52,11 +52,3 @@ def gptq_to_int4(
     # the legacy format stores (zero - 1) mod 16: a stored 15 is zero 0
     zero = (unpack_columns(qzeros).float() + zero_offset).remainder(16)
     return q, scales.float(), zero
-
-
-def dequantize_int4(
-    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g_idx: torch.Tensor
-) -> torch.Tensor:
-    """[N, K] float32: ``(q - zero) * scale`` with each input row's group from ``g_idx``."""
-    s, z = scale[g_idx].t(), zero[g_idx].t()  # [N, K]
-    return (q.float() - z) * s
