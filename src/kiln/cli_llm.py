@@ -33,6 +33,7 @@ ENGINE_FLAGS = {
     "chat_template": "chat_template",
     "generation_config": "generation_config",
     "quantization": "quantization",
+    "kv_cache_dtype": "kv_cache_dtype",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -124,6 +125,13 @@ def llm_options(func: F) -> F:
             default=None,
             help="The checkpoint's quantization method (fp8, compressed-tensors, awq, gptq, "
             "gguf); must match its quantization_config [default: detected from it].",
+        ),
+        click.option(
+            "--kv-cache-dtype",
+            type=click.Choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+            default=None,
+            help="KV cache dtype: auto (the model's) or fp8, halving (bf16) or quartering "
+            "(float32) its memory per token; read by the torch attention backend.",
         ),
     ]
     for option in reversed(options):

@@ -194,6 +194,10 @@ def _sliding_window(
     return window, tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
 
 
+#: vLLM's ``--kv-cache-dtype`` values (kiln.llm.quantization.kv_cache)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """The engine's limits, named as vLLM names them."""
@@ -236,6 +240,9 @@ class EngineConfig:
     #: vLLM's ``--quantization``: ``auto`` (the checkpoint's ``quantization_config``) or a
     #: method that must be the checkpoint's (kiln.llm.quantization.METHODS)
     quantization: str = "auto"
+    #: vLLM's ``--kv-cache-dtype``: ``auto`` (the model's dtype), ``fp8`` (= ``fp8_e4m3``),
+    #: ``fp8_e5m2`` (kiln.llm.quantization.kv_cache)
+    kv_cache_dtype: str = "auto"
     extra: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -272,6 +279,12 @@ class EngineConfig:
             raise KilnError(
                 f"llm backend: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got '{self.attention_backend}'",
+                Status.INVALID_ARG,
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise KilnError(
+                f"llm backend: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got '{self.kv_cache_dtype}'",
                 Status.INVALID_ARG,
             )
         if self.runner not in RUNNERS:

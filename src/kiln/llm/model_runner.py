@@ -15,6 +15,7 @@ from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.cuda_graphs import DecodeGraphs, capture_sizes
 from kiln.llm.models.llama import LlamaForCausalLM, StepMetadata
 from kiln.llm.pooling import mean_pool, token_rows
+from kiln.llm.quantization import kv_cache
 from kiln.llm.sampler import SampledToken, prompt_logprobs, sample
 from kiln.llm.scheduler import SchedulerOutput
 from kiln.llm.sequence import SamplingParams, Sequence
@@ -85,6 +86,8 @@ class ModelRunner:
                 Status.INVALID_ARG,
             )
         self.dtype = DTYPES[config.dtype]
+        #: the KV cache's dtype: the model's, or fp8 (``kv_cache_dtype``)
+        self.cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
         with torch.device("meta"):
             model = LlamaForCausalLM(args, config.max_model_len)
         model = model.to_empty(device=self.device)
@@ -111,10 +114,14 @@ class ModelRunner:
             * config.block_size
             * args.num_key_value_heads
             * args.head_dim
-            * self.dtype.itemsize
+            * self.cache_dtype.itemsize
         )
-        self.attention_backend = resolve_attention_backend(
-            config.attention_backend, self.device, config.block_size, self.dtype
+        self.attention_backend = kv_cache.attention_backend(
+            config.attention_backend,
+            resolve_attention_backend(
+                config.attention_backend, self.device, config.block_size, self.cache_dtype
+            ),
+            self.cache_dtype,
         )
         if self.attention_backend == "cpu":
             attention_cpu.warm_up()
@@ -142,7 +149,7 @@ class ModelRunner:
         layer = (pages, bs, heads, dim) if flex else cache_shape(pages, bs, heads, dim)
         # one allocation for all layers; each layer's attention gets views into it
         self.kv_cache = torch.zeros(
-            2, args.num_hidden_layers, *layer, dtype=self.dtype, device=self.device
+            2, args.num_hidden_layers, *layer, dtype=self.cache_dtype, device=self.device
         )
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache = self.kv_cache[0, i]
