@@ -86,7 +86,10 @@ class Int4Linear(QuantLinear):
         self.register_buffer("perm", perm)
         if q.device.type == "cuda":
             packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
-            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(packed, 8))
+            tiles = 8 if k % 128 == 0 else 2  # inner k-tiles of 16: K must fill them
+            self.register_buffer(
+                "packed", torch.ops.aten._convert_weight_to_int4pack(packed, tiles)
+            )
         else:
             self.register_buffer(
                 "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
