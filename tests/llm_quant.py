@@ -95,19 +95,33 @@ def _write(
 
 
 def write_fp8(src: Path, dst: Path, per_channel: bool, method: str = "fp8") -> tuple[Path, Path]:
-    """``fp8`` (AutoFP8: a scalar weight_scale) or compressed-tensors ``float-quantized``."""
+    """``fp8`` (AutoFP8: a scalar weight_scale) or compressed-tensors ``float-quantized``;
+    method ``fp8-block``: transformers' fine-grained FP8, a ``weight_scale_inv`` a tile of
+    128 x 128."""
     tensors = _weights(src)
     quantized, reference = dict(tensors), dict(tensors)
     for name in _projection_names(tensors):
         w = tensors[f"{name}.weight"].float()
+        if method == "fp8-block":
+            n, k = w.shape
+            tiles = w.reshape(n // 128, 128, k // 128, 128)
+            scale = tiles.abs().amax(dim=(1, 3)) / 448.0  # [N/128, K/128]
+            wq = (tiles / scale[:, None, :, None]).reshape(n, k).to(torch.float8_e4m3fn)
+            quantized[f"{name}.weight"] = wq
+            quantized[f"{name}.weight_scale_inv"] = scale
+            tiled = wq.float().reshape(n // 128, 128, k // 128, 128)
+            reference[f"{name}.weight"] = (tiled * scale[:, None, :, None]).reshape(n, k)
+            continue
         amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().max()
         scale = (amax / 448.0).float()
         wq = (w / scale).to(torch.float8_e4m3fn)
         quantized[f"{name}.weight"] = wq
         quantized[f"{name}.weight_scale"] = scale if per_channel else scale.reshape(())
         reference[f"{name}.weight"] = wq.float() * scale
-    if method == "fp8":
+    if method.startswith("fp8"):
         qc: dict[str, Any] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+        if method == "fp8-block":
+            qc["weight_block_size"] = [128, 128]
     else:
         qc = _compressed(
             "float", "channel" if per_channel else "tensor", "float-quantized", activations=True
