@@ -90,16 +90,17 @@ class ModelRunner:
         self.cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
         with torch.device("meta"):
             model = LlamaForCausalLM(args, config.max_model_len)
+        # quantized projections swapped while the model is still on the meta device (their
+        # float weights are never allocated): the checkpoint's tensors load as they are
+        self.quantization = quantization.apply(
+            model, checkpoint, config.quantization, self.dtype, torch.device("meta")
+        )
         model = model.to_empty(device=self.device)
         # rope tables are computed, not loaded: rebuild them off the meta device
         model.model.rotary_emb.rebuild(self.device)
         # cast before loading: the weights are copied (and rounded) straight into the
         # serving dtype, never held in float32 beside it
         model = model.to(self.dtype)
-        # quantized projections: the checkpoint's tensors loaded as they are, then converted
-        self.quantization = quantization.apply(
-            model, checkpoint, config.quantization, self.dtype, self.device
-        )
         load_weights(model, checkpoint, self.dtype)
         quantization.finalize(model)
         if args.tie_word_embeddings:

@@ -11,6 +11,7 @@ these products only.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -239,6 +240,17 @@ class CheckpointLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         for key, (shape, dt) in tensors.items():
             self.register_buffer(key, torch.empty(shape, dtype=dt, device=device))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> CheckpointLinear:
+        # the model's .to(dtype) must not cast the checkpoint's tensors (an fp8 weight,
+        # fp16 scales): they load as stored
+        dtypes = {k: b.dtype for k, b in self._buffers.items() if b is not None}
+        super()._apply(fn, recurse)
+        for key, dtype in dtypes.items():
+            buffer = self._buffers[key]
+            if buffer is not None and buffer.dtype != dtype:
+                self._buffers[key] = buffer.to(dtype)
+        return self
 
     def _get(self, key: str) -> torch.Tensor | None:
         return self._buffers.get(key)
