@@ -2,8 +2,9 @@
 ``gguf`` package's dequantizer, and a Q4_0 / Q4_1 file's logits against ``transformers``
 loading the same file (dequantized).
 
-Tolerance: the packed int4 CPU kernel takes bf16 activations and scales, so logits may
-differ by at most 2% of their range; greedy tokens are identical.
+Kept 4-bit when served in bfloat16 (the kernel's activation dtype); a float32 model
+dequantizes at load, exactly as before. Tolerance: the bf16 model against float32
+``transformers``: logits within 3% of their range; greedy tokens identical.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ def test_blocks_read_as_the_gguf_package_dequantizes(kind: str) -> None:
 def test_a_4bit_file_stays_4bit_and_matches_transformers(tmp_path: Path, kind: str) -> None:
     path = tmp_path / f"tiny.{kind}.gguf"
     _write_gguf(build_tiny_llm(tmp_path / "hf"), path, matrices=kind)
-    engine = LLMEngine(path, EngineConfig(kv_cache_memory_bytes=1 << 22))
+    # float32 (the CPU default) keeps the exact dequantized weights; bfloat16 the blocks
+    exact = LLMEngine(path, EngineConfig(kv_cache_memory_bytes=1 << 22))
+    assert type(exact.runner.model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    engine = LLMEngine(path, EngineConfig(kv_cache_memory_bytes=1 << 22, dtype="bfloat16"))
     layer = engine.runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear)
     assert isinstance(layer.mlp.down_proj, Int4Linear)
@@ -70,6 +74,6 @@ def test_a_4bit_file_stays_4bit_and_matches_transformers(tmp_path: Path, kind: s
             torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, pad_token_id=0
         )[0, len(PROMPT) :].tolist()
     got = kiln_logits(engine, PROMPT)
-    assert float((got - want).abs().max()) <= 0.02 * float(want.max() - want.min())
+    assert float((got - want).abs().max()) <= 0.03 * float(want.max() - want.min())
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert engine.generate([PROMPT], greedy) == [tokens]

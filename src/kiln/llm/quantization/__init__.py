@@ -137,12 +137,18 @@ def apply(
 def _apply_gguf(
     model: nn.Module, checkpoint: Any, requested: str, dtype: torch.dtype, device: torch.device
 ) -> QuantConfig:
-    """A GGUF file (vLLM's method ``gguf``): its 4-bit projections stay packed (the int4
-    kernel computes their blocks exactly); other types are dequantized at load as before
-    (no torch kernel takes Q8_0's or the other K-quants' blocks)."""
+    """A GGUF file (vLLM's method ``gguf``): served in bfloat16, its 4-bit projections stay
+    packed (the int4 kernel reads their blocks exactly); other types, and every type in
+    another dtype, are dequantized at load as before (no torch kernel takes Q8_0's or the
+    other K-quants' blocks)."""
     where = str(checkpoint.path)
     quant = QuantConfig("gguf", "gguf", group_size=32)
     check_requested(requested, quant, where)
+    if dtype != torch.bfloat16:
+        # the kernel rounds activations to bf16: a float32 (the CPU default) or float16
+        # model keeps the exact dequantized weights, as before (token-identical with
+        # transformers on real files)
+        return quant
     stored = checkpoint.quantized_weights()
     kept = 0
     for name, module in list(model.named_modules()):
