@@ -36,6 +36,8 @@ ENGINE_FLAGS = {
     "enable_auto_tool_choice": "enable_auto_tool_choice",
     "tool_call_parser": "tool_call_parser",
     "speculative_config": "speculative_config",
+    "quantization": "quantization",
+    "kv_cache_dtype": "kv_cache_dtype",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -140,6 +142,20 @@ def llm_options(func: F) -> F:
             help='Speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} '
             'or {"model": DRAFT_FOLDER, "num_speculative_tokens": 4} (docs/llm.md).',
+        ),
+        click.option(
+            "--quantization",
+            "-q",
+            default=None,
+            help="The checkpoint's quantization method (fp8, compressed-tensors, awq, gptq, "
+            "gguf); must match its quantization_config [default: detected from it].",
+        ),
+        click.option(
+            "--kv-cache-dtype",
+            type=click.Choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+            default=None,
+            help="KV cache dtype: auto (the model's) or fp8, halving (bf16) or quartering "
+            "(float32) its memory per token; read by the torch attention backend.",
         ),
     ]
     for option in reversed(options):

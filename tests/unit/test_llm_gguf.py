@@ -58,7 +58,7 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     )
 
 
-def _write_gguf(folder: Path, path: Path, arch: str = "llama") -> None:
+def _write_gguf(folder: Path, path: Path, arch: str = "llama", matrices: str = "F16") -> None:
     import json
 
     from safetensors.torch import load_file
@@ -105,6 +105,11 @@ def _write_gguf(folder: Path, path: Path, arch: str = "llama") -> None:
             }[name]
         # matrices in F16 (as most files), norms in F32 (as llama.cpp keeps them)
         array = w.numpy().astype("float16" if w.dim() == 2 else "float32")
+        if w.dim() == 2 and matrices != "F16":  # a quantized file (test_llm_quant_gguf.py)
+            qtype = gguf.GGMLQuantizationType[matrices]
+            array = gguf.quants.quantize(w.numpy().astype("float32"), qtype)
+            writer.add_tensor(target, array, raw_dtype=qtype)
+            continue
         writer.add_tensor(target, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

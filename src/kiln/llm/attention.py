@@ -336,6 +336,17 @@ def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
     return (num_blocks, num_kv_heads, block_size, head_dim)
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 KV cache (``--kv-cache-dtype fp8``) as its bytes: torch's CPU index_copy_ and
+    gathers do not take fp8 tensors, and moving bytes is the same thing."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+def _cooked(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes gathered by ``_raw`` read back as the cache's dtype."""
+    return t.view(dtype) if t.dtype != dtype else t
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -353,22 +364,23 @@ def paged_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    cache_dtype = k_cache.dtype
     if meta.fused is None or meta.prefills:
         # the cpu kernel writes its decoding tokens' K/V itself: a step of decodes alone
         # skips this copy (prefill rows need it; the kernel's rows are written twice, alike)
-        new_k = k.reshape(-1, head_dim).to(k_cache.dtype)
-        new_v = v.reshape(-1, head_dim).to(v_cache.dtype)
-        k_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, new_k)
-        v_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, new_v)
+        new_k = _raw(k.reshape(-1, head_dim).to(cache_dtype))
+        new_v = _raw(v.reshape(-1, head_dim).to(cache_dtype))
+        _raw(k_cache).view(-1, head_dim).index_copy_(0, meta.kv_rows, new_k)
+        _raw(v_cache).view(-1, head_dim).index_copy_(0, meta.kv_rows, new_v)
     out = torch.empty_like(q)
-    k_rows = k_cache.view(-1, block_size, head_dim)
-    v_rows = v_cache.view(-1, block_size, head_dim)
+    k_rows = _raw(k_cache).view(-1, block_size, head_dim)
+    v_rows = _raw(v_cache).view(-1, block_size, head_dim)
     if meta.fused is not None:
         assert softcap is None, "the fused cpu decode has no soft-capping"
         attention_cpu.decode(q, k, v, k_cache, v_cache, meta.fused, out, scale)
     ws = meta.workspace
     if meta.decodes:
-        ws.reserve(meta.max_rows, block_size, head_dim, k_cache.dtype, k_cache.device)
+        ws.reserve(meta.max_rows, block_size, head_dim, k_rows.dtype, k_cache.device)
     for g in meta.decodes:
         b = g.token_index.shape[0]
         n = g.rows.shape[0]
@@ -379,8 +391,8 @@ def paged_attention(
         queries = q[g.token_index].view(b, num_kv_heads, group, head_dim)
         o = attend(
             queries,
-            keys.view(b, num_kv_heads, length, head_dim).to(q.dtype),
-            values.view(b, num_kv_heads, length, head_dim).to(q.dtype),
+            _cooked(keys, cache_dtype).view(b, num_kv_heads, length, head_dim).to(q.dtype),
+            _cooked(values, cache_dtype).view(b, num_kv_heads, length, head_dim).to(q.dtype),
             g.mask,
             scale,
             softcap,
@@ -394,8 +406,10 @@ def paged_attention(
             keys, values = k[span].transpose(0, 1), v[span].transpose(0, 1)
         else:
             count = p.num_computed + p.length - p.first_key
-            keys = k_cache[p.block_table].transpose(0, 1).flatten(1, 2)[:, :count]
-            values = v_cache[p.block_table].transpose(0, 1).flatten(1, 2)[:, :count]
+            keys = _cooked(_raw(k_cache)[p.block_table], cache_dtype)
+            values = _cooked(_raw(v_cache)[p.block_table], cache_dtype)
+            keys = keys.transpose(0, 1).flatten(1, 2)[:, :count]
+            values = values.transpose(0, 1).flatten(1, 2)[:, :count]
         o = attend(queries, keys[None].to(q.dtype), values[None].to(q.dtype), p.mask, scale,
                    softcap)  # fmt: skip
         out[span] = o[0].transpose(0, 1)

@@ -103,6 +103,12 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
                 f"separated by commas or spaces, got '{sizes}'",
                 Status.INVALID_ARG,
             ) from None
+    quantization = parameter(config, "quantization")
+    if quantization is not None:
+        out.quantization = quantization.strip().lower() or "auto"
+    kv_dtype = parameter(config, "kv_cache_dtype")
+    if kv_dtype is not None:
+        out.kv_cache_dtype = kv_dtype.strip().lower() or "auto"
     policy = parameter(config, "scheduling_policy")
     if policy is not None:
         out.scheduling_policy = policy.strip().lower()

@@ -241,6 +241,10 @@ def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+#: vLLM's ``--kv-cache-dtype`` values (kiln.llm.quantization.kv_cache)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """The engine's limits, named as vLLM names them."""
@@ -282,6 +286,12 @@ class EngineConfig:
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
     #: vLLM's ``--speculative-config`` (None: no speculative decoding)
     speculative_config: SpeculativeConfig | None = None
+    #: vLLM's ``--quantization``: ``auto`` (the checkpoint's ``quantization_config``) or a
+    #: method that must be the checkpoint's (kiln.llm.quantization.METHODS)
+    quantization: str = "auto"
+    #: vLLM's ``--kv-cache-dtype``: ``auto`` (the model's dtype), ``fp8`` (= ``fp8_e4m3``),
+    #: ``fp8_e5m2`` (kiln.llm.quantization.kv_cache)
+    kv_cache_dtype: str = "auto"
     extra: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -318,6 +328,12 @@ class EngineConfig:
             raise KilnError(
                 f"llm backend: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got '{self.attention_backend}'",
+                Status.INVALID_ARG,
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise KilnError(
+                f"llm backend: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got '{self.kv_cache_dtype}'",
                 Status.INVALID_ARG,
             )
         if self.runner not in RUNNERS:

@@ -120,6 +120,9 @@ class GGUFCheckpoint:
                 Status.INVALID_ARG,
             )
         self.names = {t.name for t in self.reader.tensors}
+        #: Hugging Face names whose blocks ``weights`` yields as stored (raw bytes, rows
+        #: unpermuted), for a quantized projection to keep (kiln.llm.quantization)
+        self.keep_quantized: set[str] = set()
         if "rope_freqs.weight" in self.names:
             raise KilnError(
                 f"llm backend: {path.name} scales RoPE with a rope_freqs tensor (Llama 3.1 "
@@ -189,6 +192,13 @@ class GGUFCheckpoint:
                     f"{config['architectures'][0]} does not have",
                     Status.INVALID_ARG,
                 )
+            if name in self.keep_quantized:
+                array = np.asarray(tensor.data)
+                part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+                if self.arch == "llama" and part in heads:
+                    array = _unpermute(array, heads[part])  # whole rows: blocks stay intact
+                yield tensor.name, {name: torch.from_numpy(np.array(array))}
+                continue
             try:
                 array = dequantize(tensor.data, tensor.tensor_type)
             except NotImplementedError:
@@ -203,6 +213,15 @@ class GGUFCheckpoint:
             # unquantized tensors are read-only views of the memory-mapped file: copied
             array = np.require(array, requirements=["C", "W"])
             yield tensor.name, {name: torch.from_numpy(array).to(dtype)}
+
+    def quantized_weights(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Hugging Face name -> (GGML type, stored byte shape) of every quantized tensor."""
+        out = {}
+        for tensor in self.reader.tensors:
+            name = _hf_name(tensor.name)
+            if name is not None and tensor.tensor_type.name.startswith(("Q", "IQ", "TQ")):
+                out[name] = (tensor.tensor_type.name, tuple(np.asarray(tensor.data).shape))
+        return out
 
     def generation_config(self) -> dict[str, Any]:
         return {}  # a GGUF file carries no sampling defaults

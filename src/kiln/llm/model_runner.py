@@ -7,7 +7,7 @@ import logging
 import torch
 
 from kiln.core.errors import KilnError, Status
-from kiln.llm import attention_cpu, cpu_ops
+from kiln.llm import attention_cpu, cpu_ops, quantization
 from kiln.llm.attention import AttentionMetadata, DenseMetadata, KVWorkspace, cache_shape
 from kiln.llm.attention_flex import FlexMetadata, resolve_attention_backend
 from kiln.llm.checkpoint import Checkpoint
@@ -16,6 +16,7 @@ from kiln.llm.cuda_graphs import DecodeGraphs, capture_sizes
 from kiln.llm.models.llama import LlamaForCausalLM, StepMetadata
 from kiln.llm.models.registry import build_model
 from kiln.llm.pooling import mean_pool, token_rows
+from kiln.llm.quantization import kv_cache
 from kiln.llm.sampler import SampledToken, prompt_logprobs, sample
 from kiln.llm.scheduler import SchedulerOutput
 from kiln.llm.sequence import SamplingParams, Sequence
@@ -87,8 +88,15 @@ class ModelRunner:
                 Status.INVALID_ARG,
             )
         self.dtype = DTYPES[config.dtype]
+        #: the KV cache's dtype: the model's, or fp8 (``kv_cache_dtype``)
+        self.cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
         with torch.device("meta"):
             model = build_model(args, config.max_model_len)
+        # quantized projections swapped while the model is still on the meta device (their
+        # float weights are never allocated): the checkpoint's tensors load as they are
+        self.quantization = quantization.apply(
+            model, checkpoint, config.quantization, self.dtype, torch.device("meta")
+        )
         model = model.to_empty(device=self.device)
         # rope tables are computed, not loaded: rebuild them off the meta device
         model.rebuild_rope(self.device)
@@ -96,6 +104,7 @@ class ModelRunner:
         # serving dtype, never held in float32 beside it
         model = model.to(self.dtype)
         load_weights(model, checkpoint, self.dtype)
+        quantization.finalize(model)
         if args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         self.model = model.eval()
@@ -108,14 +117,18 @@ class ModelRunner:
             * config.block_size
             * args.num_key_value_heads
             * args.head_dim
-            * self.dtype.itemsize
+            * self.cache_dtype.itemsize
         )
-        self.attention_backend = resolve_attention_backend(
+        self.attention_backend = kv_cache.attention_backend(
             config.attention_backend,
-            self.device,
-            config.block_size,
-            self.dtype,
-            softcap=args.attn_logit_softcapping is not None,
+            resolve_attention_backend(
+                config.attention_backend,
+                self.device,
+                config.block_size,
+                self.cache_dtype,
+                softcap=args.attn_logit_softcapping is not None,
+            ),
+            self.cache_dtype,
         )
         if self.attention_backend == "cpu":
             attention_cpu.warm_up()
@@ -144,7 +157,7 @@ class ModelRunner:
         layer = (pages, bs, heads, dim) if flex else cache_shape(pages, bs, heads, dim)
         # one allocation for all layers; each layer's attention gets views into it
         self.kv_cache = torch.zeros(
-            2, args.num_hidden_layers, *layer, dtype=self.dtype, device=self.device
+            2, args.num_hidden_layers, *layer, dtype=self.cache_dtype, device=self.device
         )
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache = self.kv_cache[0, i]

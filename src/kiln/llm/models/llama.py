@@ -24,6 +24,7 @@ from kiln.llm.attention import (
 from kiln.llm.attention_flex import FlexMetadata, flex_paged_attention
 from kiln.llm.config import ModelArgs
 from kiln.llm.models.rope import RotaryEmbedding, rotate
+from kiln.llm.quantization.linear import QuantLinear
 
 #: ``F.rms_norm`` (float32) is faster than the op-by-op formula for decode-sized batches
 #: (single thread, hidden 256: 54 vs 83 us at 64 tokens) but not for long prefills (1.2 vs
@@ -141,6 +142,8 @@ class Attention(nn.Module):
 
 def _stack(*parts: nn.Linear) -> nn.Linear:
     first = parts[0]
+    if isinstance(first, QuantLinear):  # quantized projections stack their own way
+        return first.stack(parts)
     out = sum(p.out_features for p in parts)
     fused = nn.Linear(
         first.in_features,
