@@ -180,3 +180,19 @@ def test_compare_exact_top1_and_max_abs_diff() -> None:
     _compare(_response(y=a), _response(y=c), stats)
     assert (stats.compared, stats.exact, stats.top1, stats.top1_compared) == (0, 1, 2, 3)
     assert stats.max_abs_diff == pytest.approx(0.8, abs=1e-6)  # 0.9 - 0.1
+
+
+def test_monitor_lines_keep_names_whole_at_80_columns() -> None:
+    from rich.console import Console
+
+    from kiln.metrics.rollout import rollouts_text
+
+    r = _rollout({"canary": "2", "primary": "1", "steps": "10,50", "shadow": "3"})
+    r.shadow_stats.compared = r.shadow_stats.sent = r.shadow_stats.exact = 4
+    r._rollback("canary error rate 0.500 exceeds the primary's 0.000 by more than 0.1")
+    console = Console(width=80, record=True, force_terminal=False)
+    console.print(rollouts_text([r.to_json()]))
+    out = console.export_text()
+    assert "rollout m: rolled_back" in out and "v1=100 v2=0" in out
+    assert "exact 100%" in out and "rollbacks 1" in out
+    assert all(len(line) <= 80 for line in out.splitlines())

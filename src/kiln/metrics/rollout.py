@@ -1,11 +1,14 @@
-"""``kiln_rollout_*`` and ``kiln_shadow_*``: the rollouts' state, read at scrape time."""
+"""``kiln_rollout_*`` and ``kiln_shadow_*``: the rollouts' state, read at scrape time; and
+``kiln monitor``'s lines for them."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from rich.text import Text
 
 from kiln.metrics.exposition import counter
 from kiln.server.rollout import Rollouts
@@ -63,3 +66,35 @@ class RolloutCollector(Collector):
             if st.compared:
                 delta.add_metric(list(lv.values()), st.latency_delta_sum / st.compared)
         yield from (weight, state, steps, shadow, agree, compared, diff, delta)
+
+
+def rollouts_text(rollouts: list[dict[str, Any]]) -> Text:
+    """``kiln monitor``'s lines for ``/api/live``'s ``rollouts`` (plain text wraps where the
+    terminal is narrow: nothing is cut)."""
+    text = Text()
+    for r in rollouts:
+        weights = " ".join(f"v{v}={w:g}" for v, w in r["weights"].items())
+        style = {"rolled_back": "bold red", "promoted": "green"}.get(r["state"], "")
+        text.append(f"rollout {r['model']}: ", style="bold")
+        text.append(r["state"], style=style)
+        text.append(f"  {weights}")
+        steps = r["steps_total"]
+        if r["policy"].get("canary") is not None:
+            text.append(f"  steps {steps['step']} promoted {steps['promoted']}")
+            text.append(f" rollbacks {steps['rollback']}")
+        shadow = r.get("shadow")
+        if shadow is not None:
+            exact, top1 = shadow["exact_agreement"], shadow["top1_agreement"]
+            delta = shadow["mean_latency_delta_s"]
+            text.append(
+                f"  shadow v{r['policy']['shadow'].split(':')[0]}: sent {shadow['sent']}"
+                f" dropped {shadow['dropped']} errors {shadow['errors']}"
+                f" exact {'-' if exact is None else f'{exact:.0%}'}"
+                f" top1 {'-' if top1 is None else f'{top1:.0%}'}"
+                f" max|diff| {shadow['max_abs_diff']:.3g}"
+                f" Δlatency {'-' if delta is None else f'{delta * 1e3:+.2f} ms'}"
+            )
+        if r["events"]:
+            text.append(f"\n  last: {r['events'][-1]['result']}: {r['events'][-1]['message']}")
+        text.append("\n")
+    return text
