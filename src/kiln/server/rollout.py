@@ -219,6 +219,16 @@ def number_of(name: str, text: str, bad: Callable[[str, str], KilnError]) -> flo
     return x
 
 
+def _draw(point: float, table: list[tuple[int, float]], total: float) -> int | None:
+    """The version at ``point`` (in [0, 1)) of the weights' cumulative range."""
+    target = point * total
+    for v, w in table:
+        target -= w
+        if target < 0:
+            return v
+    return table[-1][0] if table else None
+
+
 def sticky_point(key: str) -> float:
     """A stable point in [0, 1) for ``key``: the same on every process and run (Python's
     ``hash`` is salted per process)."""
@@ -293,7 +303,9 @@ class ModelRollout:
         self.shadow_stats = ShadowStats()
         self._queue: asyncio.Queue[tuple[InferenceRequest, InferenceResponse, float]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.weights: dict[int, float] = {}
+        self._weights: dict[int, float] = {}
+        self._table: list[tuple[int, float]] = []
+        self._total = 0.0
         self._primary: int | None = None
         self._canary_weight = policy.steps[0] if policy.steps else 0.0
 
@@ -313,24 +325,33 @@ class ModelRollout:
     def _set_canary(self, percent: float) -> None:
         self._canary_weight = percent
         assert self.policy.canary is not None
-        self.weights = {self.policy.canary: percent}
+        weights = {self.policy.canary: percent}
         if self._primary is not None:
-            self.weights[self._primary] = 100.0 - percent
+            weights[self._primary] = 100.0 - percent
+        self.weights = weights  # one assignment: the draw's table follows
 
     def pick(self, parameters: Mapping[str, Any], ready: Callable[[int], bool]) -> int | None:
         """The version for a request that names none (None: no split, latest as before)."""
-        live = [(v, w) for v, w in self.weights.items() if w > 0 and ready(v)]
-        if not live:
-            return None
-        total = sum(w for _, w in live)
-        key = parameters.get(self.policy.sticky_parameter) if self.policy.sticky_parameter else None
+        sticky = self.policy.sticky_parameter
+        key = parameters.get(sticky) if sticky else None
         point = sticky_point(str(key)) if key is not None else self.rng.random()
-        target = point * total
-        for v, w in live:
-            target -= w
-            if target < 0:
-                return v
-        return live[-1][0]
+        chosen = _draw(point, self._table, self._total)
+        if chosen is None or ready(chosen):
+            return chosen
+        # a version not ready (loading, unloading): the same point over the ready ones
+        live = [(v, w) for v, w in self._table if ready(v)]
+        return _draw(point, live, sum(w for _, w in live))
+
+    @property
+    def weights(self) -> dict[int, float]:
+        return self._weights
+
+    @weights.setter
+    def weights(self, weights: dict[int, float]) -> None:
+        # the draw's table, built once per change rather than per request
+        self._weights = weights
+        self._table = [(v, w) for v, w in weights.items() if w > 0]
+        self._total = sum(w for _, w in self._table)
 
     # ---- guard -----------------------------------------------------------------------
     @property
