@@ -4,14 +4,22 @@ verdicts on recorded outcomes, and the shadow comparison."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from kiln.core.errors import KilnError, Status
-from kiln.core.types import DataType, InferenceResponse, InferOutput
+from kiln.core.types import (
+    DataType,
+    InferenceRequest,
+    InferenceResponse,
+    InferInput,
+    InferOutput,
+)
 from kiln.server.rollout import (
     ModelRollout,
     ShadowStats,
@@ -196,3 +204,33 @@ def test_monitor_lines_keep_names_whole_at_80_columns() -> None:
     assert "rollout m: rolled_back" in out and "v1=100 v2=0" in out
     assert "exact 100%" in out and "rollbacks 1" in out
     assert all(len(line) <= 80 for line in out.splitlines())
+
+
+def test_shadow_queue_drops_when_full_copies_inputs_and_keeps_outputs() -> None:
+    async def main() -> ModelRollout:
+        gate = asyncio.Event()
+
+        async def infer(req: InferenceRequest) -> InferenceResponse:
+            assert req.model_version == "3"
+            await gate.wait()
+            return _response(y=req.inputs[0].data)
+
+        r = _rollout({"traffic_split": "1:1", "shadow": "3", "shadow_queue_size": "1"})
+        r.start(infer)
+        x = np.ones(2, np.float32)
+        req = InferenceRequest("m", "", inputs=[InferInput("x", DataType.FP32, (2,), x)])
+        resp = _response(y=x.copy())
+        for _ in range(4):  # no await between: the worker has taken none yet
+            r.offer_shadow(req, 1, resp, 0.001)
+        r.offer_shadow(req, 3, resp, 0.001)  # served by the shadow itself: no copy
+        r.offer_shadow(replace(req, parameters={"sequence_id": 7}), 1, resp, 0.001)
+        x[:] = 5  # the caller's buffer is reused
+        resp.outputs = []  # the server replaces the list (classification)
+        gate.set()
+        while r.shadow_stats.compared < 1:
+            await asyncio.sleep(0.01)
+        r.stop()
+        return r
+
+    stats = asyncio.run(main()).shadow_stats
+    assert (stats.sent, stats.dropped, stats.compared, stats.exact) == (1, 3, 1, 1)

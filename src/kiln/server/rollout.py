@@ -442,7 +442,8 @@ class ModelRollout:
                 for i in request.inputs
             ],
         )
-        self._queue.put_nowait((copy, response, secs))
+        # the outputs as computed: the server replaces the list later (classification)
+        self._queue.put_nowait((copy, replace(response, outputs=list(response.outputs)), secs))
 
     async def _shadow_worker(self, infer: Infer) -> None:
         assert self._queue is not None
@@ -495,7 +496,7 @@ def _compare(primary: InferenceResponse, shadow: InferenceResponse, stats: Shado
     """Exact agreement (every output equal), top-1 (argmax of the last axis, numeric
     outputs) and the largest absolute difference."""
     theirs = {o.name: o.data for o in shadow.outputs}
-    exact = True
+    exact = set(theirs) == {o.name for o in primary.outputs}
     top1: bool | None = None
     for out in primary.outputs:
         other = theirs.get(out.name)
