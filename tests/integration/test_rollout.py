@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import textwrap
 import time
 import urllib.error
@@ -306,3 +308,15 @@ def test_bad_config_load_refused_previous_policy_kept(server: KilnProcess) -> No
     assert _rollout(server)["policy"] == good["policy"]
     client = httpclient.InferenceServerClient(server.http_url)
     assert {_http_infer(client, _x())[0] for _ in range(10)} == {"1"}
+
+
+def test_kiln_repo_rollout_cli_sets_shows_and_refuses(server: KilnProcess) -> None:
+    kiln = [sys.executable, "-m", "kiln", "repo", "rollout", server.http_url, "ab"]
+    done = subprocess.run([*kiln, "traffic_split=1:1,2:1"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["weights"] == {"1": 1.0, "2": 1.0}
+    shown = subprocess.run(kiln, capture_output=True, text=True)
+    assert json.loads(shown.stdout)["policy"]["traffic_split"] == "1:1,2:1"
+    bad = subprocess.run([*kiln, "traffic_split=1:-1"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "400" in bad.stderr and "traffic_split" in bad.stderr
+    assert _rollout(server)["policy"]["traffic_split"] == "1:1,2:1"
