@@ -234,3 +234,28 @@ def test_shadow_queue_drops_when_full_copies_inputs_and_keeps_outputs() -> None:
 
     stats = asyncio.run(main()).shadow_stats
     assert (stats.sent, stats.dropped, stats.compared, stats.exact) == (1, 3, 1, 1)
+
+
+def test_guard_rolls_back_when_an_alert_fires_for_the_canary() -> None:
+    from kiln.metrics.alerts import AlertEvaluator
+    from kiln.metrics.notify import Notifier, WebhookOptions
+    from kiln.metrics.rules import parse_rules
+    from kiln.metrics.snapshot import Snapshot
+
+    rules = parse_rules(
+        "groups:\n  - name: g\n    rules:\n      - alert: CanaryFails\n"
+        "        expr: nv_inference_request_failure > 0\n",
+        "r.yaml",
+    )
+    alerts = AlertEvaluator(rules, lambda: Snapshot(0, {}), Notifier(WebhookOptions()), 1, "")
+    r = _rollout({"canary": "2", "primary": "1", "steps": "10,50", "interval_secs": "60"})
+    r.alert_firing = alerts.firing
+    failures = {"nv_inference_request_failure": {(("model", "m"), ("version", "1")): 3.0}}
+    alerts.evaluate_once(Snapshot(1_700_000_000, failures))
+    assert alerts.firing("m", 1) == "CanaryFails" and alerts.firing("m", 2) is None
+    assert r.evaluate(100.0, 100.0) == ""  # the primary's alert is not the canary's
+    failures = {"nv_inference_request_failure": {(("model", "m"), ("version", "2")): 1.0}}
+    alerts.evaluate_once(Snapshot(1_700_000_001, failures))
+    assert r.evaluate(100.5, 100.0) == "rollback"
+    assert r.weights == {2: 0.0, 1: 100.0}
+    assert r.events[-1]["message"] == "alert 'CanaryFails' is firing for version 2"

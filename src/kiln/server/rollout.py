@@ -285,13 +285,24 @@ class ShadowStats:
 
 
 Infer = Callable[[InferenceRequest], Awaitable[InferenceResponse]]
+# (model, version) -> the name of an alert rule firing for it, or None: kiln's alert
+# evaluator, injected by ``kiln serve`` (the metrics layer sits above the server)
+AlertCheck = Callable[[str, int], "str | None"]
 
 
 class ModelRollout:
     """One model's policy and its live state (weights, guard, shadow queue)."""
 
-    def __init__(self, model: str, policy: RolloutPolicy, source: str, rng: random.Random) -> None:
+    def __init__(
+        self,
+        model: str,
+        policy: RolloutPolicy,
+        source: str,
+        rng: random.Random,
+        alert_firing: AlertCheck | None = None,
+    ) -> None:
         self.model = model
+        self.alert_firing = alert_firing
         self.policy = policy
         self.source = source  # "config" or "api"
         self.rng = rng
@@ -372,6 +383,9 @@ class ModelRollout:
             if self._primary is not None
             else (0, 0.0, 0.0)
         )
+        alert = self.alert_firing(self.model, p.canary) if self.alert_firing else None
+        if alert is not None:
+            return self._rollback(f"alert '{alert}' is firing for version {p.canary}")
         if n_c >= p.min_requests:
             if p.max_error_rate_delta is not None and err_c - err_p > p.max_error_rate_delta:
                 return self._rollback(
@@ -525,6 +539,7 @@ class Rollouts:
     def __init__(self, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
         self.models: dict[str, ModelRollout] = {}
+        self.alert_firing: AlertCheck | None = None
         # the config each model's policy was read from: a reload brings its own policy
         self._configs: dict[str, ModelConfig] = {}
 
@@ -564,12 +579,17 @@ class Rollouts:
             old.stop()
         if policy is None:
             return None
-        rollout = ModelRollout(model, policy, source, self.rng)
+        # through _alert: a checker installed later (kiln serve starts monitoring after
+        # the server) still reaches the rollouts made before it
+        rollout = ModelRollout(model, policy, source, self.rng, self._alert)
         rollout.set_versions(versions)
         rollout.start(infer)
         self.models[model] = rollout
         log.info("rollout of model '%s' (%s): %s", model, source, policy.to_json())
         return rollout
+
+    def _alert(self, model: str, version: int) -> str | None:
+        return self.alert_firing(model, version) if self.alert_firing is not None else None
 
     def drop(self, model: str) -> None:
         self._configs.pop(model, None)
