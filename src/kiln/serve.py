@@ -152,6 +152,8 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         if endpoints.monitor.enabled:
             external_url = f"http://{endpoints.host}:{endpoints.http_port}"
             monitor = MonitorService(metrics, endpoints.monitor, external_url)
+            if monitor.alerts is not None:  # a rollout's guard rolls back on a firing alert
+                server.rollouts.alert_firing = monitor.alerts.firing
     security = endpoints.security
     browser = BrowserGuard.create(
         endpoints.host, security.http_allowed_hosts, security.cors_origins

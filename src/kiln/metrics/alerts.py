@@ -189,6 +189,20 @@ class AlertEvaluator:
             "alerts": entries,
         }
 
+    def firing(self, model: str, version: int) -> str | None:
+        """The name of an alert firing for this model version (its ``model`` and
+        ``version`` labels), for a rollout's guard; None when none is."""
+        with self._lock:
+            for a in self.alerts.values():
+                labels = a.labels
+                if (
+                    a.state == "firing"
+                    and labels.get("model") == model
+                    and labels.get("version") == str(version)
+                ):
+                    return a.rule.name
+        return None
+
     def to_json(self) -> dict[str, Any]:
         """Current state of every rule and alert (``GET /api/alerts``)."""
         with self._lock:

@@ -26,6 +26,7 @@ from kiln.metrics.gpu import GpuCollector
 from kiln.metrics.host import HostCollector
 from kiln.metrics.observer import RuntimeMetrics
 from kiln.metrics.readiness import ReadinessCollector
+from kiln.metrics.rollout import RolloutCollector
 from kiln.metrics.sampler import Sampled, TelemetrySampler
 from kiln.server.server import Server
 
@@ -50,6 +51,7 @@ class MetricsService:
         self.registry.register(ReadinessCollector(server.repository))
         self.registry.register(LLMCollector(server.llm_engines))
         self.registry.register(CustomMetricsCollector(server.repository.runtimes))
+        self.registry.register(RolloutCollector(server.rollouts))
         # process_resident_memory_bytes, process_cpu_seconds_total, open fds, start time.
         self.registry.register(ProcessCollector(registry=None))
         sources: list[Sampled] = []

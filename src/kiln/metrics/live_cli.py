@@ -201,6 +201,10 @@ def frame(url: str, summary: dict[str, Any], width: int | None = None) -> Render
         from kiln.metrics.fleet_cli import fleet_table
 
         parts.append(fleet_table(summary["fleet"], width))
+    if summary.get("rollouts"):  # docs/rollouts.md
+        from kiln.metrics.rollout import rollouts_text
+
+        parts.append(rollouts_text(summary["rollouts"]))
     return Group(*parts, alerts_text(summary))
 
 

@@ -124,6 +124,7 @@ class RepositoryManager(Generic[R]):
         drain_timeout: float = 30.0,
         auto_complete: bool = True,
         served: list[ModelConfig] | None = None,
+        config_check: Callable[[ModelConfig, list[int]], None] | None = None,
     ) -> None:
         # Each --model-repository: a folder, or a bucket fetched into a local cache.
         self.sources: list[RepositorySource] = [
@@ -138,6 +139,9 @@ class RepositoryManager(Generic[R]):
         self.auto_complete = auto_complete
         self.drain_timeout = drain_timeout
         self.runtime_factory = runtime_factory
+        # the server's checks of what it reads from a config (a rollout policy against the
+        # versions chosen): a failure fails the load and the old versions keep serving
+        self.config_check = config_check
         self.entries: dict[str, ModelEntry[R]] = {}
         self._load_slots = asyncio.Semaphore(4)  # Triton's --model-load-thread-count
 
@@ -319,6 +323,8 @@ class RepositoryManager(Generic[R]):
         if not versions:
             raise KilnError(f"failed to load '{name}', no version is available", Status.INVALID_ARG)
         chosen = select_versions(config, list(versions))
+        if self.config_check is not None:
+            self.config_check(config, chosen)
         check_config_paths(config, name)  # before auto-complete reads any named file
         if self.auto_complete:
             cls.auto_complete_config(config, versions[chosen[-1]])
@@ -350,6 +356,8 @@ class RepositoryManager(Generic[R]):
         config.platform = platform_for(config.backend)
         _complete_scheduling(config, default_batcher=self.auto_complete)
         version_dir = path.parent if path.is_file() else path
+        if self.config_check is not None:
+            self.config_check(config, [1])
         await self._start(entry, config, {1: version_dir}, cls, None)
 
     async def _start(

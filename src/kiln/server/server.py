@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import AsyncIterator
+import random
+import time
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from kiln.repository.poll import RepositoryPoller
 from kiln.repository.source import RepositoryError, RepositorySource
 from kiln.scheduling.cache import CacheConfig, open_cache
 from kiln.scheduling.rate_limit import RateLimiter, ResourceOverride
+from kiln.server.rollout import CLIENT_STATUSES, ModelRollout, Rollouts, check_config
 from kiln.server.runtime import ModelRuntime, runtime_factory
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,8 @@ class ServerOptions:
     allow_shm_other_owners: bool = False  # --allow-shm-other-owners
     #: ``kiln serve --model``: llm configs built in memory (``model_path`` names each)
     served_models: list[ModelConfig] = field(default_factory=list)
+    #: seeds the rollouts' weighted draws and shadow sampling (None: from the OS); tests
+    rollout_seed: int | None = None
 
 
 class Server:
@@ -97,7 +102,10 @@ class Server:
             drain_timeout=options.exit_timeout_secs,
             auto_complete=options.auto_complete_config,
             served=options.served_models,
+            config_check=check_config,
         )
+        # weighted splits, shadows and canaries between versions (server/rollout.py)
+        self.rollouts = Rollouts(random.Random(options.rollout_seed))
         self.shm = SharedMemoryManager(
             max_regions=options.max_shm_regions,
             allow_other_owners=options.allow_shm_other_owners,
@@ -144,6 +152,7 @@ class Server:
         self.shutting_down = True
         if self.poller is not None:
             await self.poller.stop()
+        self.rollouts.stop()
         await self.repository.unload_all()
         if self.response_cache is not None:
             await self.response_cache.close()
@@ -203,12 +212,22 @@ class Server:
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         if self.shutting_down:
             raise KilnError("server is shutting down", Status.UNAVAILABLE)
-        runtime = self.repository.get(request.model_name, request.model_version)
+        runtime, rollout = self._route(
+            request.model_name, request.model_version, request.parameters
+        )
+        return await self._infer_on(runtime, rollout, request)
+
+    async def _infer_on(
+        self, runtime: ModelRuntime, rollout: ModelRollout | None, request: InferenceRequest
+    ) -> InferenceResponse:
         self._admit(request)
         counts = {
             o.name: n for o in request.outputs if (n := requested_count(o.name, o.parameters))
         }
-        response = await runtime.infer(request)
+        if rollout is None:
+            response = await runtime.infer(request)
+        else:
+            response = await self._infer_rollout(runtime, rollout, request)
         if counts:
             batching = runtime.signature.max_batch_size > 0
             response.outputs = [
@@ -218,6 +237,70 @@ class Server:
                 for out in response.outputs
             ]
         return response
+
+    # ---- rollouts --------------------------------------------------------------------
+    def _route(
+        self, name: str, version: str, parameters: Mapping[str, Any]
+    ) -> tuple[ModelRuntime, ModelRollout | None]:
+        """The runtime a request gets: the version it names, else its model's rollout
+        split's choice, else the latest ready version (as before rollouts)."""
+        if not version:
+            entry = self.repository.entries.get(name)
+            if entry is not None and entry.versions:
+                rollout = self.rollouts.sync(name, entry.config, entry.versions, self._shadow)
+                if rollout is not None:
+                    versions = entry.versions
+                    chosen = rollout.pick(parameters, lambda v: v in versions and versions[v].ready)
+                    if chosen is not None:
+                        return versions[chosen], rollout
+        return self.repository.get(name, version), None
+
+    async def _infer_rollout(
+        self, runtime: ModelRuntime, rollout: ModelRollout, request: InferenceRequest
+    ) -> InferenceResponse:
+        """``runtime.infer``, timed for the canary's guard and copied to the shadow."""
+        t0 = time.perf_counter()
+        try:
+            response = await runtime.infer(request)
+        except KilnError as exc:
+            if rollout.guarded and exc.status not in CLIENT_STATUSES:
+                rollout.record(runtime.version, time.perf_counter() - t0, False)
+            raise
+        except Exception:
+            if rollout.guarded:
+                rollout.record(runtime.version, time.perf_counter() - t0, False)
+            raise
+        secs = time.perf_counter() - t0
+        if rollout.guarded:
+            rollout.record(runtime.version, secs, True)
+        rollout.offer_shadow(request, runtime.version, response, secs)
+        return response
+
+    async def _shadow(self, request: InferenceRequest) -> InferenceResponse:
+        """A shadow copy's inference: admitted already with its original."""
+        runtime = self.repository.get(request.model_name, request.model_version)
+        return await runtime.infer(request)
+
+    def rollout(self, name: str) -> dict[str, Any]:
+        """The model's rollout (``{}``: none)."""
+        entry = self.repository.entries.get(name)
+        if entry is None or not entry.versions:
+            raise not_found(f"Request for unknown model: '{name}' is not found")
+        rollout = self.rollouts.sync(name, entry.config, entry.versions, self._shadow)
+        return rollout.to_json() if rollout is not None else {}
+
+    def set_rollout(self, name: str, fields: Any) -> dict[str, Any]:
+        """Replace the model's rollout policy (``{}``: none); a bad policy: 400, and the
+        previous one keeps serving."""
+        entry = self.repository.entries.get(name)
+        if entry is None or not entry.versions:
+            raise not_found(f"Request for unknown model: '{name}' is not found")
+        if not isinstance(fields, dict):
+            raise invalid_arg(f"rollout of model '{name}': the body must be a JSON object")
+        self.rollouts.sync(name, entry.config, entry.versions, self._shadow)
+        ready = [v for v, r in entry.versions.items() if r.ready]
+        rollout = self.rollouts.set_policy(name, fields, ready, self._shadow)
+        return rollout.to_json() if rollout is not None else {}
 
     def _admit(self, request: InferenceRequest) -> None:
         """What every request must satisfy whatever its frontend, before any scheduling."""
@@ -233,22 +316,29 @@ class Server:
         (``core/stream.py``)."""
         if self.shutting_down:
             raise KilnError("server is shutting down", Status.UNAVAILABLE)
-        runtime = self.repository.get(request.model_name, request.model_version)
+        runtime, rollout = self._route(
+            request.model_name, request.model_version, request.parameters
+        )
         if not runtime.decoupled:
-            yield await self.infer(request)  # classification and the rest, as infer does
+            yield await self._infer_on(
+                runtime, rollout, request
+            )  # classification, as infer  # classification and the rest, as infer does
             return
         self._admit(request)
         async for response in runtime.infer_stream(request, window):
             yield response
 
     # ---- llm engines -----------------------------------------------------------------
-    def llm_engine(self, name: str, version: str = "") -> EngineClient:
+    def llm_engine(
+        self, name: str, version: str = "", parameters: Mapping[str, Any] | None = None
+    ) -> EngineClient:
         """An LLM model's engine, resolved as ``infer`` resolves a model (the same errors:
-        unknown, not ready, unloading); its requests count, trace and drain as infer's.
-        A model of another backend: 400."""
+        unknown, not ready, unloading; the rollout split when no version is named, sticky
+        on ``parameters``); its requests count, trace and drain as infer's. A model of
+        another backend: 400."""
         if self.shutting_down:
             raise KilnError("server is shutting down", Status.UNAVAILABLE)
-        return self.repository.get(name, version).llm_engine()
+        return self._route(name, version, parameters or {})[0].llm_engine()
 
     def llm_engines(self) -> dict[str, EngineClient]:
         """The ready LLM models' engines, by name (each model's latest ready version)."""
@@ -329,6 +419,7 @@ class Server:
                 Status.INVALID_ARG,
             )
         await self.repository.unload(name, unload_dependents=dependents)
+        self.rollouts.drop(name)
 
 
 def _control_parameters(name: str, action: str, parameters: Any) -> dict[str, Any]:

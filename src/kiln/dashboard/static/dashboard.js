@@ -208,6 +208,32 @@
     }
   }
 
+  // Each model's rollout (docs/rollouts.md): weights, guard steps, shadow agreement.
+  function renderRollouts(list) {
+    $("#rollouts-panel").hidden = !list.length;
+    const tbody = $("#rollouts tbody");
+    tbody.textContent = "";
+    const pct = (v) => (v == null ? "–" : (100 * v).toFixed(1));
+    for (const r of list) {
+      const tr = document.createElement("tr");
+      const sh = r.shadow || {};
+      cell(tr, r.model);
+      cell(tr, r.state, r.state === "rolled_back" ? "hot" : "");
+      cell(tr, Object.entries(r.weights).map(([v, w]) => `v${v}=${w}`).join(" "));
+      cell(tr, r.steps_total.step, "num");
+      cell(tr, r.steps_total.rollback, "num" + (r.steps_total.rollback ? " hot" : ""));
+      cell(tr, sh.sent ?? "–", "num");
+      cell(tr, sh.dropped ?? "–", "num");
+      cell(tr, pct(sh.exact_agreement), "num");
+      cell(tr, pct(sh.top1_agreement), "num");
+      cell(tr, sh.max_abs_diff == null ? "–" : Number(sh.max_abs_diff).toPrecision(3), "num");
+      cell(tr, fmt(scaled(sh.mean_latency_delta_s, 1000), 2), "num");
+      const ev = r.events.length ? r.events[r.events.length - 1] : null;
+      cell(tr, ev ? `${ev.result}: ${ev.message}` : "–");
+      tbody.append(tr);
+    }
+  }
+
   // Shows the LLM section only while an llm model is loaded; returns charts made just now.
   function ensureLLM(s) {
     const list = s.llm || [];
@@ -290,6 +316,7 @@
     renderModels(s.models);
     renderLLM(s.llm || []);
     renderFleet(s.fleet || []);
+    renderRollouts(s.rollouts || []);
     renderAlerts(s);
     renderNotes(s);
     const when = new Date(s.ts * 1000).toLocaleTimeString();

@@ -244,6 +244,15 @@ class HttpFrontend:
         await self.server.unload_model(request.path_params["model"], body.get("parameters"))
         return Response(status_code=200)
 
+    async def rollout(self, request: Request) -> Response:
+        """GET: the model's rollout; POST: replace its policy (docs/rollouts.md)."""
+        model = request.path_params["model"]
+        if request.method == "GET":
+            return json_response(self.server.rollout(model))
+        body = await self.read_body(request)
+        fields = parse_json(body) if body.strip() else {}
+        return json_response(self.server.set_rollout(model, fields))
+
     # ---- trace / logging -------------------------------------------------------------
     async def trace_setting(self, request: Request) -> Response:
         model = request.path_params.get("model", "")
@@ -349,6 +358,7 @@ class HttpFrontend:
             # core refuse the name precisely instead of a generic 404.
             add(prefix + "/models/{model:path}/load", self.load, ["POST"])
             add(prefix + "/models/{model:path}/unload", self.unload, ["POST"])
+            add(prefix + "/models/{model:path}/rollout", self.rollout, ["GET", "POST"])
         add("/v2/trace/setting", self.trace_setting, ["GET", "POST"])
         add("/v2/models/{model}/trace/setting", self.trace_setting, ["GET", "POST"])
         add("/v2/logging", self.logging, ["GET", "POST"])

@@ -110,6 +110,7 @@ def live_routes(
         }
         summary["alerts"] = alerts.to_json()["alerts"] if alerts is not None else []
         summary["history"] = _history_status(monitor)
+        summary["rollouts"] = server.rollouts.to_json()  # docs/rollouts.md
         return json_response(summary)
 
     async def to_page(request: Request) -> Response:

@@ -129,6 +129,26 @@ _SCHEMAS: dict[str, Any] = {
         },
     },
     "ModelControlRequest": {"type": "object", "properties": {"parameters": _PARAMETERS}},
+    # docs/rollouts.md: the config's rollout_* parameters without the prefix
+    "RolloutPolicy": {
+        "type": "object",
+        "properties": {
+            k: {"anyOf": [{"type": "string"}, {"type": "number"}]}
+            for k in (
+                "traffic_split",
+                "sticky_key",
+                "shadow",
+                "shadow_queue_size",
+                "canary",
+                "primary",
+                "steps",
+                "interval_secs",
+                "max_error_rate_delta",
+                "max_p99_ratio",
+                "min_requests",
+            )
+        },
+    },
     "Statistics": {
         "type": "object",
         "required": ["model_stats"],
@@ -268,6 +288,15 @@ def openapi_document() -> dict[str, Any]:
                 "ModelControlRequest",
             )
         }
+    paths["/v2/repository/models/{model}/rollout"] = {
+        "get": _op("Model rollout", {"200": _json({"type": "object"}), **_errors(404)}, m),
+        "post": _op(
+            "Replace the model's rollout policy",
+            {"200": _json({"type": "object"}), **_errors(400, 404)},
+            m,
+            "RolloutPolicy",
+        ),
+    }
     return {
         "openapi": "3.0.3",
         "info": {

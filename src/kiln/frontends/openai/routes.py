@@ -53,11 +53,12 @@ def _json(body: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status, media_type="application/json")
 
 
-def _llm(server: Server, name: str) -> EngineClient:
+def _llm(server: Server, name: str, body: dict[str, Any] | None = None) -> EngineClient:
     """The model's engine through core: an unknown or unloaded model is core's error (the
-    one infer gives), in OpenAI's shape."""
+    one infer gives), in OpenAI's shape. ``body``: a rollout's sticky key is one of its
+    fields (e.g. ``user``)."""
     try:
-        return server.llm_engine(name)
+        return server.llm_engine(name, parameters=body)
     except KilnError as exc:
         if exc.status is Status.NOT_FOUND:
             raise OpenAIError(str(exc), 404, param="model", code="model_not_found") from None
@@ -66,10 +67,12 @@ def _llm(server: Server, name: str) -> EngineClient:
         raise
 
 
-def _generator(server: Server, name: str, api: str) -> EngineClient:
+def _generator(
+    server: Server, name: str, api: str, body: dict[str, Any] | None = None
+) -> EngineClient:
     """A model that generates: one served with ``runner: pooling`` answers embeddings
     only, as vLLM's pooling runner does."""
-    llm = _llm(server, name)
+    llm = _llm(server, name, body)
     if llm.runner == "pooling":
         raise OpenAIError(
             f"The model '{name}' does not support {api} API: it is served with runner "
@@ -520,7 +523,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         body = await _received(request, slot, reader)
         req = completion_request(_with_model_defaults(server, body))
         _precheck_prompt(server, body)
-        llm = _generator(server, req.model, "Completions")
+        llm = _generator(server, req.model, "Completions", body)
         # OpenAI's default max_tokens for completions: 16
         prepared = await asyncio.to_thread(_prepare, llm, req, 16)
         return await _respond(llm, req, prepared, chat=False)
@@ -532,7 +535,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         messages = chat_messages(body)
         template = chat_template_options(body)
         model = body.get("model")
-        llm = _llm(server, model) if isinstance(model, str) else None
+        llm = _llm(server, model, body) if isinstance(model, str) else None
         calling = tools.tool_request(body, llm) if llm else None
         messages = tools.template_messages(messages)
         if calling is not None:  # transformers' ``tools=`` (the request's kwargs win)
@@ -541,7 +544,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         prompt = await asyncio.to_thread(_chat_prompt, llm, messages, template) if llm else ""
         req = chat_request(_with_model_defaults(server, body), messages, prompt, template)
         tools.apply(req, calling)
-        llm = _generator(server, req.model, "Chat Completions")
+        llm = _generator(server, req.model, "Chat Completions", body)
         prepared = await asyncio.to_thread(_prepare, llm, req, None)
         return await _respond(llm, req, prepared, chat=True)
 
