@@ -11,10 +11,10 @@ from typing import Any
 import click
 
 from kiln import __version__
-from kiln.cli_bench_openai import OPENAI_ONLY, check_flags, openai_options
-from kiln.cli_llm import ENGINE_FLAGS, llm_options, served_models
-from kiln.cli_security import build_security, security_options
-from kiln.optimize.cli import optimize_options
+from kiln.cli.bench_openai_options import OPENAI_ONLY, check_flags, openai_options
+from kiln.cli.llm_options import ENGINE_FLAGS, llm_options, served_models
+from kiln.cli.optimize import optimize_options
+from kiln.cli.security_options import build_security, security_options
 from kiln.security import DEFAULT_MAX_INPUT_BYTES
 
 
@@ -317,12 +317,12 @@ def serve(
 
     Security (API keys, restricted APIs, TLS, CORS, limits): see docs/security.md."""
     from kiln.core.settings import parse_trace_config
+    from kiln.launch import Endpoints
+    from kiln.launch import serve as run_server
     from kiln.metrics.app import MetricsOptions
     from kiln.metrics.config import MetricsConfig, MetricsConfigError
     from kiln.scheduling.cache import CacheConfig, CacheConfigError
     from kiln.scheduling.rate_limit import ResourceOverride
-    from kiln.serve import Endpoints
-    from kiln.serve import serve as run_server
     from kiln.server.server import ControlMode, ServerOptions
 
     logging.basicConfig(
@@ -392,7 +392,7 @@ def serve(
     metrics = MetricsOptions(
         parsed_metrics_config, metrics_interval_ms, allow_gpu_metrics, allow_cpu_metrics
     )
-    from kiln.metrics.cli_options import monitor_options
+    from kiln.cli.monitor_options import monitor_options
 
     monitor = monitor_options(
         http_port=http_port,
@@ -532,14 +532,14 @@ def bench(model: str | None, model_opt: str | None, json_path: str | None,
     openai_url = params.pop("openai_url")
     check_flags(ctx, openai=openai_url is not None)
     if openai_url is not None:
-        from kiln.bench.openai_cli import execute as execute_openai
+        from kiln.bench.openai_console import execute as execute_openai
 
         execute_openai({**params, "openai_url": openai_url, "model": model or model_opt,
                         "json_path": json_path})  # fmt: skip
         return
     for key in OPENAI_ONLY:
         params.pop(key)
-    from kiln.bench.cli import execute
+    from kiln.bench.console import execute
 
     name = model or model_opt
     if not name:
@@ -556,7 +556,7 @@ def optimize(**params: Any) -> None:
     (with --input-shape). Writes REPO/NAME/{config.pbtxt,1/model.onnx} and report.{json,md,html};
     exits 2 when no candidate meets the constraints.
     """
-    from kiln.optimize.cli import execute as run_optimize
+    from kiln.cli.optimize import execute as run_optimize
 
     run_optimize(params)
 

@@ -1,0 +1,5 @@
+"""The ``kiln`` command."""
+
+from kiln.cli.serve import main
+
+__all__ = ["main"]
