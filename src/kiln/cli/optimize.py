@@ -144,3 +144,17 @@ def execute(params: dict[str, Any]) -> None:
     serving = report["serving"]
     if serving["tuned"]:
         click.echo(f"serving config: {serving['chosen']['label']} ({serving['why']})")
+
+
+@click.command(context_settings={"show_default": True})
+@optimize_options
+def optimize(**params: Any) -> None:
+    """Build, check, profile and pick the fastest accurate deployment of MODEL.
+
+    MODEL is an ONNX file, a TorchScript file, or a PyTorch module:factory reference
+    (with --input-shape). Writes REPO/NAME/{config.pbtxt,1/model.onnx} and report.{json,md,html};
+    exits 2 when no candidate meets the constraints.
+    """
+    from kiln.cli.optimize import execute as run_optimize
+
+    run_optimize(params)
