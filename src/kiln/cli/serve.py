@@ -308,7 +308,7 @@ def serve(
     Security (API keys, restricted APIs, TLS, CORS, limits): see docs/security.md."""
     from kiln.core.settings import parse_trace_config
     from kiln.launch import Endpoints
-    from kiln.launch import serve as run_server
+    from kiln.launch import launch as run_server
     from kiln.metrics.app import MetricsOptions
     from kiln.metrics.config import MetricsConfig, MetricsConfigError
     from kiln.scheduling.cache import CacheConfig, CacheConfigError
