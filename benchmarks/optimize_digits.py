@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kiln import optimize
+from kiln.optimize import optimize
 from kiln.optimize.export import export
 from tests import digits
 

@@ -135,7 +135,7 @@ class KilnProcess:
 
 
 def _lost_a_port(log: str) -> bool:
-    """Whether kiln exited because one of its ports was taken (serve.py's messages)."""
+    """Whether kiln exited because one of its ports was taken (launch.py's messages)."""
     return (
         "a listener failed to start" in log
         or "cannot listen on" in log

@@ -118,7 +118,7 @@ def test_serving_config_is_tuned_through_the_scheduler(
 
 
 def test_no_tune_serving_keeps_the_plain_config(digits_files: DigitsFiles, tmp_path: Path) -> None:
-    from kiln import optimize
+    from kiln.optimize import optimize
 
     outcome = optimize(
         digits_files.mlp_onnx, digits_files.calibration, digits_files.validation,
@@ -131,7 +131,7 @@ def test_no_tune_serving_keeps_the_plain_config(digits_files: DigitsFiles, tmp_p
 
 
 def test_cnn_static_int8_within_budget(digits_files: DigitsFiles, tmp_path: Path) -> None:
-    from kiln import optimize
+    from kiln.optimize import optimize
 
     outcome = optimize(
         digits_files.cnn_onnx, digits_files.image_calibration, digits_files.image_validation,
@@ -159,7 +159,7 @@ def test_guard_rejects_badly_calibrated_int8(digits_files: DigitsFiles, tmp_path
     # and the guard must say by how much, while the FP32 candidates stay acceptable.
     tiny = tmp_path / "tiny.npy"
     np.save(tiny, np.load(digits_files.calibration) * 0.01)
-    from kiln import optimize
+    from kiln.optimize import optimize
 
     outcome = optimize(
         digits_files.mlp_onnx, tiny, digits_files.validation, tmp_path / "repo",

@@ -26,7 +26,7 @@ TRT_NAMES = {
 
 
 def _judged(digits_files: DigitsFiles, tmp_path: Path, names: set[str]) -> dict[str, dict]:
-    from kiln import optimize
+    from kiln.optimize import optimize
 
     outcome = optimize(
         digits_files.mlp_onnx, digits_files.calibration, digits_files.validation,
@@ -71,7 +71,7 @@ def test_tensorrt_candidates_are_built_and_judged(
 def test_tensorrt_candidate_is_served_as_a_plan(
     digits_files: DigitsFiles, tmp_path: Path, make_server: type[KilnProcess]
 ) -> None:
-    from kiln import optimize
+    from kiln.optimize import optimize
 
     repo = tmp_path / "repo"
     outcome = optimize(

@@ -59,7 +59,7 @@ def test_fp8_cache_refuses_the_float32_only_backend(llama: Path) -> None:
 
 
 def test_kv_cache_dtype_parameter_and_flag() -> None:
-    from kiln.cli_llm import ENGINE_FLAGS
+    from kiln.cli.llm_options import ENGINE_FLAGS
 
     assert _config({}).kv_cache_dtype == "auto"
     assert _config({"kv_cache_dtype": "FP8_E5M2"}).kv_cache_dtype == "fp8_e5m2"

@@ -128,7 +128,7 @@ def test_requested_quantization_must_match(int8: Path, base: Path) -> None:
 
 
 def test_quantization_parameter_and_flag() -> None:
-    from kiln.cli_llm import ENGINE_FLAGS
+    from kiln.cli.llm_options import ENGINE_FLAGS
 
     assert _config({}).quantization == "auto"
     assert _config({"quantization": "AWQ"}).quantization == "awq"

@@ -202,7 +202,7 @@ def _pbtxt(spec: str) -> EngineConfig:
 
 
 def test_config_pbtxt_parameter_and_cli_flag() -> None:
-    from kiln.cli_llm import served_models
+    from kiln.cli.llm_options import served_models
 
     spec = _pbtxt(NGRAM).speculative_config
     assert spec == SpeculativeConfig("ngram", 3, None, 4, 1)

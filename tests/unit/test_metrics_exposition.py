@@ -53,7 +53,7 @@ def simple_repo(example_repo: Path, tmp_path: Path) -> Path:
 async def _serve(repo: Path, config: MetricsConfig) -> tuple[Server, MetricsService]:
     server = Server(ServerOptions([repo]))
     service = MetricsService(server, MetricsOptions(config, allow_gpu=False))
-    service.start()  # binds the observer factory before models load, as serve.py does
+    service.start()  # binds the observer factory before models load, as launch.py does
     await server.start()
     return server, service
 

@@ -15,7 +15,7 @@ from google.protobuf import text_format
 
 pytest.importorskip("jsonschema")
 
-from kiln.cli_llm import served_models
+from kiln.cli.llm_options import served_models
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError
 from kiln.frontends.openai.protocol import OpenAIError

@@ -125,7 +125,7 @@ def test_arenas_hold_no_file_descriptors() -> None:
 def test_serve_raises_the_soft_open_files_limit_to_the_hard_one() -> None:
     import resource
 
-    from kiln.serve import raise_fd_limit
+    from kiln.launch import raise_fd_limit
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     lowered = min(soft, 256)

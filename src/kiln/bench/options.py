@@ -21,6 +21,15 @@ def require_plotting(plot: object) -> None:
         raise BenchError("--plot needs matplotlib: install kiln-serve[bench]") from None
 
 
+@dataclass(frozen=True)
+class Reports:
+    """Where a run's results go besides the table: ``--csv``, ``--json``, ``--plot``."""
+
+    csv: Path | None = None
+    json: Path | None = None
+    plot: Path | None = None
+
+
 class Protocol(enum.Enum):
     HTTP = "http"
     GRPC = "grpc"

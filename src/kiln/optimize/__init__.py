@@ -7,9 +7,7 @@ with a report. See docs/optimize.md.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from kiln.optimize.types import Objective, OptimizeError, OptimizeOptions
@@ -27,7 +25,10 @@ def optimize(
     output_repository: str | Path,
     **options: Any,
 ) -> Outcome:
-    """Python entry point of ``kiln optimize``; keyword options as in :class:`OptimizeOptions`."""
+    """Python entry point of ``kiln optimize``; keyword options as in :class:`OptimizeOptions`.
+
+    ``from kiln.optimize import optimize``: a function of the package (not the package made
+    callable), so ``kiln.optimize.*`` stays an ordinary package."""
     from kiln.optimize.pipeline import optimize as run
 
     return run(
@@ -39,13 +40,3 @@ def optimize(
             **options,
         )
     )
-
-
-class _CallableModule(ModuleType):
-    """Lets ``kiln.optimize(...)`` call the pipeline while ``kiln.optimize.*`` stays a package."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Outcome:
-        return optimize(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

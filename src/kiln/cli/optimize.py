@@ -1,14 +1,17 @@
-"""The ``kiln optimize`` command's options, parsed into :class:`OptimizeOptions`."""
+"""``kiln optimize``: its flags, parsed into :class:`OptimizeOptions`; the outcome printed."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from kiln.optimize.types import OptimizeError, OptimizeOptions
+from kiln.optimize.types import Objective, OptimizeError, OptimizeOptions
+
+if TYPE_CHECKING:
+    from kiln.optimize.pipeline import Outcome
 
 EXIT_UNMET = 2  # ran fine, but no candidate met the constraints
 
@@ -99,39 +102,62 @@ def optimize_options(f: Any) -> Any:
     return f
 
 
-def execute(params: dict[str, Any]) -> None:
+def _options(
+    *,
+    model: str,
+    calibration_data: str,
+    validation_data: str,
+    labels: str | None,
+    max_accuracy_drop: float,
+    latency_budget_ms: float | None,
+    objective: Objective,
+    batch_sizes: str,
+    device: str,
+    output_repository: Path,
+    name: str | None,
+    input_shapes: tuple[str, ...],
+    candidates: str,
+    profile_seconds: float,
+    profile_rounds: int,
+    threads: int,
+    keep_io_types: bool,
+    no_tune_serving: bool,
+    tune_seconds: float,
+    tune_concurrency: int | None,
+    no_progress: bool,
+) -> OptimizeOptions:
+    """The flags (one keyword each) as ``OptimizeOptions``; raises OptimizeError for a bad
+    --input-shape and click.BadParameter for bad --batch-sizes."""
     from kiln.optimize.export import parse_input_shape
-    from kiln.optimize.pipeline import optimize
 
-    try:
-        shapes = dict(parse_input_shape(s) for s in params["input_shapes"])
-        options = OptimizeOptions(
-            model=params["model"],
-            calibration_data=params["calibration_data"],
-            validation_data=params["validation_data"],
-            output_repository=params["output_repository"],
-            labels=params["labels"],
-            name=params["name"],
-            max_accuracy_drop=params["max_accuracy_drop"],
-            latency_budget_ms=params["latency_budget_ms"],
-            objective=params["objective"],
-            batch_sizes=_batch_sizes(params["batch_sizes"]),
-            device=params["device"],
-            input_shapes=shapes,
-            candidates=tuple(c.strip() for c in params["candidates"].split(",") if c.strip()),
-            profile_seconds=params["profile_seconds"],
-            profile_rounds=params["profile_rounds"],
-            threads=params["threads"],
-            progress=not params["no_progress"] and sys.stderr.isatty(),
-            keep_io_types=params["keep_io_types"],
-            tune_serving=not params["no_tune_serving"],
-            tune_seconds=params["tune_seconds"],
-            tune_concurrency=params["tune_concurrency"],
-        )
-        outcome = optimize(options)
-    except OptimizeError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+    shapes = dict(parse_input_shape(s) for s in input_shapes)
+    return OptimizeOptions(
+        model=model,
+        calibration_data=calibration_data,
+        validation_data=validation_data,
+        output_repository=output_repository,
+        labels=labels,
+        name=name,
+        max_accuracy_drop=max_accuracy_drop,
+        latency_budget_ms=latency_budget_ms,
+        objective=objective,
+        batch_sizes=_batch_sizes(batch_sizes),
+        device=device,
+        input_shapes=shapes,
+        candidates=tuple(c.strip() for c in candidates.split(",") if c.strip()),
+        profile_seconds=profile_seconds,
+        profile_rounds=profile_rounds,
+        threads=threads,
+        progress=not no_progress and sys.stderr.isatty(),
+        keep_io_types=keep_io_types,
+        tune_serving=not no_tune_serving,
+        tune_seconds=tune_seconds,
+        tune_concurrency=tune_concurrency,
+    )
+
+
+def _print_outcome(outcome: Outcome) -> None:
+    """The chosen candidate and where it was written; exit 2 when none met the constraints."""
     report = outcome.report
     click.echo(f"report: {outcome.model_dir / 'report.md'}")
     if outcome.chosen is None:
@@ -144,3 +170,22 @@ def execute(params: dict[str, Any]) -> None:
     serving = report["serving"]
     if serving["tuned"]:
         click.echo(f"serving config: {serving['chosen']['label']} ({serving['why']})")
+
+
+@click.command(context_settings={"show_default": True})
+@optimize_options
+def optimize(**params: Any) -> None:
+    """Build, check, profile and pick the fastest accurate deployment of MODEL.
+
+    MODEL is an ONNX file, a TorchScript file, or a PyTorch module:factory reference
+    (with --input-shape). Writes REPO/NAME/{config.pbtxt,1/model.onnx} and report.{json,md,html};
+    exits 2 when no candidate meets the constraints.
+    """
+    from kiln.optimize.pipeline import optimize as run
+
+    try:
+        outcome = run(_options(**params))
+    except OptimizeError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    _print_outcome(outcome)

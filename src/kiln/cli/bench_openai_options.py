@@ -1,7 +1,8 @@
 """The flags of ``kiln bench --openai URL`` (vLLM's ``bench serve`` names).
 
 Kept apart from ``kiln.bench`` so that ``kiln``'s command line loads without the load
-generator's imports (grpc, numpy); the run itself is ``kiln.bench.openai_cli.execute``.
+generator's imports (grpc, numpy); the run itself is
+``kiln.bench.openai_console.run_and_report``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Run kiln: HTTP, gRPC and metrics on one event loop, with graceful shutdown.
+"""Launch kiln's process (what ``kiln serve`` runs once its flags are parsed): the Server and
+its HTTP, gRPC and metrics listeners on one event loop, with graceful shutdown.
 
 On SIGTERM/SIGINT: readiness goes false, listeners stop accepting, in-flight requests
 finish (bounded by ``exit_timeout_secs``), models unload, and the process exits 0.
@@ -292,7 +293,8 @@ def raise_fd_limit() -> tuple[int, int]:
     return soft, target
 
 
-def serve(options: ServerOptions, endpoints: Endpoints) -> int:
+def launch(options: ServerOptions, endpoints: Endpoints) -> int:
+    """Run until SIGTERM/SIGINT; the process's exit status."""
     old, new = raise_fd_limit()
     if new != old:
         log.debug("open files limit raised from %d to %d", old, new)
