@@ -316,10 +316,10 @@ def serve(
     OpenAI's API and metrics.
 
     Security (API keys, restricted APIs, TLS, CORS, limits): see docs/security.md."""
+    from kiln.cache.config import CacheConfig, CacheConfigError
     from kiln.core.settings import parse_trace_config
     from kiln.metrics.app import MetricsOptions
     from kiln.metrics.config import MetricsConfig, MetricsConfigError
-    from kiln.scheduling.cache import CacheConfig, CacheConfigError
     from kiln.scheduling.rate_limit import ResourceOverride
     from kiln.serve import Endpoints
     from kiln.serve import serve as run_server

@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 from starlette.middleware.cors import CORSMiddleware
 
+from kiln.cache.config import CacheConfigError
 from kiln.frontends.http.access import AccessMiddleware
 from kiln.frontends.http.app import HttpFrontend
 from kiln.frontends.http.browser import BrowserGuard, BrowserGuardMiddleware
@@ -29,7 +30,6 @@ from kiln.frontends.http.unread_body import CloseUnreadBody
 from kiln.frontends.openai.routes import openai_routes
 from kiln.metrics.app import MetricsOptions, MetricsService, metrics_app
 from kiln.metrics.monitor import MonitorOptions, MonitorService
-from kiln.scheduling.cache import CacheConfigError
 from kiln.security import SecurityOptions
 from kiln.server.server import ControlMode, Server, ServerOptions
 

@@ -15,6 +15,8 @@ import numpy as np
 
 from kiln.backends.base import Backend, InstanceSpec, instance_specs, parameter
 from kiln.backends.registry import LLM_BACKENDS
+from kiln.cache import Cache
+from kiln.cache.keys import model_fingerprint, request_key
 from kiln.config.ensemble_graph import build_graph, is_ensemble
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.config.signature import ModelSignature
@@ -28,7 +30,6 @@ from kiln.core.types import DataType, InferenceRequest, InferenceResponse, Infer
 from kiln.llm.engine_client import EngineClient
 from kiln.repository.manager import ModelState, RuntimeFactory
 from kiln.scheduling.base import INLINE_MAX_US, Instance, Job, Scheduler
-from kiln.scheduling.cache import Cache, model_fingerprint, request_key
 from kiln.scheduling.direct import DirectScheduler
 from kiln.scheduling.dynamic import DynamicScheduler
 from kiln.scheduling.ensemble import (

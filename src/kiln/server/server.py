@@ -16,6 +16,8 @@ from typing import Any
 from kiln import __version__
 from kiln.backends import host
 from kiln.backends.registry import LLM_BACKENDS
+from kiln.cache import open_cache
+from kiln.cache.config import CacheConfig
 from kiln.config.loader import config_to_json
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.config.signature import check_request_limits
@@ -31,7 +33,6 @@ from kiln.llm.engine_client import EngineClient
 from kiln.repository.manager import RepositoryManager, check_model_name, decode_files
 from kiln.repository.poll import RepositoryPoller
 from kiln.repository.source import RepositoryError, RepositorySource
-from kiln.scheduling.cache import CacheConfig, open_cache
 from kiln.scheduling.rate_limit import RateLimiter, ResourceOverride
 from kiln.server.runtime import ModelRuntime, runtime_factory
 
