@@ -636,9 +636,9 @@ def monitor_live(
         except HistoryClientError as exc:
             raise click.ClickException(str(exc)) from None
         return
-    from kiln.metrics.fleet import FleetError, FleetOptions
     from kiln.metrics.fleet_cli import FleetView, run_fleet
-    from kiln.metrics.rules import AlertRulesError
+    from kiln.monitoring.fleet import FleetError, FleetOptions
+    from kiln.monitoring.rules import AlertRulesError
 
     try:
         view = FleetView(FleetOptions(agents, prometheus), url, list(alert_rules), api_key)
@@ -706,7 +706,8 @@ def monitor_compare(
 ) -> None:
     """Compare a metric over two time windows (e.g. the hour before and after a deployment):
     mean, p50, p99 and max per series, and the change."""
-    from kiln.metrics.compare import (
+    from kiln.metrics.history_cli import HistoryClientError
+    from kiln.monitoring.compare import (
         CompareError,
         compare,
         kiln_fetch,
@@ -715,7 +716,6 @@ def monitor_compare(
         prometheus_fetch,
         to_json,
     )
-    from kiln.metrics.history_cli import HistoryClientError
 
     if bool(url) == bool(prometheus):
         raise click.UsageError("give either a kiln server URL or --prometheus URL")

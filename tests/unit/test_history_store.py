@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.metrics.history import HistoryOptions, HistorySampler
-from kiln.metrics.history_query import HistoryQuery, HistoryQueryError, run_query
-from kiln.metrics.snapshot import Labels, Snapshot
+from kiln.monitoring.history import HistoryOptions, HistorySampler
+from kiln.monitoring.history_query import HistoryQuery, HistoryQueryError, run_query
+from kiln.monitoring.snapshot import Labels, Snapshot
 
 MLP: Labels = (("model", "mlp"), ("version", "1"))
 T0 = 1_700_000_000.0
@@ -177,7 +177,7 @@ def test_full_database_is_logged_and_sampling_goes_on(
     assert sampler.store.conn is not None
     pages = sampler.store.conn.execute("PRAGMA page_count").fetchone()[0]
     sampler.store.conn.execute(f"PRAGMA max_page_count = {pages}")  # the "disk" is full
-    with caplog.at_level(logging.ERROR, "kiln.metrics.history"):
+    with caplog.at_level(logging.ERROR, "kiln.monitoring.history"):
         sampler.sample_once()
         sampler.sample_once()
     assert "database or disk is full" in sampler.error and sampler.samples_written == 0
@@ -197,7 +197,7 @@ def test_unusable_path_disables_history_with_a_logged_error(
     blocker.write_bytes(b"this is not a folder nor a SQLite database" * 100)
     path = blocker / "h.db" if case == "parent is a file" else blocker
     sampler = HistorySampler(HistoryOptions(path, 1.0), Feed([]))
-    with caplog.at_level(logging.ERROR, "kiln.metrics.history"):
+    with caplog.at_level(logging.ERROR, "kiln.monitoring.history"):
         sampler.start()
     assert not sampler.available
     assert "history is disabled" in sampler.error

@@ -22,7 +22,7 @@ from typing import Any
 from kiln.metrics.dcgm import DcgmCollector
 from kiln.metrics.exposition import CONTENT_TYPE, render
 from kiln.metrics.gpu import load_nvml
-from kiln.metrics.sampler import TelemetrySampler
+from kiln.metrics.telemetry import TelemetrySampler
 
 log = logging.getLogger(__name__)
 FAKE_NVML_ENV = "KILN_FAKE_NVML"

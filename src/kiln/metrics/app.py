@@ -26,7 +26,7 @@ from kiln.metrics.gpu import GpuCollector
 from kiln.metrics.host import HostCollector
 from kiln.metrics.observer import RuntimeMetrics
 from kiln.metrics.readiness import ReadinessCollector
-from kiln.metrics.sampler import Sampled, TelemetrySampler
+from kiln.metrics.telemetry import Sampled, TelemetrySampler
 from kiln.server.server import Server
 
 

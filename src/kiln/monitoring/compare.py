@@ -32,7 +32,7 @@ class CompareError(ValueError):
 
 def _time(text: str, now: float) -> float:
     """HH:MM (today, local time), unix seconds, RFC 3339, ``now`` or ``now-<duration>``."""
-    from kiln.metrics.promql import parse_duration
+    from kiln.monitoring.promql import parse_duration
 
     text = text.strip()
     m = _CLOCK.match(text)

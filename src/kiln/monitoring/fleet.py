@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.metrics.dcgm import NAMES as DCGM_NAMES
 from kiln.metrics.dcgm import PROCESS_MEMORY
-from kiln.metrics.snapshot import Labels, Snapshot, labels_of
+from kiln.monitoring.snapshot import Labels, Snapshot, labels_of
 
 log = logging.getLogger(__name__)
 Series = dict[str, dict[Labels, float]]

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.metrics.promql_eval import histogram_quantile
-from kiln.metrics.snapshot import Labels, Snapshot
+from kiln.monitoring.promql_eval import histogram_quantile
+from kiln.monitoring.snapshot import Labels, Snapshot
 
 log = logging.getLogger(__name__)
 

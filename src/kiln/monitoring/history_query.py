@@ -25,8 +25,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from kiln.metrics.history import QUANTILES, STORED_METRICS, connect
-from kiln.metrics.snapshot import COUNTERS
+from kiln.monitoring.history import QUANTILES, STORED_METRICS, connect
+from kiln.monitoring.snapshot import COUNTERS
 
 MAX_POINTS = 11000  # per series, as Prometheus's range queries
 MAX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, as unix seconds

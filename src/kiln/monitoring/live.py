@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.metrics.fleet import fleet_figures
-from kiln.metrics.llm_live import llm_figures
-from kiln.metrics.promql_eval import histogram_quantile
-from kiln.metrics.snapshot import Labels, Snapshot
+from kiln.monitoring.fleet import fleet_figures
+from kiln.monitoring.llm_live import llm_figures
+from kiln.monitoring.promql_eval import histogram_quantile
+from kiln.monitoring.snapshot import Labels, Snapshot
 
 WINDOW_S = 10.0  # rates are over (about) the last 10 s, like a short Prometheus rate()
 MIN_INTERVAL_S = 0.5

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kiln.metrics.promql_eval import histogram_quantile
-from kiln.metrics.snapshot import Labels, Snapshot
+from kiln.monitoring.promql_eval import histogram_quantile
+from kiln.monitoring.snapshot import Labels, Snapshot
 
 _GAUGES = {
     "running": "vllm:num_requests_running",
