@@ -188,7 +188,7 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         )
     grpc_server = None
     if endpoints.allow_grpc:
-        from kiln.frontends.grpc.server import start_grpc
+        from kiln.frontends.grpc.listener import start_grpc
 
         try:
             grpc_server = await start_grpc(
