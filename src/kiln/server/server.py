@@ -21,6 +21,7 @@ from kiln.cache.config import CacheConfig
 from kiln.config.loader import config_to_json
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.config.signature import check_request_limits
+from kiln.core.activity import Activity
 from kiln.core.classification import classify, requested_count
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.limits import check_parameters
@@ -91,10 +92,13 @@ class Server:
         self.response_cache = open_cache(options.cache) if options.cache else None
         self._opened = False
         self.tracer = Tracer(options.trace, options.trace_otel)
+        # Requests in flight across every model, counted by the runtimes: a backend reads it
+        # to tell a lone request from a busy server (inline calls, busy-polling a worker).
+        self.activity = Activity()
         limiter = RateLimiter(options.rate_limit_resources) if options.rate_limit else None
         self.repository = RepositoryManager(
             options.model_repositories,
-            runtime_factory(self.response_cache, limiter, self.tracer),
+            runtime_factory(self.response_cache, limiter, self.tracer, self.activity),
             drain_timeout=options.exit_timeout_secs,
             auto_complete=options.auto_complete_config,
             served=options.served_models,
