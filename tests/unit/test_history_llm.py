@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.monitoring.history import HistoryOptions, HistorySampler
+from kiln.monitoring.history import HistoryOptions, HistoryRecorder
 from kiln.monitoring.history_query import HistoryQuery, catalog, run_query
 from kiln.monitoring.snapshot import Labels, Snapshot, labels_of
 
@@ -47,7 +47,7 @@ def _snapshot(i: int) -> Snapshot:
 
 @pytest.fixture
 def db(tmp_path: Path) -> Path:
-    sampler = HistorySampler(HistoryOptions(tmp_path / "h.db", 1.0), iter([]).__next__)
+    sampler = HistoryRecorder(HistoryOptions(tmp_path / "h.db", 1.0), iter([]).__next__)
     sampler.store.open()
     for i in range(11):
         sampler.source = lambda i=i: _snapshot(i)  # type: ignore[misc]

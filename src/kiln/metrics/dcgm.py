@@ -184,7 +184,7 @@ class DcgmCollector(GpuCollector):
             "Hostname": self.hostname,
         }
 
-    # -- sampling (the sampler thread) -----------------------------------------------------
+    # -- sampling (the poller thread) ------------------------------------------------------
 
     def _sample(self, dev: Device) -> None:
         nvml, read, v = self.nvml, self._read, {}

@@ -1,6 +1,6 @@
-"""Metrics history: an embedded SQLite store, written by a sampler thread.
+"""Metrics history: an embedded SQLite store, written by a recorder thread.
 
-Every ``--history-interval-secs`` the sampler takes a snapshot of the exported series
+Every ``--history-interval-secs`` the recorder takes a snapshot of the exported series
 (the same ones /metrics serves) and stores a chosen subset: raw counters (rates, mean
 latency, queue vs compute and batch size are derived at query time, so nothing is lost
 to a fixed window), gauges, and p50/p99 over the interval from kiln's latency histograms
@@ -116,7 +116,7 @@ def connect(path: Path) -> sqlite3.Connection:
 
 
 class HistoryStore:
-    """The writer side: one connection, used by the sampler thread only."""
+    """The writer side: one connection, used by the recorder thread only."""
 
     def __init__(self, options: HistoryOptions) -> None:
         self.options = options
@@ -223,7 +223,7 @@ class HistoryStore:
             self.conn = None
 
 
-class HistorySampler:
+class HistoryRecorder:
     def __init__(self, options: HistoryOptions, source: Callable[[], Snapshot]) -> None:
         self.options = options
         self.source = source

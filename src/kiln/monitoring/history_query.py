@@ -10,7 +10,7 @@ Each returned point ``[t, v]`` summarizes the samples in ``[t, t + step)``:
   Δqueue_us / Δsuccess, average batch = Δinference_count / Δexec_count, ...).
 
 Runs on a worker thread with its own read connection (WAL lets it read while the
-sampler writes).
+recorder writes).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A snapshot is taken from the same collectors that serve ``/metrics``, so history, alert
 rules and a Prometheus scrape see exactly the same names, labels and values. It is taken
-on a background thread (history sampler, alert evaluator), never on the event loop.
+on a background thread (history recorder, alert evaluator), never on the event loop.
 """
 
 from __future__ import annotations
