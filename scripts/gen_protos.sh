@@ -9,7 +9,7 @@ PYTHON="${PYTHON:-.venv/bin/python}"
 
 find src/kiln -name '*.proto' -print0 | sort -z | while IFS= read -r -d '' proto; do
     # No --grpc_python_out: the services are registered from the descriptors under their
-    # public wire names (frontends/grpc/wire.py), so *_pb2_grpc.py stubs would go unused.
+    # public wire names (frontends/grpc/services.py), so *_pb2_grpc.py stubs would go unused.
     args=(-I src --python_out=src --pyi_out=src)
     echo "protoc ${proto}"
     "$PYTHON" -m grpc_tools.protoc "${args[@]}" "$proto"

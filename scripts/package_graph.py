@@ -14,13 +14,16 @@ cycles (strongly connected components of more than one package), each with one i
 as evidence. A cycle between a package and its own subpackages only (``llm`` and ``llm.models``:
 the models use the package's layers, its runner uses the models) is an import between modules
 of one package, as import-linter's layers see it: it is printed, and fails only with --strict.
+An import that pyproject.toml's import-linter contracts ignore (``ignore_imports``) is no edge.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import fnmatch
 import sys
+import tomllib
 from collections import defaultdict
 from pathlib import Path
 
@@ -80,8 +83,24 @@ def imported_modules(module: str, path: Path, index: dict[str, Path], root: str)
     return found
 
 
+def ignored_imports(pyproject: Path) -> list[tuple[str, str]]:
+    """The ``ignore_imports`` of the import-linter contracts (``"a.b -> c.**"``), as
+    (importer, imported) glob pairs: an import the contract lets through is no edge here
+    either, so both checks agree."""
+    if not pyproject.is_file():
+        return []
+    config = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    contracts = config.get("tool", {}).get("importlinter", {}).get("contracts", [])
+    pairs = []
+    for contract in contracts:
+        for line in contract.get("ignore_imports", []):
+            importer, _, imported = line.partition("->")
+            pairs.append(tuple(p.strip().replace("**", "*") for p in (importer, imported)))
+    return pairs  # type: ignore[return-value]
+
+
 def build_graph(
-    src: Path, root: str
+    src: Path, root: str, ignore: list[tuple[str, str]] | None = None
 ) -> tuple[dict[str, set[str]], dict[tuple[str, str], tuple[str, str]]]:
     index = module_index(src, root)
     graph: dict[str, set[str]] = defaultdict(set)
@@ -90,6 +109,11 @@ def build_graph(
         a = node_of(module, index, root)
         graph[a]
         for target in imported_modules(module, path, index, root):
+            if any(
+                fnmatch.fnmatchcase(module, a) and fnmatch.fnmatchcase(target, b)
+                for a, b in ignore or ()
+            ):
+                continue
             b = node_of(target, index, root)
             graph[b]
             if a == b:
@@ -159,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="print only the cycles")
     args = parser.parse_args(argv)
 
-    graph, evidence = build_graph(args.src, args.root)
+    graph, evidence = build_graph(
+        args.src, args.root, ignored_imports(args.src.resolve().parent / "pyproject.toml")
+    )
     components = strongly_connected(graph)
     strip = len(args.root) + 1
 

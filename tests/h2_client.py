@@ -21,7 +21,7 @@ from kiln.frontends.grpc.h2.calls import Route
 from kiln.frontends.grpc.h2.connection import Limits
 from kiln.frontends.grpc.h2.dispatch import Dispatcher
 from kiln.frontends.grpc.h2.hpack import Decoder, Header, encode
-from kiln.frontends.grpc.h2.server import H2GrpcServer
+from kiln.frontends.grpc.h2.transport import H2GrpcServer
 
 SERVER_LIVE = "/inference.GRPCInferenceService/ServerLive"
 

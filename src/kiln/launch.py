@@ -19,18 +19,18 @@ from typing import Any
 import uvicorn
 from starlette.middleware.cors import CORSMiddleware
 
+from kiln.cache.config import CacheConfigError
 from kiln.frontends.http.access import AccessMiddleware
 from kiln.frontends.http.app import HttpFrontend
 from kiln.frontends.http.browser import BrowserGuard, BrowserGuardMiddleware
 from kiln.frontends.http.fast_protocol import fast_infer_protocol
-from kiln.frontends.http.live_routes import live_routes
-from kiln.frontends.http.monitor_routes import monitor_routes
 from kiln.frontends.http.slow_clients import header_timeout_protocol
 from kiln.frontends.http.unread_body import CloseUnreadBody
 from kiln.frontends.openai.routes import openai_routes
 from kiln.metrics.app import MetricsOptions, MetricsService, metrics_app
-from kiln.metrics.monitor import MonitorOptions, MonitorService
-from kiln.scheduling.cache import CacheConfigError
+from kiln.monitoring.live_routes import live_routes
+from kiln.monitoring.routes import monitor_routes
+from kiln.monitoring.service import MonitorOptions, MonitorService
 from kiln.security import SecurityOptions
 from kiln.server.server import ControlMode, Server, ServerOptions
 
@@ -191,7 +191,7 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         )
     grpc_server = None
     if endpoints.allow_grpc:
-        from kiln.frontends.grpc.server import start_grpc
+        from kiln.frontends.grpc.listener import start_grpc
 
         try:
             grpc_server = await start_grpc(

@@ -186,9 +186,9 @@ def test_a_decoupled_model_is_streamed(server: KilnProcess, tmp_path: Path) -> N
 
 
 async def test_a_streamed_request_ends_at_its_final_response(server: KilnProcess) -> None:
+    from kiln.bench.bodies import Placement, grpc_request
     from kiln.bench.inputs import ModelSpec, TensorSpec
     from kiln.bench.transport import GrpcStreamSlot
-    from kiln.bench.wire import Placement, grpc_request
 
     spec = ModelSpec("repeat_int32", "", [TensorSpec("IN", "INT32", [-1])], decoupled=True)
     request = grpc_request(spec, {"IN": np.arange(4, dtype=np.int32)}, Placement(),

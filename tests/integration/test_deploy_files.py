@@ -15,13 +15,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.metrics.gpu import FAMILIES as GPU_FAMILIES
-from kiln.metrics.snapshot import KNOWN_METRICS
+from kiln.monitoring.snapshot import KNOWN_METRICS
 from tests.conftest import KilnProcess
 from tests.integration.monitor_helpers import infer_simple
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-DEFAULT_RULES = ROOT / "src" / "kiln" / "metrics" / "default_rules.yaml"
+DEFAULT_RULES = ROOT / "src" / "kiln" / "monitoring" / "default_rules.yaml"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 GPU_NAMES = {name for _, name, _, _ in GPU_FAMILIES} | {"kiln_gpu_clock_event_active"}
 KEYWORDS = {"by", "without", "and", "or", "unless", "on", "ignoring", "bool", "offset"}

@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 from kiln.examples import EXAMPLE_MODELS
 from kiln.frontends.grpc import grpc_service_pb2 as pb
 from kiln.frontends.grpc import health_pb2
-from kiln.frontends.grpc.wire import health_stub, inference_stub
+from kiln.frontends.grpc.services import health_stub, inference_stub
 from tests.conftest import KilnProcess
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

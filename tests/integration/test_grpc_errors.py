@@ -13,7 +13,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from kiln.frontends.grpc import grpc_service_pb2 as pb
-from kiln.frontends.grpc.wire import inference_stub
+from kiln.frontends.grpc.services import inference_stub
 from tests.conftest import KilnProcess
 
 DATA = np.arange(16, dtype=np.int32).reshape(1, 16)

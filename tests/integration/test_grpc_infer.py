@@ -16,7 +16,7 @@ import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
 from kiln.frontends.grpc import grpc_service_pb2 as pb
-from kiln.frontends.grpc.wire import inference_stub
+from kiln.frontends.grpc.services import inference_stub
 from tests.conftest import KilnProcess
 
 RNG = np.random.default_rng(3)

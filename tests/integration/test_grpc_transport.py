@@ -27,7 +27,7 @@ from onnx import TensorProto
 from tritonclient.utils import InferenceServerException
 
 from kiln.frontends.grpc import grpc_service_pb2 as pb
-from kiln.frontends.grpc.wire import health_stub, inference_stub
+from kiln.frontends.grpc.services import health_stub, inference_stub
 from tests.conftest import KilnProcess
 from tests.onnx_models import identity_model, write_slow_model
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kiln.metrics.compare import compare, kiln_fetch
+from kiln.monitoring.compare import compare, kiln_fetch
 from tests.conftest import KilnProcess
 from tests.fake_nvml import fake_gpu
 from tests.integration.agent_helpers import AgentProcess

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from kiln.frontends.grpc import grpc_service_pb2 as pb
-from kiln.frontends.grpc.wire import inference_stub
+from kiln.frontends.grpc.services import inference_stub
 from tests.conftest import KilnProcess
 
 DATA = np.arange(16, dtype=np.int32)

@@ -357,7 +357,7 @@ class TestIdleConnection:
 class TestMessageSizeDefault:
     def test_grpc_default_is_the_http_default(self) -> None:
         from kiln.cli.serve import serve
-        from kiln.frontends.grpc.server import MAX_MESSAGE_BYTES
+        from kiln.frontends.grpc.listener import MAX_MESSAGE_BYTES
 
         defaults = {p.name: p.default for p in serve.params if isinstance(p, click.Option)}
         assert defaults["grpc_max_message_bytes"] == defaults["http_max_input_size"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.metrics.alerts import AlertEvaluator, render_template
-from kiln.metrics.notify import Notifier, WebhookOptions
-from kiln.metrics.rules import parse_rules
-from kiln.metrics.snapshot import Labels, Snapshot
+from kiln.monitoring.alerts import AlertEvaluator, render_template
+from kiln.monitoring.notify import Notifier, WebhookOptions
+from kiln.monitoring.rules import parse_rules
+from kiln.monitoring.snapshot import Labels, Snapshot
 
 RULES = """\
 groups:

@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from kiln.metrics.promql import ExprError, parse, parse_duration
-from kiln.metrics.promql_eval import evaluate, histogram_quantile
-from kiln.metrics.rules import default_rules
-from kiln.metrics.snapshot import Labels, Snapshot
+from kiln.monitoring.promql import ExprError, parse, parse_duration
+from kiln.monitoring.promql_eval import evaluate, histogram_quantile
+from kiln.monitoring.rules import default_rules
+from kiln.monitoring.snapshot import Labels, Snapshot
 
 MLP: Labels = (("model", "mlp"), ("version", "1"))
 CNN: Labels = (("model", "cnn"), ("version", "1"))

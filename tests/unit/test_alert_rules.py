@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.metrics.rules import AlertRulesError, default_rules, load_rules, parse_rules
+from kiln.monitoring.rules import AlertRulesError, default_rules, load_rules, parse_rules
 
 GOOD = """\
 groups:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kiln.bench.bodies import json_data, raw_bytes
 from kiln.bench.control import StatsSnapshot
 from kiln.bench.inputs import (
     DTYPES,
@@ -25,7 +26,6 @@ from kiln.bench.options import BenchError, BenchOptions, parse_range, parse_shap
 from kiln.bench.report import CSV_COLUMNS, csv_rows, write_csv, write_json
 from kiln.bench.runner import BenchResult
 from kiln.bench.stats import Window, is_stable, percentile, summarize, within
-from kiln.bench.wire import json_data, raw_bytes
 
 
 @pytest.mark.parametrize(
@@ -174,8 +174,8 @@ def test_sequence_requests_mark_start_and_end_and_cycle_the_data() -> None:
     """perf_analyzer's sequences: one id per client, START on the first request and END
     on the last (both on a sequence of one), the data entries in turn; identical requests
     are encoded once."""
+    from kiln.bench.bodies import Placement, grpc_request, http_body
     from kiln.bench.runner import sequence_requests
-    from kiln.bench.wire import Placement, grpc_request, http_body
     from kiln.frontends.grpc import grpc_service_pb2 as pb
 
     calls: list[tuple[object, object]] = []  # (entry's x, parameters) per encoding

@@ -13,7 +13,7 @@ from tritonclient.grpc import service_pb2 as triton_pb2
 
 from kiln.config import model_config_pb2
 from kiln.frontends.grpc import grpc_service_pb2, health_pb2
-from kiln.frontends.grpc.wire import HEALTH_DESCRIPTOR, INFERENCE_DESCRIPTOR, INFERENCE_SERVICE
+from kiln.frontends.grpc.services import HEALTH_DESCRIPTOR, INFERENCE_DESCRIPTOR, INFERENCE_SERVICE
 
 
 def _shape(field: FieldDescriptor) -> tuple[Any, ...]:

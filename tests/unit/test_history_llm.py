@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.metrics.history import HistoryOptions, HistorySampler
-from kiln.metrics.history_query import HistoryQuery, catalog, run_query
-from kiln.metrics.snapshot import Labels, Snapshot, labels_of
+from kiln.monitoring.history import HistoryOptions, HistoryRecorder
+from kiln.monitoring.history_query import HistoryQuery, catalog, run_query
+from kiln.monitoring.snapshot import Labels, Snapshot, labels_of
 
 T0 = 1_700_000_000.0
 TINY: Labels = labels_of({"model_name": "tiny"})
@@ -47,7 +47,7 @@ def _snapshot(i: int) -> Snapshot:
 
 @pytest.fixture
 def db(tmp_path: Path) -> Path:
-    sampler = HistorySampler(HistoryOptions(tmp_path / "h.db", 1.0), iter([]).__next__)
+    sampler = HistoryRecorder(HistoryOptions(tmp_path / "h.db", 1.0), iter([]).__next__)
     sampler.store.open()
     for i in range(11):
         sampler.source = lambda i=i: _snapshot(i)  # type: ignore[misc]

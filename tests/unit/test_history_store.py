@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.metrics.history import HistoryOptions, HistorySampler
-from kiln.metrics.history_query import HistoryQuery, HistoryQueryError, run_query
-from kiln.metrics.snapshot import Labels, Snapshot
+from kiln.monitoring.history import HistoryOptions, HistoryRecorder
+from kiln.monitoring.history_query import HistoryQuery, HistoryQueryError, run_query
+from kiln.monitoring.snapshot import Labels, Snapshot
 
 MLP: Labels = (("model", "mlp"), ("version", "1"))
 T0 = 1_700_000_000.0
@@ -47,9 +47,9 @@ class Feed:
         return next(self.snaps)
 
 
-def _sampler(tmp_path: Path, snaps: list[Snapshot], **kw: float) -> HistorySampler:
+def _sampler(tmp_path: Path, snaps: list[Snapshot], **kw: float) -> HistoryRecorder:
     options = HistoryOptions(tmp_path / "h.db", 1.0, **kw)  # type: ignore[arg-type]
-    sampler = HistorySampler(options, Feed(snaps))
+    sampler = HistoryRecorder(options, Feed(snaps))
     sampler.store.open()
     for _ in snaps:
         sampler.sample_once()
@@ -170,14 +170,14 @@ def test_full_database_is_logged_and_sampling_goes_on(
             T0 + i, {"nv_cpu_utilization": {(("n", f"{i}-{k}"),): 0.5 for k in range(2000)}}
         )
 
-    sampler = HistorySampler(
+    sampler = HistoryRecorder(
         HistoryOptions(tmp_path / "h.db", 1.0), Feed([wide(i) for i in range(3)])
     )
     sampler.store.open()
     assert sampler.store.conn is not None
     pages = sampler.store.conn.execute("PRAGMA page_count").fetchone()[0]
     sampler.store.conn.execute(f"PRAGMA max_page_count = {pages}")  # the "disk" is full
-    with caplog.at_level(logging.ERROR, "kiln.metrics.history"):
+    with caplog.at_level(logging.ERROR, "kiln.monitoring.history"):
         sampler.sample_once()
         sampler.sample_once()
     assert "database or disk is full" in sampler.error and sampler.samples_written == 0
@@ -196,8 +196,8 @@ def test_unusable_path_disables_history_with_a_logged_error(
     blocker = tmp_path / "blocker"
     blocker.write_bytes(b"this is not a folder nor a SQLite database" * 100)
     path = blocker / "h.db" if case == "parent is a file" else blocker
-    sampler = HistorySampler(HistoryOptions(path, 1.0), Feed([]))
-    with caplog.at_level(logging.ERROR, "kiln.metrics.history"):
+    sampler = HistoryRecorder(HistoryOptions(path, 1.0), Feed([]))
+    with caplog.at_level(logging.ERROR, "kiln.monitoring.history"):
         sampler.start()
     assert not sampler.available
     assert "history is disabled" in sampler.error

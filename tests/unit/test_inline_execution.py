@@ -61,25 +61,22 @@ async def test_short_calls_run_inline_after_the_first() -> None:
         instance.close()
 
 
-async def test_a_backend_inline_only_alone_goes_to_its_thread_under_load(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_backend_inline_only_alone_goes_to_its_thread_under_load() -> None:
     """``inline_only_alone`` (the PyTorch backend): a short call runs inline while its
     request is the only one in flight in the server, and on the instance's thread when
     others are, where it overlaps the loop's work."""
-    from kiln.core import activity
-
     backend = Spin()
+    activity = backend.activity  # the server's, once a runtime sets it
     backend.inline_only_alone = True
     instance = Instance(backend, "m", inline_max_us=50_000)
     loop_thread = threading.get_ident()
     try:
-        monkeypatch.setattr(activity, "inflight", 1)
+        activity.inflight = 1
         await _call(instance, 1.0)  # the first call measures on the thread
         await _call(instance, 2.0)
-        monkeypatch.setattr(activity, "inflight", 3)
+        activity.inflight = 3
         await _call(instance, 3.0)
-        monkeypatch.setattr(activity, "inflight", 1)
+        activity.inflight = 1
         await _call(instance, 4.0)
         assert backend.threads[1] == loop_thread and backend.threads[3] == loop_thread
         assert backend.threads[2] != loop_thread

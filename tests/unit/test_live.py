@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.metrics.live import LiveTracker, gpu_figures, host_figures, model_figures
-from kiln.metrics.snapshot import Labels, Snapshot, labels_of
+from kiln.monitoring.live import LiveTracker, gpu_figures, host_figures, model_figures
+from kiln.monitoring.snapshot import Labels, Snapshot, labels_of
 
 MLP = labels_of({"model": "mlp", "version": "1"})
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.metrics.live import LiveTracker
-from kiln.metrics.llm_live import llm_figures
-from kiln.metrics.snapshot import Labels, Snapshot, labels_of
+from kiln.monitoring.live import LiveTracker
+from kiln.monitoring.llm_live import llm_figures
+from kiln.monitoring.snapshot import Labels, Snapshot, labels_of
 
 TTFT = "vllm:time_to_first_token_seconds_bucket"
 ITL = "vllm:inter_token_latency_seconds_bucket"

@@ -10,7 +10,7 @@ import io
 import pytest
 from rich.console import Console
 
-from kiln.metrics.live_cli import LLM_COLUMNS, MODEL_COLUMNS, frame
+from kiln.monitoring.live_cli import LLM_COLUMNS, MODEL_COLUMNS, frame
 
 LONG = "resnet50_imagenet_classification_int8"
 UUID = "GPU-5f3c8a2e-91d4-4c6b-a7e0-3b2d1f9e8c71"

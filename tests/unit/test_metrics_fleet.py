@@ -14,8 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from rich.console import Console
 
-from kiln.metrics.compare import CompareError, compare, parse_window, quantile, stats
-from kiln.metrics.fleet import (
+from kiln.monitoring.fleet_cli import fleet_table
+from kiln.monitoring.compare import CompareError, compare, parse_window, quantile, stats
+from kiln.monitoring.fleet import (
     FleetError,
     FleetOptions,
     FleetScraper,
@@ -23,8 +24,7 @@ from kiln.metrics.fleet import (
     parse_exposition,
     target_url,
 )
-from kiln.metrics.fleet_cli import fleet_table
-from kiln.metrics.snapshot import Snapshot
+from kiln.monitoring.snapshot import Snapshot
 
 KILN_METRICS = """\
 # TYPE nv_gpu_utilization gauge

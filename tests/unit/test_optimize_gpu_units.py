@@ -15,8 +15,8 @@ from kiln.config.loader import parse_config_text
 from kiln.examples.models import build_mlp
 from kiln.optimize import gpu
 from kiln.optimize.deploy import config_text
-from kiln.optimize.engine import profile_shapes
 from kiln.optimize.precision import build_fp16
+from kiln.optimize.trt_engine import profile_shapes
 from kiln.optimize.types import Candidate
 from tests.conftest import DigitsFiles
 

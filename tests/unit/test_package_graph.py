@@ -63,6 +63,32 @@ def test_a_cycle_between_packages_fails_and_names_the_imports(
     assert "b -> a: pkg.b.n imports pkg.a.m" in out
 
 
+def test_an_import_the_contract_ignores_is_no_edge(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pyproject.toml's import-linter ``ignore_imports`` (next to src/) drop the same imports
+    here, so the cycle check and lint-imports agree."""
+    src = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a/__init__.py": "",
+            "pkg/a/m.py": "from pkg.b.n import Y\n",
+            "pkg/b/__init__.py": "",
+            "pkg/b/n.py": "Y = 1\n",
+            "pkg/b/view.py": "from pkg.a import m\n",
+        },
+    )
+    (tmp_path / "pyproject.toml").write_text(
+        '[[tool.importlinter.contracts]]\nname = "layers"\n'
+        'ignore_imports = ["pkg.b.view -> pkg.a.**"]\n'
+    )
+    assert package_graph.main(["--src", str(src), "--root", "pkg"]) == 0
+    out = capsys.readouterr().out
+    assert "no cycles between packages" in out
+    assert " b                    -> -" in out
+
+
 def test_a_package_and_its_subpackage_fail_only_when_strict(tmp_path: Path) -> None:
     src = _tree(
         tmp_path,

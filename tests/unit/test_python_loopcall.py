@@ -345,14 +345,13 @@ async def test_a_lone_request_is_answered_by_busy_polling(tmp_path: Path) -> Non
 
 
 async def test_no_busy_polling_when_off_or_not_alone(tmp_path: Path) -> None:
-    from kiln.core import activity
-
     off = _instance(tmp_path / "off", busy_poll_us="0")
     on = _instance(tmp_path / "on", busy_poll_us="50000")
     try:
         assert (await _run(off, [_job(1)]))[0]["OUT"].tolist() == [[2, 2]]
         assert isinstance(off.backend, PythonBackend) and off.backend.busy_polled_calls == 0
         # Another request in flight in the server: the loop has other work, it must not spin.
+        activity = on.backend.activity
         activity.inflight += 2
         try:
             assert (await _run(on, [_job(2)]))[0]["OUT"].tolist() == [[4, 4]]
@@ -600,10 +599,11 @@ async def test_a_lone_request_s_bls_call_is_a_lone_request_too(
     the count is whole again after the call, and the loop then polls for the worker's
     answer instead of sleeping until the pipe wakes it."""
     from kiln.backends import host
-    from kiln.core import activity
+    from kiln.core.activity import Activity
     from kiln.core.types import DataType, InferenceResponse, InferOutput
 
     alone: list[tuple[bool, int]] = []
+    activity = Activity()  # the server's, shared by the caller's and the callee's runtimes
 
     async def infer(request: Any) -> Any:
         activity.inflight += 1  # as the runtime counts the callee's request
@@ -617,6 +617,7 @@ async def test_a_lone_request_s_bls_call_is_a_lone_request_too(
             activity.inflight -= 1
 
     backend = PythonBackend(parse_config_text(CONFIG), _model(tmp_path, BLS_ECHO), SPEC)
+    backend.activity = activity  # as its runtime sets it
     instance = Instance(backend, "double")
     polled: list[int] = []
     poll = WorkerPipe.poll_after_answer
@@ -626,7 +627,7 @@ async def test_a_lone_request_s_bls_call_is_a_lone_request_too(
         poll(self, budget_ns)
 
     monkeypatch.setattr(WorkerPipe, "poll_after_answer", watched)
-    monkeypatch.setattr(activity, "inflight", 1)  # the caller's own request
+    activity.inflight = 1  # the caller's own request
     host.install(infer, asyncio.get_running_loop())
     try:
         (out,) = await asyncio.wait_for(_run(instance, [_job(3)]), 30)
@@ -927,8 +928,9 @@ async def test_a_batch_sent_to_a_worker_that_died_idle_runs_on_its_successor(
 async def test_the_server_counts_its_requests_in_flight_for_busy_polling(tmp_path: Path) -> None:
     """Through a loaded model (``ModelRuntime.infer``): a lone request busy-polls; of a
     burst, the ones that overlap others do not (were requests not counted, all would);
-    the count returns to zero, also after a refused request."""
-    from kiln.core import activity
+    the count returns to zero, also after a refused request. The count is the one the
+    server owns and gives the runtimes it builds (``runtime_factory``), not a global."""
+    from kiln.core.activity import Activity
     from kiln.core.types import DataType, InferenceRequest, InferInput
     from kiln.repository.manager import RepositoryManager
     from kiln.server.runtime import runtime_factory
@@ -937,12 +939,14 @@ async def test_the_server_counts_its_requests_in_flight_for_busy_polling(tmp_pat
     (tmp_path / "double" / "config.pbtxt").write_text(
         CONFIG + 'parameters { key: "busy_poll_us" value { string_value: "50000" } }'
     )
-    manager = RepositoryManager([tmp_path], runtime_factory())
+    activity = Activity()
+    manager = RepositoryManager([tmp_path], runtime_factory(activity=activity))
     await manager.load("double")
     try:
         runtime = manager.get("double")
         assert runtime.scheduler is not None
         backend = _backend(runtime.scheduler.instances[0])
+        assert runtime.activity is activity and backend.activity is activity
 
         def request(value: float, width: int = 2) -> InferenceRequest:
             data = np.full((1, width), value, np.float32)

@@ -8,10 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kiln.cache.config import CacheConfig, CacheConfigError, RedisSettings
+from kiln.cache.keys import model_fingerprint
+from kiln.cache.redis import MAGIC, decode, encode
 from kiln.config.loader import parse_config_text
 from kiln.core.types import DataType, InferOutput
-from kiln.scheduling.cache import CacheConfig, CacheConfigError, RedisSettings, model_fingerprint
-from kiln.scheduling.redis_cache import MAGIC, decode, encode
 
 
 def test_tritons_redis_flags_parse_into_settings() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kiln.scheduling.resp import RespClient, RespError, _Connection, _parse
+from kiln.cache.resp import RespClient, RespError, _Connection, _parse
 
 
 class FakeTransport:

@@ -7,8 +7,10 @@ import threading
 import numpy as np
 import pytest
 
+from kiln.cache.config import CacheConfig, CacheConfigError
+from kiln.cache.keys import request_key
+from kiln.cache.local import ResponseCache
 from kiln.core.types import DataType, InferenceRequest, InferInput, InferOutput, RequestedOutput
-from kiln.scheduling.cache import CacheConfig, CacheConfigError, ResponseCache, request_key
 
 
 def out(n_floats: int, value: float = 1.0, name: str = "OUT") -> InferOutput:

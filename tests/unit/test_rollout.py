@@ -237,10 +237,10 @@ def test_shadow_queue_drops_when_full_copies_inputs_and_keeps_outputs() -> None:
 
 
 def test_guard_rolls_back_when_an_alert_fires_for_the_canary() -> None:
-    from kiln.metrics.alerts import AlertEvaluator
-    from kiln.metrics.notify import Notifier, WebhookOptions
-    from kiln.metrics.rules import parse_rules
-    from kiln.metrics.snapshot import Snapshot
+    from kiln.monitoring.alerts import AlertEvaluator
+    from kiln.monitoring.notify import Notifier, WebhookOptions
+    from kiln.monitoring.rules import parse_rules
+    from kiln.monitoring.snapshot import Snapshot
 
     rules = parse_rules(
         "groups:\n  - name: g\n    rules:\n      - alert: CanaryFails\n"

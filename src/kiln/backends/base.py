@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 
 from kiln.config.model_config_pb2 import ModelConfig, ModelInstanceGroup
+from kiln.core.activity import Activity
 from kiln.core.errors import KilnError, Status
 
 if TYPE_CHECKING:
@@ -151,6 +152,9 @@ class Backend(ABC):
         self.config = config
         self.version_dir = version_dir
         self.instance = instance
+        #: the server's in-flight request count, set by the runtime with ``model_stats``
+        #: (until then, as for a backend no server runs, one of its own: always alone)
+        self.activity = Activity()
 
     @classmethod
     def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kiln.bench.bodies import Placement, grpc_request, http_body
 from kiln.bench.control import Control
 from kiln.bench.inputs import ModelSpec, generate, load_file, request_shapes
 from kiln.bench.measure import Plan, Recorder, Slot, arrival_gaps, closed_loop, open_loop
@@ -23,7 +24,6 @@ from kiln.bench.transport import (
     HttpSlot,
     http_request,
 )
-from kiln.bench.wire import Placement, grpc_request, http_body
 
 
 class Progress(Protocol):

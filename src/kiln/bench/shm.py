@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.bench.bodies import Placement, ShmSlot, raw_bytes
 from kiln.bench.inputs import ModelSpec
-from kiln.bench.wire import Placement, ShmSlot, raw_bytes
 
 SHM_ROOT = Path("/dev/shm")
 _ITEM_BYTES = {"BOOL": 1, "UINT8": 1, "INT8": 1, "UINT16": 2, "INT16": 2, "FP16": 2,

@@ -72,8 +72,8 @@ def monitor_live(
 ) -> None:
     """Live view of a server (GET URL/api/live) and/or of GPU agents: rates, latency,
     resources, every host's GPUs, alerts."""
-    from kiln.metrics.history_cli import HistoryClientError
-    from kiln.metrics.live_cli import run_live
+    from kiln.monitoring.history_cli import HistoryClientError
+    from kiln.monitoring.live_cli import run_live
 
     if not (agents or prometheus):
         if url is None:
@@ -83,9 +83,9 @@ def monitor_live(
         except HistoryClientError as exc:
             raise click.ClickException(str(exc)) from None
         return
-    from kiln.metrics.fleet import FleetError, FleetOptions
-    from kiln.metrics.fleet_cli import FleetView, run_fleet
-    from kiln.metrics.rules import AlertRulesError
+    from kiln.monitoring.fleet_cli import FleetView, run_fleet
+    from kiln.monitoring.fleet import FleetError, FleetOptions
+    from kiln.monitoring.rules import AlertRulesError
 
     try:
         view = FleetView(FleetOptions(agents, prometheus), url, list(alert_rules), api_key)
@@ -121,7 +121,7 @@ def monitor_history(
     api_key: str | None,
 ) -> None:
     """Print a server's metrics history (GET URL/api/history) as tables."""
-    from kiln.metrics.history_cli import HistoryClientError, print_history
+    from kiln.monitoring.history_cli import HistoryClientError, print_history
 
     try:
         print_history(url, list(metrics), since, step, model, api_key=api_key)
@@ -153,7 +153,8 @@ def monitor_compare(
 ) -> None:
     """Compare a metric over two time windows (e.g. the hour before and after a deployment):
     mean, p50, p99 and max per series, and the change."""
-    from kiln.metrics.compare import (
+    from kiln.monitoring.history_cli import HistoryClientError
+    from kiln.monitoring.compare import (
         CompareError,
         compare,
         kiln_fetch,
@@ -162,7 +163,6 @@ def monitor_compare(
         prometheus_fetch,
         to_json,
     )
-    from kiln.metrics.history_cli import HistoryClientError
 
     if bool(url) == bool(prometheus):
         raise click.UsageError("give either a kiln server URL or --prometheus URL")

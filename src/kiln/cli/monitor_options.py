@@ -13,12 +13,12 @@ from pathlib import Path
 
 import click
 
-from kiln.metrics.fleet import FleetError, FleetOptions, target_url
-from kiln.metrics.history import HistoryOptions
-from kiln.metrics.monitor import MonitorOptions
-from kiln.metrics.notify import WebhookOptions
-from kiln.metrics.promql import parse_duration
-from kiln.metrics.rules import AlertRule, AlertRulesError, default_rules, load_rules
+from kiln.monitoring.fleet import FleetError, FleetOptions, target_url
+from kiln.monitoring.history import HistoryOptions
+from kiln.monitoring.notify import WebhookOptions
+from kiln.monitoring.promql import parse_duration
+from kiln.monitoring.rules import AlertRule, AlertRulesError, default_rules, load_rules
+from kiln.monitoring.service import MonitorOptions
 
 
 def default_history_path(http_port: int) -> Path:

@@ -306,12 +306,12 @@ def serve(
     OpenAI's API and metrics.
 
     Security (API keys, restricted APIs, TLS, CORS, limits): see docs/security.md."""
+    from kiln.cache.config import CacheConfig, CacheConfigError
     from kiln.core.settings import parse_trace_config
     from kiln.launch import Endpoints
     from kiln.launch import launch as run_server
     from kiln.metrics.app import MetricsOptions
     from kiln.metrics.config import MetricsConfig, MetricsConfigError
-    from kiln.scheduling.cache import CacheConfig, CacheConfigError
     from kiln.scheduling.rate_limit import ResourceOverride
     from kiln.server.server import ControlMode, ServerOptions
 

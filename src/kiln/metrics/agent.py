@@ -1,6 +1,6 @@
 """``kiln monitor agent``: a DCGM-compatible GPU exporter for any host, no model serving.
 
-A sampler thread reads NVML every ``--interval`` seconds (``TelemetrySampler``, as
+A poller thread reads NVML every ``--interval`` seconds (``TelemetryPoller``, as
 ``kiln serve`` does); a scrape of ``/metrics`` only renders the last sample, so a slow
 NVML call never stalls a scrape. Nothing here imports torch or the serving stack.
 
@@ -22,7 +22,7 @@ from typing import Any
 from kiln.metrics.dcgm import DcgmCollector
 from kiln.metrics.exposition import CONTENT_TYPE, render
 from kiln.metrics.gpu import load_nvml
-from kiln.metrics.sampler import TelemetrySampler
+from kiln.metrics.telemetry import TelemetryPoller
 
 log = logging.getLogger(__name__)
 FAKE_NVML_ENV = "KILN_FAKE_NVML"
@@ -80,7 +80,7 @@ class _AgentHTTPServer(ThreadingHTTPServer):
 class Agent:
     def __init__(self, collector: DcgmCollector, host: str, port: int, interval_s: float) -> None:
         self.collector = collector
-        self.sampler = TelemetrySampler([collector], interval_s)
+        self.poller = TelemetryPoller([collector], interval_s)
         self.http = _AgentHTTPServer((host, port), collector)
 
     @classmethod
@@ -97,7 +97,7 @@ class Agent:
 
     def serve_forever(self) -> None:
         self.collector.start_xid_watch()
-        self.sampler.start()
+        self.poller.start()
         log.info(
             "kiln GPU agent: %d GPU(s), http://%s:%d/metrics",
             len(self.collector.devices),
@@ -106,7 +106,7 @@ class Agent:
         try:
             self.http.serve_forever(poll_interval=0.5)
         finally:
-            self.sampler.stop()
+            self.poller.stop()
             self.collector.close()
             self.http.server_close()
 

@@ -1,7 +1,7 @@
 """The metrics endpoint (port 8002 by default): Prometheus text format.
 
 ``MetricsService`` owns what /metrics needs for the server's lifetime: the collectors,
-the telemetry sampler thread, and the per-runtime observer factory bound into core.
+the telemetry poller thread, and the per-runtime observer factory bound into core.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kiln.metrics.host import HostCollector
 from kiln.metrics.observer import RuntimeMetrics
 from kiln.metrics.readiness import ReadinessCollector
 from kiln.metrics.rollout import RolloutCollector
-from kiln.metrics.sampler import Sampled, TelemetrySampler
+from kiln.metrics.telemetry import Sampled, TelemetryPoller
 from kiln.server.server import Server
 
 
@@ -65,15 +65,15 @@ class MetricsService:
             host = HostCollector()
             self.registry.register(host)
             sources.append(host)
-        self.sampler = TelemetrySampler(sources, options.interval_ms / 1000)
+        self.poller = TelemetryPoller(sources, options.interval_ms / 1000)
 
     def start(self) -> None:
         # Bound before any model loads, so every runtime gets its distributions.
         ModelStats.observer_factory = observer_factory(self.options.config)
-        self.sampler.start()
+        self.poller.start()
 
     def stop(self) -> None:
-        self.sampler.stop()
+        self.poller.stop()
         if self.gpu is not None:
             self.gpu.close()
 

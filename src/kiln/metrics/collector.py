@@ -14,6 +14,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Met
 from prometheus_client.registry import Collector
 
 from kiln.core.stats import FailureReason
+from kiln.metrics import names
 from kiln.metrics.config import MetricsConfig
 from kiln.metrics.exposition import counter
 from kiln.metrics.observer import SUMMARY_PHASES, Histogram, RuntimeMetrics
@@ -25,27 +26,27 @@ BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 _DURATIONS = (
     (
-        "nv_inference_request_duration_us",
+        names.INFERENCE_REQUEST_DURATION_US,
         "success",
         "Cumulative inference request duration in microseconds (successful requests)",
     ),
     (
-        "nv_inference_queue_duration_us",
+        names.INFERENCE_QUEUE_DURATION_US,
         "queue",
         "Cumulative inference queuing duration in microseconds",
     ),
     (
-        "nv_inference_compute_input_duration_us",
+        names.INFERENCE_COMPUTE_INPUT_DURATION_US,
         "compute_input",
         "Cumulative compute input duration in microseconds",
     ),
     (
-        "nv_inference_compute_infer_duration_us",
+        names.INFERENCE_COMPUTE_INFER_DURATION_US,
         "compute_infer",
         "Cumulative compute inference duration in microseconds",
     ),
     (
-        "nv_inference_compute_output_duration_us",
+        names.INFERENCE_COMPUTE_OUTPUT_DURATION_US,
         "compute_output",
         "Cumulative inference compute output duration in microseconds",
     ),
@@ -77,18 +78,18 @@ class ServerCollector(Collector):
 
     def _counts(self, runtimes: list[ModelRuntime]) -> Iterator[Metric]:
         success = counter(
-            "nv_inference_request_success",
+            names.INFERENCE_REQUEST_SUCCESS,
             "Number of successful inference requests, all batch sizes",
         )
         failure = counter(
-            "nv_inference_request_failure", "Number of failed inference requests, all batch sizes"
+            names.INFERENCE_REQUEST_FAILURE, "Number of failed inference requests, all batch sizes"
         )
         count = counter(
-            "nv_inference_count",
+            names.INFERENCE_COUNT,
             "Number of inferences performed (does not include cached requests)",
         )
         execs = counter(
-            "nv_inference_exec_count",
+            names.INFERENCE_EXEC_COUNT,
             "Number of model executions performed (does not include cached requests)",
         )
         for rt in runtimes:
@@ -111,13 +112,14 @@ class ServerCollector(Collector):
             yield family
 
     def _cache(self, runtimes: list[ModelRuntime]) -> Iterator[Metric]:
-        hits = counter("nv_cache_num_hits_per_model", "Number of cache hits per model")
-        misses = counter("nv_cache_num_misses_per_model", "Number of cache misses per model")
+        hits = counter(names.CACHE_NUM_HITS_PER_MODEL, "Number of cache hits per model")
+        misses = counter(names.CACHE_NUM_MISSES_PER_MODEL, "Number of cache misses per model")
         hit_us = counter(
-            "nv_cache_hit_duration_per_model", "Total cache hit duration per model, in microseconds"
+            names.CACHE_HIT_DURATION_PER_MODEL,
+            "Total cache hit duration per model, in microseconds",
         )
         miss_us = counter(
-            "nv_cache_miss_duration_per_model",
+            names.CACHE_MISS_DURATION_PER_MODEL,
             "Total cache miss (insert+lookup) duration per model, in microseconds",
         )
         for rt in runtimes:
@@ -131,12 +133,12 @@ class ServerCollector(Collector):
 
     def _gauges(self, runtimes: list[ModelRuntime]) -> Iterator[Metric]:
         pending = GaugeMetricFamily(
-            "nv_inference_pending_request_count",
+            names.INFERENCE_PENDING_REQUEST_COUNT,
             "Instantaneous number of pending requests awaiting execution per-model.",
             labels=LABELS,
         )
         load = GaugeMetricFamily(
-            "nv_model_load_duration_secs", "Model load time in seconds", labels=LABELS
+            names.MODEL_LOAD_DURATION_SECS, "Model load time in seconds", labels=LABELS
         )
         for rt in runtimes:
             lv = [rt.name, rt.version_str]
@@ -146,15 +148,15 @@ class ServerCollector(Collector):
 
     def _distributions(self, runtimes: list[ModelRuntime]) -> Iterator[Metric]:
         latency = HistogramMetricFamily(
-            "kiln_request_duration_seconds",
+            names.KILN_REQUEST_DURATION_SECONDS,
             "End-to-end duration of successful inference requests in seconds",
             labels=LABELS,
         )
         batch = HistogramMetricFamily(
-            "kiln_batch_size", "Batch size of each model execution", labels=LABELS
+            names.KILN_BATCH_SIZE, "Batch size of each model execution", labels=LABELS
         )
         first = HistogramMetricFamily(
-            "nv_inference_first_response_histogram_ms",
+            names.INFERENCE_FIRST_RESPONSE_HISTOGRAM_MS,
             "Duration from request to first response in milliseconds",
             labels=LABELS,
         )

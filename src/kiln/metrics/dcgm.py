@@ -21,6 +21,7 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from kiln.metrics import names
 from kiln.metrics.exposition import counter
 from kiln.metrics.gpu import (
     NVML_CLOCK_MEM,
@@ -46,80 +47,96 @@ MIB = 1024 * 1024
 LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname")
 # (name, dcgm-exporter type, help as dcgm-exporter's default-counters.csv words it)
 FIELDS: tuple[tuple[str, str, str], ...] = (
-    ("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz)."),
-    ("DCGM_FI_DEV_MEM_CLOCK", "gauge", "Memory clock frequency (in MHz)."),
-    ("DCGM_FI_DEV_MEMORY_TEMP", "gauge", "Memory temperature (in C)."),
-    ("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C)."),
-    ("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W)."),
+    (names.DCGM_FI_DEV_SM_CLOCK, "gauge", "SM clock frequency (in MHz)."),
+    (names.DCGM_FI_DEV_MEM_CLOCK, "gauge", "Memory clock frequency (in MHz)."),
+    (names.DCGM_FI_DEV_MEMORY_TEMP, "gauge", "Memory temperature (in C)."),
+    (names.DCGM_FI_DEV_GPU_TEMP, "gauge", "GPU temperature (in C)."),
+    (names.DCGM_FI_DEV_POWER_USAGE, "gauge", "Power draw (in W)."),
     (
-        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+        names.DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION,
         "counter",
         "Total energy consumption since boot (in mJ).",
     ),
-    ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "counter", "Total number of PCIe retries."),
-    ("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %)."),
-    ("DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", "Memory utilization (in %)."),
-    ("DCGM_FI_DEV_ENC_UTIL", "gauge", "Encoder utilization (in %)."),
-    ("DCGM_FI_DEV_DEC_UTIL", "gauge", "Decoder utilization (in %)."),
-    ("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered."),
-    ("DCGM_FI_DEV_FB_FREE", "gauge", "Framebuffer memory free (in MiB)."),
-    ("DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB)."),
-    ("DCGM_FI_DEV_FB_TOTAL", "gauge", "Framebuffer memory total (in MiB)."),
-    ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "counter", "Total number of single-bit volatile ECC errors."),
-    ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "counter", "Total number of double-bit volatile ECC errors."),
+    (names.DCGM_FI_DEV_PCIE_REPLAY_COUNTER, "counter", "Total number of PCIe retries."),
+    (names.DCGM_FI_DEV_GPU_UTIL, "gauge", "GPU utilization (in %)."),
+    (names.DCGM_FI_DEV_MEM_COPY_UTIL, "gauge", "Memory utilization (in %)."),
+    (names.DCGM_FI_DEV_ENC_UTIL, "gauge", "Encoder utilization (in %)."),
+    (names.DCGM_FI_DEV_DEC_UTIL, "gauge", "Decoder utilization (in %)."),
+    (names.DCGM_FI_DEV_XID_ERRORS, "gauge", "Value of the last XID error encountered."),
+    (names.DCGM_FI_DEV_FB_FREE, "gauge", "Framebuffer memory free (in MiB)."),
+    (names.DCGM_FI_DEV_FB_USED, "gauge", "Framebuffer memory used (in MiB)."),
+    (names.DCGM_FI_DEV_FB_TOTAL, "gauge", "Framebuffer memory total (in MiB)."),
     (
-        "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL",
+        names.DCGM_FI_DEV_ECC_SBE_VOL_TOTAL,
+        "counter",
+        "Total number of single-bit volatile ECC errors.",
+    ),
+    (
+        names.DCGM_FI_DEV_ECC_DBE_VOL_TOTAL,
+        "counter",
+        "Total number of double-bit volatile ECC errors.",
+    ),
+    (
+        names.DCGM_FI_DEV_ECC_SBE_AGG_TOTAL,
         "counter",
         "Total number of single-bit persistent ECC errors.",
     ),
     (
-        "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL",
+        names.DCGM_FI_DEV_ECC_DBE_AGG_TOTAL,
         "counter",
         "Total number of double-bit persistent ECC errors.",
     ),
     (
-        "DCGM_FI_DEV_RETIRED_SBE",
+        names.DCGM_FI_DEV_RETIRED_SBE,
         "counter",
         "Total number of retired pages due to single-bit errors.",
     ),
     (
-        "DCGM_FI_DEV_RETIRED_DBE",
+        names.DCGM_FI_DEV_RETIRED_DBE,
         "counter",
         "Total number of retired pages due to double-bit errors.",
     ),
-    ("DCGM_FI_DEV_RETIRED_PENDING", "counter", "Total number of pages pending retirement."),
+    (names.DCGM_FI_DEV_RETIRED_PENDING, "counter", "Total number of pages pending retirement."),
     (
-        "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+        names.DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS,
         "counter",
         "Number of remapped rows for uncorrectable errors",
     ),
     (
-        "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+        names.DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS,
         "counter",
         "Number of remapped rows for correctable errors",
     ),
-    ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", "Whether remapping of rows has failed"),
+    (names.DCGM_FI_DEV_ROW_REMAP_FAILURE, "gauge", "Whether remapping of rows has failed"),
     # The same bitmask under DCGM's old and new names (renamed in DCGM 3.3 / NVML 12.2).
-    ("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "gauge", "Current clock throttle reasons (bitmask)."),
-    ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "gauge", "Current clock event reasons (bitmask)."),
     (
-        "DCGM_FI_PROF_PCIE_TX_BYTES",
+        names.DCGM_FI_DEV_CLOCK_THROTTLE_REASONS,
+        "gauge",
+        "Current clock throttle reasons (bitmask).",
+    ),
+    (names.DCGM_FI_DEV_CLOCKS_EVENT_REASONS, "gauge", "Current clock event reasons (bitmask)."),
+    (
+        names.DCGM_FI_PROF_PCIE_TX_BYTES,
         "gauge",
         "The rate of data transmitted over the PCIe bus (B/s).",
     ),
-    ("DCGM_FI_PROF_PCIE_RX_BYTES", "gauge", "The rate of data received over the PCIe bus (B/s)."),
     (
-        "DCGM_FI_PROF_NVLINK_TX_BYTES",
+        names.DCGM_FI_PROF_PCIE_RX_BYTES,
+        "gauge",
+        "The rate of data received over the PCIe bus (B/s).",
+    ),
+    (
+        names.DCGM_FI_PROF_NVLINK_TX_BYTES,
         "gauge",
         "The rate of data transmitted over NVLink, all links (B/s).",
     ),
     (
-        "DCGM_FI_PROF_NVLINK_RX_BYTES",
+        names.DCGM_FI_PROF_NVLINK_RX_BYTES,
         "gauge",
         "The rate of data received over NVLink, all links (B/s).",
     ),
 )
-PROCESS_MEMORY = "kiln_gpu_process_memory_used_bytes"
+PROCESS_MEMORY = names.KILN_GPU_PROCESS_MEMORY_USED_BYTES
 PROCESS_LABELS = ("pid", "process_name", "gpu", "UUID", "Hostname")
 NAMES: frozenset[str] = frozenset(name for name, _, _ in FIELDS)
 
@@ -167,45 +184,48 @@ class DcgmCollector(GpuCollector):
             "Hostname": self.hostname,
         }
 
-    # -- sampling (the sampler thread) -----------------------------------------------------
+    # -- sampling (the poller thread) ------------------------------------------------------
 
     def _sample(self, dev: Device) -> None:
         nvml, read, v = self.nvml, self._read, {}
         for key, name, fn, scale in (
-            ("sm_clock", "DCGM_FI_DEV_SM_CLOCK", lambda h: nvml.nvmlDeviceGetClockInfo(h, NVML_CLOCK_SM), 1.0),  # noqa: E501
-            ("memory_clock", "DCGM_FI_DEV_MEM_CLOCK", lambda h: nvml.nvmlDeviceGetClockInfo(h, NVML_CLOCK_MEM), 1.0),  # noqa: E501
-            ("temperature", "DCGM_FI_DEV_GPU_TEMP", lambda h: nvml.nvmlDeviceGetTemperature(h, NVML_TEMPERATURE_GPU), 1.0),  # noqa: E501
-            ("power_usage", "DCGM_FI_DEV_POWER_USAGE", nvml.nvmlDeviceGetPowerUsage, 1e-3),
-            ("energy", "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", nvml.nvmlDeviceGetTotalEnergyConsumption, 1.0),  # noqa: E501
-            ("pcie_replay", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", nvml.nvmlDeviceGetPcieReplayCounter, 1.0),  # noqa: E501
+            ("sm_clock", names.DCGM_FI_DEV_SM_CLOCK, lambda h: nvml.nvmlDeviceGetClockInfo(h, NVML_CLOCK_SM), 1.0),  # noqa: E501
+            ("memory_clock", names.DCGM_FI_DEV_MEM_CLOCK, lambda h: nvml.nvmlDeviceGetClockInfo(h, NVML_CLOCK_MEM), 1.0),  # noqa: E501
+            ("temperature", names.DCGM_FI_DEV_GPU_TEMP, lambda h: nvml.nvmlDeviceGetTemperature(h, NVML_TEMPERATURE_GPU), 1.0),  # noqa: E501
+            ("power_usage", names.DCGM_FI_DEV_POWER_USAGE, nvml.nvmlDeviceGetPowerUsage, 1e-3),
+            ("energy", names.DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION, nvml.nvmlDeviceGetTotalEnergyConsumption, 1.0),  # noqa: E501
+            ("pcie_replay", names.DCGM_FI_DEV_PCIE_REPLAY_COUNTER, nvml.nvmlDeviceGetPcieReplayCounter, 1.0),  # noqa: E501
             # NVML's KB/s over a 20 ms window, as DCGM's PROF_PCIE_* are a rate in B/s.
-            ("pcie_tx", "DCGM_FI_PROF_PCIE_TX_BYTES", lambda h: nvml.nvmlDeviceGetPcieThroughput(h, NVML_PCIE_UTIL_TX_BYTES), 1024.0),  # noqa: E501
-            ("pcie_rx", "DCGM_FI_PROF_PCIE_RX_BYTES", lambda h: nvml.nvmlDeviceGetPcieThroughput(h, NVML_PCIE_UTIL_RX_BYTES), 1024.0),  # noqa: E501
-            ("retired_pending", "DCGM_FI_DEV_RETIRED_PENDING", nvml.nvmlDeviceGetRetiredPagesPendingStatus, 1.0),  # noqa: E501
+            ("pcie_tx", names.DCGM_FI_PROF_PCIE_TX_BYTES, lambda h: nvml.nvmlDeviceGetPcieThroughput(h, NVML_PCIE_UTIL_TX_BYTES), 1024.0),  # noqa: E501
+            ("pcie_rx", names.DCGM_FI_PROF_PCIE_RX_BYTES, lambda h: nvml.nvmlDeviceGetPcieThroughput(h, NVML_PCIE_UTIL_RX_BYTES), 1024.0),  # noqa: E501
+            ("retired_pending", names.DCGM_FI_DEV_RETIRED_PENDING, nvml.nvmlDeviceGetRetiredPagesPendingStatus, 1.0),  # noqa: E501
         ):  # fmt: skip
             raw = read(dev, key, fn)
             if raw is not None:
                 v[name] = float(raw) * scale
         util = read(dev, "utilization", nvml.nvmlDeviceGetUtilizationRates)
         if util is not None:
-            v["DCGM_FI_DEV_GPU_UTIL"], v["DCGM_FI_DEV_MEM_COPY_UTIL"] = util.gpu, util.memory
+            v[names.DCGM_FI_DEV_GPU_UTIL], v[names.DCGM_FI_DEV_MEM_COPY_UTIL] = (
+                util.gpu,
+                util.memory,
+            )
         for key, name, fn in (
-            ("enc", "DCGM_FI_DEV_ENC_UTIL", nvml.nvmlDeviceGetEncoderUtilization),
-            ("dec", "DCGM_FI_DEV_DEC_UTIL", nvml.nvmlDeviceGetDecoderUtilization),
+            ("enc", names.DCGM_FI_DEV_ENC_UTIL, nvml.nvmlDeviceGetEncoderUtilization),
+            ("dec", names.DCGM_FI_DEV_DEC_UTIL, nvml.nvmlDeviceGetDecoderUtilization),
         ):
             pair = read(dev, key, fn)  # [utilization %, sampling period µs]
             if pair is not None:
                 v[name] = float(pair[0])
         mem = read(dev, "memory", nvml.nvmlDeviceGetMemoryInfo)
         if mem is not None:
-            v["DCGM_FI_DEV_FB_FREE"] = mem.free // MIB
-            v["DCGM_FI_DEV_FB_USED"] = mem.used // MIB
-            v["DCGM_FI_DEV_FB_TOTAL"] = mem.total // MIB
+            v[names.DCGM_FI_DEV_FB_FREE] = mem.free // MIB
+            v[names.DCGM_FI_DEV_FB_USED] = mem.used // MIB
+            v[names.DCGM_FI_DEV_FB_TOTAL] = mem.total // MIB
         for key, name, error_type, counter_type in (
-            ("ecc_sbe_vol", "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", 0, 0),
-            ("ecc_dbe_vol", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", 1, 0),
-            ("ecc_sbe_agg", "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", 0, 1),
-            ("ecc_dbe_agg", "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", 1, 1),
+            ("ecc_sbe_vol", names.DCGM_FI_DEV_ECC_SBE_VOL_TOTAL, 0, 0),
+            ("ecc_dbe_vol", names.DCGM_FI_DEV_ECC_DBE_VOL_TOTAL, 1, 0),
+            ("ecc_sbe_agg", names.DCGM_FI_DEV_ECC_SBE_AGG_TOTAL, 0, 1),
+            ("ecc_dbe_agg", names.DCGM_FI_DEV_ECC_DBE_AGG_TOTAL, 1, 1),
         ):
             raw = read(
                 dev,
@@ -215,28 +235,28 @@ class DcgmCollector(GpuCollector):
             if raw is not None:
                 v[name] = float(raw)
         for key, name, cause in (
-            ("retired_sbe", "DCGM_FI_DEV_RETIRED_SBE", 0),
-            ("retired_dbe", "DCGM_FI_DEV_RETIRED_DBE", 1),
+            ("retired_sbe", names.DCGM_FI_DEV_RETIRED_SBE, 0),
+            ("retired_dbe", names.DCGM_FI_DEV_RETIRED_DBE, 1),
         ):
             pages = read(dev, key, lambda h, c=cause: nvml.nvmlDeviceGetRetiredPages(h, c))
             if pages is not None:
                 v[name] = float(len(pages))
         rows = read(dev, "remapped_rows", nvml.nvmlDeviceGetRemappedRows)
         if rows is not None:  # (correctable, uncorrectable, pending, failure occurred)
-            v["DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS"] = float(rows[0])
-            v["DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS"] = float(rows[1])
-            v["DCGM_FI_DEV_ROW_REMAP_FAILURE"] = float(rows[3])
+            v[names.DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS] = float(rows[0])
+            v[names.DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS] = float(rows[1])
+            v[names.DCGM_FI_DEV_ROW_REMAP_FAILURE] = float(rows[3])
         reasons_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
             nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
         )
         mask = read(dev, "clock_events", reasons_fn) if reasons_fn is not None else None
         if mask is not None:
-            v["DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"] = float(mask)
-            v["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"] = float(mask)
+            v[names.DCGM_FI_DEV_CLOCK_THROTTLE_REASONS] = float(mask)
+            v[names.DCGM_FI_DEV_CLOCKS_EVENT_REASONS] = float(mask)
         self._field_values(dev, v)
         with self._lock:
             if dev.uuid in self.last_xid:
-                v["DCGM_FI_DEV_XID_ERRORS"] = self.last_xid[dev.uuid]
+                v[names.DCGM_FI_DEV_XID_ERRORS] = self.last_xid[dev.uuid]
         self.procs[dev.uuid] = self._processes(dev)
         dev.values = v
 
@@ -251,7 +271,7 @@ class DcgmCollector(GpuCollector):
             return
         temp, tx, rx = (_field_value(fv) for fv in fvs)
         if temp is not None:
-            v["DCGM_FI_DEV_MEMORY_TEMP"] = temp
+            v[names.DCGM_FI_DEV_MEMORY_TEMP] = temp
         if tx is None or rx is None:
             return  # no NVLink on this GPU: omitted
         ts = self._clock()
@@ -259,8 +279,8 @@ class DcgmCollector(GpuCollector):
         self._nvlink_prev[dev.uuid] = (ts, tx, rx)
         if prev is not None and ts > prev[0] and tx >= prev[1] and rx >= prev[2]:
             dt = ts - prev[0]
-            v["DCGM_FI_PROF_NVLINK_TX_BYTES"] = (tx - prev[1]) * 1024 / dt
-            v["DCGM_FI_PROF_NVLINK_RX_BYTES"] = (rx - prev[2]) * 1024 / dt
+            v[names.DCGM_FI_PROF_NVLINK_TX_BYTES] = (tx - prev[1]) * 1024 / dt
+            v[names.DCGM_FI_PROF_NVLINK_RX_BYTES] = (rx - prev[2]) * 1024 / dt
 
     @staticmethod
     def _clock() -> float:

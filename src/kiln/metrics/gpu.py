@@ -19,6 +19,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kiln.metrics import names
 from kiln.metrics.exposition import counter
 
 log = logging.getLogger(__name__)
@@ -55,24 +56,24 @@ class Device:
 
 # (key, family, help, counter?) in exposition order; values are already in the family's unit.
 FAMILIES = (
-    ("utilization", "nv_gpu_utilization", "GPU utilization rate [0.0 - 1.0]", False),
-    ("memory_total", "nv_gpu_memory_total_bytes", "GPU total memory, in bytes", False),
-    ("memory_used", "nv_gpu_memory_used_bytes", "GPU used memory, in bytes", False),
-    ("power_usage", "nv_gpu_power_usage", "GPU power usage in watts", False),
-    ("power_limit", "nv_gpu_power_limit", "GPU power management limit in watts", False),
+    ("utilization", names.GPU_UTILIZATION, "GPU utilization rate [0.0 - 1.0]", False),
+    ("memory_total", names.GPU_MEMORY_TOTAL_BYTES, "GPU total memory, in bytes", False),
+    ("memory_used", names.GPU_MEMORY_USED_BYTES, "GPU used memory, in bytes", False),
+    ("power_usage", names.GPU_POWER_USAGE, "GPU power usage in watts", False),
+    ("power_limit", names.GPU_POWER_LIMIT, "GPU power management limit in watts", False),
     (
         "energy",
-        "nv_energy_consumption",
+        names.ENERGY_CONSUMPTION,
         "GPU energy consumption in joules since kiln started",
         True,
     ),
     (
         "temperature",
-        "kiln_gpu_temperature_celsius",
+        names.KILN_GPU_TEMPERATURE_CELSIUS,
         "GPU core temperature in degrees Celsius",
         False,
     ),
-    ("sm_clock", "kiln_gpu_sm_clock_mhz", "GPU SM clock in MHz", False),
+    ("sm_clock", names.KILN_GPU_SM_CLOCK_MHZ, "GPU SM clock in MHz", False),
     ("memory_clock", "kiln_gpu_memory_clock_mhz", "GPU memory clock in MHz", False),
     (
         "pcie_tx",
@@ -88,7 +89,7 @@ FAMILIES = (
     ),
     (
         "process_memory",
-        "kiln_gpu_process_memory_used_bytes",
+        names.KILN_GPU_PROCESS_MEMORY_USED_BYTES,
         "GPU memory used by this kiln process, in bytes",
         False,
     ),
@@ -232,7 +233,7 @@ class GpuCollector(Collector):
             yield family
         if self.reasons:
             events = GaugeMetricFamily(
-                "kiln_gpu_clock_event_active",
+                names.KILN_GPU_CLOCK_EVENT_ACTIVE,
                 "1 while NVML reports this clock-event (throttle) reason for the GPU",
                 labels=["gpu_uuid", "reason"],
             )

@@ -14,6 +14,8 @@ from pathlib import Path
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kiln.metrics import names
+
 log = logging.getLogger(__name__)
 
 
@@ -74,15 +76,17 @@ class HostCollector(Collector):
         if s is None:
             return
         yield GaugeMetricFamily(
-            "nv_cpu_utilization",
+            names.CPU_UTILIZATION,
             "CPU utilization rate [0.0 - 1.0], all cores, since the last sample",
             value=s.cpu_utilization,
         )
         yield GaugeMetricFamily(
-            "nv_cpu_memory_total_bytes",
+            names.CPU_MEMORY_TOTAL_BYTES,
             "CPU total memory (RAM), in bytes",
             value=s.memory_total_bytes,
         )
         yield GaugeMetricFamily(
-            "nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", value=s.memory_used_bytes
+            names.CPU_MEMORY_USED_BYTES,
+            "CPU used memory (RAM), in bytes",
+            value=s.memory_used_bytes,
         )

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kiln.metrics import names
 from kiln.metrics.exposition import counter
 from kiln.repository.manager import ModelState, RepositoryManager
 from kiln.repository.source import LocalSource
@@ -24,7 +25,7 @@ class ReadinessCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
-            "kiln_model_ready",
+            names.KILN_MODEL_READY,
             "1 when this model version is ready to serve inferences, else 0",
             labels=("model", "version"),
         )

@@ -91,7 +91,7 @@ def _gpu_builders(options: OptimizeOptions, source: Path, work: Path, batch_size
                   valid: Batch, cpu_results: list[Result], reasons: dict[str, str | None]
                   ) -> tuple[list[tuple[str, Callable[[], Candidate]]], list[Result]]:  # fmt: skip
     """Builders for the GPU candidates this machine can build; skipped results for the rest."""
-    from kiln.optimize import engine
+    from kiln.optimize import trt_engine
 
     fp16: list[Path] = []
 
@@ -129,7 +129,7 @@ def _gpu_builders(options: OptimizeOptions, source: Path, work: Path, batch_size
                     onnx_path = precision.fold_int32_bias(best.path, work / "int8-trt.onnx")
                     c.description += f" ({best.name}, biases in float)"
                 assert onnx_path is not None
-                return engine.build_candidate(c, onnx_path, work, batch_sizes, valid)
+                return trt_engine.build_candidate(c, onnx_path, work, batch_sizes, valid)
             c.path = fp16_model() if spec.kind == "fp16" else source
             c.build_seconds = time.perf_counter() - start
             return c

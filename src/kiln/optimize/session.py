@@ -99,7 +99,7 @@ def open_runner(candidate: Candidate, threads: int, max_batch_size: int, cache_d
     if candidate.runtime == "cpu":
         return open_session(candidate.path, candidate.graph_level, threads)
     if candidate.runtime == "tensorrt":
-        from kiln.optimize.engine import EngineRunner
+        from kiln.optimize.trt_engine import EngineRunner
 
         return EngineRunner(candidate.path, max_batch_size)
     from kiln.backends.ort_providers import (

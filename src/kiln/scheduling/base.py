@@ -27,7 +27,6 @@ from kiln.backends.base import (
     RequestOutcome,
     ResponseSink,
 )
-from kiln.core import activity
 from kiln.core.errors import KilnError, Status
 from kiln.core.stats import ModelStats, RequestTimes
 
@@ -270,7 +269,7 @@ class Instance:
         if (
             self.call_ns is not None
             and self.call_ns < self.inline_max_ns
-            and (not self._inline_only_alone or activity.alone())
+            and (not self._inline_only_alone or self.backend.activity.alone())
         ):
             future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
             start = time.thread_time_ns()

@@ -15,10 +15,12 @@ import numpy as np
 
 from kiln.backends.base import Backend, InstanceSpec, instance_specs, parameter
 from kiln.backends.registry import LLM_BACKENDS
+from kiln.cache import Cache
+from kiln.cache.keys import model_fingerprint, request_key
 from kiln.config.ensemble_graph import build_graph, is_ensemble
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.config.signature import ModelSignature
-from kiln.core import activity
+from kiln.core.activity import Activity
 from kiln.core.classification import load_labels
 from kiln.core.errors import KilnError, Status, internal, invalid_arg, unavailable
 from kiln.core.stats import FailureReason, ModelStats, RequestTimes, failure_reason
@@ -28,7 +30,6 @@ from kiln.core.types import DataType, InferenceRequest, InferenceResponse, Infer
 from kiln.llm.engine_client import EngineClient
 from kiln.repository.manager import ModelState, RuntimeFactory
 from kiln.scheduling.base import INLINE_MAX_US, Instance, Job, Scheduler
-from kiln.scheduling.cache import Cache, model_fingerprint, request_key
 from kiln.scheduling.direct import DirectScheduler
 from kiln.scheduling.dynamic import DynamicScheduler
 from kiln.scheduling.ensemble import (
@@ -63,8 +64,11 @@ class ModelRuntime:
         resolve: Callable[[str, str], StepModel] | None = None,
         rate_limiter: RateLimiter | None = None,
         tracer: Tracer | None = None,
+        activity: Activity | None = None,
     ) -> None:
         self.name = name
+        # the server's in-flight count across models (a runtime of its own: its own count)
+        self.activity = activity if activity is not None else Activity()
         self.tracer = tracer  # the server's: samples requests for trace files
         self.rate_limiter = rate_limiter  # --rate-limit: instances take turns on resources
         self.version = version
@@ -129,6 +133,7 @@ class ModelRuntime:
                     raise
                 backend.model_stats = self.stats
                 backend.tracer = self.tracer
+                backend.activity = self.activity
                 instances.append(Instance(backend, self.name, self._inline_max_us(), limit))
             if samples:
                 await run_warmup(samples, instances, self.signature, self._outputs)
@@ -229,12 +234,12 @@ class ModelRuntime:
         serves, else counted in flight until the returned call (unload waits for it)."""
         self._check_ready()
         self._inflight += 1
-        activity.inflight += 1
+        self.activity.inflight += 1
         self._idle.clear()
 
         def end() -> None:
             self._inflight -= 1
-            activity.inflight -= 1
+            self.activity.inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
 
@@ -266,7 +271,7 @@ class ModelRuntime:
                 Status.UNSUPPORTED,
             )
         self._inflight += 1
-        activity.inflight += 1
+        self.activity.inflight += 1
         self._idle.clear()
         trace, current = self._trace_begin(request, times)
         try:
@@ -317,7 +322,7 @@ class ModelRuntime:
             if trace is not None:
                 self._trace_end(trace, current)
             self._inflight -= 1
-            activity.inflight -= 1
+            self.activity.inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
 
@@ -396,7 +401,7 @@ class ModelRuntime:
         if self.state is not ModelState.READY or self.scheduler is None:
             raise unavailable(f"model '{self.name}' version {self.version} is not ready")
         self._inflight += 1
-        activity.inflight += 1
+        self.activity.inflight += 1
         self._idle.clear()
         task: asyncio.Task[dict[str, np.ndarray]] | None = None
         ended = False  # the stream ran to its end (or its error)
@@ -451,7 +456,7 @@ class ModelRuntime:
                 self._trace_compute_stamps(trace, times)
                 self._trace_end(trace, current)
             self._inflight -= 1
-            activity.inflight -= 1
+            self.activity.inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
 
@@ -512,9 +517,11 @@ def runtime_factory(
     cache: Cache | None = None,
     rate_limiter: RateLimiter | None = None,
     tracer: Tracer | None = None,
+    activity: Activity | None = None,
 ) -> RuntimeFactory[ModelRuntime]:
     """What the repository builds each model version with: runtimes sharing the server's
-    response cache (``--cache-config``), rate limiter (``--rate-limit``) and tracer."""
+    response cache (``--cache-config``), rate limiter (``--rate-limit``), tracer and
+    in-flight request count."""
 
     def build(
         name: str,
@@ -534,6 +541,7 @@ def runtime_factory(
             resolve=resolve,
             rate_limiter=rate_limiter,
             tracer=tracer,
+            activity=activity,
         )
 
     return build

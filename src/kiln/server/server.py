@@ -18,9 +18,12 @@ from typing import Any
 from kiln import __version__
 from kiln.backends import host
 from kiln.backends.registry import LLM_BACKENDS
+from kiln.cache import open_cache
+from kiln.cache.config import CacheConfig
 from kiln.config.loader import config_to_json
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.config.signature import check_request_limits
+from kiln.core.activity import Activity
 from kiln.core.classification import classify, requested_count
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 from kiln.core.limits import check_parameters
@@ -33,7 +36,6 @@ from kiln.llm.engine_client import EngineClient
 from kiln.repository.manager import RepositoryManager, check_model_name, decode_files
 from kiln.repository.poll import RepositoryPoller
 from kiln.repository.source import RepositoryError, RepositorySource
-from kiln.scheduling.cache import CacheConfig, open_cache
 from kiln.scheduling.rate_limit import RateLimiter, ResourceOverride
 from kiln.server.rollout import CLIENT_STATUSES, ModelRollout, Rollouts, check_config
 from kiln.server.runtime import ModelRuntime, runtime_factory
@@ -95,10 +97,13 @@ class Server:
         self.response_cache = open_cache(options.cache) if options.cache else None
         self._opened = False
         self.tracer = Tracer(options.trace, options.trace_otel)
+        # Requests in flight across every model, counted by the runtimes: a backend reads it
+        # to tell a lone request from a busy server (inline calls, busy-polling a worker).
+        self.activity = Activity()
         limiter = RateLimiter(options.rate_limit_resources) if options.rate_limit else None
         self.repository = RepositoryManager(
             options.model_repositories,
-            runtime_factory(self.response_cache, limiter, self.tracer),
+            runtime_factory(self.response_cache, limiter, self.tracer, self.activity),
             drain_timeout=options.exit_timeout_secs,
             auto_complete=options.auto_complete_config,
             served=options.served_models,

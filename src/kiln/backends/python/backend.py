@@ -57,7 +57,6 @@ from kiln.backends.python.process import WorkerDied, WorkerProcess, WorkerTimeou
 from kiln.backends.python.wire import Wire
 from kiln.config.loader import ConfigError, config_from_json, config_to_json
 from kiln.config.model_config_pb2 import ModelConfig
-from kiln.core import activity
 from kiln.core.errors import KilnError, Status
 from kiln.core.types import InferenceRequest
 
@@ -402,7 +401,7 @@ class PythonBackend(Backend):
         when this is the only request in flight in the server and the worker's recent
         round trips fit in it, else 0 (wait for the pipe on the loop)."""
         budget = self.busy_poll_ns
-        if not budget or not activity.alone():
+        if not budget or not self.activity.alone():
             return 0
         recent = self.round_trip_ns
         return budget if recent is None or recent < budget else 0
@@ -742,7 +741,7 @@ class PythonBackend(Backend):
         pipe = self._pipe
         nested = pipe is not None and pipe.conn is conn and bool(pipe.calls)
         if nested:
-            activity.inflight -= 1
+            self.activity.inflight -= 1
         try:
             outputs, params = await bls.call_async(self._bls_request(call, inputs))
         except KilnError as exc:
@@ -751,12 +750,12 @@ class PythonBackend(Backend):
             error = (f"{type(exc).__name__}: {exc}", 1)
         finally:
             if nested:
-                activity.inflight += 1
+                self.activity.inflight += 1
         # The worker may have gone away meanwhile: the reader sees its pipe close, and
         # the answer goes to nobody (not to the worker restarted in its place).
         with contextlib.suppress(WorkerDied):
             self._bls_result(outputs, error, params, conn)
-            if nested and pipe is not None and self.busy_poll_ns and activity.alone():
+            if nested and pipe is not None and self.busy_poll_ns and self.activity.alone():
                 # The worker goes on with the answer: its next message (the batch's
                 # answer, or another call) usually follows soon.
                 pipe.poll_after_answer(self.busy_poll_ns)

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from kiln.core.access import AccessPolicy, ApiGroup, Denial
-from kiln.frontends.grpc.wire import HEALTH_SERVICE, INFERENCE_SERVICE
+from kiln.frontends.grpc.services import HEALTH_SERVICE, INFERENCE_SERVICE
 
 # Triton's prefix of restricted-protocol metadata keys.
 GRPC_HEADER_PREFIX = "triton-grpc-protocol-"

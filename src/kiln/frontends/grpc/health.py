@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 
 from kiln.frontends.grpc import health_pb2
-from kiln.frontends.grpc.wire import HEALTH_SERVICE, INFERENCE_SERVICE
+from kiln.frontends.grpc.services import HEALTH_SERVICE, INFERENCE_SERVICE
 from kiln.server.server import Server
 
 Status = health_pb2.HealthCheckResponse.ServingStatus

@@ -1,5 +1,5 @@
 """A service's methods as :class:`~kiln.frontends.grpc.h2.calls.Route` s, from kiln's
-descriptors, under the public wire name (see :mod:`kiln.frontends.grpc.wire`)."""
+descriptors, under the public wire name (see :mod:`kiln.frontends.grpc.services`)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from typing import Protocol
 from kiln.core.access import AccessPolicy
 from kiln.frontends.grpc.health import HealthServicer
 from kiln.frontends.grpc.servicer import InferenceServicer
-from kiln.frontends.grpc.wire import (
+from kiln.frontends.grpc.services import (
     HEALTH_DESCRIPTOR,
     HEALTH_SERVICE,
     INFERENCE_DESCRIPTOR,
@@ -51,7 +51,7 @@ async def start_grpc(
         raise ValueError(f"unknown gRPC implementation '{implementation}'")
     from kiln.frontends.grpc.h2.connection import Limits
     from kiln.frontends.grpc.h2.dispatch import Dispatcher
-    from kiln.frontends.grpc.h2.server import H2GrpcServer
+    from kiln.frontends.grpc.h2.transport import H2GrpcServer
     from kiln.frontends.grpc.routes import service_routes
 
     routes = [
@@ -79,7 +79,7 @@ async def _start_grpcio(
     import grpc
 
     from kiln.frontends.grpc.access import AccessInterceptor
-    from kiln.frontends.grpc.wire import generic_handler
+    from kiln.frontends.grpc.services import generic_handler
 
     interceptors = [AccessInterceptor(access)] if access is not None and access.enabled else []
     idle = [("grpc.max_connection_idle_ms", int(idle_timeout * 1000))] if idle_timeout > 0 else []

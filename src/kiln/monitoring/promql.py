@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kiln.metrics.snapshot import KNOWN_METRICS
+from kiln.monitoring.snapshot import KNOWN_METRICS
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _UNITS["y"] = 365 * _UNITS["d"]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from kiln.metrics.history_cli import HistoryClientError, base_url, fetch_history, fetch_json
+from kiln.monitoring.history_cli import HistoryClientError, base_url, fetch_history, fetch_json
 
 MAX_POINTS = 10_000  # under /api/history's and Prometheus's 11,000 points per series
 STATS = ("mean", "p50", "p99", "max")
@@ -32,7 +32,7 @@ class CompareError(ValueError):
 
 def _time(text: str, now: float) -> float:
     """HH:MM (today, local time), unix seconds, RFC 3339, ``now`` or ``now-<duration>``."""
-    from kiln.metrics.promql import parse_duration
+    from kiln.monitoring.promql import parse_duration
 
     text = text.strip()
     m = _CLOCK.match(text)
@@ -165,7 +165,7 @@ def _pct(v: float | None) -> str:
 def print_compare(result: dict[str, Any], width: int | None = None) -> None:
     from rich.console import Console
 
-    from kiln.metrics.live_cli import Column, fitted_table
+    from kiln.monitoring.live_cli import Column, fitted_table
 
     columns = [Column("series", 0, "left")]
     for s in STATS:

@@ -10,7 +10,7 @@ client library to install, and a hit costs the server little. Replicas behind on
 balancer then answer a request that any of them has answered before, and a restarted
 server starts warm.
 
-- **Key**: ``kiln:rc:`` + the same digest as the local cache (``cache.request_key``), but a
+- **Key**: ``kiln:rc:`` + the same digest as the local cache (``keys.request_key``), but a
   model's part of it is a fingerprint of its config and the bytes of its version's files
   (``model_fingerprint``), not a per-process load counter: two servers with the same model
   share entries, and a changed model file never answers with the old one's outputs.
@@ -39,9 +39,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from kiln.cache import Cached
+from kiln.cache.config import CacheConfigError, RedisSettings
+from kiln.cache.resp import RespClient
 from kiln.core.types import DataType, InferOutput
-from kiln.scheduling.cache import CacheConfigError, Cached, RedisSettings
-from kiln.scheduling.resp import RespClient
 
 log = logging.getLogger(__name__)
 

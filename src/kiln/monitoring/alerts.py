@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from kiln.metrics.notify import Notifier
-from kiln.metrics.promql import max_range
-from kiln.metrics.promql_eval import evaluate
-from kiln.metrics.rules import TEMPLATE_EXPR, AlertRule
-from kiln.metrics.snapshot import Labels, Snapshot
+from kiln.monitoring.notify import Notifier
+from kiln.monitoring.promql import max_range
+from kiln.monitoring.promql_eval import evaluate
+from kiln.monitoring.rules import TEMPLATE_EXPR, AlertRule
+from kiln.monitoring.snapshot import Labels, Snapshot
 
 log = logging.getLogger(__name__)
 

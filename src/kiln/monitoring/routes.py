@@ -17,15 +17,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kiln.metrics.history_query import HistoryQuery, HistoryQueryError, catalog, run_query
-from kiln.metrics.monitor import MonitorService
-from kiln.metrics.promql import parse_duration
+from kiln.monitoring.history_query import HistoryQuery, HistoryQueryError, catalog, run_query
+from kiln.monitoring.promql import parse_duration
+from kiln.monitoring.service import MonitorService
 
 DEFAULT_RANGE_S = 3600.0
 DEFAULT_POINTS = 240
 
 
-def _json(obj: object, status: int = 200) -> Response:
+def json_response(obj: object, status: int = 200) -> Response:
     return Response(
         orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY), status, media_type="application/json"
     )
@@ -87,16 +87,16 @@ def monitor_routes(monitor: MonitorService | None) -> list[Route]:
 
     def history_unavailable() -> Response | None:
         if history is None:
-            return _json({"error": "history is disabled (kiln serve --no-history)"}, 503)
+            return json_response({"error": "history is disabled (kiln serve --no-history)"}, 503)
         if not history.available:
-            return _json({"error": f"history is unavailable: {history.error}"}, 503)
+            return json_response({"error": f"history is unavailable: {history.error}"}, 503)
         return None
 
     async def history_metrics(request: Request) -> Response:
         down = history_unavailable()
         if down is not None or history is None:
-            return down or _json({}, 503)
-        return _json(
+            return down or json_response({}, 503)
+        return json_response(
             {
                 "metrics": catalog(),
                 "interval": history.options.interval_s,
@@ -110,20 +110,20 @@ def monitor_routes(monitor: MonitorService | None) -> list[Route]:
     async def history_query(request: Request) -> Response:
         down = history_unavailable()
         if down is not None or history is None:
-            return down or _json({}, 503)
+            return down or json_response({}, 503)
         try:
             q = parse_query(dict(request.query_params), history.options.interval_s, time.time())
             result = await asyncio.to_thread(run_query, history.options.path, q)
         except HistoryQueryError as exc:
-            return _json({"error": str(exc)}, 400)
+            return json_response({"error": str(exc)}, 400)
         except sqlite3.Error as exc:
-            return _json({"error": f"history is unavailable: {exc}"}, 503)
-        return _json(result)
+            return json_response({"error": f"history is unavailable: {exc}"}, 503)
+        return json_response(result)
 
     async def alert_state(request: Request) -> Response:
         if alerts is None:
-            return _json({"alerts": [], "rules": []})
-        return _json(alerts.to_json())
+            return json_response({"alerts": [], "rules": []})
+        return json_response(alerts.to_json())
 
     return [
         Route("/api/history", history_query, methods=["GET"]),

@@ -1,6 +1,6 @@
-"""Metrics history: an embedded SQLite store, written by a sampler thread.
+"""Metrics history: an embedded SQLite store, written by a recorder thread.
 
-Every ``--history-interval-secs`` the sampler takes a snapshot of the exported series
+Every ``--history-interval-secs`` the recorder takes a snapshot of the exported series
 (the same ones /metrics serves) and stores a chosen subset: raw counters (rates, mean
 latency, queue vs compute and batch size are derived at query time, so nothing is lost
 to a fixed window), gauges, and p50/p99 over the interval from kiln's latency histograms
@@ -24,8 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.metrics.promql_eval import histogram_quantile
-from kiln.metrics.snapshot import Labels, Snapshot
+from kiln.metrics import names
+from kiln.monitoring.promql_eval import histogram_quantile
+from kiln.monitoring.snapshot import Labels, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -39,55 +40,55 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # Stored as sampled. Counters are cumulative (reset to 0 when kiln restarts).
 STORED_METRICS = (
-    "nv_inference_request_success",
-    "nv_inference_request_failure",
-    "nv_inference_count",
-    "nv_inference_exec_count",
-    "nv_inference_request_duration_us",
-    "nv_inference_queue_duration_us",
-    "nv_inference_compute_input_duration_us",
-    "nv_inference_compute_infer_duration_us",
-    "nv_inference_compute_output_duration_us",
-    "nv_inference_pending_request_count",
-    "kiln_model_ready",
-    "nv_cpu_utilization",
-    "nv_cpu_memory_used_bytes",
-    "nv_cpu_memory_total_bytes",
-    "process_resident_memory_bytes",
-    "process_cpu_seconds_total",
-    "nv_gpu_utilization",
-    "nv_gpu_memory_used_bytes",
-    "nv_gpu_memory_total_bytes",
-    "nv_gpu_power_usage",
-    "nv_energy_consumption",
-    "kiln_gpu_temperature_celsius",
+    names.INFERENCE_REQUEST_SUCCESS,
+    names.INFERENCE_REQUEST_FAILURE,
+    names.INFERENCE_COUNT,
+    names.INFERENCE_EXEC_COUNT,
+    names.INFERENCE_REQUEST_DURATION_US,
+    names.INFERENCE_QUEUE_DURATION_US,
+    names.INFERENCE_COMPUTE_INPUT_DURATION_US,
+    names.INFERENCE_COMPUTE_INFER_DURATION_US,
+    names.INFERENCE_COMPUTE_OUTPUT_DURATION_US,
+    names.INFERENCE_PENDING_REQUEST_COUNT,
+    names.KILN_MODEL_READY,
+    names.CPU_UTILIZATION,
+    names.CPU_MEMORY_USED_BYTES,
+    names.CPU_MEMORY_TOTAL_BYTES,
+    names.PROCESS_RESIDENT_MEMORY_BYTES,
+    names.PROCESS_CPU_SECONDS_TOTAL,
+    names.GPU_UTILIZATION,
+    names.GPU_MEMORY_USED_BYTES,
+    names.GPU_MEMORY_TOTAL_BYTES,
+    names.GPU_POWER_USAGE,
+    names.ENERGY_CONSUMPTION,
+    names.KILN_GPU_TEMPERATURE_CELSIUS,
     # The fleet's GPUs (kiln serve --monitor-agent / --monitor-prometheus), DCGM's names.
-    "DCGM_FI_DEV_GPU_UTIL",
-    "DCGM_FI_DEV_MEM_COPY_UTIL",
-    "DCGM_FI_DEV_FB_USED",
-    "DCGM_FI_DEV_FB_FREE",
-    "DCGM_FI_DEV_GPU_TEMP",
-    "DCGM_FI_DEV_MEMORY_TEMP",
-    "DCGM_FI_DEV_POWER_USAGE",
-    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
-    "DCGM_FI_DEV_SM_CLOCK",
-    "DCGM_FI_DEV_XID_ERRORS",
+    names.DCGM_FI_DEV_GPU_UTIL,
+    names.DCGM_FI_DEV_MEM_COPY_UTIL,
+    names.DCGM_FI_DEV_FB_USED,
+    names.DCGM_FI_DEV_FB_FREE,
+    names.DCGM_FI_DEV_GPU_TEMP,
+    names.DCGM_FI_DEV_MEMORY_TEMP,
+    names.DCGM_FI_DEV_POWER_USAGE,
+    names.DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION,
+    names.DCGM_FI_DEV_SM_CLOCK,
+    names.DCGM_FI_DEV_XID_ERRORS,
     # LLM engine (label model_name): load and throughput; rates are derived at query time.
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
-    "vllm:num_preemptions_total",
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
+    names.VLLM_NUM_REQUESTS_RUNNING,
+    names.VLLM_NUM_REQUESTS_WAITING,
+    names.VLLM_KV_CACHE_USAGE_PERC,
+    names.VLLM_NUM_PREEMPTIONS_TOTAL,
+    names.VLLM_PROMPT_TOKENS_TOTAL,
+    names.VLLM_GENERATION_TOKENS_TOTAL,
+    names.VLLM_PREFIX_CACHE_QUERIES_TOTAL,
+    names.VLLM_PREFIX_CACHE_HITS_TOTAL,
 )
-_TTFT, _ITL = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"
+_TTFT, _ITL = names.VLLM_TIME_TO_FIRST_TOKEN_SECONDS, names.VLLM_INTER_TOKEN_LATENCY_SECONDS
 # name -> (histogram family, quantile): computed per sampling interval from the delta of
 # the family's buckets, so each row describes the requests of that interval only.
 QUANTILES: dict[str, tuple[str, float]] = {
-    "kiln_request_duration_p50_seconds": ("kiln_request_duration_seconds", 0.5),
-    "kiln_request_duration_p99_seconds": ("kiln_request_duration_seconds", 0.99),
+    "kiln_request_duration_p50_seconds": (names.KILN_REQUEST_DURATION_SECONDS, 0.5),
+    "kiln_request_duration_p99_seconds": (names.KILN_REQUEST_DURATION_SECONDS, 0.99),
     "kiln_llm_time_to_first_token_p50_seconds": (_TTFT, 0.5),
     "kiln_llm_time_to_first_token_p99_seconds": (_TTFT, 0.99),
     "kiln_llm_inter_token_latency_p50_seconds": (_ITL, 0.5),
@@ -115,7 +116,7 @@ def connect(path: Path) -> sqlite3.Connection:
 
 
 class HistoryStore:
-    """The writer side: one connection, used by the sampler thread only."""
+    """The writer side: one connection, used by the recorder thread only."""
 
     def __init__(self, options: HistoryOptions) -> None:
         self.options = options
@@ -222,7 +223,7 @@ class HistoryStore:
             self.conn = None
 
 
-class HistorySampler:
+class HistoryRecorder:
     def __init__(self, options: HistoryOptions, source: Callable[[], Snapshot]) -> None:
         self.options = options
         self.source = source

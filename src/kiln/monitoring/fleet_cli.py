@@ -18,12 +18,12 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kiln.metrics.alerts import AlertEvaluator
-from kiln.metrics.fleet import FleetOptions, FleetScraper, fleet_figures
-from kiln.metrics.history_cli import HistoryClientError
-from kiln.metrics.live_cli import Column, _n, alerts_text, fetch_live, fitted_table, frame
-from kiln.metrics.notify import Notifier, WebhookOptions
-from kiln.metrics.rules import load_rules
+from kiln.monitoring.history_cli import HistoryClientError
+from kiln.monitoring.live_cli import Column, _n, alerts_text, fetch_live, fitted_table, frame
+from kiln.monitoring.alerts import AlertEvaluator
+from kiln.monitoring.fleet import FleetOptions, FleetScraper, fleet_figures
+from kiln.monitoring.notify import Notifier, WebhookOptions
+from kiln.monitoring.rules import load_rules
 
 FLEET_COLUMNS = [
     Column("host", 0, "left"), Column("gpu", 0), Column("model", 3, "left"),

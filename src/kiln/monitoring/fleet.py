@@ -31,9 +31,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kiln.metrics import names
 from kiln.metrics.dcgm import NAMES as DCGM_NAMES
 from kiln.metrics.dcgm import PROCESS_MEMORY
-from kiln.metrics.snapshot import Labels, Snapshot, labels_of
+from kiln.monitoring.snapshot import Labels, Snapshot, labels_of
 
 log = logging.getLogger(__name__)
 Series = dict[str, dict[Labels, float]]
@@ -43,11 +44,11 @@ FLEET_METRICS = DCGM_NAMES | {PROCESS_MEMORY}
 UP_JOB = "kiln-fleet"
 # kiln serve's Triton families -> (DCGM name, scale)
 _FROM_KILN = {
-    "nv_gpu_utilization": ("DCGM_FI_DEV_GPU_UTIL", 100.0),
-    "nv_gpu_memory_used_bytes": ("DCGM_FI_DEV_FB_USED", 1 / MIB),
-    "nv_gpu_power_usage": ("DCGM_FI_DEV_POWER_USAGE", 1.0),
-    "kiln_gpu_temperature_celsius": ("DCGM_FI_DEV_GPU_TEMP", 1.0),
-    "kiln_gpu_sm_clock_mhz": ("DCGM_FI_DEV_SM_CLOCK", 1.0),
+    names.GPU_UTILIZATION: (names.DCGM_FI_DEV_GPU_UTIL, 100.0),
+    names.GPU_MEMORY_USED_BYTES: (names.DCGM_FI_DEV_FB_USED, 1 / MIB),
+    names.GPU_POWER_USAGE: (names.DCGM_FI_DEV_POWER_USAGE, 1.0),
+    names.KILN_GPU_TEMPERATURE_CELSIUS: (names.DCGM_FI_DEV_GPU_TEMP, 1.0),
+    names.KILN_GPU_SM_CLOCK_MHZ: (names.DCGM_FI_DEV_SM_CLOCK, 1.0),
 }
 
 
@@ -93,7 +94,7 @@ def parse_exposition(text: str, instance: str) -> Series:
                 labels = labels_of({**s.labels, "instance": instance})
                 out.setdefault(s.name, {})[labels] = float(s.value)
             elif "gpu_uuid" in s.labels and (
-                s.name in _FROM_KILN or s.name == "nv_gpu_memory_total_bytes"
+                s.name in _FROM_KILN or s.name == names.GPU_MEMORY_TOTAL_BYTES
             ):
                 kiln_gpus.setdefault(s.labels["gpu_uuid"], {})[s.name] = float(s.value)
     host = instance.rsplit(":", 1)[0]
@@ -104,9 +105,9 @@ def parse_exposition(text: str, instance: str) -> Series:
             if name in _FROM_KILN:
                 dcgm, scale = _FROM_KILN[name]
                 out.setdefault(dcgm, {})[labels] = v * scale
-        if "nv_gpu_memory_total_bytes" in values and "nv_gpu_memory_used_bytes" in values:
-            free = values["nv_gpu_memory_total_bytes"] - values["nv_gpu_memory_used_bytes"]
-            out.setdefault("DCGM_FI_DEV_FB_FREE", {})[labels] = free / MIB
+        if names.GPU_MEMORY_TOTAL_BYTES in values and names.GPU_MEMORY_USED_BYTES in values:
+            free = values[names.GPU_MEMORY_TOTAL_BYTES] - values[names.GPU_MEMORY_USED_BYTES]
+            out.setdefault(names.DCGM_FI_DEV_FB_FREE, {})[labels] = free / MIB
     return out
 
 
@@ -219,12 +220,12 @@ class FleetScraper:
 
 
 _ROW = {
-    "utilization_percent": "DCGM_FI_DEV_GPU_UTIL",
-    "memory_used_mib": "DCGM_FI_DEV_FB_USED",
-    "memory_free_mib": "DCGM_FI_DEV_FB_FREE",
-    "temperature_celsius": "DCGM_FI_DEV_GPU_TEMP",
-    "power_watts": "DCGM_FI_DEV_POWER_USAGE",
-    "xid": "DCGM_FI_DEV_XID_ERRORS",
+    "utilization_percent": names.DCGM_FI_DEV_GPU_UTIL,
+    "memory_used_mib": names.DCGM_FI_DEV_FB_USED,
+    "memory_free_mib": names.DCGM_FI_DEV_FB_FREE,
+    "temperature_celsius": names.DCGM_FI_DEV_GPU_TEMP,
+    "power_watts": names.DCGM_FI_DEV_POWER_USAGE,
+    "xid": names.DCGM_FI_DEV_XID_ERRORS,
 }
 
 

@@ -10,7 +10,7 @@ Each returned point ``[t, v]`` summarizes the samples in ``[t, t + step)``:
   Δqueue_us / Δsuccess, average batch = Δinference_count / Δexec_count, ...).
 
 Runs on a worker thread with its own read connection (WAL lets it read while the
-sampler writes).
+recorder writes).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from kiln.metrics.history import QUANTILES, STORED_METRICS, connect
-from kiln.metrics.snapshot import COUNTERS
+from kiln.metrics import names
+from kiln.monitoring.history import QUANTILES, STORED_METRICS, connect
+from kiln.monitoring.snapshot import COUNTERS
 
 MAX_POINTS = 11000  # per series, as Prometheus's range queries
 MAX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, as unix seconds
@@ -34,55 +35,55 @@ MAX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, as unix seconds
 # name -> (numerator counters, denominator counters, unit, meaning)
 DERIVED: dict[str, tuple[tuple[str, ...], tuple[str, ...], str, str]] = {
     "avg_request_us": (
-        ("nv_inference_request_duration_us",),
-        ("nv_inference_request_success",),
+        (names.INFERENCE_REQUEST_DURATION_US,),
+        (names.INFERENCE_REQUEST_SUCCESS,),
         "us",
         "mean end-to-end time of a successful request",
     ),
     "avg_queue_us": (
-        ("nv_inference_queue_duration_us",),
-        ("nv_inference_request_success",),
+        (names.INFERENCE_QUEUE_DURATION_US,),
+        (names.INFERENCE_REQUEST_SUCCESS,),
         "us",
         "mean queue time per request",
     ),
     "avg_compute_us": (
         (
-            "nv_inference_compute_input_duration_us",
-            "nv_inference_compute_infer_duration_us",
-            "nv_inference_compute_output_duration_us",
+            names.INFERENCE_COMPUTE_INPUT_DURATION_US,
+            names.INFERENCE_COMPUTE_INFER_DURATION_US,
+            names.INFERENCE_COMPUTE_OUTPUT_DURATION_US,
         ),
-        ("nv_inference_request_success",),
+        (names.INFERENCE_REQUEST_SUCCESS,),
         "us",
         "mean compute (input + infer + output) time per request",
     ),
     "avg_batch_size": (
-        ("nv_inference_count",),
-        ("nv_inference_exec_count",),
+        (names.INFERENCE_COUNT,),
+        (names.INFERENCE_EXEC_COUNT,),
         "",
         "inferences per model execution",
     ),
     "error_ratio": (
-        ("nv_inference_request_failure",),
-        ("nv_inference_request_success", "nv_inference_request_failure"),
+        (names.INFERENCE_REQUEST_FAILURE,),
+        (names.INFERENCE_REQUEST_SUCCESS, names.INFERENCE_REQUEST_FAILURE),
         "",
         "failed / all requests",
     ),
     "llm_prefix_cache_hit_rate": (
-        ("vllm:prefix_cache_hits_total",),
-        ("vllm:prefix_cache_queries_total",),
+        (names.VLLM_PREFIX_CACHE_HITS_TOTAL,),
+        (names.VLLM_PREFIX_CACHE_QUERIES_TOTAL,),
         "",
         "LLM prompt tokens found in the prefix cache / looked up",
     ),
 }
 # name -> (stored counter, unit, meaning): a counter's rate under a readable name.
 ALIASES: dict[str, tuple[str, str, str]] = {
-    "throughput": ("nv_inference_count", "1/s", "inferences/s"),
+    "throughput": (names.INFERENCE_COUNT, "1/s", "inferences/s"),
     "llm_generation_tokens_per_s": (
-        "vllm:generation_tokens_total",
+        names.VLLM_GENERATION_TOKENS_TOTAL,
         "1/s",
         "LLM generated tokens/s",
     ),
-    "llm_prompt_tokens_per_s": ("vllm:prompt_tokens_total", "1/s", "LLM prefill tokens/s"),
+    "llm_prompt_tokens_per_s": (names.VLLM_PROMPT_TOKENS_TOTAL, "1/s", "LLM prefill tokens/s"),
 }
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.metrics.alerts import AlertEvaluator
 from kiln.metrics.app import MetricsService
-from kiln.metrics.fleet import FleetOptions, FleetScraper
-from kiln.metrics.history import HistoryOptions, HistorySampler
-from kiln.metrics.notify import Notifier, WebhookOptions
-from kiln.metrics.rules import AlertRule
-from kiln.metrics.snapshot import Snapshot, take_snapshot
+from kiln.monitoring.alerts import AlertEvaluator
+from kiln.monitoring.fleet import FleetOptions, FleetScraper
+from kiln.monitoring.history import HistoryOptions, HistoryRecorder
+from kiln.monitoring.notify import Notifier, WebhookOptions
+from kiln.monitoring.rules import AlertRule
+from kiln.monitoring.snapshot import Snapshot, take_snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,7 @@ class MonitorService:
         # The fleet's GPUs join every snapshot: history, alert rules and /api/live see them.
         self.fleet = FleetScraper(options.fleet) if options.fleet.enabled else None
         self.history = (
-            HistorySampler(options.history, self.snapshot) if options.history is not None else None
+            HistoryRecorder(options.history, self.snapshot) if options.history is not None else None
         )
         self.alerts = (
             AlertEvaluator(

@@ -14,8 +14,8 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 
-from kiln.metrics.promql import Aggregate, Call, Expr, Number, Selector
-from kiln.metrics.snapshot import Labels, Snapshot
+from kiln.monitoring.promql import Aggregate, Call, Expr, Number, Selector
+from kiln.monitoring.snapshot import Labels, Snapshot
 
 Vector = dict[Labels, float]
 Value = float | Vector

@@ -2,7 +2,7 @@
 
 A snapshot is taken from the same collectors that serve ``/metrics``, so history, alert
 rules and a Prometheus scrape see exactly the same names, labels and values. It is taken
-on a background thread (history sampler, alert evaluator), never on the event loop.
+on a background thread (history recorder, alert evaluator), never on the event loop.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 
 from kiln.llm.stats import HISTOGRAMS as LLM_HISTOGRAMS
+from kiln.metrics import names
 from kiln.metrics.dcgm import FIELDS as DCGM_FIELDS
 from kiln.metrics.dcgm import PROCESS_MEMORY
 from kiln.metrics.gpu import FAMILIES as GPU_FAMILIES
@@ -21,9 +22,9 @@ from kiln.metrics.gpu import FAMILIES as GPU_FAMILIES
 Labels = tuple[tuple[str, str], ...]  # sorted (name, value) pairs: hashable and canonical
 
 _HISTOGRAMS = (
-    "kiln_request_duration_seconds",
-    "kiln_batch_size",
-    "nv_inference_first_response_histogram_ms",
+    names.KILN_REQUEST_DURATION_SECONDS,
+    names.KILN_BATCH_SIZE,
+    names.INFERENCE_FIRST_RESPONSE_HISTOGRAM_MS,
     *(f"vllm:{name}" for name, _, _ in LLM_HISTOGRAMS),
 )
 _SUMMARIES = tuple(
@@ -34,28 +35,28 @@ _SUMMARIES = tuple(
 # derives rates; ``rate()`` is meaningful on them.
 COUNTERS: frozenset[str] = frozenset(
     {
-        "nv_inference_request_success",
-        "nv_inference_request_failure",
-        "nv_inference_count",
-        "nv_inference_exec_count",
-        "nv_inference_request_duration_us",
-        "nv_inference_queue_duration_us",
-        "nv_inference_compute_input_duration_us",
-        "nv_inference_compute_infer_duration_us",
-        "nv_inference_compute_output_duration_us",
-        "nv_cache_num_hits_per_model",
-        "nv_cache_num_misses_per_model",
-        "nv_cache_hit_duration_per_model",
-        "nv_cache_miss_duration_per_model",
-        "nv_energy_consumption",
-        "process_cpu_seconds_total",
-        "vllm:num_preemptions_total",
-        "vllm:prompt_tokens_total",
+        names.INFERENCE_REQUEST_SUCCESS,
+        names.INFERENCE_REQUEST_FAILURE,
+        names.INFERENCE_COUNT,
+        names.INFERENCE_EXEC_COUNT,
+        names.INFERENCE_REQUEST_DURATION_US,
+        names.INFERENCE_QUEUE_DURATION_US,
+        names.INFERENCE_COMPUTE_INPUT_DURATION_US,
+        names.INFERENCE_COMPUTE_INFER_DURATION_US,
+        names.INFERENCE_COMPUTE_OUTPUT_DURATION_US,
+        names.CACHE_NUM_HITS_PER_MODEL,
+        names.CACHE_NUM_MISSES_PER_MODEL,
+        names.CACHE_HIT_DURATION_PER_MODEL,
+        names.CACHE_MISS_DURATION_PER_MODEL,
+        names.ENERGY_CONSUMPTION,
+        names.PROCESS_CPU_SECONDS_TOTAL,
+        names.VLLM_NUM_PREEMPTIONS_TOTAL,
+        names.VLLM_PROMPT_TOKENS_TOTAL,
         "vllm:prompt_tokens_by_source_total",
         "vllm:prompt_tokens_cached_total",
-        "vllm:generation_tokens_total",
-        "vllm:prefix_cache_queries_total",
-        "vllm:prefix_cache_hits_total",
+        names.VLLM_GENERATION_TOKENS_TOTAL,
+        names.VLLM_PREFIX_CACHE_QUERIES_TOTAL,
+        names.VLLM_PREFIX_CACHE_HITS_TOTAL,
         "vllm:request_success_total",
         *(f"{h}_{s}" for h in _HISTOGRAMS for s in ("bucket", "sum", "count")),
         *(f"{h}_{s}" for h in _SUMMARIES for s in ("sum", "count")),
@@ -65,23 +66,23 @@ COUNTERS: frozenset[str] = frozenset(
 )
 GAUGES: frozenset[str] = frozenset(
     {
-        "nv_inference_pending_request_count",
-        "nv_model_load_duration_secs",
-        "kiln_model_ready",
-        "nv_cpu_utilization",
-        "nv_cpu_memory_total_bytes",
-        "nv_cpu_memory_used_bytes",
-        "process_resident_memory_bytes",
+        names.INFERENCE_PENDING_REQUEST_COUNT,
+        names.MODEL_LOAD_DURATION_SECS,
+        names.KILN_MODEL_READY,
+        names.CPU_UTILIZATION,
+        names.CPU_MEMORY_TOTAL_BYTES,
+        names.CPU_MEMORY_USED_BYTES,
+        names.PROCESS_RESIDENT_MEMORY_BYTES,
         "process_virtual_memory_bytes",
         "process_open_fds",
         "process_max_fds",
         "process_start_time_seconds",
-        "kiln_gpu_clock_event_active",
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
+        names.KILN_GPU_CLOCK_EVENT_ACTIVE,
+        names.VLLM_NUM_REQUESTS_RUNNING,
+        names.VLLM_NUM_REQUESTS_WAITING,
         "vllm:num_requests_waiting_by_reason",
         "vllm:engine_sleep_state",
-        "vllm:kv_cache_usage_perc",
+        names.VLLM_KV_CACHE_USAGE_PERC,
         "vllm:cache_config_info",
         *_SUMMARIES,
         *(name for _, name, _, is_counter in GPU_FAMILIES if not is_counter),

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from kiln.metrics.promql import Expr, ExprError, is_vector, parse, parse_duration
+from kiln.monitoring.promql import Expr, ExprError, is_vector, parse, parse_duration
 
 DEFAULT_RULES = "default_rules.yaml"
 _RULE_KEYS = {"alert", "expr", "for", "keep_firing_for", "labels", "annotations"}
@@ -211,5 +211,5 @@ def load_rules(path: Path) -> list[AlertRule]:
 
 
 def default_rules() -> list[AlertRule]:
-    text = resources.files("kiln.metrics").joinpath(DEFAULT_RULES).read_text()
+    text = resources.files("kiln.monitoring").joinpath(DEFAULT_RULES).read_text()
     return parse_rules(text, f"<kiln>/{DEFAULT_RULES}")

@@ -19,7 +19,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from kiln.metrics.history_cli import HistoryClientError, base_url, fetch_json
+from kiln.monitoring.history_cli import HistoryClientError, base_url, fetch_json
 
 MiB, GiB = 2**20, 2**30
 
@@ -198,7 +198,7 @@ def frame(url: str, summary: dict[str, Any], width: int | None = None) -> Render
         parts.append(llm_table(summary, width))
     parts.append(resources_table(summary, width))
     if summary.get("fleet"):  # a server started with --monitor-agent / --monitor-prometheus
-        from kiln.metrics.fleet_cli import fleet_table
+        from kiln.monitoring.fleet_cli import fleet_table
 
         parts.append(fleet_table(summary["fleet"], width))
     if summary.get("rollouts"):  # docs/rollouts.md

@@ -17,10 +17,10 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.dashboard import STATIC_DIR
-from kiln.frontends.http.app import json_response
 from kiln.metrics.app import MetricsService
-from kiln.metrics.live import LiveTracker
-from kiln.metrics.monitor import MonitorOptions, MonitorService
+from kiln.monitoring.live import LiveTracker
+from kiln.monitoring.routes import json_response
+from kiln.monitoring.service import MonitorOptions, MonitorService
 from kiln.server.server import Server
 
 

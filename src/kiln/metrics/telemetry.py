@@ -18,7 +18,7 @@ class Sampled(Protocol):
     def sample(self) -> None: ...
 
 
-class TelemetrySampler:
+class TelemetryPoller:
     def __init__(self, sources: list[Sampled], interval_s: float) -> None:
         self.sources = sources
         self.interval_s = interval_s

@@ -17,32 +17,33 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.metrics.fleet import fleet_figures
-from kiln.metrics.llm_live import llm_figures
-from kiln.metrics.promql_eval import histogram_quantile
-from kiln.metrics.snapshot import Labels, Snapshot
+from kiln.metrics import names
+from kiln.monitoring.fleet import fleet_figures
+from kiln.monitoring.llm_live import llm_figures
+from kiln.monitoring.promql_eval import histogram_quantile
+from kiln.monitoring.snapshot import Labels, Snapshot
 
 WINDOW_S = 10.0  # rates are over (about) the last 10 s, like a short Prometheus rate()
 MIN_INTERVAL_S = 0.5
 
 _MODEL_COUNTERS = {
-    "success": "nv_inference_request_success",
-    "failure": "nv_inference_request_failure",
-    "inferences": "nv_inference_count",
-    "executions": "nv_inference_exec_count",
-    "request_us": "nv_inference_request_duration_us",
-    "queue_us": "nv_inference_queue_duration_us",
-    "input_us": "nv_inference_compute_input_duration_us",
-    "infer_us": "nv_inference_compute_infer_duration_us",
-    "output_us": "nv_inference_compute_output_duration_us",
+    "success": names.INFERENCE_REQUEST_SUCCESS,
+    "failure": names.INFERENCE_REQUEST_FAILURE,
+    "inferences": names.INFERENCE_COUNT,
+    "executions": names.INFERENCE_EXEC_COUNT,
+    "request_us": names.INFERENCE_REQUEST_DURATION_US,
+    "queue_us": names.INFERENCE_QUEUE_DURATION_US,
+    "input_us": names.INFERENCE_COMPUTE_INPUT_DURATION_US,
+    "infer_us": names.INFERENCE_COMPUTE_INFER_DURATION_US,
+    "output_us": names.INFERENCE_COMPUTE_OUTPUT_DURATION_US,
 }
 _GPU_GAUGES = {
-    "utilization": "nv_gpu_utilization",
-    "memory_used_bytes": "nv_gpu_memory_used_bytes",
-    "memory_total_bytes": "nv_gpu_memory_total_bytes",
-    "temperature_celsius": "kiln_gpu_temperature_celsius",
-    "power_watts": "nv_gpu_power_usage",
-    "power_limit_watts": "nv_gpu_power_limit",
+    "utilization": names.GPU_UTILIZATION,
+    "memory_used_bytes": names.GPU_MEMORY_USED_BYTES,
+    "memory_total_bytes": names.GPU_MEMORY_TOTAL_BYTES,
+    "temperature_celsius": names.KILN_GPU_TEMPERATURE_CELSIUS,
+    "power_watts": names.GPU_POWER_USAGE,
+    "power_limit_watts": names.GPU_POWER_LIMIT,
 }
 _BUCKETS = "kiln_request_duration_seconds_bucket"
 
@@ -113,7 +114,7 @@ class LiveTracker:
 def model_figures(latest: Snapshot, base: Snapshot | None) -> list[dict[str, Any]]:
     now = {k: _per_model(latest, m) for k, m in _MODEL_COUNTERS.items()}
     old = {k: _per_model(base, m) for k, m in _MODEL_COUNTERS.items()} if base else {}
-    pending = _per_model(latest, "nv_inference_pending_request_count")
+    pending = _per_model(latest, names.INFERENCE_PENDING_REQUEST_COUNT)
     dt = latest.ts - base.ts if base is not None else 0.0
     delta_buckets: dict[Labels, float] = {}
     if base is not None:
@@ -161,14 +162,14 @@ def model_figures(latest: Snapshot, base: Snapshot | None) -> list[dict[str, Any
 
 
 def host_figures(latest: Snapshot, base: Snapshot | None) -> dict[str, float | None]:
-    cpu_now = _gauge(latest, "process_cpu_seconds_total")
-    cpu_old = _gauge(base, "process_cpu_seconds_total") if base is not None else None
+    cpu_now = _gauge(latest, names.PROCESS_CPU_SECONDS_TOTAL)
+    cpu_old = _gauge(base, names.PROCESS_CPU_SECONDS_TOTAL) if base is not None else None
     dt = latest.ts - base.ts if base is not None else 0.0
     return {
-        "cpu_utilization": _gauge(latest, "nv_cpu_utilization"),
-        "memory_used_bytes": _gauge(latest, "nv_cpu_memory_used_bytes"),
-        "memory_total_bytes": _gauge(latest, "nv_cpu_memory_total_bytes"),
-        "process_rss_bytes": _gauge(latest, "process_resident_memory_bytes"),
+        "cpu_utilization": _gauge(latest, names.CPU_UTILIZATION),
+        "memory_used_bytes": _gauge(latest, names.CPU_MEMORY_USED_BYTES),
+        "memory_total_bytes": _gauge(latest, names.CPU_MEMORY_TOTAL_BYTES),
+        "process_rss_bytes": _gauge(latest, names.PROCESS_RESIDENT_MEMORY_BYTES),
         # CPU seconds per second: 1.0 = one core busy (can exceed 1 with threads).
         "process_cpu_cores": (cpu_now - cpu_old) / dt
         if cpu_now is not None and cpu_old is not None and dt > 0

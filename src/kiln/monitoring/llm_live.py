@@ -11,27 +11,28 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kiln.metrics.promql_eval import histogram_quantile
-from kiln.metrics.snapshot import Labels, Snapshot
+from kiln.metrics import names
+from kiln.monitoring.promql_eval import histogram_quantile
+from kiln.monitoring.snapshot import Labels, Snapshot
 
 _GAUGES = {
-    "running": "vllm:num_requests_running",
-    "waiting": "vllm:num_requests_waiting",
-    "kv_cache_usage": "vllm:kv_cache_usage_perc",
+    "running": names.VLLM_NUM_REQUESTS_RUNNING,
+    "waiting": names.VLLM_NUM_REQUESTS_WAITING,
+    "kv_cache_usage": names.VLLM_KV_CACHE_USAGE_PERC,
 }
 _COUNTERS = {
-    "preemptions": "vllm:num_preemptions_total",
-    "prompt_tokens": "vllm:prompt_tokens_total",
-    "generation_tokens": "vllm:generation_tokens_total",
-    "prefix_queries": "vllm:prefix_cache_queries_total",
-    "prefix_hits": "vllm:prefix_cache_hits_total",
+    "preemptions": names.VLLM_NUM_PREEMPTIONS_TOTAL,
+    "prompt_tokens": names.VLLM_PROMPT_TOKENS_TOTAL,
+    "generation_tokens": names.VLLM_GENERATION_TOKENS_TOTAL,
+    "prefix_queries": names.VLLM_PREFIX_CACHE_QUERIES_TOTAL,
+    "prefix_hits": names.VLLM_PREFIX_CACHE_HITS_TOTAL,
 }
 # (figure name, histogram family, quantile): what a vLLM user watches first.
 _QUANTILES = (
-    ("ttft_p50_ms", "vllm:time_to_first_token_seconds", 0.5),
-    ("ttft_p99_ms", "vllm:time_to_first_token_seconds", 0.99),
-    ("itl_p50_ms", "vllm:inter_token_latency_seconds", 0.5),
-    ("itl_p99_ms", "vllm:inter_token_latency_seconds", 0.99),
+    ("ttft_p50_ms", names.VLLM_TIME_TO_FIRST_TOKEN_SECONDS, 0.5),
+    ("ttft_p99_ms", names.VLLM_TIME_TO_FIRST_TOKEN_SECONDS, 0.99),
+    ("itl_p50_ms", names.VLLM_INTER_TOKEN_LATENCY_SECONDS, 0.5),
+    ("itl_p99_ms", names.VLLM_INTER_TOKEN_LATENCY_SECONDS, 0.99),
     ("e2e_p50_ms", "vllm:e2e_request_latency_seconds", 0.5),
 )
 
