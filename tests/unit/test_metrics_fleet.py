@@ -14,7 +14,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from rich.console import Console
 
-from kiln.monitoring.fleet_cli import fleet_table
 from kiln.monitoring.compare import CompareError, compare, parse_window, quantile, stats
 from kiln.monitoring.fleet import (
     FleetError,
@@ -24,6 +23,7 @@ from kiln.monitoring.fleet import (
     parse_exposition,
     target_url,
 )
+from kiln.monitoring.fleet_cli import fleet_table
 from kiln.monitoring.snapshot import Snapshot
 
 KILN_METRICS = """\

@@ -83,8 +83,8 @@ def monitor_live(
         except HistoryClientError as exc:
             raise click.ClickException(str(exc)) from None
         return
-    from kiln.monitoring.fleet_cli import FleetView, run_fleet
     from kiln.monitoring.fleet import FleetError, FleetOptions
+    from kiln.monitoring.fleet_cli import FleetView, run_fleet
     from kiln.monitoring.rules import AlertRulesError
 
     try:
@@ -153,7 +153,6 @@ def monitor_compare(
 ) -> None:
     """Compare a metric over two time windows (e.g. the hour before and after a deployment):
     mean, p50, p99 and max per series, and the change."""
-    from kiln.monitoring.history_cli import HistoryClientError
     from kiln.monitoring.compare import (
         CompareError,
         compare,
@@ -163,6 +162,7 @@ def monitor_compare(
         prometheus_fetch,
         to_json,
     )
+    from kiln.monitoring.history_cli import HistoryClientError
 
     if bool(url) == bool(prometheus):
         raise click.UsageError("give either a kiln server URL or --prometheus URL")

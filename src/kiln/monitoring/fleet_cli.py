@@ -18,10 +18,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kiln.monitoring.history_cli import HistoryClientError
-from kiln.monitoring.live_cli import Column, _n, alerts_text, fetch_live, fitted_table, frame
 from kiln.monitoring.alerts import AlertEvaluator
 from kiln.monitoring.fleet import FleetOptions, FleetScraper, fleet_figures
+from kiln.monitoring.history_cli import HistoryClientError
+from kiln.monitoring.live_cli import Column, _n, alerts_text, fetch_live, fitted_table, frame
 from kiln.monitoring.notify import Notifier, WebhookOptions
 from kiln.monitoring.rules import load_rules
 
