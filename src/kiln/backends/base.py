@@ -200,7 +200,7 @@ class Backend(ABC):
 def parameter(config: ModelConfig, key: str, default: str | None = None) -> str | None:
     """A config ``parameters { key: ... value { string_value } }`` entry."""
     if key in config.parameters:
-        return config.parameters[key].string_value
+        return str(config.parameters[key].string_value)
     return default
 
 

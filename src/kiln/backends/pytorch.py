@@ -109,7 +109,7 @@ class PyTorchBackend(Backend):
             t.name: _TORCH_TYPES[DataType.from_config(_type_name(t.data_type))]
             for t in config.output
         }
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # type: ignore[no-untyped-call]
         # A lone request's short CPU call runs on the event loop's thread (``Instance``):
         # the two thread hand-offs cost more than a small model's compute. Under load the
         # instance's thread computes while the loop serves the other requests
@@ -149,7 +149,7 @@ class PyTorchBackend(Backend):
     ) -> dict[str, np.ndarray]:
         grad = torch.inference_mode() if self._inference_mode else torch.no_grad()
         stream = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
-        with grad, stream, torch.jit.optimized_execution(self._optimized):
+        with grad, stream, torch.jit.optimized_execution(self._optimized):  # type: ignore[attr-defined]
             if self._profiling is not None:
                 torch._C._jit_set_profiling_executor(self._profiling)
             args = [self._tensor(n, inputs[n]) for n in self.inputs.names]
@@ -234,7 +234,7 @@ def _load(model: str, path: Path, device: torch.device) -> tuple[Any, list[str] 
                 program = move_to_device_pass(program, device)
             module = program.module().to(device)
             return module, names
-        script = torch.jit.load(str(path), map_location=device)
+        script = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
         script.eval()
         schema = script.forward.schema
         return script, [a.name for a in schema.arguments[1:]]  # [0] is self

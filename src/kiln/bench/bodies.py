@@ -60,7 +60,7 @@ def json_data(datatype: str, arr: np.ndarray) -> list[Any]:
         return [v.decode("utf-8", "replace") for v in arr.ravel()]
     if datatype == "BF16":
         return (arr.astype(np.uint32) << 16).view(np.float32).ravel().tolist()
-    return arr.ravel().tolist()  # type: ignore[no-any-return]
+    return arr.ravel().tolist()
 
 
 def _outputs_json(spec: ModelSpec, placement: Placement, binary: bool) -> list[dict[str, Any]]:
@@ -140,4 +140,4 @@ def grpc_request(
         out = request.outputs.add(name=name)
         for key, value in slot.parameters().items():
             out.parameters[key].CopyFrom(_param(value))
-    return request.SerializeToString()
+    return bytes(request.SerializeToString())

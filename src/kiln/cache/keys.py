@@ -83,7 +83,7 @@ def model_fingerprint(config: ModelConfig, version_dir: Path) -> int:
     trimmed.CopyFrom(config)
     for name in _RUNNING_FIELDS:
         if trimmed.DESCRIPTOR.fields_by_name.get(name) is not None:
-            trimmed.ClearField(name)  # type: ignore[arg-type]
+            trimmed.ClearField(name)
     digest.update(trimmed.SerializeToString(deterministic=True))
     if version_dir.is_dir():
         files = sorted(

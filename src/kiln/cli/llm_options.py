@@ -44,7 +44,7 @@ _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 
-class ByteSize(click.ParamType):
+class ByteSize(click.ParamType[int, str | int]):
     """Bytes, as vLLM reads them: ``1073741824``, ``4G`` / ``4GiB`` (powers of 1024),
     ``4g`` (powers of 1000)."""
 

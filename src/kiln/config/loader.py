@@ -8,7 +8,7 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from google.protobuf import descriptor, json_format, text_format
 
@@ -179,7 +179,7 @@ def config_to_json(cfg: ModelConfig) -> dict[str, Any]:
     """The JSON Triton serves at ``GET /v2/models/{model}/config``."""
     data = json_format.MessageToDict(cfg, preserving_proto_field_name=True, **_PRINT_DEFAULTS)
     _int64_to_numbers(cfg.DESCRIPTOR, data)
-    return data
+    return cast("dict[str, Any]", data)
 
 
 def _int64_to_numbers(desc: descriptor.Descriptor, data: dict[str, Any]) -> None:

@@ -138,7 +138,7 @@ def _matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
 
 
 def _enum_name(value: int) -> str:
-    return PbDataType.Name(value)
+    return str(PbDataType.Name(value))
 
 
 def check_request_limits(request: InferenceRequest, max_tensors: int, max_elements: int) -> None:

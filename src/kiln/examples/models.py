@@ -48,7 +48,10 @@ def _he_normal(
 ) -> npt.NDArray[np.float32]:
     # He scaling keeps activations at a similar magnitude through the ReLU layers, so the
     # random classifiers produce spread-out (not saturated, not uniform) probabilities.
-    return (rng.standard_normal(shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
+    out: npt.NDArray[np.float32] = (rng.standard_normal(shape) * np.sqrt(2.0 / fan_in)).astype(
+        np.float32
+    )
+    return out
 
 
 def _small_bias(rng: np.random.Generator, size: int) -> npt.NDArray[np.float32]:

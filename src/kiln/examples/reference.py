@@ -30,7 +30,8 @@ def _require(inputs: Mapping[str, Array], *names: str) -> list[Array]:
 
 def _softmax(logits: F64) -> F64:
     shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))  # max-shift avoids overflow
-    return shifted / shifted.sum(axis=-1, keepdims=True)
+    out: F64 = shifted / shifted.sum(axis=-1, keepdims=True)
+    return out
 
 
 def _simple(inputs: Mapping[str, Array]) -> dict[str, Array]:

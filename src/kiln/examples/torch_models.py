@@ -41,7 +41,7 @@ class DigitMlp(torch.nn.Module):
 def write_torchscript_mlp(version_dir: Path) -> Path:
     """Trace :class:`DigitMlp` (TorchScript) into ``version_dir/model.pt``."""
     path = version_dir / "model.pt"
-    module = torch.jit.trace(DigitMlp().eval(), torch.zeros(2, 64))
+    module = torch.jit.trace(DigitMlp().eval(), torch.zeros(2, 64))  # type: ignore[no-untyped-call]
     torch.jit.save(module, str(path))
     return path
 

@@ -78,13 +78,13 @@ def _prefetch_intrinsic() -> Any:
     from numba.core import cgutils, types
     from numba.extending import intrinsic
 
-    @intrinsic  # type: ignore[untyped-decorator]
+    @intrinsic
     def prefetch_l2(typingctx: Any, array: Any, index: Any) -> Any:
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             data = context.make_array(signature.args[0])(context, builder, args[0]).data
             byte_ptr = ir.IntType(8).as_pointer()
             i32 = ir.IntType(32)
-            fn = cgutils.get_or_insert_function(
+            fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
                 builder.module,
                 ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]),
                 "llvm.prefetch.p0i8",

@@ -129,12 +129,12 @@ class DecodeGraphs:
             # torch.cuda.graph's own capture stream is made once per process, on whichever
             # device was current then: capture on a stream of this device, the same for all
             # sizes (as its docs ask of captures sharing a pool)
-            capture = torch.cuda.Stream()
+            capture = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             for size in sorted(self.sizes, reverse=True):
                 # Warm up on a side stream (as PyTorch's docs ask): the first calls compile
                 # the flex kernels and let allocators settle, none of which may happen in
                 # capture. The dummy rows only ever write the scratch page.
-                side = torch.cuda.Stream()
+                side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(2):

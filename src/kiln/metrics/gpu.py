@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -104,7 +104,7 @@ def load_nvml() -> ModuleType | None:
             "GPU metrics disabled: nvidia-ml-py is not installed (pip install kiln-serve[gpu])"
         )
         return None
-    return pynvml
+    return cast("ModuleType", pynvml)
 
 
 class GpuCollector(Collector):

@@ -9,6 +9,7 @@ and is exposed with ``version=""``; a model the user explicitly unloaded is not 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -20,7 +21,7 @@ from kiln.repository.source import LocalSource
 
 
 class ReadinessCollector(Collector):
-    def __init__(self, repository: RepositoryManager) -> None:
+    def __init__(self, repository: RepositoryManager[Any]) -> None:
         self.repository = repository
 
     def collect(self) -> Iterator[Metric]:

@@ -46,7 +46,7 @@ def load_torch(model: str) -> Any:
 
     if model_kind(model) == "torchscript":
         try:
-            return torch.jit.load(model, map_location="cpu").eval()
+            return torch.jit.load(model, map_location="cpu").eval()  # type: ignore[no-untyped-call]
         except Exception as exc:
             raise OptimizeError(f"cannot load TorchScript file '{model}': {exc}") from exc
     module_name, _, factory = model.partition(":")

@@ -32,7 +32,7 @@ METHODS = {
 }
 
 
-class BatchReader(CalibrationDataReader):
+class BatchReader(CalibrationDataReader):  # type: ignore[misc]
     """Feeds the calibration set to ``quantize_static`` in fixed-size batches."""
 
     def __init__(self, data: Batch, batch_size: int = 32) -> None:
@@ -45,7 +45,7 @@ class BatchReader(CalibrationDataReader):
         for start in range(0, n, self._batch_size):
             yield slice_batch(self._data, start, start + self._batch_size)
 
-    def get_next(self) -> Batch | None:  # type: ignore[override]
+    def get_next(self) -> Batch | None:
         return next(self._iter, None)
 
     def rewind(self) -> None:

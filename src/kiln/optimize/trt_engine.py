@@ -30,7 +30,7 @@ def profile_shapes(
 
 
 def _logger(trt: Any) -> Any:
-    class Collect(trt.ILogger):  # type: ignore[misc, name-defined]
+    class Collect(trt.ILogger):  # type: ignore[misc]
         """Keeps TensorRT's errors so a failed build can quote them."""
 
         def __init__(self) -> None:

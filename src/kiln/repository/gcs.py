@@ -47,7 +47,7 @@ class GCSSource(ObjectStoreSource):
             if os.environ.get("STORAGE_EMULATOR_HOST"):
                 from google.auth.credentials import AnonymousCredentials
 
-                client = storage.Client(project="kiln", credentials=AnonymousCredentials())
+                client = storage.Client(project="kiln", credentials=AnonymousCredentials())  # type: ignore[no-untyped-call]
             else:
                 client = storage.Client()
         except Exception as exc:  # no credentials found, a malformed key file ...

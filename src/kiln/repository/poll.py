@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 from kiln.core.errors import KilnError, Status
 from kiln.repository.manager import RepositoryManager
@@ -26,12 +27,12 @@ fingerprint = folder_fingerprint  # the older name
 log = logging.getLogger(__name__)
 
 
-def scan(manager: RepositoryManager) -> dict[str, Fingerprint]:
+def scan(manager: RepositoryManager[Any]) -> dict[str, Fingerprint]:
     return manager.fingerprints()
 
 
 class RepositoryPoller:
-    def __init__(self, manager: RepositoryManager, interval: float) -> None:
+    def __init__(self, manager: RepositoryManager[Any], interval: float) -> None:
         self.manager = manager
         self.interval = interval
         self.seen: dict[str, Fingerprint] = {}

@@ -7,7 +7,7 @@ import contextlib
 import functools
 import time
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -97,7 +97,7 @@ class DirectScheduler(Scheduler):
             raise outputs
         if self.ragged and not instance.backend.wants_requests:
             return self.ragged.split(outputs, [job])[0]
-        return outputs
+        return cast("dict[str, np.ndarray]", outputs)
 
     def _finished(self, instance: Instance, running: asyncio.Future[Any]) -> None:
         if not running.cancelled():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from kiln.backends.base import InstanceSpec
 from kiln.config.model_config_pb2 import ModelConfig, ModelInstanceGroup
@@ -195,7 +196,7 @@ class RateLimiter:
 def _group_of(config: ModelConfig, spec: InstanceSpec) -> ModelInstanceGroup | None:
     for index, group in enumerate(config.instance_group):
         if (group.name or f"{config.name}_{index}") == spec.name:
-            return group
+            return cast("ModelInstanceGroup", group)
     return None
 
 

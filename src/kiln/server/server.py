@@ -33,8 +33,9 @@ from kiln.core.trace import Tracer
 from kiln.core.trace_otel import OtelOptions
 from kiln.core.types import InferenceRequest, InferenceResponse
 from kiln.llm.engine_client import EngineClient
-from kiln.repository.manager import RepositoryManager, check_model_name, decode_files
+from kiln.repository.manager import RepositoryManager, decode_files
 from kiln.repository.poll import RepositoryPoller
+from kiln.repository.safety import check_model_name
 from kiln.repository.source import RepositoryError, RepositorySource
 from kiln.scheduling.rate_limit import RateLimiter, ResourceOverride
 from kiln.server.rollout import CLIENT_STATUSES, ModelRollout, Rollouts, check_config

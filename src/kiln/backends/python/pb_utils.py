@@ -677,4 +677,4 @@ class Metric:
     def value(self) -> float:
         if self._family._kind == MetricFamily.HISTOGRAM:
             raise self._refuse("value() is for counters and gauges")
-        return _metrics.get(self._slot)
+        return float(_metrics.get(self._slot))

@@ -76,7 +76,7 @@ def _deny_handler(handler: grpc.RpcMethodHandler, denial: Denial) -> grpc.RpcMet
     )
 
 
-class AccessInterceptor(grpc.aio.ServerInterceptor):
+class AccessInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, policy: AccessPolicy) -> None:
         self.policy = policy
 

@@ -8,7 +8,7 @@ Two implementations serve the same servicers: kiln's own HTTP/2 + gRPC protocol
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 from kiln.core.access import AccessPolicy
 from kiln.frontends.grpc.health import HealthServicer
@@ -101,10 +101,10 @@ async def _start_grpcio(
     )
     address = f"{host}:{port}"
     if tls is not None:
-        bound = grpc_server.add_secure_port(address, tls.credentials())  # type: ignore[arg-type]
+        bound = grpc_server.add_secure_port(address, tls.credentials())
     else:
         bound = grpc_server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"gRPC: unable to bind {host}:{port}")
     await grpc_server.start()
-    return grpc_server
+    return cast("GrpcListener", grpc_server)

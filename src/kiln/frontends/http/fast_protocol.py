@@ -116,7 +116,7 @@ def fast_infer_protocol(
                 super().on_headers_complete()
                 return
             self._head_complete()  # the header timeout and head limit, as the base class does
-            self.cycle = cycle  # type: ignore[assignment]
+            self.cycle = cycle
             if access is not None and self._denied(cycle):
                 return  # answered and closing: not one byte of the body is buffered
             self._fast_rx = cycle

@@ -57,7 +57,7 @@ def header_timeout_protocol(
             if not self.transport.is_closing():
                 self.transport.close()
 
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        def connection_made(self, transport: Any) -> None:
             # A TLS connection we close is aborted once close_notify has gone out, instead
             # of waiting up to 30 s for the client's (tls_close.py).
             super().connection_made(tls_close.wrap(transport, self.loop))

@@ -189,10 +189,11 @@ def _prepare(
             param="prompt",
         )
     bad_words = llm.tokenizer.bad_words_ids(req.bad_words) if req.bad_words else ()
-    for param, check in (
+    checks: tuple[tuple[str, Callable[[], object]], ...] = (
         ("n", lambda: llm.check_n(req.params.n)),
         ("priority", lambda: llm.check_priority(req.priority)),
-    ):
+    )
+    for param, check in checks:
         try:
             check()
         except KilnError as exc:

@@ -61,7 +61,7 @@ class GemmaMLP(MLP):
 
 def _scale(args: ModelArgs) -> float:
     scalar = float(args.hf_config.get("query_pre_attn_scalar", 256))
-    return scalar**-0.5
+    return float(scalar**-0.5)
 
 
 class Gemma2Attention(Attention):

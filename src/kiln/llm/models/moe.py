@@ -98,7 +98,9 @@ class SparseMoe(nn.Module):
 
 def _num_experts(raw: dict[str, object]) -> int:
     value = raw.get("num_local_experts", raw.get("num_experts"))
-    return int(value)  # type: ignore[call-overload]
+    if not isinstance(value, int | str):
+        raise ValueError(f"config.json: num_local_experts / num_experts is {value!r}")
+    return int(value)
 
 
 class MixtralDecoderLayer(DecoderLayer):

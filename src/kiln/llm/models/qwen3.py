@@ -15,7 +15,8 @@ from kiln.llm.models.rope import rotate
 def head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """``norm`` over the last dimension of ``x`` [T, heads, D], each head alone."""
     t, heads, d = x.shape
-    return norm(x.reshape(t * heads, d)).view(t, heads, d)
+    out: torch.Tensor = norm(x.reshape(t * heads, d)).view(t, heads, d)
+    return out
 
 
 def rotate_fresh(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

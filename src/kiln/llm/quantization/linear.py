@@ -11,7 +11,7 @@ these products only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -112,7 +112,7 @@ class Int4Linear(QuantLinear):
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias
-        return out
+        return cast(torch.Tensor, out)
 
     def stack(self, parts: Sequence[nn.Linear]) -> nn.Linear:
         ints = [p for p in parts if isinstance(p, Int4Linear)]
@@ -158,7 +158,7 @@ class Int8Linear(QuantLinear):
         out = out.reshape(*shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias
-        return out
+        return cast(torch.Tensor, out)
 
     def stack(self, parts: Sequence[nn.Linear]) -> nn.Linear:
         ints = [p for p in parts if isinstance(p, Int8Linear)]
@@ -245,7 +245,7 @@ class CheckpointLinear(nn.Module):
         # the model's .to(dtype) must not cast the checkpoint's tensors (an fp8 weight,
         # fp16 scales): they load as stored
         dtypes = {k: b.dtype for k, b in self._buffers.items() if b is not None}
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         for key, dtype in dtypes.items():
             buffer = self._buffers[key]
             if buffer is not None and buffer.dtype != dtype:
