@@ -11,6 +11,7 @@ import pytest
 from kiln.core.errors import KilnError
 from kiln.frontends.openai import protocol
 from kiln.frontends.openai.protocol import (
+    CHAT_FIELDS,
     COMPLETION_FIELDS,
     OpenAIError,
     chat_template_options,
@@ -64,6 +65,23 @@ def test_unknown_fields_warn_once_per_name(
         for _ in range(3):
             check_fields({"model": "m", "zzz": 1, "yyy": 2}, COMPLETION_FIELDS, "completions")
     assert sorted(r.args[1] for r in caplog.records) == ["yyy", "zzz"]  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+     "guided_grammar", "guided_whitespace_pattern", "guided_decoding_backend"],
+)  # fmt: skip
+@pytest.mark.parametrize("known", [COMPLETION_FIELDS, CHAT_FIELDS])
+def test_structured_output_fields_are_known(
+    field: str, known: frozenset[str], caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """They are used: no "is not an OpenAI or vLLM field kiln knows" warning for them."""
+    monkeypatch.setattr(protocol, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger=protocol.log.name):
+        check_fields({"model": "m", field: {}}, known, "completions")
+    assert caplog.records == []
 
 
 def test_the_warned_names_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,6 +42,14 @@ _GUIDED = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
+#: every request field structured outputs read (the OpenAI frontend's known fields)
+REQUEST_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    *_GUIDED,
+    "guided_whitespace_pattern",
+    "guided_decoding_backend",
+)
 #: keywords whose values are data, not schemas
 _DATA_KEYWORDS = ("enum", "const", "required", "default", "examples")
 #: from this many constrained rows on, masks are filled by llguidance's thread pool (vLLM's

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kiln.core.errors import KilnError, Status
 from kiln.llm.params import SAMPLING_FIELDS, InvalidField, integer, sampling_fields
 from kiln.llm.sequence import SamplingParams
+from kiln.llm.structured import REQUEST_FIELDS as STRUCTURED_FIELDS
 from kiln.llm.structured import from_request as structured_outputs
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ _COMMON_FIELDS = (
     "spaces_between_special_tokens",
     "bad_words",
     "truncate_prompt_tokens",
+    *STRUCTURED_FIELDS,
 )
 #: the template's options, for chat and /tokenize
 _TEMPLATE_FIELDS = (
