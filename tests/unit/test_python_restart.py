@@ -70,7 +70,7 @@ def test_two_threads_that_find_the_worker_dead_restart_it_once(
         gate.wait()
         backend.session.begin_restart("the Python worker stopped (test)", dead)
 
-    with caplog.at_level(logging.WARNING, logger="kiln.backends.python.session"):
+    with caplog.at_level(logging.WARNING, logger="kiln.backends.python.worker_session"):
         threads = [threading.Thread(target=report) for _ in range(8)]
         for t in threads:
             t.start()

@@ -10,10 +10,11 @@ dies, or overruns its batch's deadline (the earliest request ``timeout``, or
 restarted (and re-initialized) on a separate thread; the next execute waits for that
 restart, but no longer than its own requests' deadlines.
 
-The work is shared by three collaborators, each used by both paths: ``session.py``
-(``WorkerSession``: start, restart and stop of the worker), ``codec.py`` (``BatchCodec``:
-a batch into the arenas, the worker's answers and responses out of them) and ``broker.py``
-(``BlsBroker``: the worker's BLS and model-control calls to the server).
+The work is shared by three collaborators, each used by both paths:
+``worker_session.py`` (``WorkerSession``: start, restart and stop of the worker),
+``batch_codec.py`` (``BatchCodec``: a batch into the arenas, the worker's answers and
+responses out of them) and ``broker.py`` (``BlsBroker``: the worker's BLS and
+model-control calls to the server).
 """
 
 from __future__ import annotations
@@ -36,15 +37,15 @@ from kiln.backends.base import (
     parameter,
 )
 from kiln.backends.gpus import visible_gpu_count
+from kiln.backends.python.batch_codec import BatchCodec
 from kiln.backends.python.broker import BlsBroker
-from kiln.backends.python.codec import BatchCodec
 from kiln.backends.python.custom_metrics import FamilySnapshot, read_store
 from kiln.backends.python.deadline import batch_deadline, fail_expired
 from kiln.backends.python.env import resolve as execution_env
 from kiln.backends.python.loopcall import PIPELINE_DEPTH, LoopCall, WorkerPipe
 from kiln.backends.python.process import WorkerDied, WorkerProcess, WorkerTimeout
-from kiln.backends.python.session import WorkerSession
 from kiln.backends.python.wire import Wire
+from kiln.backends.python.worker_session import WorkerSession
 from kiln.config.loader import ConfigError, config_from_json, config_to_json
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core import activity

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kiln.backends.python import bls
-from kiln.backends.python.codec import code_of
+from kiln.backends.python.batch_codec import code_of
 from kiln.backends.python.process import WorkerDied, WorkerProcess
 from kiln.backends.python.wire import Wire
 from kiln.core import activity
