@@ -128,12 +128,12 @@ async def test_a_cancel_read_before_its_helper_thread_started_the_call_is_kept(
             "model_name": "ticker", "model_version": -1, "inputs": [], "outputs": ["TICK"],
             "request_id": "", "parameters": "{}", "stream": 5,
         }  # fmt: skip
-        inputs = backend._bls_received(call, conn)  # the reader: the message is read
-        backend._bls_cancel(5, conn)  # then the worker's cancel, before anything ran
-        await asyncio.wait_for(asyncio.to_thread(backend._bls_stream, call, inputs, conn), 30)
-        assert backend._bls_open == {}
+        inputs = backend.broker.received(call, conn)  # the reader: the message is read
+        backend.broker.cancel(5, conn)  # then the worker's cancel, before anything ran
+        await asyncio.wait_for(asyncio.to_thread(backend.broker.stream, call, inputs, conn), 30)
+        assert backend.broker.open_calls == {}
         assert callee.started == 0  # cancelled before it began
-        backend._bls_cancel(5, conn)  # a late cancel of a call that ended: nothing
+        backend.broker.cancel(5, conn)  # a late cancel of a call that ended: nothing
     finally:
         host.uninstall(_unary)
         backend.close()

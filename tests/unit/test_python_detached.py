@@ -230,8 +230,8 @@ async def test_an_execute_that_hands_requests_to_a_thread_frees_the_instance(
         for value, sink in enumerate(sinks):
             assert sink.detached  # its batch ended before its FINAL flag
             assert sink.items == [([[3, 3]], False, None), ([[value + 10] * 2], True, None)]
-        assert _backend(instance).streams == {}  # nothing left open
-        assert len(_backend(instance).flag_pool._free) >= 3  # their bytes came back
+        assert _backend(instance).codec.streams == {}  # nothing left open
+        assert len(_backend(instance).session.flag_pool._free) >= 3  # their bytes came back
     finally:
         instance.close()
 
@@ -309,7 +309,7 @@ async def test_a_detached_request_sees_its_client_go(tmp_path: Path) -> None:
         await sink.wait_final()
         assert sink.items[-1] == ([[-1, -1]], True, None)  # the request saw it too
         assert len(sink.items) < 6000
-        assert _backend(instance).streams == {}
+        assert _backend(instance).codec.streams == {}
     finally:
         instance.close()
 
@@ -418,17 +418,17 @@ async def test_a_rescheduled_request_is_not_left_open(tmp_path: Path) -> None:
         job = _job(1, sink)
         (first,) = await asyncio.to_thread(backend.execute_requests, [job])
         assert isinstance(first, Rescheduled)
-        assert backend.streams == {} and not sink.detached
+        assert backend.codec.streams == {} and not sink.detached
         assert await asyncio.to_thread(backend.execute_requests, [job]) == [{}]
         assert sink.items == [([[1, 1]], False, None), (None, True, None)]
-        assert backend.streams == {}
+        assert backend.codec.streams == {}
         # the loop's path: the scheduler refuses the reschedule; nothing is left open
         other = Sink()
         (outcome,) = await _batch(instance, _job(2, other))
         assert isinstance(outcome, Rescheduled)
-        assert backend.streams == {} and not other.detached
+        assert backend.codec.streams == {} and not other.detached
         # one byte served all three runs: each came back before the next batch took one
-        assert len(backend.flag_pool._free) == 1
+        assert len(backend.session.flag_pool._free) == 1
     finally:
         instance.close()
 
@@ -449,4 +449,4 @@ async def test_an_unload_ends_a_stream_still_open(tmp_path: Path) -> None:
     _, final, error = sink.items[-1]
     assert final and isinstance(error, KilnError)
     assert error.message == "model 'streamer' was unloaded while the request was still streaming"
-    assert _backend(instance).streams == {}
+    assert _backend(instance).codec.streams == {}

@@ -18,6 +18,7 @@ import pytest
 
 from kiln.backends.base import InstanceSpec
 from kiln.backends.python.backend import PythonBackend
+from kiln.backends.python.broker import BlsBroker
 from kiln.backends.python.deadline import BatchDeadline
 from kiln.backends.python.loopcall import WorkerPipe
 from kiln.backends.python.wire import Wire
@@ -217,7 +218,7 @@ async def test_a_request_timeout_overrun_names_that_request_even_if_the_timer_is
     assert isinstance(backend, PythonBackend)
     soon = time.monotonic_ns() + 50_000_000  # "now" is up to 50 ms before the deadline
     jobs = [_job(-3, deadline_ns=soon), _job(1)]
-    mine, mate = backend._overran(jobs, BatchDeadline(soon, from_request=True))
+    mine, mate = backend.codec.overran(jobs, BatchDeadline(soon, from_request=True))
     assert isinstance(mine, KilnError) and mine.message.startswith("Request timeout expired")
     assert isinstance(mate, KilnError) and "another request of the same batch" in mate.message
     hung = await asyncio.wait_for(_run(instance, [_job(-3, time.monotonic_ns() + 300_000_000)]), 30)
@@ -376,7 +377,7 @@ async def test_a_model_slower_than_the_budget_stops_busy_polling(tmp_path: Path)
             assert (await _run(instance, [_job(value)]))[0]["OUT"].tolist() == [[2 * value] * 2]
         assert backend.busy_polled_calls == 0
         assert backend.round_trip_ns is not None and backend.round_trip_ns >= 5_000_000
-        assert backend._busy_poll_budget() == 0
+        assert backend.busy_poll_budget() == 0
     finally:
         instance.close()
 
@@ -405,8 +406,8 @@ async def test_a_second_batch_waits_in_the_pipe_and_keeps_its_own_tensors(
     first = instance.submit_requests([_job(-5), _job(7)])
     queued = [_job(11), _job(13), _job(17)]
     second = instance.submit_requests(queued)
-    assert backend._pipe is not None and len(backend._pipe.calls) == 2
-    assert [c.slot for c in backend._pipe.calls] == [0, 1]
+    assert backend.pipe is not None and len(backend.pipe.calls) == 2
+    assert [c.slot for c in backend.pipe.calls] == [0, 1]
     (a, _, a_end), (b, b_start, b_end) = await asyncio.wait_for(asyncio.gather(first, second), 30)
     assert [o["OUT"].tolist() for o in a] == [[[-10, -10]], [[14, 14]]]
     assert [o["OUT"].tolist() for o in b] == [[[22, 22]], [[26, 26]], [[34, 34]]]
@@ -453,8 +454,8 @@ async def test_the_pipe_holds_pipeline_depth_batches_each_with_its_own_arenas(
     assert len(backend.worker.arenas) == PIPELINE_DEPTH
     first = instance.submit_requests([_job(-5)])
     rest = [instance.submit_requests([_job(v), _job(v + 0.5)]) for v in range(1, PIPELINE_DEPTH)]
-    assert backend._pipe is not None
-    assert [c.slot for c in backend._pipe.calls] == list(range(PIPELINE_DEPTH))
+    assert backend.pipe is not None
+    assert [c.slot for c in backend.pipe.calls] == list(range(PIPELINE_DEPTH))
     (slow,), _, _ = await asyncio.wait_for(first, 30)
     assert slow["OUT"].tolist() == [[-10, -10]]
     ends = []
@@ -475,8 +476,8 @@ async def test_pipeline_depth_from_the_config_sets_the_pipe_and_the_arenas(
     try:
         assert backend.pipeline_depth == 3 and len(backend.worker.arenas) == 3
         running = [instance.submit_requests([_job(-5 if v == 0 else v)]) for v in range(3)]
-        assert backend._pipe is not None
-        assert [c.slot for c in backend._pipe.calls] == [0, 1, 2]
+        assert backend.pipe is not None
+        assert [c.slot for c in backend.pipe.calls] == [0, 1, 2]
         # A fourth batch would overwrite the first's arenas: the pipe refuses it (the
         # scheduler never hands an instance more than pipeline_depth at once).
         with pytest.raises(KilnError) as refused:
@@ -595,7 +596,7 @@ async def test_a_lone_request_s_bls_call_is_a_lone_request_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While the only request in flight waits for its BLS call, the callee's request is
-    the only one the loop has (so its worker is busy-polled for, ``_busy_poll_budget``);
+    the only one the loop has (so its worker is busy-polled for, ``busy_poll_budget``);
     the count is whole again after the call, and the loop then polls for the worker's
     answer instead of sleeping until the pipe wakes it."""
     from kiln.backends import host
@@ -697,10 +698,10 @@ async def test_while_a_batch_runs_on_the_thread_path_the_next_ones_wait_for_it(
     (error,), _, _ = await asyncio.wait_for(hung, 30)
     assert isinstance(error, KilnError) and "signal 9" in error.message
     for _ in range(3000):  # until the restart is over and `slow` computes on the thread
-        if backend._restarting is None and instance._thread_calls:
+        if backend.session.restart_thread is None and instance._thread_calls:
             break
         await asyncio.sleep(0.01)
-    assert backend._restarting is None and instance._thread_calls == 1
+    assert backend.session.restart_thread is None and instance._thread_calls == 1
     driven = instance.loop_driven_calls
     late = instance.submit_requests([_job(5)])
     assert instance.loop_driven_calls == driven  # not on the loop while `slow` runs
@@ -838,20 +839,18 @@ async def test_a_bls_answer_for_a_killed_worker_does_not_reach_its_successor(
         await asyncio.to_thread(second_asked.wait, 20)
         return {"OUT": x + 1}, {}
 
-    answer = PythonBackend._bls_async
+    answer = BlsBroker._call_async
 
-    async def watched(
-        self: PythonBackend, call: Any, inputs: dict[str, np.ndarray], conn: Any
-    ) -> None:
+    async def watched(self: BlsBroker, call: Any, inputs: dict[str, np.ndarray], pipe: Any) -> None:
         try:
-            await answer(self, call, inputs, conn)
+            await answer(self, call, inputs, pipe)
         finally:
             if next(iter(inputs.values())).flat[0] == 100:
                 stale_done.set()
 
     monkeypatch.setattr(bls, "call_async", fake_call)
     monkeypatch.setattr(bls, "call", second_call)
-    monkeypatch.setattr(PythonBackend, "_bls_async", watched)
+    monkeypatch.setattr(BlsBroker, "_call_async", watched)
     try:
         soon = time.monotonic_ns() + 300_000_000
         (error,) = await asyncio.wait_for(_run(instance, [_job(100, deadline_ns=soon)]), 30)
@@ -1087,8 +1086,8 @@ async def test_a_cancel_after_the_batch_ended_writes_nothing(tmp_path: Path) -> 
         job = _job(1, sink=_AnySink())
         assert await _run(instance, [job]) == [{}]
         backend = _backend(instance)
-        freed = backend.flag_pool._free[-1]  # the request's byte, back in the pool
-        wire, watch = backend._wire([_job(7)], 0)  # the next batch: its byte where ours was
+        freed = backend.session.flag_pool._free[-1]  # the request's byte, back in the pool
+        wire, watch = backend.codec.encode([_job(7)], 0)  # the next batch: its byte where ours was
         assert wire[0]["cancel_at"] == freed
         job.cancel()  # the first request's callback runs now
         assert not backend.worker.flags.flag(wire[0]["cancel_at"])

@@ -68,15 +68,15 @@ def test_two_threads_that_find_the_worker_dead_restart_it_once(
 
     def report() -> None:
         gate.wait()
-        backend._begin_restart("the Python worker stopped (test)", dead)
+        backend.session.begin_restart("the Python worker stopped (test)", dead)
 
-    with caplog.at_level(logging.WARNING, logger="kiln.backends.python.backend"):
+    with caplog.at_level(logging.WARNING, logger="kiln.backends.python.worker_session"):
         threads = [threading.Thread(target=report) for _ in range(8)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        restarting = backend._restarting
+        restarting = backend.session.restart_thread
         assert restarting is not None
         restarting.join(60)
     restarts = [r for r in caplog.records if "restarted" in r.getMessage()]
@@ -92,15 +92,15 @@ def test_a_late_report_of_a_replaced_worker_leaves_the_new_one_alone(
     old = backend.worker.conn
     backend.worker.proc.kill()
     backend.worker.proc.wait()
-    backend._begin_restart("the Python worker stopped (test)", old)
-    restarting = backend._restarting
+    backend.session.begin_restart("the Python worker stopped (test)", old)
+    restarting = backend.session.restart_thread
     assert restarting is not None
     restarting.join(60)
     _doubles(backend, 2.0)
     pid = backend.worker.pid
-    assert backend._restarting is None
-    backend._begin_restart("the Python worker stopped (the old one, reported late)", old)
-    assert backend._restarting is None and backend.worker.pid == pid
+    assert backend.session.restart_thread is None
+    backend.session.begin_restart("the Python worker stopped (the old one, reported late)", old)
+    assert backend.session.restart_thread is None and backend.worker.pid == pid
     _doubles(backend, 4.0)
 
 
@@ -114,7 +114,7 @@ def test_nothing_meant_for_a_replaced_worker_reaches_the_new_one(
     with pytest.raises(WorkerDied, match="restarted"):
         backend.worker.send(("execute", [], 0, False), old)
     # The new worker's first message is still the answer to its initialize.
-    backend.worker.send(("initialize", backend.args, False), backend.worker.conn)
+    backend.worker.send(("initialize", backend.session.args, False), backend.worker.conn)
     assert backend.worker.recv(None, backend.worker.conn)[0] == "ready"
     # Reading the old pipe, closed by the restart, is the old worker's death.
     with pytest.raises(WorkerDied):
@@ -128,16 +128,17 @@ def test_a_restart_outlives_a_batch_that_stopped_waiting_for_it(
     """Every request of a batch expired while it waited: the batch returns, and the
     restart's marker stays until the restart is over (the loop sends nothing meanwhile)."""
     release = threading.Event()
-    backend._restarting = threading.Thread(target=release.wait, daemon=True)
-    backend._restarting.start()
+    backend.session.restart_thread = threading.Thread(target=release.wait, daemon=True)
+    backend.session.restart_thread.start()
     try:
         request = _Request(1.0)
         request.deadline_ns = 1  # long past
         (out,) = backend.execute_requests([request])
         assert not isinstance(out, dict)
-        assert backend._restarting is not None and backend._restarting.is_alive()
+        marker = backend.session.restart_thread
+        assert marker is not None and marker.is_alive()
     finally:
         release.set()
-        backend._restarting.join()
+        backend.session.restart_thread.join()
     _doubles(backend, 6.0)
-    assert backend._restarting is None
+    assert backend.session.restart_thread is None

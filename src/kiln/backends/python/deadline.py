@@ -10,9 +10,11 @@ the operator's bound, nor can a request loosen that bound.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kiln.backends.base import BackendRequest, RequestOutcome
 from kiln.core.errors import KilnError, Status
 
 
@@ -39,6 +41,17 @@ def batch_deadline(
 
 def expired(deadline_ns: int, now_ns: int) -> bool:
     return 0 < deadline_ns <= now_ns
+
+
+def fail_expired(
+    model: str, requests: list[BackendRequest], outcomes: list[RequestOutcome | None]
+) -> None:
+    """Each request still to run (its outcome None) whose deadline has passed fails with
+    ``not_started``."""
+    now = time.monotonic_ns()
+    for i, request in enumerate(requests):
+        if outcomes[i] is None and expired(request.deadline_ns, now):
+            outcomes[i] = not_started(model)
 
 
 # Triton's text leads each message: clients written for Triton match on it. UNAVAILABLE

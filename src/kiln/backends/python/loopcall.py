@@ -26,7 +26,7 @@ The pipe is the worker's ``wire.Wire``: the loop reads into the same buffer the 
 uses, so the two paths can take turns on one worker.
 
 **Detached requests.** A decoupled model's batch is answered when its ``execute`` returns
-(``detach``); requests still without their FINAL flag stay in ``PythonBackend.streams``, and
+(``detach``); requests still without their FINAL flag stay in ``BatchCodec.streams``, and
 the loop keeps reading the pipe while any does, between batches too. Only the loop path
 detaches: the thread path (warm-up, the first batch after a restart) waits for every FINAL
 flag, so no stream is open when it reads the pipe in the loop's turn.
@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, cast
@@ -101,15 +102,15 @@ class LoopCall:
 
     def handle(self, message: tuple[Any, ...]) -> None:
         """The worker's answer to this batch (``executed`` or ``error``)."""
-        backend = self.backend
+        codec = self.backend.codec
         if message[0] == "executed":
             if self.watch is not None:  # requests still open stream on after the batch
                 self.watch.detach_open(message[3])
             self.resolve(
-                backend._outcomes(self.requests, message[1], message[2], self.slot, message[3])
+                codec.outcomes(self.requests, message[1], message[2], self.slot, message[3])
             )
         else:
-            self.resolve(backend._outcomes(self.requests, None, message[1], self.slot))
+            self.resolve(codec.outcomes(self.requests, None, message[1], self.slot))
 
 
 class WorkerPipe:
@@ -120,7 +121,10 @@ class WorkerPipe:
         self.loop = loop
         self.conn = conn
         self.calls: deque[LoopCall] = deque()
-        self.streams = backend.streams  # a decoupled model's open requests, by key
+        self.session = backend.session
+        self.codec = backend.codec
+        self.broker = backend.broker
+        self.streams = backend.codec.streams  # a decoupled model's open requests, by key
         self.broken = False  # the worker was lost: nothing more is sent on this pipe
         self.diagnosing = False  # its exit status is being taken, the restart not begun
         self._held: list[LoopCall] = []  # arrived meanwhile
@@ -166,12 +170,12 @@ class WorkerPipe:
         self.calls.append(call)
         backend = self.backend
         try:
-            wire, call.watch = backend._wire(call.requests, call.slot)
+            wire, call.watch = self.codec.encode(call.requests, call.slot)
             # A decoupled batch is answered when execute returns (``detach``): requests
             # still open stream on, and the pipe is read while any is.
             # On this pipe's worker only: a restart begun on another thread since the
             # pipe was chosen makes this WorkerDied, not a batch for the new worker.
-            backend.worker.send(("execute", wire, call.slot, backend.decoupled), self.conn)
+            self.session.worker.send(("execute", wire, call.slot, backend.decoupled), self.conn)
         except WorkerDied as exc:
             # The worker is gone and never got this batch: it runs again after the
             # restart, like those queued behind a lost one.
@@ -223,7 +227,7 @@ class WorkerPipe:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self.backend._observe_round_trip(time.monotonic_ns() - call.began_ns)
+        self.backend.observe_round_trip(time.monotonic_ns() - call.began_ns)
         if self.calls:
             self._begin(self.calls[0])
 
@@ -273,6 +277,7 @@ class WorkerPipe:
         responses, BLS calls and the rest may come in any batch or between batches."""
         conn = self.conn
         backend = self.backend
+        broker = self.broker
         while (self.calls or self.streams) and not self.broken:
             ready, message = conn.take()
             if not ready:
@@ -284,21 +289,21 @@ class WorkerPipe:
                     return
                 self.calls[0].handle(message)
                 self._ended()
-            elif backend._side_message(message, conn):
+            elif backend.side_message(message, conn):
                 pass
             elif kind == "bls":
                 # Its tensors are read now: the worker may reuse their space later.
-                inputs = backend._bls_received(message[1], conn)
+                inputs = broker.received(message[1], conn)
                 if message[1].get("stream") is None:  # the callee runs as a loop task
-                    backend.bls_on_loop(message[1], inputs, conn)
+                    broker.answer_on_loop(message[1], inputs, self)
                 else:
                     # A decoupled one's parts are written from a thread while the loop
                     # keeps reading the worker: a model relaying each part as a response
                     # fills its socket, and written from the loop (blocking writes) the
                     # two would wait on each other's full buffer.
-                    self.loop.run_in_executor(None, backend._answer_bls, message[1], inputs, conn)
+                    self.loop.run_in_executor(None, broker.answer, message[1], inputs, conn)
             elif kind == "control":  # a load or unload waits for the repository: not either
-                self.loop.run_in_executor(None, backend._control, message[1], conn)
+                self.loop.run_in_executor(None, broker.control, message[1], conn)
         if self.broken:
             return
         if self.calls or self.streams:
@@ -317,13 +322,39 @@ class WorkerPipe:
         )
         self.broken = True
         self._unwatch()
-        self.backend._begin_restart(f"the Python worker sent {what} out of turn", self.conn)
+        self.session.begin_restart(f"the Python worker sent {what} out of turn", self.conn)
 
     def retire(self) -> None:
         """On the loop: the backend is closing and reads the pipe itself from now on (the
         worker's last words); a stream still open is failed by the backend."""
         self.broken = True
         self._unwatch()
+
+    def retire_threadsafe(self) -> None:
+        """``retire`` from any thread (the backend's ``close``), before it reads the
+        worker's pipe itself: the loop still reads it while a stream is open, and two
+        readers would split the worker's messages between them."""
+        if self.broken:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop or not self.loop.is_running():
+            with contextlib.suppress(RuntimeError):  # a closed loop reads nothing anyway
+                self.retire()
+            return
+        retired = threading.Event()
+
+        def retire() -> None:
+            self.retire()
+            retired.set()
+
+        try:
+            self.loop.call_soon_threadsafe(retire)
+        except RuntimeError:
+            return  # the loop is closed: nobody reads there any more
+        retired.wait(5.0)
 
     def _watch(self) -> None:
         if self._fd < 0:
@@ -352,17 +383,17 @@ class WorkerPipe:
         """The pipe closed: the worker died. Its exit status (a wait) and the restart are
         taken on a thread; the batches are answered once the restart has begun."""
         head, rest = self._take_all()
-        backend = self.backend
+        session = self.session
         self.diagnosing = True
 
         conn = self.conn
 
         def diagnose() -> KilnError:
-            text = str(exc) or backend.worker._exit_text()
+            text = str(exc) or session.worker.exit_text()
             # Nothing happens if the instance's thread met the dead worker first and
             # restarted it: a second restart would kill the new worker.
-            backend._begin_restart(f"the Python worker stopped ({text})", conn)
-            return backend._died(WorkerDied(text))
+            session.begin_restart(f"the Python worker stopped ({text})", conn)
+            return session.died(WorkerDied(text))
 
         done = self.loop.run_in_executor(None, diagnose)
 
@@ -394,13 +425,12 @@ class WorkerPipe:
         if self.broken or not self.calls or self.calls[0] is not head:
             return  # answered (a batch behind it began with its own timer) or lost
         head, rest = self._take_all()
-        backend = self.backend
         # kills (with its grace) on the restart thread
-        backend._begin_restart(
+        self.session.begin_restart(
             "a batch overran its deadline and the Python worker was killed", self.conn
         )
         if head is not None:
-            head.resolve(backend._overran(head.requests, head.deadline))
+            head.resolve(self.codec.overran(head.requests, head.deadline))
         self._restart_the_rest(rest)
 
     def _restart_the_rest(self, rest: list[LoopCall]) -> None:

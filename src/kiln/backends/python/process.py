@@ -141,7 +141,7 @@ class WorkerProcess:
                     raise WorkerDied("the worker was restarted")
                 self.conn.send(message)
         except OSError as exc:
-            raise WorkerDied(self._exit_text()) from exc
+            raise WorkerDied(self.exit_text()) from exc
 
     @contextlib.contextmanager
     def sending(self, conn: Wire | None) -> Iterator[None]:
@@ -166,9 +166,9 @@ class WorkerProcess:
                 raise WorkerTimeout()
             return wire.recv()
         except (EOFError, OSError, ValueError) as exc:  # ValueError: a closed socket's fd
-            raise WorkerDied(self._exit_text()) from exc
+            raise WorkerDied(self.exit_text()) from exc
 
-    def _exit_text(self) -> str:
+    def exit_text(self) -> str:
         if self.proc is None:
             return "the worker was never started"
         try:
