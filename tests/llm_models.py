@@ -68,7 +68,7 @@ def build_tiny_llm(folder: Path, arch: str = "llama", **overrides: Any) -> Path:
         tie_word_embeddings=False,
     )
     shape.update(overrides)
-    # the newer architectures (tests/unit/test_llm_architectures.py): their classes by name
+    # the newer architectures (tests/unit/llm/test_llm_architectures.py): their classes by name
     classes = {
         "qwen2": "Qwen2",
         "mistral": "Mistral",

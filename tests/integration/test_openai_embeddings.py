@@ -233,7 +233,7 @@ def test_generation_completes_while_embeddings_run(
     """Embedding batches run off the event loop (on their engine's thread): a generation
     request sent while they run completes, token for token as ``transformers``
     generates. (Pooling batches sharing one engine with generation steps:
-    tests/unit/test_llm_pooling.py.)"""
+    tests/unit/llm/test_llm_pooling.py.)"""
     from kiln.llm.tokenizer import Tokenizer
 
     texts = [TEXTS[2]] * 8

@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field  # noqa: E402
 
 from tests.conftest import KilnProcess  # noqa: E402
 from tests.llm_models import llm_config, tiny_llm_repository  # noqa: E402
-from tests.unit.test_llm_structured import ENUMS, ITEMS, PERSON  # noqa: E402
+from tests.unit.llm.test_llm_structured import ENUMS, ITEMS, PERSON  # noqa: E402
 
 CONFIG = llm_config(max_num_seqs="8", num_gpu_blocks="128")
 #: random weights love whitespace: with it allowed a JSON value never ends (vLLM's option)

@@ -40,7 +40,7 @@ Q_BLOCK = 128
 #: compilations of flex_attention allowed. Dynamo specialises each of a step's batch, query
 #: length, query blocks and pages per sequence on being 1 or more, and each mask_mod (full,
 #: windowed) separately: a serving mix compiles ~13 variants for a full-attention model and
-#: ~24 with full and windowed layers (tests/unit/test_llm_attention_flex.py). torch.compile's
+#: ~24 with full and windowed layers (tests/unit/llm/test_llm_attention_flex.py). torch.compile's
 #: default limit is 8, past which fullgraph=True raises FailOnRecompileLimitHit.
 FLEX_RECOMPILE_LIMIT = 64
 _compiled: Callable[..., Any] | None = None

@@ -18,7 +18,7 @@ from kiln.llm.config import EngineConfig
 from kiln.llm.engine import LLMEngine
 from kiln.llm.quantization.config import QuantConfig, check_requested, parse
 from tests.llm_quant import base_model, write_awq, write_int8
-from tests.unit.test_llm_checkpoint import _config
+from tests.unit.llm.test_llm_checkpoint import _config
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from kiln.llm.config import EngineConfig
 from kiln.llm.engine import LLMEngine
 from kiln.llm.sequence import SamplingParams
 from tests.llm_models import build_tiny_llm, reference_generate
-from tests.unit.test_llm_checkpoint import _config
+from tests.unit.llm.test_llm_checkpoint import _config
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -27,7 +27,7 @@ from kiln.llm.engine import LLMEngine
 from kiln.llm.scheduler import SchedulerOutput
 from kiln.llm.sequence import SamplingParams, Sequence
 from tests.llm_models import build_tiny_llm, reference_generate
-from tests.unit.test_llm_scheduling import _config
+from tests.unit.llm.test_llm_scheduling import _config
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -22,7 +22,7 @@ from kiln.backends.base import ResponseSink
 from kiln.backends.python.backend import PythonBackend
 from kiln.backends.python.process import WorkerDied
 from kiln.config.loader import parse_config_text
-from tests.unit.test_python_loopcall import CONFIG, MODEL, SPEC
+from tests.unit.backends.python.test_python_loopcall import CONFIG, MODEL, SPEC
 
 
 class _Request:

@@ -27,7 +27,7 @@ from kiln.llm.quantization.linear import Int4Linear  # noqa: E402
 from kiln.llm.sequence import SamplingParams  # noqa: E402
 from tests.llm_models import build_tiny_llm  # noqa: E402
 from tests.llm_quant import kiln_logits  # noqa: E402
-from tests.unit.test_llm_gguf import _write_gguf  # noqa: E402
+from tests.unit.llm.test_llm_gguf import _write_gguf  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 PROMPT = [1, 5, 17, 42, 99, 3, 250, 7, 8, 9, 10]
