@@ -133,3 +133,29 @@ def test_quantization_parameter_and_flag() -> None:
     assert _config({}).quantization == "auto"
     assert _config({"quantization": "AWQ"}).quantization == "awq"
     assert ENGINE_FLAGS["quantization"] == "quantization"
+
+
+def test_quantized_moe_experts_are_refused_at_load(tmp_path: Path) -> None:
+    """The experts' matrices are stacked for the grouped matmul, which takes float weights:
+    a checkpoint with int8 experts is refused by name (it used to fail mid-load or at the
+    first forward with a dtype error)."""
+    import torch
+
+    from tests.llm_models import build_tiny_llm
+    from tests.llm_quant import _compressed
+
+    folder = build_tiny_llm(tmp_path / "mixtral", "mixtral")
+    tensors = load_file(str(folder / "model.safetensors"))
+    experts = [n for n in tensors if ".experts." in n and n.endswith(".weight")]
+    assert experts
+    for name in experts:
+        w = tensors[name].float()
+        scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+        tensors[name] = (w / scale).round().clamp(-128, 127).to(torch.int8)
+        tensors[name.removesuffix("weight") + "weight_scale"] = scale
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = _compressed("int", "channel", "int-quantized", False)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(KilnError, match=r"experts\.0\.w\d: quantized Mixture-of-Experts"):
+        _load(folder)

@@ -111,6 +111,14 @@ def apply(
             if quant.weights == "int4" and ("scales" in own or "qzeros" in own):
                 raise KilnError(f"llm backend: {layer} has no qweight", Status.INVALID_ARG)
             continue
+        if ".experts." in f".{name}.":
+            # the experts' matrices are stacked into one grouped matmul at load (moe.py),
+            # which takes float weights only: refused here rather than failing mid-load
+            raise KilnError(
+                f"llm backend: {layer}: quantized Mixture-of-Experts experts ({quant.method}) "
+                "are not supported; serve the unquantized checkpoint",
+                Status.INVALID_ARG,
+            )
         for options in _REQUIRED[quant.weights]:
             if not any(o in own for o in options):
                 raise KilnError(
