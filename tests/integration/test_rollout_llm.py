@@ -69,3 +69,60 @@ def test_openai_split_sticky_on_user_and_generate_split(
     after = _successes(server)
     assert after["1"] - before["1"] >= 2 and after["2"] - before["2"] >= 1
     assert sum(after.values()) - sum(before.values()) == 25
+
+
+def test_llm_shadow_compares_tokens(make_server: type[KilnProcess], tmp_path: Path) -> None:
+    """A shadow version of an LLM model repeats each finished generation (same prompt,
+    same sampling) and is compared token by token: the same weights agree on every
+    token, other weights do not; the callers only ever see the primary's answers."""
+    import time
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    repo = tmp_path / "repo"
+    for v in ("1", "2", "3"):
+        build_tiny_llm(repo / "tiny" / v)
+    weights = repo / "tiny" / "3" / "model.safetensors"
+    tensors = load_file(str(weights))
+    torch.manual_seed(1)
+    save_file({k: torch.randn_like(t) if t.ndim == 2 else t for k, t in tensors.items()},
+              str(weights))  # fmt: skip
+    (repo / "tiny" / "config.pbtxt").write_text(CONFIG + "version_policy { all {} }\n")
+    server = make_server(repo).start(timeout=180)
+    client = openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="-", max_retries=0)
+    url = f"http://{server.http_url}/v2/repository/models/tiny/rollout"
+
+    def shadowed(version: str, prompts: list[str]) -> dict[str, object]:
+        r = requests.post(url, json={"traffic_split": "1:100", "shadow": version}, timeout=10)
+        assert r.status_code == 200, r.text
+        texts = [
+            client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0)
+            .choices[0].text
+            for p in prompts
+        ]  # fmt: skip
+        pinned = [
+            requests.post(f"http://{server.http_url}/v2/models/tiny/versions/1/generate",
+                          json={"text_input": p, "max_tokens": 8, "temperature": 0},
+                          timeout=60).json()["text_output"]
+            for p in prompts
+        ]  # fmt: skip
+        # the callers got version 1's answers (generate returns the prompt and the text)
+        assert pinned == [p + t for p, t in zip(prompts, texts, strict=True)]
+        deadline = time.monotonic() + 60
+        while True:
+            shadow = requests.get(url, timeout=10).json()["shadow"]
+            if shadow["compared"] + shadow["errors"] >= len(prompts) * 2:
+                return dict(shadow)
+            assert time.monotonic() < deadline, shadow
+            time.sleep(0.1)
+
+    prompts = ["the quick brown", "once upon a", "hello"]
+    same = shadowed("2", prompts)
+    assert same["errors"] == 0 and same["exact_agreement"] == 1.0
+    assert same["token_agreement"] == 1.0
+    other = shadowed("3", prompts)
+    assert other["errors"] == 0 and other["token_agreement"] is not None
+    assert other["token_agreement"] < 1.0
+    metrics = requests.get(server.metrics_url, timeout=10).text
+    assert 'kiln_shadow_compared_total{model="tiny",version="3",kind="tokens"}' in metrics

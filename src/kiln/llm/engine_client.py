@@ -14,6 +14,7 @@ vLLM's ``EngineClient`` is the same split: the OpenAI layer sees ``generate`` / 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
@@ -45,6 +46,11 @@ class _Request:
     first_token: int = 0
 
 
+#: (prompt token ids, sampling params, each sample's output token ids, seconds)
+FinishedHook = Callable[[list[int], "SamplingParams", dict[int, list[int]], float], None]
+log = logging.getLogger(__name__)
+
+
 class EngineClient:
     """One loaded LLM model version's engine, as frontends may use it."""
 
@@ -67,6 +73,9 @@ class EngineClient:
         self._tracer = tracer
         self._admit = admit
         self._live: dict[str, _Request] = {}
+        #: told of each generation that ended normally: (prompt, params, each sample's
+        #: output token ids, seconds); the server's rollout shadow sets it
+        self.on_finished: FinishedHook | None = None
 
     # ---- what the engine accepts -----------------------------------------------------
     @property
@@ -153,6 +162,8 @@ class EngineClient:
                 self.model_name, self.model_version, trace_id or request_id, times.received
             )
         outcome: FailureReason | None = FailureReason.CANCELED
+        observe = self.on_finished
+        tokens: dict[int, list[int]] | None = {} if observe is not None else None
         try:
             engine = self._backend.async_engine
             async with aclosing(engine.generate(prompt, params, request_id, priority)) as outs:
@@ -162,6 +173,8 @@ class EngineClient:
                         if out.first_scheduled_time is not None:  # the engine's clock: monotonic
                             live.scheduled = int(out.first_scheduled_time * 1e9)
                     live.tokens[out.index] = out.num_output_tokens
+                    if tokens is not None:
+                        tokens.setdefault(out.index, []).extend(out.new_token_ids)
                     if out.finished:
                         live.ended.add(out.index)
                     yield out
@@ -182,6 +195,11 @@ class EngineClient:
             if trace is not None:
                 _trace_end(trace, times.received, end, live, params, len(prompt))
             done()
+            if outcome is None and observe is not None and tokens is not None:
+                try:
+                    observe(prompt, params, tokens, (end - times.received) / 1e9)
+                except Exception:  # an observer never fails the request it watched
+                    log.exception("llm: the finished-generation hook failed")
 
     async def pool(self, prompts: list[list[int]], priority: int = 0) -> list[torch.Tensor]:
         """Each prompt's pooled vector (``runner: pooling``), counted in flight like a

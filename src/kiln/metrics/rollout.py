@@ -59,6 +59,7 @@ class RolloutCollector(Collector):
             for kind, hit, n in (
                 ("exact", st.exact, st.compared),
                 ("top1", st.top1, st.top1_compared),
+                ("tokens", st.token_agree, st.token_positions),  # LLM output positions
             ):
                 agree.add_sample("kiln_shadow_agreement_total", {**lv, "kind": kind}, hit)
                 compared.add_sample("kiln_shadow_compared_total", {**lv, "kind": kind}, n)
@@ -85,13 +86,15 @@ def rollouts_text(rollouts: list[dict[str, Any]]) -> Text:
         shadow = r.get("shadow")
         if shadow is not None:
             exact, top1 = shadow["exact_agreement"], shadow["top1_agreement"]
+            tokens = shadow.get("token_agreement")
             delta = shadow["mean_latency_delta_s"]
             text.append(
                 f"  shadow v{r['policy']['shadow'].split(':')[0]}: sent {shadow['sent']}"
                 f" dropped {shadow['dropped']} errors {shadow['errors']}"
                 f" exact {'-' if exact is None else f'{exact:.0%}'}"
                 f" top1 {'-' if top1 is None else f'{top1:.0%}'}"
-                f" max|diff| {shadow['max_abs_diff']:.3g}"
+                + (f" tokens {tokens:.0%}" if tokens is not None else "")
+                + f" max|diff| {shadow['max_abs_diff']:.3g}"
                 f" Δlatency {'-' if delta is None else f'{delta * 1e3:+.2f} ms'}"
             )
         if r["events"]:

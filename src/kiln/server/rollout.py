@@ -268,6 +268,9 @@ class ShadowStats:
     top1_compared: int = 0
     max_abs_diff: float = 0.0  # the largest seen
     latency_delta_sum: float = 0.0  # shadow - primary, seconds
+    # LLM generations: output positions compared, and those holding the same token
+    token_positions: int = 0
+    token_agree: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -278,6 +281,9 @@ class ShadowStats:
             "exact_agreement": self.exact / self.compared if self.compared else None,
             "top1_agreement": self.top1 / self.top1_compared if self.top1_compared else None,
             "max_abs_diff": self.max_abs_diff,
+            "token_agreement": (
+                self.token_agree / self.token_positions if self.token_positions else None
+            ),
             "mean_latency_delta_s": (
                 self.latency_delta_sum / self.compared if self.compared else None
             ),
@@ -285,6 +291,21 @@ class ShadowStats:
 
 
 Infer = Callable[[InferenceRequest], Awaitable[InferenceResponse]]
+#: an LLM model version's generation for a shadow copy: (model, version, prompt token ids,
+#: sampling params) -> each sample's output token ids; injected by the server
+LLMGenerate = Callable[[str, int, list[int], Any], Awaitable[dict[int, list[int]]]]
+
+
+@dataclass(frozen=True, slots=True)
+class LLMShadowJob:
+    """A generation to repeat on the shadow version, and what the primary produced."""
+
+    prompt: list[int]
+    params: Any  # kiln.llm.sequence.SamplingParams (the llm layer sits beside this one)
+    tokens: dict[int, list[int]]  # each sample's output token ids
+    secs: float
+
+
 # (model, version) -> the name of an alert rule firing for it, or None: kiln's alert
 # evaluator, injected by ``kiln serve`` (the metrics layer sits above the server)
 AlertCheck = Callable[[str, int], "str | None"]
@@ -312,7 +333,11 @@ class ModelRollout:
         self.events: deque[dict[str, Any]] = deque(maxlen=20)
         self.windows: dict[int, _Window] = {}
         self.shadow_stats = ShadowStats()
-        self._queue: asyncio.Queue[tuple[InferenceRequest, InferenceResponse, float]] | None = None
+        self._queue: (
+            asyncio.Queue[tuple[InferenceRequest, InferenceResponse, float] | LLMShadowJob] | None
+        ) = None
+        #: runs an LLM shadow copy (``Rollouts.llm_generate``)
+        self.llm_generate: LLMGenerate | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._weights: dict[int, float] = {}
         self._table: list[tuple[int, float]] = []
@@ -459,11 +484,51 @@ class ModelRollout:
         # the outputs as computed: the server replaces the list later (classification)
         self._queue.put_nowait((copy, replace(response, outputs=list(response.outputs)), secs))
 
+    def offer_llm_shadow(
+        self,
+        served: int,
+        prompt: list[int],
+        params: Any,
+        tokens: dict[int, list[int]],
+        secs: float,
+    ) -> None:
+        """Queue a generation of version ``served`` (finished, ``tokens`` its samples'
+        outputs) to be repeated on the shadow version; never waits, full: dropped."""
+        p = self.policy
+        if p.shadow is None or served == p.shadow or self._queue is None:
+            return
+        if p.shadow_fraction < 1 and self.rng.random() >= p.shadow_fraction:
+            return
+        if self._queue.full():
+            self.shadow_stats.dropped += 1
+            return
+        self._queue.put_nowait(LLMShadowJob(prompt, params, tokens, secs))
+
+    async def _llm_shadow(self, job: LLMShadowJob) -> None:
+        stats = self.shadow_stats
+        stats.sent += 1
+        t0 = time.perf_counter()
+        try:
+            if self.llm_generate is None or self.policy.shadow is None:
+                raise RuntimeError("no LLM generation for shadow copies")
+            theirs = await self.llm_generate(self.model, self.policy.shadow, job.prompt, job.params)
+        except Exception as exc:  # the shadow's failure is counted, never raised
+            stats.errors += 1
+            log.debug("LLM shadow of model '%s' failed: %s", self.model, exc)
+            return
+        stats.compared += 1
+        stats.latency_delta_sum += time.perf_counter() - t0 - job.secs
+        compare_tokens(job.tokens, theirs, stats)
+
     async def _shadow_worker(self, infer: Infer) -> None:
         assert self._queue is not None
         stats = self.shadow_stats
         while True:
-            request, primary, primary_secs = await self._queue.get()
+            item = await self._queue.get()
+            if isinstance(item, LLMShadowJob):
+                await self._llm_shadow(item)
+                continue
+            request, primary, primary_secs = item
             stats.sent += 1
             t0 = time.perf_counter()
             try:
@@ -533,6 +598,22 @@ def _compare(primary: InferenceResponse, shadow: InferenceResponse, stats: Shado
         stats.top1 += top1
 
 
+def compare_tokens(
+    primary: dict[int, list[int]], shadow: dict[int, list[int]], stats: ShadowStats
+) -> None:
+    """Exact agreement (every sample's tokens equal) and token agreement: positions, up
+    to the longer of the two outputs, that hold the same token (meaningful for greedy or
+    seeded requests; a sampled request's copy draws its own tokens)."""
+    exact = set(primary) == set(shadow)
+    for index, ours in primary.items():
+        theirs = shadow.get(index, [])
+        same = sum(1 for a, b in zip(ours, theirs, strict=False) if a == b)
+        stats.token_positions += max(len(ours), len(theirs))
+        stats.token_agree += same
+        exact = exact and ours == theirs
+    stats.exact += exact
+
+
 class Rollouts:
     """Every model's rollout; the server asks it which version a request gets."""
 
@@ -540,6 +621,8 @@ class Rollouts:
         self.rng = rng or random.Random()
         self.models: dict[str, ModelRollout] = {}
         self.alert_firing: AlertCheck | None = None
+        #: repeats an LLM generation on a shadow version (the server's)
+        self.llm_generate: LLMGenerate | None = None
         # the config each model's policy was read from: a reload brings its own policy
         self._configs: dict[str, ModelConfig] = {}
 
@@ -583,6 +666,7 @@ class Rollouts:
         # the server) still reaches the rollouts made before it
         rollout = ModelRollout(model, policy, source, self.rng, self._alert)
         rollout.set_versions(versions)
+        rollout.llm_generate = self.llm_generate
         rollout.start(infer)
         self.models[model] = rollout
         log.info("rollout of model '%s' (%s): %s", model, source, policy.to_json())
@@ -612,10 +696,12 @@ def check_config(config: ModelConfig, versions: list[int]) -> None:
 
 __all__ = [
     "FIELDS",
+    "LLMShadowJob",
     "ModelRollout",
     "RolloutPolicy",
     "Rollouts",
     "check_config",
+    "compare_tokens",
     "parse_policy",
     "sticky_point",
 ]

@@ -10,6 +10,7 @@ import enum
 import logging
 import random
 import time
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from kiln.core.shm import MAX_REGIONS, SharedMemoryManager
 from kiln.core.trace import Tracer
 from kiln.core.trace_otel import OtelOptions
 from kiln.core.types import InferenceRequest, InferenceResponse
-from kiln.llm.engine_client import EngineClient
+from kiln.llm.engine_client import EngineClient, FinishedHook
 from kiln.repository.manager import RepositoryManager, decode_files
 from kiln.repository.poll import RepositoryPoller
 from kiln.repository.safety import check_model_name
@@ -112,6 +113,7 @@ class Server:
         )
         # weighted splits, shadows and canaries between versions (server/rollout.py)
         self.rollouts = Rollouts(random.Random(options.rollout_seed))
+        self.rollouts.llm_generate = self._llm_shadow
         self.shm = SharedMemoryManager(
             max_regions=options.max_shm_regions,
             allow_other_owners=options.allow_shm_other_owners,
@@ -344,7 +346,35 @@ class Server:
         another backend: 400."""
         if self.shutting_down:
             raise KilnError("server is shutting down", Status.UNAVAILABLE)
-        return self._route(name, version, parameters or {})[0].llm_engine()
+        runtime, rollout = self._route(name, version, parameters or {})
+        client = runtime.llm_engine()
+        if rollout is not None and rollout.policy.shadow is not None:
+            # its finished generations are repeated on the shadow version (compared token
+            # by token); the hook reads the model's rollout at each call, so a policy
+            # changed or removed later takes effect at once
+            client.on_finished = self._llm_observer(name, runtime.version)
+        return client
+
+    def _llm_observer(self, name: str, version: int) -> FinishedHook:
+        def observe(
+            prompt: list[int], params: Any, tokens: dict[int, list[int]], secs: float
+        ) -> None:
+            rollout = self.rollouts.models.get(name)
+            if rollout is not None:
+                rollout.offer_llm_shadow(version, list(prompt), params, tokens, secs)
+
+        return observe
+
+    async def _llm_shadow(
+        self, name: str, version: int, prompt: list[int], params: Any
+    ) -> dict[int, list[int]]:
+        """An LLM shadow copy: the same prompt and sampling on ``version``; each sample's
+        output token ids."""
+        client = self.repository.get(name, str(version)).llm_engine()
+        tokens: dict[int, list[int]] = {}
+        async for out in client.generate(prompt, params, f"shadow-{uuid.uuid4().hex}"):
+            tokens.setdefault(out.index, []).extend(out.new_token_ids)
+        return tokens
 
     def llm_engines(self) -> dict[str, EngineClient]:
         """The ready LLM models' engines, by name (each model's latest ready version)."""

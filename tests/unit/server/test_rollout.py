@@ -259,3 +259,18 @@ def test_guard_rolls_back_when_an_alert_fires_for_the_canary() -> None:
     assert r.evaluate(100.5, 100.0) == "rollback"
     assert r.weights == {2: 0.0, 1: 100.0}
     assert r.events[-1]["message"] == "alert 'CanaryFails' is firing for version 2"
+
+
+def test_llm_outputs_are_compared_token_by_token() -> None:
+    from kiln.server.rollout import ShadowStats, compare_tokens
+
+    stats = ShadowStats()
+    compare_tokens({0: [1, 2, 3]}, {0: [1, 2, 3]}, stats)
+    assert (stats.exact, stats.token_agree, stats.token_positions) == (1, 3, 3)
+    # a shorter or diverging answer: positions up to the longer output, equal ones counted
+    compare_tokens({0: [1, 2, 3, 4]}, {0: [1, 9, 3]}, stats)
+    assert (stats.exact, stats.token_agree, stats.token_positions) == (1, 5, 7)
+    # n = 2: every sample compared; a missing sample agrees on nothing
+    compare_tokens({0: [5], 1: [6, 7]}, {0: [5]}, stats)
+    assert (stats.exact, stats.token_agree, stats.token_positions) == (1, 6, 10)
+    assert stats.to_json()["token_agreement"] == 0.6
