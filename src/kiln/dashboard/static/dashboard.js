@@ -226,6 +226,7 @@
       cell(tr, sh.dropped ?? "–", "num");
       cell(tr, pct(sh.exact_agreement), "num");
       cell(tr, pct(sh.top1_agreement), "num");
+      cell(tr, pct(sh.token_agreement), "num tokens");
       cell(tr, sh.max_abs_diff == null ? "–" : Number(sh.max_abs_diff).toPrecision(3), "num");
       cell(tr, fmt(scaled(sh.mean_latency_delta_s, 1000), 2), "num");
       const ev = r.events.length ? r.events[r.events.length - 1] : null;
