@@ -48,10 +48,12 @@ def test_agent_process_serves_dcgm_families(tmp_path: Path) -> None:
 
 
 def test_agent_imports_no_serving_stack() -> None:
-    # The agent runs on every GPU host: torch and the model server stay out of it.
+    # The agent runs on every GPU host: torch and the model server stay out of it (the
+    # command line's option tables read kiln.llm's small config modules, no engine).
+    serving = "('torch', 'kiln.launch', 'kiln.server', 'kiln.llm.engine', 'kiln.backends')"
     code = (
         "import sys, kiln.cli, kiln.metrics.agent, kiln.monitoring.fleet; "
-        "print(sorted(m for m in ('torch', 'kiln.launch', 'kiln.llm') if m in sys.modules))"
+        f"print(sorted(m for m in {serving} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -233,6 +233,6 @@ async def test_a_batch_that_cannot_be_wired_fails_alone_and_the_model_keeps_serv
         assert "model 'double'" in err.value.message and "ValueError" in err.value.message
         outcomes = (await asyncio.wait_for(instance.submit_requests([_job(2), _job(3)]), 30))[0]
         assert [o["OUT"].tolist() for o in outcomes] == [[[4, 4]], [[6, 6]]]
-        flags_end.append(backend.flag_pool.arena.cursor)
+        flags_end.append(backend.session.flag_pool.arena.cursor)
     # the failed batches' cancellation bytes went back to the pool: no byte per failure
     assert flags_end[1:] == flags_end[:-1]
