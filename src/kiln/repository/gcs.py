@@ -37,7 +37,7 @@ class GCSSource(ObjectStoreSource):
         try:
             with warnings.catch_warnings():  # google-auth's notices about grpcio/Python
                 warnings.simplefilter("ignore", FutureWarning)
-                from google.cloud import storage
+                import google.cloud.storage as storage
         except ImportError:
             raise RepositoryError(
                 f"model repository '{url}': gs:// repositories need google-cloud-storage: "
