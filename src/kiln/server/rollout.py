@@ -49,6 +49,10 @@ FIELDS = (
 # Statuses that are the caller's fault: they say nothing about a version's health.
 CLIENT_STATUSES = (Status.INVALID_ARG, Status.NOT_FOUND, Status.ALREADY_EXISTS)
 _GUARD_TICK_S = 0.25  # how often the guard looks (a rollback is "at once" within this)
+#: bounds on what a policy may ask for: each queued shadow copy holds the request's inputs,
+#: and a shorter interval than the guard's tick would only wake the event loop for nothing
+MAX_SHADOW_QUEUE = 4096
+MAX_STEPS = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +164,8 @@ def parse_policy(model: str, fields: Mapping[str, Any], loaded: set[int]) -> Rol
             if not 0 < fraction <= 1:
                 raise bad("shadow", f"fraction must be in (0, 1], got '{frac}'")
     queue = int(number("shadow_queue_size", 64, 1))
+    if queue > MAX_SHADOW_QUEUE:
+        raise bad("shadow_queue_size", f"must be at most {MAX_SHADOW_QUEUE}, got {queue}")
 
     canary = version("canary", f["canary"]) if "canary" in f else None
     primary = version("primary", f["primary"]) if "primary" in f else None
@@ -169,6 +175,8 @@ def parse_policy(model: str, fields: Mapping[str, Any], loaded: set[int]) -> Rol
         number_of("steps", s, bad)
         for s in filter(None, map(str.strip, f.get("steps", "").split(",")))
     )
+    if len(steps) > MAX_STEPS:
+        raise bad("steps", f"holds {len(steps)} steps, at most {MAX_STEPS}")
     if any(not 0 <= s <= 100 for s in steps) or list(steps) != sorted(steps):
         raise bad("steps", f"must be rising percentages in [0, 100], got '{f.get('steps')}'")
     if steps and canary is None:
@@ -180,6 +188,8 @@ def parse_policy(model: str, fields: Mapping[str, Any], loaded: set[int]) -> Rol
     interval = number("interval_secs", 60.0)
     if interval <= 0:
         raise bad("interval_secs", "must be > 0")
+    if interval < _GUARD_TICK_S:
+        raise bad("interval_secs", f"must be at least {_GUARD_TICK_S} s (the guard's tick)")
     delta = number("max_error_rate_delta", 0.0) if "max_error_rate_delta" in f else None
     if delta is not None and delta > 1:
         raise bad("max_error_rate_delta", f"is a rate difference in [0, 1], got {delta:g}")

@@ -68,6 +68,10 @@ def test_no_fields_is_no_policy() -> None:
         ),
         ({"canary": "2", "steps": "10", "interval_secs": "-1"}, "interval_secs", ">= 0"),
         ({"sticky_key": "header"}, "sticky_key", "parameter:NAME"),
+        # client-chosen sizes are bounded: a queue of copies, a step list, the guard's pace
+        ({"shadow": "2", "shadow_queue_size": "1e9"}, "shadow_queue_size", "at most 4096"),
+        ({"canary": "2", "steps": ",".join(["1"] * 101)}, "steps", "at most 100"),
+        ({"canary": "2", "steps": "10", "interval_secs": "1e-9"}, "interval_secs", "0.25 s"),
         ({"weights": "1:1"}, "weights", "unknown"),
     ],
 )
