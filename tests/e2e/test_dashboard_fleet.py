@@ -16,21 +16,13 @@ from playwright.sync_api import Browser
 from kiln.examples import build_example_repository
 from tests.conftest import KilnProcess
 from tests.e2e.conftest import TIMEOUT_MS, Watched
-from tests.fake_nvml import fake_gpu
-from tests.integration.agent_helpers import AgentProcess
+from tests.integration.agent_helpers import AgentProcess, two_agents
 from tests.integration.monitor_helpers import infer_simple
 
 
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[AgentProcess]]:
-    work = tmp_path_factory.mktemp("agents")
-    a = AgentProcess(work, [fake_gpu("GPU-a0", 0, temp=50), fake_gpu("GPU-a1", 1, temp=55)],
-                     hostname="node-a")  # fmt: skip
-    b = AgentProcess(work, [fake_gpu("GPU-b0", 0, temp=95)], hostname="node-b")
-    procs = [a.start(), b.start()]
-    yield procs
-    for p in procs:
-        p.stop()
+    yield from two_agents(tmp_path_factory.mktemp("agents"), node_b_temp=95)
 
 
 def test_fleet_and_rollout_panels(

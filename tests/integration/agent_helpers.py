@@ -9,11 +9,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.conftest import free_port
-from tests.fake_nvml import FakeGpu, write_spec
+from tests.fake_nvml import FakeGpu, fake_gpu, write_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,3 +82,15 @@ class AgentProcess:
                 self.proc.kill()
                 self.proc.wait()
         return int(self.proc.returncode)
+
+
+def two_agents(work: Path, node_b_temp: int) -> Iterator[list[AgentProcess]]:
+    """Two running agents: node-a with two GPUs (50 and 55 °C), node-b with one at
+    ``node_b_temp``; stopped when the generator closes (a pytest fixture's body)."""
+    a = AgentProcess(work, [fake_gpu("GPU-a0", 0, temp=50), fake_gpu("GPU-a1", 1, temp=55)],
+                     hostname="node-a")  # fmt: skip
+    b = AgentProcess(work, [fake_gpu("GPU-b0", 0, temp=node_b_temp)], hostname="node-b")
+    procs = [a.start(), b.start()]
+    yield procs
+    for p in procs:
+        p.stop()

@@ -15,8 +15,7 @@ import pytest
 
 from kiln.monitoring.compare import compare, kiln_fetch
 from tests.conftest import KilnProcess
-from tests.fake_nvml import fake_gpu
-from tests.integration.agent_helpers import AgentProcess
+from tests.integration.agent_helpers import AgentProcess, two_agents
 from tests.integration.monitor_helpers import get_json, wait_for
 
 RULES = """\
@@ -33,14 +32,7 @@ groups:
 
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[AgentProcess]]:
-    work = tmp_path_factory.mktemp("agents")
-    a = AgentProcess(work, [fake_gpu("GPU-a0", 0, temp=50), fake_gpu("GPU-a1", 1, temp=55)],
-                     hostname="node-a")  # fmt: skip
-    b = AgentProcess(work, [fake_gpu("GPU-b0", 0, temp=60)], hostname="node-b")
-    procs = [a.start(), b.start()]
-    yield procs
-    for p in procs:
-        p.stop()
+    yield from two_agents(tmp_path_factory.mktemp("agents"), node_b_temp=60)
 
 
 def test_server_fleet_history_alerts_and_compare(
