@@ -78,6 +78,10 @@ def _schema_error(schema: Any) -> str | None:
     return None
 
 
+#: OpenAI's bound on a request's tools
+MAX_TOOLS = 128
+
+
 def check_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The request's ``tools``, each checked (an empty list when none)."""
     tools = body.get("tools")
@@ -85,6 +89,12 @@ def check_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
         return []
     if not isinstance(tools, list):
         raise OpenAIError("'tools' must be a list of tools", param="tools")
+    if len(tools) > MAX_TOOLS:
+        # each is checked as JSON Schema here, and rendered into the prompt
+        raise OpenAIError(
+            f"'tools' holds {len(tools)} tools, at most {MAX_TOOLS} (OpenAI's limit)",
+            param="tools",
+        )
     names: set[str] = set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"

@@ -144,3 +144,17 @@ def test_whole_answer_message_and_finish_reason() -> None:
     assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
     message, reason = tool_message(req, "assistant", "no call", "length")
     assert (message, reason) == ({"role": "assistant", "content": "no call"}, "length")
+
+
+def test_the_number_of_tools_is_bounded() -> None:
+    """Each tool is checked as JSON Schema on the event loop: OpenAI's 128 at most."""
+    from kiln.frontends.openai.protocol import OpenAIError
+    from kiln.frontends.openai.tools import MAX_TOOLS, check_tools
+
+    def tool(i: int) -> dict[str, object]:
+        return {"type": "function", "function": {"name": f"f{i}", "parameters": {}}}
+
+    assert len(check_tools({"tools": [tool(i) for i in range(MAX_TOOLS)]})) == MAX_TOOLS
+    with pytest.raises(OpenAIError) as err:
+        check_tools({"tools": [tool(i) for i in range(MAX_TOOLS + 1)]})
+    assert err.value.param == "tools" and "at most 128" in err.value.message
