@@ -244,7 +244,18 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
     if monitor is not None:
         monitor.start()
     await server.start()
-    log.info("models loaded; server ready=%s", server.ready)
+    rc = 0
+    if server.failed_at_start and options.exit_on_error:
+        # Triton's --exit-on-error: a model that was asked for and is missing is an error
+        # of the whole server (its clients would meet 404s/503s), so say so and stop
+        log.error(
+            "failed to load all models: %s; exiting (--exit-on-error)",
+            "; ".join(f"'{n}': {why}" for n, why in server.failed_at_start.items()),
+        )
+        rc = 1
+        stop.set()
+    else:
+        log.info("models loaded; server ready=%s", server.ready)
     await stop.wait()
 
     log.info("shutting down: draining in-flight requests (up to %.0fs)", options.exit_timeout_secs)
@@ -266,13 +277,13 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         from kiln.backends.python.process import remove_private_dirs
 
         remove_private_dirs()
-        os._exit(0)
+        os._exit(rc)
     if monitor is not None:
         monitor.stop()
     if metrics is not None:
         metrics.stop()
     log.info("kiln stopped")
-    return 0
+    return rc
 
 
 def raise_fd_limit() -> tuple[int, int]:

@@ -66,7 +66,11 @@ def test_an_unknown_architecture_fails_its_load_naming_the_supported_ones(
     config = json.loads((folder / "config.json").read_text())
     config["architectures"] = ["FalconForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config))
-    proc = KilnProcess(tmp_path / "repo", args=["--model", str(folder)], with_repository=False)
+    proc = KilnProcess(
+        tmp_path / "repo",
+        args=["--model", str(folder), "--exit-on-error=false"],
+        with_repository=False,
+    )
     proc.start(wait_ready=False)
     try:
         proc.wait_ready(timeout=120, path="/v2/health/live")
@@ -78,5 +82,24 @@ def test_an_unknown_architecture_fails_its_load_naming_the_supported_ones(
         assert f"kiln runs {', '.join(SUPPORTED_ARCHITECTURES)}" in log
         with pytest.raises(urllib.error.HTTPError):  # never ready
             urllib.request.urlopen(f"http://{proc.http_url}/v2/models/falcon/ready", timeout=5)
+    finally:
+        proc.stop()
+
+
+def test_serve_model_exits_when_its_checkpoint_fails_to_load(tmp_path: Path) -> None:
+    """``kiln serve --model`` is ``vllm serve``: a checkpoint that cannot load ends the
+    process with status 1 and the reason, instead of a server that is never ready."""
+    folder = build_tiny_llm(tmp_path / "falcon")
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    proc = KilnProcess(tmp_path / "repo", args=["--model", str(folder)], with_repository=False)
+    proc.start(wait_ready=False)
+    try:
+        assert proc.proc is not None
+        assert proc.proc.wait(timeout=120) == 1
+        log = proc.log()
+        assert "failed to load all models: 'falcon'" in log
+        assert "architecture 'FalconForCausalLM' is not supported" in log
     finally:
         proc.stop()

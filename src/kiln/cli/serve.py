@@ -192,6 +192,17 @@ def _open_repositories(values: tuple[str, ...]) -> list[Any]:
     help="Ready only when every model is ready (Triton's default).",
 )
 @click.option(
+    "--exit-on-error",
+    type=click.BOOL,
+    is_flag=False,
+    flag_value=True,
+    default=None,
+    help="Exit (status 1) when a model named at start fails to load, as Triton's flag of "
+    "the same name (--exit-on-error=false to keep serving the others). Default: true when "
+    "serving only --model checkpoints (as vllm serve), false with a --model-repository "
+    "(kiln's long-standing behaviour; Triton's default is true).",
+)
+@click.option(
     "--exit-timeout-secs",
     default=30.0,
     show_default=True,
@@ -287,6 +298,7 @@ def serve(
     monitor_prometheus: str,
     disable_auto_complete_config: bool,
     strict_readiness: bool,
+    exit_on_error: bool | None,
     exit_timeout_secs: float,
     http_max_input_size: int,
     repository_poll_secs: float,
@@ -364,6 +376,7 @@ def serve(
         model_control_mode=ControlMode(model_control_mode),
         load_models=list(load_model),
         strict_readiness=strict_readiness,
+        exit_on_error=exit_on_error if exit_on_error is not None else not repositories,
         exit_timeout_secs=exit_timeout_secs,
         auto_complete_config=not disable_auto_complete_config,
         max_request_bytes=http_max_input_size,

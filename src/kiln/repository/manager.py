@@ -465,12 +465,16 @@ class RepositoryManager(Generic[R]):
             return set()
         return {step.model_name for step in config.ensemble_scheduling.step}
 
-    async def load_many(self, names: list[str]) -> None:
+    async def load_many(self, names: list[str]) -> dict[str, str]:
+        """Load each of ``names``; returns the ones that failed, with their reasons."""
+        failed: dict[str, str] = {}
+
         async def one(n: str) -> None:
             try:
                 await self.load(n)
             except KilnError as exc:
                 log.error("%s", exc.message)
+                failed[n] = exc.message
 
         # Ensembles last: their composing models are then loaded once, by their own names.
         loop = asyncio.get_running_loop()
@@ -480,6 +484,7 @@ class RepositoryManager(Generic[R]):
         ensembles = [n for n, yes in zip(names, declares, strict=True) if yes]
         await asyncio.gather(*(one(n) for n in names if n not in ensembles))
         await asyncio.gather(*(one(n) for n in ensembles))
+        return failed
 
     async def unload_all(self) -> None:
         await asyncio.gather(*(self.unload(n) for n in list(self.entries)))

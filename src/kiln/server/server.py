@@ -91,6 +91,8 @@ class ServerOptions:
     served_models: list[ModelConfig] = field(default_factory=list)
     #: seeds the rollouts' weighted draws and shadow sampling (None: from the OS); tests
     rollout_seed: int | None = None
+    #: Triton's --exit-on-error: a model named at start that fails to load stops the server
+    exit_on_error: bool = False
 
 
 class Server:
@@ -98,6 +100,7 @@ class Server:
         self.options = options
         self.response_cache = open_cache(options.cache) if options.cache else None
         self._opened = False
+        self.failed_at_start: dict[str, str] = {}
         self.tracer = Tracer(options.trace, options.trace_otel)
         # Requests in flight across every model, counted by the runtimes: a backend reads it
         # to tell a lone request from a busy server (inline calls, busy-polling a worker).
@@ -151,7 +154,8 @@ class Server:
             names = list(dict.fromkeys([*self.options.load_models, *self.repository.served]))
         if self.poller is not None:
             await self.poller.snapshot()  # changes made during the initial load are seen
-        await self.repository.load_many(names)
+        #: models named at start that failed to load, with the reasons (--exit-on-error)
+        self.failed_at_start = await self.repository.load_many(names)
         self.started = True
         if self.poller is not None:
             self.poller.start()
