@@ -126,3 +126,39 @@ def test_llm_shadow_compares_tokens(make_server: type[KilnProcess], tmp_path: Pa
     assert other["token_agreement"] < 1.0
     metrics = requests.get(server.metrics_url, timeout=10).text
     assert 'kiln_shadow_compared_total{model="tiny",version="3",kind="tokens"}' in metrics
+
+
+def test_a_chat_request_is_rendered_and_generated_by_one_version(
+    make_server: type[KilnProcess], tmp_path: Path
+) -> None:
+    """A chat completion draws its version once: the version whose chat template renders
+    the prompt is the version that generates. Version 2's template adds a system token,
+    so a response's ``prompt_tokens`` names the template's version, and the versions'
+    statistics name the engine's."""
+    import json
+
+    repo = tmp_path / "repo"
+    for v in ("1", "2"):
+        build_tiny_llm(repo / "tiny" / v)
+    tok_config = repo / "tiny" / "2" / "tokenizer_config.json"
+    config = json.loads(tok_config.read_text())
+    config["chat_template"] = "<|system|>" + config["chat_template"]
+    tok_config.write_text(json.dumps(config))
+    split = ROLLOUT.splitlines()[:2]  # the split, no sticky key: each request draws
+    (repo / "tiny" / "config.pbtxt").write_text(CONFIG + "\n".join(split) + "\n")
+    server = make_server(repo).start(timeout=180)
+    client = openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="-", max_retries=0)
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    seen: dict[int, set[str]] = {}
+    for _ in range(30):
+        before = _successes(server)
+        out = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=1  # type: ignore[arg-type]
+        )
+        after = _successes(server)
+        [engine] = [v for v in after if after[v] > before[v]]
+        assert out.usage is not None
+        seen.setdefault(out.usage.prompt_tokens, set()).add(engine)
+    # two templates (prompt lengths), each always with its own version's engine
+    assert len(seen) == 2 and all(len(engines) == 1 for engines in seen.values()), seen
+    assert {e for engines in seen.values() for e in engines} == {"1", "2"}

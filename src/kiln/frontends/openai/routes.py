@@ -112,15 +112,12 @@ async def _received(
     return body
 
 
-def _precheck_prompt(server: Server, body: dict[str, Any]) -> None:
+def _precheck_prompt(llm: EngineClient | None, body: dict[str, Any]) -> None:
     """Refuse a completion prompt that cannot fit the model's context from its size alone,
     before the work in proportion to it (checking each token id, tokenizing)."""
-    model, raw = body.get("model"), body.get("prompt")
-    if not isinstance(model, str) or not isinstance(raw, str | list):
+    raw = body.get("prompt")
+    if llm is None or not isinstance(raw, str | list):
         return  # completion_request names the field
-    llm = server.llm_engines().get(model)
-    if llm is None:
-        return  # not a ready llm model: _llm says so
     limit = llm.max_model_len
     prompts = raw if isinstance(raw, list) and raw and isinstance(raw[0], str | list) else [raw]
     truncating = body.get("truncate_prompt_tokens") is not None
@@ -144,10 +141,8 @@ def _chat_prompt(
     return llm.tokenizer.apply_chat_template(messages, **template)
 
 
-def _with_model_defaults(server: Server, body: dict[str, Any]) -> dict[str, Any]:
-    """The body with the model's generation_config.json defaults filled in."""
-    model = body.get("model")
-    llm = server.llm_engines().get(model) if isinstance(model, str) else None
+def _with_model_defaults(body: dict[str, Any], llm: EngineClient | None) -> dict[str, Any]:
+    """The body with the serving version's generation_config.json defaults filled in."""
     return with_defaults(body, llm.sampling_defaults) if llm is not None else body
 
 
@@ -522,9 +517,11 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     async def completions(request: Request) -> Response:
         slot = http_slot(server.tracer, request.headers)
         body = await _received(request, slot, reader)
-        req = completion_request(_with_model_defaults(server, body))
-        _precheck_prompt(server, body)
-        llm = _generator(server, req.model, "Completions", body)
+        model = body.get("model")
+        drawn = _generator(server, model, "Completions", body) if isinstance(model, str) else None
+        req = completion_request(_with_model_defaults(body, drawn))
+        _precheck_prompt(drawn, body)
+        llm = drawn or _generator(server, req.model, "Completions", body)
         # OpenAI's default max_tokens for completions: 16
         prepared = await asyncio.to_thread(_prepare, llm, req, 16)
         return await _respond(llm, req, prepared, chat=False)
@@ -536,16 +533,21 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         messages = chat_messages(body)
         template = chat_template_options(body)
         model = body.get("model")
-        llm = _llm(server, model, body) if isinstance(model, str) else None
+        # drawn once (a rollout split): the version whose template renders the prompt
+        # is the version that generates
+        llm = (
+            _generator(server, model, "Chat Completions", body) if isinstance(model, str) else None
+        )
         calling = tools.tool_request(body, llm) if llm else None
         messages = tools.template_messages(messages)
         if calling is not None:  # transformers' ``tools=`` (the request's kwargs win)
             template["template_kwargs"] = {"tools": calling.tools, **template["template_kwargs"]}
         # the template renders in proportion to the messages: off the event loop too
         prompt = await asyncio.to_thread(_chat_prompt, llm, messages, template) if llm else ""
-        req = chat_request(_with_model_defaults(server, body), messages, prompt, template)
+        req = chat_request(_with_model_defaults(body, llm), messages, prompt, template)
         tools.apply(req, calling)
-        llm = _generator(server, req.model, "Chat Completions", body)
+        if llm is None:  # chat_request refused a 'model' that is not a string
+            llm = _generator(server, req.model, "Chat Completions", body)
         prepared = await asyncio.to_thread(_prepare, llm, req, None)
         return await _respond(llm, req, prepared, chat=True)
 
