@@ -153,7 +153,9 @@ def test_a_chat_request_is_rendered_and_generated_by_one_version(
     for _ in range(30):
         before = _successes(server)
         out = client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=1  # type: ignore[arg-type]
+            model="tiny",
+            messages=messages,
+            max_tokens=1,  # type: ignore[arg-type]
         )
         after = _successes(server)
         [engine] = [v for v in after if after[v] > before[v]]
