@@ -14,7 +14,13 @@ pytest.importorskip("peft")
 from kiln.core.errors import KilnError
 from kiln.llm.config import EngineConfig
 from kiln.llm.engine import LLMEngine
-from kiln.llm.lora import LoRAConfig, LoRARegistry, LoRARequest, parse_lora_modules
+from kiln.llm.lora import (
+    LoRAConfig,
+    LoRARegistry,
+    LoRARequest,
+    lora_config,
+    parse_lora_modules,
+)
 from kiln.llm.sequence import SamplingParams
 from tests.llm_models import (
     all_blocks_returned,
@@ -231,3 +237,25 @@ def test_lora_modules_take_vllms_forms() -> None:
                      ('{"name": "x"}', "needs a string name and path")):  # fmt: skip
         with pytest.raises(KilnError, match=why):
             parse_lora_modules(bad)
+
+
+def _parameters(**given: str) -> LoRAConfig | None:
+    return lora_config(given.get, "m")
+
+
+def test_lora_parameters_as_a_config_pbtxt_gives_them() -> None:
+    assert _parameters() is None
+    config = _parameters(
+        enable_lora="true", lora_modules="a=/x", max_loras="3", max_lora_rank="64",
+        max_cpu_loras="4", allowed_lora_paths='["/srv/loras"]',
+    )  # fmt: skip
+    assert config == LoRAConfig(3, 64, 4, parse_lora_modules("a=/x"), ("/srv/loras",))
+    for given, why in (
+        ({"lora_modules": "a=/x"}, "parameter lora_modules needs enable_lora"),
+        ({"enable_lora": "maybe"}, "enable_lora must be true or false"),
+        ({"enable_lora": "true", "max_loras": "two"}, "max_loras must be an integer"),
+        ({"enable_lora": "true", "max_loras": "0"}, "max_loras must be at least 1"),
+        ({"enable_lora": "true", "max_loras": "4", "max_cpu_loras": "2"}, "max_cpu_loras"),
+    ):
+        with pytest.raises(KilnError, match=why):
+            _parameters(**given)
