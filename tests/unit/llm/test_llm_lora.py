@@ -259,3 +259,31 @@ def test_lora_parameters_as_a_config_pbtxt_gives_them() -> None:
     ):
         with pytest.raises(KilnError, match=why):
             _parameters(**given)
+
+
+@pytest.mark.parametrize(
+    ("arch", "targets"),
+    [
+        ("qwen2", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+        # fused in the checkpoint itself: one adapter matrix over all of q/k/v (gate/up)
+        ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    ],
+)
+def test_other_architectures_mixed_batch(
+    arch: str, targets: tuple[str, ...], tmp_path: Path
+) -> None:
+    extra = {"pad_token_id": 0} if arch == "phi3" else {}
+    folder = build_tiny_llm(tmp_path / arch, arch=arch, **extra)
+    adapter = build_lora_adapter(folder, tmp_path / "lora", seed=7, r=8, target_modules=targets)
+    want = {
+        path: [reference_generate_lora(folder, path, p, GREEDY.max_tokens) for p in PROMPTS]
+        for path in (None, adapter)
+    }
+    assert want[None] != want[adapter]
+    engine = _engine(folder)
+    lora = _request("x", adapter)
+    engine.add_lora(lora)
+    jobs = [(f"{i}-{k}", p, lora if k else None) for i, p in enumerate(PROMPTS) for k in (0, 1)]
+    outputs = _run(engine, jobs)
+    for i in range(len(PROMPTS)):
+        assert outputs[f"{i}-0"] == want[None][i] and outputs[f"{i}-1"] == want[adapter][i]
