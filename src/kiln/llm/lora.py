@@ -68,21 +68,24 @@ def _module(entry: object) -> LoRAModulePath:
     raise ValueError(f"{entry!r} is neither name=path nor a JSON object")
 
 
+def _entries(text: str) -> list[object]:
+    text = text.strip()
+    if text.startswith("["):  # one per repeated flag: each may hold several
+        listed = json.loads(text)
+        if not isinstance(listed, list):
+            raise ValueError("not a JSON list")
+        return [e for item in listed
+                for e in (_entries(item) if isinstance(item, str) else [item])]  # fmt: skip
+    if text.startswith("{"):
+        return [json.loads(text)]
+    return list(text.split())
+
+
 def parse_lora_modules(raw: str) -> tuple[LoRAModulePath, ...]:
-    """vLLM's ``--lora-modules`` values: ``name=path`` entries (space separated), JSON
-    objects ``{"name", "path", "base_model_name"}``, or a JSON list of either."""
-    text = raw.strip()
-    entries: list[object]
+    """vLLM's ``--lora-modules`` values: ``name=path`` entries (space separated), a JSON
+    object ``{"name", "path", "base_model_name"}``, or a JSON list of such values."""
     try:
-        if text.startswith("["):
-            loaded = json.loads(text)
-            entries = [json.loads(e) if isinstance(e, str) and e.startswith("{") else e
-                       for e in loaded]  # fmt: skip
-        elif text.startswith("{"):
-            entries = [json.loads(text)]
-        else:
-            entries = list(text.split())
-        modules = tuple(_module(e) for e in entries)
+        modules = tuple(_module(e) for e in _entries(raw))
     except (ValueError, json.JSONDecodeError) as exc:
         raise KilnError(f"lora_modules: {exc}", Status.INVALID_ARG) from None
     names = [m.name for m in modules]

@@ -287,3 +287,13 @@ def test_other_architectures_mixed_batch(
     outputs = _run(engine, jobs)
     for i in range(len(PROMPTS)):
         assert outputs[f"{i}-0"] == want[None][i] and outputs[f"{i}-1"] == want[adapter][i]
+
+
+def test_repeated_lora_modules_flags_arrive_as_one_json_list() -> None:
+    # what kiln serve writes for --lora-modules 'a=/x b=/y' --lora-modules '{...}'
+    raw = json.dumps(["a=/x b=/y", json.dumps({"name": "c", "path": "/my loras/c"})])
+    assert [(m.name, m.path) for m in parse_lora_modules(raw)] == [
+        ("a", "/x"),
+        ("b", "/y"),
+        ("c", "/my loras/c"),
+    ]
