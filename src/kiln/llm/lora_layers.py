@@ -326,10 +326,11 @@ class LoRAManager:
             self._host.popitem(last=False)
 
     def remove(self, lora_int_id: int) -> None:
+        """Drop the host copy (any thread). Its slot stays as it is, for the sequences
+        already running with it; no new one can name the id, so the slot is taken over
+        when another adapter needs it (slots are the engine thread's alone)."""
         with self._lock:
             self._host.pop(lora_int_id, None)
-            # the slot keeps its weights but no sequence can name the id again
-            self.slots = [None if s == lora_int_id else s for s in self.slots]
 
     def prepare(self, seqs: Seq[Sequence], counts: Seq[int], device: torch.device) -> None:
         """Put the step's adapters in slots and set each token's slot (engine thread)."""

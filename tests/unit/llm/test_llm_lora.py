@@ -297,3 +297,20 @@ def test_repeated_lora_modules_flags_arrive_as_one_json_list() -> None:
         ("b", "/y"),
         ("c", "/my loras/c"),
     ]
+
+
+def test_requests_running_with_an_unloaded_adapter_finish_with_it(
+    base: Path, adapters: dict[str, Path], expected: dict[str | None, list[list[int]]],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    engine = _engine(base)
+    folder = shutil.copytree(adapters["a"], tmp_path / "a")
+    lora = _request("a", folder)
+    engine.add_lora(lora)
+    engine.add_request("r", PROMPTS[0], GREEDY, lora_request=lora)
+    tokens = [t for out in engine.step() for t in out.new_token_ids]
+    engine.remove_lora(lora.lora_int_id)
+    shutil.rmtree(folder)  # its weights are in its slot
+    while engine.has_work():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tokens == expected["a"][0]
