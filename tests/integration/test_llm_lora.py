@@ -131,6 +131,9 @@ def test_each_adapter_matches_peft_and_the_cache_is_keyed_by_it(
     with ThreadPoolExecutor(6) as pool:
         got = list(pool.map(lambda m: _completion(client, m), ["a", "base", "b"] * 2))
     assert got == [expected["a"], expected[None], expected["b"]] * 2
+    # vLLM's LoRA gauge (nothing runs now: no adapter names)
+    metrics = requests.get(server.metrics_url, timeout=10).text
+    assert re.search(r'^vllm:lora_requests_info\{[^}]*max_lora="2"', metrics, re.M)
 
 
 def test_chat_takes_the_adapter_too(client: openai.OpenAI) -> None:
