@@ -210,3 +210,18 @@ def test_runtime_updates_need_the_operators_switch(files: dict[str, Path], tmp_p
         } == {"base", "a", "b"}
     finally:
         proc.stop()
+
+
+def test_triton_generate_takes_lora_name(client: openai.OpenAI, server: KilnProcess) -> None:
+    """Triton's vLLM backend names the adapter in its sampling parameters."""
+    text = "the quick brown fox"
+    want = client.completions.create(model="a", prompt=text, max_tokens=6, temperature=0)
+    url = f"http://{server.http_url}/v2/models/base/generate"
+    body = {"text_input": text, "exclude_input_in_output": True,
+            "parameters": {"lora_name": "a", "max_tokens": 6, "temperature": 0}}  # fmt: skip
+    reply = requests.post(url, json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["text_output"] == want.choices[0].text
+    body["parameters"]["lora_name"] = "nope"  # type: ignore[index]
+    reply = requests.post(url, json=body, timeout=60)
+    assert reply.status_code == 400 and "lora_name 'nope' is not an adapter" in reply.text
