@@ -262,8 +262,6 @@ class LoRAManager:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        from kiln.llm.models.llama import MLP, Attention
-
         self.config = config
         self.ctx = LoRAContext(config.max_loras, config.max_lora_rank, dtype, device)
         self.layers: list[tuple[int, LoRALinear]] = []
@@ -273,9 +271,11 @@ class LoRAManager:
         hidden = args.hidden_size
         shapes: dict[str, tuple[int, int]] = {}
         for i, layer in enumerate(model.model.layers):  # type: ignore[union-attr,arg-type]
+            # the Llama skeleton's names (every architecture kiln has; MoE experts are not
+            # an ``mlp`` with a ``down_proj``, and stay without LoRA)
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            if isinstance(attn, Attention):
-                if attn.qkv_proj is not None:
+            if attn is not None and hasattr(attn, "o_proj"):
+                if getattr(attn, "qkv_proj", None) is not None:
                     parts = {"q_proj": (0, 0, q), "k_proj": (1, q, kv), "v_proj": (2, q + kv, kv),
                              "qkv_proj": (0, 0, q + 2 * kv)}  # fmt: skip
                     _wrap(attn, "qkv_proj", parts, self.ctx, i, self.layers)
@@ -285,10 +285,10 @@ class LoRAManager:
                 _wrap(attn, "o_proj", {"o_proj": (0, 0, hidden)}, self.ctx, i, self.layers)
                 shapes.update(q_proj=(hidden, q), k_proj=(hidden, kv), v_proj=(hidden, kv),
                               o_proj=(q, hidden))  # fmt: skip
-                if attn.qkv_proj is not None:
+                if getattr(attn, "qkv_proj", None) is not None:
                     shapes["qkv_proj"] = (hidden, q + 2 * kv)
-            if isinstance(mlp, MLP):
-                if mlp.gate_up_proj is not None:
+            if mlp is not None and hasattr(mlp, "down_proj"):
+                if getattr(mlp, "gate_up_proj", None) is not None:
                     parts = {"gate_proj": (0, 0, inter), "up_proj": (1, inter, inter),
                              "gate_up_proj": (0, 0, 2 * inter)}  # fmt: skip
                     _wrap(mlp, "gate_up_proj", parts, self.ctx, i, self.layers)
