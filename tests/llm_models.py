@@ -150,3 +150,68 @@ def all_blocks_returned(engine: LLMEngine) -> None:
     """No request holds a KV block any more."""
     engine.block_manager.check([])
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def build_lora_adapter(
+    base: Path,
+    folder: Path,
+    seed: int,
+    r: int = 8,
+    target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ),
+    **lora: Any,
+) -> Path:
+    """A PEFT LoRA adapter of ``base`` saved by ``peft`` (adapter_config.json and
+    adapter_model.safetensors), with random A and B large enough to change greedy tokens."""
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), torch_dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=r,
+        lora_alpha=lora.pop("lora_alpha", 2 * r),
+        target_modules=list(target_modules),
+        init_lora_weights=False,  # random B too: the adapter changes the output
+        task_type="CAUSAL_LM",
+        **lora,
+    )
+    torch.manual_seed(seed)
+    wrapped = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_B" in name:
+                param.mul_(4.0)
+    wrapped.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def reference_generate_lora(
+    base: Path, adapter: Path | None, prompt: list[int], max_new_tokens: int
+) -> list[int]:
+    """Greedy tokens from ``transformers`` with the PEFT adapter applied (None: without)."""
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), torch_dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]

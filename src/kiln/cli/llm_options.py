@@ -7,6 +7,7 @@ reads both the same way).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,12 @@ ENGINE_FLAGS = {
     "speculative_config": "speculative_config",
     "quantization": "quantization",
     "kv_cache_dtype": "kv_cache_dtype",
+    "enable_lora": "enable_lora",
+    "lora_modules": "lora_modules",
+    "max_loras": "max_loras",
+    "max_lora_rank": "max_lora_rank",
+    "max_cpu_loras": "max_cpu_loras",
+    "allowed_lora_paths": "allowed_lora_paths",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -157,6 +164,46 @@ def llm_options(func: F) -> F:
             help="KV cache dtype: auto (the model's) or fp8, halving (bf16) or quartering "
             "(float32) its memory per token; read by the torch attention backend.",
         ),
+        click.option(
+            "--enable-lora",
+            is_flag=True,
+            default=None,
+            help="Serve LoRA adapters: a request's model names one (docs/llm.md, LoRA).",
+        ),
+        click.option(
+            "--lora-modules",
+            multiple=True,
+            metavar="NAME=PATH|JSON",
+            help='A PEFT adapter folder served as NAME, or vLLM\'s JSON {"name": ..., '
+            '"path": ..., "base_model_name": ...}; may repeat.',
+        ),
+        click.option(
+            "--max-loras",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Adapters in one batch (device slots) [default: 1].",
+        ),
+        click.option(
+            "--max-lora-rank",
+            type=click.IntRange(min=1),
+            default=None,
+            help="The largest adapter rank; a larger one is refused [default: 16].",
+        ),
+        click.option(
+            "--max-cpu-loras",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Adapters kept in host memory (others are read again when used) "
+            "[default: --max-loras].",
+        ),
+        click.option(
+            "--allowed-lora-path",
+            "allowed_lora_paths",
+            multiple=True,
+            type=click.Path(exists=True, file_okay=False, path_type=Path),
+            help="A folder /v1/load_lora_adapter may read adapters from (with "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); may repeat [default: none].",
+        ),
     ]
     for option in reversed(options):
         func = option(func)
@@ -171,7 +218,7 @@ def served_models(
         raise click.BadParameter(
             f"{len(names)} names for {len(models)} --model", param_hint="--served-model-name"
         )
-    given = {k: v for k, v in settings.items() if k in ENGINE_FLAGS and v is not None}
+    given = {k: v for k, v in settings.items() if k in ENGINE_FLAGS and v not in (None, ())}
     if given and not models:
         flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
         raise click.BadParameter(
@@ -188,6 +235,9 @@ def served_models(
         config = ModelConfig(name=name, backend="llm")
         config.parameters["model_path"].string_value = str(path)
         for key, value in given.items():
+            if isinstance(value, tuple):  # a repeated flag: a JSON list (paths resolved)
+                value = json.dumps([str(Path(v).resolve()) if isinstance(v, Path) else v
+                                    for v in value])  # fmt: skip
             text = str(value).lower() if isinstance(value, bool) else str(value)
             config.parameters[ENGINE_FLAGS[key]].string_value = text
         configs.append(config)

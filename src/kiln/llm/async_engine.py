@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm.engine import LLMEngine, RequestOutput
+from kiln.llm.lora import LoRARequest
 from kiln.llm.sequence import SamplingParams
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class _Add:
     params: SamplingParams
     priority: int
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -99,12 +101,13 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs as the steps produce them (``index`` tells the ``n`` samples apart); it
         ends when every sample has finished. Leaving early (a closed client) aborts the
         request and frees its blocks."""
         arrival = time.monotonic()  # TTFT and queue time count from here, as vLLM's do
-        self.engine.check_request(len(prompt), params, priority)
+        self.engine.check_request(len(prompt), params, priority, lora_request)
         config = self.engine.config
         with self._lock:
             if self._closed:
@@ -117,7 +120,7 @@ class AsyncEngine:
             rid = request_id or f"req-{next(_IDS)}"
             stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
             self._streams[rid] = stream
-        self._send(_Add(rid, prompt, params, priority, arrival))
+        self._send(_Add(rid, prompt, params, priority, arrival, lora_request))
         unfinished = params.n
         try:
             while unfinished:
@@ -295,6 +298,7 @@ class AsyncEngine:
                 command.params,
                 command.priority,
                 command.arrival_time,
+                command.lora_request,
             )
         except Exception as exc:  # anything else must not end this thread, and every stream
             stream = self._streams.get(command.request_id)

@@ -30,6 +30,7 @@ from kiln.llm.async_engine import AsyncEngine
 from kiln.llm.checkpoint import FolderCheckpoint, generation_eos_ids, sampling_defaults
 from kiln.llm.config import TOOL_CALL_PARSERS, EngineConfig, PoolerConfig
 from kiln.llm.engine import LLMEngine
+from kiln.llm.lora import LoRARegistry, LoRARequest, check_allowed_path, lora_config
 from kiln.llm.spec_config import SpeculativeConfig
 from kiln.llm.structured import GrammarCompiler
 from kiln.llm.tokenizer import Tokenizer
@@ -121,6 +122,7 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
             raise KilnError(f"model '{config.name}': {message}", Status.INVALID_ARG) from None
     out.device = _device(config, instance)
     _pooling(config, out)
+    out.lora_config = lora_config(lambda key: parameter(config, key), config.name)
     return out
 
 
@@ -262,8 +264,58 @@ class LLMBackend(Backend):
         args = self.engine.args
         self.engine.grammars = GrammarCompiler(self.tokenizer, args.vocab_size, args.eos_token_ids)
         self.async_engine = AsyncEngine(self.engine, config.name)
+        #: the adapters served by name (vLLM's ``--lora-modules``; None: no ``enable_lora``)
+        self.loras: LoRARegistry | None = None
+        lora = self.engine.config.lora_config
+        if lora is not None:
+            self.loras = LoRARegistry()
+            try:
+                for module in lora.lora_modules:
+                    self.add_lora(module.name, module.path, module.base_model_name)
+            except BaseException:
+                self.async_engine.close()
+                raise
         # as many requests started at once as the engine holds (running and waiting)
         self.pipeline_depth = self.engine.config.max_num_seqs + self.engine.config.max_waiting
+
+    def add_lora(
+        self, name: str, path: str, base: str | None = None, runtime: bool = False
+    ) -> LoRARequest:
+        """Check and load a PEFT adapter and serve it as ``name``; ``runtime``: a client's
+        ``/v1/load_lora_adapter``, whose folder must lie in ``allowed_lora_paths``."""
+        model = self.config.name
+        lora = self.engine.config.lora_config
+        if self.loras is None or lora is None:
+            raise KilnError(
+                f"model '{model}': LoRA is not enabled (--enable-lora)", Status.INVALID_ARG
+            )
+        if name == model or not name.strip():
+            raise KilnError(
+                f"LoRA adapter name '{name}' is the base model's or empty", Status.INVALID_ARG
+            )
+        self.loras.check_new(name)
+        if runtime:
+            path = str(check_allowed_path(path, lora.allowed_paths))
+        if base is not None and base != model:
+            raise KilnError(
+                f"LoRA adapter '{name}': its base_model_name is '{base}', but it would be "
+                f"served on model '{model}'",
+                Status.INVALID_ARG,
+            )
+        request = LoRARegistry.new_request(name, path, base or model)
+        self.engine.add_lora(request)
+        self.loras.add(request)
+        log.info("model '%s': LoRA adapter '%s' from %s", model, name, path)
+        return request
+
+    def remove_lora(self, name: str) -> None:
+        if self.loras is None:
+            raise KilnError(
+                f"model '{self.config.name}': LoRA is not enabled (--enable-lora)",
+                Status.INVALID_ARG,
+            )
+        request = self.loras.remove(name)
+        self.engine.remove_lora(request.lora_int_id)
 
     @classmethod
     def _settings(

@@ -13,7 +13,9 @@ block's stored token ids and its parent's content key, so a hash collision (or a
 evicted and refilled since) can never hand out the wrong KV. A request's ``cache_salt``
 (vLLM's) roots its chain: its first block's hash starts from the salt and the block keeps
 it, so requests with different salts (or one without) never share a cached block, and a
-tenant cannot learn from timing which prompts another one sent. A released block that holds
+tenant cannot learn from timing which prompts another one sent. A LoRA adapter roots its
+requests' chains the same way (with its never-reused int id): the same prompt under two
+adapters, or under one and the base model, has different K/V. A released block that holds
 cached content is *evictable*: it stays findable, in least-recently-released order, and is
 only recycled when the pool of blank blocks is empty.
 """
@@ -27,8 +29,17 @@ from dataclasses import dataclass, field
 
 from kiln.llm.sequence import Sequence
 
+#: what roots a sequence's chain: its ``cache_salt``, with its LoRA adapter's id if any
+CacheRoot = str | tuple[str | None, int] | None
 
-def _salt_root(salt: str | None) -> int | None:
+
+def _root(seq: Sequence) -> CacheRoot:
+    lora = seq.lora_request
+    salt = seq.params.cache_salt
+    return salt if lora is None else (salt, lora.lora_int_id)
+
+
+def _salt_root(salt: CacheRoot) -> int | None:
     """What a salted chain's first block hashes from (None: unsalted). A str's hash varies
     between processes, which the prefix cache, held in one, never sees."""
     return None if salt is None else hash(("cache_salt", salt))
@@ -49,8 +60,8 @@ class Block:
     token_ids: tuple[int, ...] = ()
     #: content key of the parent block when this one was registered (None: first block)
     parent_key: int | None = None
-    #: the ``cache_salt`` of the request that registered it (first blocks only)
-    salt: str | None = None
+    #: the ``cache_salt`` (and LoRA id) of the request that registered it (first blocks only)
+    salt: CacheRoot = None
     #: unique per registration: children chain to it, and it dies with the eviction
     content_key: int = -1
 
@@ -97,7 +108,7 @@ class BlockManager:
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_blocks):
-            parent = seq.block_hashes[i - 1] if i else _salt_root(seq.params.cache_salt)
+            parent = seq.block_hashes[i - 1] if i else _salt_root(_root(seq))
             seq.block_hashes.append(hash_block(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
         return seq.block_hashes
 
@@ -119,7 +130,7 @@ class BlockManager:
             if (
                 block.parent_key != parent_key
                 or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                or (i == 0 and block.salt != seq.params.cache_salt)
+                or (i == 0 and block.salt != _root(seq))
             ):
                 break  # a colliding hash or a stale chain: never trust the hash alone
             hits.append(block_id)
@@ -139,7 +150,7 @@ class BlockManager:
                 seq.chain_keys.append(-1)
                 continue
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            salt = seq.params.cache_salt if i == 0 else None
+            salt = _root(seq) if i == 0 else None
             block = self.blocks[seq.block_table[i]]
             other = self.cached.get(hashes[i])
             if other is None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.core.errors import KilnError, Status
+from kiln.llm.lora import LoRAConfig
 from kiln.llm.spec_config import SpeculativeConfig
 
 # The architectures kiln runs (``config.json``'s ``architectures``): the Llama skeleton's
@@ -292,6 +293,8 @@ class EngineConfig:
     #: vLLM's ``--kv-cache-dtype``: ``auto`` (the model's dtype), ``fp8`` (= ``fp8_e4m3``),
     #: ``fp8_e5m2`` (kiln.llm.quantization.kv_cache)
     kv_cache_dtype: str = "auto"
+    #: vLLM's ``--enable-lora`` and its settings (None: no adapters; kiln.llm.lora)
+    lora_config: LoRAConfig | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -343,6 +346,8 @@ class EngineConfig:
             )
         if self.speculative_config is not None:
             self.speculative_config.check(self.max_num_batched_tokens)
+        if self.lora_config is not None:
+            self.lora_config.check()
         if any(s <= 0 for s in self.cuda_graph_sizes):
             raise KilnError(
                 "llm backend: cuda_graph_sizes must be positive, got "

@@ -50,6 +50,7 @@ class DraftProposer:
             num_gpu_blocks=num_blocks,
             enforce_eager=True,  # its chunks and single tokens run eagerly
             speculative_config=None,
+            lora_config=None,  # adapters are the target's: drafts come from the base draft
         )
         self.runner = ModelRunner(checkpoint, args, draft_config)
         self.args = args

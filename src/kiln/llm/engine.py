@@ -14,6 +14,7 @@ from kiln.llm.block_manager import BlockManager
 from kiln.llm.checkpoint import open_checkpoint, torch_dtype_name
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.draft_model import DraftProposer
+from kiln.llm.lora import LoRARequest
 from kiln.llm.model_runner import ModelRunner, resolve_dtype
 from kiln.llm.params import INT64_MAX, INT64_MIN, InvalidField
 from kiln.llm.sampler import SampledToken, TokenLogprobs
@@ -106,8 +107,19 @@ class LLMEngine:
         #: the tokenizer (the backend): without it, constrained requests are refused
         self.grammars: GrammarCompiler | None = None
 
-    def check_request(self, prompt_len: int, params: SamplingParams, priority: int = 0) -> None:
+    def check_request(
+        self,
+        prompt_len: int,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         """Refuse what can never be served, before it takes a place in the queue."""
+        if lora_request is not None and self.runner.lora is None:
+            raise InvalidField(
+                "model", f"LoRA adapter '{lora_request.lora_name}': LoRA is not enabled "
+                "for this model (--enable-lora)",
+            )  # fmt: skip
         limit = self.config.max_model_len
         if prompt_len == 0:
             raise KilnError("the prompt is empty", Status.INVALID_ARG)
@@ -189,19 +201,30 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Sequence:
         """Queue a request; with ``params.n > 1`` its other samples wait on the returned
-        sequence and are forked from it when its prompt is done."""
-        self.check_request(len(prompt_token_ids), params, priority)
+        sequence and are forked from it when its prompt is done. ``lora_request``: the
+        adapter it runs with (one ``add_lora`` was given)."""
+        self.check_request(len(prompt_token_ids), params, priority, lora_request)
         vocab = self.args.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise KilnError(f"prompt token ids must be in [0, {vocab})", Status.INVALID_ARG)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = RequestState(priority, arrival, num_live=params.n)
         eos = self.args.eos_token_ids
-        seq = Sequence(request_id, list(prompt_token_ids), params, eos, request=state)
+        seq = Sequence(request_id, list(prompt_token_ids), params, eos, request=state,
+                       lora_request=lora_request)  # fmt: skip
         seq.forks = [
-            Sequence(request_id, list(prompt_token_ids), params, eos, index=i, request=state)
+            Sequence(
+                request_id,
+                list(prompt_token_ids),
+                params,
+                eos,
+                index=i,
+                request=state,
+                lora_request=lora_request,
+            )
             for i in range(1, params.n)
         ]
         spec = params.structured_outputs
@@ -211,6 +234,22 @@ class LLMEngine:
                 sample.grammar = self.grammars.matcher(spec)
         self.scheduler.add(seq)
         return seq
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Read and check a PEFT adapter (vLLM's ``add_lora``): a bad one raises, naming
+        why; a good one is kept on the host for the requests that name it. Any thread."""
+        if self.runner.lora is None:
+            raise KilnError(
+                f"LoRA adapter '{request.lora_name}': LoRA is not enabled for this model "
+                "(--enable-lora)",
+                Status.INVALID_ARG,
+            )
+        self.runner.lora.add(request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter (requests already running with it finish with it)."""
+        if self.runner.lora is not None:
+            self.runner.lora.remove(lora_int_id)
 
     def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> bool:
         """Abort the request (or its sample ``index`` alone). ``reason`` is the

@@ -14,6 +14,7 @@ vLLM's ``EngineClient`` is the same split: the OpenAI layer sees ``generate`` / 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # the llm modules import torch
     from kiln.core.trace import Trace, Tracer
     from kiln.llm.backend import LLMBackend
     from kiln.llm.engine import LLMEngine, RequestOutput
+    from kiln.llm.lora import LoRARegistry, LoRARequest
     from kiln.llm.sequence import SamplingParams
     from kiln.llm.tokenizer import Tokenizer
 
@@ -76,6 +78,30 @@ class EngineClient:
         #: told of each generation that ended normally: (prompt, params, each sample's
         #: output token ids, seconds); the server's rollout shadow sets it
         self.on_finished: FinishedHook | None = None
+        #: the LoRA adapter this client's requests run with (``with_lora``)
+        self.lora_request: LoRARequest | None = None
+
+    # ---- LoRA adapters ---------------------------------------------------------------
+    @property
+    def loras(self) -> LoRARegistry | None:
+        """The model's adapters by name (None: ``enable_lora`` is off)."""
+        return self._backend.loras
+
+    def with_lora(self, request: LoRARequest) -> EngineClient:
+        """This client, its requests running with ``request``'s adapter (a request's
+        ``model`` named it); the same in-flight bookkeeping."""
+        bound = copy.copy(self)
+        bound.lora_request = request
+        bound.on_finished = None  # a rollout's shadow repeats base-model generations only
+        return bound
+
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """vLLM's ``/v1/load_lora_adapter``: read and check the folder (blocking: call it
+        off the event loop), then serve it under ``name``."""
+        return self._backend.add_lora(name, path, runtime=True)
+
+    def remove_lora(self, name: str) -> None:
+        self._backend.remove_lora(name)
 
     # ---- what the engine accepts -----------------------------------------------------
     @property
@@ -128,7 +154,7 @@ class EngineClient:
         return self._backend.tool_call_parser
 
     def check_request(self, prompt_len: int, params: SamplingParams, priority: int = 0) -> None:
-        self._backend.engine.check_request(prompt_len, params, priority)
+        self._backend.engine.check_request(prompt_len, params, priority, self.lora_request)
         grammars = self._backend.engine.grammars
         if params.structured_outputs is not None and grammars is not None:
             # compiled here (callers are off the event loop); the engine finds it cached
@@ -166,7 +192,8 @@ class EngineClient:
         tokens: dict[int, list[int]] | None = {} if observe is not None else None
         try:
             engine = self._backend.async_engine
-            async with aclosing(engine.generate(prompt, params, request_id, priority)) as outs:
+            outputs = engine.generate(prompt, params, request_id, priority, self.lora_request)
+            async with aclosing(outputs) as outs:
                 async for out in outs:
                     if not live.first_token:
                         live.first_token = time.monotonic_ns()

@@ -6,6 +6,7 @@ does not import torch."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -145,6 +146,7 @@ class LLMCollector(Collector):
         yield from histograms
         yield info
         yield from _spec_decode(engines)
+        yield from _lora(engines)
 
 
 def _spec_decode(engines: list[tuple[str, Any]]) -> Iterator[Metric]:
@@ -169,3 +171,28 @@ def _spec_decode(engines: list[tuple[str, Any]]) -> Iterator[Metric]:
         for pos, count in enumerate(stats.accepted_per_pos):
             per_pos.add_metric([*labels, str(pos)], count)
     yield from (drafts, draft_tokens, accepted, per_pos)
+
+
+def _lora(engines: list[tuple[str, Any]]) -> Iterator[Metric]:
+    """vLLM's ``lora_requests_info``, for the engines with LoRA enabled: the adapters of
+    the running and waiting requests (comma separated), the value the time it was read."""
+    serving = [(n, e) for n, e in engines if e.config.lora_config is not None]
+    if not serving:
+        return
+    family = _gauge(
+        "lora_requests_info",
+        "Running stats on lora requests.",
+        ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+    )
+    for name, engine in serving:
+        sched = engine.scheduler
+
+        def names(seqs: list[Any]) -> str:
+            found = {s.lora_request.lora_name for s in seqs if s.lora_request is not None}
+            return ",".join(sorted(found))
+
+        # copies: the engine's thread changes the queues meanwhile
+        waiting, running = names(list(sched.waiting)), names(list(sched.running))
+        max_lora = str(engine.config.lora_config.max_loras)
+        family.add_metric([name, ENGINE, max_lora, waiting, running], time.time())
+    yield family

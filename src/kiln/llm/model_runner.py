@@ -13,6 +13,7 @@ from kiln.llm.attention_flex import FlexMetadata, resolve_attention_backend
 from kiln.llm.checkpoint import Checkpoint
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.cuda_graphs import DecodeGraphs, capture_sizes
+from kiln.llm.lora_layers import LoRAManager
 from kiln.llm.models.llama import LlamaForCausalLM, StepMetadata
 from kiln.llm.models.registry import build_model
 from kiln.llm.pooling import mean_pool, token_rows
@@ -109,6 +110,10 @@ class ModelRunner:
             model.lm_head.weight = model.model.embed_tokens.weight
         self.model = model.eval()
         self.model.fuse()
+        #: the adapters (``lora_config``): their projections wrapped after fusing
+        self.lora: LoRAManager | None = None
+        if config.lora_config is not None:
+            self.lora = LoRAManager(model, args, config.lora_config, self.dtype, self.device)
         #: the layers' distinct sliding windows (None: full attention), a metadata each step
         self.windows = self.model.windows()
         self.block_bytes = (
@@ -141,6 +146,7 @@ class ModelRunner:
         # graphs need the flex backend's fixed-shape metadata, and a GPU
         use_graphs = self.attention_backend == "flex" and not config.enforce_eager
         use_graphs = use_graphs and self.model.cuda_graphs  # MoE: host-side routing
+        use_graphs = use_graphs and self.lora is None  # the step's slots are set eagerly
         if use_graphs and self.device.type == "cuda" and torch.cuda.is_available():
             sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
             self.graphs = DecodeGraphs(self, sizes)
@@ -284,6 +290,8 @@ class ModelRunner:
                 for target in (seq, *seq.forks):
                     logit_index.append(len(input_ids) - 1)
                     samplers.append(target)
+        if self.lora is not None:
+            self.lora.prepare(out.seqs, out.num_new_tokens, self.device)
         logits = None
         if self.graphs and not prompt_rows:
             logits = self.graphs.run(out, input_ids, positions)
@@ -310,6 +318,8 @@ class ModelRunner:
         their pooled final hidden states [len(prompts), hidden], float32."""
         lengths = [len(p) for p in prompts]
         dev = self.device
+        if self.lora is not None:
+            self.lora.prepare([], [], dev)  # pooling runs the base model
         metas: StepMetadata = {w: DenseMetadata.build(lengths, dev, w) for w in self.windows}
         ids = torch.tensor([t for p in prompts for t in p], device=dev)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)

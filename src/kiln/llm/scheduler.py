@@ -125,8 +125,17 @@ class Scheduler:
             return
         if self.config.scheduling_policy == "priority":
             self.waiting = deque(sorted(self.waiting, key=lambda s: s.sort_key))
+        lora = self.config.lora_config
+        max_loras = lora.max_loras if lora is not None else 0
+        loras = {s.lora_request.lora_int_id for s in self.running if s.lora_request}
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            adapter = seq.lora_request
+            if adapter and adapter.lora_int_id not in loras and len(loras) >= max_loras:
+                # as vLLM: it waits for a slot (an adapter to leave the batch), others go on
+                skipped.append(self.waiting.popleft())
+                continue
             # a request's n samples all run once its prompt is done: room for all of them
             if len(self.running) + 1 + len(seq.forks) > self.config.max_num_seqs:
                 break
@@ -136,11 +145,14 @@ class Scheduler:
             if not self.block_manager.admit(seq, hits, computed + n):
                 break  # nobody overtakes the head of the queue
             self.waiting.popleft()
+            if adapter:
+                loras.add(adapter.lora_int_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

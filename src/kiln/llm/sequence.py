@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # the OpenAI frontend reads SamplingParams without loading to
     import llguidance
     import torch
 
+    from kiln.llm.lora import LoRARequest
     from kiln.llm.sampler import TokenLogprobs
     from kiln.llm.structured import StructuredOutputsParams
 
@@ -127,6 +128,8 @@ class Sequence:
     spec_probs: torch.Tensor | None = None
     #: leading tokens whose K/V the draft model holds (in its own cache, same block table)
     num_draft_computed: int = 0
+    #: the LoRA adapter it runs with (None: the base model)
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -97,6 +97,9 @@ def test_restricted_messages_follow_triton() -> None:
         ("/v2/logging", ApiGroup.LOGGING),
         ("/api/live", ApiGroup.MONITORING),
         ("/v1/completions", ApiGroup.INFERENCE),
+        # vLLM's runtime LoRA loading reads server folders: restricted with model control
+        ("/v1/load_lora_adapter", ApiGroup.MODEL_REPOSITORY),
+        ("/v1/unload_lora_adapter", ApiGroup.MODEL_REPOSITORY),
         ("/tokenize", ApiGroup.INFERENCE),
         ("/detokenize", ApiGroup.INFERENCE),
         ("/health", ApiGroup.HEALTH),

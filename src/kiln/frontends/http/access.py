@@ -36,6 +36,8 @@ _RULES: list[tuple[re.Pattern[str], ApiGroup | None]] = [
     (re.compile(r"/v2/openapi\.json$"), None),
     (re.compile(_MODEL + r"$"), ApiGroup.METADATA),
     (re.compile(r"/v2/?$"), ApiGroup.METADATA),
+    # vLLM's runtime LoRA loading reads server folders: model control, not inference
+    (re.compile(r"/v1/(load|unload)_lora_adapter$"), ApiGroup.MODEL_REPOSITORY),
     (re.compile(r"/v1/.*"), ApiGroup.INFERENCE),  # OpenAI-compatible routes
     (re.compile(r"/(de)?tokenize$"), ApiGroup.INFERENCE),  # vLLM's, beside them
     (re.compile(r"/health$"), ApiGroup.HEALTH),

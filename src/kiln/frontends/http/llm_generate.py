@@ -51,7 +51,7 @@ _FLAGS = (
     "return_num_input_tokens",
     "return_num_output_tokens",
 )
-_KNOWN = frozenset((*SAMPLING_FIELDS, *_FLAGS, "max_tokens", "stop"))
+_KNOWN = frozenset((*SAMPLING_FIELDS, *_FLAGS, "max_tokens", "stop", "lora_name"))
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, which Triton's vLLM backend keeps
 #: stop strings are searched in every chunk of new text: a bound on that work
 MAX_STOP_STRINGS = 64
@@ -69,6 +69,8 @@ class LLMGenerateRequest:
     flags: dict[str, bool]
     #: ``"stream": false`` given (generate_stream then sends one event)
     explicit_no_stream: bool = False
+    #: the engine bound to the request's ``lora_name`` adapter (Triton's vLLM backend's)
+    engine: EngineClient | None = None
 
 
 def find_llm(server: Server, request: Request) -> EngineClient | None:
@@ -115,6 +117,15 @@ def decode(body: dict[str, Any], llm: EngineClient, model: str, version: str) ->
     if not isinstance(text, str) or not text:
         raise invalid_arg(f"generate request for model '{model}': 'text_input' must be a string")
     fields = _fields(body, model)
+    name = fields.pop("lora_name", None)
+    if name is not None:
+        found = llm.loras.get(name) if llm.loras is not None and isinstance(name, str) else None
+        if found is None:
+            raise invalid_arg(
+                f"generate request for model '{model}': lora_name {name!r} is not an adapter "
+                "of this model"
+            )
+        llm = llm.with_lora(found)
     flags: dict[str, bool] = {}
     for key in _FLAGS:
         value = fields.get(key, False)
@@ -158,7 +169,10 @@ def decode(body: dict[str, Any], llm: EngineClient, model: str, version: str) ->
         raise invalid_arg(f"generate request for model '{model}': {exc.message}") from None
     rid = str(body.get("id", ""))
     no_stream = fields.get("stream") is False
-    return LLMGenerateRequest(model, version, rid, text, ids, params, stops, flags, no_stream)
+    bound = llm if llm.lora_request is not None else None
+    return LLMGenerateRequest(
+        model, version, rid, text, ids, params, stops, flags, no_stream, bound
+    )
 
 
 def _payload(req: LLMGenerateRequest, text: str, d: Delta, tokens: int) -> dict[str, Any]:
@@ -203,6 +217,7 @@ async def _whole(llm: EngineClient, req: LLMGenerateRequest) -> dict[str, Any]:
 
 async def generate(frontend: Any, request: Request, llm: EngineClient) -> Response:
     req = await _decoded(frontend, request, llm)
+    llm = req.engine or llm
     if req.flags["stream"]:
         raise invalid_arg(
             f"model '{req.model_name}': 'stream': true sends several responses, "
@@ -215,6 +230,7 @@ async def generate_stream(frontend: Any, request: Request, llm: EngineClient) ->
     """One event per chunk of new text; with ``"stream": false``, one event with the whole
     output, as Triton's vLLM backend answers a non-streaming request."""
     req = await _decoded(frontend, request, llm)
+    llm = req.engine or llm
     if not req.flags["stream"] and req.explicit_no_stream:
         body = await _whole(llm, req)
 

@@ -17,7 +17,7 @@ from starlette.routing import BaseRoute, Route
 from kiln import __version__
 from kiln.core.errors import KilnError, Status
 from kiln.core.trace import FrontendSlot, http_slot
-from kiln.frontends.openai import embeddings, tools
+from kiln.frontends.openai import embeddings, lora, tools
 from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run, started
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
@@ -61,6 +61,9 @@ def _llm(server: Server, name: str, body: dict[str, Any] | None = None) -> Engin
         return server.llm_engine(name, parameters=body)
     except KilnError as exc:
         if exc.status is Status.NOT_FOUND:
+            bound = lora.adapter(server, name)  # a LoRA adapter of a served model
+            if bound is not None:
+                return bound
             raise OpenAIError(str(exc), 404, param="model", code="model_not_found") from None
         if exc.status is Status.INVALID_ARG:
             raise OpenAIError(str(exc), param="model") from None
@@ -512,6 +515,8 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
             }
             for name, llm in sorted(server.llm_engines().items())
         ]
+        adapters = lora.cards(server, created)
+        data += [{**card, "permission": [_permission(created)]} for card in adapters]
         return _json({"object": "list", "data": data})
 
     async def completions(request: Request) -> Response:
@@ -555,6 +560,8 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         body = await _received(request, http_slot(server.tracer, request.headers), reader)
         req = embeddings.embedding_request(body)
         llm = _llm(server, req.model)
+        if llm.lora_request is not None:
+            raise OpenAIError("LoRA adapters serve generation, not embeddings", param="model")
         embeddings.check_model(llm, req)
         prompts = await asyncio.to_thread(embeddings.token_ids, llm, req)
         vectors = await llm.pool(prompts, req.priority)
@@ -576,6 +583,12 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         text = await asyncio.to_thread(llm.tokenizer.decode, ids, False)
         return _json({"prompt": text})
 
+    async def load_lora(request: Request) -> Response:
+        return await lora.load(server, await _body(request, reader))
+
+    async def unload_lora(request: Request) -> Response:
+        return await lora.unload(server, await _body(request, reader))
+
     async def health(request: Request) -> Response:
         return Response(status_code=200)
 
@@ -587,6 +600,8 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         Route("/v1/completions", _answers_errors(completions), methods=["POST"]),
         Route("/v1/chat/completions", _answers_errors(chat), methods=["POST"]),
         Route("/v1/embeddings", _answers_errors(embed), methods=["POST"]),
+        Route("/v1/load_lora_adapter", _answers_errors(load_lora), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", _answers_errors(unload_lora), methods=["POST"]),
         Route("/tokenize", _answers_errors(tokenize), methods=["POST"]),
         Route("/detokenize", _answers_errors(detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
