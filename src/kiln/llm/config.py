@@ -292,6 +292,11 @@ class EngineConfig:
     #: vLLM's ``--kv-cache-dtype``: ``auto`` (the model's dtype), ``fp8`` (= ``fp8_e4m3``),
     #: ``fp8_e5m2`` (kiln.llm.quantization.kv_cache)
     kv_cache_dtype: str = "auto"
+    #: vLLM's ``--tensor-parallel-size``: ranks the weights and KV heads are split over
+    #: (kiln.llm.parallel), one process each
+    tensor_parallel_size: int = 1
+    #: the model's API name, for messages that must name it (a tensor-parallel worker's)
+    served_model_name: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -343,6 +348,12 @@ class EngineConfig:
             )
         if self.speculative_config is not None:
             self.speculative_config.check(self.max_num_batched_tokens)
+        if self.tensor_parallel_size < 1:
+            raise KilnError(
+                "llm backend: tensor_parallel_size must be at least 1, got "
+                f"{self.tensor_parallel_size}",
+                Status.INVALID_ARG,
+            )
         if any(s <= 0 for s in self.cuda_graph_sizes):
             raise KilnError(
                 "llm backend: cuda_graph_sizes must be positive, got "
