@@ -38,6 +38,7 @@ ENGINE_FLAGS = {
     "speculative_config": "speculative_config",
     "quantization": "quantization",
     "kv_cache_dtype": "kv_cache_dtype",
+    "tensor_parallel_size": "tensor_parallel_size",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -156,6 +157,14 @@ def llm_options(func: F) -> F:
             default=None,
             help="KV cache dtype: auto (the model's) or fp8, halving (bf16) or quartering "
             "(float32) its memory per token; read by the torch attention backend.",
+        ),
+        click.option(
+            "--tensor-parallel-size",
+            "-tp",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Split the weights and KV heads over this many ranks (one process each; "
+            "GPUs cuda:0..N-1, or gloo on the CPU) [default: 1] (docs/scaling.md).",
         ),
     ]
     for option in reversed(options):
