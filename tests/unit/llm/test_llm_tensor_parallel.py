@@ -19,15 +19,15 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kiln.core.errors import KilnError, Status  # noqa: E402
-from kiln.llm import model_json  # noqa: E402
-from kiln.llm.config import EngineConfig  # noqa: E402
-from kiln.llm.engine import LLMEngine  # noqa: E402
-from kiln.llm.parallel.comm import decode_copies, decode_step, encode_copies, encode_step  # noqa: E402
-from kiln.llm.parallel.driver import DriverRunner  # noqa: E402
-from kiln.llm.parallel.shard import Shard  # noqa: E402
-from kiln.llm.sequence import SamplingParams  # noqa: E402
-from tests.llm_models import all_blocks_returned, build_tiny_llm, drain, reference_generate  # noqa: E402
+from kiln.core.errors import KilnError, Status
+from kiln.llm import model_json
+from kiln.llm.config import EngineConfig
+from kiln.llm.engine import LLMEngine
+from kiln.llm.parallel.comm import decode_copies, decode_step, encode_copies, encode_step
+from kiln.llm.parallel.driver import DriverRunner
+from kiln.llm.parallel.shard import Shard
+from kiln.llm.sequence import SamplingParams
+from tests.llm_models import all_blocks_returned, build_tiny_llm, drain, reference_generate
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 #: a prompt longer than a step's token budget (chunked prefill) and two short ones
