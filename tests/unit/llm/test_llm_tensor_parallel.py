@@ -236,5 +236,22 @@ def test_dead_worker_fails_requests_naming_the_model_and_a_reload_serves(
         again.add_request("reloaded", PROMPTS[1], GREEDY)
         assert drain(again) == {("reloaded", 0): reference_generate(
             models["llama-gqa"], PROMPTS[1], 10)}  # fmt: skip
+        # a worker killed in the middle of a step, between two all-reduces: rank 0's
+        # collective fails at once (gloo sees the peer gone) instead of waiting
+        runner = again.runner
+        assert isinstance(runner, DriverRunner)
+        pid = runner.worker_pids[0]
+
+        def kill_worker(module: Any, inputs: Any) -> None:
+            os.kill(pid, signal.SIGKILL)
+            runner.workers[0].wait()
+
+        runner.model.model.layers[1].register_forward_pre_hook(kill_worker)
+        again.add_request("mid-step", PROMPTS[1], GREEDY)
+        drain(again)
+        assert [rid for rid, _ in again.failed] == ["mid-step"]
+        assert "tensor-parallel worker rank 1 of 2 was killed by signal 9" in str(
+            again.failed[0][1]
+        )
     finally:
         again.close()
