@@ -27,12 +27,16 @@ from kiln.llm.parallel.comm import decode_copies, decode_step, encode_copies, en
 from kiln.llm.parallel.driver import DriverRunner
 from kiln.llm.parallel.shard import Shard
 from kiln.llm.sequence import SamplingParams
+from kiln.llm.spec_config import SpeculativeConfig
 from tests.llm_models import all_blocks_returned, build_tiny_llm, drain, reference_generate
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 #: a prompt longer than a step's token budget (chunked prefill) and two short ones
 PROMPTS = [list(range(3, 40)), [5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
-SHARED = list(range(40, 66))  # the prefix-cache prompts share these 26 tokens (6 blocks)
+SHARED = list(range(40, 66))
+GEMMA = dict(
+    head_dim=16, sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0
+)  # the prefix-cache prompts share these 26 tokens (6 blocks)
 
 
 def _config(tp: int, **overrides: Any) -> EngineConfig:
@@ -81,10 +85,16 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen2": build_tiny_llm(root / "qwen2", arch="qwen2"),
         # q/k/v and gate/up fused in the checkpoint: sliced part by part
         "phi3": build_tiny_llm(root / "phi3", arch="phi3", pad_token_id=0),
+        # per-head q/k norms (replicated: a head's norm weight is shared by every head)
+        "qwen3": build_tiny_llm(root / "qwen3", arch="qwen3", head_dim=16),
+        # tied embeddings (rank 0's head), soft-capping, a window on every other layer
+        "gemma2": build_tiny_llm(root / "gemma2", arch="gemma2", **GEMMA),
     }
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "llama-mqa-bias", "qwen2", "phi3"])
+@pytest.mark.parametrize(
+    "name", ["llama-gqa", "llama-mqa-bias", "qwen2", "phi3", "qwen3", "gemma2"]
+)
 def test_two_ranks_give_one_ranks_tokens(models: dict[str, Path], name: str) -> None:
     folder = models[name]
     single = LLMEngine(folder, _config(1))
@@ -100,6 +110,25 @@ def test_two_ranks_give_one_ranks_tokens(models: dict[str, Path], name: str) -> 
     assert got["cached"] >= 24  # the prefix cache served the shared blocks on both
     if name == "llama-gqa":  # and one rank is transformers' (as test_llm_engine checks)
         assert got["batch"][("batch-1", 0)] == reference_generate(folder, PROMPTS[1], 10)
+
+
+def test_ngram_speculation_over_two_ranks_keeps_the_greedy_tokens(
+    models: dict[str, Path],
+) -> None:
+    # the verifying step's drafts reach the workers in the step message like any token
+    prompt = [5, 6, 7, 8] * 4
+    single = LLMEngine(models["llama-gqa"], _config(1))
+    single.add_request("r", prompt, GREEDY)
+    expected = drain(single)
+    single.close()
+    spec = SpeculativeConfig("ngram", 3, None, 4, 1)
+    engine = LLMEngine(models["llama-gqa"], _config(2, speculative_config=spec))
+    try:
+        engine.add_request("r", prompt, GREEDY)
+        assert drain(engine) == expected
+        assert engine.spec_stats is not None and engine.spec_stats.num_drafts > 0
+    finally:
+        engine.close()
 
 
 def test_each_rank_holds_its_shard_of_weights_and_kv_cache(models: dict[str, Path]) -> None:
