@@ -45,6 +45,7 @@ ENGINE_FLAGS = {
     "max_lora_rank": "max_lora_rank",
     "max_cpu_loras": "max_cpu_loras",
     "allowed_lora_paths": "allowed_lora_paths",
+    "tensor_parallel_size": "tensor_parallel_size",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -203,6 +204,14 @@ def llm_options(func: F) -> F:
             type=click.Path(exists=True, file_okay=False, path_type=Path),
             help="A folder /v1/load_lora_adapter may read adapters from (with "
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); may repeat [default: none].",
+        ),
+        click.option(
+            "--tensor-parallel-size",
+            "-tp",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Split the weights and KV heads over this many ranks (one process each; "
+            "GPUs cuda:0..N-1, or gloo on the CPU) [default: 1] (docs/scaling.md).",
         ),
     ]
     for option in reversed(options):

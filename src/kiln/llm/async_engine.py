@@ -177,6 +177,7 @@ class AsyncEngine:
             streams = list(self._streams.values())
         self._send(None)
         self._thread.join(timeout=10)
+        self.engine.close()
         error = KilnError(
             f"model '{self.name}' was unloaded before the request finished (its in-flight "
             "requests did not end within the unload's drain timeout, --exit-timeout-secs)",

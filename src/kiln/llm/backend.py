@@ -45,6 +45,7 @@ _INT_PARAMETERS = (
     "kv_cache_memory_bytes",
     "max_model_len",
     "max_waiting",
+    "tensor_parallel_size",
 )
 #: vLLM's spellings of the dtypes
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -233,6 +234,7 @@ class LLMBackend(Backend):
                 Status.INVALID_ARG,
             )
         folder, tokenizer, settings = self._settings(config, version_dir, instance)
+        settings.served_model_name = config.name  # named by a tensor-parallel worker's errors
         #: vLLM's ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (the frontend's)
         self.enable_auto_tool_choice, self.tool_call_parser = tool_calling(config)
         # the tokenizer first: its errors come before minutes of weight loading

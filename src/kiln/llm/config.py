@@ -295,6 +295,11 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     #: vLLM's ``--enable-lora`` and its settings (None: no adapters; kiln.llm.lora)
     lora_config: LoRAConfig | None = None
+    #: vLLM's ``--tensor-parallel-size``: ranks the weights and KV heads are split over
+    #: (kiln.llm.parallel), one process each
+    tensor_parallel_size: int = 1
+    #: the model's API name, for messages that must name it (a tensor-parallel worker's)
+    served_model_name: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -348,6 +353,18 @@ class EngineConfig:
             self.speculative_config.check(self.max_num_batched_tokens)
         if self.lora_config is not None:
             self.lora_config.check()
+        if self.tensor_parallel_size < 1:
+            raise KilnError(
+                "llm backend: tensor_parallel_size must be at least 1, got "
+                f"{self.tensor_parallel_size}",
+                Status.INVALID_ARG,
+            )
+        if self.tensor_parallel_size > 1 and self.lora_config is not None:
+            # the adapters' A/B weights are not split over the ranks (kiln.llm.lora)
+            raise KilnError(
+                "llm backend: enable_lora with tensor_parallel_size > 1 is not supported",
+                Status.INVALID_ARG,
+            )
         if any(s <= 0 for s in self.cuda_graph_sizes):
             raise KilnError(
                 "llm backend: cuda_graph_sizes must be positive, got "

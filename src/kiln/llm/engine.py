@@ -15,7 +15,8 @@ from kiln.llm.checkpoint import open_checkpoint, torch_dtype_name
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.draft_model import DraftProposer
 from kiln.llm.lora import LoRARequest
-from kiln.llm.model_runner import ModelRunner, resolve_dtype
+from kiln.llm.model_runner import resolve_dtype
+from kiln.llm.parallel import create_runner
 from kiln.llm.params import INT64_MAX, INT64_MIN, InvalidField
 from kiln.llm.sampler import SampledToken, TokenLogprobs
 from kiln.llm.scheduler import Scheduler, SchedulerOutput
@@ -72,7 +73,7 @@ class LLMEngine:
                 len(windowed),
                 self.args.num_hidden_layers,
             )
-        self.runner = ModelRunner(self.checkpoint, self.args, config)
+        self.runner = create_runner(self.checkpoint, self.args, config)
         # A sequence alone must always fit in the cache, or preemption could never help it.
         config.max_model_len = min(config.max_model_len, self.runner.num_blocks * config.block_size)
         self.config = config
@@ -106,6 +107,10 @@ class LLMEngine:
         #: compiles ``structured_outputs`` for this model's tokenizer; set by whoever owns
         #: the tokenizer (the backend): without it, constrained requests are refused
         self.grammars: GrammarCompiler | None = None
+
+    def close(self) -> None:
+        """Release what outlives the engine object: a tensor-parallel model's workers."""
+        self.runner.close()
 
     def check_request(
         self,

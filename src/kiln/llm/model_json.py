@@ -94,7 +94,16 @@ def _folder(model: str, key: str, value: Any, version_dir: Path) -> Path:
 
 def _single(model: str, key: str, value: Any) -> None:
     if _integer(model, key, value) != 1:
-        raise _error(model, f"'{key}' is {value}: kiln runs a model on one device (1 only)")
+        raise _error(
+            model, f"'{key}' is {value}: kiln has no pipeline parallelism (1 only; docs/scaling.md)"
+        )
+
+
+def _at_least_one(model: str, key: str, value: Any) -> int:
+    number = _integer(model, key, value)
+    if number < 1:
+        raise _error(model, f"'{key}' must be at least 1, got {value!r}")
+    return number
 
 
 def _not_true(model: str, key: str, value: Any) -> None:
@@ -118,6 +127,7 @@ _SETTINGS: dict[str, tuple[str, Callable[[str, str, Any], Any]]] = {
     "block_size": ("block_size", lambda m, k, v: _integer(m, k, v)),
     "num_gpu_blocks_override": ("num_gpu_blocks", lambda m, k, v: _integer(m, k, v)),
     "kv_cache_memory_bytes": ("kv_cache_memory_bytes", lambda m, k, v: _integer(m, k, v)),
+    "tensor_parallel_size": ("tensor_parallel_size", lambda m, k, v: _at_least_one(m, k, v)),
     "enable_prefix_caching": ("enable_prefix_caching", lambda m, k, v: _boolean(m, k, v)),
     "enforce_eager": ("enforce_eager", lambda m, k, v: _boolean(m, k, v)),
     "scheduling_policy": ("scheduling_policy", lambda m, k, v: str(v).strip().lower()),
@@ -137,7 +147,6 @@ def _apply(model: str, raw: dict[str, Any], out: EngineConfig) -> None:
     """The engine arguments kiln has, checked, into ``out``; any other is refused."""
     checks: dict[str, Callable[[Any], None]] = {
         "dtype": lambda v: _dtype(model, v, out),
-        "tensor_parallel_size": lambda v: _single(model, "tensor_parallel_size", v),
         "pipeline_parallel_size": lambda v: _single(model, "pipeline_parallel_size", v),
         "trust_remote_code": lambda v: _not_true(model, "trust_remote_code", v),
         "gpu_memory_utilization": lambda v: _memory_utilization(model, v),

@@ -92,7 +92,7 @@ class ModelRunner:
         #: the KV cache's dtype: the model's, or fp8 (``kv_cache_dtype``)
         self.cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
         with torch.device("meta"):
-            model = build_model(args, config.max_model_len)
+            model = self._build_model(args)
         # quantized projections swapped while the model is still on the meta device (their
         # float weights are never allocated): the checkpoint's tensors load as they are
         self.quantization = quantization.apply(
@@ -150,6 +150,14 @@ class ModelRunner:
         if use_graphs and self.device.type == "cuda" and torch.cuda.is_available():
             sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
             self.graphs = DecodeGraphs(self, sizes)
+
+    def _build_model(self, args: ModelArgs) -> LlamaForCausalLM:
+        """The model, on the meta device (a tensor-parallel rank shapes its shard here)."""
+        return build_model(args, self.config.max_model_len)
+
+    def close(self) -> None:
+        """Nothing to release in this process's runner (a tensor-parallel one stops its
+        workers)."""
 
     def _allocate_cache(self, num_blocks: int) -> None:
         config, args = self.config, self.args
@@ -340,9 +348,23 @@ class ModelRunner:
     ) -> torch.Tensor:
         """``computed``: the tokens each sequence's cache already holds (default: its
         ``num_computed_tokens``; a draft model keeps its own count)."""
-        tables = [s.block_table for s in out.seqs]
         if computed is None:
             computed = [s.num_computed_tokens for s in out.seqs]
+        tables = [s.block_table for s in out.seqs]
+        metas = self._metadata(tables, computed, out.num_new_tokens)
+        dev = self.device
+        logits: torch.Tensor = self.model(
+            torch.tensor(input_ids, device=dev),
+            torch.tensor(positions, device=dev),
+            metas,
+            torch.tensor(logit_index, dtype=torch.long, device=dev),
+        )
+        return logits
+
+    def _metadata(
+        self, tables: list[list[int]], computed: list[int], num_new_tokens: list[int]
+    ) -> dict[int | None, AttentionMetadata | FlexMetadata]:
+        """The step's attention metadata for each of the layers' windows."""
         metas: dict[int | None, AttentionMetadata | FlexMetadata] = {}
         for window in self.windows:
             if self.attention_backend == "flex":
@@ -350,7 +372,7 @@ class ModelRunner:
                 metas[window] = FlexMetadata.build(
                     tables,
                     computed,
-                    out.num_new_tokens,
+                    num_new_tokens,
                     self.config.block_size,
                     pages,
                     self.device,
@@ -360,7 +382,7 @@ class ModelRunner:
                 metas[window] = AttentionMetadata.build(
                     tables,
                     computed,
-                    out.num_new_tokens,
+                    num_new_tokens,
                     self.config.block_size,
                     self.device,
                     self.args.num_key_value_heads,
@@ -368,11 +390,4 @@ class ModelRunner:
                     fused_decode=self.attention_backend == "cpu",
                     window=window,
                 )
-        dev = self.device
-        logits: torch.Tensor = self.model(
-            torch.tensor(input_ids, device=dev),
-            torch.tensor(positions, device=dev),
-            metas,
-            torch.tensor(logit_index, dtype=torch.long, device=dev),
-        )
-        return logits
+        return metas

@@ -66,7 +66,8 @@ def test_relative_model_path_is_beside_model_json(tmp_path: Path) -> None:
     [
         ({"swap_space": 4}, "engine argument 'swap_space' is not supported"),
         ({"quantization": "awq"}, "'quantization'"),
-        ({"tensor_parallel_size": 2}, "'tensor_parallel_size' is 2"),
+        ({"pipeline_parallel_size": 2}, "'pipeline_parallel_size' is 2"),
+        ({"tensor_parallel_size": 0}, "'tensor_parallel_size' must be at least 1, got 0"),
         ({"trust_remote_code": True}, "'trust_remote_code'"),
         ({"max_num_seqs": "many"}, "'max_num_seqs' must be an integer"),
         ({"gpu_memory_utilization": 1.5}, "'gpu_memory_utilization' must be a number in (0, 1]"),
