@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from kiln.config.model_config_pb2 import ModelConfig
-from kiln.llm.config import TOOL_CALL_PARSERS
+from kiln.llm.config import ATTENTION_BACKENDS, TOOL_CALL_PARSERS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -38,6 +38,7 @@ ENGINE_FLAGS = {
     "speculative_config": "speculative_config",
     "quantization": "quantization",
     "kv_cache_dtype": "kv_cache_dtype",
+    "attention_backend": "attention_backend",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -156,6 +157,14 @@ def llm_options(func: F) -> F:
             default=None,
             help="KV cache dtype: auto (the model's) or fp8, halving (bf16) or quartering "
             "(float32) its memory per token; read by the torch attention backend.",
+        ),
+        click.option(
+            "--attention-backend",
+            type=click.Choice(list(ATTENTION_BACKENDS), case_sensitive=False),
+            default=None,
+            help="auto, torch, cpu, flex or triton (on CUDA: flex compiled by torch, or "
+            "kiln's Triton kernels for decodes, norms, SiLU-mul and RoPE) [default: auto: "
+            "triton on CUDA when triton imports] (docs/llm.md).",
         ),
     ]
     for option in reversed(options):

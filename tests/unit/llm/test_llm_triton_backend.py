@@ -138,3 +138,20 @@ def test_triton_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_kernels_stay_off_on_other_backends(llama: Path) -> None:
     engine = LLMEngine(llama, EngineConfig(attention_backend="flex", num_gpu_blocks=8))
     assert not any(getattr(m, "use_triton", False) for m in engine.runner.model.modules())
+
+
+def test_attention_backend_flag_reaches_the_engine_config(llama: Path) -> None:
+    """``kiln serve --model M --attention-backend flex``: the parameter the engine reads."""
+    from click.testing import CliRunner
+
+    from kiln.backends.base import InstanceSpec
+    from kiln.cli import main
+    from kiln.cli.llm_options import served_models
+    from kiln.llm.backend import engine_config
+
+    (config,) = served_models((llama,), ("m",), {"attention_backend": "flex"})
+    assert config.parameters["attention_backend"].string_value == "flex"
+    spec = InstanceSpec(name="m_0", kind="gpu", device_id=0, index=0, total_instances=1)
+    assert engine_config(config, spec).attention_backend == "flex"
+    bad = CliRunner().invoke(main, ["serve", "--model", str(llama), "--attention-backend", "x"])
+    assert bad.exit_code == 2 and "'x' is not one of" in bad.output
