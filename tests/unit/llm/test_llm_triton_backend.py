@@ -88,6 +88,19 @@ def test_triton_backend_with_a_sliding_window(tmp_path: Path) -> None:
     assert engine.generate(PROMPTS, params) == expected
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])
+def test_triton_backend_on_the_llama_skeleton_s_relatives(tmp_path: Path, arch: str) -> None:
+    """Qwen2 (q/k/v biases: the rotated fused output), Qwen3 (its per-head q/k norms through
+    the RMSNorm kernel, its own RoPE path), Phi-3 (its own partial RoPE, the SiLU-and-mul
+    kernel on its checkpoint-fused gate/up)."""
+    extra = {"qwen3": {"head_dim": 16}, "phi3": {"pad_token_id": 0}}.get(arch, {})
+    folder = build_tiny_llm(tmp_path / arch, arch=arch, **extra)
+    expected = [reference_generate(folder, p, 4) for p in PROMPTS[:2]]
+    engine = triton_engine(folder)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert engine.generate(PROMPTS[:2], params) == expected
+
+
 def test_static_buffers_of_cuda_graphs_with_the_triton_decode(llama: Path) -> None:
     """The graphs' path uncaptured: block tables padded to max_model_len's pages, dummy rows
     in the scratch page, the PagedDecode tensors overwritten in place each step."""
