@@ -188,8 +188,8 @@ def decode_attention(
         TILE_N=TILE,
         USE_SOFTCAP=softcap is not None,
         USE_WINDOW=window is not None,
-        # float32: IEEE products, not TF32 (which float16/bfloat16 tiles ignore)
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        # float32: IEEE products, not TF32; float16/bfloat16 tiles: tl.dot's default
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else None,
         # Triton's interpreter multiplies bfloat16 tiles wrongly (3.9: garbage); there the
         # operands, already rounded to bfloat16, are multiplied in float32
         UPCAST=k_cache.dtype == torch.bfloat16 and interpreting(),
