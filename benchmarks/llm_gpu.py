@@ -261,17 +261,24 @@ def _device_us(event: Any) -> float:
     return 0.0
 
 
-def profile_decode(engine: Any, steps: int = 8, trace: Path | None = None) -> dict[str, Any]:
+def profile_decode(
+    engine: Any, steps: int = 8, trace: Path | None = None, eager: bool = False
+) -> dict[str, Any]:
     """``steps`` batch-1 decode steps under ``torch.profiler`` (CPU + CUDA): host wall time
-    per step, GPU kernel time per step, and the kernels that took the most GPU time."""
+    per step, GPU kernel time per step, and the kernels that took the most GPU time.
+    ``eager``: the engine's CUDA graphs set aside meanwhile (every kernel launched from
+    Python, as the profiler sees it best)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from kiln.llm.sequence import SamplingParams
 
+    graphs = engine.runner.graphs
+    if eager:
+        engine.runner.graphs = None
     params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
-    engine.add_request("profiled", list(range(3, 131)), params)
+    engine.add_request(f"profiled-{eager}", list(range(3, 131)), params)
     for _ in range(16):  # the prefill, then warm decode steps
         engine.step()
     torch.cuda.synchronize()
@@ -283,6 +290,7 @@ def profile_decode(engine: Any, steps: int = 8, trace: Path | None = None) -> di
         wall = time.perf_counter() - start
     while engine.has_work():  # the request's remaining tokens
         engine.step()
+    engine.runner.graphs = graphs
     if trace is not None:
         prof.export_chrome_trace(str(trace))
     events = prof.key_averages()
@@ -378,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                 entry: dict[str, Any] = {"batch1": one, f"concurrency{args.concurrency}": many}
                 if not eager and not args.skip_profile:
                     trace = args.trace if args.trace and not profiles else None
-                    profiles[backend] = profile_decode(engine, trace=trace)
+                    profiles[f"{backend}, CUDA graphs"] = profile_decode(engine, trace=trace)
+                    profiles[f"{backend}, eager"] = profile_decode(engine, eager=True)
                 del engine
                 torch.cuda.empty_cache()
                 http = None
@@ -417,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{api} | {ttft} | {tpot} |")  # fmt: skip
     for backend, prof in profiles.items():
         print(
-            f"\ntorch.profiler, batch-1 decode with CUDA graphs, {backend}: "
+            f"\ntorch.profiler, batch-1 decode, {backend}: "
             f"{prof['wall_ms_per_step']:.2f} ms wall per step, "
             f"{prof['gpu_kernel_ms_per_step']:.2f} ms of GPU kernels per step "
             f"({100 * prof['gpu_kernel_ms_per_step'] / prof['wall_ms_per_step']:.0f}% busy)"

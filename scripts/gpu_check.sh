@@ -47,7 +47,7 @@ print("MISSING:", "; ".join(missing) if missing else "none")
 PYEOF
 
 stamp "2. pytest -m gpu" | tee "$OUT/pytest_gpu.log"
-timeout 260 "$PY" -m pytest -m gpu tests/gpu/test_llm_triton_gpu.py tests/gpu/test_llm_gpu.py \
+timeout 240 "$PY" -m pytest -m gpu tests/gpu/test_llm_triton_gpu.py tests/gpu/test_llm_gpu.py \
   -v -s -p no:cacheprovider 2>&1 | tee -a "$OUT/pytest_gpu.log"
 stamp "pytest exit ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_gpu.log"
 
