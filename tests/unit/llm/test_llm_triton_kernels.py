@@ -173,3 +173,17 @@ def test_rope_in_place_matches_rotate(dtype: torch.dtype, heads: int, kv_heads: 
     tol = TOL[dtype]
     torch.testing.assert_close(qkv[:, : heads + kv_heads], want, atol=tol, rtol=tol)
     assert torch.equal(qkv[:, heads + kv_heads :], v)  # the v heads are not rotated
+
+
+def test_paged_decode_tables_are_the_same_built_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small tables come from a padded list, large ones from a masked scatter: same tensor."""
+    import kiln.llm.kernels as kernels
+
+    tables = [[4, 1, 0], [5, 2], [9], [3, 6, 7, 8]]
+    computed = [40, 17, 0, 63]  # pages in use: 3, 2, 1, 4
+    small = PagedDecode.build(tables, computed, [0, 1, 2, 3], 16, torch.device("cpu"), width=6)
+    monkeypatch.setattr(kernels, "SMALL_TABLE", 0)
+    large = PagedDecode.build(tables, computed, [0, 1, 2, 3], 16, torch.device("cpu"), width=6)
+    assert torch.equal(small.block_table, large.block_table)
+    assert small.block_table.tolist()[3] == [3, 6, 7, 8, 0, 0]
+    assert small.seq_lens.tolist() == [41, 18, 1, 64]
