@@ -1,9 +1,10 @@
 """The small per-layer operations of a step as one Triton kernel each.
 
 On a GPU a decode step's tensors are a few kilobytes and each torch operation on them is a
-kernel launch and a pass over memory: RMSNorm with the residual add is six (add, float cast,
-pow, mean, rsqrt, two multiplications), SiLU-and-mul two, rotate-half RoPE five. Under CUDA
-graphs the launches are cheap but the passes remain; eagerly both count.
+kernel launch and a pass over memory: in bfloat16, RMSNorm with the residual add is about
+nine (the add, the float cast, pow, mean, the epsilon, rsqrt, the scaling, the cast back,
+the weight), SiLU-and-mul two, rotate-half RoPE four (the half swap, two products, the sum).
+Under CUDA graphs the launches are cheap but the passes remain; eagerly both count.
 
 Each kernel rounds where the torch formula of ``models/llama.py`` rounds (the residual sum,
 the normalised rows and each RoPE product in the model's dtype, statistics in float32), so
