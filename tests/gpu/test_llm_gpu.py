@@ -51,8 +51,9 @@ def _engine(folder: Path, **kw: object) -> LLMEngine:
 def test_flex_on_cuda_matches_transformers(
     llama: Path, expected: list[list[int]], enforce_eager: bool
 ) -> None:
-    engine = _engine(llama, enforce_eager=enforce_eager, max_num_seqs=8)
-    assert engine.runner.attention_backend == "flex"  # auto picks it on CUDA
+    # flex, auto's choice on CUDA (triton: test_llm_triton_gpu.py)
+    engine = _engine(llama, enforce_eager=enforce_eager, max_num_seqs=8, attention_backend="flex")
+    assert engine.runner.attention_backend == "flex"
     graphs = engine.runner.graphs
     assert (graphs is None) == enforce_eager
     assert engine.generate(PROMPTS, GREEDY) == expected

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import click
 
 from kiln.config.model_config_pb2 import ModelConfig
-from kiln.llm.config import TOOL_CALL_PARSERS
+from kiln.llm.config import ATTENTION_BACKENDS, TOOL_CALL_PARSERS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -46,6 +46,7 @@ ENGINE_FLAGS = {
     "max_cpu_loras": "max_cpu_loras",
     "allowed_lora_paths": "allowed_lora_paths",
     "tensor_parallel_size": "tensor_parallel_size",
+    "attention_backend": "attention_backend",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -212,6 +213,14 @@ def llm_options(func: F) -> F:
             default=None,
             help="Split the weights and KV heads over this many ranks (one process each; "
             "GPUs cuda:0..N-1, or gloo on the CPU) [default: 1] (docs/scaling.md).",
+        ),
+        click.option(
+            "--attention-backend",
+            type=click.Choice(list(ATTENTION_BACKENDS), case_sensitive=False),
+            default=None,
+            help="auto, torch, cpu, flex or triton (on CUDA: flex compiled by torch, or "
+            "kiln's Triton kernels for decodes, norms, SiLU-mul and RoPE) [default: auto: "
+            "flex on CUDA; triton is opt-in until measured on a GPU] (docs/llm.md).",
         ),
     ]
     for option in reversed(options):

@@ -20,6 +20,11 @@ query block, *full* where every query of the block sees every slot, *partial* at
 
 On CUDA ``flex_attention`` is compiled (Triton kernels); on CPU it runs eagerly, which
 materialises scores over every cache slot: correct, but only for small caches (tests).
+
+``attention_backend: triton`` (the default on CUDA when triton imports): the same cache and
+the same prefill path, but decodes go to kiln's own Triton kernel
+(``kernels.decode_attention``), which walks each sequence's block table: no BlockMask is
+built for them and the flex kernels are compiled for prefills only.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from kiln.core.errors import KilnError, Status
-from kiln.llm import attention_cpu
+from kiln.llm import attention_cpu, kernels
+from kiln.llm.kernels import PagedDecode
 
 #: rows per query block of the BlockMask (the compiled kernels' default tile)
 Q_BLOCK = 128
@@ -53,10 +59,11 @@ def resolve_attention_backend(
     dtype: torch.dtype = torch.float32,
     softcap: bool = False,
 ) -> str:
-    """``torch``, ``cpu`` or ``flex`` for the configured name: ``auto`` is flex on CUDA,
-    where its kernels are compiled, the fused CPU kernel on the CPU when numba is installed
-    and the cache is float32, and the portable backend otherwise. A model with attention
-    soft-capping (Gemma 2) runs on the portable backend, the one that caps scores."""
+    """``torch``, ``cpu``, ``flex`` or ``triton`` for the configured name: ``auto`` is
+    flex on CUDA (``triton`` is opt-in), the fused CPU kernel on the CPU
+    when numba is installed and the cache is float32, and the portable backend otherwise.
+    A model with attention soft-capping (Gemma 2) runs on the portable backend, the one
+    that caps scores."""
     if name == "torch" or (name == "auto" and softcap):
         return "torch"
     if softcap:
@@ -74,14 +81,24 @@ def resolve_attention_backend(
         return "torch"
     cuda_pages_ok = block_size >= 16  # a page must fill a tensor-core tile (BLOCK_N >= 16)
     if name == "auto":
-        return "flex" if device.type == "cuda" and cuda_pages_ok else "torch"
+        if device.type != "cuda" or not cuda_pages_ok:
+            return "torch"
+        # flex is the path measured on an H100; kiln's Triton kernels have run only under
+        # the CPU interpreter so far, so they are opt-in until scripts/gpu_check.sh runs
+        return "flex"
     if device.type == "cuda" and not cuda_pages_ok:
         raise KilnError(
-            f"llm backend: attention_backend 'flex' on CUDA needs block_size >= 16, "
+            f"llm backend: attention_backend '{name}' on CUDA needs block_size >= 16, "
             f"got {block_size}",
             Status.INVALID_ARG,
         )
-    return "flex"
+    if name == "triton":
+        problem = kernels.problem(device)
+        if problem is not None:
+            raise KilnError(
+                f"llm backend: attention_backend 'triton' {problem}", Status.INVALID_ARG
+            )
+    return name
 
 
 def _cpu_backend_problem(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -137,6 +154,10 @@ class FlexMetadata:
     groups: list[FlexGroup]
     compiled: bool
     kernel_options: dict[str, Any] | None
+    #: the ``triton`` backend: the decodes, for its kernel (then no group holds them)
+    decode: PagedDecode | None = None
+    #: the layers' sliding window (None: full attention), for the Triton decode kernel
+    window: int | None = None
 
     def copy_(self, other: FlexMetadata) -> None:
         """Overwrite these tensors in place with ``other``'s (same shapes): how a captured
@@ -144,6 +165,10 @@ class FlexMetadata:
         self.slot_mapping.copy_(other.slot_mapping, non_blocking=True)
         for mine, theirs in zip(self.groups, other.groups, strict=True):
             for dst, src in zip(mine.tensors(), theirs.tensors(), strict=True):
+                dst.copy_(src, non_blocking=True)
+        if self.decode is not None:
+            assert other.decode is not None
+            for dst, src in zip(self.decode.tensors(), other.decode.tensors(), strict=True):
                 dst.copy_(src, non_blocking=True)
 
     @classmethod
@@ -157,11 +182,13 @@ class FlexMetadata:
         device: torch.device,
         max_pages_per_seq: int = 0,
         window: int | None = None,
+        triton_decode: bool = False,
     ) -> FlexMetadata:
         """``num_pages``: pages in the cache tensor (the scratch page included);
         ``max_pages_per_seq``: pad the BlockMask index width to it (CUDA graphs need fixed
         shapes; 0: as wide as this step needs); ``window``: the layers' sliding window
-        (None: full causal attention)."""
+        (None: full causal attention); ``triton_decode``: the decodes for the Triton
+        kernel (``PagedDecode``, padded to ``max_pages_per_seq`` too), not a flex group."""
         starts = [0]
         for n in num_new[:-1]:
             starts.append(starts[-1] + n)
@@ -173,6 +200,17 @@ class FlexMetadata:
         compiled = device.type == "cuda"
         decode = [i for i, n in enumerate(num_new) if n == 1]
         prefill = [i for i, n in enumerate(num_new) if n > 1]
+        paged = None
+        if triton_decode and decode:
+            paged = PagedDecode.build(
+                [block_tables[i] for i in decode],
+                [num_computed[i] for i in decode],
+                [starts[i] for i in decode],
+                block_size,
+                device,
+                width=max_pages_per_seq,
+            )
+            decode = []
         groups = []
         for members in (decode, prefill):
             if members:
@@ -196,6 +234,8 @@ class FlexMetadata:
             compiled=compiled,
             # one BlockMask KV block is one page; the kernel's KV tile must not span pages
             kernel_options={"BLOCK_N": block_size} if compiled else None,
+            decode=paged,
+            window=window,
         )
 
 
@@ -348,7 +388,8 @@ def flex_paged_attention(
 ) -> torch.Tensor:
     """Same contract as ``paged_attention``: ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D];
     caches [pages, block_size, Hkv, D]. Returns [T, H, D]. No soft-capping: the model
-    runner does not pick this backend for a model that has it."""
+    runner does not pick this backend for a model that has it (the Triton decode kernel
+    has it, its prefills through flex not)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
@@ -359,6 +400,10 @@ def flex_paged_attention(
     values = v_flat.permute(1, 0, 2).unsqueeze(0)
     attend = _flex() if meta.compiled else cast("Callable[..., Any]", flex_attention)
     out = torch.empty_like(q)
+    if meta.decode is not None:
+        from kiln.llm.kernels.decode_attention import decode_attention  # imports triton
+
+        decode_attention(q, k_cache, v_cache, meta.decode, out, scale, window=meta.window)
     for g in meta.groups:
         queries = q[g.token_index].transpose(1, 2)  # [B, H, Lq, D]
         o = attend(

@@ -36,7 +36,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: vLLM's ``--generation-config``: ``auto`` (the checkpoint's generation_config.json),
 #: ``vllm`` (none: the engine's defaults), or a folder holding a generation_config.json
 GENERATION_CONFIG_MODES = ("auto", "vllm")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flex")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flex", "triton")
 #: vLLM's names. ``LAST``: the last token's state (a causal decoder's only state that saw
 #: the whole input); ``MEAN``: the average over the input's tokens; ``CLS``: the first's.
 POOLING_TYPES = ("LAST", "MEAN", "CLS")

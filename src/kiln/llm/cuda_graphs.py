@@ -105,6 +105,7 @@ class DecodeGraphs:
                 self.runner.device,
                 max_pages_per_seq=self.max_pages,
                 window=window,
+                triton_decode=self.runner.attention_backend == "triton",
             )
             for window in self.runner.windows
         }

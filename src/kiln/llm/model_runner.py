@@ -7,7 +7,7 @@ import logging
 import torch
 
 from kiln.core.errors import KilnError, Status
-from kiln.llm import attention_cpu, cpu_ops, quantization
+from kiln.llm import attention_cpu, cpu_ops, kernels, quantization
 from kiln.llm.attention import AttentionMetadata, DenseMetadata, KVWorkspace, cache_shape
 from kiln.llm.attention_flex import FlexMetadata, resolve_attention_backend
 from kiln.llm.checkpoint import Checkpoint
@@ -135,8 +135,13 @@ class ModelRunner:
             ),
             self.cache_dtype,
         )
+        #: flex and triton share the cache layout, the prefill path and CUDA graphs
+        self.paged_flex = self.attention_backend in ("flex", "triton")
         if self.attention_backend == "cpu":
             attention_cpu.warm_up()
+        if self.attention_backend == "triton":
+            # the norms, SiLU-and-mul and RoPE of the Llama skeleton take their kernels too
+            kernels.enable(self.model)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             cpu_ops.warm_up()
         self.workspace = KVWorkspace()
@@ -144,7 +149,7 @@ class ModelRunner:
         self._allocate_cache(self.num_blocks)
         self.graphs: DecodeGraphs | None = None
         # graphs need the flex backend's fixed-shape metadata, and a GPU
-        use_graphs = self.attention_backend == "flex" and not config.enforce_eager
+        use_graphs = self.paged_flex and not config.enforce_eager
         use_graphs = use_graphs and self.model.cuda_graphs  # MoE: host-side routing
         use_graphs = use_graphs and self.lora is None  # the step's slots are set eagerly
         if use_graphs and self.device.type == "cuda" and torch.cuda.is_available():
@@ -162,12 +167,12 @@ class ModelRunner:
     def _allocate_cache(self, num_blocks: int) -> None:
         config, args = self.config, self.args
         # flex: one scratch page past the pool's, written only by CUDA graphs' dummy rows
-        scratch = 1 if self.attention_backend == "flex" else 0
+        scratch = 1 if self.paged_flex else 0
         pages = num_blocks + scratch
         bs, heads, dim = config.block_size, args.num_key_value_heads, args.head_dim
         # flex reads the whole pool as one key sequence, slot by slot ([pages, bs, Hkv, D]);
         # the portable backend gathers head by head ([pages, Hkv, bs, D], see attention.py)
-        flex = self.attention_backend == "flex"
+        flex = self.paged_flex
         layer = (pages, bs, heads, dim) if flex else cache_shape(pages, bs, heads, dim)
         # one allocation for all layers; each layer's attention gets views into it
         self.kv_cache = torch.zeros(
@@ -367,7 +372,7 @@ class ModelRunner:
         """The step's attention metadata for each of the layers' windows."""
         metas: dict[int | None, AttentionMetadata | FlexMetadata] = {}
         for window in self.windows:
-            if self.attention_backend == "flex":
+            if self.paged_flex:
                 pages = self.kv_cache.shape[2]
                 metas[window] = FlexMetadata.build(
                     tables,
@@ -377,6 +382,7 @@ class ModelRunner:
                     pages,
                     self.device,
                     window=window,
+                    triton_decode=self.attention_backend == "triton",
                 )
             else:
                 metas[window] = AttentionMetadata.build(

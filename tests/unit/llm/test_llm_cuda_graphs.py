@@ -181,12 +181,19 @@ def test_attention_and_cuda_graph_parameters_from_config_pbtxt() -> None:
         _config({"cuda_graph_sizes": "1 0"})
 
 
-def test_flex_backend_resolution() -> None:
+def test_flex_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kiln.llm import kernels
     from kiln.llm.attention_flex import resolve_attention_backend
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert resolve_attention_backend("auto", cpu, 16) == "cpu"  # numba is installed here
     assert resolve_attention_backend("auto", cpu, 16, torch.bfloat16) == "torch"
+    # flex, the path measured on a GPU, even where triton imports (the test extra here):
+    # kiln's Triton kernels are opt-in until they run on a GPU
+    assert kernels.available()
+    assert resolve_attention_backend("auto", cuda, 16) == "flex"
+    assert resolve_attention_backend("triton", cuda, 16) == "triton"
+    monkeypatch.setattr(kernels, "available", lambda: False)
     assert resolve_attention_backend("auto", cuda, 16) == "flex"
     # pages smaller than a tensor-core tile keep the portable backend on CUDA
     assert resolve_attention_backend("auto", cuda, 8) == "torch"

@@ -40,8 +40,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        #: one Triton kernel instead of torch's operations (``kernels.enable``)
+        self.use_triton = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from kiln.llm.kernels import elementwise
+
+            return elementwise.rms_norm(x, self.weight, self.eps)
         if cpu_ops.usable(x):
             return cpu_ops.rms_norm(x, self.weight, self.eps)
         if x.shape[0] <= RMS_NORM_FUSED_MAX_TOKENS and x.dtype == torch.float32:
@@ -57,6 +63,10 @@ class RMSNorm(nn.Module):
         """``residual += x`` (in place: the caller owns ``residual``), then the norm of the
         sum: the residual stream's add and the next norm in one pass on CPU float32
         (``cpu_ops``), the same two steps in torch elsewhere."""
+        if self.use_triton:
+            from kiln.llm.kernels import elementwise
+
+            return elementwise.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if cpu_ops.usable(residual):
             return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
         residual.add_(x)
@@ -87,6 +97,8 @@ class Attention(nn.Module):
         self.scale: float | None = None
         #: Gemma 2's ``attn_logit_softcapping``: scores become ``c * tanh(s / c)``
         self.softcap: float | None = None
+        #: RoPE by a Triton kernel, in place (``kernels.enable``)
+        self.use_triton = False
 
     def fuse(self) -> None:
         """Replace q/k/v_proj (the checkpoint's names) by one projection: one matrix product
@@ -125,7 +137,12 @@ class Attention(nn.Module):
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x).view(t, h + 2 * hkv, d)
-            if cpu_ops.usable(qkv):
+            if self.use_triton:
+                from kiln.llm.kernels import elementwise
+
+                elementwise.rotate_(qkv[:, : h + hkv], *rope)  # the projection's output: ours
+                q, k, v = qkv[:, :h], qkv[:, h : h + hkv], qkv[:, h + hkv :]
+            elif cpu_ops.usable(qkv):
                 # q and k rotate in place, in one pass (the projection's output is ours)
                 cpu_ops.rotate_(qkv, *rope, h + hkv)
                 q, k, v = qkv[:, :h], qkv[:, h : h + hkv], qkv[:, h + hkv :]
@@ -167,6 +184,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
         #: gate and up in one matrix product, once the checkpoint is loaded (``fuse``)
         self.gate_up_proj: nn.Linear | None = None
+        #: SiLU-and-mul by a Triton kernel (``kernels.enable``)
+        self.use_triton = False
 
     def fuse(self) -> None:
         """One projection for gate and up (as ``Attention.fuse``)."""
@@ -174,6 +193,11 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None and self.use_triton:
+            from kiln.llm.kernels import elementwise
+
+            fused: torch.Tensor = self.down_proj(elementwise.silu_and_mul(self.gate_up_proj(x)))
+            return fused
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
