@@ -131,7 +131,8 @@ def test_triton_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_attention_backend("triton", cpu, 16) == "triton"  # the interpreter
     assert resolve_attention_backend("auto", cpu, 16) != "triton"  # never picked on CPU
-    assert resolve_attention_backend("auto", cuda, 16) == "triton"
+    assert resolve_attention_backend("auto", cuda, 16) == "flex"  # opt-in until a GPU ran it
+    assert resolve_attention_backend("triton", cuda, 16) == "triton"
     # Gemma 2's soft-capping: its prefills need the portable backend
     assert resolve_attention_backend("auto", cuda, 16, softcap=True) == "torch"
     with pytest.raises(KilnError, match="attention_backend 'triton' has no attention logit"):
