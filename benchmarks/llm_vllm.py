@@ -494,6 +494,7 @@ def run_offline(engine: str, folder: Path, requests: list[Request], env: dict[st
     return {"seconds": doc["seconds"], "output_tokens": tokens,
             "output_tok_s": tokens / doc["seconds"], "cpu_s": doc["cpu_s"],
             "busiest_cpu_s": doc["busiest_cpu_s"], "busiest": doc["busiest"],
+            "processes": doc["processes"],
             "startup_s": doc["ready"] - launch, "peak_rss_gb": peak,
             "outputs": doc["outputs"]}  # fmt: skip
 
