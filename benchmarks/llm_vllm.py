@@ -697,6 +697,8 @@ def main() -> None:
     if args.worker:
         worker_main(*args.worker)
         return
+    # a stopped run still stops the servers and workers it started (the finally blocks)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not (VLLM_VENV / "bin" / "vllm").exists():
         sys.exit(f"no vLLM venv at {VLLM_VENV}: run bash benchmarks/setup_peers.sh vllm")
     env_prefix = " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in ("PYTHONPATH",)
