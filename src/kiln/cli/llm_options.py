@@ -38,6 +38,7 @@ ENGINE_FLAGS = {
     "speculative_config": "speculative_config",
     "quantization": "quantization",
     "kv_cache_dtype": "kv_cache_dtype",
+    "enable_multiprocessing": "enable_multiprocessing",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -156,6 +157,13 @@ def llm_options(func: F) -> F:
             default=None,
             help="KV cache dtype: auto (the model's) or fp8, halving (bf16) or quartering "
             "(float32) its memory per token; read by the torch attention backend.",
+        ),
+        click.option(
+            "--enable-multiprocessing/--no-enable-multiprocessing",
+            default=None,
+            show_default=False,
+            help="The engine in its own process (vLLM V1's EngineCore) or on a thread of "
+            "the server's [default: VLLM_ENABLE_V1_MULTIPROCESSING, else on].",
         ),
     ]
     for option in reversed(options):
