@@ -9,22 +9,21 @@ frames are ``engine_messages``: ``Commands`` in, one ``Step`` out per step.
 
 The server process keeps HTTP, tokenization, detokenization and streaming: on two cores
 this process computes while the other runs the frontends, and neither holds the other's
-GIL. When the server dies, the socket reads end-of-file (and Linux's parent-death signal
-backs that up) and this process exits: never an orphan holding the model's memory.
+GIL. When the server dies, the socket reads end-of-file (and a watcher thread sees the
+parent gone, mid-step too) and this process exits: never an orphan holding the model's
+memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
-import ctypes
 import logging
 import os
 import pickle
-import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -262,13 +261,18 @@ class EngineCore:
         self.dirty = True
 
 
-def _die_with_parent() -> None:
-    """Linux's PR_SET_PDEATHSIG: SIGKILL when the server process dies, even mid-step."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _watch_parent(parent: int) -> None:
+    """Exit as soon as the server process is gone, even in the middle of a long step (its
+    socket's end of file is read between steps only). Not Linux's PR_SET_PDEATHSIG: that
+    fires when the *thread* that started this process ends, and the server starts it from
+    a loading thread."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kiln-parent-watch", daemon=True).start()
 
 
 def _threads(wanted: int) -> int:
@@ -285,9 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--parent", type=int, default=0, help="the server's pid")
     args = parser.parse_args(argv)
-    _die_with_parent()
-    if args.parent and os.getppid() != args.parent:
-        return 1  # the server died before the signal was armed
+    if args.parent:
+        _watch_parent(args.parent)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     conn = Connection(socket.socket(fileno=args.fd).detach())
     try:
