@@ -44,6 +44,7 @@ SHAPES = {
 }  # fmt: skip
 CONFIG = """name: "bench"
 backend: "llm"
+instance_group {{ kind: KIND_CPU count: 1 }}
 parameters {{ key: "block_size" value {{ string_value: "16" }} }}
 parameters {{ key: "max_num_seqs" value {{ string_value: "{seqs}" }} }}
 parameters {{ key: "dtype" value {{ string_value: "float32" }} }}
@@ -104,11 +105,12 @@ def _http(folder: Path, requests: list[llm_cpu.Request], mp: bool, work: Path) -
         server.start(timeout=300)
         assert server.proc is not None
         pid = server.proc.pid
-        kids = Path(f"/proc/{pid}/task/{pid}/children")
 
         def tree_cpu() -> float:
-            own = llm_cpu.process_cpu(pid)
-            return own + sum(llm_cpu.process_cpu(int(c)) for c in kids.read_text().split())
+            # the engine process is the child of the thread that loaded the model
+            kids = [c for t in Path(f"/proc/{pid}/task").iterdir()
+                    for c in (t / "children").read_text().split()]  # fmt: skip
+            return llm_cpu.process_cpu(pid) + sum(llm_cpu.process_cpu(int(c)) for c in kids)
 
         report = work / "bench.json"
         n = str(len(requests))
@@ -136,6 +138,7 @@ def main() -> None:
     ap.add_argument("--output-range", default="16:256")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--skip", default="", help="comma list of: offline,http")
+    ap.add_argument("--modes", default="process,thread", help="comma list of: process,thread")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     llm_cpu.SHAPE.clear()
@@ -150,13 +153,20 @@ def main() -> None:
         for how in ("offline", "http"):
             if how in args.skip:
                 continue
-            for mp in (True, False) if repeat % 2 == 0 else (False, True):
+            modes = [m == "process" for m in args.modes.split(",")]
+            for mp in modes if repeat % 2 == 0 else modes[::-1]:
                 load = os.getloadavg()[0]
                 if how == "offline":
                     result = asyncio.run(_offline(folder, requests, mp))
                 else:
                     result = _http(folder, requests, mp, work)
-                result.update(how=how, process=mp, repeat=repeat, load1=load)
+                result.update(
+                    how=how,
+                    process=mp,
+                    repeat=repeat,
+                    load1=load,
+                    omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),
+                )
                 print(json.dumps(result), flush=True)
                 runs.append(result)
     doc = {"shape": args.shape, "machine": llm_cpu.machine(), "args": vars(args) | {"json": None},
