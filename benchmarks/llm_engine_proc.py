@@ -6,10 +6,11 @@ process) and over HTTP (``kiln serve`` + ``kiln bench --openai``), modes alterna
     .venv/bin/python benchmarks/llm_engine_proc.py --shape 125m --num-requests 16 \
         --output-range 16:64
 
-Shapes: ``5m`` (benchmarks/llm_cpu.py's model) and ``125m`` (a ~125M-parameter Llama,
-random weights). CPU seconds count the server process and, in process mode, the engine
-process; the load generator's are left out. Threads: the engine's intra-op threads follow
-``OMP_NUM_THREADS``, which this script sets to the machine's size unless given.
+Shapes: ``5m`` (benchmarks/llm_cpu.py's model) and ``125m`` (a 110M-parameter Llama of
+the 125M class, random weights). CPU seconds count the server process and, in process
+mode, the engine process; the load generator's are left out. Threads: the engine's
+intra-op threads follow ``OMP_NUM_THREADS``, which this script sets to the machine's size
+unless given.
 """
 
 from __future__ import annotations
