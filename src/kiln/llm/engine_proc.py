@@ -280,8 +280,9 @@ class EngineProcClient:
     def _send(self, epoch: int, command: msg.Command) -> None:
         self._outbox.put((epoch, command))
 
-    def _admit(self, n: int) -> int:
-        """Under the lock: refuse when closed, broken or full; the current epoch."""
+    def _admit(self, n: int, what: str = "requests", adding: int = 1) -> int:
+        """Under the lock: refuse when closed, broken, or when ``adding`` more would
+        overfill the queue (``n`` ``what`` in flight already); the current epoch."""
         if self._closed:
             raise KilnError(f"model '{self.name}' is unloaded", Status.UNAVAILABLE)
         if self._broken is not None:
@@ -290,9 +291,9 @@ class EngineProcClient:
                 Status.UNAVAILABLE,
             )
         config = self.view.config
-        if n >= config.max_waiting + config.max_num_seqs:
+        if n + adding > config.max_waiting + config.max_num_seqs:
             raise KilnError(
-                f"llm engine: {n} requests in flight, the queue is full", Status.UNAVAILABLE
+                f"llm engine: {n} {what} in flight, the queue is full", Status.UNAVAILABLE
             )
         return self._epoch
 
@@ -331,7 +332,7 @@ class EngineProcClient:
         """As ``AsyncEngine.pool``."""
         loop = asyncio.get_running_loop()
         with self._lock:
-            epoch = self._admit(self._pooling + len(prompts) - 1)
+            epoch = self._admit(self._pooling, "pooling prompts", len(prompts))
             self._pooling += len(prompts)
             job_id = next(_IDS)
             job = _Job(loop, loop.create_future(), epoch)

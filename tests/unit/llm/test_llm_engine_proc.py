@@ -152,12 +152,21 @@ async def test_structured_outputs_and_a_bad_constraint(folder: Path) -> None:
         assert info.value.status is Status.INVALID_ARG
 
 
-async def test_embeddings_match_the_thread(folder: Path) -> None:
+async def test_embeddings_match_the_thread_and_a_full_queue_is_refused(folder: Path) -> None:
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     vectors = {}
     for process in (True, False):
-        async with loaded(folder, process, runner="pooling") as runtime:
+        # the engine holds max_num_seqs + max_waiting = 3 prompts at once
+        async with loaded(
+            folder, process, runner="pooling", max_num_seqs="2", max_waiting="1"
+        ) as runtime:
             vectors[process] = await runtime.llm_engine().pool(prompts)
+            with pytest.raises(KilnError) as info:
+                await runtime.llm_engine().pool([*prompts, [10]])
+            assert info.value.status is Status.UNAVAILABLE
+            assert info.value.message == (
+                "llm engine: 0 pooling prompts in flight, the queue is full"
+            )
     for a, b in zip(vectors[True], vectors[False], strict=True):
         assert a.shape == b.shape and float((a - b).abs().max()) < 1e-5
 
