@@ -47,6 +47,7 @@ ENGINE_FLAGS = {
     "allowed_lora_paths": "allowed_lora_paths",
     "tensor_parallel_size": "tensor_parallel_size",
     "attention_backend": "attention_backend",
+    "enable_multiprocessing": "enable_multiprocessing",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -221,6 +222,13 @@ def llm_options(func: F) -> F:
             help="auto, torch, cpu, flex or triton (on CUDA: flex compiled by torch, or "
             "kiln's Triton kernels for decodes, norms, SiLU-mul and RoPE) [default: auto: "
             "flex on CUDA; triton is opt-in until measured on a GPU] (docs/llm.md).",
+        ),
+        click.option(
+            "--enable-multiprocessing/--no-enable-multiprocessing",
+            default=None,
+            show_default=False,
+            help="The engine in its own process (vLLM V1's EngineCore) or on a thread of "
+            "the server's [default: VLLM_ENABLE_V1_MULTIPROCESSING, else on].",
         ),
     ]
     for option in reversed(options):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from contextlib import aclosing
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,12 +27,19 @@ from kiln.config.model_config_pb2 import ModelConfig, ModelInstanceGroup
 from kiln.core.errors import KilnError, Status
 from kiln.llm import model_json, triton_tensors
 from kiln.llm.async_engine import AsyncEngine
-from kiln.llm.checkpoint import FolderCheckpoint, generation_eos_ids, sampling_defaults
+from kiln.llm.checkpoint import (
+    FolderCheckpoint,
+    generation_eos_ids,
+    open_checkpoint,
+    sampling_defaults,
+)
 from kiln.llm.config import TOOL_CALL_PARSERS, EngineConfig, PoolerConfig
 from kiln.llm.engine import LLMEngine
+from kiln.llm.engine_core import EngineInit, build_engine
+from kiln.llm.engine_messages import Counts, counts
+from kiln.llm.engine_proc import EngineProcClient
 from kiln.llm.lora import LoRARegistry, LoRARequest, check_allowed_path, lora_config
 from kiln.llm.spec_config import SpeculativeConfig
-from kiln.llm.structured import GrammarCompiler
 from kiln.llm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,6 +56,8 @@ _INT_PARAMETERS = (
 )
 #: vLLM's spellings of the dtypes
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+#: the engine in its own process unless a model or the environment says otherwise
+DEFAULT_MULTIPROCESSING = True
 _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -196,6 +205,34 @@ def tool_calling(config: ModelConfig) -> tuple[bool, str | None]:
     return enabled, parser
 
 
+def enable_multiprocessing(config: ModelConfig) -> bool:
+    """Parameter ``enable_multiprocessing`` (``kiln serve --[no-]enable-multiprocessing``):
+    the engine in its own process (vLLM V1's EngineCore) or on a thread of the server's.
+    Unset: vLLM's switch, the environment's ``VLLM_ENABLE_V1_MULTIPROCESSING`` (``0``: a
+    thread), else on (docs/design/llm-engine-process.md has the measurement)."""
+    raw = parameter(config, "enable_multiprocessing")
+    source = "parameter enable_multiprocessing"
+    if raw is None:
+        raw = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        source = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    if raw is None:
+        return DEFAULT_MULTIPROCESSING
+    flag = _BOOLEANS.get(raw.strip().lower())
+    if flag is None:
+        raise KilnError(
+            f"model '{config.name}': {source} must be true or false, got '{raw}'",
+            Status.INVALID_ARG,
+        )
+    return flag
+
+
+def _threads() -> int:
+    """The engine process's intra-op threads: ``OMP_NUM_THREADS`` when set, else one per
+    CPU (0)."""
+    raw = os.environ.get("OMP_NUM_THREADS", "")
+    return int(raw) if raw.isdigit() else 0
+
+
 def _device(config: ModelConfig, instance: InstanceSpec) -> str:
     """The instance's device; ``KIND_MODEL`` (the model decides, as Triton's vLLM backend's
     sample config asks): GPU 0 when torch sees one."""
@@ -239,8 +276,7 @@ class LLMBackend(Backend):
         self.enable_auto_tool_choice, self.tool_call_parser = tool_calling(config)
         # the tokenizer first: its errors come before minutes of weight loading
         self.tokenizer = Tokenizer.load(tokenizer, settings.chat_template)
-        self.engine = LLMEngine(folder, settings)
-        generation = self._generation_config(settings.generation_config)
+        generation = self._generation_config(settings.generation_config, folder)
         #: request fields' defaults from generation_config.json (vLLM's ``auto``)
         self.sampling_defaults = sampling_defaults(generation)
         #: generation_config.json's ``max_new_tokens``: vLLM bounds every request's
@@ -257,15 +293,21 @@ class LLMBackend(Backend):
             )
         # chat models often end turns with the tokenizer's eos or generation_config's
         # eos ids, not config.json's
-        eos = self.engine.args.eos_token_ids
-        extra = (self.tokenizer.eos_token_id, *generation_eos_ids(generation))
-        for token in extra:
-            if token is not None and token not in eos:
-                eos = (*eos, token)
-        self.engine.args = replace(self.engine.args, eos_token_ids=eos)
-        args = self.engine.args
-        self.engine.grammars = GrammarCompiler(self.tokenizer, args.vocab_size, args.eos_token_ids)
-        self.async_engine = AsyncEngine(self.engine, config.name)
+        extra_eos = (self.tokenizer.eos_token_id, *generation_eos_ids(generation))
+        #: the engine process (None: the engine runs on a thread of this process)
+        self.engine_proc: EngineProcClient | None = None
+        self.async_engine: AsyncEngine | EngineProcClient
+        self.engine: LLMEngine
+        # LoRA adapters are loaded into the engine object by this process (add_lora) and
+        # the engine process has no message for them yet: a LoRA model keeps the thread
+        if enable_multiprocessing(config) and settings.lora_config is None:
+            init = EngineInit(config.name, folder, tokenizer, settings, extra_eos, _threads())
+            self.engine_proc = EngineProcClient(init, self.tokenizer)
+            self.engine = self.engine_proc.view
+            self.async_engine = self.engine_proc
+        else:
+            self.engine = build_engine(folder, self.tokenizer, settings, extra_eos)
+            self.async_engine = AsyncEngine(self.engine, config.name)
         #: the adapters served by name (vLLM's ``--lora-modules``; None: no ``enable_lora``)
         self.loras: LoRARegistry | None = None
         lora = self.engine.config.lora_config
@@ -331,11 +373,11 @@ class LLMBackend(Backend):
     def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:
         triton_tensors.auto_complete(config)
 
-    def _generation_config(self, mode: str) -> dict[str, Any]:
+    def _generation_config(self, mode: str, folder: Path) -> dict[str, Any]:
         if mode == "vllm":
             return {}
         if mode == "auto":
-            return self.engine.checkpoint.generation_config()
+            return open_checkpoint(folder).generation_config()
         path = Path(mode) / "generation_config.json"
         if not path.is_file():
             raise KilnError(
@@ -389,6 +431,12 @@ class LLMBackend(Backend):
             return exc
         except asyncio.CancelledError:
             return KilnError(f"model '{self.config.name}': request cancelled", Status.CANCELLED)
+
+    def engine_counts(self) -> Counts:
+        """The scheduler's and block manager's figures for the ``vllm:*`` gauges."""
+        if self.engine_proc is not None:
+            return self.engine_proc.view.counts
+        return counts(self.engine)
 
     def close(self) -> None:
         self.async_engine.close()

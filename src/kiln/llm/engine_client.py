@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the llm modules import torch
     from kiln.core.trace import Trace, Tracer
     from kiln.llm.backend import LLMBackend
     from kiln.llm.engine import LLMEngine, RequestOutput
+    from kiln.llm.engine_messages import Counts
     from kiln.llm.lora import LoRARegistry, LoRARequest
     from kiln.llm.sequence import SamplingParams
     from kiln.llm.tokenizer import Tokenizer
@@ -106,8 +107,14 @@ class EngineClient:
     # ---- what the engine accepts -----------------------------------------------------
     @property
     def engine(self) -> LLMEngine:
-        """The engine itself, for the ``vllm:*`` metrics collector (read only)."""
+        """The engine's settings and counters, for the ``vllm:*`` metrics collector (read
+        only): the engine itself, or its ``EngineView`` when it runs in its own process."""
         return self._backend.engine
+
+    def engine_counts(self) -> Counts:
+        """The scheduler's and KV cache's figures (running, waiting, preemptions, usage,
+        prefix-cache queries and hits), for the ``vllm:*`` gauges."""
+        return self._backend.engine_counts()
 
     @property
     def max_model_len(self) -> int:

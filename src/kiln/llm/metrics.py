@@ -35,10 +35,10 @@ CACHE_CONFIG_KEYS = (
 )  # fmt: skip
 
 
-def cache_config_info(engine: Any) -> dict[str, str]:
+def cache_config_info(engine: Any, blocks: int) -> dict[str, str]:
     """vLLM's ``CacheConfig.metrics_info()`` for the fields kiln has (Python ``str()`` of each
-    value, as vLLM writes them)."""
-    config, blocks = engine.config, engine.block_manager.num_blocks
+    value, as vLLM writes them); ``blocks``: the KV cache's."""
+    config = engine.config
     return {
         "block_size": str(config.block_size),
         "cache_dtype": "auto",  # the KV cache is kept in the model's dtype
@@ -109,22 +109,24 @@ class LLMCollector(Collector):
             "Information of the LLMEngine CacheConfig",
             labels=(*LABELS, *CACHE_CONFIG_KEYS),
         )
-        engines = [(name, client.engine) for name, client in self.engines().items()]
+        clients = self.engines()
+        engines = [(name, client.engine) for name, client in clients.items()]
         if not engines:
             return  # no llm model: no vllm:* family at all
         for name, engine in engines:
             labels = [name, ENGINE]
-            stats, sched, blocks = engine.stats, engine.scheduler, engine.block_manager
-            running.add_metric(labels, len(sched.running))
-            waiting.add_metric(labels, len(sched.waiting))
-            by_reason.add_metric([*labels, "capacity"], len(sched.waiting))
+            # the engine's own figures, or (its own process) the last it sent
+            stats, counts = engine.stats, clients[name].engine_counts()
+            running.add_metric(labels, counts.num_running)
+            waiting.add_metric(labels, counts.num_waiting)
+            by_reason.add_metric([*labels, "capacity"], counts.num_waiting)
             by_reason.add_metric([*labels, "deferred"], 0)
             for state in SLEEP_STATES:
                 sleep.add_metric([*labels, state], 1 if state == "awake" else 0)
-            usage.add_metric(labels, blocks.usage())
-            queries.add_metric(labels, blocks.stats.queries)
-            hits.add_metric(labels, blocks.stats.hits)
-            preemptions.add_metric(labels, sched.num_preemptions)
+            usage.add_metric(labels, counts.kv_cache_usage)
+            queries.add_metric(labels, counts.prefix_cache_queries)
+            hits.add_metric(labels, counts.prefix_cache_hits)
+            preemptions.add_metric(labels, counts.num_preemptions)
             prompt.add_metric(labels, stats.num_prompt_tokens)
             computed = stats.num_prompt_tokens - stats.num_prompt_tokens_cached
             for source, value in zip(
@@ -139,7 +141,7 @@ class LLMCollector(Collector):
             for family, (_, _, attr) in zip(histograms, HISTOGRAMS, strict=True):
                 buckets, total = getattr(stats.histograms, attr).snapshot()
                 family.add_metric(labels, buckets, total)
-            config = cache_config_info(engine)
+            config = cache_config_info(engine, counts.num_blocks)
             info.add_metric([*labels, *(config[k] for k in CACHE_CONFIG_KEYS)], 1)
         yield from (running, waiting, by_reason, sleep, usage, queries, hits, preemptions)
         yield from (prompt, by_source, cached, generation, success)

@@ -1,6 +1,7 @@
 """core's EngineClient on a real ModelRuntime of a tiny llm model: each request counts in
 the model's statistics (success, CANCELED, execution), in flight (so unload drains it),
-and is refused with infer's error once the model no longer serves."""
+and is refused with infer's error once the model no longer serves; with the engine in its
+own process and on a thread alike."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ parameters { key: "dtype" value { string_value: "float32" } }
 """
 LONG = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, params=["process", "thread"])
+def engine_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test once with the engine in its own process, once on a thread (vLLM's
+    switch, read when the model loads)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if request.param == "process" else "0")
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")

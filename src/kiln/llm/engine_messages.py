@@ -1,0 +1,197 @@
+"""What the server process and the engine process (``engine_core.py``) say to each other.
+
+msgpack through msgspec, one frame per message on a socketpair: the server sends every
+request, abort and pooling job pending at that moment in one ``Commands`` frame; the engine
+answers each step with one ``Step`` frame carrying every request's new tokens (and, when
+they changed, its counters). Nothing is pickled per request or per token; the start-up
+handshake alone pickles the engine's settings, once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+# at run time: msgspec reads ``Step``'s annotations (this imports torch, as both sides do)
+from kiln.llm.engine import LLMEngine, RequestOutput
+from kiln.llm.stats import HISTOGRAMS, EngineStats
+
+if TYPE_CHECKING:
+    from kiln.llm.sequence import SamplingParams
+    from kiln.llm.spec_decode import SpecDecodeStats
+
+
+# ---- server -> engine --------------------------------------------------------------------
+class Add(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    prompt: list[int]
+    #: ``SamplingParams`` as msgspec's builtins (``params_from`` rebuilds it)
+    params: dict[str, Any]
+    priority: int
+    arrival_time: float
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    index: int | None = None
+    reason: str = "abort"
+
+
+class Pool(msgspec.Struct, tag=True, array_like=True):
+    job_id: int
+    priority: int
+    prompts: list[list[int]]
+
+
+class CancelPool(msgspec.Struct, tag=True, array_like=True):
+    job_id: int
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+Command = Add | Abort | Pool | CancelPool | Shutdown
+
+
+class Commands(msgspec.Struct, array_like=True):
+    commands: list[Command]
+
+
+# ---- engine -> server --------------------------------------------------------------------
+class Counts(msgspec.Struct, array_like=True):
+    """The scheduler's and block manager's figures the ``vllm:*`` gauges read."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_blocks: int = 0
+
+
+class Snapshot(msgspec.Struct, array_like=True):
+    """The engine's counters and histograms, as the metrics collector reads them."""
+
+    counts: Counts
+    num_steps: int
+    num_prompt_tokens: int
+    num_prompt_tokens_cached: int
+    num_generation_tokens: int
+    max_step_tokens: int
+    request_success: dict[str, int]
+    #: per ``HISTOGRAMS`` entry: (bucket counts, sum, count)
+    histograms: list[tuple[list[int], float, int]]
+    #: (drafts, draft tokens, accepted tokens, accepted per position), with spec decoding
+    spec: tuple[int, int, int, list[int]] | None = None
+
+
+class Failed(msgspec.Struct, array_like=True):
+    """A request the engine dropped: it could not be added, or its model run failed."""
+
+    request_id: str
+    message: str
+    status: str  # a ``Status`` name
+
+
+class Pooled(msgspec.Struct, array_like=True):
+    job_id: int
+    #: float32 rows, C order: [len(prompts), hidden]; empty with ``error``
+    data: bytes = b""
+    rows: int = 0
+    error: str = ""
+
+
+class Step(msgspec.Struct, array_like=True):
+    outputs: list[RequestOutput]
+    failed: list[Failed] = []
+    pooled: list[Pooled] = []
+    snapshot: Snapshot | None = None
+
+
+# ---- helpers -------------------------------------------------------------------------------
+def params_to(params: SamplingParams) -> dict[str, Any]:
+    out: dict[str, Any] = msgspec.to_builtins(params)
+    return out
+
+
+def params_from(raw: dict[str, Any]) -> SamplingParams:
+    """``SamplingParams`` from ``params_to``'s dict (msgspec cannot resolve its
+    annotations, which name types imported only for type checking)."""
+    from kiln.llm.sequence import SamplingParams
+    from kiln.llm.structured import StructuredOutputsParams
+
+    so = raw.get("structured_outputs")
+    return SamplingParams(
+        **{
+            **raw,
+            "stop_token_ids": tuple(raw.get("stop_token_ids", ())),
+            "logit_bias": tuple((int(t), float(b)) for t, b in raw.get("logit_bias", ())),
+            "bad_words_token_ids": tuple(tuple(w) for w in raw.get("bad_words_token_ids", ())),
+            "structured_outputs": None if so is None else StructuredOutputsParams(**so),
+        }
+    )
+
+
+def counts(engine: LLMEngine) -> Counts:
+    sched, blocks = engine.scheduler, engine.block_manager
+    return Counts(
+        len(sched.running),
+        len(sched.waiting),
+        sched.num_preemptions,
+        blocks.usage(),
+        blocks.stats.queries,
+        blocks.stats.hits,
+        blocks.num_blocks,
+    )
+
+
+def snapshot(engine: LLMEngine) -> Snapshot:
+    stats = engine.stats
+    hists = []
+    for _, _, attr in HISTOGRAMS:
+        h = getattr(stats.histograms, attr)
+        with h.lock:
+            hists.append((list(h.counts), h.total, h.count))
+    spec = engine.spec_stats
+    spec_counts = None
+    if spec is not None:
+        spec_counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                       list(spec.accepted_per_pos))  # fmt: skip
+    return Snapshot(
+        counts(engine),
+        stats.num_steps,
+        stats.num_prompt_tokens,
+        stats.num_prompt_tokens_cached,
+        stats.num_generation_tokens,
+        stats.max_step_tokens,
+        dict(stats.request_success),
+        hists,
+        spec_counts,
+    )
+
+
+def apply_snapshot(snap: Snapshot, stats: EngineStats, spec: SpecDecodeStats | None) -> None:
+    """Copy the engine process's figures into the server's mirror of them."""
+    stats.num_steps = snap.num_steps
+    stats.num_prompt_tokens = snap.num_prompt_tokens
+    stats.num_prompt_tokens_cached = snap.num_prompt_tokens_cached
+    stats.num_generation_tokens = snap.num_generation_tokens
+    stats.max_step_tokens = snap.max_step_tokens
+    stats.request_success = dict(snap.request_success)
+    for (_, _, attr), (bucket_counts, total, count) in zip(
+        HISTOGRAMS, snap.histograms, strict=True
+    ):
+        h = getattr(stats.histograms, attr)
+        with h.lock:
+            h.counts, h.total, h.count = list(bucket_counts), total, count
+    if spec is not None and snap.spec is not None:
+        spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens = snap.spec[:3]
+        spec.accepted_per_pos = list(snap.spec[3])
+
+
+ENCODER = msgspec.msgpack.Encoder()
+COMMANDS = msgspec.msgpack.Decoder(Commands)
+STEP = msgspec.msgpack.Decoder(Step)

@@ -1,0 +1,412 @@
+"""The server's side of an engine in its own process (vLLM V1's ``EngineCoreClient``).
+
+``EngineProcClient`` offers what ``AsyncEngine`` offers (``generate``, ``pool``, ``abort``,
+``close``, ``num_requests``), so the backend and ``EngineClient`` use either the same way.
+A writer thread sends every command pending at once in one frame; a reader thread hands
+each step's outputs to the event loops that wait for them, one cross-thread call per loop
+per step.
+
+The engine process dying (killed, out of memory, a crash in native code) fails the
+requests it had with INTERNAL naming the model, as a Python-backend worker's death does,
+and a new engine process loads the model; requests that arrive meanwhile wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import pickle
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+import kiln
+from kiln.core.errors import KilnError, Status
+from kiln.llm import engine_messages as msg
+from kiln.llm.async_engine import _put_all, _Queue, _Stream
+from kiln.llm.config import EngineConfig, ModelArgs
+from kiln.llm.engine import LLMEngine, RequestOutput
+from kiln.llm.engine_core import EngineInit
+from kiln.llm.lora import LoRARequest
+from kiln.llm.sequence import SamplingParams
+from kiln.llm.spec_decode import SpecDecodeStats
+from kiln.llm.stats import EngineStats, RequestHistograms
+from kiln.llm.structured import GrammarCompiler
+from kiln.llm.tokenizer import Tokenizer
+
+log = logging.getLogger("kiln.llm")
+_IDS = itertools.count()
+#: how long a stopping engine process may take to exit before it is killed (seconds)
+STOP_TIMEOUT = 10.0
+#: the child's OpenMP settings unless the environment sets them: a waiting OpenMP thread
+#: sleeps at once instead of spinning (GNU OpenMP spins up to 300k iterations by default),
+#: so a partner descheduled by the frontend's work does not cost a spinning core
+#: (docs/design/llm-engine-process.md has the measurement)
+CHILD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+class EngineView(LLMEngine):
+    """The engine as the server process sees it: its resolved settings and model
+    arguments, the request checks (``check_request``, ``check_n``, ``check_priority``), a
+    grammar compiler to validate constraints with, and its counters as the engine process
+    last sent them. Nothing is loaded here: ``LLMEngine.__init__`` is not called."""
+
+    def __init__(self, config: EngineConfig, args: ModelArgs, grammars: GrammarCompiler) -> None:
+        self.config = config
+        self.args = args
+        self.grammars = grammars
+        self.stats = EngineStats(RequestHistograms.for_model(config.max_model_len))
+        spec = config.speculative_config
+        self.spec_stats = None if spec is None else SpecDecodeStats(spec.num_speculative_tokens)
+        self.counts = msg.Counts()
+        self.failed = []
+
+
+@dataclass(slots=True)
+class _Job:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[list[torch.Tensor]]
+    epoch: int
+
+
+def _exit_text(proc: subprocess.Popen[bytes]) -> str:
+    try:
+        code = proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return "it closed its socket"
+    if code < 0:
+        return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+class EngineProcClient:
+    def __init__(self, init: EngineInit, tokenizer: Tokenizer) -> None:
+        self.name = init.name
+        self._init = init
+        self._lock = threading.Lock()
+        self._streams: dict[str, tuple[_Stream, int]] = {}  # id -> (stream, epoch)
+        self._jobs: dict[int, _Job] = {}
+        self._pooling = 0  # prompts of pooling jobs not yet answered
+        #: (epoch, command); None ends the writer
+        self._outbox: queue.SimpleQueue[tuple[int, msg.Command] | None] = queue.SimpleQueue()
+        #: bumped when the engine process dies: commands of the old one are dropped
+        self._epoch = 0
+        self._closed = False
+        self._broken: str | None = None  # why no engine process runs (a restart failed)
+        self._ready = threading.Condition(self._lock)
+        self._conn: Connection | None
+        self._proc, self._conn, config, args = self._start()
+        grammars = GrammarCompiler(tokenizer, args.vocab_size, args.eos_token_ids)
+        self.view = EngineView(config, args, grammars)
+        self.restarts = 0
+        self._reader = threading.Thread(target=self._read, name=f"kiln-llm-rx-{self.name}",
+                                        daemon=True)  # fmt: skip
+        self._writer = threading.Thread(target=self._write, name=f"kiln-llm-tx-{self.name}",
+                                        daemon=True)  # fmt: skip
+        self._reader.start()
+        self._writer.start()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    # ---- the engine process ----------------------------------------------------------------
+    def _start(
+        self,
+    ) -> tuple[subprocess.Popen[bytes], Connection, EngineConfig, ModelArgs]:
+        ours, theirs = socket.socketpair()
+        env = {**CHILD_ENV, **os.environ}
+        # the engine process imports kiln from wherever this server imported it
+        src = str(Path(kiln.__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+        cmd = [sys.executable, "-m", "kiln.llm.engine_core", "--fd", str(theirs.fileno()),
+               "--parent", str(os.getpid())]  # fmt: skip
+        try:
+            proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env)
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        try:
+            conn.send_bytes(pickle.dumps(self._init))
+            while not conn.poll(0.5):
+                if proc.poll() is not None:
+                    raise EOFError
+            reply = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            conn.close()
+            raise KilnError(
+                f"model '{self.name}': the engine process stopped while loading the model "
+                f"({_exit_text(proc)})",
+                Status.INTERNAL,
+            ) from None
+        if reply[0] == "error":
+            conn.close()
+            proc.wait()
+            raise KilnError(reply[1], Status[reply[2]])
+        _, config, args, _pid = reply
+        return proc, conn, config, args
+
+    def _write(self) -> None:
+        """Every command pending is sent in one frame: under load, one write for many
+        requests and aborts."""
+        while True:
+            item = self._outbox.get()
+            batch = [item]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    batch.append(self._outbox.get_nowait())
+            with self._lock:
+                while self._conn is None and not self._closed and self._broken is None:
+                    self._ready.wait()
+                conn, epoch = self._conn, self._epoch
+            commands = [c for e, c in (b for b in batch if b is not None) if e == epoch]
+            if commands and conn is not None:
+                # a dead process: the reader sees it gone and fails its requests
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(msg.ENCODER.encode(msg.Commands(commands)))
+            if None in batch:
+                return
+
+    def _read(self) -> None:
+        while True:
+            conn = self._conn
+            try:
+                assert conn is not None
+                frame = conn.recv_bytes()
+            except (EOFError, OSError, AssertionError):
+                if self._closed or not self._restart():
+                    return
+                continue
+            self._deliver(msg.STEP.decode(frame))
+
+    def _restart(self) -> bool:
+        """The engine process died: fail what it had, start another."""
+        proc = self._proc
+        reason = _exit_text(proc)
+        with self._lock:
+            if self._closed:
+                return False
+            self._epoch += 1
+            streams = [s for s, _ in self._streams.values()]
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+        error = KilnError(
+            f"model '{self.name}': the engine process stopped ({reason}) with "
+            f"{len(streams) + len(jobs)} requests in flight; they failed, and the model is "
+            "being reloaded in a new engine process",
+            Status.INTERNAL,
+        )
+        log.error("%s", error.message)
+        for stream in streams:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                stream.put(error)
+        for job in jobs:
+            with contextlib.suppress(RuntimeError):
+                job.loop.call_soon_threadsafe(_fail_future, job.future, error)
+        try:
+            new_proc, conn, _, _ = self._start()
+        except KilnError as exc:
+            log.error("model '%s': the engine process could not be restarted: %s", self.name,
+                      exc.message)  # fmt: skip
+            with self._lock:
+                self._broken = exc.message
+                self._ready.notify_all()
+            return False
+        with self._lock:
+            if self._closed:  # closed while loading: this one goes too
+                conn.close()
+                _stop(new_proc, 0)
+                return False
+            self._proc, self._conn = new_proc, conn
+            self.restarts += 1
+            self._ready.notify_all()
+        log.info("model '%s': the engine process was restarted (pid %d)", self.name,
+                 new_proc.pid)  # fmt: skip
+        return True
+
+    def _deliver(self, step: msg.Step) -> None:
+        if step.snapshot is not None:
+            view = self.view
+            view.counts = step.snapshot.counts
+            msg.apply_snapshot(step.snapshot, view.stats, view.spec_stats)
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Queue, RequestOutput]]] = {}
+        streams = self._streams
+        for out in step.outputs:
+            entry = streams.get(out.request_id)
+            if entry is not None:
+                stream = entry[0]
+                batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                loop.call_soon_threadsafe(_put_all, items)
+        for failed in step.failed:
+            entry = streams.get(failed.request_id)
+            if entry is not None:
+                with contextlib.suppress(RuntimeError):
+                    entry[0].put(KilnError(failed.message, Status[failed.status]))
+        for pooled in step.pooled:
+            job = self._jobs.pop(pooled.job_id, None)
+            if job is None:
+                continue
+            if pooled.error:
+                result: list[torch.Tensor] | KilnError = KilnError(
+                    f"llm engine: {pooled.error}", Status.INTERNAL
+                )
+            else:
+                rows = torch.frombuffer(bytearray(pooled.data), dtype=torch.float32)
+                result = list(rows.view(pooled.rows, -1).unbind(0))
+            with contextlib.suppress(RuntimeError):
+                job.loop.call_soon_threadsafe(_settle, job.future, result)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _send(self, epoch: int, command: msg.Command) -> None:
+        self._outbox.put((epoch, command))
+
+    def _admit(self, n: int, what: str = "requests", adding: int = 1) -> int:
+        """Under the lock: refuse when closed, broken, or when ``adding`` more would
+        overfill the queue (``n`` ``what`` in flight already); the current epoch."""
+        if self._closed:
+            raise KilnError(f"model '{self.name}' is unloaded", Status.UNAVAILABLE)
+        if self._broken is not None:
+            raise KilnError(
+                f"model '{self.name}': no engine process runs ({self._broken})",
+                Status.UNAVAILABLE,
+            )
+        config = self.view.config
+        if n + adding > config.max_waiting + config.max_num_seqs:
+            raise KilnError(
+                f"llm engine: {n} {what} in flight, the queue is full", Status.UNAVAILABLE
+            )
+        return self._epoch
+
+    async def generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """As ``AsyncEngine.generate``. A model with LoRA enabled runs its engine on a
+        thread (LLMBackend), so no adapter ever reaches here."""
+        if lora_request is not None:
+            raise KilnError(
+                f"model '{self.view.config.served_model_name}': LoRA adapters need the "
+                "in-thread engine (enable_multiprocessing false)",
+                Status.INTERNAL,
+            )
+        arrival = time.monotonic()  # CLOCK_MONOTONIC: the engine process reads the same
+        self.view.check_request(len(prompt), params, priority)
+        with self._lock:
+            epoch = self._admit(len(self._streams))
+            rid = request_id or f"req-{next(_IDS)}"
+            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+            self._streams[rid] = (stream, epoch)
+        self._send(epoch, msg.Add(rid, prompt, msg.params_to(params), priority, arrival))
+        unfinished = params.n
+        try:
+            while unfinished:
+                item = await stream.queue.get()
+                if isinstance(item, KilnError):
+                    unfinished = 0
+                    raise item
+                unfinished -= item.finished
+                yield item
+        finally:
+            if unfinished:
+                self._send(epoch, msg.Abort(rid))
+            with self._lock:
+                self._streams.pop(rid, None)
+
+    async def pool(self, prompts: list[list[int]], priority: int = 0) -> list[torch.Tensor]:
+        """As ``AsyncEngine.pool``."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            epoch = self._admit(self._pooling, "pooling prompts", len(prompts))
+            self._pooling += len(prompts)
+            job_id = next(_IDS)
+            job = _Job(loop, loop.create_future(), epoch)
+            self._jobs[job_id] = job
+        self._send(epoch, msg.Pool(job_id, priority, prompts))
+        try:
+            return await job.future
+        finally:
+            with self._lock:
+                self._pooling -= len(prompts)
+                left = self._jobs.pop(job_id, None)
+            if left is not None:  # its client left: the engine drops what is not computed
+                self._send(epoch, msg.CancelPool(job_id))
+
+    def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
+        entry = self._streams.get(request_id)
+        epoch = self._epoch if entry is None else entry[1]
+        self._send(epoch, msg.Abort(request_id, index, reason))
+
+    def close(self) -> None:
+        """Stop the engine process (it exits on its own; killed if it has not within
+        ``STOP_TIMEOUT``) and end every stream still open with the unload's error."""
+        with self._lock:
+            self._closed = True
+            streams = [s for s, _ in self._streams.values()]
+            jobs = list(self._jobs.values())
+            epoch = self._epoch
+            self._ready.notify_all()
+        self._send(epoch, msg.Shutdown())
+        self._outbox.put(None)
+        self._writer.join(timeout=STOP_TIMEOUT)
+        _stop(self._proc, STOP_TIMEOUT)
+        if self._conn is not None:
+            self._conn.close()
+        self._reader.join(timeout=STOP_TIMEOUT)
+        error = KilnError(
+            f"model '{self.name}' was unloaded before the request finished (its in-flight "
+            "requests did not end within the unload's drain timeout, --exit-timeout-secs)",
+            Status.UNAVAILABLE,
+        )
+        for stream in streams:
+            with contextlib.suppress(RuntimeError):
+                stream.put(error)
+        for job in jobs:
+            with contextlib.suppress(RuntimeError):
+                job.loop.call_soon_threadsafe(_fail_future, job.future, error)
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=timeout)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _settle(future: asyncio.Future[list[torch.Tensor]], result: object) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)  # type: ignore[arg-type]
+
+
+def _fail_future(future: asyncio.Future[list[torch.Tensor]], error: KilnError) -> None:
+    if not future.done():
+        future.set_exception(error)
