@@ -212,6 +212,7 @@ def run_kiln(args: argparse.Namespace, requests: list[tuple[list[int], int]]) ->
         )
     steps: list[dict[str, Any]] = []
     tokens = 0
+    ids: dict[str, list[int]] = {f"r{i}": [] for i in range(len(requests))}
     profiled: dict[str, str] = {}
     cpu0, t0 = time.process_time(), time.perf_counter()
     while engine.has_work() and len(steps) < args.max_steps:
@@ -244,10 +245,14 @@ def run_kiln(args: argparse.Namespace, requests: list[tuple[list[int], int]]) ->
                       "forward": timers["forward"], "decode": decode_only,
                       "batch": len(outs)})  # fmt: skip
         tokens += sum(len(o.new_token_ids) for o in outs)
+        for o in outs:
+            ids[o.request_id].extend(o.new_token_ids)
     seconds = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     for name, table in profiled.items():
         print(f"\n=== kiln: one {name} step ===\n{table}", flush=True)
+    if args.tokens_out:
+        Path(args.tokens_out).write_text(json.dumps(list(ids.values())))
     if args.breakdown:
         kinds = {"decode": sum(s["decode"] for s in steps),
                  "prefill": sum(not s["decode"] for s in steps)}  # fmt: skip
@@ -337,7 +342,9 @@ def main() -> None:
     )
     ap.add_argument("--rows", type=int, default=25, help="rows of each op table")
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM: no torch.compile")
-    ap.add_argument("--tokens-out", default=None, help="vLLM: write its output ids here")
+    ap.add_argument(
+        "--tokens-out", default=None, help="write the output ids here (kiln's and vLLM's compared)"
+    )
     args = ap.parse_args()
     if args.what == "build":
         build(args.model, args.kv_heads)
