@@ -270,6 +270,12 @@ def _parallel(
 
 
 _compiled = _jit(_serial) if _jit is not None else None
+#: Deal the sequences over threads with numba's parallel kernel. Off: numba's OpenMP runtime
+#: is not torch's (two libgomp copies in one process, each with a team as large as the
+#: machine), and after each region one team's idle threads spin while the other's compute.
+#: On the 2-vCPU EPYC with two torch threads the serial kernel took a third of the CPU per
+#: decode step and half per prefill step (docs/design/llm-cpu-threads.md).
+PARALLEL = False
 _PARALLEL_LOCK = threading.Lock()
 #: numba's thread pool, fixed when numba is imported
 _POOL = int(numba.config.NUMBA_NUM_THREADS) if numba is not None else 1  # type: ignore[attr-defined]
@@ -296,7 +302,7 @@ def warm_up() -> None:
     args = (qkv[:, :1], qkv[:, 1:2], qkv[:, 2:], rows, cache, cache.copy(), tables,
             np.ones(1, np.int32), np.zeros(1, np.int32), 1.0, out)  # fmt: skip
     _compiled(*args)
-    if _compiled_parallel is not None and torch.get_num_threads() > 1:
+    if PARALLEL and _compiled_parallel is not None and torch.get_num_threads() > 1:
         with _PARALLEL_LOCK:
             _compiled_parallel(2, *args)
 
@@ -322,7 +328,7 @@ def decode(
     args = (q.numpy(), k.numpy(), v.numpy(), fused.rows, k_cache.numpy(), v_cache.numpy(),
             fused.tables, fused.context, fused.start, scale, out.numpy())  # fmt: skip
     # as many threads as torch's matrix products use (OMP_NUM_THREADS / torch.set_num_threads)
-    threads = min(torch.get_num_threads(), fused.rows.shape[0], _POOL)
+    threads = min(torch.get_num_threads(), fused.rows.shape[0], _POOL) if PARALLEL else 1
     if threads > 1:
         # numba's fallback threading layer (workqueue, when neither OpenMP nor TBB loads) must
         # not be entered by two threads at once: two LLM models' engine threads would

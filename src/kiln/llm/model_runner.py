@@ -7,7 +7,7 @@ import logging
 import torch
 
 from kiln.core.errors import KilnError, Status
-from kiln.llm import attention_cpu, cpu_ops, kernels, quantization
+from kiln.llm import attention_cpu, cpu_linear, cpu_ops, kernels, quantization
 from kiln.llm.attention import AttentionMetadata, DenseMetadata, KVWorkspace, cache_shape
 from kiln.llm.attention_flex import FlexMetadata, resolve_attention_backend
 from kiln.llm.checkpoint import Checkpoint
@@ -144,6 +144,8 @@ class ModelRunner:
             kernels.enable(self.model)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             cpu_ops.warm_up()
+            # after fuse() and the tied LM head: the packed copies are of the final weights
+            cpu_linear.pack(self.model)
         self.workspace = KVWorkspace()
         self.num_blocks = self._num_blocks()
         self._allocate_cache(self.num_blocks)

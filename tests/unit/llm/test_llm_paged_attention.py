@@ -6,8 +6,10 @@ window."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,10 +161,15 @@ def _decodes(seed: int, count: int) -> tuple[list[int], list[list[int]], Attenti
     return contexts, tables, meta
 
 
-def test_cpu_kernel_splits_its_sequences_over_torchs_threads() -> None:
-    """With torch on two threads the kernel deals the sequences to two threads; each row is
-    computed by the same code either way, so the results are the same bits, and every
-    sequence's new K/V is written once."""
+def test_cpu_kernel_splits_its_sequences_over_torchs_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the parallel kernel on (off by default: test below) and torch on two threads the
+    kernel deals the sequences to two threads; each row is computed by the same code either
+    way, so the results are the same bits, and every sequence's new K/V is written once."""
+    from kiln.llm import attention_cpu
+
+    monkeypatch.setattr(attention_cpu, "PARALLEL", True)
     contexts, tables, meta = _decodes(3, 9)
     cache = torch.randn(cache_shape(NUM_BLOCKS, BS, HKV, D))
     q = torch.randn(len(contexts), H, D)
@@ -183,9 +190,12 @@ def test_cpu_kernel_splits_its_sequences_over_torchs_threads() -> None:
         assert torch.equal(caches[1][0][table[c // BS], :, c % BS], k[i])
 
 
-def test_two_engines_can_run_the_threaded_kernel_at_once() -> None:
+def test_two_engines_can_run_the_threaded_kernel_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two LLM models step on their own engine threads: concurrent calls of the threaded
     kernel must each get their own right answer."""
+    from kiln.llm import attention_cpu
+
+    monkeypatch.setattr(attention_cpu, "PARALLEL", True)
     contexts, _, meta = _decodes(4, 8)
     jobs = []
     for _ in range(2):
@@ -240,3 +250,46 @@ def test_warm_up_compiles_what_a_real_step_calls() -> None:
     finally:
         torch.set_num_threads(threads)
     assert len(attention_cpu._compiled.signatures) == before
+
+
+ONE_RUNTIME = """
+import sys, torch
+from pathlib import Path
+from kiln.llm.config import EngineConfig
+from kiln.llm.engine import LLMEngine
+from kiln.llm.sequence import SamplingParams
+import numba
+
+torch.set_num_threads(2)
+engine = LLMEngine(Path(sys.argv[1]), EngineConfig(num_gpu_blocks=32, attention_backend="cpu"))
+out = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, temperature=0.0))
+assert [len(o) for o in out] == [4, 4]
+try:
+    print("layer", numba.threading_layer())
+except ValueError:
+    print("layer none")
+print("gomp", sorted({l.split()[-1] for l in open("/proc/self/maps") if "libgomp" in l}))
+"""
+
+
+def test_two_torch_threads_start_no_second_openmp_runtime(tmp_path: Path) -> None:
+    """numba's parallel layer is a second libgomp beside torch's: the two teams' idle threads
+    spin against each other (docs/design/llm-cpu-threads.md). With torch on two threads the
+    engine decodes (warm-up included) without ever starting numba's thread team."""
+    import subprocess
+    import sys
+
+    from tests.llm_models import build_tiny_llm
+
+    folder = build_tiny_llm(tmp_path / "m")
+    done = subprocess.run(
+        [sys.executable, "-c", ONE_RUNTIME, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "layer none" in done.stdout
+    gomp = done.stdout.split("gomp", 1)[1]
+    assert gomp.count("libgomp") <= 1, gomp

@@ -1,0 +1,95 @@
+"""oneDNN matrix products for the CPU's decode-sized batches (float32).
+
+``F.linear`` on the CPU is MKL's sgemm, which packs the weight again on every call; for a
+few to ~100 rows against a wide weight that repacking is a large share of the product. vLLM's
+CPU build runs its projections through oneDNN with the weight reordered once, at load time,
+into the blocked layout its kernels read (``onednn_mm``). torch ships the same: the weight
+reordered once (``mkldnn._reorder_linear_weight``) and the product by
+``mkldnn._linear_pointwise``. Measured on the 2-vCPU AVX2 EPYC (benchmarks/README.md,
+"CPU per-token compute"): 1.2-1.6x faster than ``F.linear`` for 8..128 rows on the wide
+projections (fused q/k/v, fused gate/up, the LM head), but 0.85x for one row and
+0.9-0.95x for long prefills, and no gain on the narrow ones (o_proj, down_proj).
+
+So ``PackedLinear`` keeps the dense weight too and picks per call: oneDNN for
+``MIN_ROWS..MAX_ROWS`` rows, ``F.linear`` otherwise. Only the wide projections
+(``out_features >= WIDE * in_features``) are packed; the copy costs their weights' bytes
+once more.
+
+The two libraries sum in different orders: a logit moves by float32 rounding, as with
+any other kernel change (tested against ``transformers``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+#: rows from which oneDNN's packed product beats MKL's sgemm (one row: MKL's gemv is faster)
+MIN_ROWS = 2
+#: rows up to which it does (a prefill chunk's thousands of rows: MKL's is faster)
+MAX_ROWS = 192
+#: pack only projections at least this many times wider than tall (q/k/v, gate/up, LM head)
+WIDE = 1.5
+
+
+def available() -> bool:
+    """torch has oneDNN (``USE_MKLDNN``) and its packed linear ops."""
+    return (
+        torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` (its ``weight`` and ``bias`` are the original's, shared) with a
+    oneDNN copy of the weight for decode-sized batches."""
+
+    packed: torch.Tensor
+
+    @classmethod
+    def wrap(cls, linear: nn.Linear) -> PackedLinear:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        # the hint is the batch the blocked layout is tuned for: a full decode batch
+        with torch.no_grad():
+            new.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
+        if MIN_ROWS <= rows <= MAX_ROWS and x.dtype == self.weight.dtype:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x, self.packed, self.bias, "none", [], ""
+            )
+            return out
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack(model: nn.Module) -> int:
+    """Swap every plain wide ``nn.Linear`` of ``model`` (CPU, float32) for a
+    ``PackedLinear`` sharing its parameters; the number swapped."""
+    if not available():
+        return 0
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child.weight.device.type != "cpu":
+                continue
+            if child.weight.dtype != torch.float32:  # bf16 without AVX512-BF16: not measured
+                continue
+            if child.out_features < WIDE * child.in_features:
+                continue
+            setattr(parent, name, PackedLinear.wrap(child))
+            swapped += 1
+    if swapped:
+        log.info("llm: %d projections use oneDNN's packed weights for small batches", swapped)
+    return swapped
