@@ -18,6 +18,12 @@ import pytest
 
 from kiln.examples import build_example_repository
 
+# kiln's Triton kernels run under Triton's CPU interpreter where there is no NVIDIA GPU. Set
+# before any test module imports a kernel: @triton.jit picks interpreter or compiler when the
+# kernel is defined, and tests/gpu (collected first) imports them at collection.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
