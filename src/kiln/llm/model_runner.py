@@ -145,7 +145,8 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.float32:
             cpu_ops.warm_up()
             # after fuse() and the tied LM head: the packed copies are of the final weights
-            cpu_linear.pack(self.model)
+            if config.tensor_parallel_size == 1:  # a rank's shard: the workers keep F.linear
+                cpu_linear.pack(self.model)
         self.workspace = KVWorkspace()
         self.num_blocks = self._num_blocks()
         self._allocate_cache(self.num_blocks)
