@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,25 @@ _Queue = asyncio.Queue[RequestOutput | KilnError]
 def _put_all(items: list[tuple[_Queue, RequestOutput]]) -> None:
     for queue_, item in items:
         queue_.put_nowait(item)
+
+
+async def outputs(
+    queue_: _Queue, n: int, abort: Callable[[], None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """A request's outputs from its queue until its ``n`` samples finish; an error ends
+    it, and a caller that stops early calls ``abort`` (the engine frees the request)."""
+    unfinished = n
+    try:
+        while unfinished:
+            item = await queue_.get()
+            if isinstance(item, KilnError):
+                unfinished = 0
+                raise item
+            unfinished -= item.finished
+            yield item
+    finally:
+        if unfinished:
+            abort()
 
 
 @dataclass(slots=True)
@@ -121,18 +140,14 @@ class AsyncEngine:
             stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
             self._streams[rid] = stream
         self._send(_Add(rid, prompt, params, priority, arrival, lora_request))
-        unfinished = params.n
         try:
-            while unfinished:
-                item = await stream.queue.get()
-                if isinstance(item, KilnError):
-                    unfinished = 0
-                    raise item
-                unfinished -= item.finished
-                yield item
+            # aclosing: a caller that stops early aborts now, not when the loop collects it
+            async with contextlib.aclosing(
+                outputs(stream.queue, params.n, lambda: self._send(_Abort(rid)))
+            ) as items:
+                async for item in items:
+                    yield item
         finally:
-            if unfinished:
-                self._send(_Abort(rid))
             with self._lock:
                 self._streams.pop(rid, None)
 

@@ -35,7 +35,7 @@ import torch
 import kiln
 from kiln.core.errors import KilnError, Status
 from kiln.llm import engine_messages as msg
-from kiln.llm.async_engine import _put_all, _Queue, _Stream
+from kiln.llm.async_engine import _put_all, _Queue, _Stream, outputs
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.engine import LLMEngine, RequestOutput
 from kiln.llm.engine_core import EngineInit
@@ -322,18 +322,12 @@ class EngineProcClient:
             stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
             self._streams[rid] = (stream, epoch)
         self._send(epoch, msg.Add(rid, prompt, msg.params_to(params), priority, arrival))
-        unfinished = params.n
         try:
-            while unfinished:
-                item = await stream.queue.get()
-                if isinstance(item, KilnError):
-                    unfinished = 0
-                    raise item
-                unfinished -= item.finished
-                yield item
+            abort = lambda: self._send(epoch, msg.Abort(rid))  # noqa: E731
+            async with contextlib.aclosing(outputs(stream.queue, params.n, abort)) as items:
+                async for item in items:
+                    yield item
         finally:
-            if unfinished:
-                self._send(epoch, msg.Abort(rid))
             with self._lock:
                 self._streams.pop(rid, None)
 
