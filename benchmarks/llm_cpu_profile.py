@@ -253,6 +253,8 @@ def run_kiln(args: argparse.Namespace, requests: list[tuple[list[int], int]]) ->
         print(f"\n=== kiln: one {name} step ===\n{table}", flush=True)
     if args.tokens_out:
         Path(args.tokens_out).write_text(json.dumps(list(ids.values())))
+    if args.steps_out:
+        Path(args.steps_out).write_text(json.dumps(steps))
     if args.breakdown:
         kinds = {"decode": sum(s["decode"] for s in steps),
                  "prefill": sum(not s["decode"] for s in steps)}  # fmt: skip
@@ -339,6 +341,9 @@ def main() -> None:
         "--no-packed",
         action="store_true",
         help="kiln: no oneDNN packed projections (kiln.llm.cpu_linear)",
+    )
+    ap.add_argument(
+        "--steps-out", default=None, help="kiln: write each step's wall, CPU and batch here (JSON)"
     )
     ap.add_argument("--rows", type=int, default=25, help="rows of each op table")
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM: no torch.compile")

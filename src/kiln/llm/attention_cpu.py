@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,33 +258,41 @@ def _serial(
                      scale, out)  # fmt: skip
 
 
-def _parallel(
-    threads: int, q: Any, k_new: Any, v_new: Any, rows: Any, k_cache: Any, v_cache: Any,
-    tables: Any, context: Any, start: Any, scale: float, out: Any,
-) -> None:  # fmt: skip
-    """The sequences dealt round-robin to ``threads`` threads (contexts are mixed, so each
-    gets a similar share of the bytes); each thread owns its sequences' rows of ``out``
-    and their cache slots."""
-    for first in numba.prange(threads):
-        _attend_compiled(first, threads, q, k_new, v_new, rows, k_cache, v_cache, tables,
-                         context, start, scale, out)  # fmt: skip
-
-
 _compiled = _jit(_serial) if _jit is not None else None
-#: Deal the sequences over threads with numba's parallel kernel. Off: numba's OpenMP runtime
-#: is not torch's (two libgomp copies in one process, each with a team as large as the
-#: machine), and after each region one team's idle threads spin while the other's compute.
-#: On the 2-vCPU EPYC with two torch threads the serial kernel took a third of the CPU per
-#: decode step and half per prefill step (docs/design/llm-cpu-threads.md).
-PARALLEL = False
-_PARALLEL_LOCK = threading.Lock()
-#: numba's thread pool, fixed when numba is imported
-_POOL = int(numba.config.NUMBA_NUM_THREADS) if numba is not None else 1  # type: ignore[attr-defined]
-_compiled_parallel = (
-    numba.njit(fastmath=True, nogil=True, cache=True, parallel=True)(_parallel)
-    if numba is not None
-    else None
-)
+
+#: Deal each step's sequences round-robin over as many Python threads as torch's matrix
+#: products use (the kernel releases the GIL; contexts are mixed, so each thread gets a
+#: similar share of the bytes). Not numba's ``parallel=True``: its OpenMP runtime is not
+#: torch's, and the two teams' idle threads spun against each other (3x the CPU a decode
+#: step; docs/design/llm-cpu-threads.md). These threads sleep between steps.
+PARALLEL = True
+#: fewer decoding sequences than this stay on the calling thread (the hand-off costs more)
+MIN_PARALLEL = 4
+_POOL_LOCK = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _workers(helpers: int) -> ThreadPoolExecutor:
+    """The shared helper threads, at least ``helpers`` of them."""
+    global _pool
+    with _POOL_LOCK:
+        if _pool is None or _pool._max_workers < helpers:
+            old, _pool = _pool, ThreadPoolExecutor(helpers, thread_name_prefix="kiln-attention")
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def _threaded(threads: int, *args: Any) -> None:
+    """The kernel over ``threads`` threads: the caller computes sequences 0, threads, ...;
+    helpers the others. Each thread owns its sequences' rows of ``out`` and cache slots."""
+    pool = _workers(threads - 1)
+    jobs = [pool.submit(_attend_compiled, first, threads, *args) for first in range(1, threads)]
+    try:
+        _attend_compiled(0, threads, *args)
+    finally:
+        for job in jobs:
+            job.result()
 
 
 def warm_up() -> None:
@@ -302,9 +311,7 @@ def warm_up() -> None:
     args = (qkv[:, :1], qkv[:, 1:2], qkv[:, 2:], rows, cache, cache.copy(), tables,
             np.ones(1, np.int32), np.zeros(1, np.int32), 1.0, out)  # fmt: skip
     _compiled(*args)
-    if PARALLEL and _compiled_parallel is not None and torch.get_num_threads() > 1:
-        with _PARALLEL_LOCK:
-            _compiled_parallel(2, *args)
+    _attend_compiled(0, 1, *args)  # the entry the helper threads call
 
 
 def decode(
@@ -321,18 +328,16 @@ def decode(
     the cache. ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] (the step's new tokens, strided views
     allowed), caches [num_blocks, Hkv, block_size, D] float32; results go into the decoding
     rows of ``out`` ([T, H, D], contiguous)."""
-    assert _compiled is not None and _compiled_parallel is not None, "needs numba"
+    assert _compiled is not None, "needs numba"
     assert out.is_contiguous()
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[2])
     args = (q.numpy(), k.numpy(), v.numpy(), fused.rows, k_cache.numpy(), v_cache.numpy(),
             fused.tables, fused.context, fused.start, scale, out.numpy())  # fmt: skip
     # as many threads as torch's matrix products use (OMP_NUM_THREADS / torch.set_num_threads)
-    threads = min(torch.get_num_threads(), fused.rows.shape[0], _POOL) if PARALLEL else 1
-    if threads > 1:
-        # numba's fallback threading layer (workqueue, when neither OpenMP nor TBB loads) must
-        # not be entered by two threads at once: two LLM models' engine threads would
-        with _PARALLEL_LOCK:
-            _compiled_parallel(threads, *args)
+    sequences = fused.rows.shape[0]
+    threads = min(torch.get_num_threads(), sequences) if PARALLEL else 1
+    if threads > 1 and sequences >= MIN_PARALLEL:
+        _threaded(threads, *args)
     else:
         _compiled(*args)

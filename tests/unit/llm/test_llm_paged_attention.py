@@ -10,6 +10,7 @@ import os
 import random
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -164,12 +165,20 @@ def _decodes(seed: int, count: int) -> tuple[list[int], list[list[int]], Attenti
 def test_cpu_kernel_splits_its_sequences_over_torchs_threads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With the parallel kernel on (off by default: test below) and torch on two threads the
-    kernel deals the sequences to two threads; each row is computed by the same code either
-    way, so the results are the same bits, and every sequence's new K/V is written once."""
+    """With torch on two threads the kernel deals the sequences to two Python threads (it
+    releases the GIL; ``PARALLEL`` is on by default); each row is computed by the same code
+    either way, so the results are the same bits, and every sequence's new K/V is written once."""
     from kiln.llm import attention_cpu
 
     monkeypatch.setattr(attention_cpu, "PARALLEL", True)
+    dealt: list[int] = []
+    threaded = attention_cpu._threaded
+
+    def spy(threads: int, *args: Any) -> None:
+        dealt.append(threads)
+        threaded(threads, *args)
+
+    monkeypatch.setattr(attention_cpu, "_threaded", spy)
     contexts, tables, meta = _decodes(3, 9)
     cache = torch.randn(cache_shape(NUM_BLOCKS, BS, HKV, D))
     q = torch.randn(len(contexts), H, D)
@@ -184,6 +193,7 @@ def test_cpu_kernel_splits_its_sequences_over_torchs_threads(
             caches.append((k_cache, v_cache))
     finally:
         torch.set_num_threads(threads)
+    assert dealt == [2]  # one thread, then two
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     for i, (c, table) in enumerate(zip(contexts, tables, strict=True)):
