@@ -220,3 +220,39 @@ def test_explicit_mode_loads_it_and_the_repository_api_reloads_it(
         assert out.usage is not None and out.usage.completion_tokens == 2
     finally:
         proc.stop()
+
+
+def test_kserve_infer_takes_the_vllm_backends_tensors(
+    server: KilnProcess, client: openai.OpenAI
+) -> None:
+    """A ``--model`` checkpoint answers KServe v2 infer (HTTP and gRPC, the real
+    ``tritonclient``) with Triton's vLLM-backend tensors, as a repository model does; its
+    metadata names them. Before, the in-memory config had no tensors and infer answered
+    "unexpected inference input 'text_input'"."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    want = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
+    sampling = json.dumps({"temperature": 0, "max_tokens": 6})
+
+    def inputs(module: object) -> list[object]:
+        text = module.InferInput("text_input", [1], "BYTES")  # type: ignore[attr-defined]
+        text.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
+        params = module.InferInput("sampling_parameters", [1], "BYTES")  # type: ignore[attr-defined]
+        params.set_data_from_numpy(np.array([sampling.encode()], dtype=np.object_))
+        return [text, params]
+
+    with httpclient.InferenceServerClient(server.http_url) as http:
+        meta = http.get_model_metadata("tiny")
+        assert "text_input" in [t["name"] for t in meta["inputs"]]
+        assert "text_output" in [t["name"] for t in meta["outputs"]]
+        result = http.infer("tiny", inputs(httpclient))
+        text = result.as_numpy("text_output")[0].decode()
+        assert text == PROMPT + want.choices[0].text
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        result = grpc.infer("tiny", inputs(grpcclient))
+        assert result.as_numpy("text_output")[0].decode() == PROMPT + want.choices[0].text
+    finally:
+        grpc.close()

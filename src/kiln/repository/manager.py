@@ -354,8 +354,11 @@ class RepositoryManager(Generic[R]):
             raise problems[0]
         cls = backend_class(config.backend)
         config.platform = platform_for(config.backend)
-        _complete_scheduling(config, default_batcher=self.auto_complete)
         version_dir = path.parent if path.is_file() else path
+        # no config file declares its tensors: the backend's are the only ones (Triton's
+        # vLLM-backend text_input/text_output), whatever --disable-auto-complete-config says
+        cls.auto_complete_config(config, version_dir)
+        _complete_scheduling(config, default_batcher=self.auto_complete)
         if self.config_check is not None:
             self.config_check(config, [1])
         await self._start(entry, config, {1: version_dir}, cls, None)
