@@ -225,3 +225,41 @@ def test_triton_generate_takes_lora_name(client: openai.OpenAI, server: KilnProc
     body["parameters"]["lora_name"] = "nope"  # type: ignore[index]
     reply = requests.post(url, json=body, timeout=60)
     assert reply.status_code == 400 and "lora_name 'nope' is not an adapter" in reply.text
+
+
+def test_kserve_infer_takes_lora_name(client: openai.OpenAI, server: KilnProcess) -> None:
+    """KServe v2 infer (the real ``tritonclient``, HTTP and gRPC) with Triton's vLLM-backend
+    tensors: ``lora_name`` in ``sampling_parameters`` picks the adapter; a name that is not
+    served is refused naming it and the adapters that are."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    text = "the quick brown fox"
+    want = client.completions.create(model="b", prompt=text, max_tokens=6, temperature=0)
+    base = client.completions.create(model="base", prompt=text, max_tokens=6, temperature=0)
+    assert want.choices[0].text != base.choices[0].text
+
+    def inputs(module: object, lora: str) -> list[object]:
+        sampling = {"temperature": 0, "max_tokens": 6, "lora_name": lora}
+        tensors = []
+        for name, value in (("text_input", text), ("sampling_parameters", json.dumps(sampling))):
+            t = module.InferInput(name, [1], "BYTES")  # type: ignore[attr-defined]
+            t.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
+            tensors.append(t)
+        flag = module.InferInput("exclude_input_in_output", [1], "BOOL")  # type: ignore[attr-defined]
+        flag.set_data_from_numpy(np.array([True]))
+        return [*tensors, flag]
+
+    with httpclient.InferenceServerClient(server.http_url) as http:
+        result = http.infer("base", inputs(httpclient, "b"))
+        assert result.as_numpy("text_output")[0].decode() == want.choices[0].text
+        with pytest.raises(InferenceServerException, match=r"lora_name 'nope'.*served: a, b"):
+            http.infer("base", inputs(httpclient, "nope"))
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        result = grpc.infer("base", inputs(grpcclient, "b"))
+        assert result.as_numpy("text_output")[0].decode() == want.choices[0].text
+    finally:
+        grpc.close()

@@ -211,6 +211,7 @@ def test_http_and_grpc_infer_whole_output(server: KilnProcess) -> None:
         ({"max_tokens": 8.5}, "max_tokens"),
         ({"n": 2}, "'n'"),
         ("[1, 2]", "sampling_parameters"),
+        ({"lora_name": "a"}, "LoRA is not enabled"),
     ],
 )
 def test_bad_sampling_parameters_named(server: KilnProcess, sampling: Any, named: str) -> None:

@@ -29,6 +29,7 @@ from kiln.llm.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from kiln.llm.backend import LLMBackend
+    from kiln.llm.lora import LoRARequest
 
 #: (name, datatype, dims, optional) as Triton's vLLM backend auto-completes them; its
 #: ``image``, ``return_logprobs`` and ``embedding_request`` inputs are left out, so a
@@ -91,7 +92,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "logits_processors": None,
     "output_kind": None,
     "extra_args": None,
-    "lora_name": None,
 }
 
 
@@ -183,6 +183,8 @@ class TritonRequest:
     #: the prompt starts ``text_output`` (a whole response only)
     prepend_input: bool
     returns: dict[str, bool]
+    #: the adapter ``lora_name`` chose (Triton's vLLM backend's field); None: the base model
+    lora: LoRARequest | None = None
 
 
 def parse(
@@ -210,6 +212,7 @@ def parse(
     returns = {name: bool(_flag(inputs, name)) for name in _RETURNS}
     try:
         fields = {k: _coerce(k, v) for k, v in sampling_dict(inputs, parameters, model).items()}
+        lora = _adapter(llm, fields.pop("lora_name", None))
         for key, value in fields.items():
             if key in _SUPPORTED:
                 continue
@@ -241,11 +244,26 @@ def parse(
         max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, max(room, 1)), **sampling
     )
     try:
-        llm.engine.check_request(len(ids), params)
+        llm.engine.check_request(len(ids), params, 0, lora)
     except InvalidField as exc:
         raise _invalid(model, exc.message) from None
     prepend = not stream and exclude is not True
-    return TritonRequest(prompt, ids, params, stops, stream, prepend, returns)
+    return TritonRequest(prompt, ids, params, stops, stream, prepend, returns, lora)
+
+
+def _adapter(llm: LLMBackend, name: Any) -> LoRARequest | None:
+    """The served adapter ``lora_name`` names (``--lora-modules``, or loaded at run time)."""
+    if name is None:
+        return None
+    if llm.loras is None:
+        raise InvalidField("lora_name", f"lora_name {name!r}: LoRA is not enabled on this "
+                           "model (--enable-lora, or enable_lora in model.json)")  # fmt: skip
+    found = llm.loras.get(name) if isinstance(name, str) else None
+    if found is None:
+        served = ", ".join(r.lora_name for r in llm.loras.all()) or "none"
+        raise InvalidField("lora_name", f"lora_name {name!r} is not an adapter of this model "
+                           f"(served: {served})")  # fmt: skip
+    return found
 
 
 def _stops(stop: Any) -> tuple[str, ...]:
@@ -295,7 +313,9 @@ async def generate(
     detok = IncrementalDetokenizer(llm.tokenizer)
     hold = max((len(s) for s in req.stops), default=1) - 1
     rid = f"triton-{uuid.uuid4().hex}"
-    engine_outputs = llm.async_engine.generate(req.prompt_ids, req.params, rid)
+    engine_outputs = llm.async_engine.generate(
+        req.prompt_ids, req.params, rid, lora_request=req.lora
+    )
     async with aclosing(engine_outputs) as outputs:
         async for out in outputs:
             state.tokens = out.num_output_tokens
