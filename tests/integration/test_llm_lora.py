@@ -263,3 +263,41 @@ def test_kserve_infer_takes_lora_name(client: openai.OpenAI, server: KilnProcess
         assert result.as_numpy("text_output")[0].decode() == want.choices[0].text
     finally:
         grpc.close()
+
+
+def test_a_vllm_backend_folder_serves_multi_lora_json(
+    files: dict[str, Path], client: openai.OpenAI, tmp_path: Path
+) -> None:
+    """Triton's vLLM-backend model folder: ``enable_lora`` in ``1/model.json``, the adapters
+    in ``1/multi_lora.json``; KServe infer picks one by ``lora_name`` and gets what the
+    ``--lora-modules`` server (its outputs checked against PEFT above) gives for it."""
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    version = tmp_path / "repo" / "llama" / "1"
+    version.mkdir(parents=True)
+    (version.parent / "config.pbtxt").write_text('backend: "vllm"\n')
+    engine = {"model": str(files["base"]), "dtype": "float32", "block_size": 4,
+              "num_gpu_blocks_override": 256, "enable_lora": "true",
+              "max_lora_rank": 16}  # fmt: skip
+    (version / "model.json").write_text(json.dumps(engine))
+    (version / "multi_lora.json").write_text(
+        json.dumps({"a": str(files["a"]), "b": str(files["b"])})
+    )
+    text = "the quick brown fox"
+    proc = KilnProcess(tmp_path / "repo").start(timeout=180)
+    try:
+        with httpclient.InferenceServerClient(proc.http_url) as http:
+            for name in ("a", "b"):
+                want = client.completions.create(model=name, prompt=text, max_tokens=6,
+                                                 temperature=0)  # fmt: skip
+                sampling = json.dumps({"temperature": 0, "max_tokens": 6, "lora_name": name})
+                tensors = []
+                for key, value in (("text_input", text), ("sampling_parameters", sampling)):
+                    t = httpclient.InferInput(key, [1], "BYTES")
+                    t.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
+                    tensors.append(t)
+                result = http.infer("llama", tensors)
+                assert result.as_numpy("text_output")[0].decode() == text + want.choices[0].text
+    finally:
+        proc.stop()

@@ -16,11 +16,16 @@ from typing import Any
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm.config import EngineConfig
+from kiln.llm.lora import LoRAConfig, LoRAModulePath
 from kiln.llm.spec_config import SpeculativeConfig
 
 log = logging.getLogger("kiln.llm")
 
 FILENAME = "model.json"
+#: the adapters of a model with ``enable_lora``, beside model.json (Triton's vLLM backend)
+LORA_FILENAME = "multi_lora.json"
+#: vLLM's LoRA engine arguments (read with ``enable_lora``)
+_LORA_INTS = ("max_loras", "max_lora_rank", "max_cpu_loras")
 #: vLLM's ``dtype`` spellings -> kiln's (``auto``: the engine's default, float32)
 _DTYPES = {
     "float32": "float32",
@@ -210,5 +215,43 @@ def load(model: str, version_dir: Path) -> VLLMModel:
     tokenizer = raw.pop("tokenizer", None)
     tokens = folder if tokenizer is None else _folder(model, "tokenizer", tokenizer, version_dir)
     engine = EngineConfig()
+    engine.lora_config = _lora(model, raw, version_dir)
     _apply(model, raw, engine)
     return VLLMModel(folder, tokens, engine)
+
+
+def _lora(model: str, raw: dict[str, Any], version_dir: Path) -> LoRAConfig | None:
+    """``enable_lora`` and vLLM's LoRA limits (taken out of ``raw``), and the adapters
+    ``multi_lora.json`` names (``{"name": "folder", ...}``; a relative folder is beside
+    model.json), as Triton's vLLM backend reads them; requests pick one by ``lora_name``."""
+    enabled = _boolean(model, "enable_lora", raw.pop("enable_lora", False))
+    limits = {k: _at_least_one(model, k, raw.pop(k)) for k in _LORA_INTS if k in raw}
+    if not enabled:
+        if limits:
+            raise _error(model, f"'{next(iter(limits))}' needs 'enable_lora': true")
+        return None
+    path = version_dir / LORA_FILENAME
+    if not path.is_file():
+        raise _error(model, f"'enable_lora' is true, so the adapters must be named in {path} "
+                     '(a JSON object: {"name": "adapter folder", ...})')  # fmt: skip
+    try:
+        entries = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _error(model, f"{LORA_FILENAME} is not valid JSON: {exc}") from None
+    if not isinstance(entries, dict) or not entries:
+        raise _error(model, f"{LORA_FILENAME} must be a JSON object of adapter names to folders")
+    modules = []
+    for name, folder in entries.items():
+        where = _folder(model, f"{LORA_FILENAME}: {name}", folder, version_dir)
+        modules.append(LoRAModulePath(name, str(where)))
+    config = LoRAConfig(
+        max_loras=limits.get("max_loras", 1),
+        max_lora_rank=limits.get("max_lora_rank", 16),
+        max_cpu_loras=limits.get("max_cpu_loras"),
+        lora_modules=tuple(modules),
+    )
+    try:
+        config.check()
+    except KilnError as exc:
+        raise _error(model, str(exc).removeprefix("llm backend: ")) from None
+    return config

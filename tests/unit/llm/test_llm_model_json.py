@@ -84,6 +84,54 @@ def test_refused_by_name(tmp_path: Path, args: dict[str, Any], named: str) -> No
     assert named in info.value.message
 
 
+def test_enable_lora_reads_multi_lora_json(tmp_path: Path) -> None:
+    """Triton's vLLM backend: ``enable_lora`` (its examples write the string "true") and the
+    LoRA limits in model.json, the adapters by name in ``multi_lora.json`` beside it."""
+    (tmp_path / "adapters" / "sql").mkdir(parents=True)
+    (tmp_path / "chat").mkdir()
+    version = _write(
+        tmp_path,
+        {"model": str(tmp_path / "hf"), "enable_lora": "true", "max_loras": 2,
+         "max_lora_rank": "32", "max_cpu_loras": 4},
+    )  # fmt: skip
+    lora = {"sql": "../../adapters/sql", "chat": str(tmp_path / "chat")}
+    (version / "multi_lora.json").write_text(json.dumps(lora))
+    config = model_json.load("m", version).engine.lora_config
+    assert config is not None
+    assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (2, 32, 4)
+    paths = {m.name: Path(m.path).resolve() for m in config.lora_modules}
+    assert paths == {"sql": (tmp_path / "adapters" / "sql").resolve(), "chat": tmp_path / "chat"}
+    plain = _write(tmp_path, {"model": str(tmp_path / "hf")})
+    assert model_json.load("m", plain).engine.lora_config is None
+
+
+@pytest.mark.parametrize(
+    ("args", "lora", "named"),
+    [
+        ({"enable_lora": True}, None, "the adapters must be named in"),
+        ({"enable_lora": True}, "{nope", "multi_lora.json is not valid JSON"),
+        ({"enable_lora": True}, "[]", "multi_lora.json must be a JSON object"),
+        ({"enable_lora": True}, '{"x": "/no/such/dir"}', "'multi_lora.json: x' is '/no/such/dir'"),
+        ({"max_loras": 2}, None, "'max_loras' needs 'enable_lora': true"),
+        ({"enable_lora": "maybe"}, None, "'enable_lora' must be true or false"),
+        ({"enable_lora": True, "max_loras": 0}, "{}", "'max_loras' must be at least 1"),
+        ({"enable_lora": True, "max_loras": 4, "max_cpu_loras": 2}, '{"a": "."}',
+         "max_cpu_loras (2) must be at least max_loras (4)"),
+    ],
+)  # fmt: skip
+def test_lora_settings_refused_by_name(
+    tmp_path: Path, args: dict[str, Any], lora: str | None, named: str
+) -> None:
+    version = _write(tmp_path, {"model": str(tmp_path / "hf"), **args})
+    if lora is not None:
+        (version / "multi_lora.json").write_text(lora)
+    with pytest.raises(KilnError) as info:
+        model_json.load("m", version)
+    assert info.value.status is Status.INVALID_ARG
+    assert "model 'm': model.json: " in info.value.message
+    assert named in info.value.message
+
+
 def test_hub_id_and_missing_file_explained(tmp_path: Path) -> None:
     version = _write(tmp_path, {"model": "facebook/opt-125m"})
     with pytest.raises(KilnError, match="not a local folder: kiln serves a Hugging Face folder"):
