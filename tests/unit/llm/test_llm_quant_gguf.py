@@ -21,6 +21,7 @@ pytest.importorskip("accelerate")
 import numpy as np  # noqa: E402
 
 from kiln.llm.config import EngineConfig  # noqa: E402
+from kiln.llm.cpu_linear import PackedLinear  # noqa: E402
 from kiln.llm.engine import LLMEngine  # noqa: E402
 from kiln.llm.quantization import gguf_blocks  # noqa: E402
 from kiln.llm.quantization.linear import Int4Linear  # noqa: E402
@@ -28,6 +29,8 @@ from kiln.llm.sequence import SamplingParams  # noqa: E402
 from tests.llm_models import build_tiny_llm  # noqa: E402
 from tests.llm_quant import kiln_logits  # noqa: E402
 from tests.unit.llm.test_llm_gguf import _write_gguf  # noqa: E402
+
+DENSE = (torch.nn.Linear, PackedLinear)
 
 T = gguf.GGMLQuantizationType
 PROMPT = [1, 5, 17, 42, 99, 3, 250, 7, 8, 9, 10]
@@ -59,7 +62,8 @@ def test_a_4bit_file_stays_4bit_and_matches_transformers(tmp_path: Path, kind: s
     _write_gguf(build_tiny_llm(tmp_path / "hf"), path, matrices=kind)
     # float32 (the CPU default) keeps the exact dequantized weights; bfloat16 the blocks
     exact = LLMEngine(path, EngineConfig(kv_cache_memory_bytes=1 << 22))
-    assert type(exact.runner.model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    # a dense float32 projection (oneDNN's packed copy on a CPU float32 model: cpu_linear)
+    assert type(exact.runner.model.model.layers[0].mlp.down_proj) in DENSE
     engine = LLMEngine(path, EngineConfig(kv_cache_memory_bytes=1 << 22, dtype="bfloat16"))
     layer = engine.runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear)

@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 import torch
 
 from kiln.llm.config import EngineConfig
+from kiln.llm.cpu_linear import PackedLinear
 from kiln.llm.engine import LLMEngine
 from kiln.llm.quantization import packing
 from kiln.llm.quantization.linear import ConcatLinear, Int4Linear
@@ -32,6 +33,8 @@ from tests.llm_quant import (
     write_awq,
     write_gptq,
 )
+
+DENSE = (torch.nn.Linear, PackedLinear)
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -95,4 +98,4 @@ def test_gptq_per_channel_falls_back_to_dequantized(base: Path, tmp_path: Path) 
     """group_size -1 (one group a row): no packed kernel takes it; dequantized at load."""
     engine = _check(*write_gptq(base, tmp_path, group_size=-1))
     layer = engine.runner.model.model.layers[0]
-    assert type(layer.mlp.down_proj) is torch.nn.Linear
+    assert type(layer.mlp.down_proj) in DENSE  # dense float32 (packed by cpu_linear on CPU)
