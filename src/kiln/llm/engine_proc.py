@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import pickle
@@ -55,6 +56,33 @@ STOP_TIMEOUT = 10.0
 #: so a partner descheduled by the frontend's work does not cost a spinning core
 #: (docs/design/llm-engine-process.md has the measurement)
 CHILD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+#: a model with at least this many parameters in its layers also gets ``SPIN_ENV``: its
+#: matrix products are long enough that a short spin between back-to-back ones (instead of a
+#: sleep and a wake-up each) pays; a small model's step leaves the cores to the frontend
+SPIN_FROM_PARAMS = 40_000_000
+#: ~0.1 ms of spinning before a waiting GNU OpenMP thread sleeps (it overrides PASSIVE's 0)
+SPIN_ENV = {"GOMP_SPINCOUNT": "10000"}
+
+
+def layer_params(folder: Path) -> int:
+    """The parameters in a checkpoint's decoder layers, from its config.json (0 when there
+    is none, e.g. a GGUF file): hidden x (4 hidden + 3 intermediate) x layers, attention and
+    MLP projections at full width (an estimate: GQA and MoE change it little for this use)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        config = config.get("text_config", config)
+        hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+        inner = int(config.get("intermediate_size") or 4 * hidden)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0
+    return hidden * (4 * hidden + 3 * inner) * layers
+
+
+def child_env(folder: Path) -> dict[str, str]:
+    """The OpenMP settings the engine process starts with, before the environment's own."""
+    if layer_params(folder) >= SPIN_FROM_PARAMS:
+        return {**CHILD_ENV, **SPIN_ENV}
+    return dict(CHILD_ENV)
 
 
 class EngineView(LLMEngine):
@@ -131,7 +159,7 @@ class EngineProcClient:
         self,
     ) -> tuple[subprocess.Popen[bytes], Connection, EngineConfig, ModelArgs]:
         ours, theirs = socket.socketpair()
-        env = {**CHILD_ENV, **os.environ}
+        env = {**child_env(self._init.folder), **os.environ}
         # the engine process imports kiln from wherever this server imported it
         src = str(Path(kiln.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)

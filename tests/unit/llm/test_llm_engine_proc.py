@@ -224,3 +224,29 @@ def test_the_switch_reads_the_parameter_then_vllms_environment(
     )
     with pytest.raises(KilnError, match="model 'tiny': parameter enable_multiprocessing must"):
         enable_multiprocessing(bad)
+
+
+def test_the_engine_process_spins_briefly_for_a_large_model_only(tmp_path: Path) -> None:
+    """OpenMP in the engine process: PASSIVE always (a waiting thread sleeps), plus ~0.1 ms
+    of spinning (GOMP_SPINCOUNT) when the model's layers are large enough that their matrix
+    products come back to back; no config.json (a GGUF file): PASSIVE alone."""
+    from kiln.llm import engine_proc
+
+    def folder(name: str, **config: object) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+        return path
+
+    small = folder("small", hidden_size=256, intermediate_size=768, num_hidden_layers=4)
+    large = folder("large", hidden_size=768, intermediate_size=2048, num_hidden_layers=12)
+    nested = folder(
+        "vlm", text_config={"hidden_size": 2048, "num_hidden_layers": 16}, vision_config={}
+    )
+    assert engine_proc.layer_params(small) == 256 * (4 * 256 + 3 * 768) * 4
+    assert engine_proc.child_env(small) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert engine_proc.child_env(large) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
+    assert engine_proc.child_env(nested)["GOMP_SPINCOUNT"] == "10000"  # 4x hidden MLP assumed
+    assert engine_proc.child_env(tmp_path / "none") == {"OMP_WAIT_POLICY": "PASSIVE"}
+    (small / "config.json").write_text("{broken")
+    assert engine_proc.layer_params(small) == 0
