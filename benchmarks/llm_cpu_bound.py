@@ -22,25 +22,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from llm_vllm import COMMON, SHAPES, make_requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.llm_vllm import COMMON, SHAPES, make_requests
 
 
 def peak_gflops(threads: int) -> float:
     torch.set_num_threads(threads)
     best = 0.0
-    for m, k, n in [(2048, 2048, 768), (2048, 768, 4096), (1024, 4096, 1024)]:
-        a, w = torch.randn(m, k), torch.randn(n, k)
-        for _ in range(2):
-            F.linear(a, w)
-        t0 = time.perf_counter()
-        for _ in range(5):
-            F.linear(a, w)
-        best = max(best, 2 * m * k * n * 5 / (time.perf_counter() - t0) / 1e9)
+    for _ in range(3):  # the best of three rounds: a noisy neighbour only lowers a figure
+        for m, k, n in [(2048, 2048, 768), (2048, 768, 4096), (1024, 4096, 1024)]:
+            a, w = torch.randn(m, k), torch.randn(n, k)
+            for _ in range(2):
+                F.linear(a, w)
+            t0 = time.perf_counter()
+            for _ in range(5):
+                F.linear(a, w)
+            best = max(best, 2 * m * k * n * 5 / (time.perf_counter() - t0) / 1e9)
     return best
 
 

@@ -131,3 +131,27 @@ def test_env_items_are_key_value() -> None:
     assert parse_env(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
     with pytest.raises(ValueError):
         parse_env(["NOPE"])
+
+
+def test_the_physical_bound_counts_the_workloads_arithmetic() -> None:
+    """benchmarks/llm_cpu_bound.py: a token's FLOPs are twice its layers' and LM head's
+    weights plus attention over its context; prefill is compute-bound, a decode step the
+    longer of its arithmetic and one read of the weights."""
+    from benchmarks.llm_cpu_bound import bound, flops_per_token
+
+    shape = SHAPES["5m"]
+    h, i, v, layers = 256, 768, 4096, 4
+    kv = 2 * h // 4
+    weights = layers * (h * (h + 2 * kv) + h * h + 3 * h * i)
+    assert flops_per_token(shape, 0, False) == 2 * weights
+    assert flops_per_token(shape, 10, True) == 2 * weights + layers * 4 * 10 * h + 2 * h * v
+    requests = make_requests(8, 0, v, (16, 32), (16, 32))
+    slow = bound(shape, requests, peak=10.0, bw=1e9, weight_bytes=1)  # compute-bound
+    fast = bound(shape, requests, peak=20.0, bw=1e9, weight_bytes=1)
+    assert slow["output_tokens"] == sum(r.output_len for r in requests)
+    assert slow["prefill_s"] == pytest.approx(2 * fast["prefill_s"])
+    assert slow["decode_s"] == pytest.approx(2 * fast["decode_s"])
+    # memory-bound: every decode step reads the weights once
+    steps = max(r.output_len for r in requests) - 1
+    mem = bound(shape, requests, peak=1e9, bw=1.0, weight_bytes=10**9)
+    assert mem["decode_s"] == pytest.approx(steps)

@@ -18,6 +18,7 @@ no gather.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -264,12 +265,25 @@ _compiled = _jit(_serial) if _jit is not None else None
 #: products use (the kernel releases the GIL; contexts are mixed, so each thread gets a
 #: similar share of the bytes). Not numba's ``parallel=True``: its OpenMP runtime is not
 #: torch's, and the two teams' idle threads spun against each other (3x the CPU a decode
-#: step; docs/design/llm-cpu-threads.md). These threads sleep between steps.
-PARALLEL = True
+#: step; docs/design/llm-cpu-threads.md). These threads sleep between steps. None: when
+#: torch's own OpenMP workers stop spinning soon after a region (``_openmp_yields``), as in
+#: the engine process; with libgomp's default ~3 ms of spinning a helper would fight torch's
+#: idle worker for the core (measured slower in-process).
+PARALLEL: bool | None = None
 #: fewer decoding sequences than this stay on the calling thread (the hand-off costs more)
 MIN_PARALLEL = 4
 _POOL_LOCK = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
+
+
+def _openmp_yields() -> bool:
+    """This process's GNU OpenMP settings put a waiting worker to sleep within ~1 ms
+    (``OMP_WAIT_POLICY=PASSIVE`` or a ``GOMP_SPINCOUNT`` of at most 100,000); read from the
+    environment, which libgomp read when torch loaded."""
+    spin = os.environ.get("GOMP_SPINCOUNT", "").strip()
+    if spin.isdigit():
+        return int(spin) <= 100_000
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
 
 def _workers(helpers: int) -> ThreadPoolExecutor:
@@ -336,7 +350,8 @@ def decode(
             fused.tables, fused.context, fused.start, scale, out.numpy())  # fmt: skip
     # as many threads as torch's matrix products use (OMP_NUM_THREADS / torch.set_num_threads)
     sequences = fused.rows.shape[0]
-    threads = min(torch.get_num_threads(), sequences) if PARALLEL else 1
+    parallel = _openmp_yields() if PARALLEL is None else PARALLEL
+    threads = min(torch.get_num_threads(), sequences) if parallel else 1
     if threads > 1 and sequences >= MIN_PARALLEL:
         _threaded(threads, *args)
     else:

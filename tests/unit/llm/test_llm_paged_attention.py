@@ -166,8 +166,9 @@ def test_cpu_kernel_splits_its_sequences_over_torchs_threads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With torch on two threads the kernel deals the sequences to two Python threads (it
-    releases the GIL; ``PARALLEL`` is on by default); each row is computed by the same code
-    either way, so the results are the same bits, and every sequence's new K/V is written once."""
+    releases the GIL; by default only where torch's OpenMP workers yield soon: test at the
+    end); each row is computed by the same code either way, so the results are the same
+    bits, and every sequence's new K/V is written once."""
     from kiln.llm import attention_cpu
 
     monkeypatch.setattr(attention_cpu, "PARALLEL", True)
@@ -303,3 +304,38 @@ def test_two_torch_threads_start_no_second_openmp_runtime(tmp_path: Path) -> Non
     assert "layer none" in done.stdout
     gomp = done.stdout.split("gomp", 1)[1]
     assert gomp.count("libgomp") <= 1, gomp
+
+
+@pytest.mark.parametrize(
+    ("env", "threaded"),
+    [
+        ({}, False),  # libgomp's default: its idle worker spins ~3 ms, a helper would fight it
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, True),  # the engine process's setting
+        ({"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "10000"}, True),
+        ({"GOMP_SPINCOUNT": "10000"}, True),
+        ({"GOMP_SPINCOUNT": "300000"}, False),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, False),
+    ],
+)
+def test_the_kernel_takes_helper_threads_where_openmp_yields(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], threaded: bool
+) -> None:
+    from kiln.llm import attention_cpu
+
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    dealt: list[int] = []
+    monkeypatch.setattr(attention_cpu, "_threaded", lambda threads, *a: dealt.append(threads))
+    contexts, _, meta = _decodes(5, 8)
+    cache = torch.randn(cache_shape(NUM_BLOCKS, BS, HKV, D))
+    q = torch.randn(len(contexts), H, D)
+    k, v = torch.randn(len(contexts), HKV, D), torch.randn(len(contexts), HKV, D)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        paged_attention(q, k, v, cache.clone(), cache.clone(), meta)
+    finally:
+        torch.set_num_threads(threads)
+    assert dealt == ([2] if threaded else [])
