@@ -276,10 +276,20 @@ _POOL_LOCK = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
 
+#: ``_openmp_yields()``, read once (libgomp read the environment once, when torch loaded)
+_YIELDS: bool | None = None
+
+
 def _openmp_yields() -> bool:
     """This process's GNU OpenMP settings put a waiting worker to sleep within ~1 ms
-    (``OMP_WAIT_POLICY=PASSIVE`` or a ``GOMP_SPINCOUNT`` of at most 100,000); read from the
-    environment, which libgomp read when torch loaded."""
+    (``OMP_WAIT_POLICY=PASSIVE`` or a ``GOMP_SPINCOUNT`` of at most 100,000)."""
+    global _YIELDS
+    if _YIELDS is None:
+        _YIELDS = _read_openmp_env()
+    return _YIELDS
+
+
+def _read_openmp_env() -> bool:
     spin = os.environ.get("GOMP_SPINCOUNT", "").strip()
     if spin.isdigit():
         return int(spin) <= 100_000

@@ -254,12 +254,7 @@ def test_warm_up_compiles_what_a_real_step_calls() -> None:
     meta = AttentionMetadata.build(
         tables, contexts, [1] * len(contexts), BS, CPU, HKV, KVWorkspace(), fused_decode=True
     )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        paged_attention(q, k, v, cache.clone(), cache.clone(), meta)
-    finally:
-        torch.set_num_threads(threads)
+    _attend_on(1, q, k, v, cache, meta)
     assert len(attention_cpu._compiled.signatures) == before
 
 
@@ -326,16 +321,25 @@ def test_the_kernel_takes_helper_threads_where_openmp_yields(
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(attention_cpu, "_YIELDS", None)  # read again from this environment
     dealt: list[int] = []
     monkeypatch.setattr(attention_cpu, "_threaded", lambda threads, *a: dealt.append(threads))
     contexts, _, meta = _decodes(5, 8)
     cache = torch.randn(cache_shape(NUM_BLOCKS, BS, HKV, D))
     q = torch.randn(len(contexts), H, D)
     k, v = torch.randn(len(contexts), HKV, D), torch.randn(len(contexts), HKV, D)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    _attend_on(2, q, k, v, cache, meta)
+    assert dealt == ([2] if threaded else [])
+
+
+def _attend_on(
+    threads: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:  # fmt: skip
+    """One decode attention with torch on ``threads`` threads (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         paged_attention(q, k, v, cache.clone(), cache.clone(), meta)
     finally:
-        torch.set_num_threads(threads)
-    assert dealt == ([2] if threaded else [])
+        torch.set_num_threads(before)
