@@ -209,6 +209,16 @@ class LoRARegistry:
     def get(self, name: str) -> LoRARequest | None:
         return self._by_name.get(name)
 
+    def named(self, name: object) -> LoRARequest:
+        """The adapter a request's ``lora_name`` names (Triton's vLLM-backend field);
+        KilnError INVALID_ARG naming the served ones otherwise."""
+        found = self._by_name.get(name) if isinstance(name, str) else None
+        if found is None:
+            served = ", ".join(r.lora_name for r in self.all()) or "none"
+            raise KilnError(f"lora_name {name!r} is not an adapter of this model "
+                            f"(served: {served})", Status.INVALID_ARG)  # fmt: skip
+        return found
+
     def all(self) -> list[LoRARequest]:
         return sorted(self._by_name.values(), key=lambda r: r.lora_name)
 

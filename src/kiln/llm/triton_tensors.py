@@ -258,12 +258,10 @@ def _adapter(llm: LLMBackend, name: Any) -> LoRARequest | None:
     if llm.loras is None:
         raise InvalidField("lora_name", f"lora_name {name!r}: LoRA is not enabled on this "
                            "model (--enable-lora, or enable_lora in model.json)")  # fmt: skip
-    found = llm.loras.get(name) if isinstance(name, str) else None
-    if found is None:
-        served = ", ".join(r.lora_name for r in llm.loras.all()) or "none"
-        raise InvalidField("lora_name", f"lora_name {name!r} is not an adapter of this model "
-                           f"(served: {served})")  # fmt: skip
-    return found
+    try:
+        return llm.loras.named(name)
+    except KilnError as exc:
+        raise InvalidField("lora_name", exc.message) from None
 
 
 def _stops(stop: Any) -> tuple[str, ...]:

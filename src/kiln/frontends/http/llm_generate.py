@@ -119,12 +119,15 @@ def decode(body: dict[str, Any], llm: EngineClient, model: str, version: str) ->
     fields = _fields(body, model)
     name = fields.pop("lora_name", None)
     if name is not None:
-        found = llm.loras.get(name) if llm.loras is not None and isinstance(name, str) else None
-        if found is None:
+        if llm.loras is None:
             raise invalid_arg(
                 f"generate request for model '{model}': lora_name {name!r} is not an adapter "
-                "of this model"
+                "of this model (LoRA is not enabled)"
             )
+        try:
+            found = llm.loras.named(name)
+        except KilnError as exc:
+            raise invalid_arg(f"generate request for model '{model}': {exc.message}") from None
         llm = llm.with_lora(found)
     flags: dict[str, bool] = {}
     for key in _FLAGS:
