@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 
 from tests.conftest import KilnProcess  # noqa: E402
 from tests.llm_models import build_tiny_llm, reference_generate  # noqa: E402
+from tests.procs import children, cmdline, engine_pid, gone  # noqa: E402
 
 ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
         "--kv-cache-memory", "1M", "--block-size", "4"]  # fmt: skip
@@ -34,39 +35,6 @@ IGNORE_EOS = {"ignore_eos": True}
 def serve(folder: Path, home: Path, *extra: str) -> KilnProcess:
     args = ["--model", str(folder), *ARGS, *extra]
     return KilnProcess(home / "repo", args=args, with_repository=False).start(timeout=180)
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
-def engine_pid(server: KilnProcess) -> int:
-    assert server.proc is not None
-    [pid] = [c for c in children(server.proc.pid) if b"kiln.llm.engine_core" in cmdline(c)]
-    return pid
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except FileNotFoundError:
-        return b""
-
-
-def gone(pid: int, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
-        except FileNotFoundError:
-            return True
-        if state == "Z":  # exited; its parent has not reaped it (yet)
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def decode(folder: Path, ids: list[int]) -> str:

@@ -1,12 +1,15 @@
 """Multi-LoRA served as vLLM serves it: ``kiln serve --enable-lora --lora-modules``, the
 real ``openai`` client choosing an adapter by ``model``, ``/v1/models``, runtime load and
-unload behind ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, and each bad input refused by name."""
+unload behind ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, each bad input refused by name, and the
+engine in its own process (killed: the adapters still served by the next one)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +26,7 @@ from tests.llm_models import (  # noqa: E402
     build_tiny_llm,
     reference_generate_lora,
 )
+from tests.procs import engine_pid, gone  # noqa: E402
 
 PROMPT = list(range(30, 70))  # 40 tokens: 10 blocks of 4 the prefix cache could share
 MAX_TOKENS = 8
@@ -301,3 +305,31 @@ def test_a_vllm_backend_folder_serves_multi_lora_json(
                 assert result.as_numpy("text_output")[0].decode() == text + want.choices[0].text
     finally:
         proc.stop()
+
+
+def test_the_adapters_run_in_the_engine_process_and_outlive_its_restart(
+    client: openai.OpenAI, server: KilnProcess, files: dict[str, Path],
+    expected: dict[str | None, str],
+) -> None:  # fmt: skip
+    """With ``--enable-lora`` the engine runs in its own process too (vLLM's EngineCore):
+    adapters load there, each request carries its own, and after the engine process is
+    killed the new one reads an adapter's folder again when a request names it (a
+    ``--lora-modules`` one and one loaded at runtime alike)."""
+    loaded = _post(server, "load_lora_adapter", {"lora_name": "c2", "lora_path": str(files["c"])})
+    assert loaded.status_code == 200, loaded.text
+    pid = engine_pid(server)
+    os.kill(pid, signal.SIGKILL)
+    assert gone(pid)
+    deadline = time.monotonic() + 180
+    while True:  # a request sent before the server saw the process gone fails with 500
+        try:
+            first = _completion(client, "a")
+            break
+        except openai.InternalServerError:
+            assert time.monotonic() < deadline, "no engine process after the kill"
+            time.sleep(0.5)
+    assert engine_pid(server) != pid
+    assert first == expected["a"]
+    assert _completion(client, "c2") == expected["c"]
+    assert _completion(client, "base") == expected[None]
+    assert _post(server, "unload_lora_adapter", {"lora_name": "c2"}).status_code == 200

@@ -298,9 +298,7 @@ class LLMBackend(Backend):
         self.engine_proc: EngineProcClient | None = None
         self.async_engine: AsyncEngine | EngineProcClient
         self.engine: LLMEngine
-        # LoRA adapters are loaded into the engine object by this process (add_lora) and
-        # the engine process has no message for them yet: a LoRA model keeps the thread
-        if enable_multiprocessing(config) and settings.lora_config is None:
+        if enable_multiprocessing(config):
             init = EngineInit(config.name, folder, tokenizer, settings, extra_eos, _threads())
             self.engine_proc = EngineProcClient(init, self.tokenizer)
             self.engine = self.engine_proc.view
@@ -347,7 +345,7 @@ class LLMBackend(Backend):
                 Status.INVALID_ARG,
             )
         request = LoRARegistry.new_request(name, path, base or model)
-        self.engine.add_lora(request)
+        (self.engine_proc or self.engine).add_lora(request)
         self.loras.add(request)
         log.info("model '%s': LoRA adapter '%s' from %s", model, name, path)
         return request
@@ -359,7 +357,7 @@ class LLMBackend(Backend):
                 Status.INVALID_ARG,
             )
         request = self.loras.remove(name)
-        self.engine.remove_lora(request.lora_int_id)
+        (self.engine_proc or self.engine).remove_lora(request.lora_int_id)
 
     @classmethod
     def _settings(

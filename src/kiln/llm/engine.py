@@ -120,7 +120,7 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
     ) -> None:
         """Refuse what can never be served, before it takes a place in the queue."""
-        if lora_request is not None and self.runner.lora is None:
+        if lora_request is not None and self.config.lora_config is None:
             raise InvalidField(
                 "model", f"LoRA adapter '{lora_request.lora_name}': LoRA is not enabled "
                 "for this model (--enable-lora)",
@@ -255,6 +255,17 @@ class LLMEngine:
         """Forget an adapter (requests already running with it finish with it)."""
         if self.runner.lora is not None:
             self.runner.lora.remove(lora_int_id)
+
+    def loras_in_use(self) -> tuple[str, str]:
+        """The adapters of the waiting and of the running requests, each comma separated
+        and sorted (vLLM's ``lora_requests_info`` labels). Any thread: it reads copies."""
+
+        def names(seqs: list[Sequence]) -> str:
+            found = {s.lora_request.lora_name for s in seqs if s.lora_request is not None}
+            return ",".join(sorted(found))
+
+        sched = self.scheduler
+        return names(list(sched.waiting)), names(list(sched.running))
 
     def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> bool:
         """Abort the request (or its sample ``index`` alone). ``reason`` is the

@@ -92,6 +92,7 @@ class EngineCore:
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, "kiln-grammar")
         self.failed: list[msg.Failed] = []
         self.pooled: list[msg.Pooled] = []
+        self.loaded: list[msg.LoRALoaded] = []  # LoadLoRA answers not sent yet
         self.dirty = False  # counters changed since the last snapshot sent
         self.last_snapshot = 0.0
 
@@ -128,7 +129,7 @@ class EngineCore:
             self._send(outputs)
 
     def _send(self, outputs: list[RequestOutput]) -> None:
-        if not (outputs or self.failed or self.pooled or self.dirty):
+        if not (outputs or self.failed or self.pooled or self.loaded or self.dirty):
             return
         now = time.monotonic()
         snap = None
@@ -139,10 +140,10 @@ class EngineCore:
         if self.dirty and (ended or idle or now - self.last_snapshot >= SNAPSHOT_INTERVAL):
             snap = msg.snapshot(self.engine)
             self.dirty, self.last_snapshot = False, now
-        if not (outputs or self.failed or self.pooled or snap):
+        if not (outputs or self.failed or self.pooled or self.loaded or snap):
             return
-        step = msg.Step(outputs, self.failed, self.pooled, snap)
-        self.failed, self.pooled = [], []
+        step = msg.Step(outputs, self.failed, self.pooled, snap, self.loaded)
+        self.failed, self.pooled, self.loaded = [], [], []
         self.conn.send_bytes(msg.ENCODER.encode(step))
 
     # ---- commands ----------------------------------------------------------------------
@@ -158,6 +159,10 @@ class EngineCore:
                 self.jobs.append(_Job(command.priority, command.job_id, command.prompts))
             elif isinstance(command, msg.CancelPool):
                 self.jobs = [j for j in self.jobs if j.job_id != command.job_id]
+            elif isinstance(command, msg.LoadLoRA):
+                self._load_lora(command)
+            elif isinstance(command, msg.UnloadLoRA):
+                self.engine.remove_lora(command.lora_int_id)
             else:
                 self._shutdown()
                 return False
@@ -185,6 +190,28 @@ class EngineCore:
                 del self.compiling[rid]
                 self._admit(add)  # a compile error is raised again, and reported, there
 
+    def _load_lora(self, load: msg.LoadLoRA) -> None:
+        """Read and check an adapter (a few megabytes, size-checked before it is read:
+        between two steps, as vLLM's engine core does its ``add_lora``)."""
+        request = msg.lora_from(load.lora)
+        assert request is not None
+        try:
+            self.engine.add_lora(request)
+        except KilnError as exc:
+            self.loaded.append(msg.LoRALoaded(load.token, exc.message, exc.status.name))
+        except Exception as exc:
+            log.exception("llm engine: LoRA adapter '%s' could not be read", request.lora_name)
+            self.loaded.append(
+                msg.LoRALoaded(
+                    load.token,
+                    f"LoRA adapter '{request.lora_name}' could not be read: "
+                    f"{type(exc).__name__}: {exc}",
+                    Status.INVALID_ARG.name,
+                )
+            )
+        else:
+            self.loaded.append(msg.LoRALoaded(load.token))
+
     def _admit(self, add: msg.Add) -> None:
         try:
             self.engine.add_request(
@@ -193,6 +220,7 @@ class EngineCore:
                 msg.params_from(add.params),
                 add.priority,
                 add.arrival_time,
+                lora_request=msg.lora_from(add.lora),
             )
         except KilnError as exc:
             self._fail(add.request_id, exc.message, exc.status)

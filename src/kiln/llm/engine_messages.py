@@ -1,10 +1,10 @@
 """What the server process and the engine process (``engine_core.py``) say to each other.
 
 msgpack through msgspec, one frame per message on a socketpair: the server sends every
-request, abort and pooling job pending at that moment in one ``Commands`` frame; the engine
-answers each step with one ``Step`` frame carrying every request's new tokens (and, when
-they changed, its counters). Nothing is pickled per request or per token; the start-up
-handshake alone pickles the engine's settings, once.
+request, abort, pooling job and LoRA load pending at that moment in one ``Commands`` frame;
+the engine answers each step with one ``Step`` frame carrying every request's new tokens
+(and, when they changed, its counters and the LoRA loads' answers). Nothing is pickled per
+request or per token; the start-up handshake alone pickles the engine's settings, once.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import msgspec
 
 # at run time: msgspec reads ``Step``'s annotations (this imports torch, as both sides do)
 from kiln.llm.engine import LLMEngine, RequestOutput
+from kiln.llm.lora import LoRARequest
 from kiln.llm.stats import HISTOGRAMS, EngineStats
 
 if TYPE_CHECKING:
@@ -23,6 +24,16 @@ if TYPE_CHECKING:
 
 
 # ---- server -> engine --------------------------------------------------------------------
+class LoRA(msgspec.Struct, array_like=True):
+    """A ``LoRARequest``: the adapter a request runs with, or one to load. Its folder was
+    checked against ``allowed_lora_paths`` by the server when it was registered."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    base_model_name: str | None = None
+
+
 class Add(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt: list[int]
@@ -30,6 +41,9 @@ class Add(msgspec.Struct, tag=True, array_like=True):
     params: dict[str, Any]
     priority: int
     arrival_time: float
+    #: the adapter it runs with (the engine reads the folder again if it has not got it,
+    #: e.g. after a restart of the engine process)
+    lora: LoRA | None = None
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -48,11 +62,22 @@ class CancelPool(msgspec.Struct, tag=True, array_like=True):
     job_id: int
 
 
+class LoadLoRA(msgspec.Struct, tag=True, array_like=True):
+    """vLLM's ``add_lora``: read and check the adapter; answered by a ``LoRALoaded``."""
+
+    token: int
+    lora: LoRA
+
+
+class UnloadLoRA(msgspec.Struct, tag=True, array_like=True):
+    lora_int_id: int
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-Command = Add | Abort | Pool | CancelPool | Shutdown
+Command = Add | Abort | Pool | CancelPool | LoadLoRA | UnloadLoRA | Shutdown
 
 
 class Commands(msgspec.Struct, array_like=True):
@@ -70,6 +95,10 @@ class Counts(msgspec.Struct, array_like=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_blocks: int = 0
+    #: the adapters of the waiting and the running requests, comma separated (vLLM's
+    #: ``lora_requests_info`` labels; empty without LoRA)
+    waiting_loras: str = ""
+    running_loras: str = ""
 
 
 class Snapshot(msgspec.Struct, array_like=True):
@@ -104,11 +133,20 @@ class Pooled(msgspec.Struct, array_like=True):
     error: str = ""
 
 
+class LoRALoaded(msgspec.Struct, array_like=True):
+    """A ``LoadLoRA``'s answer: empty ``message`` when the adapter was read and kept."""
+
+    token: int
+    message: str = ""
+    status: str = ""  # a ``Status`` name, with ``message``
+
+
 class Step(msgspec.Struct, array_like=True):
     outputs: list[RequestOutput]
     failed: list[Failed] = []
     pooled: list[Pooled] = []
     snapshot: Snapshot | None = None
+    loras: list[LoRALoaded] = []
 
 
 # ---- helpers -------------------------------------------------------------------------------
@@ -135,8 +173,22 @@ def params_from(raw: dict[str, Any]) -> SamplingParams:
     )
 
 
+def lora_to(request: LoRARequest | None) -> LoRA | None:
+    if request is None:
+        return None
+    return LoRA(request.lora_name, request.lora_int_id, request.lora_path,
+                request.base_model_name)  # fmt: skip
+
+
+def lora_from(lora: LoRA | None) -> LoRARequest | None:
+    if lora is None:
+        return None
+    return LoRARequest(lora.lora_name, lora.lora_int_id, lora.lora_path, lora.base_model_name)
+
+
 def counts(engine: LLMEngine) -> Counts:
     sched, blocks = engine.scheduler, engine.block_manager
+    waiting, running = engine.loras_in_use() if engine.config.lora_config is not None else ("", "")
     return Counts(
         len(sched.running),
         len(sched.waiting),
@@ -145,6 +197,8 @@ def counts(engine: LLMEngine) -> Counts:
         blocks.stats.queries,
         blocks.stats.hits,
         blocks.num_blocks,
+        waiting,
+        running,
     )
 
 

@@ -14,6 +14,7 @@ and a new engine process loads the model; requests that arrive meanwhile wait fo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -62,6 +63,9 @@ CHILD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 SPIN_FROM_PARAMS = 40_000_000
 #: ~0.1 ms of spinning before a waiting GNU OpenMP thread sleeps (it overrides PASSIVE's 0)
 SPIN_ENV = {"GOMP_SPINCOUNT": "10000"}
+#: how long ``add_lora`` waits for the engine process to read an adapter (seconds): it
+#: reads between steps, and a step of a large prefill on a CPU takes seconds
+LORA_LOAD_TIMEOUT = 300.0
 
 
 def layer_params(folder: Path) -> int:
@@ -101,6 +105,10 @@ class EngineView(LLMEngine):
         self.counts = msg.Counts()
         self.failed = []
 
+    def loras_in_use(self) -> tuple[str, str]:
+        """As the engine process last counted them."""
+        return self.counts.waiting_loras, self.counts.running_loras
+
 
 @dataclass(slots=True)
 class _Job:
@@ -127,6 +135,8 @@ class EngineProcClient:
         self._streams: dict[str, tuple[_Stream, int]] = {}  # id -> (stream, epoch)
         self._jobs: dict[int, _Job] = {}
         self._pooling = 0  # prompts of pooling jobs not yet answered
+        #: ``add_lora`` calls waiting for the engine process's answer, by token
+        self._loading: dict[int, concurrent.futures.Future[None]] = {}
         #: (epoch, command); None ends the writer
         self._outbox: queue.SimpleQueue[tuple[int, msg.Command] | None] = queue.SimpleQueue()
         #: bumped when the engine process dies: commands of the old one are dropped
@@ -234,6 +244,8 @@ class EngineProcClient:
             streams = [s for s, _ in self._streams.values()]
             jobs = list(self._jobs.values())
             self._jobs.clear()
+            loading = list(self._loading.values())
+            self._loading.clear()
             if self._conn is not None:
                 self._conn.close()
             self._conn = None
@@ -250,6 +262,8 @@ class EngineProcClient:
         for job in jobs:
             with contextlib.suppress(RuntimeError):
                 job.loop.call_soon_threadsafe(_fail_future, job.future, error)
+        for waiting in loading:
+            _fail_load(waiting, error)
         try:
             new_proc, conn, _, _ = self._start()
         except KilnError as exc:
@@ -291,6 +305,15 @@ class EngineProcClient:
             if entry is not None:
                 with contextlib.suppress(RuntimeError):
                     entry[0].put(KilnError(failed.message, Status[failed.status]))
+        for loaded in step.loras:
+            with self._lock:
+                waiting = self._loading.pop(loaded.token, None)
+            if waiting is None:
+                continue
+            if loaded.message:
+                _fail_load(waiting, KilnError(loaded.message, Status[loaded.status]))
+            elif not waiting.done():
+                waiting.set_result(None)
         for pooled in step.pooled:
             job = self._jobs.pop(pooled.job_id, None)
             if job is None:
@@ -334,22 +357,18 @@ class EngineProcClient:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """As ``AsyncEngine.generate``. A model with LoRA enabled runs its engine on a
-        thread (LLMBackend), so no adapter ever reaches here."""
-        if lora_request is not None:
-            raise KilnError(
-                f"model '{self.view.config.served_model_name}': LoRA adapters need the "
-                "in-thread engine (enable_multiprocessing false)",
-                Status.INTERNAL,
-            )
+        """As ``AsyncEngine.generate``; ``lora_request`` travels with the request (the
+        engine process reads its folder again when it has not got the adapter)."""
         arrival = time.monotonic()  # CLOCK_MONOTONIC: the engine process reads the same
-        self.view.check_request(len(prompt), params, priority)
+        self.view.check_request(len(prompt), params, priority, lora_request)
         with self._lock:
             epoch = self._admit(len(self._streams))
             rid = request_id or f"req-{next(_IDS)}"
             stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
             self._streams[rid] = (stream, epoch)
-        self._send(epoch, msg.Add(rid, prompt, msg.params_to(params), priority, arrival))
+        add = msg.Add(rid, prompt, msg.params_to(params), priority, arrival,
+                      msg.lora_to(lora_request))  # fmt: skip
+        self._send(epoch, add)
         try:
             abort = lambda: self._send(epoch, msg.Abort(rid))  # noqa: E731
             async with contextlib.aclosing(outputs(stream.queue, params.n, abort)) as items:
@@ -378,6 +397,32 @@ class EngineProcClient:
             if left is not None:  # its client left: the engine drops what is not computed
                 self._send(epoch, msg.CancelPool(job_id))
 
+    def add_lora(self, request: LoRARequest) -> None:
+        """``LLMEngine.add_lora`` in the engine process: blocks (call it off the event
+        loop) until the engine has read and checked the adapter; its refusal raises here."""
+        waiting: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            epoch = self._admit(0, "adapter loads")
+            token = next(_IDS)
+            self._loading[token] = waiting
+        self._send(epoch, msg.LoadLoRA(token, msg.lora_to(request)))  # type: ignore[arg-type]
+        try:
+            waiting.result(LORA_LOAD_TIMEOUT)
+        except TimeoutError:
+            raise KilnError(
+                f"model '{self.name}': LoRA adapter '{request.lora_name}' was not read by the "
+                f"engine process within {LORA_LOAD_TIMEOUT:g} s",
+                Status.UNAVAILABLE,
+            ) from None
+        finally:
+            with self._lock:
+                self._loading.pop(token, None)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """``LLMEngine.remove_lora`` in the engine process (requests running with the
+        adapter finish with it)."""
+        self._send(self._epoch, msg.UnloadLoRA(lora_int_id))
+
     def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
         entry = self._streams.get(request_id)
         epoch = self._epoch if entry is None else entry[1]
@@ -390,6 +435,8 @@ class EngineProcClient:
             self._closed = True
             streams = [s for s, _ in self._streams.values()]
             jobs = list(self._jobs.values())
+            loading = list(self._loading.values())
+            self._loading.clear()
             epoch = self._epoch
             self._ready.notify_all()
         self._send(epoch, msg.Shutdown())
@@ -410,6 +457,8 @@ class EngineProcClient:
         for job in jobs:
             with contextlib.suppress(RuntimeError):
                 job.loop.call_soon_threadsafe(_fail_future, job.future, error)
+        for waiting in loading:
+            _fail_load(waiting, error)
 
 
 def _stop(proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -432,3 +481,8 @@ def _settle(future: asyncio.Future[list[torch.Tensor]], result: object) -> None:
 def _fail_future(future: asyncio.Future[list[torch.Tensor]], error: KilnError) -> None:
     if not future.done():
         future.set_exception(error)
+
+
+def _fail_load(future: concurrent.futures.Future[None], error: KilnError) -> None:
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        future.set_exception(KilnError(error.message, error.status))

@@ -187,14 +187,7 @@ def _lora(engines: list[tuple[str, Any]]) -> Iterator[Metric]:
         ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
     )
     for name, engine in serving:
-        sched = engine.scheduler
-
-        def names(seqs: list[Any]) -> str:
-            found = {s.lora_request.lora_name for s in seqs if s.lora_request is not None}
-            return ",".join(sorted(found))
-
-        # copies: the engine's thread changes the queues meanwhile
-        waiting, running = names(list(sched.waiting)), names(list(sched.running))
+        waiting, running = engine.loras_in_use()
         max_lora = str(engine.config.lora_config.max_loras)
         family.add_metric([name, ENGINE, max_lora, waiting, running], time.time())
     yield family

@@ -314,3 +314,50 @@ def test_requests_running_with_an_unloaded_adapter_finish_with_it(
     while engine.has_work():
         tokens += [t for out in engine.step() for t in out.new_token_ids]
     assert tokens == expected["a"][0]
+
+
+def test_the_engine_process_counts_carry_the_adapters_in_use(
+    base: Path, adapters: dict[str, Path]
+) -> None:
+    """``lora_requests_info``'s labels travel in the engine process's counters: the
+    adapters of the waiting requests, then of the running ones, and the server's view of
+    the engine reads them from there (it has no scheduler of its own)."""
+    import msgspec
+
+    from kiln.llm import engine_messages as msg
+    from kiln.llm.engine_proc import EngineView
+
+    engine = _engine(base)
+    a, b = _request("a", adapters["a"]), _request("b", adapters["b"])
+    engine.add_lora(a)
+    engine.add_lora(b)
+    assert msg.counts(engine).waiting_loras == ""
+    engine.add_request("ra", PROMPTS[0], GREEDY, lora_request=a)
+    engine.add_request("rb", PROMPTS[1], GREEDY, lora_request=b)
+    engine.add_request("r", PROMPTS[0], GREEDY)
+    counts = msg.counts(engine)
+    assert (counts.waiting_loras, counts.running_loras) == ("a,b", "")
+    engine.step()
+    counts = msg.counts(engine)
+    assert (counts.waiting_loras, counts.running_loras) == ("", "a,b")
+    # through the wire, as the server's view reads it
+    view = EngineView.__new__(EngineView)
+    view.counts = msgspec.msgpack.decode(msg.ENCODER.encode(counts), type=msg.Counts)
+    assert view.loras_in_use() == ("", "a,b")
+
+
+def test_an_adapter_travels_to_the_engine_process_with_its_request() -> None:
+    """``Add`` and ``LoadLoRA`` carry the whole ``LoRARequest`` (the engine process reads
+    the folder again when it has not got the adapter, e.g. after a restart)."""
+    from kiln.llm import engine_messages as msg
+
+    lora = LoRARequest("a", 7, "/adapters/a", "base")
+    add = msg.Add("r", [1, 2], {}, 0, 1.0, msg.lora_to(lora))
+    load = msg.LoadLoRA(3, msg.lora_to(lora))  # type: ignore[arg-type]
+    frame = msg.ENCODER.encode(msg.Commands([add, load, msg.UnloadLoRA(7)]))
+    got_add, got_load, unload = msg.COMMANDS.decode(frame).commands
+    assert isinstance(got_add, msg.Add) and msg.lora_from(got_add.lora) == lora
+    assert isinstance(got_load, msg.LoadLoRA) and msg.lora_from(got_load.lora) == lora
+    assert isinstance(unload, msg.UnloadLoRA) and unload.lora_int_id == 7
+    plain = msg.COMMANDS.decode(msg.ENCODER.encode(msg.Commands([msg.Add("r", [1], {}, 0, 1.0)])))
+    assert plain.commands[0].lora is None  # type: ignore[union-attr]
