@@ -359,9 +359,12 @@ class Instance:
                 return
             error = outcomes.exception()
             if isinstance(error, NotStarted):
-                # Queued behind a batch whose worker was lost: run it on the thread path,
-                # which waits for the restart.
-                again = self._on_thread(jobs)
+                # Queued behind a batch whose worker was lost: it starts over. While the
+                # restart runs, the backend sends it to the thread path, which waits for
+                # it; when the word came late (the restart over, the loop's batches in the
+                # new worker's pipe) it queues behind those: on the thread it would read
+                # the same pipe at once, and answers would cross.
+                again = self._submit_requests(jobs)
                 again.add_done_callback(lambda f: _settle(future, *_outcome(f)))
             elif error is not None:
                 future.set_exception(error)

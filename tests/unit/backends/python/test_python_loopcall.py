@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import select
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -1203,3 +1204,54 @@ async def test_a_long_bls_stream_relayed_on_the_thread_path_does_not_deadlock(
         assert backend.worker.proc is not None
         backend.worker.proc.kill()
         backend.close()
+
+
+async def test_a_batch_told_late_to_run_again_queues_behind_the_new_workers_batch(
+    tmp_path: Path,
+) -> None:
+    """A batch queued behind a lost worker is told to run again (``NotStarted``) once the
+    restart has begun. When that word comes late (the thread taking the lost worker's exit
+    status stalls, as on a loaded machine) the restart may be over and a batch of the loop's
+    already in the new worker's pipe: the late batch must queue behind it there. On the
+    instance's thread it would read the same pipe at once, and one of the two readers
+    would wait for good for an answer the other took."""
+    instance = _instance(tmp_path, pipeline_depth="2")
+    backend = _backend(instance)
+    session = backend.session
+    begin = session.begin_restart
+    stalled = threading.Event()
+
+    def stalling(cause: str, conn: Any) -> None:
+        begin(cause, conn)
+        stalled.wait(30)
+
+    session.begin_restart = stalling  # type: ignore[method-assign]
+    try:
+        assert (await _run(instance, [_job(1)]))[0]["OUT"].tolist() == [[2, 2]]
+        lost = asyncio.ensure_future(_run(instance, [_job(-3)]))  # sleeps in the worker
+        await asyncio.sleep(0.3)
+        late = asyncio.ensure_future(_run(instance, [_job(2)]))  # queued behind it
+        await asyncio.sleep(0.1)
+        assert backend.worker.proc is not None
+        backend.worker.proc.kill()
+        deadline = time.monotonic() + 30
+        while not session.restarting:
+            assert time.monotonic() < deadline, "the restart did not begin"
+            await asyncio.sleep(0.01)
+        # the next batch waits out the restart on the instance's thread
+        (after,) = await asyncio.wait_for(_run(instance, [_job(3)]), 60)
+        assert not isinstance(after, KilnError), after.message
+        assert after["OUT"].tolist() == [[6, 6]]
+        assert not session.restarting and not late.done() and not lost.done()
+        slow = asyncio.ensure_future(_run(instance, [_job(-5)]))  # 1.2 s in the new worker
+        await asyncio.sleep(0.2)
+        stalled.set()  # now the lost batch gets its error, the late one runs again
+        (died,) = await asyncio.wait_for(lost, 30)
+        assert isinstance(died, KilnError) and "stopped while executing" in died.message
+        (first,) = await asyncio.wait_for(slow, 30)
+        (second,) = await asyncio.wait_for(late, 30)
+        assert first["OUT"].tolist() == [[-10, -10]]
+        assert second["OUT"].tolist() == [[4, 4]]
+    finally:
+        stalled.set()
+        instance.close()
