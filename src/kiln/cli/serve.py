@@ -11,6 +11,7 @@ import click
 
 from kiln.cli.llm_options import ENGINE_FLAGS, llm_options, served_models
 from kiln.cli.security_options import build_security, security_options
+from kiln.core.header_forward import header_forward
 from kiln.security import DEFAULT_MAX_INPUT_BYTES
 
 
@@ -68,6 +69,20 @@ def _open_repositories(values: tuple[str, ...]) -> list[Any]:
     default="kiln",
     show_default=True,
     help="gRPC server: kiln's own HTTP/2 protocol, or grpcio's grpc.aio (the fallback).",
+)
+@click.option(
+    "--http-header-forward-pattern",
+    default="",
+    metavar="REGEX",
+    help="HTTP headers whose name matches (searched, case-insensitive unless the pattern "
+    "starts with (?-i)) become string request parameters of infer and generate (Triton's "
+    "flag), e.g. '^x-user-' for a rollout's sticky_key parameter:x-user-id.",
+)
+@click.option(
+    "--grpc-header-forward-pattern",
+    default="",
+    metavar="REGEX",
+    help="The same for gRPC metadata (ModelInfer, ModelStreamInfer).",
 )
 @click.option("--allow-metrics/--no-allow-metrics", default=True, show_default=True)
 @click.option(
@@ -279,6 +294,8 @@ def serve(
     metrics_port: int,
     allow_grpc: bool,
     grpc_implementation: str,
+    http_header_forward_pattern: str,
+    grpc_header_forward_pattern: str,
     allow_metrics: bool,
     allow_gpu_metrics: bool,
     allow_cpu_metrics: bool,
@@ -390,7 +407,17 @@ def serve(
         rate_limit_resources=overrides,
         trace=trace,
         trace_otel=trace_otel,
+        http_header_forward_pattern=http_header_forward_pattern,
+        grpc_header_forward_pattern=grpc_header_forward_pattern,
     )
+    for flag, pattern in (
+        ("--http-header-forward-pattern", http_header_forward_pattern),
+        ("--grpc-header-forward-pattern", grpc_header_forward_pattern),
+    ):
+        try:
+            header_forward(pattern, flag)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint=flag) from None
     security = build_security(security_params)
     metrics = MetricsOptions(
         parsed_metrics_config, metrics_interval_ms, allow_gpu_metrics, allow_cpu_metrics

@@ -93,6 +93,10 @@ class ServerOptions:
     rollout_seed: int | None = None
     #: Triton's --exit-on-error: a model named at start that fails to load stops the server
     exit_on_error: bool = False
+    #: Triton's --http-header-forward-pattern / --grpc-header-forward-pattern: headers whose
+    #: name matches become string request parameters (kiln.core.header_forward)
+    http_header_forward_pattern: str = ""
+    grpc_header_forward_pattern: str = ""
 
 
 class Server:

@@ -12,6 +12,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from kiln.core.errors import KilnError
+from kiln.core.header_forward import header_forward
 from kiln.core.stream import CLIENT_STREAM_WINDOW
 from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done, trace_context
 from kiln.frontends import shm_io
@@ -75,6 +76,10 @@ def _parse(obj: Any, message: Any) -> Any:
 class InferenceServicer(SharedMemoryRpcs):
     def __init__(self, server: Server) -> None:
         self.server = server
+        #: --grpc-header-forward-pattern (None: no metadata becomes a parameter)
+        self.header_forward = header_forward(
+            server.options.grpc_header_forward_pattern, "--grpc-header-forward-pattern"
+        )
 
     # ---- health / metadata -----------------------------------------------------------
     @guarded
@@ -109,15 +114,28 @@ class InferenceServicer(SharedMemoryRpcs):
         return _parse(stats, pb.ModelStatisticsResponse())
 
     # ---- inference -------------------------------------------------------------------
-    async def _infer(self, message: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def _infer(
+        self, message: pb.ModelInferRequest, forwarded: dict[str, str] | None
+    ) -> pb.ModelInferResponse:
         request = decode_request(message, self.server.options.max_tensor_elements)
+        if forwarded:
+            request.parameters.update(forwarded)
         response = await shm_io.infer(self.server, request)
         return encode_response(response)
 
+    def _forwarded(self, context: Context) -> dict[str, str] | None:
+        """The call's metadata ``--grpc-header-forward-pattern`` picks (request
+        parameters); None without the pattern."""
+        if self.header_forward is None:
+            return None
+        metadata = context.invocation_metadata() or ()
+        return self.header_forward.select((k, v) for k, v in metadata if isinstance(v, str))
+
     @guarded
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> Any:
+        forwarded = self._forwarded(context)
         if not self.server.tracer.enabled:
-            return await self._infer(request)
+            return await self._infer(request, forwarded)
         # Traced: GRPC_WAITREAD_* span decoding the message (it has arrived whole by
         # now), GRPC_SEND_* encoding the response (the transport writes it after).
         metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
@@ -126,6 +144,8 @@ class InferenceServicer(SharedMemoryRpcs):
         send_start = 0
         try:
             decoded = decode_request(request, self.server.options.max_tensor_elements)
+            if forwarded:
+                decoded.parameters.update(forwarded)
             slot.recv_end = time.monotonic_ns()
             response = await shm_io.infer(self.server, decoded)
             send_start = time.monotonic_ns()
@@ -142,6 +162,7 @@ class InferenceServicer(SharedMemoryRpcs):
         answers with ``error_message`` and the stream stays open."""
         done = _Outbox()  # a client that does not read holds the requests back
         running: set[asyncio.Task[None]] = set()
+        forwarded = self._forwarded(context)  # the stream's metadata, for each request
         room = asyncio.Semaphore(STREAM_MAX_IN_FLIGHT)
 
         def finished(task: asyncio.Task[None]) -> None:
@@ -151,6 +172,8 @@ class InferenceServicer(SharedMemoryRpcs):
         async def one(message: pb.ModelInferRequest) -> None:
             try:
                 request = decode_request(message, self.server.options.max_tensor_elements)
+                if forwarded:
+                    request.parameters.update(forwarded)
                 if self.server.is_decoupled(request.model_name, request.model_version):
                     # 0..N messages for this request, as the model sends them
                     stream = self.server.infer_stream(request, CLIENT_STREAM_WINDOW)

@@ -19,6 +19,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive
 
 from kiln.core.errors import KilnError, Status
+from kiln.core.header_forward import header_forward
 from kiln.frontends import shm_io
 from kiln.frontends.http import generate
 from kiln.frontends.http.codec import (
@@ -53,6 +54,10 @@ class HttpFrontend:
     def __init__(self, server: Server, read_timeout_secs: float = 0.0) -> None:
         self.server = server
         self.max_body = server.options.max_request_bytes
+        #: --http-header-forward-pattern (None: no header becomes a parameter)
+        self.header_forward = header_forward(
+            server.options.http_header_forward_pattern, "--http-header-forward-pattern"
+        )
         # A body trickling in slower than this is cut off (slow-client protection); 0: none.
         self.read_timeout = read_timeout_secs
 
@@ -181,11 +186,18 @@ class HttpFrontend:
 
     # ---- inference -------------------------------------------------------------------
     async def infer_body(
-        self, name: str, version: str, body: bytes, raw_length: str | None, accept: str
+        self,
+        name: str,
+        version: str,
+        body: bytes,
+        raw_length: str | None,
+        accept: str,
+        forwarded: dict[str, str] | None = None,
     ) -> tuple[bytes, dict[str, str]]:
         """One inference from a request body to a response body and its headers; shared by
         the protocol-level fast path (:mod:`kiln.frontends.http.fast_protocol`) and its
-        ASGI fallback (:mod:`kiln.frontends.http.fast_infer`)."""
+        ASGI fallback (:mod:`kiln.frontends.http.fast_infer`). ``forwarded``: the headers
+        ``--http-header-forward-pattern`` picked, as request parameters."""
         header_length: int | None = None
         if raw_length is not None:
             try:
@@ -207,6 +219,8 @@ class HttpFrontend:
                 req = await asyncio.to_thread(decode_request, *args)
             else:
                 req = decode_request(*args)
+        if forwarded:
+            req.parameters.update(forwarded)
         resp = await shm_io.infer(self.server, req)
         out, json_length = encode_response(resp, req)
         headers: dict[str, str] = {}

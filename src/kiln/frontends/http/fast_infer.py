@@ -82,8 +82,10 @@ class FastInfer:
             if slot is not None:
                 slot.recv_end = time.monotonic_ns()
                 slot.carrier = trace_context(headers)
+            forward = self.frontend.header_forward
+            forwarded = None if forward is None else forward.select_raw(scope["headers"])
             status, out, extra = await answer(
-                self.frontend, match[1], match[2] or "", body, headers
+                self.frontend, match[1], match[2] or "", body, headers, forwarded
             )
         send_start = time.monotonic_ns()
         try:
@@ -105,13 +107,24 @@ def error(exc: KilnError) -> tuple[int, bytes, dict[str, str]]:
 
 
 async def answer(
-    frontend: HttpFrontend, name: str, version: str, body: bytes, headers: dict[str, str]
+    frontend: HttpFrontend,
+    name: str,
+    version: str,
+    body: bytes,
+    headers: dict[str, str],
+    forwarded: dict[str, str] | None = None,
 ) -> tuple[int, bytes, dict[str, str]]:
     """(status, body, headers) of one inference whose request body has been read (and
-    inflated); ``headers``: the request's, as ``WANTED_HEADERS`` names them. Never raises."""
+    inflated); ``headers``: the request's, as ``WANTED_HEADERS`` names them; ``forwarded``:
+    those ``--http-header-forward-pattern`` picked. Never raises."""
     try:
         out, extra = await frontend.infer_body(
-            name, version, body, headers.get(HEADER_LENGTH), headers.get("accept-encoding", "")
+            name,
+            version,
+            body,
+            headers.get(HEADER_LENGTH),
+            headers.get("accept-encoding", ""),
+            forwarded,
         )
         return 200, out, extra
     except KilnError as exc:

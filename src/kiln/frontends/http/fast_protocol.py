@@ -190,7 +190,11 @@ def fast_infer_protocol(
             except KilnError as exc:
                 status, out, extra = error(exc)
             else:
-                status, out, extra = await answer(frontend, match[1], match[2] or "", body, headers)
+                forward = frontend.header_forward
+                forwarded = None if forward is None else forward.select_raw(cycle.raw_headers)
+                status, out, extra = await answer(
+                    frontend, match[1], match[2] or "", body, headers, forwarded
+                )
             if slot is None:
                 self._respond(cycle, status, out, extra)
             else:

@@ -82,7 +82,11 @@ async def _request(frontend: Any, request: Request) -> InferenceRequest:
     name, version = p["model"], p.get("version", "")
     body = await frontend.read_body(request)
     signature = frontend.server.model(name, version).signature
-    return decode_generate(parse_json(body), signature, name, version)
+    decoded = decode_generate(parse_json(body), signature, name, version)
+    forward = frontend.header_forward
+    if forward is not None:  # --http-header-forward-pattern
+        decoded.parameters.update(forward.select(request.headers.items()))
+    return decoded
 
 
 async def generate(frontend: Any, request: Request) -> Response:
