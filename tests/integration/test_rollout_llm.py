@@ -1,7 +1,7 @@
 """A rollout split over an LLM model's versions, on the OpenAI API (sticky on its ``user``
-field) and the generate extension: a real ``kiln serve`` with two versions of a tiny
-random-weight model and the real ``openai`` client; the split shows in each version's
-statistics."""
+field) and the generate extension (sticky on the same key in its ``parameters`` or in a
+forwarded header): a real ``kiln serve`` with two versions of a tiny random-weight model
+and the real ``openai`` client; the split shows in each version's statistics."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def test_openai_split_sticky_on_user_and_generate_split(
     for v in ("1", "2"):
         build_tiny_llm(repo / "tiny" / v)
     (repo / "tiny" / "config.pbtxt").write_text(CONFIG + ROLLOUT)
-    server = make_server(repo).start(timeout=180)
+    # a gateway's "User" header forwarded as the parameter the rollout is sticky on
+    server = make_server(repo, args=["--http-header-forward-pattern", "^user$"]).start(timeout=180)
     client = openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="-", max_retries=0)
 
     def complete(user: str) -> dict[str, int]:
@@ -69,6 +70,25 @@ def test_openai_split_sticky_on_user_and_generate_split(
     after = _successes(server)
     assert after["1"] - before["1"] >= 2 and after["2"] - before["2"] >= 1
     assert sum(after.values()) - sum(before.values()) == 25
+    # generate sticky on the same key in its parameters: alice's version, every time (the
+    # key routes the request: it is not refused as an unknown sampling field)
+    alice = next(v for v, n in first.items() if n)
+    for _ in range(4):
+        r = requests.post(
+            f"http://{server.http_url}/v2/models/tiny/generate",
+            json={"text_input": "once", "max_tokens": 1, "parameters": {"user": "alice"}},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["model_version"] == alice
+    # or in the forwarded header
+    for _ in range(4):
+        r = requests.post(
+            f"http://{server.http_url}/v2/models/tiny/generate",
+            json={"text_input": "once", "max_tokens": 1}, headers={"User": "alice"}, timeout=60,
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["model_version"] == alice
 
 
 def test_llm_shadow_compares_tokens(make_server: type[KilnProcess], tmp_path: Path) -> None:

@@ -69,7 +69,8 @@ class LLMGenerateRequest:
     flags: dict[str, bool]
     #: ``"stream": false`` given (generate_stream then sends one event)
     explicit_no_stream: bool = False
-    #: the engine bound to the request's ``lora_name`` adapter (Triton's vLLM backend's)
+    #: the engine it runs on: its version's (a rollout's draw), bound to its ``lora_name``
+    #: adapter (Triton's vLLM backend's) when it names one
     engine: EngineClient | None = None
 
 
@@ -196,14 +197,43 @@ def _event(body: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
+def _sticky(
+    frontend: Any, request: Request, body: dict[str, Any], llm: EngineClient
+) -> tuple[dict[str, Any], EngineClient]:
+    """A rollout sticky on a request parameter (``rollout_sticky_key``): the version is
+    drawn again with the request's ``parameters`` and its forwarded headers, before that
+    version's tokenizer reads the prompt. The sticky key is routing, not sampling: it is
+    taken out of ``parameters`` (the headers never enter them)."""
+    model = request.path_params["model"]
+    rollout = frontend.server.rollouts.models.get(model)
+    sticky = rollout.policy.sticky_parameter if rollout is not None else ""
+    if not sticky:
+        return body, llm
+    params = body.get("parameters")
+    keys = dict(params) if isinstance(params, dict) else {}
+    if sticky in keys and sticky not in _KNOWN:
+        body = {**body, "parameters": {k: v for k, v in keys.items() if k != sticky}}
+    forward = frontend.header_forward
+    if forward is not None:
+        keys.update(forward.select(request.headers.items()))
+    if sticky not in keys:
+        return body, llm  # no key: the draw find_llm made stands
+    return body, frontend.server.llm_engine(model, "", keys)
+
+
 async def _decoded(frontend: Any, request: Request, llm: EngineClient) -> LLMGenerateRequest:
     p = request.path_params
     slot = http_slot(frontend.server.tracer, request.headers)  # while the server traces
     body = parse_json(await frontend.read_body(request))
     if slot is not None:
         slot.recv_end = time.monotonic_ns()
+    if not p.get("version") and isinstance(body, dict):
+        body, llm = _sticky(frontend, request, body, llm)
     # tokenizing takes time in proportion to the prompt: off the event loop
-    return await asyncio.to_thread(decode, body, llm, p["model"], llm.model_version)
+    req = await asyncio.to_thread(decode, body, llm, p["model"], llm.model_version)
+    if req.engine is None:
+        req.engine = llm  # the version drawn here, which the callers run it on
+    return req
 
 
 async def _whole(llm: EngineClient, req: LLMGenerateRequest) -> dict[str, Any]:
