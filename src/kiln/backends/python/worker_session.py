@@ -142,7 +142,11 @@ class WorkerSession:
 
         When all of them have failed first, the restart goes on and the next call waits.
         """
-        thread = self.restart_thread
+        # Under the lock ``begin_restart`` publishes and starts its thread in: a thread
+        # published but not started yet is not "alive", and this batch would run on the
+        # dead worker (and begin a second restart)
+        with self._restart_lock:
+            thread = self.restart_thread
         while thread is not None and thread.is_alive():
             waiting = [r.deadline_ns for r, o in zip(requests, outcomes, strict=True) if o is None]
             if not waiting:
@@ -168,8 +172,10 @@ class WorkerSession:
 
     def join_restart(self) -> None:
         """Wait for a restart in progress to end (closing the backend)."""
-        if self.restart_thread is not None:
-            self.restart_thread.join()
+        with self._restart_lock:  # started, if published (see ``await_restart``)
+            thread = self.restart_thread
+        if thread is not None:
+            thread.join()
 
     def reclaim(self, inbound_too: bool, conn: Wire | None) -> None:
         """The worker asks to start its side arenas over: everything it sent before this

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kiln.backends.base import InstanceSpec, Rescheduled
 from kiln.backends.python.backend import PythonBackend
@@ -450,3 +451,50 @@ async def test_an_unload_ends_a_stream_still_open(tmp_path: Path) -> None:
     assert final and isinstance(error, KilnError)
     assert error.message == "model 'streamer' was unloaded while the request was still streaming"
     assert _backend(instance).codec.streams == {}
+
+
+async def test_a_batch_arriving_as_the_restart_thread_starts_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The restart is published (``restarting``) a moment before its thread runs; a batch
+    that reaches the instance's thread in that moment must wait for the restart, not find
+    the thread "not alive", run on the dead worker and start a second restart (seen under
+    load: the batch failed with the old worker's death)."""
+    import threading
+    import types
+
+    from kiln.backends.python import worker_session
+
+    class SlowStart(threading.Thread):
+        def start(self) -> None:
+            time.sleep(0.5)  # as a loaded machine may hold the starting thread
+            super().start()
+
+    instance = _instance(tmp_path, UNTIL_CANCELLED)
+    backend = _backend(instance)
+    monkeypatch.setattr(
+        worker_session, "threading", types.SimpleNamespace(Thread=SlowStart, Lock=threading.Lock)
+    )
+    try:
+        sink = Sink()
+        assert await _batch(instance, _job(-3, sink)) == [{}]
+        deadline = time.monotonic() + 30
+        while not sink.items:
+            assert time.monotonic() < deadline, "no first response"
+            await asyncio.sleep(0.005)
+        assert backend.worker.proc is not None
+        backend.worker.proc.kill()
+        await sink.wait_final()  # the streams fail before the restart's thread starts
+        later = Sink()
+        job = _job(7, later)
+        running = asyncio.ensure_future(_batch(instance, job))
+        while len(later.items) < 2:
+            if running.done():
+                raise AssertionError(f"the batch ended without responses: {running.result()}")
+            assert time.monotonic() < deadline, "no responses after the restart"
+            await asyncio.sleep(0.005)
+        assert later.items[0] == ([[7, 7]], False, None)
+        job.cancel()
+        assert await running == [{}]
+    finally:
+        instance.close()
