@@ -5,6 +5,7 @@ process) and over HTTP (``kiln serve`` + ``kiln bench --openai``), modes alterna
     .venv/bin/python benchmarks/llm_engine_proc.py --json engine_proc.json
     .venv/bin/python benchmarks/llm_engine_proc.py --shape 125m --num-requests 16 \
         --output-range 16:64
+    .venv/bin/python benchmarks/llm_engine_proc.py --lora   # every request with an adapter
 
 Shapes: ``5m`` (benchmarks/llm_cpu.py's model) and ``125m`` (a 110M-parameter Llama of
 the 125M class, random weights). CPU seconds count the server process and, in process
@@ -51,6 +52,16 @@ parameters {{ key: "max_num_seqs" value {{ string_value: "{seqs}" }} }}
 parameters {{ key: "dtype" value {{ string_value: "float32" }} }}
 parameters {{ key: "enable_multiprocessing" value {{ string_value: "{mp}" }} }}
 """
+#: ``--lora``: a rank-8 adapter on every projection, served as "adapter"
+LORA_CONFIG = """parameters {{ key: "enable_lora" value {{ string_value: "true" }} }}
+parameters {{ key: "lora_modules" value {{ string_value: "adapter={path}" }} }}
+parameters {{ key: "max_lora_rank" value {{ string_value: "8" }} }}
+"""
+
+
+def _config(requests: list[llm_cpu.Request], mp: bool, lora: Path | None) -> str:
+    text = CONFIG.format(seqs=len(requests), mp=str(mp).lower())
+    return text + (LORA_CONFIG.format(path=lora) if lora is not None else "")
 
 
 def _children_cpu() -> float:
@@ -62,17 +73,22 @@ def _children_cpu() -> float:
     return total
 
 
-async def _offline(folder: Path, requests: list[llm_cpu.Request], mp: bool) -> dict[str, Any]:
+async def _offline(
+    folder: Path, requests: list[llm_cpu.Request], mp: bool, lora: Path | None
+) -> dict[str, Any]:
     from kiln.config.loader import parse_config_text
     from kiln.llm.backend import LLMBackend
     from kiln.llm.sequence import SamplingParams
     from kiln.server.runtime import ModelRuntime
 
-    config = parse_config_text(CONFIG.format(seqs=len(requests), mp=str(mp).lower()))
+    config = parse_config_text(_config(requests, mp, lora))
     LLMBackend.auto_complete_config(config, folder)
     runtime = ModelRuntime("bench", 1, config, folder, LLMBackend)
     await runtime.load()
     client = runtime.llm_engine()
+    if lora is not None:
+        assert client.loras is not None
+        client = client.with_lora(client.loras.named("adapter"))
 
     async def one(i: int, r: llm_cpu.Request) -> int:
         params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
@@ -91,13 +107,13 @@ async def _offline(folder: Path, requests: list[llm_cpu.Request], mp: bool) -> d
             "server_cpu_s": cpu, "engine_proc_cpu_s": child, "cpu_s": cpu + child}  # fmt: skip
 
 
-def _http(folder: Path, requests: list[llm_cpu.Request], mp: bool, work: Path) -> dict[str, Any]:
+def _http(
+    folder: Path, requests: list[llm_cpu.Request], mp: bool, work: Path, lora: Path | None
+) -> dict[str, Any]:
     from tests.conftest import KilnProcess
 
     repo = folder.parent.parent
-    (repo / "bench" / "config.pbtxt").write_text(
-        CONFIG.format(seqs=len(requests), mp=str(mp).lower())
-    )
+    (repo / "bench" / "config.pbtxt").write_text(_config(requests, mp, lora))
     dataset = work / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": r.prompt, "max_tokens": r.output_len}) + "\n"
                                for r in requests))  # fmt: skip
@@ -115,8 +131,9 @@ def _http(folder: Path, requests: list[llm_cpu.Request], mp: bool, work: Path) -
 
         report = work / "bench.json"
         n = str(len(requests))
+        model = "adapter" if lora is not None else "bench"
         cmd = [sys.executable, "-m", "kiln", "bench", "--openai", f"http://{server.http_url}",
-               "--model", "bench", "--dataset", str(dataset), "--num-prompts", n,
+               "--model", model, "--dataset", str(dataset), "--num-prompts", n,
                "--max-concurrency", n, "--ignore-eos", "--json", str(report)]  # fmt: skip
         cpu0 = tree_cpu()
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -141,6 +158,7 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of: offline,http")
     ap.add_argument("--modes", default="process,thread", help="comma list of: process,thread")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--lora", action="store_true", help="every request with a LoRA adapter")
     args = ap.parse_args()
     llm_cpu.SHAPE.clear()
     llm_cpu.SHAPE.update(SHAPES[args.shape])
@@ -149,6 +167,11 @@ def main() -> None:
     requests = llm_cpu.make_requests(args.num_requests, 0, (lo_in, hi_in), (lo_out, hi_out))
     work = Path(tempfile.mkdtemp(prefix="engine-proc-"))
     folder = llm_cpu.build_model(work / "repo" / "bench" / "1")
+    lora = None
+    if args.lora:
+        from tests.llm_models import build_lora_adapter
+
+        lora = build_lora_adapter(folder, work / "adapter", seed=0)
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
         for how in ("offline", "http"):
@@ -158,12 +181,13 @@ def main() -> None:
             for mp in modes if repeat % 2 == 0 else modes[::-1]:
                 load = os.getloadavg()[0]
                 if how == "offline":
-                    result = asyncio.run(_offline(folder, requests, mp))
+                    result = asyncio.run(_offline(folder, requests, mp, lora))
                 else:
-                    result = _http(folder, requests, mp, work)
+                    result = _http(folder, requests, mp, work, lora)
                 result.update(
                     how=how,
                     process=mp,
+                    lora=lora is not None,
                     repeat=repeat,
                     load1=load,
                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),
