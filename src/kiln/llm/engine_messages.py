@@ -173,9 +173,7 @@ def params_from(raw: dict[str, Any]) -> SamplingParams:
     )
 
 
-def lora_to(request: LoRARequest | None) -> LoRA | None:
-    if request is None:
-        return None
+def lora_to(request: LoRARequest) -> LoRA:
     return LoRA(request.lora_name, request.lora_int_id, request.lora_path,
                 request.base_model_name)  # fmt: skip
 

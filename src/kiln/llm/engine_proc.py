@@ -367,7 +367,7 @@ class EngineProcClient:
             stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
             self._streams[rid] = (stream, epoch)
         add = msg.Add(rid, prompt, msg.params_to(params), priority, arrival,
-                      msg.lora_to(lora_request))  # fmt: skip
+                      None if lora_request is None else msg.lora_to(lora_request))  # fmt: skip
         self._send(epoch, add)
         try:
             abort = lambda: self._send(epoch, msg.Abort(rid))  # noqa: E731
@@ -405,7 +405,7 @@ class EngineProcClient:
             epoch = self._admit(0, "adapter loads")
             token = next(_IDS)
             self._loading[token] = waiting
-        self._send(epoch, msg.LoadLoRA(token, msg.lora_to(request)))  # type: ignore[arg-type]
+        self._send(epoch, msg.LoadLoRA(token, msg.lora_to(request)))
         try:
             waiting.result(LORA_LOAD_TIMEOUT)
         except TimeoutError:

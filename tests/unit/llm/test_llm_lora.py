@@ -353,7 +353,7 @@ def test_an_adapter_travels_to_the_engine_process_with_its_request() -> None:
 
     lora = LoRARequest("a", 7, "/adapters/a", "base")
     add = msg.Add("r", [1, 2], {}, 0, 1.0, msg.lora_to(lora))
-    load = msg.LoadLoRA(3, msg.lora_to(lora))  # type: ignore[arg-type]
+    load = msg.LoadLoRA(3, msg.lora_to(lora))
     frame = msg.ENCODER.encode(msg.Commands([add, load, msg.UnloadLoRA(7)]))
     got_add, got_load, unload = msg.COMMANDS.decode(frame).commands
     assert isinstance(got_add, msg.Add) and msg.lora_from(got_add.lora) == lora
