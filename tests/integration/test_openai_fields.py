@@ -154,6 +154,52 @@ def test_a_list_of_prompts_equals_separate_requests(client: openai.OpenAI) -> No
     assert usage and usage.completion_tokens == 36
 
 
+def test_continuous_usage_stats_put_usage_on_every_chunk(client: openai.OpenAI) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats``: each chunk carries its choice's
+    prompt and the tokens so far; the final usage chunk the whole request's."""
+    prompts = ["one prompt", "a longer second prompt"]
+    counts = [
+        client.completions.create(model="tiny", prompt=p, max_tokens=1).usage for p in prompts
+    ]
+    stream = client.completions.create(
+        model="tiny", prompt=prompts, n=2, max_tokens=5, stream=True, temperature=0,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    seen: dict[int, list[int]] = {}
+    final = None
+    for chunk in stream:
+        assert chunk.usage is not None, "a chunk without usage"
+        if not chunk.choices:
+            final = chunk.usage
+            continue
+        (choice,) = chunk.choices
+        prompt = counts[choice.index // 2]
+        assert prompt is not None and chunk.usage.prompt_tokens == prompt.prompt_tokens
+        assert chunk.usage.total_tokens == prompt.prompt_tokens + chunk.usage.completion_tokens
+        seen.setdefault(choice.index, []).append(chunk.usage.completion_tokens)
+    assert sorted(seen) == [0, 1, 2, 3]
+    for so_far in seen.values():
+        assert so_far == sorted(so_far) and so_far[-1] == 5
+    assert final is not None and final.completion_tokens == 4 * 5
+    assert final.prompt_tokens == sum(c.prompt_tokens for c in counts if c)  # once a prompt
+
+
+def test_stream_options_without_stream_are_400(http: httpx.Client) -> None:
+    """vLLM's and OpenAI's rule; before, a request that did not stream ignored them."""
+    for route, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        reply = http.post(
+            route, json={"model": "tiny", **body, "stream_options": {"include_usage": True}}
+        )
+        err = _error(reply)
+        assert err["param"] == "stream_options" and "stream=True" in err["message"]
+        reply = http.post(route, json={"model": "tiny", **body, "stop": 5})
+        assert _error(reply)["param"] == "stop"  # was a 500
+
+
 def test_leaving_a_streamed_list_early_frees_every_prompt(
     client: openai.OpenAI, server: KilnProcess
 ) -> None:

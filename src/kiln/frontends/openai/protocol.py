@@ -186,6 +186,8 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     stop: tuple[str, ...]
+    #: vLLM's ``stream_options.continuous_usage_stats``: every chunk carries ``usage``
+    continuous_usage: bool = False
     echo: bool = False
     #: vLLM's ``prompt_logprobs`` field was asked for: the answer carries it
     prompt_logprobs_field: bool = False
@@ -246,6 +248,52 @@ def _best_of(body: dict[str, Any], n: int) -> None:
     )
 
 
+#: OpenAI's bound on stop strings
+MAX_STOPS = 4
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    """``stop``: a string, or a list of up to :data:`MAX_STOPS` non-empty strings."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOPS
+        or not all(isinstance(s, str) and s for s in stops)
+    ):
+        raise OpenAIError(
+            f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings",
+            param="stop",
+        )
+    return tuple(stops)
+
+
+def _stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
+    """``stream_options``: (``include_usage``, usage on every chunk). As vLLM and OpenAI,
+    options given to a request that does not stream are refused (an empty object or null
+    asks for nothing)."""
+    if options is None:
+        return False, False
+    if not isinstance(options, dict):
+        raise OpenAIError("'stream_options' must be an object", param="stream_options")
+    if options and not stream:
+        raise OpenAIError(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+    values = []
+    for key in ("include_usage", "continuous_usage_stats"):
+        value = options.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise OpenAIError(
+                f"'stream_options.{key}' must be a boolean, got {value!r}",
+                param="stream_options",
+            )
+        values.append(bool(value))
+    include, continuous = values
+    return include, include and continuous
+
+
 def _output_fields(body: dict[str, Any]) -> dict[str, Any]:
     """vLLM's output and prompt options (keyword arguments of :class:`GenerationRequest`)."""
     words = body.get("bad_words")
@@ -298,16 +346,11 @@ def _common(
         raise OpenAIError(f"{max_key} must be at least 1, got {max_tokens}", param=max_key)
     if n is not None and n < 1:
         raise OpenAIError(f"n must be at least 1, got {n}", param="n")
-    stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-        raise OpenAIError("'stop' must be a string or up to 4 non-empty strings", param="stop")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise OpenAIError("'stream_options' must be an object", param="stream_options")
+    stops = _stops(body.get("stop"))
     logprobs = _logprobs(body, chat)
     echo = flag(body, "echo", False)
-    stream = bool(body.get("stream", False))
+    stream = flag(body, "stream", False)
+    include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
     try:
         prompt_logprobs = integer(body, "prompt_logprobs")
     except InvalidField as exc:
@@ -339,7 +382,8 @@ def _common(
         max_tokens=max_tokens,
         params=params,
         stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
         stop=stops,
         echo=echo,
         prompt_logprobs_field=prompt_logprobs is not None,

@@ -270,16 +270,23 @@ async def _sse(
     chat: bool,
     rid: str,
     formats: list[LogprobsFormat | None],
-    prompt_tokens: int,
+    prompt_counts: list[int],
     echo: _Echo | None = None,
 ) -> AsyncIterator[bytes]:
-    """``formats``: each choice's logprobs formatter (None: no logprobs asked)."""
+    """``formats``: each choice's logprobs formatter (None: no logprobs asked);
+    ``prompt_counts``: each prompt's tokens."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": kind, "created": created, "model": req.model}
+    n = req.params.n
+    completion: dict[int, int] = {}
 
     def event(choice: dict[str, Any]) -> bytes:
-        return b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
+        out = {**head, "choices": [choice]}
+        if req.continuous_usage:  # vLLM's: the choice's prompt and its tokens so far
+            index = choice["index"]
+            out["usage"] = _usage(prompt_counts[index // n], {0: completion.get(index, 0)})
+        return b"data: " + orjson.dumps(out) + b"\n\n"
 
     # each choice's tool-call reader (tool_choice auto, required or named; chat is one prompt)
     calls = [req.tools.stream() if req.tools else None for _ in range(req.params.n)]
@@ -326,7 +333,6 @@ async def _sse(
                 content = {"content": req.chat_echo}
                 yield event({"index": index, "delta": content, "logprobs": None,
                              "finish_reason": None})  # fmt: skip
-    completion: dict[int, int] = {}
     try:
         async for d in deltas:
             completion[d.index] = d.completion_tokens
@@ -337,7 +343,7 @@ async def _sse(
     except KilnError as exc:
         yield b"data: " + orjson.dumps(OpenAIError.from_kiln(exc).body()) + b"\n\n"
     if req.include_usage and completion:
-        final = {**head, "choices": [], "usage": _usage(prompt_tokens, completion)}
+        final = {**head, "choices": [], "usage": _usage(sum(prompt_counts), completion)}
         yield b"data: " + orjson.dumps(final) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
@@ -373,7 +379,8 @@ async def _respond(
         formats = [_logprobs_format(llm, req, chat, "") for _ in range(total)]
         streamed = _Echo(echoed, firsts, n, set(range(total))) if echo else None
         deltas = await started(deltas)  # an error before any output: its HTTP status
-        events = _sse(deltas, req, chat, rid, formats, prompt_tokens, streamed)
+        counts = [len(ids) for ids, _ in prepared]
+        events = _sse(deltas, req, chat, rid, formats, counts, streamed)
         return StreamingResponse(events, media_type="text/event-stream")
     formats = [_logprobs_format(llm, req, chat, echoed[i // n]) for i in range(total)]
     texts: list[list[str]] = [[] for _ in range(total)]

@@ -126,3 +126,65 @@ def test_the_final_message_is_left_open() -> None:
     assert _open_final_message("<a>the quick</s>", "the quick  ") == "<a>the quick"
     with pytest.raises(KilnError):
         _open_final_message("<a>something else</s>", "the quick")
+
+
+def _completion(**fields: object) -> protocol.GenerationRequest:
+    return protocol.completion_request({"model": "m", "prompt": "hi", **fields})
+
+
+@pytest.mark.parametrize(
+    "stop", [5, 1.5, True, {"x": 1}, [5], ["a", None], [""], ["a"] * 5, [["a"]]]
+)
+def test_a_stop_that_is_not_strings_is_400_naming_it(stop: object) -> None:
+    """Not a 500: a number or an object once reached ``tuple(stop)`` (a dict's keys passed)."""
+    with pytest.raises(OpenAIError) as info:
+        _completion(stop=stop)
+    assert info.value.status == 400 and info.value.param == "stop"
+
+
+def test_stop_strings() -> None:
+    assert _completion().stop == ()
+    assert _completion(stop=None).stop == ()
+    assert _completion(stop="x").stop == ("x",)
+    assert _completion(stop=["a", "b"]).stop == ("a", "b")
+    assert _completion(stop=[]).stop == ()
+
+
+@pytest.mark.parametrize("stream", ["no", "false", 1, 0, [], {}])
+def test_stream_must_be_a_boolean(stream: object) -> None:
+    """``"no"`` once streamed (any truthy value did)."""
+    with pytest.raises(OpenAIError) as info:
+        _completion(stream=stream)
+    assert info.value.status == 400 and info.value.param == "stream"
+
+
+@pytest.mark.parametrize(
+    "options",
+    ["x", [], {"include_usage": "x"}, {"include_usage": 1}, {"continuous_usage_stats": "yes"}],
+)
+def test_stream_options_are_checked(options: object) -> None:
+    with pytest.raises(OpenAIError) as info:
+        _completion(stream=True, stream_options=options)
+    assert info.value.status == 400 and info.value.param == "stream_options"
+
+
+def test_stream_options_need_stream() -> None:
+    """vLLM's and OpenAI's rule: options of a stream without one are refused."""
+    with pytest.raises(OpenAIError) as info:
+        _completion(stream_options={"include_usage": True})
+    assert info.value.status == 400 and info.value.param == "stream_options"
+    assert "stream=True" in info.value.message
+    for harmless in (None, {}):  # as vLLM's check: a falsy value asks for nothing
+        assert not _completion(stream_options=harmless).include_usage
+
+
+def test_stream_options() -> None:
+    req = _completion(stream=True, stream_options={"include_usage": True})
+    assert req.include_usage and not req.continuous_usage
+    req = _completion(
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}
+    )
+    assert req.include_usage and req.continuous_usage
+    # vLLM's: usage on every chunk only when usage was asked for at all
+    req = _completion(stream=True, stream_options={"continuous_usage_stats": True})
+    assert not req.include_usage and not req.continuous_usage
