@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -15,6 +16,8 @@ if TYPE_CHECKING:  # the OpenAI frontend reads SamplingParams without loading to
     from kiln.llm.lora import LoRARequest
     from kiln.llm.sampler import TokenLogprobs
     from kiln.llm.structured import StructuredOutputsParams
+
+log = logging.getLogger(__name__)
 
 _SEQ_IDS = itertools.count()
 
@@ -179,6 +182,14 @@ class Sequence:
             # the mask allowed only tokens the matcher takes: a refusal (an error state)
             # stops it too, and the sequence ends rather than leaving its grammar
             grammar.consume_token(token_id)
+            if grammar.is_error():  # a limit of llguidance's parser, met while it runs
+                error = grammar.get_error().strip().splitlines()
+                log.warning(
+                    "request %s: its structured output's grammar stopped at output token %d: %s",
+                    self.request_id,
+                    self.num_output_tokens,
+                    error[0] if error else "?",
+                )
         if grammar is not None and grammar.is_stopped():
             self.finish("stop")  # a complete grammar takes nothing more, min_tokens or not
             return

@@ -55,6 +55,9 @@ _DATA_KEYWORDS = ("enum", "const", "required", "default", "examples")
 #: from this many constrained rows on, masks are filled by llguidance's thread pool (vLLM's
 #: threshold; below it, 64 rows of a 49k vocabulary took 0.4 ms one by one, 0.9 ms pooled)
 PARALLEL_FILL = 128
+#: the most ``choice`` strings one request may list (compiled as one lexeme: 65,536 short
+#: ones take under a second; llguidance refuses a lexer past its own size bound)
+MAX_CHOICES = 65536
 #: compiled grammars kept per engine
 CACHE_SIZE = 64
 
@@ -98,6 +101,10 @@ def _constraint(kind: str, value: Any, param: str) -> str:
             or not all(isinstance(c, str) and c for c in value)
         ):
             raise InvalidField(param, f"'{param}' must be a non-empty list of non-empty strings")
+        if len(value) > MAX_CHOICES:
+            raise InvalidField(
+                param, f"'{param}' lists {len(value)} choices, more than {MAX_CHOICES}"
+            )
         return json.dumps(value)
     if not isinstance(value, str) or not value:
         raise InvalidField(param, f"'{param}' must be a non-empty string")
@@ -242,8 +249,10 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.spec)
     if kind == "choice":
-        lark = "start: " + " | ".join(json.dumps(c) for c in json.loads(spec.spec))
-        return llguidance.LLMatcher.grammar_from_lark(lark)
+        # one lexeme (a terminal), not one grammar alternative per choice: the lexer's
+        # automaton takes thousands of them where the parser's row overflows at 2,000
+        choices = " | ".join(json.dumps(c) for c in json.loads(spec.spec))
+        return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {choices}")
     # GBNF / EBNF (what vLLM's default xgrammar reads), or Lark (llguidance's own)
     return llguidance.grammar_from("grammar", spec.spec)
 

@@ -6,6 +6,7 @@ grammars likewise; requests without a constraint are untouched by those beside t
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from kiln.llm.params import InvalidField  # noqa: E402
 from kiln.llm.sampler import apply_grammar_bitmask, unpack_bitmask  # noqa: E402
 from kiln.llm.sequence import SamplingParams, Sequence  # noqa: E402
 from kiln.llm.structured import (  # noqa: E402
+    MAX_CHOICES,
     GrammarCompiler,
     StructuredOutputsParams,
     from_request,
@@ -477,3 +479,46 @@ def test_bad_request_fields_are_named(body: dict[str, object], param: str) -> No
     with pytest.raises(InvalidField) as err:
         from_request(body)
     assert err.value.field == param
+
+
+def test_thousands_of_choices_are_one_lexeme(engine: LLMEngine, tokenizer: Tokenizer) -> None:
+    """As alternatives of the grammar, 2,000 choices overflowed llguidance's parser row
+    (ParserTooComplex) at the first token: the matcher refused it and the request ended
+    "stop" with text that was none of the choices (and 60,000 took seconds to compile, past
+    65,000 a panic). As one lexeme, the choice is always one of them."""
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghij "))
+    choices = ["".join(rng.choice(letters, 6)) + str(i) for i in range(3000)]
+    spec = StructuredOutputsParams("choice", json.dumps(choices))
+    prompt = tokenizer.encode("pick one")
+    texts = _finished(engine, prompt, [_params(spec, t, s, max_tokens=60) for t, s in SETTINGS])
+    assert all(text in choices for text in texts), texts
+
+
+def test_choices_are_bounded() -> None:
+    too_many = ["x"] * (MAX_CHOICES + 1)
+    with pytest.raises(InvalidField) as err:
+        from_request({"guided_choice": too_many})
+    assert err.value.field == "guided_choice" and str(MAX_CHOICES) in str(err.value)
+    with pytest.raises(InvalidField) as err:
+        from_request({"structured_outputs": {"choice": too_many}})
+    assert err.value.field == "structured_outputs.choice"
+
+
+def test_a_grammar_the_parser_gives_up_on_is_logged(
+    engine: LLMEngine, tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A grammar can outgrow llguidance's parser limits while it runs (here 3,000
+    alternative rules): the matcher's error is logged with the request (vLLM logs it too),
+    and the sequence stops rather than leave its grammar."""
+    rules = "\n".join(f'r{i} ::= "w{i}"' for i in range(3000))
+    grammar = "root ::= " + " | ".join(f"r{i}" for i in range(3000)) + "\n" + rules
+    spec = StructuredOutputsParams("grammar", grammar)
+    prompt = tokenizer.encode("pick one")
+    with caplog.at_level(logging.WARNING, logger="kiln.llm.sequence"):
+        seq = engine.add_request("too-complex", prompt, _params(spec, max_tokens=20))
+        drain(engine)
+    assert seq.finish_reason == "stop"
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("too-complex" in m and "structured output" in m for m in logged), logged
+    all_blocks_returned(engine)
