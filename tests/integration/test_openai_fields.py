@@ -403,6 +403,51 @@ def test_chat_echo_continues_the_final_message(client: openai.OpenAI) -> None:
     assert fresh.choices[0].message.content == alone.choices[0].message.content
 
 
+def test_allowed_token_ids_and_tokens_as_ids(client: openai.OpenAI, http: httpx.Client) -> None:
+    """vLLM's ``allowed_token_ids`` (only those are sampled) and
+    ``return_tokens_as_token_ids`` (logprobs name tokens ``token_id:<id>``), completions and
+    chat, whole and streamed."""
+    allowed = _tokens(http, prompt="the lazy dog", add_special_tokens=False)
+    extra = {"allowed_token_ids": allowed, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    kw: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "temperature": 1.0, "seed": 3}
+
+    def ids(names: list[str]) -> list[int]:
+        assert all(n.startswith("token_id:") for n in names), names
+        return [int(n.split(":", 1)[1]) for n in names]
+
+    whole = client.completions.create(prompt="hello", logprobs=2, extra_body=extra, **kw)
+    lp = whole.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.top_logprobs
+    got = ids(lp.tokens)
+    assert len(got) == 8 and set(got) <= set(allowed)
+    assert all(name in top for name, top in zip(lp.tokens, lp.top_logprobs, strict=True) if top)
+    # the text is the tokens' text, and text_offset counts its characters
+    assert (
+        whole.choices[0].text
+        == http.post("/detokenize", json={"model": "tiny", "tokens": got}).json()["prompt"]
+    )
+    streamed: list[str] = []
+    for chunk in client.completions.create(
+        prompt="hello", logprobs=2, stream=True, extra_body=extra, **kw
+    ):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.tokens or []
+    assert streamed == lp.tokens  # same seed, same tokens
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2,
+        extra_body=extra, **kw,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs and chat.choices[0].logprobs.content
+    assert content and set(ids([c.token for c in content])) <= set(allowed)
+    for c in content:
+        ids([t.token for t in c.top_logprobs])
+        assert c.bytes  # the token's own bytes
+    # without the field: texts, as before
+    plain = client.completions.create(prompt="hello", logprobs=1, **kw)
+    assert plain.choices[0].logprobs and plain.choices[0].logprobs.tokens
+    assert not any(t.startswith("token_id:") for t in plain.choices[0].logprobs.tokens)
+
+
 # --- fields kiln does not implement, and unknown ones --------------------------------------
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -420,7 +465,10 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
         ("completions", {"best_of": 1, "n": 2}, "best_of"),
         ("completions", {"suffix": "the end"}, "suffix"),
         ("completions", {"use_beam_search": True}, "use_beam_search"),
-        ("completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ("completions", {"logits_processors": ["x"]}, "logits_processors"),
+        ("completions", {"allowed_token_ids": []}, "allowed_token_ids"),
+        ("chat", {"allowed_token_ids": [10**9]}, "allowed_token_ids"),  # past the vocabulary
+        ("completions", {"return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids"),
         ("completions", {"echo": "yes"}, "echo"),
     ],
 )

@@ -149,6 +149,13 @@ class LLMEngine:
                 "logit_bias",
                 f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {vocab})",
             )
+        outside = [t for t in params.allowed_token_ids if not 0 <= t < vocab]
+        if outside:
+            raise InvalidField(
+                "allowed_token_ids",
+                f"allowed_token_ids names token id {outside[0]}, outside the vocabulary "
+                f"[0, {vocab})",
+            )
         outside = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if outside:
             raise InvalidField(

@@ -27,6 +27,7 @@ SAMPLING_FIELDS = (
     "logit_bias",
     "cache_salt",
     "min_tokens",
+    "allowed_token_ids",
 )
 
 #: OpenAI's bound on a ``logit_bias`` value
@@ -36,6 +37,8 @@ MAX_LOGIT_BIAS = 100.0
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 #: ``stop_token_ids`` are checked against every sampled token: a few suffice
 MAX_STOP_TOKEN_IDS = 1024
+#: ``allowed_token_ids``: more than any vocabulary holds (Gemma's 262,144) is a mistake
+MAX_ALLOWED_TOKEN_IDS = 262144
 #: a ``logit_bias`` key: ASCII digits only (``str.isdigit`` takes "²" and other scripts'
 #: digits, which ``int`` refuses)
 _TOKEN_ID = re.compile(r"[0-9]{1,19}")
@@ -105,6 +108,26 @@ def logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+def allowed_token_ids(body: Mapping[str, Any]) -> tuple[int, ...]:
+    """vLLM's ``allowed_token_ids``: the only tokens the request may sample (empty: all).
+    The vocabulary's bound is the engine's (``check_request``)."""
+    raw = body.get("allowed_token_ids")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        raise InvalidField(
+            "allowed_token_ids", "'allowed_token_ids' must be a non-empty list of token ids"
+        )
+    if len(raw) > MAX_ALLOWED_TOKEN_IDS:
+        raise InvalidField(
+            "allowed_token_ids",
+            f"'allowed_token_ids' holds {len(raw)} ids, more than {MAX_ALLOWED_TOKEN_IDS}",
+        )
+    if not all(type(t) is int and 0 <= t <= INT64_MAX for t in raw):
+        raise InvalidField("allowed_token_ids", "allowed_token_ids must be token ids (>= 0)")
+    return tuple(raw)
+
+
 def with_defaults(body: dict[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
     """``body`` with the model's default sampling values (its generation_config.json, as
     vLLM's ``--generation-config auto``) for the fields it leaves out or sets to null."""
@@ -157,6 +180,7 @@ def sampling_fields(body: Mapping[str, Any]) -> dict[str, Any]:
         "cache_salt": salt,
         "min_tokens": min_tokens,
         "logit_bias": logit_bias(body),
+        "allowed_token_ids": allowed_token_ids(body),
         "temperature": temperature,
         "top_p": top_p,
         "top_k": max(top_k, 0),

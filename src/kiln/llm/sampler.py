@@ -75,6 +75,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
     params = [s.params for s in seqs]
     wants_logprobs = any(p.logprobs is not None for p in params)
     raw = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+    if any(p.allowed_token_ids for p in params):
+        logits = apply_allowed_token_ids(logits, seqs)
     if any(p.logit_bias for p in params):
         logits = apply_logit_bias(logits, seqs)
     if any(p.min_tokens or p.bad_words_token_ids for p in params):
@@ -143,6 +145,21 @@ def unpack_bitmask(
     allowed = torch.ones((batch, vocab), dtype=torch.bool, device=device)
     allowed[torch.tensor(rows, device=device)] = unpacked
     return allowed
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The rows of requests with ``allowed_token_ids``: every other token ``-inf`` (after the
+    raw logprobs, as vLLM's sampler masks them). One scatter for the batch."""
+    rows = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids]
+    dev = logits.device
+    keep = torch.zeros((len(rows), logits.shape[1]), dtype=torch.bool, device=dev)
+    at = [r for r, i in enumerate(rows) for _ in seqs[i].params.allowed_token_ids]
+    ids = [t for i in rows for t in seqs[i].params.allowed_token_ids]
+    keep[torch.tensor(at, device=dev), torch.tensor(ids, device=dev)] = True
+    logits = logits.clone()
+    index = torch.tensor(rows, device=dev)
+    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+    return logits
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

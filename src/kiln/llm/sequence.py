@@ -54,6 +54,8 @@ class SamplingParams:
     #: vLLM's ``bad_words``, tokenized: a sequence's last token is banned wherever the
     #: output ends with the ones before it (a one-token word is banned everywhere)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    #: vLLM's ``allowed_token_ids``: the only tokens it may sample (empty: all of them)
+    allowed_token_ids: tuple[int, ...] = ()
     #: vLLM's ``structured_outputs``: the constraint the output must follow
     structured_outputs: StructuredOutputsParams | None = None
 

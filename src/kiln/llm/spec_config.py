@@ -109,8 +109,8 @@ def can_speculate(seq: Sequence) -> bool:
     sampler sees each row's distribution as position-independent processing (logit bias,
     temperature, min-p, top-k, top-p) of the logits: requests whose processing depends on
     the tokens before each row (penalties, ``bad_words``, ``min_tokens`` not yet reached,
-    a grammar's mask) or that want logprobs decode one token a step, as without
-    speculation."""
+    a grammar's mask), that keep to ``allowed_token_ids`` or that want logprobs decode one
+    token a step, as without speculation."""
     p = seq.params
     return (
         seq.grammar is None
@@ -119,6 +119,7 @@ def can_speculate(seq: Sequence) -> bool:
         and not p.presence_penalty
         and not p.frequency_penalty
         and not p.bad_words_token_ids
+        and not p.allowed_token_ids
         and seq.num_output_tokens >= max(p.min_tokens, 1)
         and not seq.forks
     )

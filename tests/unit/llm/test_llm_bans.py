@@ -1,5 +1,5 @@
-"""``min_tokens`` and ``bad_words``: the tokens the sampler bans, by vLLM's rules, and what
-the engine then generates on a tiny random Llama."""
+"""``min_tokens``, ``bad_words`` and ``allowed_token_ids``: the tokens the sampler bans, by
+vLLM's rules, and what the engine then generates on a tiny random Llama."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 
 from kiln.llm.config import EngineConfig
 from kiln.llm.engine import LLMEngine
+from kiln.llm.params import MAX_ALLOWED_TOKEN_IDS, InvalidField, sampling_fields
 from kiln.llm.sampler import banned_tokens
 from kiln.llm.sequence import SamplingParams, Sequence
 from tests.llm_models import build_tiny_llm
@@ -67,3 +68,44 @@ def test_bad_words_never_appear(engine: LLMEngine) -> None:
     assert one not in out
     assert all((x, y) != (a, b) for x, y in itertools.pairwise(out))
     assert out[:3] == free[:3] and out != free
+
+
+def test_allowed_token_ids_keep_only_those(engine: LLMEngine) -> None:
+    """vLLM's ``allowed_token_ids``: every other token is masked out, greedy and sampled;
+    a request beside it in the batch is untouched."""
+    free_params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = engine.generate([[5, 6, 7, 8]], free_params)[0]
+    allowed = (3, 10, 11, 40)
+    for temperature, seed in ((0.0, None), (1.0, 0), (1.0, 1), (0.8, 2)):
+        kept = SamplingParams(
+            temperature=temperature, seed=seed, max_tokens=12, ignore_eos=True,
+            allowed_token_ids=allowed,
+        )  # fmt: skip
+        out, beside = engine.generate([[5, 6, 7, 8], [5, 6, 7, 8]], [kept, free_params])
+        assert set(out) <= set(allowed) and len(out) == 12, out
+        assert beside == alone
+    # one id: it is the whole output, whatever the model prefers
+    only = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, allowed_token_ids=(9,))
+    assert engine.generate([[5, 6, 7, 8]], only) == [[9] * 5]
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_refused(engine: LLMEngine) -> None:
+    vocab = engine.args.vocab_size
+    with pytest.raises(InvalidField) as err:
+        engine.check_request(3, SamplingParams(allowed_token_ids=(1, vocab)))
+    assert err.value.field == "allowed_token_ids" and str(vocab) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "value", [[], "1,2", [1.5], [True], [-1], {"1": 1}, list(range(MAX_ALLOWED_TOKEN_IDS + 1))]
+)
+def test_bad_allowed_token_ids_name_the_field(value: object) -> None:
+    with pytest.raises(InvalidField) as err:
+        sampling_fields({"allowed_token_ids": value})
+    assert err.value.field == "allowed_token_ids"
+
+
+def test_allowed_token_ids_field() -> None:
+    assert sampling_fields({})["allowed_token_ids"] == ()
+    assert sampling_fields({"allowed_token_ids": None})["allowed_token_ids"] == ()
+    assert sampling_fields({"allowed_token_ids": [4, 2, 4]})["allowed_token_ids"] == (4, 2, 4)

@@ -41,6 +41,7 @@ EMBEDDING_FIELDS = frozenset(
         "cache_salt",
         "normalize",
         "use_activation",
+        "add_special_tokens",
         "embed_dtype",
         "endianness",
         # vLLM's chat form: ``messages`` rendered by the chat template, one input
@@ -75,6 +76,8 @@ class EmbeddingRequest:
     #: vLLM's chat form: the messages and the template's options (``inputs`` is empty)
     messages: list[dict[str, Any]] | None = None
     template: dict[str, Any] | None = None
+    #: the tokenizer's special tokens (BOS) are added to a text input (vLLM's field)
+    add_special_tokens: bool = True
 
 
 def _choice(body: dict[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
@@ -186,6 +189,10 @@ def embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
         priority=priority,
         messages=messages,
         template=template,
+        # vLLM's: BOS for a text input, none on top of a chat template's own
+        add_special_tokens=_flag(body, "add_special_tokens") is not False
+        if messages is None
+        else bool(_flag(body, "add_special_tokens")),
     )
 
 
@@ -271,7 +278,7 @@ def token_ids(llm: EngineClient, req: EmbeddingRequest) -> list[list[int]]:
                 raise OpenAIError(f"input token ids must be in [0, {vocab})", param="input")
             ids = item
         else:
-            ids = llm.tokenizer.encode(item)
+            ids = llm.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
         if keep is not None:
             ids = ids[-keep:] if req.truncation_side == "left" else ids[:keep]
         if not ids:

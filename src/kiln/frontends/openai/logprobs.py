@@ -10,12 +10,21 @@ if TYPE_CHECKING:  # importing the engine imports torch
     from kiln.llm.tokenizer import Tokenizer
 
 
-def chat_logprobs(tok: Tokenizer, entries: list[TokenLogprobs]) -> dict[str, Any]:
-    """``choices[i].logprobs`` of a chat completion (or of one streamed chunk)."""
+def token_name(tok: Tokenizer, token_id: int, as_id: bool) -> str:
+    """A token as logprobs name it: its text, or (vLLM's ``return_tokens_as_token_ids``)
+    ``token_id:<id>``, which names a token whose bytes are no whole character too."""
+    return f"token_id:{token_id}" if as_id else tok.token_text(token_id)
+
+
+def chat_logprobs(
+    tok: Tokenizer, entries: list[TokenLogprobs], as_ids: bool = False
+) -> dict[str, Any]:
+    """``choices[i].logprobs`` of a chat completion (or of one streamed chunk); ``bytes``
+    are the token's own bytes either way."""
 
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         return {
-            "token": tok.token_text(token_id),
+            "token": token_name(tok, token_id, as_ids),
             "logprob": logprob,
             "bytes": list(tok.token_bytes(token_id)),
         }
@@ -52,11 +61,16 @@ class CompletionLogprobs:
     """``choices[i].logprobs`` of a text completion. ``text_offset`` counts characters from
     the start of the choice's text (after the prompt when it is echoed), across chunks."""
 
-    __slots__ = ("_offset", "_tok")
+    __slots__ = ("_as_ids", "_offset", "_tok")
 
-    def __init__(self, tok: Tokenizer, offset: int = 0) -> None:
+    def __init__(self, tok: Tokenizer, offset: int = 0, as_ids: bool = False) -> None:
         self._tok = tok
         self._offset = offset
+        #: tokens named ``token_id:<id>``; ``text_offset`` still counts the text's characters
+        self._as_ids = as_ids
+
+    def _name(self, token_id: int, text: str) -> str:
+        return f"token_id:{token_id}" if self._as_ids else text
 
     def __call__(
         self, entries: list[TokenLogprobs], first_token: int | None = None
@@ -69,19 +83,20 @@ class CompletionLogprobs:
         logprobs: list[float | None] = []
         if first_token is not None:
             text = self._tok.token_text(first_token)
-            tokens.append(text)
+            tokens.append(self._name(first_token, text))
             offsets.append(self._offset)
             self._offset += len(text)
             tops.append(None)
             logprobs.append(None)
         for e in entries:
             text = self._tok.token_text(e.token_id)
-            tokens.append(text)
+            name = self._name(e.token_id, text)
+            tokens.append(name)
             offsets.append(self._offset)
             self._offset += len(text)
             # as vLLM: the top alternatives, and the chosen token even when it is not one
-            top = {self._tok.token_text(t): lp for t, lp in e.top}
-            top.setdefault(text, e.logprob)
+            top = {token_name(self._tok, t, self._as_ids): lp for t, lp in e.top}
+            top.setdefault(name, e.logprob)
             tops.append(top)
             logprobs.append(e.logprob)
         return {

@@ -43,10 +43,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),  # beam search's
     "include_reasoning": (None, True),
-    "allowed_token_ids": (None,),
     "logits_processors": (None, []),
-    "return_tokens_as_token_ids": (None, False),
-    "add_special_tokens": (None, False),
     "chat_template": (None,),
     "mm_processor_kwargs": (None, {}),
     "prompt_embeds": (None,),
@@ -73,6 +70,8 @@ _COMMON_FIELDS = (
     "spaces_between_special_tokens",
     "bad_words",
     "truncate_prompt_tokens",
+    "add_special_tokens",
+    "return_tokens_as_token_ids",
     *STRUCTURED_FIELDS,
 )
 #: the template's options, for chat and /tokenize
@@ -87,7 +86,15 @@ CHAT_FIELDS = frozenset(
     (*_COMMON_FIELDS, *_TEMPLATE_FIELDS, "messages", "max_completion_tokens", "top_logprobs")
 ) | {"tools", "tool_choice", "parallel_tool_calls"}
 TOKENIZE_FIELDS = frozenset(
-    ("model", "prompt", "messages", "return_token_strs", "tools", *_TEMPLATE_FIELDS)
+    (
+        "model",
+        "prompt",
+        "messages",
+        "return_token_strs",
+        "tools",
+        "add_special_tokens",
+        *_TEMPLATE_FIELDS,
+    )
 )
 DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
 #: unknown field names already warned about (one warning each, as vLLM logs them); bounded,
@@ -195,6 +202,11 @@ class GenerationRequest:
     priority: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    #: the tokenizer's special tokens (BOS) are added to a text prompt (vLLM's field: on
+    #: for completions, off for chat, whose template writes its own)
+    add_special_tokens: bool = True
+    #: vLLM's: logprobs name tokens ``token_id:<id>`` instead of by their text
+    return_tokens_as_token_ids: bool = False
     bad_words: tuple[str, ...] = ()
     #: keep the prompt's last this many tokens (vLLM's ``truncate_prompt_tokens``)
     truncate_prompt_tokens: int | None = None
@@ -317,6 +329,7 @@ def _output_fields(body: dict[str, Any]) -> dict[str, Any]:
     flag(body, "spaces_between_special_tokens", True)  # no effect with tokenizer.json's
     return {
         "include_stop_str_in_output": flag(body, "include_stop_str_in_output", False),
+        "return_tokens_as_token_ids": flag(body, "return_tokens_as_token_ids", False),
         "skip_special_tokens": flag(body, "skip_special_tokens", True),
         "bad_words": tuple(w for w in words if w.strip()),
         "truncate_prompt_tokens": truncate,
@@ -388,6 +401,7 @@ def _common(
         echo=echo,
         prompt_logprobs_field=prompt_logprobs is not None,
         priority=priority,
+        add_special_tokens=flag(body, "add_special_tokens", not chat),
         **output,
     )
 

@@ -152,8 +152,8 @@ def _with_model_defaults(body: dict[str, Any], llm: EngineClient | None) -> dict
 def _prompt_ids(
     llm: EngineClient, req: GenerationRequest, prompt: str | list[int], bos: bool
 ) -> list[int]:
-    """``bos``: the tokenizer's special tokens (BOS) are added, as vLLM does for completions;
-    a rendered chat template already holds its own."""
+    """``bos``: the tokenizer's special tokens (BOS) are added to a text prompt (vLLM's
+    ``add_special_tokens``)."""
     vocab = llm.vocab_size
     if isinstance(prompt, list):
         ids = prompt
@@ -198,8 +198,7 @@ def _prepare(
             raise OpenAIError(str(exc), param=param) from None
     prepared = []
     for prompt in req.prompts:
-        # completions get the tokenizer's BOS; a chat template writes its own (vLLM's rule)
-        ids = _prompt_ids(llm, req, prompt, bos=default_max is not None)
+        ids = _prompt_ids(llm, req, prompt, bos=req.add_special_tokens)
         limit = llm.max_model_len
         room = limit - len(ids)
         max_tokens = req.max_tokens or (min(default_max, room) if default_max else room)
@@ -248,9 +247,10 @@ def _logprobs_format(
 ) -> LogprobsFormat | None:
     if req.params.logprobs is None:
         return None
+    as_ids = req.return_tokens_as_token_ids
     if chat:
-        return lambda entries: chat_logprobs(llm.tokenizer, entries)
-    return CompletionLogprobs(llm.tokenizer, len(echoed))
+        return lambda entries: chat_logprobs(llm.tokenizer, entries, as_ids)
+    return CompletionLogprobs(llm.tokenizer, len(echoed), as_ids)
 
 
 @dataclass(slots=True)
@@ -421,7 +421,10 @@ async def _respond(
         if fmt is not None and prompt and echo and isinstance(fmt, CompletionLogprobs):
             # echo: the prompt's tokens first, from text offset 0 (the first has no logprob)
             known = [e for e in prompt[1:] if e is not None]
-            lp = CompletionLogprobs(llm.tokenizer, 0)(known + entries[index], firsts[index // n])
+            as_ids = req.return_tokens_as_token_ids
+            lp = CompletionLogprobs(llm.tokenizer, 0, as_ids)(
+                known + entries[index], firsts[index // n]
+            )
         elif fmt is not None:
             lp = fmt(entries[index])
         choice.update(logprobs=lp, finish_reason=reasons[index])
@@ -475,7 +478,8 @@ def _tokenize(llm: EngineClient, body: dict[str, Any]) -> dict[str, Any]:
             raise OpenAIError("'prompt' (a string) or 'messages' is required", param="prompt")
         check_prompt_chars(len(prompt), limit, "prompt")
         text = prompt
-    ids = llm.tokenizer.encode(text)
+    # vLLM's default: BOS for a prompt, none on top of a chat template's own
+    ids = llm.tokenizer.encode(text, flag(body, "add_special_tokens", "messages" not in body))
     return {
         "count": len(ids),
         "max_model_len": limit,
