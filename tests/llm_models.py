@@ -135,6 +135,27 @@ def tiny_llm_repository(root: Path, config: str, name: str = "tiny") -> Path:
     return repo
 
 
+def tool_calling_repository(root: Path, template: str) -> Path:
+    """Two tiny models with chat template ``template``: ``tools`` (vLLM's auto tool choice
+    with the hermes parser) and ``plain`` (none); returns the repository folder."""
+    import shutil
+
+    template_path = root / "template.jinja"
+    template_path.write_text(template)
+    repo = root / "repo"
+    # the tools' schemas take ~400 tokens of the tiny vocabulary
+    build_tiny_llm(repo / "tools" / "1", max_position_embeddings=1024)
+    shutil.copytree(repo / "tools" / "1", repo / "plain" / "1")
+    common: dict[str, str] = dict(
+        max_num_seqs="8", num_gpu_blocks="512", chat_template=str(template_path)
+    )
+    (repo / "tools" / "config.pbtxt").write_text(
+        llm_config("tools", enable_auto_tool_choice="true", tool_call_parser="hermes", **common)
+    )
+    (repo / "plain" / "config.pbtxt").write_text(llm_config("plain", **common))
+    return repo
+
+
 def drain(engine: LLMEngine) -> dict[tuple[str, int], list[int]]:
     """Step the engine to the end; tokens per (request, sample index); the block manager's
     invariants checked after every step."""

@@ -8,7 +8,6 @@ answered 400 naming its field while the requests beside it go on."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("llguidance")
 
 from tests.conftest import KilnProcess  # noqa: E402
-from tests.llm_models import build_tiny_llm, llm_config  # noqa: E402
+from tests.llm_models import build_tiny_llm, tool_calling_repository  # noqa: E402
 
 #: a chat template that writes the tools and the tool turns, as tool-calling models' do
 TEMPLATE = (
@@ -70,20 +69,7 @@ HERMES_CALL = (
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     """``tools``: auto tool choice with the hermes parser; ``plain``: no auto."""
-    root = tmp_path_factory.mktemp("tools")
-    template = root / "template.jinja"
-    template.write_text(TEMPLATE)
-    repo = root / "repo"
-    # the tools' schemas take ~400 tokens of the tiny vocabulary
-    build_tiny_llm(repo / "tools" / "1", max_position_embeddings=1024)
-    shutil.copytree(repo / "tools" / "1", repo / "plain" / "1")
-    common: dict[str, str] = dict(
-        max_num_seqs="8", num_gpu_blocks="512", chat_template=str(template)
-    )
-    (repo / "tools" / "config.pbtxt").write_text(
-        llm_config("tools", enable_auto_tool_choice="true", tool_call_parser="hermes", **common)
-    )
-    (repo / "plain" / "config.pbtxt").write_text(llm_config("plain", **common))
+    repo = tool_calling_repository(tmp_path_factory.mktemp("tools"), TEMPLATE)
     proc = KilnProcess(repo).start(timeout=180)
     yield proc
     proc.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -17,7 +17,7 @@ from starlette.routing import BaseRoute, Route
 from kiln import __version__
 from kiln.core.errors import KilnError, Status
 from kiln.core.trace import FrontendSlot, http_slot
-from kiln.frontends.openai import embeddings, lora, tools
+from kiln.frontends.openai import embeddings, lora, responses, tools
 from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run, started
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
@@ -354,19 +354,31 @@ async def _respond(
     prepared: list[tuple[list[int], SamplingParams]],
     chat: bool,
 ) -> Response:
+    if not req.stream:
+        return _json(await _answer(llm, req, prepared, chat))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
-    options = OutputOptions(req.include_stop_str_in_output, req.skip_special_tokens)
-    deltas = merged(
-        [run(llm, ids, p, req.stop, req.priority, rid, options) for ids, p in prepared],
-        req.params.n,
-    )
+    deltas = _outputs(llm, req, prepared, rid)
     n = req.params.n
     total = n * len(prepared)
-    prompt_tokens = sum(len(ids) for ids, _ in prepared)
     firsts = [ids[0] for ids, _ in prepared]
     echo = not chat and req.echo
-    # a prompt of token ids (or a truncated one) is echoed as its text, as vLLM does
-    echoed = [
+    echoed = _echoed(llm, req, prepared, echo)
+    # the prompt's logprobs go through the same formatter, so offsets start at 0
+    formats = [_logprobs_format(llm, req, chat, "") for _ in range(total)]
+    streamed = _Echo(echoed, firsts, n, set(range(total))) if echo else None
+    deltas = await started(deltas)  # an error before any output: its HTTP status
+    counts = [len(ids) for ids, _ in prepared]
+    events = _sse(deltas, req, chat, rid, formats, counts, streamed)
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+def _echoed(
+    llm: EngineClient, req: GenerationRequest, prepared: list[tuple[list[int], SamplingParams]],
+    echo: bool,
+) -> list[str]:  # fmt: skip
+    """Each prompt's echoed text ("" without ``echo``): a prompt of token ids (or a
+    truncated one) is echoed as its text, as vLLM does."""
+    return [
         ""
         if not echo
         else p
@@ -374,14 +386,35 @@ async def _respond(
         else llm.tokenizer.decode(ids)
         for p, (ids, _) in zip(req.prompts, prepared, strict=True)
     ]
-    if req.stream:
-        # the prompt's logprobs go through the same formatter, so offsets start at 0
-        formats = [_logprobs_format(llm, req, chat, "") for _ in range(total)]
-        streamed = _Echo(echoed, firsts, n, set(range(total))) if echo else None
-        deltas = await started(deltas)  # an error before any output: its HTTP status
-        counts = [len(ids) for ids, _ in prepared]
-        events = _sse(deltas, req, chat, rid, formats, counts, streamed)
-        return StreamingResponse(events, media_type="text/event-stream")
+
+
+def _outputs(
+    llm: EngineClient, req: GenerationRequest, prepared: list[tuple[list[int], SamplingParams]],
+    rid: str,
+) -> AsyncGenerator[Delta, None]:  # fmt: skip
+    """Every choice's deltas, merged (choice ``index`` = prompt ``i`` * ``n`` + sample)."""
+    options = OutputOptions(req.include_stop_str_in_output, req.skip_special_tokens)
+    return merged(
+        [run(llm, ids, p, req.stop, req.priority, rid, options) for ids, p in prepared],
+        req.params.n,
+    )
+
+
+async def _answer(
+    llm: EngineClient,
+    req: GenerationRequest,
+    prepared: list[tuple[list[int], SamplingParams]],
+    chat: bool,
+) -> dict[str, Any]:
+    """A whole (not streamed) completion or chat completion body."""
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
+    deltas = _outputs(llm, req, prepared, rid)
+    n = req.params.n
+    total = n * len(prepared)
+    prompt_tokens = sum(len(ids) for ids, _ in prepared)
+    firsts = [ids[0] for ids, _ in prepared]
+    echo = not chat and req.echo
+    echoed = _echoed(llm, req, prepared, echo)
     formats = [_logprobs_format(llm, req, chat, echoed[i // n]) for i in range(total)]
     texts: list[list[str]] = [[] for _ in range(total)]
     entries: list[list[TokenLogprobs]] = [[] for _ in range(total)]
@@ -434,17 +467,15 @@ async def _respond(
     body: dict[str, Any] = {}
     if req.prompt_logprobs_field and chat:  # vLLM's field, once for the chat's prompt
         body["prompt_logprobs"] = _prompt_field(llm, req, prompt_entries[0])
-    return _json(
-        {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": req.model,
-            "choices": choices,
-            **body,
-            "usage": _usage(prompt_tokens, completion),
-        }
-    )
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": choices,
+        **body,
+        "usage": _usage(prompt_tokens, completion),
+    }
 
 
 def _model_for(server: Server, body: dict[str, Any]) -> EngineClient:
@@ -508,8 +539,35 @@ def _answers_errors(handler: Handler) -> Handler:
     return guarded
 
 
+async def _chat_setup(
+    server: Server, body: dict[str, Any], api: str
+) -> tuple[EngineClient, GenerationRequest, list[tuple[list[int], SamplingParams]]]:
+    """A chat completions body, checked, rendered by the chat template and tokenized: the
+    model's engine, the request and each prompt's token ids and parameters."""
+    messages = chat_messages(body)
+    template = chat_template_options(body)
+    model = body.get("model")
+    # drawn once (a rollout split): the version whose template renders the prompt
+    # is the version that generates
+    llm = _generator(server, model, api, body) if isinstance(model, str) else None
+    calling = tools.tool_request(body, llm) if llm else None
+    messages = tools.template_messages(messages)
+    if calling is not None:  # transformers' ``tools=`` (the request's kwargs win)
+        template["template_kwargs"] = {"tools": calling.tools, **template["template_kwargs"]}
+    # the template renders in proportion to the messages: off the event loop too
+    prompt = await asyncio.to_thread(_chat_prompt, llm, messages, template) if llm else ""
+    req = chat_request(_with_model_defaults(body, llm), messages, prompt, template)
+    tools.apply(req, calling)
+    if llm is None:  # chat_request refused a 'model' that is not a string
+        llm = _generator(server, req.model, api, body)
+    prepared = await asyncio.to_thread(_prepare, llm, req, None)
+    return llm, req, prepared
+
+
 def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     """``reader``: the HTTP frontend whose body limits apply."""
+    #: the Responses API's stored responses (``store``, ``previous_response_id``)
+    stored = responses.ResponseStore()
 
     async def models(request: Request) -> Response:
         created = int(time.time())
@@ -546,26 +604,31 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         slot = http_slot(server.tracer, request.headers)
         body = await _received(request, slot, reader)
         check_fields(body, CHAT_FIELDS, "chat completions")
-        messages = chat_messages(body)
-        template = chat_template_options(body)
-        model = body.get("model")
-        # drawn once (a rollout split): the version whose template renders the prompt
-        # is the version that generates
-        llm = (
-            _generator(server, model, "Chat Completions", body) if isinstance(model, str) else None
-        )
-        calling = tools.tool_request(body, llm) if llm else None
-        messages = tools.template_messages(messages)
-        if calling is not None:  # transformers' ``tools=`` (the request's kwargs win)
-            template["template_kwargs"] = {"tools": calling.tools, **template["template_kwargs"]}
-        # the template renders in proportion to the messages: off the event loop too
-        prompt = await asyncio.to_thread(_chat_prompt, llm, messages, template) if llm else ""
-        req = chat_request(_with_model_defaults(body, llm), messages, prompt, template)
-        tools.apply(req, calling)
-        if llm is None:  # chat_request refused a 'model' that is not a string
-            llm = _generator(server, req.model, "Chat Completions", body)
-        prepared = await asyncio.to_thread(_prepare, llm, req, None)
+        llm, req, prepared = await _chat_setup(server, body, "Chat Completions")
         return await _respond(llm, req, prepared, chat=True)
+
+    async def create_response(request: Request) -> Response:
+        slot = http_slot(server.tracer, request.headers)
+        body = await _received(request, slot, reader)
+        call = responses.ResponsesCall.read(body, stored)
+        try:
+            llm, req, prepared = await _chat_setup(server, call.chat_body, "Responses")
+        except OpenAIError as exc:
+            raise responses.renamed(exc) from None
+        rid = f"resp_{uuid.uuid4().hex}"
+        if req.stream:
+            deltas = await started(_outputs(llm, req, prepared, rid))
+            counts = sum(len(ids) for ids, _ in prepared)
+            events = responses.events(call, rid, req, deltas, counts, stored)
+            return StreamingResponse(events, media_type="text/event-stream")
+        answer = await _answer(llm, req, prepared, chat=True)
+        return _json(call.finish(rid, answer, stored))
+
+    async def get_response(request: Request) -> Response:
+        return _json(stored.get(request.path_params["response_id"]))
+
+    async def delete_response(request: Request) -> Response:
+        return _json(stored.delete(request.path_params["response_id"]))
 
     async def embed(request: Request) -> Response:
         body = await _received(request, http_slot(server.tracer, request.headers), reader)
@@ -611,6 +674,9 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         Route("/v1/completions", _answers_errors(completions), methods=["POST"]),
         Route("/v1/chat/completions", _answers_errors(chat), methods=["POST"]),
         Route("/v1/embeddings", _answers_errors(embed), methods=["POST"]),
+        Route("/v1/responses", _answers_errors(create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", _answers_errors(get_response), methods=["GET"]),
+        Route("/v1/responses/{response_id}", _answers_errors(delete_response), methods=["DELETE"]),
         Route("/v1/load_lora_adapter", _answers_errors(load_lora), methods=["POST"]),
         Route("/v1/unload_lora_adapter", _answers_errors(unload_lora), methods=["POST"]),
         Route("/tokenize", _answers_errors(tokenize), methods=["POST"]),

@@ -1,0 +1,286 @@
+"""OpenAI's Responses API on ``kiln serve``, driven by the real ``openai`` client's
+``client.responses``: the answer is the chat completion of the same conversation (token
+for token, greedy), whole and streamed (the SDK's typed events reassemble to the whole
+answer), ``instructions``, item lists, ``text.format`` (structured outputs), function tools
+(named, required and auto with the hermes parser), ``store`` with ``previous_response_id``,
+``GET`` and ``DELETE``, and bad input answered 400 naming its field."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("transformers")
+pytest.importorskip("llguidance")
+
+from tests.conftest import KilnProcess  # noqa: E402
+from tests.integration.test_openai_tools import HERMES_CALL, SCHEMAS, TEMPLATE, TOOLS  # noqa: E402
+from tests.llm_models import tool_calling_repository  # noqa: E402
+
+#: the Responses API writes function tools flat
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
+    repo = tool_calling_repository(tmp_path_factory.mktemp("responses"), TEMPLATE)
+    proc = KilnProcess(repo).start(timeout=180)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(server: KilnProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def http(server: KilnProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=f"http://{server.http_url}", timeout=60) as c:
+        yield c
+
+
+def _chat(client: openai.OpenAI, messages: list[dict[str, Any]], **kw: Any) -> Any:
+    return client.chat.completions.create(model="plain", messages=messages, **kw)  # type: ignore[arg-type]
+
+
+def test_a_response_is_the_chat_completion_of_its_input(client: openai.OpenAI) -> None:
+    reply = client.responses.create(model="plain", input="hello world", max_output_tokens=8,
+                                    **GREEDY)  # fmt: skip
+    chat = _chat(client, [{"role": "user", "content": "hello world"}], max_tokens=8, **GREEDY)
+    assert reply.id.startswith("resp_") and reply.object == "response"
+    assert reply.output_text == chat.choices[0].message.content
+    (item,) = reply.output
+    assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+    # 8 tokens of ignore_eos: cut by max_output_tokens
+    assert reply.status == "incomplete"
+    assert reply.incomplete_details and reply.incomplete_details.reason == "max_output_tokens"
+    assert reply.usage and chat.usage
+    assert reply.usage.input_tokens == chat.usage.prompt_tokens
+    assert reply.usage.output_tokens == 8
+    assert reply.usage.total_tokens == chat.usage.prompt_tokens + 8
+    assert reply.max_output_tokens == 8 and reply.temperature == 0
+
+
+def test_instructions_and_item_lists(client: openai.OpenAI) -> None:
+    items = [
+        {"role": "user", "content": "the quick brown fox"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "jumps over"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "the lazy "},
+                                     {"type": "input_text", "text": "dog"}]},
+    ]  # fmt: skip
+    reply = client.responses.create(
+        model="plain", instructions="be brief", input=items, max_output_tokens=6, **GREEDY
+    )
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "the quick brown fox"},
+        {"role": "assistant", "content": "jumps over"},
+        {"role": "user", "content": "the lazy dog"},
+    ]
+    chat = _chat(client, messages, max_tokens=6, **GREEDY)
+    assert reply.output_text == chat.choices[0].message.content
+    assert reply.instructions == "be brief"
+
+
+def test_streamed_events_reassemble_to_the_whole_response(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="plain", input="kiln serves", max_output_tokens=10, **GREEDY)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert deltas and "".join(e.delta for e in deltas) == whole.output_text
+    item_id = events[2].item.id  # type: ignore[union-attr]
+    assert all(e.item_id == item_id for e in deltas)
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == whole.output_text and final.output[0].id == item_id
+    assert final.usage and final.usage.output_tokens == 10
+
+
+def test_previous_response_id_continues_the_conversation(
+    client: openai.OpenAI, http: httpx.Client
+) -> None:
+    first = client.responses.create(
+        model="plain", instructions="be brief", input="the quick brown fox",
+        max_output_tokens=5, **GREEDY,
+    )  # fmt: skip
+    second = client.responses.create(
+        model="plain", previous_response_id=first.id, input="and the dog?",
+        max_output_tokens=5, **GREEDY,
+    )  # fmt: skip
+    # as OpenAI's: the earlier turns, not the earlier instructions
+    messages = [
+        {"role": "user", "content": "the quick brown fox"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "and the dog?"},
+    ]
+    chat = _chat(client, messages, max_tokens=5, **GREEDY)
+    assert second.output_text == chat.choices[0].message.content
+    assert second.previous_response_id == first.id
+    fetched = client.responses.retrieve(first.id)
+    assert fetched.output_text == first.output_text and fetched.id == first.id
+    deleted = http.delete(f"/v1/responses/{first.id}").json()
+    assert deleted == {"id": first.id, "object": "response.deleted", "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model="plain", previous_response_id=first.id, input="hi")
+    assert "previous_response_id" in str(err.value.body)
+    # store: true said out loud is the default (chat's rule refusing it does not apply)
+    kept = client.responses.create(model="plain", input="hi", max_output_tokens=2, store=True)
+    assert client.responses.retrieve(kept.id).id == kept.id
+    # store: false keeps nothing
+    unkept = client.responses.create(model="plain", input="hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+
+
+def test_text_format_json_schema(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}  # fmt: skip
+    for seed in (0, 1, 2):
+        reply = client.responses.create(
+            model="plain", input="is it raining?", max_output_tokens=40, temperature=1.0,
+            text={"format": {"type": "json_schema", "name": "answer", "schema": schema}},
+            extra_body={"seed": seed, **COMPACT},
+        )  # fmt: skip
+        assert reply.status == "completed"
+        jsonschema.validate(json.loads(reply.output_text), schema)
+        assert reply.text and reply.text.format and reply.text.format.type == "json_schema"
+
+
+def test_a_named_function_is_a_function_call_item(client: openai.OpenAI) -> None:
+    reply = client.responses.create(
+        model="plain", input="the quick brown fox", tools=FLAT_TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=100,
+        temperature=1.0, extra_body={"seed": 3, **COMPACT},
+    )  # fmt: skip
+    (call,) = reply.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.id.startswith("fc_") and call.call_id.startswith("chatcmpl-tool-")
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
+    # the call's output goes back as an item; the conversation renders as chat renders it
+    follow = client.responses.create(
+        model="plain", previous_response_id=reply.id, max_output_tokens=5,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        **GREEDY,
+    )  # fmt: skip
+    messages = [
+        {"role": "user", "content": "the quick brown fox"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+    ]  # fmt: skip
+    chat = _chat(client, messages, max_tokens=5, **GREEDY)
+    assert follow.output_text == chat.choices[0].message.content
+
+
+def test_auto_tool_calls_whole_and_streamed(client: openai.OpenAI) -> None:
+    """The hermes parser reads the model's text (forced by a regex on random weights): a
+    message item with the text before the call, then the function_call item."""
+    kw: dict[str, Any] = dict(
+        model="tools", input="the quick brown fox", tools=FLAT_TOOLS, max_output_tokens=200,
+        temperature=1.0, extra_body={"seed": 5, "structured_outputs": {"regex": HERMES_CALL}},
+    )  # fmt: skip
+    whole = client.responses.create(**kw)
+    message, call = whole.output
+    assert message.type == "message" and whole.output_text == "Sure."
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
+    events = list(client.responses.create(stream=True, **kw))
+    added = [e.item for e in events if e.type == "response.output_item.added"]  # type: ignore[union-attr]
+    assert [i.type for i in added] == ["message", "function_call"]
+    arguments = "".join(
+        e.delta for e in events if e.type == "response.function_call_arguments.delta"
+    )
+    assert arguments == call.arguments
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [(e.name, e.arguments) for e in done] == [("get_weather", call.arguments)]
+    final = events[-1]
+    assert final.type == "response.completed"
+    assert [i.type for i in final.response.output] == ["message", "function_call"]
+    assert [i.id for i in final.response.output] == [i.id for i in added]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"background": True}, "background"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"input": [{"type": "input_image", "image_url": "file:///etc/passwd"}]}, "input[0].type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
+         "input[0].content"),
+        ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
+        ({"input": ""}, "input"),
+        ({"input": 5}, "input"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format"),
+        ({"store": "yes"}, "store"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"text": {"format": {"type": "json_schema", "schema": 5}}}, "text.format"),
+        ({"tools": [{"type": "function", "name": 5}]}, "tools[0].name"),
+        ({"input": [{"role": "user", "content": "x"}] * 5000}, "input"),
+        ({"previous_response_id": 5}, "previous_response_id"),
+        ({"previous_response_id": ""}, "previous_response_id"),
+        ({"stream": "yes"}, "stream"),
+    ],
+)  # fmt: skip
+def test_bad_requests_are_400_naming_the_field(
+    http: httpx.Client, fields: dict[str, Any], param: str
+) -> None:
+    reply = http.post("/v1/responses", json={"model": "plain", "input": "hi", **fields})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["message"], error
+
+
+def test_unknown_ids_are_404(http: httpx.Client) -> None:
+    for method in ("GET", "DELETE"):
+        reply = http.request(method, "/v1/responses/resp_nothing")
+        assert reply.status_code == 404 and "not found" in reply.json()["error"]["message"]
+
+
+def test_leaving_a_stream_early_aborts_its_request(
+    client: openai.OpenAI, server: KilnProcess
+) -> None:
+    aborted = _metric(server, "vllm:request_success_total", 'finished_reason="abort"')
+    stream = client.responses.create(model="plain", input="a long story", max_output_tokens=250,
+                                     stream=True, **GREEDY)  # fmt: skip
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _metric(server, "vllm:num_requests_running"):
+        time.sleep(0.1)
+    assert _metric(server, "vllm:num_requests_running") == 0
+    # aborted, not run to its 250 tokens
+    assert _metric(server, "vllm:request_success_total", 'finished_reason="abort"') == aborted + 1
+
+
+def _metric(server: KilnProcess, name: str, label: str = "") -> float:
+    text = urllib.request.urlopen(server.metrics_url).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and 'model_name="plain"' in line and label in line
+    )

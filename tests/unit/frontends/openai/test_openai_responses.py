@@ -1,0 +1,97 @@
+"""The Responses API's pieces that need no server: the bounded response store, the input
+items read into chat messages, and output items written from a chat message."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.frontends.openai.protocol import OpenAIError
+from kiln.frontends.openai.responses import ResponsesCall, ResponseStore, output_items
+
+
+def _response(rid: str, text: str = "") -> dict[str, object]:
+    return {"id": rid, "output": text}
+
+
+def test_the_store_forgets_the_least_recently_used_past_its_count() -> None:
+    store = ResponseStore(max_count=3, max_bytes=1 << 20)
+    for i in range(3):
+        store.put(_response(f"r{i}"), [{"role": "user", "content": str(i)}])
+    store.get("r0")  # used: r1 is now the oldest
+    store.put(_response("r3"), [])
+    assert len(store) == 3
+    with pytest.raises(OpenAIError) as err:
+        store.get("r1")
+    assert err.value.status == 404
+    assert store.conversation("r0") == [{"role": "user", "content": "0"}]
+
+
+def test_the_store_is_bounded_in_bytes() -> None:
+    store = ResponseStore(max_count=100, max_bytes=10_000)
+    for i in range(10):
+        store.put(_response(f"r{i}", "x" * 3000), [])
+    assert len(store) == 3  # three of ~3 kB fit in 10 kB
+    store.put(_response("huge", "x" * 20_000), [])  # larger than the store: not kept
+    assert len(store) == 3
+    with pytest.raises(OpenAIError):
+        store.get("huge")
+    assert store.delete("r9") == {"id": "r9", "object": "response.deleted", "deleted": True}
+    with pytest.raises(OpenAIError):
+        store.delete("r9")
+
+
+def test_a_missing_previous_response_names_the_field() -> None:
+    with pytest.raises(OpenAIError) as err:
+        ResponsesCall.read({"model": "m", "input": "hi", "previous_response_id": "x"},
+                           ResponseStore())  # fmt: skip
+    assert err.value.status == 404 and err.value.param == "previous_response_id"
+
+
+def test_items_become_chat_messages() -> None:
+    call = ResponsesCall.read(
+        {
+            "model": "m",
+            "instructions": "be brief",
+            "input": [
+                {"role": "user", "content": "weather?"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                {"type": "function_call_output", "call_id": "c2",
+                 "output": [{"type": "input_text", "text": "12:00"}]},
+            ],
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+            "tool_choice": {"type": "function", "name": "f"},
+            "max_output_tokens": 9,
+            "text": {"format": {"type": "json_object"}},
+        },
+        ResponseStore(),
+    )  # fmt: skip
+    body = call.chat_body
+    assert body["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [  # two calls, one turn
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "12:00"},
+    ]  # fmt: skip
+    assert body["tools"] == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert body["max_completion_tokens"] == 9
+    assert body["response_format"] == {"type": "json_object"}
+    assert call.conversation == body["messages"][1:]  # without the instructions
+
+
+def test_output_items() -> None:
+    calls = [{"id": "call1", "function": {"name": "f", "arguments": "{}"}}]
+    items = output_items({"content": None, "tool_calls": calls}, ["fc_1"])
+    assert items == [{"type": "function_call", "id": "fc_1", "call_id": "call1", "name": "f",
+                      "arguments": "{}", "status": "completed"}]  # fmt: skip
+    (message,) = output_items({"content": ""})  # an empty answer is still a message
+    assert message["type"] == "message" and message["content"][0]["text"] == ""
+    both = output_items({"content": "ok", "tool_calls": calls})
+    assert [i["type"] for i in both] == ["message", "function_call"]
