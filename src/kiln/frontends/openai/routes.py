@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -45,6 +46,8 @@ from kiln.server.server import Server
 
 if TYPE_CHECKING:  # importing the sampler imports torch
     from kiln.llm.sampler import TokenLogprobs
+
+log = logging.getLogger(__name__)
 
 LogprobsFormat = Callable[[list["TokenLogprobs"]], dict[str, Any]]
 
@@ -534,6 +537,14 @@ def _answers_errors(handler: Handler) -> Handler:
             return _json(exc.body(), exc.status)
         except KilnError as exc:
             err = OpenAIError.from_kiln(exc)
+            return _json(err.body(), err.status)
+        except Exception:
+            # a bug of kiln's, not the client's: logged with its traceback, and answered in
+            # OpenAI's shape on a connection that stays open (a 500 escaping to the server
+            # closes the client's keep-alive connection under its next request)
+            log.exception("%s %s failed", request.method, request.url.path)
+            err = OpenAIError("internal server error: see the server's log", 500,
+                              type_="server_error")  # fmt: skip
             return _json(err.body(), err.status)
 
     return guarded

@@ -188,3 +188,28 @@ def test_stream_options() -> None:
     # vLLM's: usage on every chunk only when usage was asked for at all
     req = _completion(stream=True, stream_options={"continuous_usage_stats": True})
     assert not req.include_usage and not req.continuous_usage
+
+
+def test_a_bug_in_a_route_is_a_500_in_openais_shape(caplog: pytest.LogCaptureFixture) -> None:
+    """Not an exception escaping to the server, which closed the client's connection: the
+    next request a client sent on it was reset."""
+    import asyncio
+    import json
+
+    from starlette.requests import Request
+
+    from kiln.frontends.openai import routes
+
+    async def broken(request: Request) -> object:
+        raise TypeError("'int' object is not iterable")
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                       "headers": [], "query_string": b""})  # fmt: skip
+    with caplog.at_level(logging.ERROR, logger=routes.log.name):
+        response = asyncio.run(routes._answers_errors(broken)(request))  # type: ignore[arg-type]
+    assert response.status_code == 500
+    error = json.loads(bytes(response.body))["error"]
+    assert error["type"] == "server_error" and "log" in error["message"]
+    assert "not iterable" not in error["message"]  # the details stay in the log
+    (record,) = caplog.records
+    assert record.exc_info is not None and "/v1/completions" in record.getMessage()
