@@ -97,9 +97,11 @@ def reference(weights: Path) -> Any:
     return embed
 
 
-def _post(server: KilnProcess, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+def _post(
+    server: KilnProcess, body: dict[str, Any], path: str = "/v1/embeddings"
+) -> tuple[int, dict[str, Any]]:
     request = urllib.request.Request(
-        f"http://{server.http_url}/v1/embeddings",
+        f"http://{server.http_url}{path}",
         json.dumps(body).encode(),
         {"content-type": "application/json"},
     )
@@ -112,7 +114,7 @@ def _post(server: KilnProcess, body: dict[str, Any]) -> tuple[int, dict[str, Any
 
 @pytest.mark.parametrize("model", ["last", "mean"])
 def test_batch_of_texts_matches_transformers(
-    client: openai.OpenAI, reference: Any, model: str
+    client: openai.OpenAI, server: KilnProcess, reference: Any, model: str
 ) -> None:
     # the client asks for base64 by default and decodes it: float32, native order
     got = client.embeddings.create(model=model, input=TEXTS)
@@ -121,6 +123,11 @@ def test_batch_of_texts_matches_transformers(
         np.testing.assert_allclose(item.embedding, reference(text, model), atol=ATOL, rtol=0)
     assert got.usage.prompt_tokens == got.usage.total_tokens > len(TEXTS)
     assert got.model == model and got.object == "list"
+    # vLLM's SageMaker route: an 'input' body is an embeddings request
+    status, via = _post(server, {"model": model, "input": TEXTS[:1], "encoding_format": "float"},
+                        "/invocations")  # fmt: skip
+    assert status == 200 and via["object"] == "list"
+    np.testing.assert_allclose(via["data"][0]["embedding"], got.data[0].embedding, atol=1e-6)
 
 
 def test_float_encoding_and_token_id_inputs(

@@ -403,6 +403,29 @@ def test_chat_echo_continues_the_final_message(client: openai.OpenAI) -> None:
     assert fresh.choices[0].message.content == alone.choices[0].message.content
 
 
+def test_sagemaker_routes_and_model_retrieve(client: openai.OpenAI, http: httpx.Client) -> None:
+    """vLLM's ``/ping`` and ``/invocations`` (the body picks the API), and OpenAI's
+    ``GET /v1/models/{model}``."""
+    assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "temperature": 0}  # fmt: skip
+    via = http.post("/invocations", json=chat).json()
+    direct = http.post("/v1/chat/completions", json=chat).json()
+    assert via["object"] == "chat.completion"
+    assert via["choices"][0]["message"] == direct["choices"][0]["message"]
+    completion = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+    via = http.post("/invocations", json=completion).json()
+    assert via["object"] == "text_completion"
+    assert via["choices"][0]["text"] == client.completions.create(**completion).choices[0].text
+    reply = http.post("/invocations", json={"model": "tiny", "prompt": 5})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
+    assert _error(http.post("/invocations", json={"model": "tiny"}))["message"]
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.owned_by == "kiln"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
 def test_allowed_token_ids_and_tokens_as_ids(client: openai.OpenAI, http: httpx.Client) -> None:
     """vLLM's ``allowed_token_ids`` (only those are sampled) and
     ``return_tokens_as_token_ids`` (logprobs name tokens ``token_id:<id>``), completions and

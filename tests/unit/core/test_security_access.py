@@ -103,6 +103,11 @@ def test_restricted_messages_follow_triton() -> None:
         ("/tokenize", ApiGroup.INFERENCE),
         ("/detokenize", ApiGroup.INFERENCE),
         ("/health", ApiGroup.HEALTH),
+        ("/v1/responses/resp_1", ApiGroup.INFERENCE),
+        ("/v1/models/tiny", ApiGroup.INFERENCE),
+        # vLLM's SageMaker routes
+        ("/ping", ApiGroup.HEALTH),
+        ("/invocations", ApiGroup.INFERENCE),
         ("/version", ApiGroup.METADATA),
         ("/nowhere", ApiGroup.MONITORING),
         ("/dashboard/", None),

@@ -96,6 +96,9 @@ class BodyReader(Protocol):
 
 
 async def _body(request: Request, reader: BodyReader) -> dict[str, Any]:
+    read: dict[str, Any] | None = getattr(request.state, "openai_body", None)
+    if read is not None:  # /invocations read it to pick the route
+        return read
     # the HTTP frontend's reader: --http-max-input-size (413) and --http-read-timeout-secs
     # (408) hold here as on the KServe routes
     raw = await reader.read_body(request)
@@ -674,6 +677,33 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     async def unload_lora(request: Request) -> Response:
         return await lora.unload(server, await _body(request, reader))
 
+    async def model_card(request: Request) -> Response:
+        """OpenAI's ``GET /v1/models/{model}`` (``client.models.retrieve``)."""
+        name = request.path_params["model"]
+        body = orjson.loads((await models(request)).body)
+        for card in body["data"]:
+            if card["id"] == name:
+                return _json(card)
+        raise OpenAIError(
+            f"The model '{name[:200]}' does not exist", 404, param="model", code="model_not_found"
+        )
+
+    async def invocations(request: Request) -> Response:
+        """vLLM's SageMaker route: the body's shape picks the API (``messages``: chat,
+        ``prompt``: completions, ``input``: embeddings), as vLLM tries them in turn."""
+        body = await _body(request, reader)
+        request.state.openai_body = body
+        if "messages" in body:
+            return await chat(request)
+        if "prompt" in body:
+            return await completions(request)
+        if "input" in body:
+            return await embed(request)
+        raise OpenAIError(
+            "/invocations needs a chat ('messages'), completions ('prompt') or embeddings "
+            "('input') request body"
+        )
+
     async def health(request: Request) -> Response:
         return Response(status_code=200)
 
@@ -693,6 +723,9 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         Route("/tokenize", _answers_errors(tokenize), methods=["POST"]),
         Route("/detokenize", _answers_errors(detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's health check
+        Route("/invocations", _answers_errors(invocations), methods=["POST"]),
+        Route("/v1/models/{model:path}", _answers_errors(model_card), methods=["GET"]),
         Route("/version", version, methods=["GET"]),
     ]
 
