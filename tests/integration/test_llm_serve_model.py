@@ -27,9 +27,10 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
-    """No --model-repository at all: the folder alone, under two names, with the flags."""
+    """No --model-repository at all: the folder alone, under two names, with the flags
+    (the first as vLLM's positional MODEL, the second as --model)."""
     home = tmp_path_factory.mktemp("home")
-    args = ["--model", str(folder), "--model", str(folder), "--served-model-name", "tiny"]
+    args = [str(folder), "--model", str(folder), "--served-model-name", "tiny"]
     args += ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4"]
     args += ["--max-num-batched-tokens", "64", "--kv-cache-memory", "1M", "--block-size", "4"]
     args += ["--no-enable-prefix-caching", "--chat-template", "{{ messages[0]['content'] }}!"]

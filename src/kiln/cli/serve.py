@@ -39,6 +39,10 @@ def _open_repositories(values: tuple[str, ...]) -> list[Any]:
 
 
 @click.command()
+@click.argument(
+    "model_paths", metavar="[MODEL]...", nargs=-1,
+    type=click.Path(exists=True, path_type=Path),
+)  # fmt: skip
 @click.option(
     "--model-repository",
     "model_repository",
@@ -59,7 +63,10 @@ def _open_repositories(values: tuple[str, ...]) -> list[Any]:
     help="With explicit mode: a model to load at start ('*' = all).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--http-port", default=8000, show_default=True)
+@click.option(
+    "--http-port", "--port", "http_port", default=8000, show_default=True,
+    help="HTTP port: KServe v2, OpenAI's API (--port: vLLM's name).",
+)  # fmt: skip
 @click.option("--grpc-port", default=8001, show_default=True)
 @click.option("--metrics-port", default=8002, show_default=True)
 @click.option("--allow-grpc/--no-allow-grpc", default=True, show_default=True)
@@ -283,6 +290,7 @@ def _open_repositories(values: tuple[str, ...]) -> list[Any]:
 @security_options
 @llm_options
 def serve(
+    model_paths: tuple[Path, ...],
     model_repository: tuple[str, ...],
     models: tuple[Path, ...],
     served_model_names: tuple[str, ...],
@@ -331,8 +339,9 @@ def serve(
     log_level: str,
     **security_params: Any,
 ) -> None:
-    """Serve a model repository, or checkpoints (--model), over KServe v2 HTTP/gRPC,
-    OpenAI's API and metrics.
+    """Serve a model repository, or checkpoints (MODEL or --model), over KServe v2
+    HTTP/gRPC, OpenAI's API and metrics. ``kiln serve MODEL --port 8000`` reads as
+    ``vllm serve MODEL --port 8000``.
 
     Security (API keys, restricted APIs, TLS, CORS, limits): see docs/security.md."""
     from kiln.cache.config import CacheConfig, CacheConfigError
@@ -349,7 +358,8 @@ def serve(
     )
     repositories = _open_repositories(model_repository)
     llm_settings = {k: security_params.pop(k) for k in ENGINE_FLAGS}
-    served = served_models(models, served_model_names, llm_settings)
+    # vLLM's positional MODEL: served first, before the --model ones
+    served = served_models((*model_paths, *models), served_model_names, llm_settings)
     if not repositories and not served:
         raise click.UsageError("give --model-repository, or --model to serve a checkpoint")
     for config in served:

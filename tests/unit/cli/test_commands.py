@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import click
 import pytest
@@ -50,3 +51,20 @@ def test_optimize_is_a_function_of_an_ordinary_package() -> None:
 
     assert isinstance(optimize, types.FunctionType)
     assert type(kiln.optimize) is types.ModuleType  # no longer made callable
+
+
+def test_serve_reads_vllms_command_line(tmp_path: Path) -> None:
+    """``kiln serve MODEL --port N`` as ``vllm serve MODEL --port N``: the positional
+    checkpoints are served before the --model ones."""
+    from kiln.cli.serve import serve
+
+    first, second = tmp_path / "a.gguf", tmp_path / "b"
+    first.write_bytes(b"")
+    second.mkdir()
+    ctx = serve.make_context("serve", [str(first), "--port", "9123", "--model", str(second)])
+    assert ctx.params["http_port"] == 9123
+    assert ctx.params["model_paths"] == (first,) and ctx.params["models"] == (second,)
+    ctx = serve.make_context("serve", ["--model", str(second)])
+    assert ctx.params["http_port"] == 8000 and ctx.params["model_paths"] == ()
+    with pytest.raises(click.BadParameter):
+        serve.make_context("serve", [str(tmp_path / "missing")])
