@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import click
 
 from kiln.config.model_config_pb2 import ModelConfig
-from kiln.llm.config import ATTENTION_BACKENDS, TOOL_CALL_PARSERS
+from kiln.llm.config import ATTENTION_BACKENDS, REASONING_PARSERS, TOOL_CALL_PARSERS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -36,6 +36,7 @@ ENGINE_FLAGS = {
     "generation_config": "generation_config",
     "enable_auto_tool_choice": "enable_auto_tool_choice",
     "tool_call_parser": "tool_call_parser",
+    "reasoning_parser": "reasoning_parser",
     "speculative_config": "speculative_config",
     "quantization": "quantization",
     "kv_cache_dtype": "kv_cache_dtype",
@@ -145,6 +146,13 @@ def llm_options(func: F) -> F:
             type=click.Choice(list(TOOL_CALL_PARSERS)),
             default=None,
             help="The model family's tool-call format, as vLLM names it.",
+        ),
+        click.option(
+            "--reasoning-parser",
+            type=click.Choice(list(REASONING_PARSERS)),
+            default=None,
+            help="A thinking model's format: chat answers carry its <think> part as "
+            "'reasoning' (docs/llm.md, Reasoning outputs).",
         ),
         click.option(
             "--speculative-config",

@@ -33,7 +33,7 @@ from kiln.llm.checkpoint import (
     open_checkpoint,
     sampling_defaults,
 )
-from kiln.llm.config import TOOL_CALL_PARSERS, EngineConfig, PoolerConfig
+from kiln.llm.config import REASONING_PARSERS, TOOL_CALL_PARSERS, EngineConfig, PoolerConfig
 from kiln.llm.engine import LLMEngine
 from kiln.llm.engine_core import EngineInit, build_engine
 from kiln.llm.engine_messages import Counts, counts
@@ -205,6 +205,20 @@ def tool_calling(config: ModelConfig) -> tuple[bool, str | None]:
     return enabled, parser
 
 
+def reasoning_parser(config: ModelConfig) -> str | None:
+    """Parameter ``reasoning_parser`` (vLLM's ``--reasoning-parser``): the format the
+    OpenAI frontend splits a thinking model's answer by."""
+    raw = parameter(config, "reasoning_parser")
+    name = raw.strip() if raw else None
+    if name is not None and name not in REASONING_PARSERS:
+        raise KilnError(
+            f"model '{config.name}': reasoning_parser '{name}' is not one kiln has "
+            f"({', '.join(REASONING_PARSERS)})",
+            Status.INVALID_ARG,
+        )
+    return name
+
+
 def enable_multiprocessing(config: ModelConfig) -> bool:
     """Parameter ``enable_multiprocessing`` (``kiln serve --[no-]enable-multiprocessing``):
     the engine in its own process (vLLM V1's EngineCore) or on a thread of the server's.
@@ -274,6 +288,8 @@ class LLMBackend(Backend):
         settings.served_model_name = config.name  # named by a tensor-parallel worker's errors
         #: vLLM's ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (the frontend's)
         self.enable_auto_tool_choice, self.tool_call_parser = tool_calling(config)
+        #: vLLM's ``--reasoning-parser`` (the frontend's too)
+        self.reasoning_parser = reasoning_parser(config)
         # the tokenizer first: its errors come before minutes of weight loading
         self.tokenizer = Tokenizer.load(tokenizer, settings.chat_template)
         generation = self._generation_config(settings.generation_config, folder)

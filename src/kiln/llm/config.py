@@ -44,6 +44,8 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("generate", "pooling")
 #: vLLM's ``--tool-call-parser`` names kiln has a parser for (kiln.frontends.openai.tool_parsers)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+#: vLLM's reasoning parsers kiln has (``--reasoning-parser``)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclass(frozen=True, slots=True)

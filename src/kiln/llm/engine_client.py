@@ -156,6 +156,11 @@ class EngineClient:
         return self._backend.enable_auto_tool_choice
 
     @property
+    def reasoning_parser(self) -> str | None:
+        """vLLM's ``--reasoning-parser``: how a thinking model's answer is split."""
+        return self._backend.reasoning_parser
+
+    @property
     def tool_call_parser(self) -> str | None:
         """vLLM's ``--tool-call-parser``: the format ``auto`` reads calls in."""
         return self._backend.tool_call_parser

@@ -17,6 +17,7 @@ from kiln.llm.structured import REQUEST_FIELDS as STRUCTURED_FIELDS
 from kiln.llm.structured import from_request as structured_outputs
 
 if TYPE_CHECKING:
+    from kiln.frontends.openai.reasoning import ReasoningParser
     from kiln.frontends.openai.tools import ToolRequest
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # other vLLM fields
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),  # beam search's
-    "include_reasoning": (None, True),
     "logits_processors": (None, []),
     "chat_template": (None,),
     "mm_processor_kwargs": (None, {}),
@@ -83,7 +83,14 @@ _TEMPLATE_FIELDS = (
 )
 COMPLETION_FIELDS = frozenset((*_COMMON_FIELDS, "prompt"))
 CHAT_FIELDS = frozenset(
-    (*_COMMON_FIELDS, *_TEMPLATE_FIELDS, "messages", "max_completion_tokens", "top_logprobs")
+    (
+        *_COMMON_FIELDS,
+        *_TEMPLATE_FIELDS,
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "include_reasoning",
+    )
 ) | {"tools", "tool_choice", "parallel_tool_calls"}
 TOKENIZE_FIELDS = frozenset(
     (
@@ -219,6 +226,10 @@ class GenerationRequest:
     template: dict[str, Any] = field(default_factory=dict)
     #: chat: ``tools`` and ``tool_choice`` (kiln.frontends.openai.tools)
     tools: ToolRequest | None = None
+    #: chat on a model with a reasoning parser: the answer's ``<think>`` part is split off
+    reasoning: ReasoningParser | None = None
+    #: vLLM's ``include_reasoning``: false leaves the reasoning out of the answer
+    include_reasoning: bool = True
 
 
 MAX_LOGPROBS = 20
@@ -540,6 +551,7 @@ def chat_request(
     if req.echo and messages[-1]["role"] == req.role:
         req.chat_echo = messages[-1]["content"]
     req.template = template
+    req.include_reasoning = flag(body, "include_reasoning", True)
     return req
 
 

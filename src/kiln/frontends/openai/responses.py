@@ -1,11 +1,12 @@
 """OpenAI's Responses API (``POST /v1/responses``, ``GET`` / ``DELETE
-/v1/responses/{id}``), as vLLM serves it for models without a reasoning channel.
+/v1/responses/{id}``), as vLLM serves it (gpt-oss's channels aside).
 
 A request is read into a chat completions body (``instructions`` is the system message,
 ``input`` items are messages, function calls and their outputs; ``text.format`` is
 ``response_format``; function tools are chat's) and runs on the chat path: the same
 template, tool parsers, structured outputs and sampling fields. Its answer is written back
-as output items: a ``message`` with ``output_text``, and ``function_call`` items. Streamed,
+as output items: a ``reasoning`` item (a model with a reasoning parser), a ``message``
+with ``output_text``, and ``function_call`` items. Streamed,
 it is the Responses API's typed events (``response.created`` ... ``response.completed``).
 
 ``store`` (default true, as OpenAI's) keeps the response, and the conversation it ends, in
@@ -499,6 +500,8 @@ def output_items(message: dict[str, Any], ids: list[str] | None = None) -> list[
         return next(fresh) if fresh is not None else _id(prefix)
 
     items: list[dict[str, Any]] = []
+    if message.get("reasoning"):  # a thinking model's <think> part, first
+        items.append(_reasoning_item(next_id("rs"), message["reasoning"], "completed"))
     content = message.get("content")
     if content or not calls:
         items.append(_message_item(next_id("msg"), content or "", "completed"))
@@ -513,6 +516,12 @@ def output_items(message: dict[str, Any], ids: list[str] | None = None) -> list[
             )
         )
     return items
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
+            "status": status}  # fmt: skip
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -558,13 +567,28 @@ async def events(
     yield event("response.created", response=start)
     yield event("response.in_progress", response=start)
     reader = req.tools.stream() if req.tools is not None else None
+    thinking = req.reasoning.stream() if req.reasoning is not None else None
     ids: list[str] = []  # every output item's, in order
+    thought = ""
+    thought_at: int | None = None  # the reasoning item's output index while it is open
     text = ""
     message_at: int | None = None  # the message item's output index, once it is open
     calls: list[dict[str, Any]] = []  # chat tool calls: id, function name and arguments
     call_at: list[int] = []
     reason: str | None = None
     tokens = 0
+
+    def close_thought() -> list[bytes]:
+        nonlocal thought_at
+        if thought_at is None:
+            return []
+        at, thought_at = thought_at, None
+        return [
+            event("response.reasoning_text.done", item_id=ids[at], output_index=at,
+                  content_index=0, text=thought),
+            event("response.output_item.done", output_index=at,
+                  item=_reasoning_item(ids[at], thought, "completed")),
+        ]  # fmt: skip
 
     def open_message() -> list[bytes]:
         nonlocal message_at
@@ -596,8 +620,24 @@ async def events(
             tokens = d.completion_tokens
             reason = d.finish_reason or reason
             piece, found = d.text, list[dict[str, Any]]()
+            last = d.finish_reason is not None
+            if thinking is not None:
+                more, piece = thinking.feed(piece, final=last)
+                if more and req.include_reasoning:
+                    if thought_at is None and not thought:
+                        thought_at = len(ids)
+                        ids.append(_id("rs"))
+                        item = _reasoning_item(ids[-1], "", "in_progress")
+                        yield event("response.output_item.added", output_index=thought_at,
+                                    item=item)  # fmt: skip
+                    thought += more
+                    yield event("response.reasoning_text.delta", item_id=ids[thought_at],  # type: ignore[index]
+                                output_index=thought_at, content_index=0, delta=more)  # fmt: skip
             if reader is not None:
-                piece, found = reader.feed(d.text, final=d.finish_reason is not None)
+                piece, found = reader.feed(piece, final=last)
+            if (piece or found) and thought_at is not None:
+                for out in close_thought():
+                    yield out
             if piece:
                 if message_at is None:
                     for out in open_message():
@@ -627,6 +667,8 @@ async def events(
         err = OpenAIError.from_kiln(exc)
         yield event("error", code=err.code or err.type, message=err.message, param=err.param)
         return
+    for out in close_thought():
+        yield out
     if message_at is None and not calls:
         for out in open_message():
             yield out
@@ -642,6 +684,8 @@ async def events(
     if req.tools is not None and reader is not None:
         reason = req.tools.finish_reason(reader.called, reason)
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if thought:
+        message["reasoning"] = thought
     if calls:
         message["tool_calls"] = calls
     answer = {

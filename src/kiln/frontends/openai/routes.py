@@ -39,6 +39,7 @@ from kiln.frontends.openai.protocol import (
     detokenize_ids,
     flag,
 )
+from kiln.frontends.openai.reasoning import ReasoningParser
 from kiln.llm.engine_client import EngineClient
 from kiln.llm.params import InvalidField, with_defaults
 from kiln.llm.sequence import SamplingParams
@@ -296,6 +297,8 @@ async def _sse(
 
     # each choice's tool-call reader (tool_choice auto, required or named; chat is one prompt)
     calls = [req.tools.stream() if req.tools else None for _ in range(req.params.n)]
+    # and its reasoning reader (a thinking model's <think> part, before the tool calls')
+    thoughts = [req.reasoning.stream() if req.reasoning else None for _ in range(req.params.n)]
 
     def chunk(index: int, d: Delta) -> bytes | None:
         """The event of choice ``index``'s delta ``d``; None when a tool-call reader holds
@@ -305,14 +308,19 @@ async def _sse(
         lp = None
         if chat:
             delta: dict[str, Any] = {}
+            thinking = thoughts[index]
+            if thinking is not None:
+                thought, text = thinking.feed(text, final=reason is not None)
+                if thought and req.include_reasoning:
+                    delta.update(_reasoning(thought))
             stream = calls[index]
             if stream is not None and req.tools is not None:
-                text, deltas = stream.feed(d.text, final=reason is not None)
+                text, deltas = stream.feed(text, final=reason is not None)
                 reason = req.tools.finish_reason(stream.called, reason)
                 if deltas:
                     delta["tool_calls"] = deltas
-                if not (text or deltas or reason or d.logprobs):
-                    return None
+            if not (text or delta or reason or d.logprobs):
+                return None
             if text:
                 delta["content"] = text
             choice: dict[str, Any] = {"index": index, "delta": delta}
@@ -378,6 +386,12 @@ async def _respond(
     return StreamingResponse(events, media_type="text/event-stream")
 
 
+def _reasoning(text: str | None) -> dict[str, str | None]:
+    """A message's (or delta's) reasoning: vLLM's ``reasoning``, and ``reasoning_content``,
+    its older name (which SGLang and llama.cpp write too), beside it."""
+    return {"reasoning": text, "reasoning_content": text}
+
+
 def _echoed(
     llm: EngineClient, req: GenerationRequest, prepared: list[tuple[list[int], SamplingParams]],
     echo: bool,
@@ -440,6 +454,11 @@ async def _answer(
     choices: list[dict[str, Any]] = []
     for index in range(total):
         content = "".join(texts[index])
+        thought: dict[str, Any] = {}
+        if chat and req.reasoning is not None:
+            reasoning, answer = req.reasoning.split(content)
+            content = answer or ""
+            thought = _reasoning(reasoning) if req.include_reasoning else {}
         if chat and req.tools is not None and req.tools.parser is not None:
             message, reasons[index] = tools.tool_message(
                 req.tools, req.role, content, reasons[index]
@@ -454,6 +473,11 @@ async def _answer(
             }
         else:
             choice = {"index": index, "text": echoed[index // n] + content}
+        if thought:
+            message = choice["message"]
+            if not message["content"]:  # vLLM's: no answer after (or beside) the thinking
+                message["content"] = None
+            choice["message"] = {**message, **thought}
         fmt = formats[index]
         prompt = prompt_entries[index]
         lp: dict[str, Any] | None = None
@@ -574,6 +598,8 @@ async def _chat_setup(
     tools.apply(req, calling)
     if llm is None:  # chat_request refused a 'model' that is not a string
         llm = _generator(server, req.model, api, body)
+    if llm.reasoning_parser is not None:
+        req.reasoning = ReasoningParser(llm.reasoning_parser)
     prepared = await asyncio.to_thread(_prepare, llm, req, None)
     return llm, req, prepared
 

@@ -1,0 +1,131 @@
+"""vLLM's reasoning parsers on ``kiln serve`` (``reasoning_parser: qwen3`` and
+``deepseek_r1``), driven by the real ``openai`` client: a chat answer's ``<think>`` part is
+its ``reasoning`` (and ``reasoning_content``, the older name), the rest its ``content``,
+whole and streamed alike; ``include_reasoning: false`` leaves it out; the Responses API
+answers it as a ``reasoning`` item. The random weights write the thinking because a regex
+forces them to; the same weights without a parser show the raw text it was split from."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+pytest.importorskip("llguidance")
+
+from tests.conftest import KilnProcess  # noqa: E402
+from tests.llm_models import build_tiny_llm, llm_config  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
+#: what a Qwen3 model writes when it thinks
+THINKS = r"<think>[a-z]{2,6} [a-z]{2,6}</think>[a-z]{2,6} [a-z]{2,6}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
+    repo = tmp_path_factory.mktemp("reasoning") / "repo"
+    build_tiny_llm(repo / "plain" / "1")
+    common = dict(max_num_seqs="4", num_gpu_blocks="256", dtype="float32")
+    for name, parser in (("qwen3", "qwen3"), ("r1", "deepseek_r1")):
+        shutil.copytree(repo / "plain" / "1", repo / name / "1")
+        (repo / name / "config.pbtxt").write_text(
+            llm_config(name, reasoning_parser=parser, **common)
+        )
+    (repo / "plain" / "config.pbtxt").write_text(llm_config("plain", **common))
+    proc = KilnProcess(repo).start(timeout=180)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(server: KilnProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
+
+
+def _chat(client: openai.OpenAI, model: str, regex: str, **kw: Any) -> Any:
+    extra = {"structured_outputs": {"regex": regex}, **kw.pop("extra_body", {})}
+    settings: dict[str, Any] = {"max_tokens": 60, "temperature": 1.0, "seed": 7, **kw}
+    return client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        extra_body=extra,
+        **settings,  # type: ignore[arg-type]
+    )
+
+
+def _streamed(client: openai.OpenAI, model: str, regex: str, **kw: Any) -> tuple[str, str]:
+    reasoning, content = "", ""
+    for chunk in _chat(client, model, regex, stream=True, **kw):
+        for choice in chunk.choices:
+            delta = choice.delta
+            got = getattr(delta, "reasoning", None)
+            assert got == getattr(delta, "reasoning_content", None)
+            reasoning += got or ""
+            content += delta.content or ""
+    return reasoning, content
+
+
+def test_qwen3_splits_the_thinking_from_the_answer(client: openai.OpenAI) -> None:
+    raw = _chat(client, "plain", THINKS).choices[0].message.content
+    assert raw.startswith("<think>") and "</think>" in raw
+    thought, answer = raw[len("<think>") :].split("</think>")
+    message = _chat(client, "qwen3", THINKS).choices[0].message
+    assert (message.reasoning, message.content) == (thought, answer)  # type: ignore[attr-defined]
+    assert message.reasoning_content == thought  # type: ignore[attr-defined]
+    assert _streamed(client, "qwen3", THINKS) == (thought, answer)
+    # include_reasoning: false: the answer alone
+    quiet = _chat(client, "qwen3", THINKS, extra_body={"include_reasoning": False})
+    assert quiet.choices[0].message.content == answer
+    assert getattr(quiet.choices[0].message, "reasoning", None) is None
+    assert _streamed(client, "qwen3", THINKS, extra_body={"include_reasoning": False}) == (
+        "",
+        answer,
+    )
+
+
+def test_qwen3_without_thinking_is_all_content(client: openai.OpenAI) -> None:
+    plain = r"[a-z]{2,6} [a-z]{2,6}"
+    raw = _chat(client, "plain", plain).choices[0].message.content
+    message = _chat(client, "qwen3", plain).choices[0].message
+    assert message.content == raw and message.reasoning is None  # type: ignore[attr-defined]
+    assert _streamed(client, "qwen3", plain) == ("", raw)
+
+
+def test_deepseek_r1_thinks_from_the_start(client: openai.OpenAI) -> None:
+    """The template opened the thinking: the answer is reasoning until ``</think>``, all of
+    it when the answer is cut before that."""
+    opened = r"[a-z]{2,6} [a-z]{2,6}</think>[a-z]{2,6}"
+    raw = _chat(client, "plain", opened).choices[0].message.content
+    thought, answer = raw.split("</think>")
+    message = _chat(client, "r1", opened).choices[0].message
+    assert (message.reasoning, message.content) == (thought, answer)  # type: ignore[attr-defined]
+    assert _streamed(client, "r1", opened) == (thought, answer)
+    cut = _chat(client, "r1", r"[a-z]{30,40}", max_tokens=3)
+    assert cut.choices[0].finish_reason == "length"
+    assert cut.choices[0].message.content is None and cut.choices[0].message.reasoning  # type: ignore[attr-defined]
+
+
+def test_the_responses_api_answers_a_reasoning_item(client: openai.OpenAI) -> None:
+    raw = _chat(client, "plain", THINKS).choices[0].message.content
+    thought, answer = raw[len("<think>") :].split("</think>")
+    kw: dict[str, Any] = dict(
+        model="qwen3", input=MESSAGES[0]["content"], max_output_tokens=60, temperature=1.0,
+        extra_body={"seed": 7, "structured_outputs": {"regex": THINKS}},
+    )  # fmt: skip
+    reply = client.responses.create(**kw)
+    item, message = reply.output
+    assert item.type == "reasoning" and item.id.startswith("rs_")
+    assert item.content and item.content[0].text == thought
+    assert message.type == "message" and reply.output_text == answer
+    events = list(client.responses.create(stream=True, **kw))
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == thought
+    texts = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(texts) == answer
+    final = events[-1].response  # type: ignore[union-attr]
+    assert [i.type for i in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == thought
