@@ -403,6 +403,22 @@ def test_chat_echo_continues_the_final_message(client: openai.OpenAI) -> None:
     assert fresh.choices[0].message.content == alone.choices[0].message.content
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client: openai.OpenAI) -> None:
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens``: none the first time a prompt
+    is seen, its full blocks the next time (whole and streamed)."""
+    prompt = "kiln serves models with a paged kv cache " * 3 + str(time.time_ns())
+    kw: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+    first = client.completions.create(**kw).usage
+    again = client.completions.create(**kw).usage
+    assert first and again and first.prompt_tokens_details and again.prompt_tokens_details
+    assert first.prompt_tokens_details.cached_tokens == 0
+    cached = again.prompt_tokens_details.cached_tokens
+    assert cached and 0 < cached < again.prompt_tokens and cached % 4 == 0  # block_size 4
+    stream = client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    usage = [c.usage for c in stream if c.usage][-1]
+    assert usage.prompt_tokens_details and usage.prompt_tokens_details.cached_tokens == cached
+
+
 def test_sagemaker_routes_and_model_retrieve(client: openai.OpenAI, http: httpx.Client) -> None:
     """vLLM's ``/ping`` and ``/invocations`` (the body picks the API), and OpenAI's
     ``GET /v1/models/{model}``."""

@@ -70,6 +70,14 @@ def test_a_response_is_the_chat_completion_of_its_input(client: openai.OpenAI) -
     assert reply.usage.output_tokens == 8
     assert reply.usage.total_tokens == chat.usage.prompt_tokens + 8
     assert reply.max_output_tokens == 8 and reply.temperature == 0
+    # a conversation seen before: the prefix cache holds its prompt's full blocks
+    long = "kiln serves models with a paged kv cache " * 4
+    kw: dict[str, Any] = {"model": "plain", "input": long, "max_output_tokens": 2}
+    first = client.responses.create(**kw)
+    again = client.responses.create(**kw)
+    assert first.usage and first.usage.input_tokens_details.cached_tokens == 0
+    assert again.usage and again.usage.input_tokens_details.cached_tokens > 0
+    assert again.usage.input_tokens_details.cached_tokens < again.usage.input_tokens
 
 
 def test_instructions_and_item_lists(client: openai.OpenAI) -> None:

@@ -49,6 +49,8 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     #: the stop token that finished the sample (not a grammar's end nor a stop string)
     stop_token_id: int | None = None
+    #: prompt tokens the prefix cache held when the request was first scheduled
+    num_cached_tokens: int = 0
 
 
 class LLMEngine:
@@ -473,6 +475,7 @@ class LLMEngine:
             else None,
             first_scheduled_time=seq.request.first_scheduled_time,
             stop_token_id=seq.stop_token_id,
+            num_cached_tokens=seq.request.num_cached_tokens,
         )
 
     def pool(self, prompts: list[list[int]]) -> torch.Tensor:

@@ -31,6 +31,8 @@ class Delta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     #: on a choice's first delta, with ``prompt_logprobs``: the prompt's (the first None)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    #: prompt tokens the prefix cache held (the request's, the same for its ``n`` choices)
+    cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -108,7 +110,7 @@ async def run(
                 logprobs = c.pending_logprobs
                 yield Delta(
                     c.pending, reason, prompt_len, completion, out.index, logprobs,
-                    c.take_prompt_logprobs(),
+                    c.take_prompt_logprobs(), out.num_cached_tokens,
                 )  # fmt: skip
                 if not left:
                     # leaving the loop closes the generator, which aborts what is left
@@ -120,7 +122,7 @@ async def run(
                 c.pending, c.pending_logprobs = c.pending[cut:], []
                 yield Delta(
                     text, None, prompt_len, completion, out.index, logprobs,
-                    c.take_prompt_logprobs(),
+                    c.take_prompt_logprobs(), out.num_cached_tokens,
                 )  # fmt: skip
 
 

@@ -453,7 +453,9 @@ class ResponsesCall:
             response["incomplete_details"] = {"reason": "max_output_tokens"}
         response["usage"] = {
             "input_tokens": usage.get("prompt_tokens", 0),
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            },
             "output_tokens": usage.get("completion_tokens", 0),
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.get("total_tokens", 0),
@@ -576,7 +578,7 @@ async def events(
     calls: list[dict[str, Any]] = []  # chat tool calls: id, function name and arguments
     call_at: list[int] = []
     reason: str | None = None
-    tokens = 0
+    tokens = cached = 0
 
     def close_thought() -> list[bytes]:
         nonlocal thought_at
@@ -617,7 +619,7 @@ async def events(
 
     try:
         async for d in deltas:
-            tokens = d.completion_tokens
+            tokens, cached = d.completion_tokens, d.cached_tokens
             reason = d.finish_reason or reason
             piece, found = d.text, list[dict[str, Any]]()
             last = d.finish_reason is not None
@@ -692,7 +694,8 @@ async def events(
         "model": req.model,
         "choices": [{"message": message, "finish_reason": reason}],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
-                  "total_tokens": prompt_tokens + tokens},
+                  "total_tokens": prompt_tokens + tokens,
+                  "prompt_tokens_details": {"cached_tokens": cached}},
     }  # fmt: skip
     # the items in output order: the message (when there is one) came before any call
     final = call.finish(rid, answer, stored, ids)

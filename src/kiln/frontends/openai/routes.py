@@ -230,13 +230,15 @@ def _prepare(
     return prepared
 
 
-def _usage(prompt_tokens: int, completion: dict[int, int]) -> dict[str, int]:
-    """``completion``: tokens per choice index (their sum is the request's)."""
+def _usage(prompt_tokens: int, completion: dict[int, int], cached: int = 0) -> dict[str, Any]:
+    """``completion``: tokens per choice index (their sum is the request's); ``cached``:
+    prompt tokens the prefix cache held (OpenAI's ``prompt_tokens_details``)."""
     total = sum(completion.values())
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": total,
         "total_tokens": prompt_tokens + total,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -287,12 +289,15 @@ async def _sse(
     head = {"id": rid, "object": kind, "created": created, "model": req.model}
     n = req.params.n
     completion: dict[int, int] = {}
+    cached: dict[int, int] = {}  # per prompt
 
     def event(choice: dict[str, Any]) -> bytes:
         out = {**head, "choices": [choice]}
         if req.continuous_usage:  # vLLM's: the choice's prompt and its tokens so far
             index = choice["index"]
-            out["usage"] = _usage(prompt_counts[index // n], {0: completion.get(index, 0)})
+            out["usage"] = _usage(
+                prompt_counts[index // n], {0: completion.get(index, 0)}, cached.get(index // n, 0)
+            )
         return b"data: " + orjson.dumps(out) + b"\n\n"
 
     # each choice's tool-call reader (tool_choice auto, required or named; chat is one prompt)
@@ -350,6 +355,7 @@ async def _sse(
     try:
         async for d in deltas:
             completion[d.index] = d.completion_tokens
+            cached[d.index // n] = d.cached_tokens
             if d.text or d.finish_reason or (echo is not None and d.index in echo.pending):
                 out = chunk(d.index, d)
                 if out is not None:
@@ -357,7 +363,8 @@ async def _sse(
     except KilnError as exc:
         yield b"data: " + orjson.dumps(OpenAIError.from_kiln(exc).body()) + b"\n\n"
     if req.include_usage and completion:
-        final = {**head, "choices": [], "usage": _usage(sum(prompt_counts), completion)}
+        usage = _usage(sum(prompt_counts), completion, sum(cached.values()))
+        final = {**head, "choices": [], "usage": usage}
         yield b"data: " + orjson.dumps(final) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
@@ -441,6 +448,7 @@ async def _answer(
     prompt_entries: list[list[TokenLogprobs | None] | None] = [None] * total
     reasons: list[str | None] = [None] * total
     completion: dict[int, int] = {}
+    cached: dict[int, int] = {}  # per prompt
     try:
         async for d in deltas:
             texts[d.index].append(d.text)
@@ -449,6 +457,7 @@ async def _answer(
                 prompt_entries[d.index] = d.prompt_logprobs
             reasons[d.index] = d.finish_reason or reasons[d.index]
             completion[d.index] = d.completion_tokens
+            cached[d.index // n] = d.cached_tokens
     except KilnError as exc:
         raise OpenAIError.from_kiln(exc) from None
     choices: list[dict[str, Any]] = []
@@ -504,7 +513,7 @@ async def _answer(
         "model": req.model,
         "choices": choices,
         **body,
-        "usage": _usage(prompt_tokens, completion),
+        "usage": _usage(prompt_tokens, completion, sum(cached.values())),
     }
 
 
