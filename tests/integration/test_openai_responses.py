@@ -11,7 +11,7 @@ import json
 import time
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -292,3 +292,21 @@ def _metric(server: KilnProcess, name: str, label: str = "") -> float:
         for line in text.splitlines()
         if line.startswith(name + "{") and 'model_name="plain"' in line and label in line
     )
+
+
+def test_the_sdks_parse_helper(client: openai.OpenAI) -> None:
+    """``client.responses.parse(text_format=Model)``: the SDK's strict JSON schema from a
+    pydantic model, and its parsed output."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Answer(pydantic.BaseModel):
+        answer: Literal["yes", "no"]
+        confidence: Literal["low", "high"]
+
+    for seed in (0, 1):
+        reply = client.responses.parse(
+            model="plain", input="is it raining?", text_format=Answer, max_output_tokens=60,
+            temperature=1.0, extra_body={"seed": seed, **COMPACT},
+        )  # fmt: skip
+        assert isinstance(reply.output_parsed, Answer)
+        assert reply.output_parsed == Answer.model_validate_json(reply.output_text)
