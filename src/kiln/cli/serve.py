@@ -287,6 +287,13 @@ def _open_repositories(values: tuple[str, ...]) -> list[Any]:
     default="info",
     show_default=True,
 )
+@click.option(
+    "--disable-log-requests", "--disable-log-stats", "--trust-remote-code",
+    is_flag=True, expose_value=False,
+    help="vLLM's flags, accepted so its command lines run unchanged; nothing to do: kiln "
+    "logs no request contents nor periodic stats (its /metrics and dashboard have them) and "
+    "runs no code from a checkpoint.",
+)  # fmt: skip
 @security_options
 @llm_options
 def serve(

@@ -68,3 +68,7 @@ def test_serve_reads_vllms_command_line(tmp_path: Path) -> None:
     assert ctx.params["http_port"] == 8000 and ctx.params["model_paths"] == ()
     with pytest.raises(click.BadParameter):
         serve.make_context("serve", [str(tmp_path / "missing")])
+    # vLLM's operational flags that have nothing to change in kiln are accepted
+    flags = ["--disable-log-requests", "--disable-log-stats", "--trust-remote-code"]
+    ctx = serve.make_context("serve", [str(first), *flags])
+    assert not set(ctx.params) & {"disable_log_requests", "disable_log_stats"}
