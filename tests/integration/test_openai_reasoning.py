@@ -7,6 +7,7 @@ forces them to; the same weights without a parser show the raw text it was split
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -20,22 +21,35 @@ pytest.importorskip("llguidance")
 from tests.conftest import KilnProcess  # noqa: E402
 from tests.llm_models import build_tiny_llm, llm_config  # noqa: E402
 
-MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
+#: the prompt holds the end-of-thinking marker, so (vLLM's rule) the model has done its
+#: thinking and a constraint holds from the first token: the regexes below force the
+#: random weights to write what a thinking model writes
+MESSAGES = [{"role": "user", "content": "</think> the quick brown fox"}]
 #: what a Qwen3 model writes when it thinks
 THINKS = r"<think>[a-z]{2,6} [a-z]{2,6}</think>[a-z]{2,6} [a-z]{2,6}"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
+    from tokenizers import Tokenizer
+
     repo = tmp_path_factory.mktemp("reasoning") / "repo"
     build_tiny_llm(repo / "plain" / "1")
+    # as thinking models' tokenizers: <think> and </think> as tokens of their own
+    shutil.copytree(repo / "plain" / "1", repo / "plain-tags" / "1")
+    path = repo / "plain-tags" / "1" / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save(str(path))
     common = dict(max_num_seqs="4", num_gpu_blocks="256", dtype="float32")
-    for name, parser in (("qwen3", "qwen3"), ("r1", "deepseek_r1")):
-        shutil.copytree(repo / "plain" / "1", repo / name / "1")
+    for name, parser, base in (("qwen3", "qwen3", "plain"), ("r1", "deepseek_r1", "plain"),
+                               ("r1-tags", "deepseek_r1", "plain-tags")):  # fmt: skip
+        shutil.copytree(repo / base / "1", repo / name / "1")
         (repo / name / "config.pbtxt").write_text(
             llm_config(name, reasoning_parser=parser, **common)
         )
-    (repo / "plain" / "config.pbtxt").write_text(llm_config("plain", **common))
+    for name in ("plain", "plain-tags"):
+        (repo / name / "config.pbtxt").write_text(llm_config(name, **common))
     proc = KilnProcess(repo).start(timeout=180)
     yield proc
     proc.stop()
@@ -129,3 +143,34 @@ def test_the_responses_api_answers_a_reasoning_item(client: openai.OpenAI) -> No
     final = events[-1].response  # type: ignore[union-attr]
     assert [i.type for i in final.output] == ["reasoning", "message"]
     assert final.output[0].content[0].text == thought
+
+
+def test_a_schema_holds_after_the_thinking(client: openai.OpenAI, server: KilnProcess) -> None:
+    """vLLM's rule with a reasoning parser: the model thinks freely and the constraint
+    holds from after ``</think>``. The random weights are pushed to close their thinking
+    at once (a bias on the marker, which the schema alone would never allow)."""
+    import httpx
+    import jsonschema
+
+    end = httpx.post(
+        f"http://{server.http_url}/tokenize",
+        json={"model": "r1-tags", "prompt": "</think>", "add_special_tokens": False},
+    )
+    (marker,) = end.json()["tokens"]
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}  # fmt: skip
+    fresh = [{"role": "user", "content": "is it raining?"}]  # thinking still to do
+    kw: dict[str, Any] = dict(
+        messages=fresh, max_tokens=60, temperature=1.0, logit_bias={str(marker): 100},
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )  # fmt: skip
+    for seed in (0, 1, 2):
+        extra = {"structured_outputs": {"disable_any_whitespace": True}}
+        message = client.chat.completions.create(model="r1-tags", seed=seed, extra_body=extra,
+                                                 **kw).choices[0].message  # fmt: skip
+        assert message.reasoning == ""  # type: ignore[attr-defined]
+        jsonschema.validate(json.loads(message.content or ""), schema)
+        # a model without a reasoning parser is constrained from its first token
+        plain = client.chat.completions.create(model="plain-tags", seed=seed, extra_body=extra,
+                                               **kw).choices[0].message  # fmt: skip
+        jsonschema.validate(json.loads(plain.content or ""), schema)

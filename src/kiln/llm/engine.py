@@ -244,8 +244,16 @@ class LLMEngine:
         spec = params.structured_outputs
         if spec is not None and self.grammars is not None:
             # the frontend compiled it off the event loop: a cache hit here, unless evicted
+            # a thinking model's constraint starts after its reasoning, unless the prompt
+            # closed the reasoning already (vLLM's check: the marker in the prompt)
+            end = list(params.reasoning_end)
+            thinking = bool(end) and not any(
+                prompt_token_ids[i : i + len(end)] == end
+                for i in range(len(prompt_token_ids) - len(end) + 1)
+            )
             for sample in (seq, *seq.forks):
                 sample.grammar = self.grammars.matcher(spec)
+                sample.thinking = thinking
         self.scheduler.add(seq)
         return seq
 

@@ -70,7 +70,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
     if not seqs:
         return []
     logits = logits.float()
-    if any(s.grammar is not None for s in seqs):
+    if any(s.constrained for s in seqs):
         logits = apply_grammar_bitmask(logits, seqs)
     params = [s.params for s in seqs]
     wants_logprobs = any(p.logprobs is not None for p in params)
@@ -117,7 +117,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, seqs: list[Sequence]) -> torch.T
     batch: on the CPU it took a third of ``masked_fill``'s time (64 x 49,152 logits)."""
     from kiln.llm.structured import fill_bitmask
 
-    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    rows = [i for i, s in enumerate(seqs) if s.constrained]
     matchers = [m for m in (seqs[i].grammar for i in rows) if m is not None]
     batch, vocab = logits.shape
     words = fill_bitmask(matchers, vocab)

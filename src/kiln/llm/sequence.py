@@ -58,6 +58,10 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()
     #: vLLM's ``structured_outputs``: the constraint the output must follow
     structured_outputs: StructuredOutputsParams | None = None
+    #: a thinking model's end-of-reasoning marker (``</think>``'s token ids): the
+    #: constraint applies from after it, as vLLM's does with a reasoning parser (unless the
+    #: prompt holds it already: thinking turned off by the template)
+    reasoning_end: tuple[int, ...] = ()
 
 
 class SequenceStatus(enum.Enum):
@@ -126,6 +130,8 @@ class Sequence:
     #: with ``structured_outputs``: this sequence's own matcher, advanced by each token
     #: appended; it masks the sequence's logits every step
     grammar: llguidance.LLMatcher | None = None
+    #: the grammar waits for ``params.reasoning_end`` (the model is still thinking)
+    thinking: bool = False
     #: speculative decoding: the draft tokens this step verifies (after ``token_ids``)
     spec_token_ids: list[int] = field(default_factory=list)
     #: the draft model's distributions they were drawn from ([len(spec_token_ids), vocab]);
@@ -171,6 +177,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def constrained(self) -> bool:
+        """Its grammar masks its next token (it has one, and is not still thinking)."""
+        return self.grammar is not None and not self.thinking
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -180,7 +191,12 @@ class Sequence:
         self.token_ids.append(token_id)
         p = self.params
         grammar = self.grammar
-        if grammar is not None and not grammar.is_stopped():
+        if self.thinking:
+            # free text until the reasoning's end marker; the grammar starts after it
+            end = p.reasoning_end
+            self.thinking = self.token_ids[-len(end) :] != list(end)
+            grammar = None
+        elif grammar is not None and not grammar.is_stopped():
             # the mask allowed only tokens the matcher takes: a refusal (an error state)
             # stops it too, and the sequence ends rather than leaving its grammar
             grammar.consume_token(token_id)

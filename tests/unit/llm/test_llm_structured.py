@@ -522,3 +522,33 @@ def test_a_grammar_the_parser_gives_up_on_is_logged(
     logged = [r.getMessage() for r in caplog.records]
     assert any("too-complex" in m and "structured output" in m for m in logged), logged
     all_blocks_returned(engine)
+
+
+def test_a_thinking_model_is_constrained_after_its_reasoning(
+    engine: LLMEngine, tokenizer: Tokenizer
+) -> None:
+    """``reasoning_end`` (vLLM's rule with a reasoning parser): the tokens up to the end
+    marker are free, the schema holds after it. Here the marker is a token the model is
+    pushed to write first (a logit bias), which the schema alone would never allow."""
+    prompt = tokenizer.encode("the quick brown fox")
+    spec = _json(PERSON)
+    # any token not in the prompt: the marker is whatever the frontend says ends thinking
+    marker = next(t for t in tokenizer.encode("a sequence of tokens") if t not in prompt)
+    bias = ((marker, 100.0),)
+    for t, s in SETTINGS:
+        thinking = _params(spec, t, s, logit_bias=bias, reasoning_end=(marker,))
+        seq = engine.add_request(f"think-{s}", prompt, thinking)
+        drain(engine)
+        assert seq.finish_reason == "stop" and seq.output_token_ids[0] == marker
+        jsonschema.validate(json.loads(tokenizer.decode(seq.output_token_ids[1:])), PERSON)
+        # without the marker the grammar holds from the first token: the bias cannot win
+        plain = engine.add_request(f"plain-{s}", prompt, _params(spec, t, s, logit_bias=bias))
+        drain(engine)
+        assert plain.output_token_ids[0] != marker
+    # a prompt that holds the marker has done its thinking: constrained from the start
+    seq = engine.add_request("closed", [*prompt, marker, 5],
+                             _params(spec, logit_bias=bias, reasoning_end=(marker,)))  # fmt: skip
+    drain(engine)
+    assert seq.output_token_ids[0] != marker
+    jsonschema.validate(json.loads(_text(seq)), PERSON)
+    all_blocks_returned(engine)

@@ -18,7 +18,7 @@ from starlette.routing import BaseRoute, Route
 from kiln import __version__
 from kiln.core.errors import KilnError, Status
 from kiln.core.trace import FrontendSlot, http_slot
-from kiln.frontends.openai import embeddings, lora, responses, tools
+from kiln.frontends.openai import embeddings, lora, reasoning, responses, tools
 from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run, started
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
@@ -465,9 +465,9 @@ async def _answer(
         content = "".join(texts[index])
         thought: dict[str, Any] = {}
         if chat and req.reasoning is not None:
-            reasoning, answer = req.reasoning.split(content)
+            thinking, answer = req.reasoning.split(content)
             content = answer or ""
-            thought = _reasoning(reasoning) if req.include_reasoning else {}
+            thought = _reasoning(thinking) if req.include_reasoning else {}
         if chat and req.tools is not None and req.tools.parser is not None:
             message, reasons[index] = tools.tool_message(
                 req.tools, req.role, content, reasons[index]
@@ -609,6 +609,10 @@ async def _chat_setup(
         llm = _generator(server, req.model, api, body)
     if llm.reasoning_parser is not None:
         req.reasoning = ReasoningParser(llm.reasoning_parser)
+        if req.params.structured_outputs is not None:
+            # vLLM's rule: the model thinks freely, the constraint holds after </think>
+            end = tuple(llm.tokenizer.encode(reasoning.END))
+            req.params = replace(req.params, reasoning_end=end)
     prepared = await asyncio.to_thread(_prepare, llm, req, None)
     return llm, req, prepared
 
