@@ -40,17 +40,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     proc.stop()
 
 
-@pytest.fixture
-def client(server: KilnProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def http(server: KilnProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=f"http://{server.http_url}", timeout=60) as c:
-        yield c
-
-
 def _tokens(http: httpx.Client, **body: Any) -> list[int]:
     reply = http.post("/tokenize", json={"model": "tiny", **body})
     assert reply.status_code == 200, reply.text

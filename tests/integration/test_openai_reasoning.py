@@ -55,11 +55,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     proc.stop()
 
 
-@pytest.fixture
-def client(server: KilnProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
-
-
 def _chat(client: openai.OpenAI, model: str, regex: str, **kw: Any) -> Any:
     extra = {"structured_outputs": {"regex": regex}, **kw.pop("extra_body", {})}
     settings: dict[str, Any] = {"max_tokens": 60, "temperature": 1.0, "seed": 7, **kw}

@@ -39,17 +39,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     proc.stop()
 
 
-@pytest.fixture
-def client(server: KilnProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def http(server: KilnProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=f"http://{server.http_url}", timeout=60) as c:
-        yield c
-
-
 def _chat(client: openai.OpenAI, messages: list[dict[str, Any]], **kw: Any) -> Any:
     return client.chat.completions.create(model="plain", messages=messages, **kw)  # type: ignore[arg-type]
 

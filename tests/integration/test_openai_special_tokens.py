@@ -79,17 +79,6 @@ def bos_id(bos: tuple[KilnProcess, int]) -> int:
     return bos[1]
 
 
-@pytest.fixture
-def client(server: KilnProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def http(server: KilnProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=f"http://{server.http_url}", timeout=60) as c:
-        yield c
-
-
 def _tokens(http: httpx.Client, **body: Any) -> list[int]:
     reply = http.post("/tokenize", json={"model": "gen", **body})
     assert reply.status_code == 200, reply.text

@@ -75,11 +75,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     proc.stop()
 
 
-@pytest.fixture
-def client(server: KilnProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
-
-
 def _check_calls(calls: list[Any]) -> list[tuple[str, Any]]:
     """(name, arguments) of each call, each validated against its tool's schema."""
     out = []
