@@ -53,6 +53,20 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+def _holds(ids: list[int], run: tuple[int, ...]) -> bool:
+    """Whether ``run`` occurs in ``ids``: ``list.index`` finds each candidate start (a scan
+    in C: the engine's thread holds every request while it runs)."""
+    at = 0
+    try:
+        while True:
+            at = ids.index(run[0], at)
+            if tuple(ids[at : at + len(run)]) == run:
+                return True
+            at += 1
+    except ValueError:
+        return False
+
+
 class LLMEngine:
     def __init__(self, path: Path, config: EngineConfig | None = None) -> None:
         """``path``: a Hugging Face folder or a ``.gguf`` file."""
@@ -246,11 +260,8 @@ class LLMEngine:
             # the frontend compiled it off the event loop: a cache hit here, unless evicted
             # a thinking model's constraint starts after its reasoning, unless the prompt
             # closed the reasoning already (vLLM's check: the marker in the prompt)
-            end = list(params.reasoning_end)
-            thinking = bool(end) and not any(
-                prompt_token_ids[i : i + len(end)] == end
-                for i in range(len(prompt_token_ids) - len(end) + 1)
-            )
+            end = params.reasoning_end
+            thinking = bool(end) and not _holds(prompt_token_ids, end)
             for sample in (seq, *seq.forks):
                 sample.grammar = self.grammars.matcher(spec)
                 sample.thinking = thinking

@@ -149,17 +149,24 @@ def unpack_bitmask(
 
 def apply_allowed_token_ids(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """The rows of requests with ``allowed_token_ids``: every other token ``-inf`` (after the
-    raw logprobs, as vLLM's sampler masks them). One scatter for the batch."""
+    raw logprobs, as vLLM's sampler masks them). Each sequence's mask is built once, on its
+    first step: a step costs one ``where`` however many ids a request allows."""
     rows = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids]
     dev = logits.device
-    keep = torch.zeros((len(rows), logits.shape[1]), dtype=torch.bool, device=dev)
-    at = [r for r, i in enumerate(rows) for _ in seqs[i].params.allowed_token_ids]
-    ids = [t for i in rows for t in seqs[i].params.allowed_token_ids]
-    keep[torch.tensor(at, device=dev), torch.tensor(ids, device=dev)] = True
+    keep = torch.stack([_allowed_mask(seqs[i], logits.shape[1], dev) for i in rows])
     logits = logits.clone()
     index = torch.tensor(rows, device=dev)
-    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+    logits[index] = torch.where(keep, logits[index], float("-inf"))
     return logits
+
+
+def _allowed_mask(seq: Sequence, vocab: int, dev: torch.device) -> torch.Tensor:
+    mask = seq.allowed_mask
+    if mask is None or mask.device != dev:
+        mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        mask[torch.tensor(seq.params.allowed_token_ids, device=dev)] = True
+        seq.allowed_mask = mask
+    return mask
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -132,6 +132,9 @@ class Sequence:
     grammar: llguidance.LLMatcher | None = None
     #: the grammar waits for ``params.reasoning_end`` (the model is still thinking)
     thinking: bool = False
+    #: ``params.allowed_token_ids`` as a [vocab] mask on the logits' device (the sampler's,
+    #: built on the sequence's first step)
+    allowed_mask: torch.Tensor | None = None
     #: speculative decoding: the draft tokens this step verifies (after ``token_ids``)
     spec_token_ids: list[int] = field(default_factory=list)
     #: the draft model's distributions they were drawn from ([len(spec_token_ids), vocab]);
@@ -194,7 +197,8 @@ class Sequence:
         if self.thinking:
             # free text until the reasoning's end marker; the grammar starts after it
             end = p.reasoning_end
-            self.thinking = self.token_ids[-len(end) :] != list(end)
+            if token_id == end[-1]:
+                self.thinking = tuple(self.token_ids[-len(end) :]) != end
             grammar = None
         elif grammar is not None and not grammar.is_stopped():
             # the mask allowed only tokens the matcher takes: a refusal (an error state)
