@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from kiln.core.errors import KilnError
-from kiln.frontends.openai.protocol import OpenAIError, check_fields, flag
+from kiln.frontends.openai.protocol import MAX_MESSAGES, OpenAIError, check_fields, flag
 
 if TYPE_CHECKING:
     from kiln.frontends.openai.generation import Delta
@@ -207,6 +207,10 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
         raise OpenAIError("'input' must be a string or a non-empty list of items", param="input")
+    if len(raw) > MAX_MESSAGES:  # before each item is read
+        raise OpenAIError(
+            f"'input' holds {len(raw)} items, more than {MAX_MESSAGES}", param="input"
+        )
     out: list[dict[str, Any]] = []
     for i, item in enumerate(raw):
         where = f"input[{i}]"

@@ -95,3 +95,13 @@ def test_output_items() -> None:
     assert message["type"] == "message" and message["content"][0]["text"] == ""
     both = output_items({"content": "ok", "tool_calls": calls})
     assert [i["type"] for i in both] == ["message", "function_call"]
+
+
+def test_too_many_input_items_are_refused_before_they_are_read() -> None:
+    """Counted before the loop that reads each item (chat's bound, on the Responses field)."""
+    from kiln.frontends.openai.protocol import MAX_MESSAGES
+
+    items = [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)
+    with pytest.raises(OpenAIError) as err:
+        ResponsesCall.read({"model": "m", "input": items}, ResponseStore())
+    assert err.value.param == "input" and str(MAX_MESSAGES) in err.value.message
