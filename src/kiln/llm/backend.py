@@ -188,14 +188,7 @@ def tool_calling(config: ModelConfig) -> tuple[bool, str | None]:
             f"got '{raw}'",
             Status.INVALID_ARG,
         )
-    parser = parameter(config, "tool_call_parser")
-    parser = parser.strip() if parser else None
-    if parser is not None and parser not in TOOL_CALL_PARSERS:
-        raise KilnError(
-            f"model '{config.name}': tool_call_parser '{parser}' is not one kiln has "
-            f"({', '.join(TOOL_CALL_PARSERS)})",
-            Status.INVALID_ARG,
-        )
+    parser = _parser(config, "tool_call_parser", TOOL_CALL_PARSERS)
     if enabled and parser is None:
         raise KilnError(
             f"model '{config.name}': enable_auto_tool_choice needs tool_call_parser "
@@ -208,12 +201,16 @@ def tool_calling(config: ModelConfig) -> tuple[bool, str | None]:
 def reasoning_parser(config: ModelConfig) -> str | None:
     """Parameter ``reasoning_parser`` (vLLM's ``--reasoning-parser``): the format the
     OpenAI frontend splits a thinking model's answer by."""
-    raw = parameter(config, "reasoning_parser")
+    return _parser(config, "reasoning_parser", REASONING_PARSERS)
+
+
+def _parser(config: ModelConfig, key: str, names: tuple[str, ...]) -> str | None:
+    """Parameter ``key``: one of ``names`` (a parser kiln has), or unset."""
+    raw = parameter(config, key)
     name = raw.strip() if raw else None
-    if name is not None and name not in REASONING_PARSERS:
+    if name is not None and name not in names:
         raise KilnError(
-            f"model '{config.name}': reasoning_parser '{name}' is not one kiln has "
-            f"({', '.join(REASONING_PARSERS)})",
+            f"model '{config.name}': {key} '{name}' is not one kiln has ({', '.join(names)})",
             Status.INVALID_ARG,
         )
     return name
