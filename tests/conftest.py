@@ -127,6 +127,18 @@ class KilnProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
 
+    def metric(self, name: str, model: str, label: str = "") -> float:
+        """The sum of metric ``name``'s samples for ``model`` whose labels hold ``label``
+        (e.g. ``'finished_reason="abort"'``); a metric the model does not expose fails."""
+        text = urllib.request.urlopen(self.metrics_url).read().decode()
+        lines = [
+            line
+            for line in text.splitlines()
+            if line.startswith(name + "{") and f'model_name="{model}"' in line
+        ]
+        assert lines, f"{name} not exposed for {model}"
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if label in line)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc is None:
             return 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,14 +44,6 @@ def _tokens(http: httpx.Client, **body: Any) -> list[int]:
     assert reply.status_code == 200, reply.text
     tokens: list[int] = reply.json()["tokens"]
     return tokens
-
-
-def _metric(server: KilnProcess, name: str) -> float:
-    text = urllib.request.urlopen(server.metrics_url).read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + "{") and 'model_name="tiny"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not exposed")
 
 
 def _error(reply: httpx.Response) -> dict[str, Any]:
@@ -201,10 +192,10 @@ def test_leaving_a_streamed_list_early_frees_every_prompt(
             break
     stream.close()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _metric(server, "vllm:num_requests_running"):
+    while time.monotonic() < deadline and server.metric("vllm:num_requests_running", "tiny"):
         time.sleep(0.1)
-    assert _metric(server, "vllm:num_requests_running") == 0
-    assert _metric(server, "vllm:kv_cache_usage_perc") == 0.0
+    assert server.metric("vllm:num_requests_running", "tiny") == 0
+    assert server.metric("vllm:kv_cache_usage_perc", "tiny") == 0.0
 
 
 def test_a_bad_prompt_in_a_list_is_400(client: openai.OpenAI) -> None:

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 
@@ -259,7 +258,8 @@ def test_unknown_ids_are_404(http: httpx.Client) -> None:
 def test_leaving_a_stream_early_aborts_its_request(
     client: openai.OpenAI, server: KilnProcess
 ) -> None:
-    aborted = _metric(server, "vllm:request_success_total", 'finished_reason="abort"')
+    abort = 'finished_reason="abort"'
+    aborted = server.metric("vllm:request_success_total", "plain", abort)
     stream = client.responses.create(model="plain", input="a long story", max_output_tokens=250,
                                      stream=True, **GREEDY)  # fmt: skip
     for i, _ in enumerate(stream):
@@ -267,35 +267,8 @@ def test_leaving_a_stream_early_aborts_its_request(
             break
     stream.close()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _metric(server, "vllm:num_requests_running"):
+    while time.monotonic() < deadline and server.metric("vllm:num_requests_running", "plain"):
         time.sleep(0.1)
-    assert _metric(server, "vllm:num_requests_running") == 0
+    assert server.metric("vllm:num_requests_running", "plain") == 0
     # aborted, not run to its 250 tokens
-    assert _metric(server, "vllm:request_success_total", 'finished_reason="abort"') == aborted + 1
-
-
-def _metric(server: KilnProcess, name: str, label: str = "") -> float:
-    text = urllib.request.urlopen(server.metrics_url).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") and 'model_name="plain"' in line and label in line
-    )
-
-
-def test_the_sdks_parse_helper(client: openai.OpenAI) -> None:
-    """``client.responses.parse(text_format=Model)``: the SDK's strict JSON schema from a
-    pydantic model, and its parsed output."""
-    pydantic = pytest.importorskip("pydantic")
-
-    class Answer(pydantic.BaseModel):
-        answer: Literal["yes", "no"]
-        confidence: Literal["low", "high"]
-
-    for seed in (0, 1):
-        reply = client.responses.parse(
-            model="plain", input="is it raining?", text_format=Answer, max_output_tokens=60,
-            temperature=1.0, extra_body={"seed": seed, **COMPACT},
-        )  # fmt: skip
-        assert isinstance(reply.output_parsed, Answer)
-        assert reply.output_parsed == Answer.model_validate_json(reply.output_text)
+    assert server.metric("vllm:request_success_total", "plain", abort) == aborted + 1
