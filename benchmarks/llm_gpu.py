@@ -398,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
                     _log(f"{name}: OpenAI API c={len(prompts)} "
                          f"{http['output_tokens_per_s']:.0f} tok/s")  # fmt: skip
                 result[f"kiln {name}"] = entry
+                # each finished backend is on disk: a device call cut short keeps it
+                args.json.write_text(json.dumps(result, indent=2))
                 rows.append((f"kiln ({name})", one["decode_tokens_per_s"],
                              many["output_tokens_per_s"], http))  # fmt: skip
         if not args.skip_transformers:
