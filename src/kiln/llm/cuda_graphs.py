@@ -10,6 +10,12 @@ buffers of the smallest size >= ``b`` and replays; the rows beyond ``b`` are dum
 sequences whose one-token context lives in a scratch page no real sequence owns. Anything
 else (a prefill or chunk in the batch, a batch larger than every size) runs eagerly.
 
+With the ``triton`` backend a decode step's whole input (token ids, positions, KV slots,
+block tables, context lengths) is written by numpy into one pinned host buffer and reaches
+the graphs' static buffers, views of one device buffer, in one asynchronous copy: building
+a ``PagedDecode`` per step took a dozen blocking host-to-device copies, most of the host time
+of an H200 batch-1 decode step (docs/design/llm-decode-staging.md).
+
 ``capture=False`` runs the same static-buffer path without recording a graph: how the
 padding and in-place metadata updates are tested on a machine without a GPU.
 """
@@ -20,6 +26,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kiln.llm.attention_flex import FlexMetadata
@@ -72,6 +79,73 @@ class _Graph:
     graph: torch.cuda.CUDAGraph | None = None
 
 
+class _Staging:
+    """A decode step's inputs for the ``triton`` backend: one pinned host buffer written by
+    numpy, one device buffer whose views the graphs read, one copy between them per step.
+
+    Layout (bytes): int64 rows ``[4, biggest]`` (token ids, positions, KV slots, each row's
+    token index), int32 ``[biggest]`` context lengths, int32 ``[biggest, width]`` block
+    tables; a step of ``size`` rows copies the prefix up to its last table row."""
+
+    def __init__(self, biggest: int, width: int, device: torch.device) -> None:
+        self.biggest, self.width = biggest, width
+        self.tables_at = 4 * biggest * 8 + 4 * biggest
+        nbytes = self.tables_at + 4 * biggest * width
+        pinned = device.type == "cuda" and torch.cuda.is_available()
+        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.device = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.host_rows, self.host_lens, self.host_tables = self._views(self.host)
+        self.rows, self.lens, self.tables = self._views(self.device)
+        self.np_rows = self.host_rows.numpy()
+        self.np_lens = self.host_lens.numpy()
+        self.np_tables = self.host_tables.numpy()
+        self.np_rows[3] = np.arange(biggest)  # decode rows: one token each, in order
+        self.device.copy_(self.host)
+        #: recorded after each copy: the host buffer is rewritten only once it has been read
+        self.copied = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
+
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, w = self.biggest, self.width
+        rows = buf[: 4 * b * 8].view(torch.int64).view(4, b)
+        lens = buf[4 * b * 8 : self.tables_at].view(torch.int32)
+        tables = buf[self.tables_at :].view(torch.int32).view(b, w)
+        return rows, lens, tables
+
+    def write(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        tables: list[list[int]],
+        computed: list[int],
+        size: int,
+        block_size: int,
+        scratch_page: int,
+    ) -> None:
+        """Fill rows ``0 .. size-1`` (``len(input_ids)`` real ones, then dummies whose one
+        token sits at slot 0 of the scratch page) and queue their copy."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        batch = len(input_ids)
+        rows, lens, pages = self.np_rows, self.np_lens, self.np_tables
+        rows[0, :batch] = input_ids
+        rows[1, :batch] = positions
+        rows[2, :batch] = [t[c // block_size] * block_size + c % block_size
+                           for t, c in zip(tables, computed, strict=True)]  # fmt: skip
+        lens[:batch] = computed
+        lens[:batch] += 1
+        for r, (t, c) in enumerate(zip(tables, computed, strict=True)):
+            used = c // block_size + 1  # entries past a row's length are never read
+            pages[r, :used] = t[:used]
+        rows[:3, batch:size] = 0
+        rows[2, batch:size] = scratch_page * block_size
+        lens[batch:size] = 1
+        pages[batch:size, 0] = scratch_page
+        end = self.tables_at + 4 * size * self.width
+        self.device[:end].copy_(self.host[:end], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, sizes: list[int], capture: bool = True) -> None:
         self.runner = runner
@@ -82,12 +156,24 @@ class DecodeGraphs:
         self.max_pages = -(-runner.config.max_model_len // self.block_size)
         biggest = max(sizes)
         dev = runner.device
-        self.input_ids = torch.zeros(biggest, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(biggest, dtype=torch.long, device=dev)
         self.logit_index = torch.arange(biggest, device=dev)
         #: decode steps served from the static buffers (replayed, or run over them uncaptured)
         self.num_replays = 0
         self.graphs = {size: _Graph(self._metadata([], [], size)) for size in sizes}
+        self.staging: _Staging | None = None
+        if runner.attention_backend == "triton":
+            self.staging = _Staging(biggest, self.max_pages, dev)
+            self.input_ids, self.positions = self.staging.rows[0], self.staging.rows[1]
+            for size, entry in self.graphs.items():
+                for meta in entry.metas.values():
+                    assert meta.decode is not None and not meta.groups
+                    meta.slot_mapping = self.staging.rows[2, :size]
+                    meta.decode.token_index = self.staging.rows[3, :size]
+                    meta.decode.seq_lens = self.staging.lens[:size]
+                    meta.decode.block_table = self.staging.tables[:size]
+        else:
+            self.input_ids = torch.zeros(biggest, dtype=torch.long, device=dev)
+            self.positions = torch.zeros(biggest, dtype=torch.long, device=dev)
         if capture:
             self._capture_all()
 
@@ -159,14 +245,19 @@ class DecodeGraphs:
         if size is None:
             return None
         entry = self.graphs[size]
-        pad = [0] * (size - batch)
-        self.input_ids[:size].copy_(torch.tensor(input_ids + pad), non_blocking=True)
-        self.positions[:size].copy_(torch.tensor(positions + pad), non_blocking=True)
-        step = self._metadata(
-            [s.block_table for s in out.seqs], [s.num_computed_tokens for s in out.seqs], size
-        )
-        for window, meta in entry.metas.items():
-            meta.copy_(step[window])
+        tables = [s.block_table for s in out.seqs]
+        computed = [s.num_computed_tokens for s in out.seqs]
+        if self.staging is not None:
+            self.staging.write(
+                input_ids, positions, tables, computed, size, self.block_size, self.scratch_page
+            )
+        else:
+            pad = [0] * (size - batch)
+            self.input_ids[:size].copy_(torch.tensor(input_ids + pad), non_blocking=True)
+            self.positions[:size].copy_(torch.tensor(positions + pad), non_blocking=True)
+            step = self._metadata(tables, computed, size)
+            for window, meta in entry.metas.items():
+                meta.copy_(step[window])
         self.num_replays += 1
         if entry.graph is None:
             logits = self._forward(size)

@@ -18,6 +18,7 @@ from kiln.core.errors import KilnError
 from kiln.llm.config import EngineConfig
 from kiln.llm.cuda_graphs import (
     DecodeGraphs,
+    _Staging,
     capture_sizes,
     is_pure_decode,
     pad_decode_batch,
@@ -30,6 +31,30 @@ from tests.llm_models import build_tiny_llm, reference_generate
 from tests.unit.llm.test_llm_scheduling import _config
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def test_staging_writes_a_decode_step_in_one_copy() -> None:
+    """The triton backend's decode inputs: real rows from the sequences, dummy rows at slot 0
+    of the scratch page, all in one device buffer (the views the graphs read)."""
+    staging = _Staging(biggest=4, width=3, device=torch.device("cpu"))
+    staging.np_tables[:] = -7  # stale entries past a row's length stay: never read
+    # two sequences: 17 tokens cached (page size 8: the new one goes to their third page),
+    # and 2 cached (first page)
+    staging.write([11, 12], [17, 2], [[5, 6, 9], [4]], [17, 2], 4, 8, scratch_page=10)
+    assert staging.rows[0].tolist() == [11, 12, 0, 0]  # token ids
+    assert staging.rows[1].tolist() == [17, 2, 0, 0]  # positions
+    assert staging.rows[2].tolist() == [9 * 8 + 1, 4 * 8 + 2, 80, 80]  # KV slots
+    assert staging.rows[3].tolist() == [0, 1, 2, 3]  # each row's token
+    assert staging.lens.tolist() == [18, 3, 1, 1]
+    assert staging.tables[:, 0].tolist() == [5, 4, 10, 10]
+    assert staging.tables[0].tolist() == [5, 6, 9]
+    assert staging.tables[1, 1:].tolist() == [-7, -7]
+    # a smaller step copies its own rows' prefix; the views never move
+    views = [t.data_ptr() for t in (staging.rows, staging.lens, staging.tables)]
+    staging.write([13], [18], [[5, 6, 9]], [18], 1, 8, scratch_page=10)
+    assert staging.rows[:3, 0].tolist() == [13, 18, 9 * 8 + 2]
+    assert [t.data_ptr() for t in (staging.rows, staging.lens, staging.tables)] == views
+    assert staging.rows.untyped_storage().data_ptr() == staging.device.data_ptr()
 
 
 def test_capture_sizes_are_powers_of_two_up_to_max_num_seqs() -> None:

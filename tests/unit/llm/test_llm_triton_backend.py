@@ -119,6 +119,15 @@ def test_static_buffers_of_cuda_graphs_with_the_triton_decode(llama: Path) -> No
     assert meta.decode is not None and not meta.groups
     assert meta.decode.block_table.shape == (4, 128 // 16)
     table = meta.decode.block_table
+    # every static tensor the graphs read is a view of the staging buffer: one copy a step
+    assert graphs.staging is not None
+    buffer = graphs.staging.device.untyped_storage().data_ptr()
+    for entry in graphs.graphs.values():
+        decode = entry.metas[None].decode
+        assert decode is not None
+        for t in (entry.metas[None].slot_mapping, *decode.tensors()):
+            assert t.untyped_storage().data_ptr() == buffer
+    assert graphs.input_ids.untyped_storage().data_ptr() == buffer
     engine.runner.graphs = graphs
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     assert engine.generate(prompts, params) == want
