@@ -2,7 +2,7 @@
 capability 8.9+ (Ada, Hopper), int4 through ``torch._weight_int4pack_mm``, and the fp8 KV
 cache in the torch attention backend. The tolerances of the CPU tests apply, widened for
 fp8 activations (quantized per token): logits within 5% of their range, greedy tokens equal
-to ``transformers`` on the dequantized weights."""
+to ``transformers`` on the dequantized weights up to a near tie within that tolerance."""
 
 from __future__ import annotations
 
@@ -33,9 +33,22 @@ def _engine(folder: Path, **kw: str) -> LLMEngine:
 
 
 def _close(engine: LLMEngine, rdir: Path, rel: float) -> None:
+    """Logits within ``rel`` of their range; greedy tokens equal to the reference's up to the
+    first difference, if any, where kiln's token must be within the same tolerance of the
+    reference's best (a near tie: the random model's degenerate repeats have such ties,
+    which bf16 and fp8 activations may break the other way)."""
     got, want = kiln_logits(engine, PROMPT).cpu(), reference_logits(rdir, PROMPT)
-    assert float((got - want).abs().max()) <= rel * float(want.max() - want.min())
-    assert engine.generate([PROMPT], GREEDY) == [reference_generate(rdir, PROMPT, 10)]
+    tolerance = rel * float(want.max() - want.min())
+    assert float((got - want).abs().max()) <= tolerance
+    [tokens] = engine.generate([PROMPT], GREEDY)
+    reference = reference_generate(rdir, PROMPT, 10)
+    for i, (mine, theirs) in enumerate(zip(tokens, reference, strict=True)):
+        if mine != theirs:
+            row = reference_logits(rdir, PROMPT + tokens[:i])[-1]
+            print(f"first difference at token {i}: kiln {mine} ({float(row[mine]):.4f}), "
+                  f"reference {theirs} ({float(row[theirs]):.4f})")  # fmt: skip
+            assert float(row[theirs] - row[mine]) <= tolerance, (i, tokens, reference)
+            break
 
 
 @pytest.fixture(scope="module")
