@@ -229,7 +229,7 @@ def llm_options(func: F) -> F:
             default=None,
             help="auto, torch, cpu, flex or triton (on CUDA: flex compiled by torch, or "
             "kiln's Triton kernels for decodes, norms, SiLU-mul and RoPE) [default: auto: "
-            "flex on CUDA; triton is opt-in until measured on a GPU] (docs/llm.md).",
+            "flex on CUDA; triton, faster there, is opt-in] (docs/llm.md).",
         ),
         click.option(
             "--enable-multiprocessing/--no-enable-multiprocessing",

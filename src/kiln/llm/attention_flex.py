@@ -83,8 +83,8 @@ def resolve_attention_backend(
     if name == "auto":
         if device.type != "cuda" or not cuda_pages_ok:
             return "torch"
-        # flex is the path measured on an H100; kiln's Triton kernels have run only under
-        # the CPU interpreter so far, so they are opt-in until scripts/gpu_check.sh runs
+        # triton is faster on an H200 (docs/design/triton-decode-attention.md) but opt-in
+        # until LoRA, MoE, quantized and speculative engines have run with it on a GPU
         return "flex"
     if device.type == "cuda" and not cuda_pages_ok:
         raise KilnError(
