@@ -264,3 +264,116 @@ def test_generation_completes_while_embeddings_run(
     for answer in results:
         for item in answer.data:
             np.testing.assert_allclose(item.embedding, expected, atol=ATOL, rtol=0)
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.mark.parametrize("path", ["/score", "/v1/score"])
+def test_score_is_the_cosine_of_transformers_vectors(
+    server: KilnProcess, reference: Any, path: str
+) -> None:
+    """vLLM's score API on an embedding model (its bi-encoder path): 1:N, N:N, and the
+    newer ``data_1`` / ``data_2`` names."""
+    status, one_to_n = _post(server, {"model": "mean", "text_1": TEXTS[0], "text_2": TEXTS}, path)
+    assert status == 200, one_to_n
+    assert one_to_n["object"] == "list" and one_to_n["id"].startswith("score-")
+    assert [d["index"] for d in one_to_n["data"]] == [0, 1, 2]
+    assert {d["object"] for d in one_to_n["data"]} == {"score"}
+    query = reference(TEXTS[0], "mean")
+    for text, item in zip(TEXTS, one_to_n["data"], strict=True):
+        assert abs(item["score"] - _cosine(query, reference(text, "mean"))) < 1e-5
+    assert abs(one_to_n["data"][0]["score"] - 1) < 1e-5  # a text against itself
+    pairs = {"model": "last", "data_1": TEXTS[:2], "data_2": TEXTS[1:], "request_id": "q7"}
+    status, n_to_n = _post(server, pairs, path)
+    assert status == 200 and n_to_n["id"] == "score-q7"
+    status, via = _post(server, pairs, "/invocations")
+    assert status == 200 and via["data"] == n_to_n["data"]
+    for left, right, item in zip(TEXTS[:2], TEXTS[1:], n_to_n["data"], strict=True):
+        want = _cosine(reference(left, "last"), reference(right, "last"))
+        assert abs(item["score"] - want) < 1e-5
+    # usage: each pair's two texts, the lone left text counted with every pair
+    _, tokens = _post(server, {"model": "last", "input": TEXTS, "encoding_format": "float"})
+    assert one_to_n["usage"]["prompt_tokens"] == (
+        3 * _post(server, {"model": "mean", "input": TEXTS[0]})[1]["usage"]["prompt_tokens"]
+        + tokens["usage"]["prompt_tokens"]
+    )
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
+def test_rerank_orders_documents_best_first(server: KilnProcess, reference: Any, path: str) -> None:
+    documents = [TEXTS[2], TEXTS[1], TEXTS[0], "a lazy dog"]
+    body = {"model": "mean", "query": TEXTS[0], "documents": documents}
+    status, answer = _post(server, body, path)
+    assert status == 200, answer
+    query = reference(TEXTS[0], "mean")
+    want = [_cosine(query, reference(d, "mean")) for d in documents]
+    order = sorted(range(4), key=lambda i: -want[i])
+    assert [r["index"] for r in answer["results"]] == order
+    assert answer["results"][0]["index"] == 2  # the query itself is the best match
+    for result in answer["results"]:
+        assert result["document"] == {"text": documents[result["index"]]}
+        assert abs(result["relevance_score"] - want[result["index"]]) < 1e-5
+    assert answer["id"].startswith("rerank-") and answer["usage"]["total_tokens"] > 0
+    # top_n keeps the best; Cohere's document objects are read as their text
+    _, top = _post(server, {**body, "top_n": 2,
+                            "documents": [{"text": d} for d in documents]}, path)  # fmt: skip
+    assert [r["index"] for r in top["results"]] == order[:2]
+    # vLLM's SageMaker route reads a query and documents as a rerank
+    status, via = _post(server, body, "/invocations")
+    assert status == 200 and [r["index"] for r in via["results"]] == order
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/score", {"text_2": "b"}, "text_1"),
+        ("/score", {"text_1": "", "text_2": "b"}, "text_1"),
+        ("/score", {"text_1": "a", "text_2": []}, "text_2"),
+        ("/score", {"text_1": "a", "text_2": ["b", 3]}, "text_2"),
+        ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),  # 2:3
+        ("/score", {"text_1": "a", "data_1": "a", "text_2": "b"}, "data_1"),
+        ("/score", {"text_1": "a", "text_2": ["b"] * 8}, "text_2"),  # 9 texts: more than 8
+        ("/score", {"text_1": "the " * 200, "text_2": "b"}, "text_1"),  # past the context
+        (
+            "/score",
+            {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 0},
+            "truncate_prompt_tokens",
+        ),
+        ("/score", {"text_1": "a", "text_2": "b", "priority": 1}, "priority"),
+        ("/score", {"text_1": "a", "text_2": "b", "use_activation": "no"}, "use_activation"),
+        ("/score", {"text_1": "a", "text_2": "b", "model": "gen"}, "model"),
+        ("/rerank", {"documents": ["b"]}, "query"),
+        ("/rerank", {"query": ["a"], "documents": ["b"]}, "query"),
+        ("/rerank", {"query": "a", "documents": "b"}, "documents"),
+        ("/rerank", {"query": "a", "documents": [{"title": "b"}]}, "documents"),
+        ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+        ("/rerank", {"query": "a", "documents": ["b"], "top_n": True}, "top_n"),
+        ("/rerank", {"query": "a", "documents": ["b"], "model": "gen"}, "model"),
+    ],
+)
+def test_bad_score_input_is_a_400_naming_the_field(
+    server: KilnProcess, path: str, body: dict[str, Any], param: str
+) -> None:
+    status, answer = _post(server, {"model": "last", **body}, path)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param
+    assert answer["error"]["type"] == "invalid_request_error"
+    status, _ = _post(server, {"model": "nope", "text_1": "a", "text_2": "b"}, "/score")
+    assert status == 404
+
+
+def test_pooling_answers_the_embedding_in_vllms_shape(server: KilnProcess) -> None:
+    body = {"model": "last", "input": TEXTS[:2], "encoding_format": "float"}
+    _, embedded = _post(server, body)
+    status, pooled = _post(server, {**body, "task": "embed"}, "/pooling")
+    assert status == 200, pooled
+    assert pooled["id"].startswith("pool-") and pooled["object"] == "list"
+    assert [(d["index"], d["object"]) for d in pooled["data"]] == [(0, "pooling"), (1, "pooling")]
+    assert [d["data"] for d in pooled["data"]] == [d["embedding"] for d in embedded["data"]]
+    assert pooled["usage"] == embedded["usage"]
+    status, answer = _post(server, {**body, "task": "classify"}, "/pooling")
+    assert status == 400 and answer["error"]["param"] == "task"
+    status, answer = _post(server, {**body, "model": "gen"}, "/pooling")
+    assert status == 400 and "does not support Pooling API" in answer["error"]["message"]

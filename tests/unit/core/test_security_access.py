@@ -108,6 +108,12 @@ def test_restricted_messages_follow_triton() -> None:
         # vLLM's SageMaker routes
         ("/ping", ApiGroup.HEALTH),
         ("/invocations", ApiGroup.INFERENCE),
+        # vLLM's score and rerank APIs, beside /v1
+        ("/score", ApiGroup.INFERENCE),
+        ("/rerank", ApiGroup.INFERENCE),
+        ("/v2/rerank", ApiGroup.INFERENCE),
+        ("/pooling", ApiGroup.INFERENCE),
+        ("/v1/score", ApiGroup.INFERENCE),
         ("/version", ApiGroup.METADATA),
         ("/nowhere", ApiGroup.MONITORING),
         ("/dashboard/", None),

@@ -1,5 +1,6 @@
 """``/v1/embeddings``: OpenAI's request and answer, with vLLM's extra fields, for a model
-served with ``runner: pooling`` (its vectors come from ``AsyncEngine.pool``)."""
+served with ``runner: pooling`` (its vectors come from ``AsyncEngine.pool``); and vLLM's
+``/pooling``, the same request (``task: embed``) answered in its pooling shape."""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ EMBEDDING_FIELDS = frozenset(
         "documents",
     )
 )
+#: vLLM's /pooling: the embeddings fields and the pooling task (kiln's models embed)
+POOLING_FIELDS = EMBEDDING_FIELDS | {"task"}
 ENCODING_FORMATS = ("float", "base64")
 EMBED_DTYPES = ("float32", "float16", "bfloat16")
 ENDIANNESS = ("native", "little", "big")
@@ -78,6 +81,8 @@ class EmbeddingRequest:
     template: dict[str, Any] | None = None
     #: the tokenizer's special tokens (BOS) are added to a text input (vLLM's field)
     add_special_tokens: bool = True
+    #: asked through vLLM's ``/pooling`` (its answer's shape and its API's name)
+    pooling: bool = False
 
 
 def _choice(body: dict[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
@@ -129,8 +134,15 @@ def _flag(body: dict[str, Any], key: str) -> bool | None:
     return value
 
 
-def embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
-    check_fields(body, EMBEDDING_FIELDS, "embeddings")
+def embedding_request(body: dict[str, Any], pooling: bool = False) -> EmbeddingRequest:
+    """``pooling``: vLLM's ``/pooling`` request, whose ``task`` must be ``embed`` (the one
+    task kiln's pooling models serve) when sent."""
+    check_fields(body, POOLING_FIELDS if pooling else EMBEDDING_FIELDS, "embeddings")
+    if pooling and body.get("task") not in (None, "embed"):
+        raise OpenAIError(
+            f"'task' must be 'embed' (kiln's pooling models embed), got {body['task']!r}",
+            param="task",
+        )
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise OpenAIError("'model' is required and must be a string", param="model")
@@ -193,6 +205,7 @@ def embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
         add_special_tokens=_flag(body, "add_special_tokens") is not False
         if messages is None
         else bool(_flag(body, "add_special_tokens")),
+        pooling=pooling,
     )
 
 
@@ -202,7 +215,8 @@ def check_model(llm: EngineClient, req: EmbeddingRequest) -> None:
     config, args = llm.engine.config, llm.engine.args
     if config.runner != "pooling":
         raise OpenAIError(
-            f"The model '{req.model}' does not support Embeddings API: it is served for "
+            f"The model '{req.model}' does not support "
+            f"{'Pooling' if req.pooling else 'Embeddings'} API: it is served for "
             "generation (set its parameter runner to 'pooling' to serve embeddings)",
             param="model",
         )
@@ -321,9 +335,12 @@ def response_body(
             if req.encoding_format == "float"
             else _base64(vector, req.embed_dtype, req.endianness)
         )
-        data.append({"index": index, "object": "embedding", "embedding": embedding})
+        if req.pooling:
+            data.append({"index": index, "object": "pooling", "data": embedding})
+        else:
+            data.append({"index": index, "object": "embedding", "embedding": embedding})
     body = {
-        "id": f"embd-{req.request_id or uuid.uuid4().hex}",
+        "id": f"{'pool' if req.pooling else 'embd'}-{req.request_id or uuid.uuid4().hex}",
         "object": "list",
         "created": int(time.time()),
         "model": req.model,

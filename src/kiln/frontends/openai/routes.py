@@ -18,7 +18,7 @@ from starlette.routing import BaseRoute, Route
 from kiln import __version__
 from kiln.core.errors import KilnError, Status
 from kiln.core.trace import FrontendSlot, http_slot
-from kiln.frontends.openai import embeddings, lora, reasoning, responses, tools
+from kiln.frontends.openai import embeddings, lora, reasoning, responses, scores, tools
 from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run, started
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
@@ -51,6 +51,10 @@ if TYPE_CHECKING:  # importing the sampler imports torch
 log = logging.getLogger(__name__)
 
 LogprobsFormat = Callable[[list["TokenLogprobs"]], dict[str, Any]]
+
+
+SCORE_PATHS = ("/score", "/v1/score")
+RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -683,9 +687,9 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     async def delete_response(request: Request) -> Response:
         return _json(stored.delete(request.path_params["response_id"]))
 
-    async def embed(request: Request) -> Response:
+    async def embed(request: Request, pooling: bool = False) -> Response:
         body = await _received(request, http_slot(server.tracer, request.headers), reader)
-        req = embeddings.embedding_request(body)
+        req = embeddings.embedding_request(body, pooling)
         llm = _llm(server, req.model)
         if llm.lora_request is not None:
             raise OpenAIError("LoRA adapters serve generation, not embeddings", param="model")
@@ -695,6 +699,31 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         tokens = sum(len(p) for p in prompts)
         raw = await asyncio.to_thread(embeddings.response_body, llm, req, vectors, tokens)
         return Response(raw, media_type="application/json")
+
+    async def pool(request: Request) -> Response:
+        """vLLM's ``/pooling``: an embeddings request, answered in the pooling shape."""
+        return await embed(request, pooling=True)
+
+    async def _scored(request: Request, rerank: bool) -> Response:
+        """vLLM's score (pairs of texts) or rerank (a query, documents) on a pooling model:
+        every text embedded in one pooling call, each pair scored by its cosine."""
+        body = await _received(request, http_slot(server.tracer, request.headers), reader)
+        req = scores.rerank_request(body) if rerank else scores.score_request(body)
+        llm = _llm(server, req.model)
+        if llm.lora_request is not None:
+            raise OpenAIError("LoRA adapters serve generation, not scores", param="model")
+        scores.check_model(llm, req, "Rerank" if rerank else "Score")
+        left, right = await asyncio.to_thread(scores.token_ids, llm, req)
+        vectors = await llm.pool(left + right, req.priority)
+        values = scores.cosines(vectors, len(left))
+        answer = scores.rerank_body if rerank else scores.score_body
+        return _json(answer(req, values, left, right))
+
+    async def score(request: Request) -> Response:
+        return await _scored(request, rerank=False)
+
+    async def rerank(request: Request) -> Response:
+        return await _scored(request, rerank=True)
 
     async def tokenize(request: Request) -> Response:
         body = await _body(request, reader)
@@ -729,7 +758,8 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
 
     async def invocations(request: Request) -> Response:
         """vLLM's SageMaker route: the body's shape picks the API (``messages``: chat,
-        ``prompt``: completions, ``input``: embeddings), as vLLM tries them in turn."""
+        ``prompt``: completions, ``input``: embeddings, ``text_1``: score, ``query``:
+        rerank), as vLLM tries them in turn."""
         body = await _body(request, reader)
         request.state.openai_body = body
         if "messages" in body:
@@ -738,9 +768,13 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
             return await completions(request)
         if "input" in body:
             return await embed(request)
+        if "text_1" in body or "data_1" in body:
+            return await score(request)
+        if "query" in body:
+            return await rerank(request)
         raise OpenAIError(
-            "/invocations needs a chat ('messages'), completions ('prompt') or embeddings "
-            "('input') request body"
+            "/invocations needs a chat ('messages'), completions ('prompt'), embeddings "
+            "('input'), score ('text_1') or rerank ('query') request body"
         )
 
     async def health(request: Request) -> Response:
@@ -754,6 +788,11 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         Route("/v1/completions", _answers_errors(completions), methods=["POST"]),
         Route("/v1/chat/completions", _answers_errors(chat), methods=["POST"]),
         Route("/v1/embeddings", _answers_errors(embed), methods=["POST"]),
+        Route("/pooling", _answers_errors(pool), methods=["POST"]),
+        # vLLM's score and rerank APIs: its own paths, the /v1 ones it still answers, and
+        # /v2/rerank (Cohere's v2 path)
+        *(Route(path, _answers_errors(score), methods=["POST"]) for path in SCORE_PATHS),
+        *(Route(path, _answers_errors(rerank), methods=["POST"]) for path in RERANK_PATHS),
         Route("/v1/responses", _answers_errors(create_response), methods=["POST"]),
         Route("/v1/responses/{response_id}", _answers_errors(get_response), methods=["GET"]),
         Route("/v1/responses/{response_id}", _answers_errors(delete_response), methods=["DELETE"]),

@@ -1,0 +1,258 @@
+"""vLLM's score and rerank APIs (``/score``, ``/rerank`` and their ``/v1``, ``/v2``
+aliases) for a model served with ``runner: pooling``: as vLLM's bi-encoder path, each
+text is embedded once and a pair's score is the cosine of its two vectors."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kiln.core.errors import KilnError
+from kiln.frontends.openai.protocol import OpenAIError, check_fields, check_prompt_chars
+from kiln.llm.params import InvalidField, integer
+
+if TYPE_CHECKING:  # importing the backend imports torch
+    import torch
+
+    from kiln.llm.engine_client import EngineClient
+
+_COMMON = (
+    "model",
+    "truncate_prompt_tokens",
+    "priority",
+    "request_id",
+    "use_activation",
+    "activation",
+    "softmax",
+    "user",
+)
+SCORE_FIELDS = frozenset((*_COMMON, "text_1", "text_2", "data_1", "data_2"))
+RERANK_FIELDS = frozenset((*_COMMON, "query", "documents", "top_n"))
+
+
+@dataclass(slots=True)
+class ScoreRequest:
+    model: str
+    #: the left texts (one: paired with every right text) and the right texts
+    left: list[str]
+    right: list[str]
+    #: the request's field names for the two sides, for errors
+    names: tuple[str, str]
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    request_id: str | None = None
+    #: rerank: how many of the best to answer (0: all)
+    top_n: int = 0
+
+
+def _texts(value: Any, field: str, one: bool = False) -> list[str]:
+    """A non-empty string, or (unless ``one``) a non-empty list of them."""
+    if isinstance(value, str) and value:
+        return [value]
+    if not one and isinstance(value, list) and value:
+        for i, item in enumerate(value):
+            if not isinstance(item, str) or not item:
+                raise OpenAIError(f"{field}[{i}] must be a non-empty string", param=field)
+        return value
+    kind = "a non-empty string" if one else "a non-empty string or a non-empty list of them"
+    raise OpenAIError(f"'{field}' must be {kind}", param=field)
+
+
+def _documents(value: Any) -> list[str]:
+    """Rerank ``documents``: strings, or Jina's and Cohere's ``{"text": ...}`` objects."""
+    if not isinstance(value, list) or not value:
+        raise OpenAIError("'documents' must be a non-empty list of strings", param="documents")
+    out = []
+    for i, item in enumerate(value):
+        text = item.get("text") if isinstance(item, dict) else item
+        if not isinstance(text, str) or not text:
+            raise OpenAIError(
+                f"documents[{i}] must be a non-empty string (or an object with a non-empty 'text')",
+                param="documents",
+            )
+        out.append(text)
+    return out
+
+
+def _common(body: dict[str, Any]) -> dict[str, Any]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError("'model' is required and must be a string", param="model")
+    try:
+        truncate = integer(body, "truncate_prompt_tokens")
+        priority = integer(body, "priority") or 0
+    except InvalidField as exc:
+        raise OpenAIError(exc.message, param=exc.field) from None
+    if truncate is not None and truncate < 1 and truncate != -1:
+        raise OpenAIError(
+            f"truncate_prompt_tokens must be >= 1 (or -1: the model's context), got {truncate}",
+            param="truncate_prompt_tokens",
+        )
+    for key in ("use_activation", "activation", "softmax"):
+        # a bi-encoder's cosine has no activation to turn off: accepted, as vLLM's are
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise OpenAIError(f"'{key}' must be a boolean, got {body[key]!r}", param=key)
+    request_id = body.get("request_id")
+    if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        raise OpenAIError("'request_id' must be a non-empty string", param="request_id")
+    return {
+        "model": model,
+        "truncate_prompt_tokens": truncate,
+        "priority": priority,
+        "request_id": request_id,
+    }
+
+
+def _side(body: dict[str, Any], name: str, alias: str) -> tuple[Any, str]:
+    """vLLM's ``text_1`` / ``text_2``, or their newer names ``data_1`` / ``data_2``."""
+    if name in body and alias in body:
+        raise OpenAIError(f"send '{name}' or '{alias}', not both", param=alias)
+    return (body[alias], alias) if alias in body else (body.get(name), name)
+
+
+def score_request(body: dict[str, Any]) -> ScoreRequest:
+    check_fields(body, SCORE_FIELDS, "score")
+    common = _common(body)
+    raw_left, left_name = _side(body, "text_1", "data_1")
+    raw_right, right_name = _side(body, "text_2", "data_2")
+    left, right = _texts(raw_left, left_name), _texts(raw_right, right_name)
+    if len(left) != 1 and len(left) != len(right):
+        raise OpenAIError(
+            f"Input lengths must be either 1:1, 1:N or N:N, got {len(left)} '{left_name}' "
+            f"and {len(right)} '{right_name}'",
+            param=right_name,
+        )
+    return ScoreRequest(left=left, right=right, names=(left_name, right_name), **common)
+
+
+def rerank_request(body: dict[str, Any]) -> ScoreRequest:
+    check_fields(body, RERANK_FIELDS, "rerank")
+    common = _common(body)
+    try:
+        top_n = integer(body, "top_n") or 0
+    except InvalidField as exc:
+        raise OpenAIError(exc.message, param=exc.field) from None
+    if top_n < 0:
+        raise OpenAIError(f"top_n must be >= 0 (0: every document), got {top_n}", param="top_n")
+    query = _texts(body.get("query"), "query", one=True)
+    documents = _documents(body.get("documents"))
+    return ScoreRequest(
+        left=query, right=documents, names=("query", "documents"), top_n=top_n, **common
+    )
+
+
+def check_model(llm: EngineClient, req: ScoreRequest, api: str) -> None:
+    """Before any tokenizing: the model pools, the texts are few enough to queue and each
+    short enough to fit the context."""
+    config = llm.engine.config
+    if config.runner != "pooling":
+        raise OpenAIError(
+            f"The model '{req.model}' does not support {api} API: it is served for "
+            "generation (set its parameter runner to 'pooling' to serve scores of its "
+            "embeddings)",
+            param="model",
+        )
+    try:
+        llm.engine.check_priority(req.priority)
+    except KilnError as exc:
+        raise OpenAIError(str(exc), param="priority") from None
+    most = config.max_waiting + config.max_num_seqs
+    if len(req.left) + len(req.right) > most:
+        raise OpenAIError(
+            f"'{req.names[0]}' and '{req.names[1]}' hold {len(req.left) + len(req.right)} "
+            f"texts, more than the model queues at once ({most})",
+            param=req.names[1],
+        )
+    for texts, name in zip((req.left, req.right), req.names, strict=True):
+        for text in texts:
+            check_prompt_chars(len(text), config.max_model_len, name)
+
+
+def token_ids(llm: EngineClient, req: ScoreRequest) -> tuple[list[list[int]], list[list[int]]]:
+    """Each text's token ids (BOS as for an embedding), truncated as asked. On a worker
+    thread: tokenizing takes time in proportion to the text."""
+    limit = llm.engine.config.max_model_len
+    keep = req.truncate_prompt_tokens
+    if keep is not None:
+        keep = limit if keep == -1 else keep
+        if keep > limit:
+            raise OpenAIError(
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({limit})",
+                param="truncate_prompt_tokens",
+            )
+    sides = []
+    for texts, name in zip((req.left, req.right), req.names, strict=True):
+        side = []
+        for text in texts:
+            ids = llm.tokenizer.encode(text, add_special_tokens=True)
+            if keep is not None:
+                ids = ids[-keep:]
+            if len(ids) > limit:
+                raise OpenAIError(
+                    f"This model's maximum context length is {limit} tokens. However, a "
+                    f"text of '{name}' has {len(ids)} tokens. Please reduce its length.",
+                    param=name,
+                    code="context_length_exceeded",
+                )
+            side.append(ids)
+        sides.append(side)
+    return sides[0], sides[1]
+
+
+def cosines(vectors: list[torch.Tensor], num_left: int) -> list[float]:
+    """The score of each right text: the cosine of its vector with its left text's (the
+    only one, or the one at its index)."""
+    import torch
+    import torch.nn.functional as F
+
+    stacked = F.normalize(torch.stack(vectors).float(), dim=-1)
+    left, right = stacked[:num_left], stacked[num_left:]
+    if num_left == 1:
+        left = left.expand_as(right)
+    return [float(s) for s in (left * right).sum(-1)]
+
+
+def _pair_tokens(left: list[list[int]], right: list[list[int]]) -> int:
+    """vLLM's count: each pair's two texts (a lone left text counted with every pair)."""
+    return sum(len(left[0 if len(left) == 1 else i]) + len(r) for i, r in enumerate(right))
+
+
+def score_body(
+    req: ScoreRequest, scores: list[float], left: list[list[int]], right: list[list[int]]
+) -> dict[str, Any]:
+    tokens = _pair_tokens(left, right)
+    return {
+        "id": f"score-{req.request_id or uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": req.model,
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+        "usage": {
+            "prompt_tokens": tokens,
+            "total_tokens": tokens,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+        },
+    }
+
+
+def rerank_body(
+    req: ScoreRequest, scores: list[float], left: list[list[int]], right: list[list[int]]
+) -> dict[str, Any]:
+    """Jina's and Cohere's shape, as vLLM answers it: the documents best first, ``top_n``
+    of them (0: all)."""
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    if req.top_n:
+        order = order[: req.top_n]
+    tokens = _pair_tokens(left, right)
+    return {
+        "id": f"rerank-{req.request_id or uuid.uuid4().hex}",
+        "model": req.model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "results": [
+            {"index": i, "document": {"text": req.right[i]}, "relevance_score": scores[i]}
+            for i in order
+        ],
+    }

@@ -1,0 +1,100 @@
+"""vLLM's score and rerank requests, read and answered without a model: the pairing
+rules (1:1, 1:N, N:N), each malformed field named, the cosines, rerank's order and
+``top_n``, and vLLM's token count."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kiln.frontends.openai.protocol import OpenAIError
+from kiln.frontends.openai.scores import (
+    cosines,
+    rerank_body,
+    rerank_request,
+    score_body,
+    score_request,
+)
+
+
+def test_score_pairs_one_to_n_and_n_to_n() -> None:
+    one = score_request({"model": "m", "text_1": "q", "text_2": ["a", "b"]})
+    assert (one.left, one.right, one.names) == (["q"], ["a", "b"], ("text_1", "text_2"))
+    pairs = score_request({"model": "m", "data_1": ["q", "r"], "data_2": ["a", "b"]})
+    assert pairs.names == ("data_1", "data_2") and pairs.left == ["q", "r"]
+    assert score_request({"model": "m", "text_1": "q", "text_2": "a"}).right == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "match"),
+    [
+        ({"text_2": "a"}, "text_1", "non-empty string"),
+        ({"text_1": "q", "text_2": ""}, "text_2", "non-empty string"),
+        ({"text_1": ["q", None], "text_2": "a"}, "text_1", r"text_1\[1\]"),
+        ({"text_1": ["q", "r"], "text_2": ["a"]}, "text_2", "1:1, 1:N or N:N"),
+        ({"text_1": "q", "data_1": "q", "text_2": "a"}, "data_1", "not both"),
+        ({"text_1": "q", "text_2": "a", "priority": "1"}, "priority", "integer"),
+        (
+            {"text_1": "q", "text_2": "a", "truncate_prompt_tokens": -2},
+            "truncate_prompt_tokens",
+            ">= 1",
+        ),
+        ({"text_1": "q", "text_2": "a", "softmax": 1}, "softmax", "boolean"),
+        ({"text_1": "q", "text_2": "a", "request_id": ""}, "request_id", "non-empty"),
+        ({"model": 3, "text_1": "q", "text_2": "a"}, "model", "required"),
+    ],
+)
+def test_bad_score_fields_are_named(body: dict[str, Any], param: str, match: str) -> None:
+    with pytest.raises(OpenAIError, match=match) as err:
+        score_request({"model": "m", **body})
+    assert err.value.param == param and err.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"documents": ["a"]}, "query"),
+        ({"query": "", "documents": ["a"]}, "query"),
+        ({"query": "q", "documents": []}, "documents"),
+        ({"query": "q", "documents": ["a", {"text": ""}]}, "documents"),
+        ({"query": "q", "documents": ["a"], "top_n": -3}, "top_n"),
+        ({"query": "q", "documents": ["a"], "top_n": 1.5}, "top_n"),
+    ],
+)
+def test_bad_rerank_fields_are_named(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(OpenAIError) as err:
+        rerank_request({"model": "m", **body})
+    assert err.value.param == param
+
+
+def test_cosines_pair_a_lone_left_text_with_every_right_one() -> None:
+    q, a, b = torch.tensor([1.0, 0.0]), torch.tensor([3.0, 0.0]), torch.tensor([1.0, 1.0])
+    assert cosines([q, a, b], 1) == pytest.approx([1.0, 2**-0.5])
+    assert cosines([q, b, a, a], 2) == pytest.approx([1.0, 2**-0.5])
+
+
+def test_answers_in_vllms_shapes() -> None:
+    req = rerank_request({"model": "m", "query": "q", "documents": ["a", {"text": "b"}, "c"],
+                          "top_n": 2, "request_id": "x"})  # fmt: skip
+    left, right = [[1, 2]], [[3], [4, 5], [6, 7, 8]]
+    body = rerank_body(req, [0.1, 0.9, 0.5], left, right)
+    assert body["id"] == "rerank-x" and body["model"] == "m"
+    assert body["results"] == [
+        {"index": 1, "document": {"text": "b"}, "relevance_score": 0.9},
+        {"index": 2, "document": {"text": "c"}, "relevance_score": 0.5},
+    ]
+    # every pair's two texts, the query counted with each: (2 + 1) + (2 + 2) + (2 + 3)
+    assert body["usage"]["total_tokens"] == 12
+    every = rerank_body(rerank_request({"model": "m", "query": "q", "documents": ["a", "b"]}),
+                        [0.2, 0.3], [[1]], [[2], [3]])  # fmt: skip
+    assert [r["index"] for r in every["results"]] == [1, 0]
+    pairs = score_request({"model": "m", "text_1": ["p", "q"], "text_2": ["a", "b"]})
+    scored = score_body(pairs, [0.5, -0.25], [[1], [2, 3]], [[4], [5]])
+    assert scored["object"] == "list" and scored["id"].startswith("score-")
+    assert scored["data"] == [
+        {"index": 0, "object": "score", "score": 0.5},
+        {"index": 1, "object": "score", "score": -0.25},
+    ]
+    assert scored["usage"]["prompt_tokens"] == scored["usage"]["total_tokens"] == 5
