@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from kiln.core.errors import KilnError, Status
+from kiln.core.heap import freeze_startup_heap
 from kiln.llm import engine_messages as msg
 from kiln.llm.config import EngineConfig
 from kiln.llm.engine import LLMEngine, RequestOutput
@@ -336,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         message = exc.message if isinstance(exc, KilnError) else f"{type(exc).__name__}: {exc}"
         conn.send_bytes(pickle.dumps(("error", message, status.name)))
         return 1
+    frozen = freeze_startup_heap()  # the engine's loop pauses for no full pass over them
+    log.debug("gc.freeze: %d startup objects out of the collector's passes", frozen)
     conn.send_bytes(pickle.dumps(("ready", engine.config, engine.args, os.getpid())))
     EngineCore(engine, conn).run()
     return 0
