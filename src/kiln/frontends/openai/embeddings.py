@@ -166,11 +166,7 @@ def embedding_request(body: dict[str, Any], pooling: bool = False) -> EmbeddingR
         raise OpenAIError(exc.message, param=exc.field) from None
     if dimensions is not None and dimensions < 1:
         raise OpenAIError(f"dimensions must be at least 1, got {dimensions}", param="dimensions")
-    if truncate is not None and truncate < 1 and truncate != -1:
-        raise OpenAIError(
-            f"truncate_prompt_tokens must be >= 1 (or -1: the model's context), got {truncate}",
-            param="truncate_prompt_tokens",
-        )
+    check_truncate(truncate)
     # vLLM's newer name for normalize: both may come, and must then agree
     normalize, activation = _flag(body, "normalize"), _flag(body, "use_activation")
     if normalize is not None and activation is not None and normalize != activation:
@@ -268,19 +264,34 @@ def _too_long(limit: int, tokens: int) -> OpenAIError:
     )
 
 
+def check_truncate(truncate: int | None) -> None:
+    """vLLM's ``truncate_prompt_tokens`` of a pooling request: N >= 1, or -1 (the context)."""
+    if truncate is not None and truncate < 1 and truncate != -1:
+        raise OpenAIError(
+            f"truncate_prompt_tokens must be >= 1 (or -1: the model's context), got {truncate}",
+            param="truncate_prompt_tokens",
+        )
+
+
+def kept_tokens(truncate: int | None, limit: int) -> int | None:
+    """How many of an input's last tokens ``truncate_prompt_tokens`` keeps (None: all)."""
+    if truncate is None:
+        return None
+    keep = limit if truncate == -1 else truncate
+    if keep > limit:
+        raise OpenAIError(
+            f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({limit})",
+            param="truncate_prompt_tokens",
+        )
+    return keep
+
+
 def token_ids(llm: EngineClient, req: EmbeddingRequest) -> list[list[int]]:
     """Each input's token ids, truncated as asked and checked against the context and the
     vocabulary. On a worker thread: tokenizing takes time in proportion to the text."""
     limit = llm.engine.config.max_model_len
     vocab = llm.engine.args.vocab_size
-    keep = req.truncate_prompt_tokens
-    if keep is not None:
-        keep = limit if keep == -1 else keep
-        if keep > limit:
-            raise OpenAIError(
-                f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({limit})",
-                param="truncate_prompt_tokens",
-            )
+    keep = kept_tokens(req.truncate_prompt_tokens, limit)
     inputs = req.inputs
     if req.messages is not None:
         assert req.template is not None

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kiln.core.errors import KilnError
+from kiln.frontends.openai.embeddings import check_truncate, kept_tokens
 from kiln.frontends.openai.protocol import OpenAIError, check_fields, check_prompt_chars
 from kiln.llm.params import InvalidField, integer
 
@@ -85,11 +86,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         priority = integer(body, "priority") or 0
     except InvalidField as exc:
         raise OpenAIError(exc.message, param=exc.field) from None
-    if truncate is not None and truncate < 1 and truncate != -1:
-        raise OpenAIError(
-            f"truncate_prompt_tokens must be >= 1 (or -1: the model's context), got {truncate}",
-            param="truncate_prompt_tokens",
-        )
+    check_truncate(truncate)
     for key in ("use_activation", "activation", "softmax"):
         # a bi-encoder's cosine has no activation to turn off: accepted, as vLLM's are
         if body.get(key) is not None and not isinstance(body[key], bool):
@@ -174,14 +171,7 @@ def token_ids(llm: EngineClient, req: ScoreRequest) -> tuple[list[list[int]], li
     """Each text's token ids (BOS as for an embedding), truncated as asked. On a worker
     thread: tokenizing takes time in proportion to the text."""
     limit = llm.engine.config.max_model_len
-    keep = req.truncate_prompt_tokens
-    if keep is not None:
-        keep = limit if keep == -1 else keep
-        if keep > limit:
-            raise OpenAIError(
-                f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({limit})",
-                param="truncate_prompt_tokens",
-            )
+    keep = kept_tokens(req.truncate_prompt_tokens, limit)
     sides = []
     for texts, name in zip((req.left, req.right), req.names, strict=True):
         side = []
