@@ -209,13 +209,7 @@ def check_model(llm: EngineClient, req: EmbeddingRequest) -> None:
     """What the model decides, before any tokenizing: it pools, ``dimensions`` fits it,
     and the inputs are few and short enough to be worth reading."""
     config, args = llm.engine.config, llm.engine.args
-    if config.runner != "pooling":
-        raise OpenAIError(
-            f"The model '{req.model}' does not support "
-            f"{'Pooling' if req.pooling else 'Embeddings'} API: it is served for "
-            "generation (set its parameter runner to 'pooling' to serve embeddings)",
-            param="model",
-        )
+    check_pools(llm, req.model, "Pooling" if req.pooling else "Embeddings", "embeddings")
     if req.dimensions is not None:
         if not args.is_matryoshka:
             raise OpenAIError(
@@ -234,16 +228,7 @@ def check_model(llm: EngineClient, req: EmbeddingRequest) -> None:
                 f"dimensions ({req.dimensions}) is more than the model's {args.hidden_size}",
                 param="dimensions",
             )
-    try:
-        llm.engine.check_priority(req.priority)
-    except KilnError as exc:
-        raise OpenAIError(str(exc), param="priority") from None
-    most = config.max_waiting + config.max_num_seqs
-    if len(req.inputs) > most:
-        raise OpenAIError(
-            f"'input' holds {len(req.inputs)} inputs, more than the model queues at once ({most})",
-            param="input",
-        )
+    check_queue(llm, req.priority, len(req.inputs), "'input' holds {} inputs", "input")
     limit = config.max_model_len
     if req.messages is not None:
         check_prompt_chars(sum(len(m["content"]) for m in req.messages), limit, "messages")
@@ -252,6 +237,31 @@ def check_model(llm: EngineClient, req: EmbeddingRequest) -> None:
             check_prompt_chars(len(item), limit, "input")
         elif req.truncate_prompt_tokens is None and len(item) > limit:
             raise _too_long(limit, len(item))
+
+
+def check_pools(llm: EngineClient, model: str, api: str, serves: str) -> None:
+    """The model is served with ``runner: pooling`` (vLLM's answer names the ``api``)."""
+    if llm.engine.config.runner != "pooling":
+        raise OpenAIError(
+            f"The model '{model}' does not support {api} API: it is served for generation "
+            f"(set its parameter runner to 'pooling' to serve {serves})",
+            param="model",
+        )
+
+
+def check_queue(llm: EngineClient, priority: int, count: int, what: str, param: str) -> None:
+    """``priority`` is one the engine takes, and ``count`` pooled inputs fit its queue
+    (``what``: the message's start, ``{}`` the count)."""
+    try:
+        llm.engine.check_priority(priority)
+    except KilnError as exc:
+        raise OpenAIError(str(exc), param="priority") from None
+    config = llm.engine.config
+    most = config.max_waiting + config.max_num_seqs
+    if count > most:
+        raise OpenAIError(
+            f"{what.format(count)}, more than the model queues at once ({most})", param=param
+        )
 
 
 def _too_long(limit: int, tokens: int) -> OpenAIError:

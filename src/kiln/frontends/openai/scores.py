@@ -9,8 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kiln.core.errors import KilnError
-from kiln.frontends.openai.embeddings import check_truncate, kept_tokens
+from kiln.frontends.openai.embeddings import check_pools, check_queue, check_truncate, kept_tokens
 from kiln.frontends.openai.protocol import OpenAIError, check_fields, check_prompt_chars
 from kiln.llm.params import InvalidField, integer
 
@@ -144,24 +143,10 @@ def check_model(llm: EngineClient, req: ScoreRequest, api: str) -> None:
     """Before any tokenizing: the model pools, the texts are few enough to queue and each
     short enough to fit the context."""
     config = llm.engine.config
-    if config.runner != "pooling":
-        raise OpenAIError(
-            f"The model '{req.model}' does not support {api} API: it is served for "
-            "generation (set its parameter runner to 'pooling' to serve scores of its "
-            "embeddings)",
-            param="model",
-        )
-    try:
-        llm.engine.check_priority(req.priority)
-    except KilnError as exc:
-        raise OpenAIError(str(exc), param="priority") from None
-    most = config.max_waiting + config.max_num_seqs
-    if len(req.left) + len(req.right) > most:
-        raise OpenAIError(
-            f"'{req.names[0]}' and '{req.names[1]}' hold {len(req.left) + len(req.right)} "
-            f"texts, more than the model queues at once ({most})",
-            param=req.names[1],
-        )
+    check_pools(llm, req.model, api, "scores of its embeddings")
+    left, right = req.names
+    what = f"'{left}' and '{right}' hold {{}} texts"
+    check_queue(llm, req.priority, len(req.left) + len(req.right), what, right)
     for texts, name in zip((req.left, req.right), req.names, strict=True):
         for text in texts:
             check_prompt_chars(len(text), config.max_model_len, name)
