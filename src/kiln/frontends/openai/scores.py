@@ -28,6 +28,9 @@ _COMMON = (
     "softmax",
     "user",
 )
+#: texts one request may hold, checked before any of them is read (each model's queue,
+#: ``max_num_seqs + max_waiting``, bounds them again once the model is known)
+MAX_TEXTS = 4096
 SCORE_FIELDS = frozenset((*_COMMON, "text_1", "text_2", "data_1", "data_2"))
 RERANK_FIELDS = frozenset((*_COMMON, "query", "documents", "top_n"))
 
@@ -47,11 +50,17 @@ class ScoreRequest:
     top_n: int = 0
 
 
+def _bounded(items: list[Any], field: str) -> None:
+    if len(items) > MAX_TEXTS:
+        raise OpenAIError(f"'{field}' holds {len(items)} texts, more than {MAX_TEXTS}", param=field)
+
+
 def _texts(value: Any, field: str, one: bool = False) -> list[str]:
     """A non-empty string, or (unless ``one``) a non-empty list of them."""
     if isinstance(value, str) and value:
         return [value]
     if not one and isinstance(value, list) and value:
+        _bounded(value, field)
         for i, item in enumerate(value):
             if not isinstance(item, str) or not item:
                 raise OpenAIError(f"{field}[{i}] must be a non-empty string", param=field)
@@ -64,6 +73,7 @@ def _documents(value: Any) -> list[str]:
     """Rerank ``documents``: strings, or Jina's and Cohere's ``{"text": ...}`` objects."""
     if not isinstance(value, list) or not value:
         raise OpenAIError("'documents' must be a non-empty list of strings", param="documents")
+    _bounded(value, "documents")
     out = []
     for i, item in enumerate(value):
         text = item.get("text") if isinstance(item, dict) else item

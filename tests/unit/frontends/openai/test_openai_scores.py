@@ -11,6 +11,7 @@ import torch
 
 from kiln.frontends.openai.protocol import OpenAIError
 from kiln.frontends.openai.scores import (
+    MAX_TEXTS,
     cosines,
     rerank_body,
     rerank_request,
@@ -98,3 +99,15 @@ def test_answers_in_vllms_shapes() -> None:
         {"index": 1, "object": "score", "score": -0.25},
     ]
     assert scored["usage"]["prompt_tokens"] == scored["usage"]["total_tokens"] == 5
+
+
+def test_a_long_list_is_refused_before_its_items_are_read() -> None:
+    """A list past MAX_TEXTS is a 400 from its length alone (the bad last item is never
+    reached), as are rerank's documents."""
+    many = ["a"] * MAX_TEXTS + [None]
+    with pytest.raises(OpenAIError, match=f"holds {MAX_TEXTS + 1} texts, more than") as err:
+        score_request({"model": "m", "text_1": "q", "text_2": many})
+    assert err.value.param == "text_2"
+    with pytest.raises(OpenAIError, match="more than") as err:
+        rerank_request({"model": "m", "query": "q", "documents": many})
+    assert err.value.param == "documents"
