@@ -118,8 +118,9 @@ def test_grpc_stream_deltas_match_completions(server: KilnProcess) -> None:
     want = _completion(server)["text"]
     responses = _stream(server, _inputs(grpcclient, stream=True, sampling=GREEDY))
     assert all(not isinstance(r, InferenceServerException) for r in responses), responses
-    # one response per generated token, the last one flagged final, never the prompt
-    assert len(responses) == GREEDY["max_tokens"]
+    # a response per step (steps merged when the reader fell behind, as vLLM's collector
+    # merges them), the last one flagged final, never the prompt
+    assert 1 <= len(responses) <= GREEDY["max_tokens"]
     flags = [r.get_response().parameters["triton_final_response"].bool_param for r in responses]
     assert flags == [False] * (len(responses) - 1) + [True]
     assert "".join(_text(r) for r in responses) == want
@@ -139,12 +140,13 @@ def test_grpc_stream_optional_outputs(server: KilnProcess) -> None:
     reasons = [r.as_numpy("finish_reason")[0].decode() for r in responses]
     assert reasons == ["None"] * (len(responses) - 1) + ["length"]  # vLLM backend's str()
     counts = [int(r.as_numpy("num_output_tokens")[0]) for r in responses]
-    assert counts == [1] * GREEDY["max_tokens"]  # the tokens of each response
+    # the tokens of each response: one a step, more where steps were merged
+    assert all(c >= 1 for c in counts) and sum(counts) == GREEDY["max_tokens"]
     inputs = {int(r.as_numpy("num_input_tokens")[0]) for r in responses}
     assert inputs == {reference["usage"]["prompt_tokens"]}
     cumulative = [float(r.as_numpy("cumulative_logprob")[0]) for r in responses]
     running = np.cumsum(reference["logprobs"]["token_logprobs"])
-    assert cumulative == pytest.approx(list(running), abs=1e-4)
+    assert cumulative == pytest.approx([running[i - 1] for i in np.cumsum(counts)], abs=1e-4)
     # not asked for: absent
     plain = _stream(server, _inputs(grpcclient, stream=True, sampling=GREEDY))
     assert plain[-1].as_numpy("finish_reason") is None

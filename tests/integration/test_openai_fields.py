@@ -7,6 +7,7 @@ ones are logged once."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Iterator
@@ -163,6 +164,32 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(client: openai.OpenAI) 
         assert so_far == sorted(so_far) and so_far[-1] == 5
     assert final is not None and final.completion_tokens == 4 * 5
     assert final.prompt_tokens == sum(c.prompt_tokens for c in counts if c)  # once a prompt
+
+
+def test_stream_interval_sends_tokens_in_runs(client: openai.OpenAI, http: httpx.Client) -> None:
+    """vLLM's ``stream_interval``: after the first token at once, a chunk carries at least
+    that many new tokens (more when the reader fell behind the steps), the last one what is
+    left; the text is the same as unstreamed."""
+    whole = client.completions.create(model="tiny", prompt="one two", max_tokens=23, **GREEDY)
+    stream = client.completions.create(
+        model="tiny", prompt="one two", max_tokens=23, stream=True, temperature=0,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "stream_interval": 5},
+    )  # fmt: skip
+    counts, text = [], ""
+    for chunk in stream:
+        if chunk.choices:
+            assert chunk.usage is not None
+            counts.append(chunk.usage.completion_tokens)
+            text += chunk.choices[0].text
+    assert text == whole.choices[0].text
+    assert counts[0] == 1 and counts[-1] == 23
+    # every gap but the last (what was left at the finish)
+    assert all(b - a >= 5 for a, b in itertools.pairwise(counts[:-1])), counts
+    for bad in (0, -1, "5", True, 1.5):
+        error = _error(http.post("/v1/completions", json={
+            "model": "tiny", "prompt": "x", "stream": True, "stream_interval": bad}))  # fmt: skip
+        assert error["param"] == "stream_interval", error
 
 
 def test_stream_options_without_stream_are_400(http: httpx.Client) -> None:

@@ -49,6 +49,7 @@ ENGINE_FLAGS = {
     "tensor_parallel_size": "tensor_parallel_size",
     "attention_backend": "attention_backend",
     "enable_multiprocessing": "enable_multiprocessing",
+    "stream_interval": "stream_interval",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -122,6 +123,14 @@ def llm_options(func: F) -> F:
         ),
         click.option("--enforce-eager", is_flag=True, default=None),
         click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default=None),
+        click.option(
+            "--stream-interval",
+            type=click.IntRange(min=1),
+            default=None,
+            help="A stream's tokens go out in runs of this many (its first token at once): "
+            "fewer events and socket writes per token, for throughput over smoothness "
+            "[default: 1].",
+        ),
         click.option(
             "--chat-template",
             default=None,

@@ -53,6 +53,7 @@ _INT_PARAMETERS = (
     "max_model_len",
     "max_waiting",
     "tensor_parallel_size",
+    "stream_interval",
 )
 #: vLLM's spellings of the dtypes
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}

@@ -300,12 +300,15 @@ class EngineConfig:
     #: vLLM's ``--tensor-parallel-size``: ranks the weights and KV heads are split over
     #: (kiln.llm.parallel), one process each
     tensor_parallel_size: int = 1
+    #: vLLM's ``--stream-interval``: a stream's tokens reach its reader in runs of this
+    #: many (fewer events and socket writes per token; the first token is never held)
+    stream_interval: int = 1
     #: the model's API name, for messages that must name it (a tensor-parallel worker's)
     served_model_name: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "stream_interval"):
             if getattr(self, name) <= 0:
                 raise KilnError(
                     f"llm backend: {name} must be positive, got {getattr(self, name)}",

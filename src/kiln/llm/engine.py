@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request; its lists are built for it alone (the
+    reader side merges later steps into them, kiln.llm.async_engine.OutputCollector)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -183,6 +184,11 @@ class LLMEngine:
             raise InvalidField(
                 "bad_words",
                 f"bad_words tokenize to token id {outside[0]}, outside the vocabulary [0, {vocab})",
+            )
+        if params.stream_interval is not None and params.stream_interval < 1:
+            raise InvalidField(
+                "stream_interval",
+                f"stream_interval must be at least 1, got {params.stream_interval}",
             )
         if not 0 <= params.min_tokens <= params.max_tokens:
             raise InvalidField(

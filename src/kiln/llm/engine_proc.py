@@ -37,7 +37,7 @@ import torch
 import kiln
 from kiln.core.errors import KilnError, Status
 from kiln.llm import engine_messages as msg
-from kiln.llm.async_engine import _put_all, _Queue, _Stream, outputs
+from kiln.llm.async_engine import OutputCollector, _put_all, _Stream, outputs, stream_interval
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.engine import LLMEngine, RequestOutput
 from kiln.llm.engine_core import EngineInit
@@ -290,13 +290,13 @@ class EngineProcClient:
             view = self.view
             view.counts = step.snapshot.counts
             msg.apply_snapshot(step.snapshot, view.stats, view.spec_stats)
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Queue, RequestOutput]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputCollector, RequestOutput]]] = {}
         streams = self._streams
         for out in step.outputs:
             entry = streams.get(out.request_id)
             if entry is not None:
                 stream = entry[0]
-                batches.setdefault(stream.loop, []).append((stream.queue, out))
+                batches.setdefault(stream.loop, []).append((stream.collector, out))
         for loop, items in batches.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
                 loop.call_soon_threadsafe(_put_all, items)
@@ -364,14 +364,16 @@ class EngineProcClient:
         with self._lock:
             epoch = self._admit(len(self._streams))
             rid = request_id or f"req-{next(_IDS)}"
-            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+            loop = asyncio.get_running_loop()
+            interval = stream_interval(params, self.view.config.stream_interval)
+            stream = _Stream(loop, OutputCollector(loop, interval))
             self._streams[rid] = (stream, epoch)
         add = msg.Add(rid, prompt, msg.params_to(params), priority, arrival,
                       None if lora_request is None else msg.lora_to(lora_request))  # fmt: skip
         self._send(epoch, add)
         try:
             abort = lambda: self._send(epoch, msg.Abort(rid))  # noqa: E731
-            async with contextlib.aclosing(outputs(stream.queue, params.n, abort)) as items:
+            async with contextlib.aclosing(outputs(stream.collector, params.n, abort)) as items:
                 async for item in items:
                     yield item
         finally:

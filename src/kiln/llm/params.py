@@ -28,6 +28,7 @@ SAMPLING_FIELDS = (
     "cache_salt",
     "min_tokens",
     "allowed_token_ids",
+    "stream_interval",
 )
 
 #: OpenAI's bound on a ``logit_bias`` value
@@ -176,9 +177,13 @@ def sampling_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     min_tokens = integer(body, "min_tokens") or 0
     if min_tokens < 0:
         raise InvalidField("min_tokens", f"min_tokens must be >= 0, got {min_tokens}")
+    interval = integer(body, "stream_interval")
+    if interval is not None and interval < 1:
+        raise InvalidField("stream_interval", f"stream_interval must be >= 1, got {interval}")
     return {
         "cache_salt": salt,
         "min_tokens": min_tokens,
+        "stream_interval": interval,
         "logit_bias": logit_bias(body),
         "allowed_token_ids": allowed_token_ids(body),
         "temperature": temperature,

@@ -6,6 +6,7 @@ import enum
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,7 @@ if TYPE_CHECKING:  # the OpenAI frontend reads SamplingParams without loading to
     import llguidance
     import torch
 
+    from kiln.llm.engine import RequestOutput
     from kiln.llm.lora import LoRARequest
     from kiln.llm.sampler import TokenLogprobs
     from kiln.llm.structured import StructuredOutputsParams
@@ -62,6 +64,29 @@ class SamplingParams:
     #: constraint applies from after it, as vLLM's does with a reasoning parser (unless the
     #: prompt holds it already: thinking turned off by the template)
     reasoning_end: tuple[int, ...] = ()
+    #: vLLM's ``stream_interval``: a sample's tokens reach its reader in runs of this many
+    #: (its first and last at once); raised to the engine's ``--stream-interval``. None:
+    #: the engine's. The reader's side alone (kiln.llm.async_engine.OutputCollector)
+    stream_interval: int | None = None
+
+
+def token_by_token(
+    out: RequestOutput, drop_stop_token: bool
+) -> Iterator[tuple[list[int], list[TokenLogprobs], int, bool]]:
+    """An output of several tokens (steps merged for a reader that fell behind, a
+    ``stream_interval``, accepted drafts) one token at a time: (ids, logprobs, tokens
+    generated up to it, whether it is the sample's last). A reader that checks stop strings
+    token by token ends a sample at the token that completes one, and counts its usage up to
+    there, however the steps were merged. ``drop_stop_token``: the last token (the stop
+    token) gives no text."""
+    count = len(out.new_token_ids)
+    logprobs = out.logprobs or []
+    aligned = len(logprobs) == count
+    for j, token in enumerate(out.new_token_ids):
+        last = j == count - 1
+        ids = [] if last and drop_stop_token else [token]
+        entries = logprobs[j : j + 1] if aligned else logprobs if last else []
+        yield ids, entries, out.num_output_tokens - (count - 1 - j), last and out.finished
 
 
 class SequenceStatus(enum.Enum):

@@ -24,7 +24,7 @@ from kiln.config.model_config_pb2 import DataType as PbDataType
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status
 from kiln.llm.params import SAMPLING_FIELDS, InvalidField, integer, sampling_fields
-from kiln.llm.sequence import SamplingParams
+from kiln.llm.sequence import SamplingParams, token_by_token
 from kiln.llm.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -316,12 +316,21 @@ async def generate(
     )
     async with aclosing(engine_outputs) as outputs:
         async for out in outputs:
-            state.tokens = out.num_output_tokens
-            state.logprob += sum(lp.logprob for lp in out.logprobs or ())
-            pending = state.held + detok.add(out.new_token_ids, final=out.finished)
             finish = out.finish_reason if out.finished else None
-            for stop in req.stops:
-                at = pending.find(stop)
+            pending = state.held
+            # several steps' tokens and a stop string: token by token, so that the stop
+            # ends the output (and its count) at the token that completes it
+            pieces = (
+                token_by_token(out, False)
+                if req.stops and len(out.new_token_ids) > 1
+                else ((out.new_token_ids, out.logprobs or [], out.num_output_tokens, out.finished),)
+            )
+            for ids, entries, tokens, final in pieces:
+                state.tokens = tokens
+                state.logprob += sum(lp.logprob for lp in entries)
+                start = max(len(pending) - hold, 0)  # what a step of its own would hold
+                pending += detok.add(ids, final=final)
+                at = next((a for s in req.stops if (a := pending.find(s, start)) >= 0), -1)
                 if at >= 0:
                     pending, finish = pending[:at], "stop"
                     break

@@ -33,7 +33,7 @@ async def test_leaving_a_stream_early_frees_its_blocks(folder: Path) -> None:
         got = []
         async for out in async_engine.generate([1, 2, 3, 4, 5], LONG):
             got.extend(out.new_token_ids)
-            if len(got) == 3:
+            if len(got) >= 3:  # a reader behind the steps gets them merged
                 break
         for _ in range(200):
             if not engine.has_work():

@@ -10,7 +10,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kiln.llm.sequence import SamplingParams
+from kiln.llm.sequence import SamplingParams, token_by_token
 from kiln.llm.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:  # importing the engine imports torch
@@ -45,6 +45,18 @@ class _Choice:
     #: the prompt's logprobs, until the choice's first delta carries them
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     done: bool = False
+
+    def stop(self, stops: tuple[str, ...], options: OutputOptions, start: int = 0) -> bool:
+        """Whether a stop string is in the pending text (from ``start``); if so the text
+        ends at it (or after it, with ``include_stop_str_in_output``)."""
+        for stop in stops:
+            at = self.pending.find(stop, start)
+            if at >= 0:
+                if options.include_stop_str_in_output:
+                    at += len(stop)
+                self.pending = self.pending[:at]
+                return True
+        return False
 
     def take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
         taken, self.prompt_logprobs = self.prompt_logprobs, None
@@ -87,24 +99,30 @@ async def run(
             if c.done:
                 continue  # a stop string ended it; its abort is on the way
             completion = out.num_output_tokens
-            ids = out.new_token_ids
-            if out.stop_token_id is not None and not options.include_stop_str_in_output:
-                ids = ids[:-1]  # as vLLM: the stop token's own text is not output
-            c.pending += c.detok.add(ids, final=out.finished)
-            c.pending_logprobs.extend(out.logprobs or ())
             if out.prompt_logprobs is not None:
                 c.prompt_logprobs = out.prompt_logprobs
+            drop = out.stop_token_id is not None and not options.include_stop_str_in_output
             reason = out.finish_reason if out.finished else None
-            # as vLLM: before min_tokens are out, no stop string ends the choice either
-            for stop in stops if completion > params.min_tokens else ():
-                at = c.pending.find(stop)
-                if at >= 0:
-                    if options.include_stop_str_in_output:
-                        at += len(stop)
-                    c.pending, reason = c.pending[:at], "stop"
-                    if not out.finished:  # the other choices go on
-                        llm.abort(rid, out.index, "stop")
-                    break
+            if stops and len(out.new_token_ids) > 1:
+                # several steps' tokens: a stop string ends the choice at the token that
+                # completes it (and usage counts to there), however the steps were merged
+                for ids, entries, completion, final in token_by_token(out, drop):
+                    # where a step of its own would have left the held-back text
+                    start = max(len(c.pending) - hold, 0)
+                    c.pending += c.detok.add(ids, final=final)
+                    c.pending_logprobs.extend(entries)
+                    if completion > params.min_tokens and c.stop(stops, options, start):
+                        reason = "stop"
+                        break
+            else:
+                ids = out.new_token_ids[:-1] if drop else out.new_token_ids
+                c.pending += c.detok.add(ids, final=out.finished)
+                c.pending_logprobs.extend(out.logprobs or ())
+                # as vLLM: before min_tokens are out, no stop string ends the choice either
+                if stops and completion > params.min_tokens and c.stop(stops, options):
+                    reason = "stop"
+            if reason == "stop" and not out.finished:  # the other choices go on
+                llm.abort(rid, out.index, "stop")
             if reason is not None:
                 c.done, left = True, left - 1
                 logprobs = c.pending_logprobs

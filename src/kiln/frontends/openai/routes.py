@@ -423,8 +423,13 @@ def _outputs(
     llm: EngineClient, req: GenerationRequest, prepared: list[tuple[list[int], SamplingParams]],
     rid: str,
 ) -> AsyncGenerator[Delta, None]:  # fmt: skip
-    """Every choice's deltas, merged (choice ``index`` = prompt ``i`` * ``n`` + sample)."""
+    """Every choice's deltas, merged (choice ``index`` = prompt ``i`` * ``n`` + sample).
+    A whole answer with no stop string to watch for needs no tokens before the last: its
+    outputs wait in the engine's collector until the choice ends (vLLM's ``FINAL_ONLY``),
+    detokenized once instead of once a step."""
     options = OutputOptions(req.include_stop_str_in_output, req.skip_special_tokens)
+    if not req.stream and not req.stop:
+        prepared = [(ids, replace(p, stream_interval=p.max_tokens)) for ids, p in prepared]
     return merged(
         [run(llm, ids, p, req.stop, req.priority, rid, options) for ids, p in prepared],
         req.params.n,
