@@ -34,7 +34,7 @@ from typing import Any
 
 # tests.conftest's KilnProcess starts `kiln serve`: the repository root on the path
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 SHAPE: dict[str, Any] = dict(
     architectures=["LlamaForCausalLM"],
@@ -238,18 +238,30 @@ def openai_run(
         doc: dict[str, Any] = json.loads(report.read_text())
         return doc
 
+    from stream_events import _cpu  # the server's and its engine process's CPU seconds
+
     try:
         server.start(timeout=300)  # loading, profiling, flex compiles, graph capture
         bench(8, work / f"warmup-{backend}.json")  # the batch's prefill shapes compile here
+        assert server.proc is not None
+        before = _cpu(server.proc.pid)
         doc = bench(output_len, work / f"bench-{backend}.json")
+        after = _cpu(server.proc.pid)
     finally:
         server.stop()
+    done = [r for r in doc["requests"] if not r["error"]]
+    tokens = max(sum(r["output_tokens"] for r in done), 1)
     return {
         "output_tokens_per_s": doc["output_throughput"],
         "failed": doc["failed"],
         "ttft_ms": doc["ttft_ms"],
         "tpot_ms": doc["tpot_ms"],
         "duration_s": doc["duration_s"],
+        # the server's own CPU per token (HTTP, detokenizing, SSE) and how many tokens an
+        # event carried: above 1 where the server fell behind the engine and merged steps
+        "server_cpu_us_per_token": 1e6 * (after[0] - before[0]) / tokens,
+        "engine_cpu_us_per_token": 1e6 * (after[1] - before[1]) / tokens,
+        "tokens_per_event": tokens / max(sum(r["chunks"] for r in done), 1),
     }
 
 
@@ -396,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
                                       backend, Path(tmp))  # fmt: skip
                     entry["openai"] = http
                     _log(f"{name}: OpenAI API c={len(prompts)} "
-                         f"{http['output_tokens_per_s']:.0f} tok/s")  # fmt: skip
+                         f"{http['output_tokens_per_s']:.0f} tok/s, server "
+                         f"{http['server_cpu_us_per_token']:.1f} us CPU/token, "
+                         f"{http['tokens_per_event']:.2f} tokens/event")  # fmt: skip
                 result[f"kiln {name}"] = entry
                 # each finished backend is on disk: a device call cut short keeps it
                 args.json.write_text(json.dumps(result, indent=2))
