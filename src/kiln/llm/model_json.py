@@ -133,6 +133,7 @@ _SETTINGS: dict[str, tuple[str, Callable[[str, str, Any], Any]]] = {
     "num_gpu_blocks_override": ("num_gpu_blocks", lambda m, k, v: _integer(m, k, v)),
     "kv_cache_memory_bytes": ("kv_cache_memory_bytes", lambda m, k, v: _integer(m, k, v)),
     "tensor_parallel_size": ("tensor_parallel_size", lambda m, k, v: _at_least_one(m, k, v)),
+    "stream_interval": ("stream_interval", lambda m, k, v: _at_least_one(m, k, v)),
     "enable_prefix_caching": ("enable_prefix_caching", lambda m, k, v: _boolean(m, k, v)),
     "enforce_eager": ("enforce_eager", lambda m, k, v: _boolean(m, k, v)),
     "scheduling_policy": ("scheduling_policy", lambda m, k, v: str(v).strip().lower()),

@@ -43,6 +43,7 @@ def test_engine_arguments_honoured(tmp_path: Path) -> None:
             "gpu_memory_utilization": 0.9,
             "tensor_parallel_size": 1,
             "disable_log_requests": True,
+            "stream_interval": 4,
         },
     )
     read = model_json.load("m", version)
@@ -54,6 +55,7 @@ def test_engine_arguments_honoured(tmp_path: Path) -> None:
     assert (e.block_size, e.num_gpu_blocks, e.enable_prefix_caching, e.enforce_eager) == (
         8, 32, False, True,
     )  # fmt: skip
+    assert e.stream_interval == 4
 
 
 def test_relative_model_path_is_beside_model_json(tmp_path: Path) -> None:
@@ -68,6 +70,7 @@ def test_relative_model_path_is_beside_model_json(tmp_path: Path) -> None:
         ({"quantization": "awq"}, "'quantization'"),
         ({"pipeline_parallel_size": 2}, "'pipeline_parallel_size' is 2"),
         ({"tensor_parallel_size": 0}, "'tensor_parallel_size' must be at least 1, got 0"),
+        ({"stream_interval": 0}, "'stream_interval' must be at least 1, got 0"),
         ({"trust_remote_code": True}, "'trust_remote_code'"),
         ({"max_num_seqs": "many"}, "'max_num_seqs' must be an integer"),
         ({"gpu_memory_utilization": 1.5}, "'gpu_memory_utilization' must be a number in (0, 1]"),
