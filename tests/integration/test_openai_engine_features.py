@@ -381,7 +381,8 @@ def test_vllm_prompt_logprobs_field(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20], got 21"),
+        ({"prompt_logprobs": 21}, "prompt logprobs of 21, which is greater than max allowed: 20"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be >= 0, got -1"),
         ({"prompt_logprobs": 1, "stream": True}, "not with stream"),
     ],
 )

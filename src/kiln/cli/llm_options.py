@@ -50,6 +50,8 @@ ENGINE_FLAGS = {
     "attention_backend": "attention_backend",
     "enable_multiprocessing": "enable_multiprocessing",
     "stream_interval": "stream_interval",
+    "max_logprobs": "max_logprobs",
+    "seed": "seed",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -123,6 +125,20 @@ def llm_options(func: F) -> F:
         ),
         click.option("--enforce-eager", is_flag=True, default=None),
         click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default=None),
+        click.option(
+            "--max-logprobs",
+            type=click.IntRange(min=-1),
+            default=None,
+            help="The most top alternatives per token a request's logprobs or "
+            "prompt_logprobs may ask for; -1: the whole vocabulary [default: 20].",
+        ),
+        click.option(
+            "--seed",
+            type=int,
+            default=None,
+            help="Seed torch's generators when the engine starts: requests without a seed "
+            "of their own sample the same from one start to the next.",
+        ),
         click.option(
             "--stream-interval",
             type=click.IntRange(min=1),

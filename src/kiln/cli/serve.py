@@ -289,10 +289,12 @@ def _open_repositories(values: tuple[str, ...]) -> list[Any]:
 )
 @click.option(
     "--disable-log-requests", "--disable-log-stats", "--trust-remote-code",
+    "--enable-chunked-prefill",
     is_flag=True, expose_value=False,
     help="vLLM's flags, accepted so its command lines run unchanged; nothing to do: kiln "
-    "logs no request contents nor periodic stats (its /metrics and dashboard have them) and "
-    "runs no code from a checkpoint.",
+    "logs no request contents nor periodic stats (its /metrics and dashboard have them), "
+    "runs no code from a checkpoint, and always splits a prompt longer than a step's "
+    "--max-num-batched-tokens into chunks (vLLM V1's default).",
 )  # fmt: skip
 @security_options
 @llm_options

@@ -54,6 +54,8 @@ _INT_PARAMETERS = (
     "max_waiting",
     "tensor_parallel_size",
     "stream_interval",
+    "max_logprobs",
+    "seed",
 )
 #: vLLM's spellings of the dtypes
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}

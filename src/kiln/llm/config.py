@@ -300,6 +300,13 @@ class EngineConfig:
     #: vLLM's ``--tensor-parallel-size``: ranks the weights and KV heads are split over
     #: (kiln.llm.parallel), one process each
     tensor_parallel_size: int = 1
+    #: vLLM's ``--max-logprobs``: the most top alternatives a request's ``logprobs`` (or
+    #: ``prompt_logprobs``) may ask per token; -1: the vocabulary
+    max_logprobs: int = 20
+    #: vLLM's ``--seed``: torch's generators are seeded with it when the engine is built, so
+    #: requests without a ``seed`` of their own draw the same numbers from one start to the
+    #: next (None: torch's own default seed)
+    seed: int | None = None
     #: vLLM's ``--stream-interval``: a stream's tokens reach its reader in runs of this
     #: many (fewer events and socket writes per token; the first token is never held)
     stream_interval: int = 1
@@ -329,6 +336,12 @@ class EngineConfig:
             raise KilnError(
                 "llm backend: kv_cache_memory_bytes, num_gpu_blocks and max_model_len must "
                 "not be negative",
+                Status.INVALID_ARG,
+            )
+        if self.max_logprobs < -1:
+            raise KilnError(
+                f"llm backend: max_logprobs must be -1 (the vocabulary) or at least 0, got "
+                f"{self.max_logprobs}",
                 Status.INVALID_ARG,
             )
         if self.scheduling_policy not in SCHEDULING_POLICIES:

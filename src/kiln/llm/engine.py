@@ -121,6 +121,8 @@ class LLMEngine:
         self.stats = EngineStats(RequestHistograms.for_model(config.max_model_len))
         #: the requests the last step failed, with the error (they left the engine)
         self.failed: list[tuple[str, Exception]] = []
+        if config.seed is not None:  # vLLM's --seed: unseeded requests draw from these
+            torch.manual_seed(config.seed)
         #: compiles ``structured_outputs`` for this model's tokenizer; set by whoever owns
         #: the tokenizer (the backend): without it, constrained requests are refused
         self.grammars: GrammarCompiler | None = None
@@ -196,10 +198,17 @@ class LLMEngine:
                 f"min_tokens must be in [0, max_tokens ({params.max_tokens})], "
                 f"got {params.min_tokens}",
             )
-        for field_, count in (
-            ("logprobs", params.logprobs),
-            ("prompt_logprobs", params.prompt_logprobs),
+        most = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        for field_, kind, count in (
+            ("logprobs", "sample", params.logprobs),
+            ("prompt_logprobs", "prompt", params.prompt_logprobs),
         ):
+            if count is not None and count > most:  # vLLM's words
+                raise InvalidField(
+                    field_,
+                    f"Requested {kind} logprobs of {count}, which is greater than max allowed: "
+                    f"{most} (--max-logprobs)",
+                )
             if count is not None and not 0 <= count <= vocab:
                 raise InvalidField(
                     field_, f"{field_} must be in [0, {vocab}] (the vocabulary), got {count}"

@@ -134,6 +134,8 @@ _SETTINGS: dict[str, tuple[str, Callable[[str, str, Any], Any]]] = {
     "kv_cache_memory_bytes": ("kv_cache_memory_bytes", lambda m, k, v: _integer(m, k, v)),
     "tensor_parallel_size": ("tensor_parallel_size", lambda m, k, v: _at_least_one(m, k, v)),
     "stream_interval": ("stream_interval", lambda m, k, v: _at_least_one(m, k, v)),
+    "max_logprobs": ("max_logprobs", lambda m, k, v: _integer(m, k, v)),
+    "seed": ("seed", lambda m, k, v: _integer(m, k, v)),
     "enable_prefix_caching": ("enable_prefix_caching", lambda m, k, v: _boolean(m, k, v)),
     "enforce_eager": ("enforce_eager", lambda m, k, v: _boolean(m, k, v)),
     "scheduling_policy": ("scheduling_policy", lambda m, k, v: str(v).strip().lower()),

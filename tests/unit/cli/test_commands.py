@@ -69,6 +69,14 @@ def test_serve_reads_vllms_command_line(tmp_path: Path) -> None:
     with pytest.raises(click.BadParameter):
         serve.make_context("serve", [str(tmp_path / "missing")])
     # vLLM's operational flags that have nothing to change in kiln are accepted
-    flags = ["--disable-log-requests", "--disable-log-stats", "--trust-remote-code"]
+    flags = ["--disable-log-requests", "--disable-log-stats", "--trust-remote-code",
+             "--enable-chunked-prefill"]  # fmt: skip
     ctx = serve.make_context("serve", [str(first), *flags])
-    assert not set(ctx.params) & {"disable_log_requests", "disable_log_stats"}
+    assert not set(ctx.params) & {"disable_log_requests", "disable_log_stats",
+                                  "enable_chunked_prefill"}  # fmt: skip
+    # and vLLM's engine flags kiln has, with vLLM's names
+    engine = ["--seed", "3", "--max-logprobs", "-1", "--stream-interval", "4"]
+    ctx = serve.make_context("serve", [str(first), *engine])
+    assert (ctx.params["seed"], ctx.params["max_logprobs"], ctx.params["stream_interval"]) == (
+        3, -1, 4,
+    )  # fmt: skip

@@ -232,9 +232,6 @@ class GenerationRequest:
     include_reasoning: bool = True
 
 
-MAX_LOGPROBS = 20
-
-
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     """How many top alternatives per token: completions' ``logprobs: int``, or chat's
     ``logprobs: true`` with ``top_logprobs: int``; None when logprobs are off."""
@@ -248,8 +245,9 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
         count = (count or 0) if wanted else None
     else:
         key, count = "logprobs", integer(body, "logprobs")
-    if count is not None and not 0 <= count <= MAX_LOGPROBS:
-        raise OpenAIError(f"{key} must be in [0, {MAX_LOGPROBS}], got {count}", param=key)
+    # the upper bound is the model's (--max-logprobs, vLLM's 20 by default): check_request
+    if count is not None and count < 0:
+        raise OpenAIError(f"{key} must be >= 0, got {count}", param=key)
     return count
 
 
@@ -380,10 +378,9 @@ def _common(
     except InvalidField as exc:
         raise OpenAIError(exc.message, param=exc.field) from None
     if prompt_logprobs is not None:
-        if not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        if prompt_logprobs < 0:
             raise OpenAIError(
-                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}",
-                param="prompt_logprobs",
+                f"prompt_logprobs must be >= 0, got {prompt_logprobs}", param="prompt_logprobs"
             )
         if stream:
             raise OpenAIError(

@@ -186,7 +186,7 @@ def _prompt_ids(
 
 
 def _prepare(
-    llm: EngineClient, req: GenerationRequest, default_max: int | None
+    llm: EngineClient, req: GenerationRequest, default_max: int | None, chat: bool = False
 ) -> list[tuple[list[int], SamplingParams]]:
     """Each prompt's token ids and sampling parameters, the request's checks done. On a
     worker thread: tokenizing takes time in proportion to the prompt, which must not stall
@@ -227,7 +227,9 @@ def _prepare(
         try:
             llm.check_request(len(ids), params, req.priority)  # compiles a grammar too
         except InvalidField as exc:
-            raise OpenAIError(str(exc), param=exc.field) from None
+            # chat asks for alternatives with top_logprobs (logprobs is its switch)
+            field = "top_logprobs" if chat and exc.field == "logprobs" else exc.field
+            raise OpenAIError(str(exc), param=field) from None
         except KilnError as exc:
             raise OpenAIError(str(exc), param="prompt", code="context_length_exceeded") from None
         prepared.append((ids, params))
@@ -622,7 +624,7 @@ async def _chat_setup(
             # vLLM's rule: the model thinks freely, the constraint holds after </think>
             end = tuple(llm.tokenizer.encode(reasoning.END))
             req.params = replace(req.params, reasoning_end=end)
-    prepared = await asyncio.to_thread(_prepare, llm, req, None)
+    prepared = await asyncio.to_thread(_prepare, llm, req, None, True)
     return llm, req, prepared
 
 
