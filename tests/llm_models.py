@@ -92,6 +92,44 @@ def build_tiny_llm(folder: Path, arch: str = "llama", **overrides: Any) -> Path:
     return folder
 
 
+def build_tiny_classifier(
+    folder: Path, labels: tuple[str, ...] = ("negative", "neutral", "positive"),
+    arch: str = "llama",
+) -> Path:  # fmt: skip
+    """A ``*ForSequenceClassification`` of the tiny shape (a ``score`` head on the last
+    token), random weights, its classes named by ``id2label``."""
+    import torch
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(folder)
+    name = {"llama": "Llama", "qwen2": "Qwen2"}[arch]
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_labels=len(labels), id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForSequenceClassification")(config)
+    with torch.no_grad():  # logits far enough apart that the likeliest class is clear
+        model.score.weight.mul_(20.0)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def reference_logits(folder: Path, prompts: list[list[int]]) -> list[list[float]]:
+    """``transformers``' classifier logits of each prompt (alone: no padding)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(folder), dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).logits[0].tolist() for p in prompts]
+
+
 def reference_generate(folder: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy tokens from ``transformers`` (the reference kiln must match)."""
     import torch

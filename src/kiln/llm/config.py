@@ -24,6 +24,14 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
 )
+#: sequence classifiers (a decoder with a ``score`` head on its last token: reward models,
+#: decoder cross-encoders), as vLLM serves them on ``/classify``: the decoder they run
+CLASSIFIERS = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+}
 #: whose window (when set) covers every layer, as Mistral's
 _WINDOW_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
                        "Qwen3MoeForCausalLM")  # fmt: skip
@@ -123,6 +131,8 @@ class ModelArgs:
     is_matryoshka: bool = False
     #: the only sizes it may be cut to (None: any)
     matryoshka_dimensions: tuple[int, ...] | None = None
+    #: a sequence classifier's classes (``id2label``'s labels, by id; empty: not one)
+    labels: tuple[str, ...] = ()
     #: Gemma 2's ``attn_logit_softcapping`` (None: none): only the portable attention
     #: backend caps scores, so the model runner picks it
     attn_logit_softcapping: float | None = None
@@ -142,13 +152,14 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelArgs:
         archs = raw.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
+        arch = CLASSIFIERS.get(archs[0], archs[0])
         if arch not in SUPPORTED_ARCHITECTURES:
             raise KilnError(
                 f"llm backend: architecture '{arch}' is not supported "
-                f"(kiln runs {', '.join(SUPPORTED_ARCHITECTURES)})",
+                f"(kiln runs {', '.join(SUPPORTED_ARCHITECTURES + tuple(CLASSIFIERS))})",
                 Status.INVALID_ARG,
             )
+        labels = _labels(raw) if archs[0] in CLASSIFIERS else ()
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         # transformers >= 5 nests theta and scaling under ``rope_parameters`` (Gemma 3: one
@@ -192,14 +203,39 @@ class ModelArgs:
             attn_logit_softcapping=_float_or_none(raw.get("attn_logit_softcapping", 50.0))
             if arch == "Gemma2ForCausalLM"
             else None,
+            labels=labels,
             hf_config=dict(raw),
         )
+
+    @property
+    def num_labels(self) -> int:
+        """A sequence classifier's classes (0: a language model)."""
+        return len(self.labels)
 
     @classmethod
     def load(cls, folder: Path) -> ModelArgs:
         from kiln.llm.checkpoint import open_checkpoint
 
         return cls.from_dict(open_checkpoint(folder).config())
+
+
+def _labels(raw: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's labels by class id: ``id2label`` (transformers writes it), else
+    ``num_labels`` of ``LABEL_<i>`` (transformers' names), else its default two."""
+    id2label = raw.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        try:
+            by_id = {int(k): str(v) for k, v in id2label.items()}
+        except ValueError:
+            by_id = {}
+        if sorted(by_id) == list(range(len(by_id))):
+            return tuple(by_id[i] for i in range(len(by_id)))
+        raise KilnError(
+            "llm backend: config.json's id2label must map the class ids 0..n-1 to labels",
+            Status.INVALID_ARG,
+        )
+    count = int(raw.get("num_labels") or 2)
+    return tuple(f"LABEL_{i}" for i in range(count))
 
 
 def _sliding_window(

@@ -12,7 +12,7 @@ import torch
 from kiln.core.errors import KilnError, Status
 from kiln.llm.block_manager import BlockManager
 from kiln.llm.checkpoint import open_checkpoint, torch_dtype_name
-from kiln.llm.config import EngineConfig, ModelArgs
+from kiln.llm.config import EngineConfig, ModelArgs, PoolerConfig
 from kiln.llm.draft_model import DraftProposer
 from kiln.llm.lora import LoRARequest
 from kiln.llm.model_runner import resolve_dtype
@@ -76,6 +76,11 @@ class LLMEngine:
         self.checkpoint = open_checkpoint(path)
         raw = self.checkpoint.config()
         self.args = ModelArgs.from_dict(raw)
+        if self.args.num_labels:
+            # a sequence classifier pools (vLLM picks its pooling runner for one), from its
+            # last token as transformers' does, and serves /classify
+            config.runner = "pooling"
+            config.pooler_config = PoolerConfig("LAST", normalize=False)
         config.max_model_len = config.max_model_len or self.args.max_position_embeddings
         config.dtype = resolve_dtype(
             config.dtype, torch_dtype_name(raw), torch.device(config.device)

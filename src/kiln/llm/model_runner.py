@@ -43,7 +43,7 @@ def load_weights(model: LlamaForCausalLM, checkpoint: Checkpoint, dtype: torch.d
         seen |= set(tensors)
         del tensors  # one file's tensors at a time
     missing = expected - seen
-    if model.args.tie_word_embeddings:
+    if model.args.tie_word_embeddings or model.args.num_labels:
         missing.discard("lm_head.weight")
     if missing:
         raise KilnError(
@@ -106,7 +106,7 @@ class ModelRunner:
         model = model.to(self.dtype)
         load_weights(model, checkpoint, self.dtype)
         quantization.finalize(model)
-        if args.tie_word_embeddings:
+        if args.tie_word_embeddings or args.num_labels:
             model.lm_head.weight = model.model.embed_tokens.weight
         self.model = model.eval()
         self.model.fuse()
@@ -344,6 +344,9 @@ class ModelRunner:
             return mean_pool(self.model.hidden_states(ids, positions, metas), lengths)
         # LAST and CLS read one token each: the final norm runs on those rows alone
         hidden = self.model.hidden_states(ids, positions, metas, rows.to(dev))
+        if self.args.num_labels:  # a classifier: its score head on the last token
+            scores: torch.Tensor = self.model.score(hidden)
+            return scores.float()
         return hidden.float()
 
     def _eager(

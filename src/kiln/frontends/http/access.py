@@ -41,7 +41,7 @@ _RULES: list[tuple[re.Pattern[str], ApiGroup | None]] = [
     (re.compile(r"/v1/.*"), ApiGroup.INFERENCE),  # OpenAI-compatible routes
     (re.compile(r"/(de)?tokenize$"), ApiGroup.INFERENCE),  # vLLM's, beside them
     (re.compile(r"/invocations$"), ApiGroup.INFERENCE),  # vLLM's SageMaker routes
-    (re.compile(r"/(v2/)?(score|rerank|pooling)$"), ApiGroup.INFERENCE),  # vLLM's, beside /v1
+    (re.compile(r"/(v2/)?(score|rerank|pooling|classify)$"), ApiGroup.INFERENCE),  # vLLM's
     (re.compile(r"/(health|ping)$"), ApiGroup.HEALTH),
     (re.compile(r"/version$"), ApiGroup.METADATA),
     (re.compile(r"/dashboard(/.*)?$"), None),

@@ -103,7 +103,7 @@ def _is_ids(value: Any) -> bool:
     )
 
 
-def _inputs(body: dict[str, Any]) -> list[str | list[int]]:
+def inputs_field(body: dict[str, Any]) -> list[str | list[int]]:
     """OpenAI's ``input``: a string, a list of strings, token ids, or a list of token-id
     lists; each one non-empty."""
     raw = body.get("input")
@@ -157,7 +157,7 @@ def embedding_request(body: dict[str, Any], pooling: bool = False) -> EmbeddingR
         )
         inputs: list[str | list[int]] = []
     else:
-        inputs = _inputs(body)
+        inputs = inputs_field(body)
     try:
         dimensions = integer(body, "dimensions")
         truncate = integer(body, "truncate_prompt_tokens")
@@ -247,6 +247,12 @@ def check_pools(llm: EngineClient, model: str, api: str, serves: str) -> None:
             f"(set its parameter runner to 'pooling' to serve {serves})",
             param="model",
         )
+    if llm.engine.args.num_labels:
+        raise OpenAIError(
+            f"The model '{model}' does not support {api} API: it is a sequence classifier "
+            "(its answers are on /classify)",
+            param="model",
+        )
 
 
 def check_queue(llm: EngineClient, priority: int, count: int, what: str, param: str) -> None:
@@ -262,6 +268,43 @@ def check_queue(llm: EngineClient, priority: int, count: int, what: str, param: 
         raise OpenAIError(
             f"{what.format(count)}, more than the model queues at once ({most})", param=param
         )
+
+
+def pooling_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """A score, rerank or classify body's common fields, checked: ``model``,
+    ``truncate_prompt_tokens``, ``priority``, ``request_id``; vLLM's activation flags must
+    be booleans."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError("'model' is required and must be a string", param="model")
+    try:
+        truncate = integer(body, "truncate_prompt_tokens")
+        priority = integer(body, "priority") or 0
+    except InvalidField as exc:
+        raise OpenAIError(exc.message, param=exc.field) from None
+    check_truncate(truncate)
+    for key in ("use_activation", "activation", "softmax"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise OpenAIError(f"'{key}' must be a boolean, got {body[key]!r}", param=key)
+    request_id = body.get("request_id")
+    if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        raise OpenAIError("'request_id' must be a non-empty string", param="request_id")
+    return {
+        "model": model,
+        "truncate_prompt_tokens": truncate,
+        "priority": priority,
+        "request_id": request_id,
+    }
+
+
+def pooling_usage(prompt_tokens: int) -> dict[str, Any]:
+    """A pooling answer's ``usage`` (vLLM's: the inputs' tokens, nothing generated)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }
 
 
 def _too_long(limit: int, tokens: int) -> OpenAIError:
@@ -366,11 +409,6 @@ def response_body(
         "created": int(time.time()),
         "model": req.model,
         "data": data,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens,
-            "completion_tokens": 0,
-            "prompt_tokens_details": None,
-        },
+        "usage": pooling_usage(prompt_tokens),
     }
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -18,6 +18,7 @@ from starlette.routing import BaseRoute, Route
 from kiln import __version__
 from kiln.core.errors import KilnError, Status
 from kiln.core.trace import FrontendSlot, http_slot
+from kiln.frontends.openai import classify as classifier
 from kiln.frontends.openai import embeddings, lora, reasoning, responses, scores, tools
 from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run, started
 from kiln.frontends.openai.logprobs import (
@@ -87,7 +88,7 @@ def _generator(
     if llm.runner == "pooling":
         raise OpenAIError(
             f"The model '{name}' does not support {api} API: it is served with runner "
-            "'pooling' (embeddings)",
+            "'pooling' (embeddings, or classification for a classifier)",
             param="model",
         )
     return llm
@@ -726,6 +727,19 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         answer = scores.rerank_body if rerank else scores.score_body
         return _json(answer(req, values, left, right))
 
+    async def classify(request: Request) -> Response:
+        """vLLM's ``/classify``: a sequence classifier's class probabilities per input."""
+        body = await _received(request, http_slot(server.tracer, request.headers), reader)
+        req, activation = classifier.classify_request(body)
+        llm = _llm(server, req.model)
+        if llm.lora_request is not None:
+            raise OpenAIError("LoRA adapters serve generation, not classification", param="model")
+        classifier.check_model(llm, req)
+        prompts = await asyncio.to_thread(embeddings.token_ids, llm, req)
+        logits = await llm.pool(prompts, req.priority)
+        tokens = sum(len(p) for p in prompts)
+        return _json(classifier.response_body(llm, req, logits, tokens, activation))
+
     async def score(request: Request) -> Response:
         return await _scored(request, rerank=False)
 
@@ -774,6 +788,10 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         if "prompt" in body:
             return await completions(request)
         if "input" in body:
+            model = body.get("model")
+            llm = _llm(server, model) if isinstance(model, str) else None
+            if llm is not None and llm.engine.args.num_labels:  # the model's task decides
+                return await classify(request)
             return await embed(request)
         if "text_1" in body or "data_1" in body:
             return await score(request)
@@ -796,6 +814,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         Route("/v1/chat/completions", _answers_errors(chat), methods=["POST"]),
         Route("/v1/embeddings", _answers_errors(embed), methods=["POST"]),
         Route("/pooling", _answers_errors(pool), methods=["POST"]),
+        Route("/classify", _answers_errors(classify), methods=["POST"]),
         # vLLM's score and rerank APIs: its own paths, the /v1 ones it still answers, and
         # /v2/rerank (Cohere's v2 path)
         *(Route(path, _answers_errors(score), methods=["POST"]) for path in SCORE_PATHS),

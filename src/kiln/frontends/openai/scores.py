@@ -9,7 +9,13 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kiln.frontends.openai.embeddings import check_pools, check_queue, check_truncate, kept_tokens
+from kiln.frontends.openai.embeddings import (
+    check_pools,
+    check_queue,
+    kept_tokens,
+    pooling_fields,
+    pooling_usage,
+)
 from kiln.frontends.openai.protocol import OpenAIError, check_fields, check_prompt_chars
 from kiln.llm.params import InvalidField, integer
 
@@ -86,31 +92,6 @@ def _documents(value: Any) -> list[str]:
     return out
 
 
-def _common(body: dict[str, Any]) -> dict[str, Any]:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise OpenAIError("'model' is required and must be a string", param="model")
-    try:
-        truncate = integer(body, "truncate_prompt_tokens")
-        priority = integer(body, "priority") or 0
-    except InvalidField as exc:
-        raise OpenAIError(exc.message, param=exc.field) from None
-    check_truncate(truncate)
-    for key in ("use_activation", "activation", "softmax"):
-        # a bi-encoder's cosine has no activation to turn off: accepted, as vLLM's are
-        if body.get(key) is not None and not isinstance(body[key], bool):
-            raise OpenAIError(f"'{key}' must be a boolean, got {body[key]!r}", param=key)
-    request_id = body.get("request_id")
-    if request_id is not None and (not isinstance(request_id, str) or not request_id):
-        raise OpenAIError("'request_id' must be a non-empty string", param="request_id")
-    return {
-        "model": model,
-        "truncate_prompt_tokens": truncate,
-        "priority": priority,
-        "request_id": request_id,
-    }
-
-
 def _side(body: dict[str, Any], name: str, alias: str) -> tuple[Any, str]:
     """vLLM's ``text_1`` / ``text_2``, or their newer names ``data_1`` / ``data_2``."""
     if name in body and alias in body:
@@ -120,7 +101,7 @@ def _side(body: dict[str, Any], name: str, alias: str) -> tuple[Any, str]:
 
 def score_request(body: dict[str, Any]) -> ScoreRequest:
     check_fields(body, SCORE_FIELDS, "score")
-    common = _common(body)
+    common = pooling_fields(body)
     raw_left, left_name = _side(body, "text_1", "data_1")
     raw_right, right_name = _side(body, "text_2", "data_2")
     left, right = _texts(raw_left, left_name), _texts(raw_right, right_name)
@@ -135,7 +116,7 @@ def score_request(body: dict[str, Any]) -> ScoreRequest:
 
 def rerank_request(body: dict[str, Any]) -> ScoreRequest:
     check_fields(body, RERANK_FIELDS, "rerank")
-    common = _common(body)
+    common = pooling_fields(body)
     try:
         top_n = integer(body, "top_n") or 0
     except InvalidField as exc:
@@ -214,12 +195,7 @@ def score_body(
         "created": int(time.time()),
         "model": req.model,
         "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-        "usage": {
-            "prompt_tokens": tokens,
-            "total_tokens": tokens,
-            "completion_tokens": 0,
-            "prompt_tokens_details": None,
-        },
+        "usage": pooling_usage(tokens),
     }
 
 

@@ -269,8 +269,11 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary_embedding(args, max_positions)
         self.model = Backbone(args, rope, self.layer_cls, self.norm_cls)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
+        # a classifier has no LM head in its checkpoint: the embeddings stand in (unused)
+        if args.tie_word_embeddings or args.num_labels:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if args.num_labels:  # transformers' *ForSequenceClassification head
+            self.score = nn.Linear(args.hidden_size, args.num_labels, bias=False)
 
     def rotary_embedding(self, args: ModelArgs, max_positions: int) -> RotaryEmbedding:
         """The model's RoPE tables (an architecture with its own scheme overrides this)."""

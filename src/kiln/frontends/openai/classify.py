@@ -1,0 +1,111 @@
+"""vLLM's classification API (``/classify``) for a sequence classifier
+(``*ForSequenceClassification``: a decoder with a ``score`` head on its last token): each
+input's class probabilities (the softmax of its logits; a one-class model's sigmoid) and
+the label of the likeliest class."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from kiln.frontends.openai.embeddings import (
+    EmbeddingRequest,
+    check_queue,
+    inputs_field,
+    pooling_fields,
+    pooling_usage,
+)
+from kiln.frontends.openai.protocol import OpenAIError, check_fields, check_prompt_chars
+
+if TYPE_CHECKING:  # importing the backend imports torch
+    import torch
+
+    from kiln.llm.engine_client import EngineClient
+
+CLASSIFY_FIELDS = frozenset(
+    (
+        "model",
+        "input",
+        "truncate_prompt_tokens",
+        "priority",
+        "request_id",
+        "user",
+        "add_special_tokens",
+        "use_activation",
+        "activation",  # vLLM's older name of use_activation
+    )
+)
+
+
+def _activation(body: dict[str, Any]) -> bool:
+    """``use_activation`` (or its older name ``activation``): false answers the raw logits."""
+    values = [body.get("use_activation"), body.get("activation")]  # booleans (pooling_fields)
+    use, old = values
+    if use is not None and old is not None and use != old:
+        raise OpenAIError(
+            "'use_activation' and 'activation' disagree: send one", param="activation"
+        )
+    return False not in values
+
+
+def classify_request(body: dict[str, Any]) -> tuple[EmbeddingRequest, bool]:
+    """The request (its inputs, read as an embeddings request's) and whether the answer's
+    ``probs`` are probabilities (true) or the raw logits."""
+    check_fields(body, CLASSIFY_FIELDS, "classify")
+    common = pooling_fields(body)
+    inputs = inputs_field(body)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise OpenAIError("'user' must be a string", param="user")
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise OpenAIError(
+            f"'add_special_tokens' must be a boolean, got {special!r}", param="add_special_tokens"
+        )
+    req = EmbeddingRequest(inputs=inputs, add_special_tokens=special, **common)
+    return req, _activation(body)
+
+
+def check_model(llm: EngineClient, req: EmbeddingRequest) -> None:
+    """The model is a sequence classifier, and the inputs are few and short enough to be
+    worth reading."""
+    if not llm.engine.args.num_labels:
+        raise OpenAIError(
+            f"The model '{req.model}' does not support Classification API: it is not a "
+            "sequence classifier (a *ForSequenceClassification checkpoint)",
+            param="model",
+        )
+    check_queue(llm, req.priority, len(req.inputs), "'input' holds {} inputs", "input")
+    for item in req.inputs:
+        if isinstance(item, str):
+            check_prompt_chars(len(item), llm.engine.config.max_model_len, "input")
+
+
+def response_body(
+    llm: EngineClient, req: EmbeddingRequest, logits: list[torch.Tensor], prompt_tokens: int,
+    activation: bool,
+) -> dict[str, Any]:  # fmt: skip
+    import torch
+
+    labels = llm.engine.args.labels
+    stacked = torch.stack(logits)
+    if activation:
+        stacked = stacked.sigmoid() if len(labels) == 1 else stacked.softmax(-1)
+    data = [
+        {
+            "index": index,
+            "label": labels[int(row.argmax())],
+            "probs": row.tolist(),
+            "num_classes": len(labels),
+        }
+        for index, row in enumerate(stacked)
+    ]
+    return {
+        "id": f"classify-{req.request_id or uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": req.model,
+        "data": data,
+        "usage": pooling_usage(prompt_tokens),
+    }
