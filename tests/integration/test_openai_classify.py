@@ -2,7 +2,7 @@
 input's probabilities against ``transformers``' logits, the likeliest label, raw logits
 with ``use_activation: false``, ``/invocations`` picking it by the model, and the
 refusals (a generator asked to classify, a classifier asked to embed or generate, bad
-bodies)."""
+bodies). A one-class classifier is a cross-encoder on ``/score`` and ``/rerank``."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("repo")
     build_tiny_classifier(root / "cls" / "1", LABELS)
     (root / "cls" / "config.pbtxt").write_text(llm_config("cls", max_num_seqs="4"))
+    # a one-class classifier: a cross-encoder, scoring pairs of texts
+    build_tiny_classifier(root / "ce" / "1", ("relevance",))
+    (root / "ce" / "config.pbtxt").write_text(llm_config("ce", max_num_seqs="4"))
     build_tiny_llm(root / "gen" / "1")
     (root / "gen" / "config.pbtxt").write_text(llm_config("gen", max_num_seqs="4"))
     return root
@@ -117,3 +120,31 @@ def test_a_classifier_neither_embeds_nor_generates(http: Any) -> None:
     # and the generator next to it still generates
     done = http.post("/v1/completions", json={"model": "gen", "prompt": "hi", "max_tokens": 2})
     assert done.status_code == 200, done.text
+
+
+def test_a_one_class_classifier_scores_pairs_as_a_cross_encoder(http: Any, repo: Path) -> None:
+    import transformers
+
+    folder = repo / "ce" / "1"
+    query, documents = "what is kiln", ["a server for models", "a furnace", "hello"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    pairs = [tokenizer(query, d)["input_ids"] for d in documents]
+    want = torch.tensor(reference_logits(folder, pairs))[:, 0].sigmoid().tolist()
+    reply = http.post("/score", json={"model": "ce", "text_1": query, "text_2": documents})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-5)
+    assert body["usage"]["prompt_tokens"] == sum(len(p) for p in pairs)  # each pair once
+    ranked = http.post("/rerank", json={"model": "ce", "query": query, "documents": documents,
+                                        "top_n": 2})  # fmt: skip
+    assert ranked.status_code == 200, ranked.text
+    results = ranked.json()["results"]
+    best = sorted(range(3), key=lambda i: -want[i])[:2]
+    assert [r["index"] for r in results] == best
+    assert [r["relevance_score"] for r in results] == pytest.approx([want[i] for i in best])
+    # N:N pairs, and a classifier of three classes does not score
+    two = http.post("/score", json={"model": "ce", "text_1": [query, "x"], "text_2": ["a", "b"]})
+    assert two.status_code == 200 and len(two.json()["data"]) == 2
+    message = _error(http.post("/score", json={"model": "cls", "text_1": "a", "text_2": "b"}),
+                     "model")  # fmt: skip
+    assert "classifier of 3 classes" in message and "one-class" in message

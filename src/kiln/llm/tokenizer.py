@@ -116,6 +116,12 @@ class Tokenizer:
         ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Two texts as one input, by the tokenizer's own pair template (its
+        post-processor's ``pair``: a cross-encoder's query and document)."""
+        ids: list[int] = self._tok.encode(first, second, add_special_tokens=True).ids
+        return ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text: str = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return text

@@ -239,18 +239,23 @@ def check_model(llm: EngineClient, req: EmbeddingRequest) -> None:
             raise _too_long(limit, len(item))
 
 
-def check_pools(llm: EngineClient, model: str, api: str, serves: str) -> None:
-    """The model is served with ``runner: pooling`` (vLLM's answer names the ``api``)."""
+def check_pools(
+    llm: EngineClient, model: str, api: str, serves: str, cross_encoder: bool = False
+) -> None:
+    """The model is served with ``runner: pooling`` (vLLM's answer names the ``api``), and
+    is no classifier, or (``cross_encoder``: score and rerank) a one-class one."""
     if llm.engine.config.runner != "pooling":
         raise OpenAIError(
             f"The model '{model}' does not support {api} API: it is served for generation "
             f"(set its parameter runner to 'pooling' to serve {serves})",
             param="model",
         )
-    if llm.engine.args.num_labels:
+    labels = llm.engine.args.num_labels
+    if labels and not (cross_encoder and labels == 1):
+        also = " (a one-class classifier also scores pairs of texts)" if cross_encoder else ""
         raise OpenAIError(
             f"The model '{model}' does not support {api} API: it is a sequence classifier "
-            "(its answers are on /classify)",
+            f"of {labels} classes, whose answers are on /classify{also}",
             param="model",
         )
 

@@ -721,11 +721,17 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         if llm.lora_request is not None:
             raise OpenAIError("LoRA adapters serve generation, not scores", param="model")
         scores.check_model(llm, req, "Rerank" if rerank else "Score")
-        left, right = await asyncio.to_thread(scores.token_ids, llm, req)
-        vectors = await llm.pool(left + right, req.priority)
-        values = scores.cosines(vectors, len(left))
+        if llm.engine.args.num_labels:  # a cross-encoder: each pair one input
+            pairs = await asyncio.to_thread(scores.pair_ids, llm, req)
+            values = scores.cross_scores(await llm.pool(pairs, req.priority))
+            tokens = sum(len(p) for p in pairs)
+        else:
+            left, right = await asyncio.to_thread(scores.token_ids, llm, req)
+            vectors = await llm.pool(left + right, req.priority)
+            values = scores.cosines(vectors, len(left))
+            tokens = scores.pair_tokens(left, right)
         answer = scores.rerank_body if rerank else scores.score_body
-        return _json(answer(req, values, left, right))
+        return _json(answer(req, values, tokens))
 
     async def classify(request: Request) -> Response:
         """vLLM's ``/classify``: a sequence classifier's class probabilities per input."""

@@ -1,6 +1,9 @@
 """vLLM's score and rerank APIs (``/score``, ``/rerank`` and their ``/v1``, ``/v2``
-aliases) for a model served with ``runner: pooling``: as vLLM's bi-encoder path, each
-text is embedded once and a pair's score is the cosine of its two vectors."""
+aliases) for a model served with ``runner: pooling``. An embedding model scores as vLLM's
+bi-encoder path does: each text is embedded once and a pair's score is the cosine of its two
+vectors. A one-class sequence classifier is a cross-encoder, as in vLLM: each pair is one
+input (the tokenizer's pair template) and its score the sigmoid of the classifier's
+logit."""
 
 from __future__ import annotations
 
@@ -134,10 +137,13 @@ def check_model(llm: EngineClient, req: ScoreRequest, api: str) -> None:
     """Before any tokenizing: the model pools, the texts are few enough to queue and each
     short enough to fit the context."""
     config = llm.engine.config
-    check_pools(llm, req.model, api, "scores of its embeddings")
+    check_pools(llm, req.model, api, "scores of its embeddings", cross_encoder=True)
     left, right = req.names
-    what = f"'{left}' and '{right}' hold {{}} texts"
-    check_queue(llm, req.priority, len(req.left) + len(req.right), what, right)
+    if llm.engine.args.num_labels:  # a cross-encoder: one input a pair
+        what, count = f"'{right}' holds {{}} texts to pair", len(req.right)
+    else:
+        what, count = f"'{left}' and '{right}' hold {{}} texts", len(req.left) + len(req.right)
+    check_queue(llm, req.priority, count, what, right)
     for texts, name in zip((req.left, req.right), req.names, strict=True):
         for text in texts:
             check_prompt_chars(len(text), config.max_model_len, name)
@@ -167,6 +173,34 @@ def token_ids(llm: EngineClient, req: ScoreRequest) -> tuple[list[list[int]], li
     return sides[0], sides[1]
 
 
+def pair_ids(llm: EngineClient, req: ScoreRequest) -> list[list[int]]:
+    """A cross-encoder's inputs: each pair's token ids by the tokenizer's pair template,
+    the first ``truncate_prompt_tokens`` kept (the tokenizer's own truncation side). On a
+    worker thread."""
+    limit = llm.engine.config.max_model_len
+    keep = kept_tokens(req.truncate_prompt_tokens, limit)
+    pairs = []
+    for i, right in enumerate(req.right):
+        left = req.left[0 if len(req.left) == 1 else i]
+        ids = llm.tokenizer.encode_pair(left, right)
+        if keep is not None:
+            ids = ids[:keep]
+        if len(ids) > limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, pair {i} "
+                f"has {len(ids)} tokens. Please reduce its length.",
+                param=req.names[1],
+                code="context_length_exceeded",
+            )
+        pairs.append(ids)
+    return pairs
+
+
+def cross_scores(logits: list[torch.Tensor]) -> list[float]:
+    """A one-class classifier's score of each pair: its logit's sigmoid (vLLM's)."""
+    return [float(row[0].sigmoid()) for row in logits]
+
+
 def cosines(vectors: list[torch.Tensor], num_left: int) -> list[float]:
     """The score of each right text: the cosine of its vector with its left text's (the
     only one, or the one at its index)."""
@@ -180,15 +214,13 @@ def cosines(vectors: list[torch.Tensor], num_left: int) -> list[float]:
     return [float(s) for s in (left * right).sum(-1)]
 
 
-def _pair_tokens(left: list[list[int]], right: list[list[int]]) -> int:
+def pair_tokens(left: list[list[int]], right: list[list[int]]) -> int:
     """vLLM's count: each pair's two texts (a lone left text counted with every pair)."""
     return sum(len(left[0 if len(left) == 1 else i]) + len(r) for i, r in enumerate(right))
 
 
-def score_body(
-    req: ScoreRequest, scores: list[float], left: list[list[int]], right: list[list[int]]
-) -> dict[str, Any]:
-    tokens = _pair_tokens(left, right)
+def score_body(req: ScoreRequest, scores: list[float], tokens: int) -> dict[str, Any]:
+    """``tokens``: the prompt tokens the scores read."""
     return {
         "id": f"score-{req.request_id or uuid.uuid4().hex}",
         "object": "list",
@@ -199,15 +231,12 @@ def score_body(
     }
 
 
-def rerank_body(
-    req: ScoreRequest, scores: list[float], left: list[list[int]], right: list[list[int]]
-) -> dict[str, Any]:
+def rerank_body(req: ScoreRequest, scores: list[float], tokens: int) -> dict[str, Any]:
     """Jina's and Cohere's shape, as vLLM answers it: the documents best first, ``top_n``
     of them (0: all)."""
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     if req.top_n:
         order = order[: req.top_n]
-    tokens = _pair_tokens(left, right)
     return {
         "id": f"rerank-{req.request_id or uuid.uuid4().hex}",
         "model": req.model,

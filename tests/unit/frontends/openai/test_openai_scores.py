@@ -13,6 +13,7 @@ from kiln.frontends.openai.protocol import OpenAIError
 from kiln.frontends.openai.scores import (
     MAX_TEXTS,
     cosines,
+    pair_tokens,
     rerank_body,
     rerank_request,
     score_body,
@@ -80,7 +81,7 @@ def test_answers_in_vllms_shapes() -> None:
     req = rerank_request({"model": "m", "query": "q", "documents": ["a", {"text": "b"}, "c"],
                           "top_n": 2, "request_id": "x"})  # fmt: skip
     left, right = [[1, 2]], [[3], [4, 5], [6, 7, 8]]
-    body = rerank_body(req, [0.1, 0.9, 0.5], left, right)
+    body = rerank_body(req, [0.1, 0.9, 0.5], pair_tokens(left, right))
     assert body["id"] == "rerank-x" and body["model"] == "m"
     assert body["results"] == [
         {"index": 1, "document": {"text": "b"}, "relevance_score": 0.9},
@@ -89,10 +90,10 @@ def test_answers_in_vllms_shapes() -> None:
     # every pair's two texts, the query counted with each: (2 + 1) + (2 + 2) + (2 + 3)
     assert body["usage"]["total_tokens"] == 12
     every = rerank_body(rerank_request({"model": "m", "query": "q", "documents": ["a", "b"]}),
-                        [0.2, 0.3], [[1]], [[2], [3]])  # fmt: skip
+                        [0.2, 0.3], pair_tokens([[1]], [[2], [3]]))  # fmt: skip
     assert [r["index"] for r in every["results"]] == [1, 0]
     pairs = score_request({"model": "m", "text_1": ["p", "q"], "text_2": ["a", "b"]})
-    scored = score_body(pairs, [0.5, -0.25], [[1], [2, 3]], [[4], [5]])
+    scored = score_body(pairs, [0.5, -0.25], pair_tokens([[1], [2, 3]], [[4], [5]]))
     assert scored["object"] == "list" and scored["id"].startswith("score-")
     assert scored["data"] == [
         {"index": 0, "object": "score", "score": 0.5},
