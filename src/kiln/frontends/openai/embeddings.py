@@ -60,6 +60,11 @@ EMBED_DTYPES = ("float32", "float16", "bfloat16")
 ENDIANNESS = ("native", "little", "big")
 
 
+#: inputs one request may list, checked before any is read (OpenAI's embeddings bound: 2,048
+#: per request; vLLM's queue is the only bound there, kiln's too once the model is known)
+MAX_INPUTS = 4096
+
+
 @dataclass(slots=True)
 class EmbeddingRequest:
     model: str
@@ -105,8 +110,13 @@ def _is_ids(value: Any) -> bool:
 
 def inputs_field(body: dict[str, Any]) -> list[str | list[int]]:
     """OpenAI's ``input``: a string, a list of strings, token ids, or a list of token-id
-    lists; each one non-empty."""
+    lists; each one non-empty. A list is bounded by its length before its items are read
+    (each model's queue bounds it again once the model is known)."""
     raw = body.get("input")
+    if isinstance(raw, list) and len(raw) > MAX_INPUTS and not _is_ids(raw):
+        raise OpenAIError(
+            f"'input' holds {len(raw)} inputs, more than {MAX_INPUTS}", param="input"
+        )
     if isinstance(raw, str) or (_is_ids(raw) and raw):
         items: list[Any] = [raw]
     elif isinstance(raw, list) and raw:

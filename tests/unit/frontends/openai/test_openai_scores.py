@@ -112,3 +112,19 @@ def test_a_long_list_is_refused_before_its_items_are_read() -> None:
     with pytest.raises(OpenAIError, match="more than") as err:
         rerank_request({"model": "m", "query": "q", "documents": many})
     assert err.value.param == "documents"
+
+
+def test_an_input_list_past_its_bound_is_refused_before_its_items_are_read() -> None:
+    """Embeddings', /pooling's and /classify's ``input`` lists: past MAX_INPUTS a 400 from
+    the length alone (the bad last item is never reached); one list of token ids is one
+    input, however long."""
+    from kiln.frontends.openai.classify import classify_request
+    from kiln.frontends.openai.embeddings import MAX_INPUTS, embedding_request
+
+    many: list[object] = ["a"] * MAX_INPUTS + [None]
+    for parse in (embedding_request, classify_request):
+        with pytest.raises(OpenAIError, match=f"holds {MAX_INPUTS + 1} inputs, more than") as err:
+            parse({"model": "m", "input": many})
+        assert err.value.param == "input"
+    ids = embedding_request({"model": "m", "input": [7] * (MAX_INPUTS + 1)})
+    assert ids.inputs == [[7] * (MAX_INPUTS + 1)]
