@@ -77,6 +77,13 @@ def test_probabilities_and_labels_match_transformers(http: Any, repo: Path) -> N
                                        "use_activation": False})  # fmt: skip
     assert raw.status_code == 200, raw.text
     assert raw.json()["data"][0]["probs"] == pytest.approx(want[0].tolist(), abs=1e-5)
+    # vLLM's /pooling of a classifier: the probabilities as each input's data
+    for task in ("classify", None):
+        pooled = http.post("/pooling", json={"model": "cls", "input": TEXTS, "task": task})
+        assert pooled.status_code == 200, pooled.text
+        rows = torch.tensor([d["data"] for d in pooled.json()["data"]])
+        assert torch.allclose(rows, want.softmax(-1), atol=1e-5)
+        assert pooled.json()["data"][0]["object"] == "pooling"
     # SageMaker's route: an `input` body for a classifier is a classification
     routed = http.post("/invocations", json={"model": "cls", "input": TEXTS[0]})
     assert routed.status_code == 200 and routed.json()["data"][0]["num_classes"] == 3
@@ -102,7 +109,8 @@ def _error(reply: Any, param: str) -> str:
         ({**HI, "priority": "high"}, "priority", "integer"),
         ({**HI, "add_special_tokens": 1}, "add_special_tokens", "boolean"),
         ({"model": "cls", "input": [[5, 100000]]}, "input", "token ids must be in"),
-        ({"model": "cls", "input": ["x"] * 5000}, "input", "more than the model queues"),
+        ({"model": "cls", "input": ["x"] * 2000}, "input", "more than the model queues"),
+        ({"model": "cls", "input": ["x"] * 5000}, "input", "5000 inputs, more than 4096"),
         ({**HI, "suffix": "x"}, "suffix", "not supported"),
     ],
 )

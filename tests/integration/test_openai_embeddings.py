@@ -373,7 +373,10 @@ def test_pooling_answers_the_embedding_in_vllms_shape(server: KilnProcess) -> No
     assert [(d["index"], d["object"]) for d in pooled["data"]] == [(0, "pooling"), (1, "pooling")]
     assert [d["data"] for d in pooled["data"]] == [d["embedding"] for d in embedded["data"]]
     assert pooled["usage"] == embedded["usage"]
-    status, answer = _post(server, {**body, "task": "classify"}, "/pooling")
+    status, answer = _post(server, {**body, "task": "reward"}, "/pooling")
     assert status == 400 and answer["error"]["param"] == "task"
+    # an embedding model is no classifier
+    status, answer = _post(server, {**body, "task": "classify"}, "/pooling")
+    assert status == 400 and "not a sequence classifier" in answer["error"]["message"]
     status, answer = _post(server, {**body, "model": "gen"}, "/pooling")
     assert status == 400 and "does not support Pooling API" in answer["error"]["message"]

@@ -82,16 +82,22 @@ def check_model(llm: EngineClient, req: EmbeddingRequest) -> None:
             check_prompt_chars(len(item), llm.engine.config.max_model_len, "input")
 
 
+def probabilities(llm: EngineClient, logits: list[torch.Tensor], activation: bool) -> torch.Tensor:
+    """Each input's class probabilities (softmax; a one-class model's sigmoid), or with
+    ``activation`` false its raw logits."""
+    import torch
+
+    stacked = torch.stack(logits)
+    if not activation:
+        return stacked
+    return stacked.sigmoid() if llm.engine.args.num_labels == 1 else stacked.softmax(-1)
+
+
 def response_body(
     llm: EngineClient, req: EmbeddingRequest, logits: list[torch.Tensor], prompt_tokens: int,
     activation: bool,
 ) -> dict[str, Any]:  # fmt: skip
-    import torch
-
     labels = llm.engine.args.labels
-    stacked = torch.stack(logits)
-    if activation:
-        stacked = stacked.sigmoid() if len(labels) == 1 else stacked.softmax(-1)
     data = [
         {
             "index": index,
@@ -99,7 +105,7 @@ def response_body(
             "probs": row.tolist(),
             "num_classes": len(labels),
         }
-        for index, row in enumerate(stacked)
+        for index, row in enumerate(probabilities(llm, logits, activation))
     ]
     return {
         "id": f"classify-{req.request_id or uuid.uuid4().hex}",
@@ -107,5 +113,23 @@ def response_body(
         "created": int(time.time()),
         "model": req.model,
         "data": data,
+        "usage": pooling_usage(prompt_tokens),
+    }
+
+
+def pooling_body(
+    llm: EngineClient, req: EmbeddingRequest, logits: list[torch.Tensor], prompt_tokens: int
+) -> dict[str, Any]:
+    """vLLM's ``/pooling`` of a classifier (``task: classify``): each input's
+    probabilities as its ``data`` (``use_activation: false``: its logits)."""
+    rows = probabilities(llm, logits, req.normalize is not False)
+    return {
+        "id": f"pool-{req.request_id or uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": req.model,
+        "data": [
+            {"index": i, "object": "pooling", "data": row.tolist()} for i, row in enumerate(rows)
+        ],
         "usage": pooling_usage(prompt_tokens),
     }

@@ -88,6 +88,8 @@ class EmbeddingRequest:
     add_special_tokens: bool = True
     #: asked through vLLM's ``/pooling`` (its answer's shape and its API's name)
     pooling: bool = False
+    #: ``/pooling``'s ``task``: ``embed``, ``classify`` (None: the model's own)
+    task: str | None = None
 
 
 def _choice(body: dict[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
@@ -114,9 +116,7 @@ def inputs_field(body: dict[str, Any]) -> list[str | list[int]]:
     (each model's queue bounds it again once the model is known)."""
     raw = body.get("input")
     if isinstance(raw, list) and len(raw) > MAX_INPUTS and not _is_ids(raw):
-        raise OpenAIError(
-            f"'input' holds {len(raw)} inputs, more than {MAX_INPUTS}", param="input"
-        )
+        raise OpenAIError(f"'input' holds {len(raw)} inputs, more than {MAX_INPUTS}", param="input")
     if isinstance(raw, str) or (_is_ids(raw) and raw):
         items: list[Any] = [raw]
     elif isinstance(raw, list) and raw:
@@ -148,9 +148,10 @@ def embedding_request(body: dict[str, Any], pooling: bool = False) -> EmbeddingR
     """``pooling``: vLLM's ``/pooling`` request, whose ``task`` must be ``embed`` (the one
     task kiln's pooling models serve) when sent."""
     check_fields(body, POOLING_FIELDS if pooling else EMBEDDING_FIELDS, "embeddings")
-    if pooling and body.get("task") not in (None, "embed"):
+    task = body.get("task") if pooling else None
+    if task not in (None, "embed", "classify"):
         raise OpenAIError(
-            f"'task' must be 'embed' (kiln's pooling models embed), got {body['task']!r}",
+            f"'task' must be 'embed' or 'classify' (the pooling tasks kiln serves), got {task!r}",
             param="task",
         )
     model = body.get("model")
@@ -212,6 +213,7 @@ def embedding_request(body: dict[str, Any], pooling: bool = False) -> EmbeddingR
         if messages is None
         else bool(_flag(body, "add_special_tokens")),
         pooling=pooling,
+        task=task,
     )
 
 

@@ -701,6 +701,12 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         llm = _llm(server, req.model)
         if llm.lora_request is not None:
             raise OpenAIError("LoRA adapters serve generation, not embeddings", param="model")
+        if req.task == "classify" or (pooling and not req.task and llm.engine.args.num_labels):
+            classifier.check_model(llm, req)  # vLLM's /pooling of a classifier
+            prompts = await asyncio.to_thread(embeddings.token_ids, llm, req)
+            logits = await llm.pool(prompts, req.priority)
+            tokens = sum(len(p) for p in prompts)
+            return _json(classifier.pooling_body(llm, req, logits, tokens))
         embeddings.check_model(llm, req)
         prompts = await asyncio.to_thread(embeddings.token_ids, llm, req)
         vectors = await llm.pool(prompts, req.priority)
