@@ -1,0 +1,450 @@
+"""vLLM's offline API on kiln's engine: ``LLM(model).generate(prompts, SamplingParams(...))``
+and ``chat``, ``embed``, ``classify``, in this process, no server (``from kiln.llm import
+LLM, SamplingParams`` where a vLLM job has ``from vllm import ...``).
+
+The engine is the one ``kiln serve --model`` runs (its end-of-turn ids, generation_config
+defaults and chat template the same), stepped on the caller's thread until every prompt
+finished; stop strings, detokenization and the outputs' shapes are vLLM's."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kiln.core.errors import KilnError, Status
+from kiln.llm import sequence
+from kiln.llm.checkpoint import generation_eos_ids, open_checkpoint, sampling_defaults
+from kiln.llm.config import EngineConfig, PoolerConfig
+from kiln.llm.engine_core import build_engine
+from kiln.llm.params import InvalidField, sampling_fields, with_defaults
+from kiln.llm.sequence import token_by_token
+from kiln.llm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln.llm.engine import RequestOutput as StepOutput
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's ``SamplingParams`` fields kiln's engine runs (its names and defaults);
+    ``None`` leaves a field to the model's generation_config.json, as vLLM's ``LLM`` does."""
+
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+@dataclass
+class Logprob:
+    """vLLM's: a token's logprob (``rank``: 1 for the likeliest)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """vLLM's: one sample of a prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    #: per generated token, its logprob and its top alternatives' (with ``logprobs``)
+    logprobs: list[dict[int, Logprob]] | None
+    #: ``stop`` (EOS, a stop token or string) or ``length``
+    finish_reason: str | None = None
+    #: the stop string, or the ``stop_token_ids`` token, that ended it (None: EOS, length)
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """vLLM's: one prompt's outputs, its ``n`` samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's ``EmbeddingRequestOutput`` / ``ClassificationRequestOutput``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: Any
+    finished: bool = True
+
+
+Prompt = str | list[int] | dict[str, Any]
+#: SamplingParams' fields read as a request's (kiln.llm.params.sampling_fields)
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed", "stop_token_ids", "ignore_eos", "min_tokens",
+             "allowed_token_ids")  # fmt: skip
+
+
+class LLM:
+    """A model in this process, as vLLM's ``LLM``: a Hugging Face folder or a ``.gguf``
+    file, with vLLM's engine arguments (``dtype``, ``max_model_len``, ``max_num_seqs``,
+    ``seed``, ``runner="pooling"`` for embeddings, ...). Runs on GPU 0 when torch sees one."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        tokenizer: str | Path | None = None,
+        chat_template: str | None = None,
+        generation_config: str = "auto",
+        runner: str = "generate",
+        device: str | None = None,
+        **engine_args: Any,
+    ) -> None:
+        import torch
+
+        path = Path(model)
+        if not path.exists():
+            raise KilnError(
+                f"model '{model}': no such folder or .gguf file (kiln reads local "
+                "checkpoints; fetch a hub model first)",
+                Status.INVALID_ARG,
+            )
+        engine_args.pop("trust_remote_code", None)  # kiln runs no code from a checkpoint
+        names = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(engine_args) - names)
+        if unknown:
+            raise TypeError(f"LLM() got engine arguments kiln does not have: {unknown}")
+        config = EngineConfig(**engine_args)
+        config.runner = runner
+        if runner == "pooling" and "pooler_config" not in engine_args:
+            config.pooler_config = PoolerConfig()
+        config.device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = Tokenizer.load(Path(tokenizer) if tokenizer else path, chat_template or "")
+        generation = (
+            {} if generation_config == "vllm" else open_checkpoint(path).generation_config()
+        )
+        #: request fields' defaults from generation_config.json (vLLM's ``auto``)
+        self.defaults = sampling_defaults(generation)
+        extra_eos = (self.tokenizer.eos_token_id, *generation_eos_ids(generation))
+        self.engine = build_engine(path, self.tokenizer, config, extra_eos)
+        self._ids = 0
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model's generation_config.json values, else vLLM's defaults."""
+        known = {f.name for f in fields(SamplingParams)}
+        return SamplingParams(**{k: v for k, v in self.defaults.items() if k in known})
+
+    # ---- generation ---------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Every prompt (a text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids":
+        ...}``) run to its end, batched by the engine; the outputs in the prompts' order."""
+        items = self._prompts(prompts, add_special_tokens=True)
+        return self._run(items, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several, rendered by the model's chat
+        template, then generated as ``generate`` does."""
+        conversations: list[Any] = (
+            list(messages) if messages and isinstance(messages[0], list) else [messages]
+        )
+        items: list[tuple[str | None, list[int]]] = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt, continue_final_message, chat_template_kwargs
+            )
+            items.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(items, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        items: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if self.engine.config.runner != "generate":
+            raise ValueError(
+                "generate() and chat() need a generating model; this one pools (use embed() "
+                "or classify())"
+            )
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        plist = (
+            [sampling_params] * len(items)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(plist) != len(items):
+            raise ValueError(
+                f"{len(plist)} sampling_params for {len(items)} prompts: give one, or one each"
+            )
+        runs = []
+        for (text, ids), params in zip(items, plist, strict=True):
+            engine_params = self._engine_params(params, len(ids))
+            self._ids += 1
+            run = _Run(f"{self._ids}", text, ids, params, engine_params, self.tokenizer)
+            self.engine.add_request(run.request_id, ids, engine_params)
+            runs.append(run)
+        by_id = {run.request_id: run for run in runs}
+        with _progress(len(runs), use_tqdm, "Processed prompts") as advance:
+            while self.engine.has_work():
+                for out in self.engine.step():
+                    run = by_id[out.request_id]
+                    if run.take(out, self.engine):
+                        advance()
+                for rid, error in self.engine.failed:
+                    raise KilnError(f"request {rid} failed: {error}", Status.INTERNAL)
+        return [run.output() for run in runs]
+
+    def _engine_params(self, params: SamplingParams, prompt_len: int) -> sequence.SamplingParams:
+        """vLLM's fields checked as a request's are, the model's defaults under them."""
+        body = {k: getattr(params, k) for k in _SAMPLING if getattr(params, k) is not None}
+        if params.logit_bias:
+            body["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+        try:
+            kwargs = sampling_fields(with_defaults(body, self.defaults))
+        except InvalidField as exc:
+            raise ValueError(exc.message) from None
+        room = self.engine.config.max_model_len - prompt_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        out = sequence.SamplingParams(
+            max_tokens=max_tokens, logprobs=params.logprobs, n=params.n, **kwargs
+        )
+        self.engine.check_request(prompt_len, out)
+        return out
+
+    def _prompts(
+        self, prompts: Prompt | Sequence[Prompt], add_special_tokens: bool
+    ) -> list[tuple[str | None, list[int]]]:
+        one = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        listed: list[Any] = [prompts] if one else list(prompts)
+        if not listed:
+            raise ValueError("no prompts")
+        out: list[tuple[str | None, list[int]]] = []
+        for i, p in enumerate(listed):
+            if isinstance(p, dict):
+                p = p.get("prompt_token_ids", p.get("prompt"))
+            if isinstance(p, str) and p:
+                out.append((p, self.tokenizer.encode(p, add_special_tokens=add_special_tokens)))
+            elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+                out.append((None, list(p)))
+            else:
+                raise ValueError(f"prompt {i} must be a non-empty text or list of token ids")
+        return out
+
+    # ---- pooling ------------------------------------------------------------------------
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's embedding (a model loaded with ``runner="pooling"``), pooled and
+        normalized by its pooler config, as ``/v1/embeddings`` answers."""
+        from kiln.llm.pooling import finish
+
+        self._pooling("embed")
+        vectors, items = self._pool(prompts, use_tqdm)
+        normalize = self.engine.config.pooler_config.normalize
+        return [
+            PoolingRequestOutput(str(i), ids, EmbeddingOutput(finish(v, None, normalize).tolist()))
+            for i, (v, (_, ids)) in enumerate(zip(vectors, items, strict=True))
+        ]
+
+    def classify(
+        self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's class probabilities (a ``*ForSequenceClassification`` model):
+        softmax of its logits, a one-class model's sigmoid."""
+        self._pooling("classify")
+        logits, items = self._pool(prompts, use_tqdm)
+        probs = logits.sigmoid() if self.engine.args.num_labels == 1 else logits.softmax(-1)
+        return [
+            PoolingRequestOutput(str(i), ids, ClassificationOutput(row.tolist()))
+            for i, (row, (_, ids)) in enumerate(zip(probs, items, strict=True))
+        ]
+
+    def _pooling(self, task: str) -> None:
+        classifier = bool(self.engine.args.num_labels)
+        if self.engine.config.runner != "pooling" or classifier != (task == "classify"):
+            runner = self.engine.config.runner
+            kind = "a sequence classifier" if classifier else f"served with runner '{runner}'"
+            raise ValueError(f"{task}() needs a model that can {task}; this one is {kind}")
+
+    def _pool(
+        self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool
+    ) -> tuple[torch.Tensor, list[tuple[str | None, list[int]]]]:
+        import torch
+
+        items = self._prompts(prompts, add_special_tokens=True)
+        limit = self.engine.config.max_model_len
+        budget = self.engine.config.max_num_batched_tokens
+        rows: list[torch.Tensor] = []
+        with _progress(len(items), use_tqdm, "Processed prompts") as advance:
+            at = 0
+            while at < len(items):
+                batch: list[list[int]] = []
+                tokens = 0
+                while at < len(items) and (not batch or tokens + len(items[at][1]) <= budget):
+                    ids = items[at][1]
+                    if len(ids) > limit:
+                        raise ValueError(f"prompt {at} has {len(ids)} tokens, past {limit}")
+                    batch.append(ids)
+                    tokens += len(ids)
+                    at += 1
+                rows.append(self.engine.pool(batch))
+                for _ in batch:
+                    advance()
+        return torch.cat(rows), items
+
+
+class _Run:
+    """One prompt's samples as the steps produce them: text, stop strings, finish."""
+
+    def __init__(
+        self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams,
+        engine_params: sequence.SamplingParams, tokenizer: Tokenizer,
+    ) -> None:  # fmt: skip
+        self.request_id, self.prompt, self.prompt_ids = request_id, prompt, ids
+        self.params, self.engine_params = params, engine_params
+        self.stops = params.stops()
+        self.samples = [
+            _Sample(IncrementalDetokenizer(tokenizer, params.skip_special_tokens))
+            for _ in range(engine_params.n)
+        ]
+        self.left = engine_params.n
+
+    def take(self, out: StepOutput, engine: Any) -> bool:
+        """One step's output of a sample; True once every sample has finished."""
+        sample = self.samples[out.index]
+        if sample.reason is not None:
+            return False  # a stop string ended it; its abort is on the way
+        keep_stop = self.params.include_stop_str_in_output
+        drop = out.stop_token_id is not None and not keep_stop
+        for ids, entries, count, last in token_by_token(out, drop):
+            if drop and last:
+                sample.ids.append(out.new_token_ids[-1])
+            else:
+                sample.ids.extend(ids)
+            sample.entries.extend(entries)
+            before = len(sample.text)
+            sample.text += sample.detok.add(ids, final=last)
+            if self.stops and count > self.engine_params.min_tokens:
+                hold = max(len(s) for s in self.stops) - 1
+                for stop in self.stops:
+                    at = sample.text.find(stop, max(before - hold, 0))
+                    if at >= 0:
+                        sample.text = sample.text[: at + (len(stop) if keep_stop else 0)]
+                        sample.reason, sample.stop_reason = "stop", stop
+                        if not out.finished:
+                            engine.abort(self.request_id, out.index, "stop")
+                        break
+                if sample.reason is not None:
+                    break
+        if sample.reason is None and out.finished:
+            sample.reason = out.finish_reason
+            stop_ids = self.engine_params.stop_token_ids
+            if out.stop_token_id is not None and out.stop_token_id in stop_ids:
+                sample.stop_reason = out.stop_token_id
+        if sample.reason is None:
+            return False
+        self.left -= 1
+        return self.left == 0
+
+    def output(self) -> RequestOutput:
+        outputs = []
+        for index, s in enumerate(self.samples):
+            logprobs = None
+            cumulative = None
+            if self.params.logprobs is not None:
+                logprobs = [
+                    {e.token_id: Logprob(e.logprob), **{t: Logprob(lp) for t, lp in e.top}}
+                    for e in s.entries
+                ]
+                cumulative = sum(e.logprob for e in s.entries)
+            outputs.append(CompletionOutput(index, s.text, s.ids, cumulative, logprobs,
+                                            s.reason, s.stop_reason))  # fmt: skip
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outputs)
+
+
+@dataclass
+class _Sample:
+    detok: IncrementalDetokenizer
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    entries: list[Any] = field(default_factory=list)
+    reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@contextmanager
+def _progress(total: int, show: bool, what: str) -> Iterator[Any]:
+    """A progress bar on a terminal (vLLM's ``use_tqdm``); a no-op elsewhere."""
+    if not show or not sys.stderr.isatty():
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    columns = (what, BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda: bar.advance(task)
