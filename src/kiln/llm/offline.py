@@ -115,6 +115,11 @@ class ClassificationOutput:
 
 
 @dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
 class PoolingRequestOutput:
     """vLLM's ``EmbeddingRequestOutput`` / ``ClassificationRequestOutput``."""
 
@@ -320,6 +325,38 @@ class LLM:
         return [
             PoolingRequestOutput(str(i), ids, ClassificationOutput(row.tolist()))
             for i, (row, (_, ids)) in enumerate(zip(probs, items, strict=True))
+        ]
+
+    def score(
+        self, text_1: str | list[str], text_2: str | list[str], use_tqdm: bool = True
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's: each pair's score, one ``text_1`` against every ``text_2`` or pair by
+        pair. A one-class classifier scores each pair as one input (a cross-encoder: the
+        sigmoid of its logit); an embedding model the cosine of the two texts' vectors."""
+        import torch.nn.functional as F
+
+        left = [text_1] if isinstance(text_1, str) else list(text_1)
+        right = [text_2] if isinstance(text_2, str) else list(text_2)
+        if not left or not right or len(left) not in (1, len(right)):
+            raise ValueError(
+                f"score() pairs one text_1 with every text_2, or N with N; got {len(left)} "
+                f"and {len(right)}"
+            )
+        pairs = [(left[0 if len(left) == 1 else i], r) for i, r in enumerate(right)]
+        if self.engine.args.num_labels == 1:
+            self._pooling("classify")
+            ids = [self.tokenizer.encode_pair(a, b) for a, b in pairs]
+            logits, _ = self._pool(ids, use_tqdm)
+            values = logits[:, 0].sigmoid().tolist()
+        else:
+            self._pooling("embed")
+            vectors, _ = self._pool([p for pair in pairs for p in pair], use_tqdm)
+            a, b = F.normalize(vectors[0::2], dim=-1), F.normalize(vectors[1::2], dim=-1)
+            values = (a * b).sum(-1).tolist()
+            ids = [[] for _ in pairs]
+        return [
+            PoolingRequestOutput(str(i), pair_ids, ScoringOutput(value))
+            for i, (value, pair_ids) in enumerate(zip(values, ids, strict=True))
         ]
 
     def _pooling(self, task: str) -> None:

@@ -141,3 +141,25 @@ def test_embed_and_classify(folder: Path, tmp_path: Path) -> None:
     want = torch.tensor(reference_logits(classifier_folder, ids)).softmax(-1)
     got = torch.tensor([o.outputs.probs for o in outs])
     assert torch.allclose(got, want, atol=1e-5) and outs[0].outputs.num_classes == 3
+
+
+def test_score_by_cosine_or_as_a_cross_encoder(folder: Path, tmp_path: Path) -> None:
+    import transformers
+
+    embedder = LLM(folder, runner="pooling", kv_cache_memory_bytes=16 << 20)
+    scored = embedder.score("the quick brown fox", ["hello", "the lazy dog"])
+    vectors = [torch.tensor(o.outputs.embedding) for o in embedder.embed(
+        ["the quick brown fox", "hello", "the lazy dog"])]  # fmt: skip
+    want = [float(vectors[0] @ vectors[i]) for i in (1, 2)]
+    assert [o.outputs.score for o in scored] == pytest.approx(want, abs=1e-5)
+    ce_folder = build_tiny_classifier(tmp_path / "ce", ("relevance",))
+    ce = LLM(ce_folder, kv_cache_memory_bytes=16 << 20)
+    pairs = ce.score(["what is kiln", "a query"], ["a server", "a furnace"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(ce_folder))
+    ids = [tokenizer("what is kiln", "a server")["input_ids"],
+           tokenizer("a query", "a furnace")["input_ids"]]  # fmt: skip
+    assert [o.prompt_token_ids for o in pairs] == ids
+    want = torch.tensor(reference_logits(ce_folder, ids))[:, 0].sigmoid().tolist()
+    assert [o.outputs.score for o in pairs] == pytest.approx(want, abs=1e-5)
+    with pytest.raises(ValueError, match="one text_1 with every text_2, or N with N"):
+        ce.score(["a", "b"], ["c", "d", "e"])
