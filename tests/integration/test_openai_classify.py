@@ -125,6 +125,10 @@ def test_a_classifier_neither_embeds_nor_generates(http: Any) -> None:
     assert "sequence classifier" in message and "/classify" in message
     reply = http.post("/v1/completions", json={"model": "cls", "prompt": "hi"})
     assert "does not support Completions API" in _error(reply, "model")
+    # nor through Triton's generate endpoint
+    generate = {"text_input": "hi", "parameters": {"max_tokens": 2}}
+    triton = http.post("/v2/models/cls/generate", json=generate)
+    assert triton.status_code == 400 and "sequence classifier" in triton.text, triton.text
     # and the generator next to it still generates
     done = http.post("/v1/completions", json={"model": "gen", "prompt": "hi", "max_tokens": 2})
     assert done.status_code == 200, done.text

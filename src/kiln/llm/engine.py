@@ -144,6 +144,12 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
     ) -> None:
         """Refuse what can never be served, before it takes a place in the queue."""
+        if self.args.num_labels:
+            raise KilnError(
+                f"{self.args.architecture.removesuffix('ForCausalLM')} sequence classifier: it "
+                "classifies (/classify) and does not generate",
+                Status.INVALID_ARG,
+            )
         if lora_request is not None and self.config.lora_config is None:
             raise InvalidField(
                 "model", f"LoRA adapter '{lora_request.lora_name}': LoRA is not enabled "

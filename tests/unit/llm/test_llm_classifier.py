@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 from kiln.core.errors import KilnError
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.engine import LLMEngine
+from kiln.llm.sequence import SamplingParams
 from tests.llm_models import build_tiny_classifier, reference_logits
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41], [100] * 30]
@@ -28,6 +29,8 @@ def test_classifier_logits_equal_transformers(tmp_path: Path, arch: str) -> None
     got = engine.pool(PROMPTS)
     assert got.shape == (3, 3)
     want = reference_logits(folder, PROMPTS)
+    with pytest.raises(KilnError, match="sequence classifier: it classifies"):
+        engine.check_request(3, SamplingParams())  # Triton's generate and KServe too
     for row, ref in zip(got.tolist(), want, strict=True):
         assert row == pytest.approx(ref, abs=1e-5)
 
