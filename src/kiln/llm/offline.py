@@ -21,7 +21,7 @@ from kiln.llm.checkpoint import generation_eos_ids, open_checkpoint, sampling_de
 from kiln.llm.config import EngineConfig, PoolerConfig
 from kiln.llm.engine_core import build_engine
 from kiln.llm.params import InvalidField, sampling_fields, with_defaults
-from kiln.llm.sequence import token_by_token
+from kiln.llm.sequence import find_stop, token_by_token
 from kiln.llm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
@@ -403,6 +403,8 @@ class _Run:
         self.request_id, self.prompt, self.prompt_ids = request_id, prompt, ids
         self.params, self.engine_params = params, engine_params
         self.stops = params.stops()
+        #: text a stop string may straddle: a token's search starts this far back
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.samples = [
             _Sample(IncrementalDetokenizer(tokenizer, params.skip_special_tokens))
             for _ in range(engine_params.n)
@@ -424,18 +426,16 @@ class _Run:
             sample.entries.extend(entries)
             before = len(sample.text)
             sample.text += sample.detok.add(ids, final=last)
+            found = None
             if self.stops and count > self.engine_params.min_tokens:
-                hold = max(len(s) for s in self.stops) - 1
-                for stop in self.stops:
-                    at = sample.text.find(stop, max(before - hold, 0))
-                    if at >= 0:
-                        sample.text = sample.text[: at + (len(stop) if keep_stop else 0)]
-                        sample.reason, sample.stop_reason = "stop", stop
-                        if not out.finished:
-                            engine.abort(self.request_id, out.index, "stop")
-                        break
-                if sample.reason is not None:
-                    break
+                found = find_stop(sample.text, self.stops, max(before - self.hold, 0))
+            if found is not None:
+                at, stop = found
+                sample.text = sample.text[: at + (len(stop) if keep_stop else 0)]
+                sample.reason, sample.stop_reason = "stop", stop
+                if not out.finished:
+                    engine.abort(self.request_id, out.index, "stop")
+                break
         if sample.reason is None and out.finished:
             sample.reason = out.finish_reason
             stop_ids = self.engine_params.stop_token_ids

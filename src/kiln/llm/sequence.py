@@ -70,6 +70,17 @@ class SamplingParams:
     stream_interval: int | None = None
 
 
+def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> tuple[int, str] | None:
+    """Where the first of ``stops`` (in their order) occurs in ``text`` from ``start``,
+    and which: the one stop-string search of the OpenAI frontend, Triton's tensors and the
+    offline API."""
+    for stop in stops:
+        at = text.find(stop, start)
+        if at >= 0:
+            return at, stop
+    return None
+
+
 def token_by_token(
     out: RequestOutput, drop_stop_token: bool
 ) -> Iterator[tuple[list[int], list[TokenLogprobs], int, bool]]:

@@ -24,7 +24,7 @@ from kiln.config.model_config_pb2 import DataType as PbDataType
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status
 from kiln.llm.params import SAMPLING_FIELDS, InvalidField, integer, sampling_fields
-from kiln.llm.sequence import SamplingParams, token_by_token
+from kiln.llm.sequence import SamplingParams, find_stop, token_by_token
 from kiln.llm.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -330,9 +330,9 @@ async def generate(
                 state.logprob += sum(lp.logprob for lp in entries)
                 start = max(len(pending) - hold, 0)  # what a step of its own would hold
                 pending += detok.add(ids, final=final)
-                at = next((a for s in req.stops if (a := pending.find(s, start)) >= 0), -1)
-                if at >= 0:
-                    pending, finish = pending[:at], "stop"
+                found = find_stop(pending, req.stops, start)
+                if found is not None:
+                    pending, finish = pending[: found[0]], "stop"
                     break
             cut = len(pending) if finish is not None else max(len(pending) - hold, 0)
             state.held = pending[cut:]

@@ -299,3 +299,11 @@ def test_the_stream_interval_flag_and_parameter(folder: Path) -> None:
     assert config.parameters["stream_interval"].string_value == "4"
     spec = InstanceSpec(name="tiny_0", kind="cpu", device_id=0, index=0, total_instances=1)
     assert engine_config(config, spec).stream_interval == 4
+
+
+def test_find_stop_takes_the_stops_in_order_from_start() -> None:
+    from kiln.llm.sequence import find_stop
+
+    assert find_stop("one two three", ("three", "two")) == (8, "three")  # list order
+    assert find_stop("two and two", ("two",), start=1) == (8, "two")
+    assert find_stop("nothing here", ("x", "y")) is None

@@ -10,7 +10,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kiln.llm.sequence import SamplingParams, token_by_token
+from kiln.llm.sequence import SamplingParams, find_stop, token_by_token
 from kiln.llm.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:  # importing the engine imports torch
@@ -49,14 +49,12 @@ class _Choice:
     def stop(self, stops: tuple[str, ...], options: OutputOptions, start: int = 0) -> bool:
         """Whether a stop string is in the pending text (from ``start``); if so the text
         ends at it (or after it, with ``include_stop_str_in_output``)."""
-        for stop in stops:
-            at = self.pending.find(stop, start)
-            if at >= 0:
-                if options.include_stop_str_in_output:
-                    at += len(stop)
-                self.pending = self.pending[:at]
-                return True
-        return False
+        found = find_stop(self.pending, stops, start)
+        if found is None:
+            return False
+        at, stop = found
+        self.pending = self.pending[: at + (len(stop) if options.include_stop_str_in_output else 0)]
+        return True
 
     def take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
         taken, self.prompt_logprobs = self.prompt_logprobs, None
