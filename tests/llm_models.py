@@ -118,6 +118,155 @@ def build_tiny_classifier(
     return folder
 
 
+def build_wordpiece_tokenizer(folder: Path) -> None:
+    """BERT's tokenizer: lower-cased WordPiece, ``[CLS] a [SEP]`` and, for a pair,
+    ``[CLS] a [SEP] b [SEP]`` with the second segment's token type 1."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    trainer = trainers.WordPieceTrainer(vocab_size=VOCAB - 8, special_tokens=special,
+                                        show_progress=False)  # fmt: skip
+    tok.train_from_iterator(SENTENCES * 4, trainer)
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )  # fmt: skip
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+              "unk_token": "[UNK]", "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def build_roberta_tokenizer(folder: Path) -> None:
+    """RoBERTa's: byte-level BPE, ``<s> a </s>`` and ``<s> a </s></s> b </s>`` (one token
+    type); ``<pad>`` is id 1, as the model's ``pad_token_id``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 8, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(SENTENCES * 4, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+        special_tokens=[("<s>", 0), ("</s>", 2)],
+    )  # fmt: skip
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+              "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+#: the transformers class names of each encoder family
+ENCODER_CLASSES = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}
+
+
+def build_tiny_encoder(
+    folder: Path, family: str = "bert", labels: tuple[str, ...] = (),
+    st_pooling: str | None = None, st_normalize: bool = True,
+) -> Path:  # fmt: skip
+    """A 2-layer, hidden-64 BERT-family encoder with random weights: ``*Model`` (an
+    embedding model), or ``*ForSequenceClassification`` of ``labels``. ``st_pooling``
+    (``mean_tokens``, ``cls_token``, ``lasttoken``): a sentence-transformers layout
+    (``modules.json`` and ``1_Pooling/config.json``), with a ``Normalize`` module when
+    ``st_normalize``."""
+    import torch
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if family == "bert":
+        build_wordpiece_tokenizer(folder)
+    else:
+        build_roberta_tokenizer(folder)
+    name = ENCODER_CLASSES[family]
+    shape: dict[str, Any] = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=130 if family != "bert" else 128,
+    )  # fmt: skip
+    if family != "bert":
+        shape.update(pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1)
+    if labels:
+        shape.update(num_labels=len(labels), id2label=dict(enumerate(labels)),
+                     label2id={label: i for i, label in enumerate(labels)})  # fmt: skip
+    config = getattr(transformers, f"{name}Config")(**shape)
+    torch.manual_seed(0)
+    suffix = "ForSequenceClassification" if labels else "Model"
+    model = getattr(transformers, f"{name}{suffix}")(config)
+    with torch.no_grad():  # random token types and positions: make them matter
+        for param in model.parameters():
+            if param.dim() == 2 and param.shape[0] <= 2:
+                param.mul_(20.0)  # the classifier's rows and BERT's type embeddings
+    model.save_pretrained(str(folder), safe_serialization=True)
+    if st_pooling is not None:
+        kinds = ["Transformer", "Pooling"] + (["Normalize"] if st_normalize else [])
+        paths = ["", "1_Pooling", "2_Normalize"]
+        modules = [
+            {
+                "idx": i,
+                "name": str(i),
+                "path": paths[i],
+                "type": f"sentence_transformers.models.{k}",
+            }
+            for i, k in enumerate(kinds)
+        ]
+        (folder / "modules.json").write_text(json.dumps(modules))
+        (folder / "1_Pooling").mkdir(exist_ok=True)
+        modes = ("cls_token", "mean_tokens", "max_tokens", "lasttoken")
+        pooling = {f"pooling_mode_{m}": m == st_pooling for m in modes}
+        (folder / "1_Pooling" / "config.json").write_text(
+            json.dumps({"word_embedding_dimension": 64, **pooling})
+        )
+    return folder
+
+
+def encoder_inputs(folder: Path, texts: list[str] | list[tuple[str, str]]) -> list[Any]:
+    """Each text's (or pair's) ``tokenizers`` encoding: its ids and type ids."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return [tok.encode(*t) if isinstance(t, tuple) else tok.encode(t) for t in texts]
+
+
+def reference_encoder(folder: Path, texts: list[str] | list[tuple[str, str]]) -> list[Any]:
+    """``transformers``' answer for each input alone: an embedding model's final hidden
+    states [len, hidden]; a classifier's logits [num_labels]."""
+    import torch
+    import transformers
+
+    config = json.loads((folder / "config.json").read_text())
+    cls = (
+        transformers.AutoModelForSequenceClassification
+        if config["architectures"][0].endswith("ForSequenceClassification")
+        else transformers.AutoModel
+    )
+    model = cls.from_pretrained(str(folder), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for enc in encoder_inputs(folder, texts):
+            ids, types = torch.tensor([enc.ids]), torch.tensor([enc.type_ids])
+            result = model(input_ids=ids, token_type_ids=types)
+            out.append(
+                result.logits[0] if hasattr(result, "logits") else result.last_hidden_state[0]
+            )
+    return out
+
+
 def reference_logits(folder: Path, prompts: list[list[int]]) -> list[list[float]]:
     """``transformers``' classifier logits of each prompt (alone: no padding)."""
     import torch

@@ -123,3 +123,50 @@ def generation_eos_ids(generation: dict[str, Any]) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
+#: sentence-transformers' pooling modes (``1_Pooling/config.json``) vLLM maps to its own
+_ST_POOLING = {
+    "pooling_mode_cls_token": "CLS",
+    "pooling_mode_mean_tokens": "MEAN",
+    "pooling_mode_lasttoken": "LAST",
+}
+
+
+def sentence_transformers_pooling(path: Path) -> tuple[str | None, bool | None]:
+    """How a sentence-transformers checkpoint pools, as vLLM reads it: ``modules.json``'s
+    ``Pooling`` module names a folder whose ``config.json`` switches one mode on, and a
+    ``Normalize`` module means L2-normalized vectors. (None, None): not such a checkpoint,
+    or a mode kiln does not have (max, weighted mean), which is logged."""
+    modules_file = path / "modules.json"
+    if not path.is_dir() or not modules_file.is_file():
+        return None, None
+    try:
+        modules = json.loads(modules_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise KilnError(
+            f"llm backend: cannot read {modules_file}: {exc}", Status.INVALID_ARG
+        ) from None
+    if not isinstance(modules, list):
+        raise KilnError(f"llm backend: {modules_file} is not a JSON list", Status.INVALID_ARG)
+    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+    pooling = kinds.get("Pooling")
+    if pooling is None:
+        return None, None
+    folder = (path / str(pooling.get("path", ""))).resolve()
+    if not folder.is_relative_to(path.resolve()) or not (folder / "config.json").is_file():
+        raise KilnError(
+            f"llm backend: {modules_file}'s Pooling module names no config.json inside "
+            f"{path}: {pooling.get('path')!r}",
+            Status.INVALID_ARG,
+        )
+    modes = [k for k, on in _json(folder / "config.json").items() if on is True]
+    kind = next((_ST_POOLING[m] for m in modes if m in _ST_POOLING), None)
+    if kind is None:
+        log.warning(
+            "llm: %s pools by %s, which kiln does not have; pooling by the model's default",
+            path,
+            ", ".join(modes) or "no mode",
+        )
+        return None, None
+    return kind, "Normalize" in kinds

@@ -32,6 +32,22 @@ CLASSIFIERS = {
     "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
     "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
 }
+#: encoder-only models (bidirectional attention, no KV cache: kiln.llm.encoder_runner), as
+#: vLLM serves them: embeddings and, with a classification head, /classify, /score and
+#: /rerank (cross-encoders); each architecture's family (kiln.llm.models.bert)
+ENCODERS = {
+    "BertModel": "bert",
+    "BertForSequenceClassification": "bert",
+    "RobertaModel": "roberta",
+    "RobertaForSequenceClassification": "roberta",
+    "XLMRobertaModel": "roberta",
+    "XLMRobertaForSequenceClassification": "roberta",
+}
+#: the activations of an encoder's feed-forward (``hidden_act``) kiln runs
+ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu")
+#: a pair's second-segment tokens (BERT's ``token_type_ids`` of 1) travel inside the token
+#: ids, in the bits above this one (as vLLM packs them); the model splits them apart
+TOKEN_TYPE_SHIFT = 30
 #: whose window (when set) covers every layer, as Mistral's
 _WINDOW_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
                        "Qwen3MoeForCausalLM")  # fmt: skip
@@ -60,11 +76,14 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")
 class PoolerConfig:
     """vLLM's ``--pooler-config`` fields kiln serves (its defaults for an embed model)."""
 
-    pooling_type: str = "LAST"
-    normalize: bool = True
+    #: None: the model's default (``modules.json``'s sentence-transformers pooling when
+    #: there is one, else ``CLS`` for an encoder, ``LAST`` for a decoder), set by the engine
+    pooling_type: str | None = None
+    #: None: the model's default (true, or whether ``modules.json`` has a ``Normalize``)
+    normalize: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.pooling_type not in POOLING_TYPES:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise KilnError(
                 f"llm backend: pooling_type must be one of {', '.join(POOLING_TYPES)}, "
                 f"got '{self.pooling_type}'",
@@ -90,14 +109,14 @@ class PoolerConfig:
                 "(supported: pooling_type, normalize)",
                 Status.INVALID_ARG,
             )
-        normalize = fields.get("normalize", True)
-        if not isinstance(normalize, bool):
+        normalize = fields.get("normalize")
+        if normalize is not None and not isinstance(normalize, bool):
             raise KilnError(
                 f"llm backend: pooler_config normalize must be true or false, got {normalize!r}",
                 Status.INVALID_ARG,
             )
-        pooling = fields.get("pooling_type", "LAST")
-        return cls(str(pooling).upper(), normalize)
+        pooling = fields.get("pooling_type")
+        return cls(None if pooling is None else str(pooling).upper(), normalize)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +152,9 @@ class ModelArgs:
     matryoshka_dimensions: tuple[int, ...] | None = None
     #: a sequence classifier's classes (``id2label``'s labels, by id; empty: not one)
     labels: tuple[str, ...] = ()
+    #: an encoder whose inputs carry segment ids (BERT's ``type_vocab_size`` > 1): a
+    #: pair's second text is told apart from its first (``TOKEN_TYPE_SHIFT``)
+    token_types: bool = False
     #: Gemma 2's ``attn_logit_softcapping`` (None: none): only the portable attention
     #: backend caps scores, so the model runner picks it
     attn_logit_softcapping: float | None = None
@@ -149,14 +171,22 @@ class ModelArgs:
     def layer_windows(self) -> list[int | None]:
         return [self.layer_window(i) for i in range(self.num_hidden_layers)]
 
+    @property
+    def is_encoder(self) -> bool:
+        """An encoder-only model (BERT's family): it pools and never generates."""
+        return self.architecture in ENCODERS
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelArgs:
         archs = raw.get("architectures") or ["LlamaForCausalLM"]
+        if archs[0] in ENCODERS:
+            return _encoder_args(archs[0], raw)
         arch = CLASSIFIERS.get(archs[0], archs[0])
         if arch not in SUPPORTED_ARCHITECTURES:
+            known = SUPPORTED_ARCHITECTURES + tuple(CLASSIFIERS) + tuple(ENCODERS)
             raise KilnError(
                 f"llm backend: architecture '{arch}' is not supported "
-                f"(kiln runs {', '.join(SUPPORTED_ARCHITECTURES + tuple(CLASSIFIERS))})",
+                f"(kiln runs {', '.join(known)})",
                 Status.INVALID_ARG,
             )
         labels = _labels(raw) if archs[0] in CLASSIFIERS else ()
@@ -217,6 +247,63 @@ class ModelArgs:
         from kiln.llm.checkpoint import open_checkpoint
 
         return cls.from_dict(open_checkpoint(folder).config())
+
+
+def _encoder_args(arch: str, raw: dict[str, Any]) -> ModelArgs:
+    """A BERT-family ``config.json``: post-norm layers with learned absolute positions.
+    RoBERTa's positions start past its padding id (``pad_token_id + 1``), so it reads
+    ``max_position_embeddings - pad_token_id - 1`` tokens (512 of its 514)."""
+    kind = raw.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise KilnError(
+            f"llm backend: {arch} with position_embedding_type '{kind}' is not supported "
+            "(kiln runs 'absolute')",
+            Status.INVALID_ARG,
+        )
+    act = raw.get("hidden_act", "gelu")
+    if act not in ENCODER_ACTIVATIONS:
+        raise KilnError(
+            f"llm backend: {arch} with hidden_act '{act}' is not supported "
+            f"(kiln runs {', '.join(ENCODER_ACTIVATIONS)})",
+            Status.INVALID_ARG,
+        )
+    heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    if hidden % heads:
+        raise KilnError(
+            f"llm backend: {arch}'s hidden_size {hidden} is not a multiple of its "
+            f"num_attention_heads {heads}",
+            Status.INVALID_ARG,
+        )
+    positions = int(raw.get("max_position_embeddings", 512))
+    if ENCODERS[arch] == "roberta":
+        positions -= int(raw.get("pad_token_id", 1)) + 1
+    if positions <= 0:
+        raise KilnError(
+            f"llm backend: {arch} leaves no positions for tokens (max_position_embeddings "
+            f"{raw.get('max_position_embeddings')})",
+            Status.INVALID_ARG,
+        )
+    return ModelArgs(
+        architecture=arch,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_hidden_layers=int(raw["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+        rope_theta=0.0,
+        rope_scaling=None,
+        max_position_embeddings=positions,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        eos_token_ids=(),
+        labels=_labels(raw) if arch.endswith("ForSequenceClassification") else (),
+        token_types=int(raw.get("type_vocab_size", 2)) > 1,
+        hf_config=dict(raw),
+    )
 
 
 def _labels(raw: dict[str, Any]) -> tuple[str, ...]:

@@ -11,7 +11,7 @@ import torch
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm.block_manager import BlockManager
-from kiln.llm.checkpoint import open_checkpoint, torch_dtype_name
+from kiln.llm.checkpoint import open_checkpoint, sentence_transformers_pooling, torch_dtype_name
 from kiln.llm.config import EngineConfig, ModelArgs, PoolerConfig
 from kiln.llm.draft_model import DraftProposer
 from kiln.llm.lora import LoRARequest
@@ -68,6 +68,20 @@ def _holds(ids: list[int], run: tuple[int, ...]) -> bool:
         return False
 
 
+def _pooler_config(path: Path, args: ModelArgs, asked: PoolerConfig) -> PoolerConfig:
+    """``asked`` (vLLM's ``--pooler-config``) with what it leaves open filled by the
+    model's defaults: a classifier reads its class logits unnormalized from its last token
+    (a decoder's) or its first (an encoder's: ``[CLS]``); an embedding model pools as its
+    sentence-transformers ``modules.json`` says, else from ``[CLS]`` (an encoder) or the last
+    token (a decoder), L2-normalized."""
+    if args.num_labels:
+        return PoolerConfig("CLS" if args.is_encoder else "LAST", normalize=False)
+    st_pooling, st_normalize = sentence_transformers_pooling(path)
+    pooling = asked.pooling_type or st_pooling or ("CLS" if args.is_encoder else "LAST")
+    normalize = asked.normalize if asked.normalize is not None else st_normalize
+    return PoolerConfig(pooling, True if normalize is None else normalize)
+
+
 class LLMEngine:
     def __init__(self, path: Path, config: EngineConfig | None = None) -> None:
         """``path``: a Hugging Face folder or a ``.gguf`` file."""
@@ -76,11 +90,11 @@ class LLMEngine:
         self.checkpoint = open_checkpoint(path)
         raw = self.checkpoint.config()
         self.args = ModelArgs.from_dict(raw)
-        if self.args.num_labels:
-            # a sequence classifier pools (vLLM picks its pooling runner for one), from its
-            # last token as transformers' does, and serves /classify
+        if self.args.num_labels or self.args.is_encoder:
+            # a sequence classifier or an encoder pools (vLLM picks its pooling runner for
+            # one); a classifier serves /classify
             config.runner = "pooling"
-            config.pooler_config = PoolerConfig("LAST", normalize=False)
+        config.pooler_config = _pooler_config(path, self.args, config.pooler_config)
         config.max_model_len = config.max_model_len or self.args.max_position_embeddings
         config.dtype = resolve_dtype(
             config.dtype, torch_dtype_name(raw), torch.device(config.device)
@@ -148,6 +162,12 @@ class LLMEngine:
             raise KilnError(
                 f"{self.args.architecture.removesuffix('ForCausalLM')} sequence classifier: it "
                 "classifies (/classify) and does not generate",
+                Status.INVALID_ARG,
+            )
+        if self.args.is_encoder:
+            raise KilnError(
+                f"{self.args.architecture} is an encoder: it embeds (/v1/embeddings) and "
+                "does not generate",
                 Status.INVALID_ARG,
             )
         if lora_request is not None and self.config.lora_config is None:
@@ -526,7 +546,9 @@ class LLMEngine:
     def pool(self, prompts: list[list[int]]) -> torch.Tensor:
         """The prompts' pooled final hidden states [len(prompts), hidden] (float32), by the
         model's ``pooler_config``, in one forward pass outside the KV cache."""
-        pooled = self.runner.pool(prompts, self.config.pooler_config.pooling_type)
+        pooling = self.config.pooler_config.pooling_type
+        assert pooling is not None, "resolved when the engine was built"
+        pooled = self.runner.pool(prompts, pooling)
         self.stats.num_prompt_tokens += sum(len(p) for p in prompts)
         return pooled
 

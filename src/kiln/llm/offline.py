@@ -308,7 +308,8 @@ class LLM:
 
         self._pooling("embed")
         vectors, items = self._pool(prompts, use_tqdm)
-        normalize = self.engine.config.pooler_config.normalize
+        # resolved when the engine was built (None would be the default: true)
+        normalize = self.engine.config.pooler_config.normalize is not False
         return [
             PoolingRequestOutput(str(i), ids, EmbeddingOutput(finish(v, None, normalize).tolist()))
             for i, (v, (_, ids)) in enumerate(zip(vectors, items, strict=True))
@@ -345,7 +346,8 @@ class LLM:
         pairs = [(left[0 if len(left) == 1 else i], r) for i, r in enumerate(right)]
         if self.engine.args.num_labels == 1:
             self._pooling("classify")
-            ids = [self.tokenizer.encode_pair(a, b) for a, b in pairs]
+            types = self.engine.args.token_types
+            ids = [self.tokenizer.encode_pair(a, b, types) for a, b in pairs]
             logits, _ = self._pool(ids, use_tqdm)
             values = logits[:, 0].sigmoid().tolist()
         else:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.core.errors import KilnError, Status
+from kiln.llm.config import TOKEN_TYPE_SHIFT
 
 #: past this many characters a text is tokenized without holding the GIL
 _LONG_TEXT = 4096
@@ -116,11 +117,16 @@ class Tokenizer:
         ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
-    def encode_pair(self, first: str, second: str) -> list[int]:
+    def encode_pair(self, first: str, second: str, token_types: bool = False) -> list[int]:
         """Two texts as one input, by the tokenizer's own pair template (its
-        post-processor's ``pair``: a cross-encoder's query and document)."""
-        ids: list[int] = self._tok.encode(first, second, add_special_tokens=True).ids
-        return ids
+        post-processor's ``pair``: a cross-encoder's query and document). ``token_types``
+        (a BERT's): each id carries its segment (the template's type id) above
+        ``TOKEN_TYPE_SHIFT``."""
+        encoding = self._tok.encode(first, second, add_special_tokens=True)
+        ids: list[int] = encoding.ids
+        if not token_types:
+            return ids
+        return [t | (s << TOKEN_TYPE_SHIFT) for t, s in zip(ids, encoding.type_ids, strict=True)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text: str = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -407,7 +407,7 @@ def response_body(
 
     normalize = req.normalize
     if normalize is None:
-        normalize = llm.engine.config.pooler_config.normalize
+        normalize = llm.engine.config.pooler_config.normalize is not False
     stacked = finish(torch.stack(vectors), req.dimensions, normalize)
     data = []
     for index, vector in enumerate(stacked):

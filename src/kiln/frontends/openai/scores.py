@@ -182,7 +182,7 @@ def pair_ids(llm: EngineClient, req: ScoreRequest) -> list[list[int]]:
     pairs = []
     for i, right in enumerate(req.right):
         left = req.left[0 if len(req.left) == 1 else i]
-        ids = llm.tokenizer.encode_pair(left, right)
+        ids = llm.tokenizer.encode_pair(left, right, llm.engine.args.token_types)
         if keep is not None:
             ids = ids[:keep]
         if len(ids) > limit:

@@ -20,6 +20,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from kiln.core.errors import KilnError, Status
 from kiln.llm.checkpoint import Checkpoint
 from kiln.llm.config import EngineConfig, ModelArgs
+from kiln.llm.encoder_runner import EncoderRunner
 from kiln.llm.model_runner import ModelRunner
 from kiln.llm.parallel import comm, shard
 from kiln.llm.parallel.rank import RankRunner
@@ -31,9 +32,13 @@ log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0
 
 
-def create_runner(checkpoint: Checkpoint, args: ModelArgs, config: EngineConfig) -> ModelRunner:
+def create_runner(
+    checkpoint: Checkpoint, args: ModelArgs, config: EngineConfig
+) -> ModelRunner | EncoderRunner:
     """The model runner for ``config``: one device's, or rank 0 of a tensor-parallel group
     (refused first, naming the reason, when the model cannot be split that way)."""
+    if args.is_encoder:
+        return EncoderRunner(checkpoint, args, config)
     if config.tensor_parallel_size == 1:
         return ModelRunner(checkpoint, args, config)
     shard.check(args, config, checkpoint.config(), checkpoint.path)

@@ -1,0 +1,164 @@
+"""The runner of an encoder-only model (kiln.llm.models.bert): no KV cache, no sampling,
+only ``pool``. Inputs are sorted by length and cut into padded batches of at most
+``max_num_batched_tokens`` tokens (one input alone may exceed it), so a request of many
+short texts runs as a few matrix products instead of one per text, and the padding stays a
+small share of each batch."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kiln.core.errors import KilnError, Status
+from kiln.llm.checkpoint import Checkpoint
+from kiln.llm.config import EngineConfig, ModelArgs
+from kiln.llm.lora_layers import LoRAManager
+from kiln.llm.models.bert import Encoder, check_token_types, rename
+from kiln.llm.sampler import SampledToken
+from kiln.llm.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def load_encoder_weights(model: Encoder, checkpoint: Checkpoint, dtype: torch.dtype) -> None:
+    """The checkpoint's tensors by their Hugging Face names, each copied into the model in
+    ``dtype``; a tensor kiln does not know, or one the model lacks, is refused by name."""
+    expected = dict(model.state_dict())
+    seen: set[str] = set()
+    for source, tensors in checkpoint.weights(dtype):
+        for name, tensor in tensors.items():
+            target = rename(name)
+            if target is None or (target.startswith("head_dense.") and target not in expected):
+                continue  # a masked-LM head, an embedding model's unused pooler
+            if target not in expected:
+                raise KilnError(
+                    f"llm backend: {source} holds a weight kiln's {model.args.architecture} "
+                    f"does not have: {name}",
+                    Status.INVALID_ARG,
+                )
+            if tuple(tensor.shape) != tuple(expected[target].shape):
+                raise KilnError(
+                    f"llm backend: {source}'s {name} has shape {list(tensor.shape)}, the "
+                    f"config says {list(expected[target].shape)}",
+                    Status.INVALID_ARG,
+                )
+            with torch.no_grad():
+                expected[target].copy_(tensor)
+            seen.add(target)
+        del tensors
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise KilnError(
+            f"llm backend: weights missing from {checkpoint.path}: {missing[:5]}",
+            Status.INVALID_ARG,
+        )
+
+
+class EncoderRunner:
+    """What the engine asks of a runner, for a model that only pools."""
+
+    #: adapters are not served on encoders
+    lora: LoRAManager | None = None
+
+    def __init__(self, checkpoint: Checkpoint, args: ModelArgs, config: EngineConfig) -> None:
+        refused = [
+            name
+            for name, value in (
+                ("speculative_config", config.speculative_config),
+                ("lora_config", config.lora_config),
+                ("tensor_parallel_size > 1", config.tensor_parallel_size > 1 or None),
+                ("kv_cache_dtype", None if config.kv_cache_dtype == "auto" else 1),
+                ("quantization", None if config.quantization == "auto" else 1),
+            )
+            if value is not None
+        ]
+        if refused:
+            raise KilnError(
+                f"llm backend: {args.architecture} is an encoder (it pools, with no KV "
+                f"cache): {', '.join(refused)} does not apply to it",
+                Status.INVALID_ARG,
+            )
+        if checkpoint.config().get("quantization_config"):
+            raise KilnError(
+                f"llm backend: a quantized {args.architecture} is not supported (kiln runs "
+                "encoders in float32, float16 or bfloat16)",
+                Status.INVALID_ARG,
+            )
+        self.args = args
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        with torch.device("meta"):
+            model = Encoder(args)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        load_encoder_weights(model, checkpoint, self.dtype)
+        model.fuse()
+        self.model = model.eval()
+        #: the engine's block manager wants a cache size: one input's worth of blocks,
+        #: never allocated (an encoder keeps no KV)
+        self.num_blocks = -(-config.max_model_len // config.block_size)
+        log.info(
+            "llm: %s encoder of %d layers, %s, pooling with no KV cache",
+            args.architecture,
+            args.num_hidden_layers,
+            config.dtype,
+        )
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def run(self, out: SchedulerOutput) -> dict[int, SampledToken]:
+        raise KilnError(
+            f"llm backend: {self.args.architecture} is an encoder: it does not generate",
+            Status.INVALID_ARG,
+        )
+
+    def _batches(self, lengths: list[int]) -> list[list[int]]:
+        """The inputs' indices, shortest first, in runs whose padded size (count x longest)
+        stays within ``max_num_batched_tokens``."""
+        budget = self.config.max_num_batched_tokens
+        batches: list[list[int]] = []
+        current: list[int] = []
+        for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+            # sorted: the newcomer is the batch's longest
+            if current and (len(current) + 1) * lengths[i] > budget:
+                batches.append(current)
+                current = []
+            current.append(i)
+        if current:
+            batches.append(current)
+        return batches
+
+    @torch.inference_mode()
+    def pool(self, prompts: list[list[int]], pooling_type: str) -> torch.Tensor:
+        """The prompts' pooled final hidden states [len(prompts), hidden] (a classifier's:
+        its logits [len(prompts), num_labels], from the first token), float32."""
+        check_token_types(self.args, prompts)
+        lengths = [len(p) for p in prompts]
+        if any(n == 0 for n in lengths):
+            raise KilnError("llm backend: an encoder's input needs a token", Status.INVALID_ARG)
+        width = self.args.num_labels or self.args.hidden_size
+        out = torch.empty(len(prompts), width, dtype=torch.float32)
+        dev = self.device
+        for batch in self._batches(lengths):
+            longest = max(lengths[i] for i in batch)
+            ids = torch.zeros(len(batch), longest, dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids[row, : lengths[i]] = torch.tensor(prompts[i])
+            counts = torch.tensor([lengths[i] for i in batch])
+            hidden = self.model(ids.to(dev), counts.to(dev))
+            if self.args.num_labels:
+                pooled = self.model.classify(hidden[:, 0])
+            elif pooling_type == "CLS":
+                pooled = hidden[:, 0]
+            elif pooling_type == "LAST":
+                pooled = hidden[torch.arange(len(batch)), counts.to(dev) - 1]
+            else:  # MEAN, over each input's own tokens
+                real = torch.arange(longest, device=dev)[None] < counts.to(dev)[:, None]
+                summed = (hidden.float() * real[..., None]).sum(1)
+                pooled = summed / counts.to(dev)[:, None].float()
+            out[torch.tensor(batch)] = pooled.float().cpu()
+        return out

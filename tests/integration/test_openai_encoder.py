@@ -1,0 +1,102 @@
+"""BERT-family encoders behind ``kiln serve``, as a vLLM user serves BGE, E5 or a reranker:
+``/v1/embeddings`` through the real ``openai`` client, a BERT cross-encoder on ``/score``
+and ``/rerank`` (its pairs' token types read), an XLM-RoBERTa classifier on ``/classify``,
+each against ``transformers``; an encoder asked to generate is refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tests.conftest import KilnProcess  # noqa: E402
+from tests.llm_models import build_tiny_encoder, llm_config, reference_encoder  # noqa: E402
+
+TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world", "kiln"]
+QUERY = "what jumps over the dog"
+LABELS = ("negative", "neutral", "positive")
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("repo")
+    # a sentence-transformers embedding model: mean pooling, normalized (E5's layout)
+    build_tiny_encoder(root / "e5" / "1", "bert", st_pooling="mean_tokens")
+    (root / "e5" / "config.pbtxt").write_text(llm_config("e5", max_num_seqs="4"))
+    build_tiny_encoder(root / "rerank" / "1", "bert", labels=("relevance",))
+    (root / "rerank" / "config.pbtxt").write_text(llm_config("rerank", max_num_seqs="4"))
+    build_tiny_encoder(root / "xlmr" / "1", "xlm-roberta", labels=LABELS)
+    (root / "xlmr" / "config.pbtxt").write_text(llm_config("xlmr", max_num_seqs="4"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repo: Path) -> Iterator[KilnProcess]:
+    proc = KilnProcess(repo).start(timeout=120)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def http(server: KilnProcess) -> Iterator[Any]:
+    with httpx.Client(base_url=f"http://{server.http_url}", timeout=60) as client:
+        yield client
+
+
+def test_embeddings_through_the_openai_client(server: KilnProcess, repo: Path) -> None:
+    client = openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="none")
+    reply = client.embeddings.create(model="e5", input=TEXTS)
+    got = torch.tensor([d.embedding for d in reply.data])
+    hidden = reference_encoder(repo / "e5" / "1", TEXTS)
+    want = F.normalize(torch.stack([h.mean(0) for h in hidden]), dim=-1)
+    assert got.shape == (3, 64)
+    assert torch.allclose(got, want, atol=1e-4)
+    assert reply.usage.prompt_tokens == sum(h.shape[0] for h in hidden)  # [CLS] .. [SEP]
+
+
+def test_cross_encoder_scores_and_reranks(http: Any, repo: Path) -> None:
+    folder = repo / "rerank" / "1"
+    want = torch.stack(reference_encoder(folder, [(QUERY, t) for t in TEXTS]))[:, 0].sigmoid()
+    reply = http.post("/score", json={"model": "rerank", "text_1": QUERY, "text_2": TEXTS})
+    assert reply.status_code == 200, reply.text
+    scores = [d["score"] for d in reply.json()["data"]]
+    assert scores == pytest.approx(want.tolist(), abs=1e-5)
+    ranked = http.post("/rerank", json={"model": "rerank", "query": QUERY, "documents": TEXTS,
+                                        "top_n": 2})  # fmt: skip
+    assert ranked.status_code == 200, ranked.text
+    results = ranked.json()["results"]
+    best = want.argsort(descending=True)[:2].tolist()
+    assert [r["index"] for r in results] == best
+    assert [r["relevance_score"] for r in results] == pytest.approx(want[best].tolist(), abs=1e-5)
+
+
+def test_xlm_roberta_classifier(http: Any, repo: Path) -> None:
+    want = torch.stack(reference_encoder(repo / "xlmr" / "1", TEXTS))
+    reply = http.post("/classify", json={"model": "xlmr", "input": TEXTS})
+    assert reply.status_code == 200, reply.text
+    data = reply.json()["data"]
+    probs = torch.tensor([d["probs"] for d in data])
+    assert torch.allclose(probs, want.softmax(-1), atol=1e-5)
+    assert [d["label"] for d in data] == [LABELS[int(i)] for i in want.argmax(-1)]
+
+
+def test_an_encoder_asked_to_generate_is_refused(http: Any) -> None:
+    reply = http.post("/v1/completions", json={"model": "e5", "prompt": "hi", "max_tokens": 2})
+    assert reply.status_code == 400, reply.text
+    assert "e5" in reply.json()["error"]["message"]
+    hi = [{"role": "user", "content": "hi"}]
+    chat = http.post("/v1/chat/completions", json={"model": "xlmr", "messages": hi})
+    assert chat.status_code == 400, chat.text
+    # a text longer than the encoder's 128 positions
+    long = http.post("/v1/embeddings", json={"model": "e5", "input": "fox " * 400})
+    assert long.status_code == 400, long.text
+    assert "maximum context length is 128 tokens" in long.json()["error"]["message"]

@@ -1,0 +1,226 @@
+"""BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa): kiln's engine pools them outside any
+KV cache, equal to ``transformers``' hidden states and logits, whatever the batching; a
+cross-encoder reads a pair's segments (BERT's token types); sentence-transformers'
+``modules.json`` sets the default pooling; what an encoder cannot do is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+import torch.nn.functional as F
+
+from kiln.core.errors import KilnError
+from kiln.llm.config import TOKEN_TYPE_SHIFT, EngineConfig, ModelArgs, PoolerConfig
+from kiln.llm.engine import LLMEngine
+from kiln.llm.models.bert import rename
+from kiln.llm.sequence import SamplingParams
+from kiln.llm.tokenizer import Tokenizer
+from tests.llm_models import build_tiny_encoder, encoder_inputs, reference_encoder
+
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world",
+    "a sequence of tokens is generated one step at a time, then another",
+    "kiln",
+]
+PAIRS = [("what jumps over the dog", t) for t in TEXTS]
+
+
+def _ids(folder: Path, texts: list[str]) -> list[list[int]]:
+    return [enc.ids for enc in encoder_inputs(folder, texts)]
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "xlm-roberta"])
+def test_embeddings_equal_transformers_cls_pooled(tmp_path: Path, family: str) -> None:
+    folder = build_tiny_encoder(tmp_path / family, family)
+    engine = LLMEngine(folder, EngineConfig())
+    assert engine.args.is_encoder and engine.config.runner == "pooling"
+    # an encoder's default: [CLS] (the first token), L2-normalized, as vLLM's
+    assert engine.config.pooler_config == PoolerConfig("CLS", True)
+    # RoBERTa's positions start past its padding id: 130 - 2 tokens
+    assert engine.config.max_model_len == 128
+    got = engine.pool(_ids(folder, TEXTS))  # four lengths: one padded batch
+    want = torch.stack([h[0] for h in reference_encoder(folder, TEXTS)])
+    assert got.shape == (4, 64)
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("pooling", ["MEAN", "LAST"])
+def test_other_poolings_over_padded_batches(tmp_path: Path, pooling: str) -> None:
+    folder = build_tiny_encoder(tmp_path / "bert")
+    # a small token budget: each batch holds one or two inputs
+    config = EngineConfig(pooler_config=PoolerConfig(pooling), max_num_batched_tokens=24)
+    engine = LLMEngine(folder, config)
+    got = engine.pool(_ids(folder, TEXTS))
+    hidden = reference_encoder(folder, TEXTS)
+    want = torch.stack([h.mean(0) if pooling == "MEAN" else h[-1] for h in hidden])
+    assert torch.allclose(got, want, atol=1e-4)
+    # the same inputs one at a time agree with the batched answer
+    alone = torch.cat([engine.pool([p]) for p in _ids(folder, TEXTS)])
+    assert torch.allclose(alone, got, atol=1e-5)
+
+
+def test_batches_stay_within_the_token_budget(tmp_path: Path) -> None:
+    folder = build_tiny_encoder(tmp_path / "bert")
+    engine = LLMEngine(folder, EngineConfig(max_num_batched_tokens=20))
+    lengths = [12, 3, 5, 9, 4, 30, 2]
+    batches = engine.runner._batches(lengths)  # type: ignore[union-attr]
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for batch in batches:
+        longest = max(lengths[i] for i in batch)
+        assert len(batch) == 1 or len(batch) * longest <= 20
+    assert [5] in batches  # longer than the budget: alone
+
+
+def test_sentence_transformers_pooling_is_the_default(tmp_path: Path) -> None:
+    folder = build_tiny_encoder(tmp_path / "st", st_pooling="mean_tokens", st_normalize=False)
+    engine = LLMEngine(folder, EngineConfig())
+    assert engine.config.pooler_config == PoolerConfig("MEAN", False)
+    want = torch.stack([h.mean(0) for h in reference_encoder(folder, TEXTS[:2])])
+    assert torch.allclose(engine.pool(_ids(folder, TEXTS[:2])), want, atol=1e-4)
+    # what the deployment asks wins over the checkpoint's defaults
+    asked = LLMEngine(folder, EngineConfig(pooler_config=PoolerConfig("CLS")))
+    assert asked.config.pooler_config == PoolerConfig("CLS", False)
+    # a decoder embedding model's modules.json (Qwen3-Embedding's lasttoken) is read too
+    folder2 = build_tiny_encoder(tmp_path / "st2", st_pooling="lasttoken")
+    assert LLMEngine(folder2, EngineConfig()).config.pooler_config == PoolerConfig("LAST", True)
+
+
+def test_a_pooling_mode_kiln_lacks_falls_back_to_the_default(tmp_path: Path) -> None:
+    folder = build_tiny_encoder(tmp_path / "max", st_pooling="max_tokens")
+    assert LLMEngine(folder, EngineConfig()).config.pooler_config.pooling_type == "CLS"
+
+
+def test_a_pooling_module_outside_the_folder_is_refused(tmp_path: Path) -> None:
+    folder = build_tiny_encoder(tmp_path / "bad", st_pooling="cls_token")
+    modules = json.loads((folder / "modules.json").read_text())
+    modules[1]["path"] = "../../etc"
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(KilnError, match=r"Pooling module names no config\.json inside"):
+        LLMEngine(folder, EngineConfig())
+
+
+def test_bert_cross_encoder_reads_the_pair_token_types(tmp_path: Path) -> None:
+    folder = build_tiny_encoder(tmp_path / "ce", "bert", labels=("relevance",))
+    engine = LLMEngine(folder, EngineConfig())
+    assert engine.args.token_types and engine.args.num_labels == 1
+    assert engine.config.pooler_config == PoolerConfig("CLS", False)
+    tok = Tokenizer(folder)
+    packed = [tok.encode_pair(a, b, token_types=True) for a, b in PAIRS]
+    plain = [tok.encode_pair(a, b) for a, b in PAIRS]
+    # the second segment's ids carry type 1; the first's are the plain ids
+    assert packed[0][0] == plain[0][0] and packed[0][-1] == plain[0][-1] | (1 << TOKEN_TYPE_SHIFT)
+    got = engine.pool(packed)
+    want = torch.stack(reference_encoder(folder, PAIRS))
+    assert got.shape == (4, 1)
+    assert torch.allclose(got, want, atol=1e-4)
+    # without the segments the logits differ: the types are read, not ignored
+    assert not torch.allclose(engine.pool(plain), want, atol=1e-2)
+
+
+@pytest.mark.parametrize("family", ["xlm-roberta", "bert"])
+def test_sequence_classifier_logits(tmp_path: Path, family: str) -> None:
+    labels = ("negative", "neutral", "positive")
+    folder = build_tiny_encoder(tmp_path / family, family, labels=labels)
+    engine = LLMEngine(folder, EngineConfig())
+    assert engine.args.labels == labels and engine.args.token_types == (family == "bert")
+    got = engine.pool(_ids(folder, TEXTS))
+    want = torch.stack(reference_encoder(folder, TEXTS))
+    assert torch.allclose(got, want, atol=1e-4)
+    assert F.softmax(got, -1).argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+def test_an_encoder_does_not_generate(tmp_path: Path) -> None:
+    engine = LLMEngine(build_tiny_encoder(tmp_path / "bert"), EngineConfig())
+    with pytest.raises(KilnError, match="BertModel is an encoder: it embeds"):
+        engine.check_request(3, SamplingParams())
+    with pytest.raises(KilnError, match="does not generate"):
+        engine.runner.run(None)  # type: ignore[arg-type]
+
+
+def test_token_types_past_the_vocabulary_are_refused(tmp_path: Path) -> None:
+    folder = build_tiny_encoder(tmp_path / "bert")
+    engine = LLMEngine(folder, EngineConfig())
+    with pytest.raises(KilnError, match="token type past the model's type_vocab_size 2"):
+        engine.pool([[2, 5 | (2 << TOKEN_TYPE_SHIFT), 3]])
+
+
+def test_what_an_encoder_cannot_take_is_refused(tmp_path: Path) -> None:
+    folder = build_tiny_encoder(tmp_path / "bert")
+    with pytest.raises(KilnError, match=r"encoder .* kv_cache_dtype does not apply"):
+        LLMEngine(folder, EngineConfig(kv_cache_dtype="fp8"))
+
+
+def _config(**over: object) -> dict[str, object]:
+    base: dict[str, object] = {"architectures": ["BertModel"], "vocab_size": 10,
+                               "hidden_size": 8, "intermediate_size": 16,
+                               "num_hidden_layers": 1, "num_attention_heads": 2}  # fmt: skip
+    return {**base, **over}
+
+
+def test_encoder_configs_kiln_cannot_run_are_refused() -> None:
+    args = ModelArgs.from_dict(_config())
+    assert args.is_encoder and args.max_position_embeddings == 512 and args.token_types
+    xlmr = {"architectures": ["XLMRobertaModel"], "pad_token_id": 1, "type_vocab_size": 1}
+    roberta = ModelArgs.from_dict(_config(**xlmr, max_position_embeddings=514))
+    assert roberta.max_position_embeddings == 512 and not roberta.token_types
+    with pytest.raises(KilnError, match="position_embedding_type 'relative_key' is not supported"):
+        ModelArgs.from_dict(_config(position_embedding_type="relative_key"))
+    with pytest.raises(KilnError, match="hidden_act 'swish_beta' is not supported"):
+        ModelArgs.from_dict(_config(hidden_act="swish_beta"))
+    with pytest.raises(KilnError, match="hidden_size 8 is not a multiple of its num_attention"):
+        ModelArgs.from_dict(_config(num_attention_heads=3))
+    with pytest.raises(KilnError, match=r"kiln runs .*XLMRobertaModel"):
+        ModelArgs.from_dict(_config(architectures=["DebertaV2Model"]))
+
+
+def test_unknown_or_missing_weights_are_refused_by_name(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = build_tiny_encoder(tmp_path / "bert")
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({**weights, "encoder.layer.0.attention.self.rotary.weight": torch.zeros(2)},
+              str(folder / "model.safetensors"))  # fmt: skip
+    with pytest.raises(
+        KilnError, match=r"does not have: encoder\.layer\.0\.attention\.self\.rotary"
+    ):
+        LLMEngine(folder, EngineConfig())
+    del weights["embeddings.word_embeddings.weight"]
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(KilnError, match=r"weights missing .*\['embed.weight'\]"):
+        LLMEngine(folder, EngineConfig())
+
+
+def test_hugging_face_names_map_onto_the_encoder() -> None:
+    assert rename("bert.encoder.layer.3.attention.self.query.weight") == "layers.3.q.weight"
+    assert rename("roberta.encoder.layer.0.output.LayerNorm.bias") == "layers.0.out_norm.bias"
+    # pre-2020 checkpoints: LayerNorm's gamma and beta
+    assert rename("bert.embeddings.LayerNorm.gamma") == "embed_norm.weight"
+    assert rename("classifier.out_proj.weight") == "classifier.weight"
+    assert rename("pooler.dense.bias") == "head_dense.bias"
+    # a masked-LM head and the position-id buffer are not read
+    assert rename("cls.predictions.bias") is None
+    assert rename("embeddings.position_ids") is None
+    # one kiln does not know keeps its name, for the loader to refuse
+    odd = "encoder.layer.0.attention.self.distance_embedding.weight"
+    assert rename(odd) == odd
+
+
+def test_the_offline_api_embeds_and_scores(tmp_path: Path) -> None:
+    from kiln.llm import LLM
+
+    folder = build_tiny_encoder(tmp_path / "bert")
+    vectors = [o.outputs.embedding for o in LLM(model=str(folder)).embed(TEXTS[:2])]
+    want = F.normalize(torch.stack([h[0] for h in reference_encoder(folder, TEXTS[:2])]), dim=-1)
+    assert torch.allclose(torch.tensor(vectors), want, atol=1e-4)
+    ce = build_tiny_encoder(tmp_path / "ce", labels=("relevance",))
+    query, docs = PAIRS[0][0], [b for _, b in PAIRS]
+    scores = [o.outputs.score for o in LLM(model=str(ce)).score(query, docs)]
+    logits = torch.stack(reference_encoder(ce, PAIRS))[:, 0]
+    assert scores == pytest.approx(logits.sigmoid().tolist(), abs=1e-5)
