@@ -57,9 +57,11 @@ class PackedLinear(nn.Linear):
     packed: torch.Tensor
     #: the fewest rows the packed product is used for
     min_rows: int
+    #: the most (an encoder's: no bound, ``pack(max_rows=...)``)
+    max_rows: int
 
     @classmethod
-    def wrap(cls, linear: nn.Linear) -> PackedLinear:
+    def wrap(cls, linear: nn.Linear, max_rows: int = MAX_ROWS) -> PackedLinear:
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
@@ -69,11 +71,12 @@ class PackedLinear(nn.Linear):
         with torch.no_grad():
             new.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)
         new.min_rows = 1 if new.out_features >= WIDE * new.in_features else MIN_ROWS
+        new.max_rows = max_rows
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
-        if self.min_rows <= rows <= MAX_ROWS and x.dtype == self.weight.dtype:
+        if self.min_rows <= rows <= self.max_rows and x.dtype == self.weight.dtype:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
                 x, self.packed, self.bias, "none", [], ""
             )
@@ -81,9 +84,10 @@ class PackedLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack(model: nn.Module) -> int:
+def pack(model: nn.Module, max_rows: int = MAX_ROWS) -> int:
     """Swap every plain ``nn.Linear`` of ``model`` (CPU, float32) for a
-    ``PackedLinear`` sharing its parameters; the number swapped."""
+    ``PackedLinear`` sharing its parameters, used up to ``max_rows`` rows; the number
+    swapped."""
     if not available():
         return 0
     swapped = 0
@@ -93,7 +97,7 @@ def pack(model: nn.Module) -> int:
                 continue
             if child.weight.dtype != torch.float32:  # bf16 without AVX512-BF16: not measured
                 continue
-            setattr(parent, name, PackedLinear.wrap(child))
+            setattr(parent, name, PackedLinear.wrap(child, max_rows))
             swapped += 1
     if swapped:
         log.info("llm: %d projections use oneDNN's packed weights for small batches", swapped)

@@ -1,8 +1,8 @@
 """The runner of an encoder-only model (kiln.llm.models.bert): no KV cache, no sampling,
-only ``pool``. Inputs are sorted by length and cut into padded batches of at most
+only ``pool``. Inputs are sorted by length and cut into batches of at most
 ``max_num_batched_tokens`` tokens (one input alone may exceed it), so a request of many
-short texts runs as a few matrix products instead of one per text, and the padding stays a
-small share of each batch."""
+short texts runs as a few large matrix products instead of one per text; within a batch the
+tokens are packed, padded only inside attention (kiln.llm.models.bert)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import logging
 import torch
 
 from kiln.core.errors import KilnError, Status
+from kiln.llm import cpu_linear
 from kiln.llm.checkpoint import Checkpoint
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.lora_layers import LoRAManager
-from kiln.llm.models.bert import Encoder, check_token_types, rename
+from kiln.llm.models.bert import Encoder, attention_groups, check_token_types, rename
+from kiln.llm.pooling import mean_pool, token_rows
 from kiln.llm.sampler import SampledToken
 from kiln.llm.scheduler import SchedulerOutput
 
@@ -57,6 +59,14 @@ def load_encoder_weights(model: Encoder, checkpoint: Checkpoint, dtype: torch.dt
         )
 
 
+def _onednn_wins() -> bool:
+    """Whether oneDNN's packed products beat MKL's for an encoder's thousands of rows: on
+    an AVX-512 CPU they did (1.1x, benchmarks/README.md), on the AVX2 EPYC where kiln's
+    decode path was tuned they did not for long prefills (0.9-0.95x, kiln.llm.cpu_linear)."""
+    capability = str(torch.backends.cpu.get_cpu_capability())
+    return capability.startswith("AVX512") and cpu_linear.available()
+
+
 class EncoderRunner:
     """What the engine asks of a runner, for a model that only pools."""
 
@@ -96,6 +106,9 @@ class EncoderRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         load_encoder_weights(model, checkpoint, self.dtype)
         model.fuse()
+        if self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_wins():
+            # every product packed for oneDNN, however many tokens (docs/design/llm-encoders.md)
+            cpu_linear.pack(model, max_rows=1 << 62)
         self.model = model.eval()
         #: the engine's block manager wants a cache size: one input's worth of blocks,
         #: never allocated (an encoder keeps no KV)
@@ -117,17 +130,18 @@ class EncoderRunner:
         )
 
     def _batches(self, lengths: list[int]) -> list[list[int]]:
-        """The inputs' indices, shortest first, in runs whose padded size (count x longest)
-        stays within ``max_num_batched_tokens``."""
+        """The inputs' indices, shortest first, in runs of at most ``max_num_batched_tokens``
+        tokens (one longer input alone)."""
         budget = self.config.max_num_batched_tokens
         batches: list[list[int]] = []
         current: list[int] = []
+        tokens = 0
         for i in sorted(range(len(lengths)), key=lengths.__getitem__):
-            # sorted: the newcomer is the batch's longest
-            if current and (len(current) + 1) * lengths[i] > budget:
+            if current and tokens + lengths[i] > budget:
                 batches.append(current)
-                current = []
+                current, tokens = [], 0
             current.append(i)
+            tokens += lengths[i]
         if current:
             batches.append(current)
         return batches
@@ -144,21 +158,16 @@ class EncoderRunner:
         out = torch.empty(len(prompts), width, dtype=torch.float32)
         dev = self.device
         for batch in self._batches(lengths):
-            longest = max(lengths[i] for i in batch)
-            ids = torch.zeros(len(batch), longest, dtype=torch.long)
-            for row, i in enumerate(batch):
-                ids[row, : lengths[i]] = torch.tensor(prompts[i])
-            counts = torch.tensor([lengths[i] for i in batch])
-            hidden = self.model(ids.to(dev), counts.to(dev))
+            sizes = [lengths[i] for i in batch]
+            ids = torch.tensor([t for i in batch for t in prompts[i]], device=dev)
+            positions = torch.cat([torch.arange(n) for n in sizes]).to(dev)
+            rows = token_rows(sizes, "CLS" if self.args.num_labels else pooling_type)
+            groups = attention_groups(sizes, dev)
+            if rows is None:
+                pooled = mean_pool(self.model(ids, positions, groups), sizes)
+            else:  # one token each: the last layer finishes those rows alone
+                pooled = self.model(ids, positions, groups, rows.to(dev))
             if self.args.num_labels:
-                pooled = self.model.classify(hidden[:, 0])
-            elif pooling_type == "CLS":
-                pooled = hidden[:, 0]
-            elif pooling_type == "LAST":
-                pooled = hidden[torch.arange(len(batch)), counts.to(dev) - 1]
-            else:  # MEAN, over each input's own tokens
-                real = torch.arange(longest, device=dev)[None] < counts.to(dev)[:, None]
-                summed = (hidden.float() * real[..., None]).sum(1)
-                pooled = summed / counts.to(dev)[:, None].float()
+                pooled = self.model.classify(pooled)
             out[torch.tensor(batch)] = pooled.float().cpu()
         return out

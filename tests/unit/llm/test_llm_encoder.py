@@ -73,8 +73,7 @@ def test_batches_stay_within_the_token_budget(tmp_path: Path) -> None:
     batches = engine.runner._batches(lengths)  # type: ignore[union-attr]
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for batch in batches:
-        longest = max(lengths[i] for i in batch)
-        assert len(batch) == 1 or len(batch) * longest <= 20
+        assert len(batch) == 1 or sum(lengths[i] for i in batch) <= 20
     assert [5] in batches  # longer than the budget: alone
 
 
@@ -224,3 +223,19 @@ def test_the_offline_api_embeds_and_scores(tmp_path: Path) -> None:
     scores = [o.outputs.score for o in LLM(model=str(ce)).score(query, docs)]
     logits = torch.stack(reference_encoder(ce, PAIRS))[:, 0]
     assert scores == pytest.approx(logits.sigmoid().tolist(), abs=1e-5)
+
+
+def test_attention_groups_cover_every_token_once_with_bounded_padding() -> None:
+    from kiln.llm.models.bert import MAX_PADDING, attention_groups
+
+    lengths = [16, 250, 17, 3, 3, 3, 120, 100, 18, 256]
+    groups = attention_groups(lengths, torch.device("cpu"))
+    covered = torch.cat([g.tokens for g in groups]).sort().values
+    assert covered.tolist() == list(range(sum(lengths)))  # each packed token exactly once
+    for g in groups:
+        b, n = g.gather.shape
+        real = g.tokens.numel()
+        assert b * n - real <= MAX_PADDING * real
+        assert (g.mask is None) == (b * n == real)
+    # the three inputs of 3 tokens: one group with no padding and so no mask
+    assert any(g.gather.shape == (3, 3) and g.mask is None for g in groups)

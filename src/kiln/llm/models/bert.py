@@ -3,6 +3,12 @@ other token of its input, so there is no KV cache and no generation; the final h
 states are pooled into an embedding, or a classification head scores the first token
 (``[CLS]`` / ``<s>``): a reranker's cross-encoder, a sentiment classifier.
 
+Tokens travel packed, the inputs one after another with no padding ([T, H]): every
+projection, norm and activation runs on real tokens only. Attention alone needs each input's
+tokens side by side, so inputs are grouped by length (``AttentionGroup``: sorted, a group
+closed once padding it to its longest would add more than ``MAX_PADDING`` of its real
+tokens) and each group is gathered into a padded batch for SDPA, then scattered back.
+
 The weights load by their Hugging Face names (``bert.encoder.layer.0.attention.self.query``,
 ...) mapped onto this module's shorter ones (``RENAMES``); q, k and v are then fused into one
 projection. A layer is post-norm: ``x = LN(x + attn(x))``, ``x = LN(x + mlp(x))``.
@@ -11,6 +17,7 @@ projection. A layer is post-norm: ``x = LN(x + attn(x))``, ``x = LN(x + mlp(x))`
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,6 +88,57 @@ def _activation(name: str) -> Any:
     return lambda x: F.gelu(x, approximate="tanh")
 
 
+#: a group's padding (to its longest input) stays within this share of its real tokens
+MAX_PADDING = 0.25
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Inputs of similar length, attended together as one padded batch."""
+
+    #: [b, n] each padded slot's token among the packed ones (padding: the group's first)
+    gather: torch.Tensor
+    #: [b, 1, 1, n] True on real tokens; None: the inputs are of one length
+    mask: torch.Tensor | None
+    #: [t] the packed tokens the group's real slots hold, in slot order
+    tokens: torch.Tensor
+    #: [t] those slots among the b * n (None: all of them)
+    real: torch.Tensor | None
+
+
+def attention_groups(lengths: list[int], device: torch.device) -> list[AttentionGroup]:
+    """The inputs (of ``lengths``, packed in that order) grouped for attention."""
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    runs: list[list[int]] = []
+    for i in order:  # ascending: the newcomer is the longest
+        run = runs[-1] if runs else None
+        if run is not None:
+            real = sum(lengths[j] for j in run) + lengths[i]
+            if (len(run) + 1) * lengths[i] - real <= MAX_PADDING * real:
+                run.append(i)
+                continue
+        runs.append([i])
+    groups = []
+    for run in runs:
+        longest = max(lengths[i] for i in run)
+        slots = torch.arange(longest)
+        gather = torch.stack([starts[i] + slots.clamp(max=lengths[i] - 1) for i in run])
+        valid = slots[None] < torch.tensor([lengths[i] for i in run])[:, None]
+        uniform = bool(valid.all())
+        groups.append(
+            AttentionGroup(
+                gather=gather.to(device),
+                mask=None if uniform else valid[:, None, None].to(device),
+                tokens=gather[valid].to(device),
+                real=None if uniform else valid.flatten().nonzero().flatten().to(device),
+            )
+        )
+    return groups
+
+
 class EncoderLayer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -107,16 +165,28 @@ class EncoderLayer(nn.Module):
         self.qkv = qkv
         del self.q, self.k, self.v
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """``x`` [B, L, H]; ``mask`` [B, 1, 1, L], True on the inputs' real tokens (None:
-        no padding)."""
-        b, n, h = x.shape
+    def forward(
+        self, x: torch.Tensor, groups: list[AttentionGroup], rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x`` [T, H]: the inputs' tokens, packed. ``rows``: only those tokens' outputs
+        are wanted (the last layer's, pooled from one token each): every token's keys and
+        values are still computed, but the projection after attention and the MLP run on
+        those rows alone."""
+        h = x.shape[1]
         assert self.qkv is not None, "fuse() after loading"
-        qkv = self.qkv(x).view(b, n, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)
-        x = self.attn_norm(x + self.o(attn.transpose(1, 2).reshape(b, n, h)))
-        out: torch.Tensor = self.out_norm(x + self.down(self.act(self.up(x))))
-        return out
+        qkv = self.qkv(x)
+        attn = torch.empty_like(x)
+        for g in groups:
+            b, n = g.gather.shape
+            part = qkv[g.gather].view(b, n, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+            out = F.scaled_dot_product_attention(part[0], part[1], part[2], attn_mask=g.mask)
+            out = out.transpose(1, 2).reshape(b * n, h)
+            attn[g.tokens] = out if g.real is None else out[g.real]
+        if rows is not None:
+            x, attn = x[rows], attn[rows]
+        x = self.attn_norm(x + self.o(attn))
+        hidden: torch.Tensor = self.out_norm(x + self.down(self.act(self.up(x))))
+        return hidden
 
 
 class Encoder(nn.Module):
@@ -145,21 +215,18 @@ class Encoder(nn.Module):
             assert isinstance(layer, EncoderLayer)
             layer.fuse()
 
-    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """``ids`` [B, L] (padded past each input's length; a pair's second segment's ids
-        carry their token type above ``TOKEN_TYPE_SHIFT``), ``lengths`` [B]; the final
-        hidden states [B, L, H] (the padding's rows are not meaningful)."""
-        n = ids.shape[1]
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, groups: list[AttentionGroup],
+                rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """``ids`` [T]: the inputs' tokens packed (a pair's second segment's ids carry their
+        token type above ``TOKEN_TYPE_SHIFT``), ``positions`` [T] each token's within its
+        input; the final hidden states [T, H], or only those of ``rows`` [R, H]."""
         types = ids >> TOKEN_TYPE_SHIFT
         tokens = ids & ((1 << TOKEN_TYPE_SHIFT) - 1)
-        positions = torch.arange(n, device=ids.device) + self.position_offset
-        x = self.embed(tokens) + self.pos_embed(positions)[None] + self.type_embed(types)
-        x = self.embed_norm(x)
-        mask = None
-        if bool((lengths < n).any()):
-            mask = (torch.arange(n, device=ids.device)[None] < lengths[:, None])[:, None, None]
-        for layer in self.layers:
-            x = layer(x, mask)
+        x = self.embed(tokens) + self.pos_embed(positions + self.position_offset)
+        x = self.embed_norm(x + self.type_embed(types))
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, groups, rows if i == last else None)
         hidden: torch.Tensor = x
         return hidden
 
