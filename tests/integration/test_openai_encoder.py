@@ -96,6 +96,10 @@ def test_an_encoder_asked_to_generate_is_refused(http: Any) -> None:
     hi = [{"role": "user", "content": "hi"}]
     chat = http.post("/v1/chat/completions", json={"model": "xlmr", "messages": hi})
     assert chat.status_code == 400, chat.text
+    # Triton's generate extension: the engine refuses it before it queues
+    triton = http.post("/v2/models/e5/generate", json={"text_input": "hi", "max_tokens": 2})
+    assert triton.status_code == 400, triton.text
+    assert "BertModel is an encoder: it embeds" in triton.text
     # a text longer than the encoder's 128 positions
     long = http.post("/v1/embeddings", json={"model": "e5", "input": "fox " * 400})
     assert long.status_code == 400, long.text

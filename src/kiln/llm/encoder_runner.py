@@ -22,6 +22,10 @@ from kiln.llm.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
+#: a CPU batch's most tokens, below ``max_num_batched_tokens``: the wide products' outputs
+#: ([tokens, 3 x hidden], [tokens, intermediate]) then stay in the cache; 512-1,536 were
+#: equal and 8,192 6 % slower on bert-base (docs/design/llm-encoders.md)
+CPU_BATCH_TOKENS = 1024
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -131,8 +135,10 @@ class EncoderRunner:
 
     def _batches(self, lengths: list[int]) -> list[list[int]]:
         """The inputs' indices, shortest first, in runs of at most ``max_num_batched_tokens``
-        tokens (one longer input alone)."""
+        tokens (on a CPU at most ``CPU_BATCH_TOKENS``; one longer input alone)."""
         budget = self.config.max_num_batched_tokens
+        if self.device.type == "cpu":
+            budget = min(budget, CPU_BATCH_TOKENS)
         batches: list[list[int]] = []
         current: list[int] = []
         tokens = 0
