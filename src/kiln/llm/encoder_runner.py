@@ -101,6 +101,13 @@ class EncoderRunner:
                 "encoders in float32, float16 or bfloat16)",
                 Status.INVALID_ARG,
             )
+        if config.max_model_len > args.max_position_embeddings:
+            # learned positions: there is no embedding for a position past the table
+            raise KilnError(
+                f"llm backend: max_model_len {config.max_model_len} is more than "
+                f"{args.architecture}'s {args.max_position_embeddings} positions",
+                Status.INVALID_ARG,
+            )
         self.args = args
         self.config = config
         self.device = torch.device(config.device)

@@ -154,6 +154,10 @@ def test_what_an_encoder_cannot_take_is_refused(tmp_path: Path) -> None:
     folder = build_tiny_encoder(tmp_path / "bert")
     with pytest.raises(KilnError, match=r"encoder .* kv_cache_dtype does not apply"):
         LLMEngine(folder, EngineConfig(kv_cache_dtype="fp8"))
+    # learned positions end at the table's size: a longer context cannot be served
+    with pytest.raises(KilnError, match="max_model_len 200 is more than BertModel's 128"):
+        LLMEngine(folder, EngineConfig(max_model_len=200))
+    assert LLMEngine(folder, EngineConfig(max_model_len=64)).config.max_model_len == 64
 
 
 def _config(**over: object) -> dict[str, object]:
