@@ -15,6 +15,10 @@ The physical limit: the workload's matrix products (2 x parameters per token in 
 plus attention's 4 x length x hidden per token and layer) at the best large float32 GEMM
 rate measured on this machine right before the runs, every other operation free.
 
+``--mode serve``: ``kiln serve --model`` and ``vllm serve`` with the same settings instead,
+every input one ``/v1/embeddings`` request (token ids), ``--max-concurrency`` at a time from
+one thread pool in this process; CPU seconds are the server's process tree's.
+
 Threads: kiln ``OMP_NUM_THREADS=N``, vLLM ``VLLM_CPU_OMP_THREADS_BIND=0-(N-1)`` (N > 1) and
 tcmalloc, as benchmarks/llm_vllm.py runs them. Top-level imports are the standard library.
 """
@@ -226,6 +230,64 @@ def run(engine: str, folder: Path, inputs: list[list[int]], args: argparse.Names
             "vectors": doc["vectors"]}  # fmt: skip
 
 
+def run_serve(engine: str, folder: Path, inputs: list[list[int]], args: argparse.Namespace,
+              work: Path) -> dict[str, Any]:  # fmt: skip
+    """``kiln serve --model`` or ``vllm serve`` with the same settings, then every input as
+    one ``/v1/embeddings`` request (token ids), ``--max-concurrency`` at a time from one
+    thread pool; the servers' CPU is their process trees'."""
+    import subprocess
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    port = lv._free_port()
+    base = f"http://127.0.0.1:{port}"
+    common = ["--served-model-name", "bench", "--max-num-seqs", str(args.max_num_seqs),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
+    if engine == "kiln":
+        cmd = [sys.executable, "-m", "kiln", "serve", "--model", str(folder), *common,
+               "--http-port", str(port), "--grpc-port", str(lv._free_port()),
+               "--metrics-port", str(lv._free_port()), "--no-history"]  # fmt: skip
+    else:
+        cmd = [str(lv.VLLM_VENV / "bin" / "vllm"), "serve", str(folder), *common, "--dtype",
+               "float32", "--host", "127.0.0.1", "--port", str(port),
+               "--uvicorn-log-level", "warning"]  # fmt: skip
+    log = work / f"serve-{engine}.log"
+    launch = time.time()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, env={**os.environ, **env_for(engine, args.threads),
+                      "XDG_STATE_HOME": str(work / "state")},
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    rss = lv.RssSampler(proc.pid)
+    lock = threading.Lock()
+    vectors: list[list[float]] = [[] for _ in inputs]
+
+    def one(i: int) -> None:
+        doc = lv._post(f"{base}/v1/embeddings", {"model": "bench", "input": inputs[i]},
+                       args.timeout)  # fmt: skip
+        with lock:
+            vectors[i] = doc["data"][0]["embedding"]
+
+    try:
+        lv._wait_ready(proc, f"{base}/v1/models", args.timeout, log)
+        startup = time.time() - launch
+        lv._post(f"{base}/v1/embeddings", {"model": "bench", "input": inputs[:4]}, args.timeout)
+        before = lv.tree_snapshot(proc.pid)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.max_concurrency) as pool:
+            list(pool.map(one, range(len(inputs))))
+        seconds = time.perf_counter() - t0
+        cpu = lv.cpu_delta(before, lv.tree_snapshot(proc.pid))
+    finally:
+        peak = rss.stop()
+        lv._stop(proc)
+    tokens = sum(len(p) for p in inputs)
+    return {"seconds": seconds, "inputs_s": len(inputs) / seconds, "tok_s": tokens / seconds,
+            "cpu_s": cpu["cpu_s"], "startup_s": startup, "peak_rss_gb": peak,
+            "vectors": vectors}  # fmt: skip
+
+
 def lowest_cosine(a: list[list[float]], b: list[list[float]]) -> float:
     def cos(x: list[float], y: list[float]) -> float:
         dot = sum(p * q for p, q in zip(x, y, strict=True))
@@ -246,6 +308,13 @@ def main() -> None:
     ap.add_argument("--models-dir", type=Path, default=MODELS_DIR)
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--engines", default="kiln,vllm")
+    ap.add_argument(
+        "--mode",
+        choices=("offline", "serve"),
+        default="offline",
+        help="each engine's LLM.embed, or its server under /v1/embeddings",
+    )
+    ap.add_argument("--max-concurrency", type=int, default=64, help="serve: requests at once")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--worker", nargs=2, metavar=("ENGINE", "SPEC"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -265,8 +334,8 @@ def main() -> None:
     report: dict[str, Any] = {
         "command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "machine": lv.machine(), "versions": lv.versions(), "shape": SHAPE,
-        "settings": {k: getattr(args, k) for k in ("threads", "num_inputs", "input_range",
-                     "max_num_batched_tokens", "max_num_seqs")},
+        "settings": {k: getattr(args, k) for k in ("mode", "threads", "num_inputs", "input_range",
+                     "max_num_batched_tokens", "max_num_seqs", "max_concurrency")},
         "gemm_gflop_s": rate / 1e9, "bound_tok_s": bound_tok_s, "runs": [],
     }  # fmt: skip
     print("command:", command, flush=True)
@@ -276,7 +345,8 @@ def main() -> None:
             order = engines if rep % 2 == 0 else engines[::-1]
             pair = {}
             for engine in order:
-                res = lv.measure(run, engine, folder, inputs, args, Path(tmp))
+                fn = run if args.mode == "offline" else run_serve
+                res = lv.measure(fn, engine, folder, inputs, args, Path(tmp))
                 pair[engine] = res
                 short = {k: v for k, v in res.items() if k != "vectors"}
                 print(f"#{rep + 1} {engine}:", json.dumps(short), flush=True)

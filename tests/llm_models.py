@@ -179,7 +179,7 @@ ENCODER_CLASSES = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRobe
 
 def build_tiny_encoder(
     folder: Path, family: str = "bert", labels: tuple[str, ...] = (),
-    st_pooling: str | None = None, st_normalize: bool = True,
+    st_pooling: str | None = None, st_normalize: bool = True, **overrides: Any,
 ) -> Path:  # fmt: skip
     """A 2-layer, hidden-64 BERT-family encoder with random weights: ``*Model`` (an
     embedding model), or ``*ForSequenceClassification`` of ``labels``. ``st_pooling``
@@ -201,6 +201,7 @@ def build_tiny_encoder(
     )  # fmt: skip
     if family != "bert":
         shape.update(pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1)
+    shape.update(overrides)
     if labels:
         shape.update(num_labels=len(labels), id2label=dict(enumerate(labels)),
                      label2id={label: i for i, label in enumerate(labels)})  # fmt: skip

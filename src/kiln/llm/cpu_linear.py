@@ -74,9 +74,13 @@ class PackedLinear(nn.Linear):
         new.max_rows = max_rows
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def packs(self, x: torch.Tensor) -> bool:
+        """Whether the product of ``x`` runs on the packed weight."""
         rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
-        if self.min_rows <= rows <= self.max_rows and x.dtype == self.weight.dtype:
+        return self.min_rows <= rows <= self.max_rows and x.dtype == self.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packs(x):
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
                 x, self.packed, self.bias, "none", [], ""
             )

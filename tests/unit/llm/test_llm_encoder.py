@@ -36,10 +36,22 @@ def _ids(folder: Path, texts: list[str]) -> list[list[int]]:
     return [enc.ids for enc in encoder_inputs(folder, texts)]
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl"])
 @pytest.mark.parametrize("family", ["bert", "roberta", "xlm-roberta"])
-def test_embeddings_equal_transformers_cls_pooled(tmp_path: Path, family: str) -> None:
+def test_embeddings_equal_transformers_cls_pooled(
+    tmp_path: Path, family: str, onednn: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kiln.llm import cpu_linear, encoder_runner
+
+    if onednn and not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN")
+    # both product paths on any CPU: oneDNN's packed weights with GELU and the residual
+    # sums fused into them (what an AVX-512 CPU runs), and MKL's F.linear (the others)
+    monkeypatch.setattr(encoder_runner, "_onednn_wins", lambda: onednn)
     folder = build_tiny_encoder(tmp_path / family, family)
     engine = LLMEngine(folder, EngineConfig())
+    packed = isinstance(engine.runner.model.layers[0].up, cpu_linear.PackedLinear)  # type: ignore[union-attr]
+    assert packed == onednn
     assert engine.args.is_encoder and engine.config.runner == "pooling"
     # an encoder's default: [CLS] (the first token), L2-normalized, as vLLM's
     assert engine.config.pooler_config == PoolerConfig("CLS", True)
@@ -49,6 +61,18 @@ def test_embeddings_equal_transformers_cls_pooled(tmp_path: Path, family: str) -
     want = torch.stack([h[0] for h in reference_encoder(folder, TEXTS)])
     assert got.shape == (4, 64)
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "relu"])
+def test_other_activations(tmp_path: Path, act: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kiln.llm import cpu_linear, encoder_runner
+
+    # tanh-approximated GELU fused into oneDNN's product; ReLU after it, unfused
+    monkeypatch.setattr(encoder_runner, "_onednn_wins", cpu_linear.available)
+    folder = build_tiny_encoder(tmp_path / act, hidden_act=act)
+    got = LLMEngine(folder, EngineConfig()).pool(_ids(folder, TEXTS))
+    want = torch.stack([h[0] for h in reference_encoder(folder, TEXTS)])
+    assert torch.allclose(got, want, atol=1e-4)
 
 
 @pytest.mark.parametrize("pooling", ["MEAN", "LAST"])

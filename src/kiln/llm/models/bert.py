@@ -26,6 +26,7 @@ from torch import nn
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm.config import ENCODERS, TOKEN_TYPE_SHIFT, ModelArgs
+from kiln.llm.cpu_linear import PackedLinear
 
 #: a Hugging Face name's part inside ``encoder.layer.<i>.`` -> this module's
 _LAYER = {
@@ -75,6 +76,11 @@ def rename(name: str) -> str | None:
         return original if part is None else f"layers.{match.group(1)}.{part}.{param}"
     top = _TOP.get(module)
     return original if top is None else f"{top}.{param}"
+
+
+#: oneDNN's GELU post-op algorithm for each of transformers' GELUs
+_ONEDNN_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh",
+                "gelu_fast": "tanh"}  # fmt: skip
 
 
 def _activation(name: str) -> Any:
@@ -153,7 +159,10 @@ class EncoderLayer(nn.Module):
         self.up = nn.Linear(h, args.intermediate_size)
         self.down = nn.Linear(args.intermediate_size, h)
         self.out_norm = nn.LayerNorm(h, eps=eps)
-        self.act = _activation(str(args.hf_config.get("hidden_act", "gelu")))
+        act = str(args.hf_config.get("hidden_act", "gelu"))
+        self.act = _activation(act)
+        #: oneDNN's algorithm for the GELU fused into the up-projection (None: not fused)
+        self.gelu = _ONEDNN_GELU.get(act)
 
     def fuse(self) -> None:
         """q, k and v as one projection (one matrix product instead of three)."""
@@ -184,9 +193,33 @@ class EncoderLayer(nn.Module):
             attn[g.tokens] = out if g.real is None else out[g.real]
         if rows is not None:
             x, attn = x[rows], attn[rows]
-        x = self.attn_norm(x + self.o(attn))
-        hidden: torch.Tensor = self.out_norm(x + self.down(self.act(self.up(x))))
+        x = self.attn_norm(_plus(self.o, attn, x))
+        hidden: torch.Tensor = self.out_norm(_plus(self.down, self._up(x), x))
         return hidden
+
+    def _up(self, x: torch.Tensor) -> torch.Tensor:
+        """The activation of the up-projection; with oneDNN's packed weight, GELU runs in
+        the product's epilogue instead of a pass of its own over [T, intermediate]."""
+        up = self.up
+        if isinstance(up, PackedLinear) and self.gelu is not None and up.packs(x):
+            fused: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x, up.packed, up.bias, "gelu", [], self.gelu
+            )
+            return fused
+        out: torch.Tensor = self.act(up(x))
+        return out
+
+
+def _plus(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + proj(x)``; with oneDNN's packed weight the sum is the product's
+    epilogue (one pass over the output fewer)."""
+    if isinstance(proj, PackedLinear) and proj.packs(x):
+        fused: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(
+            x, residual, proj.packed, proj.bias, "add"
+        )
+        return fused
+    out: torch.Tensor = residual + proj(x)
+    return out
 
 
 class Encoder(nn.Module):
