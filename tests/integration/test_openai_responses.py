@@ -215,6 +215,34 @@ def test_auto_tool_calls_whole_and_streamed(client: openai.OpenAI) -> None:
     assert [i.id for i in final.response.output] == [i.id for i in added]
 
 
+def test_output_text_logprobs_are_the_chat_completions(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="plain", input="kiln serves", max_output_tokens=6, **GREEDY)
+    reply = client.responses.create(top_logprobs=2, **kw)
+    assert reply.top_logprobs == 2
+    chat = _chat(client, [{"role": "user", "content": "kiln serves"}], max_tokens=6,
+                 logprobs=True, top_logprobs=2, **GREEDY)  # fmt: skip
+    want = [e.model_dump() for e in chat.choices[0].logprobs.content]  # type: ignore[union-attr]
+    part = reply.output[0].content[0]  # type: ignore[union-attr]
+    got = [e.model_dump() for e in part.logprobs]  # type: ignore[union-attr]
+    assert len(got) == 6 and [len(e["top_logprobs"]) for e in got] == [2] * 6
+    assert [(e["token"], e["bytes"]) for e in got] == [(e["token"], e["bytes"]) for e in want]
+    assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in want], abs=1e-4)
+    # include: the chosen tokens' logprobs alone; without either, none
+    only = client.responses.create(include=["message.output_text.logprobs"], **kw)
+    entries = only.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert len(entries) == 6 and all(e.top_logprobs == [] for e in entries)
+    assert client.responses.create(**kw).output[0].content[0].logprobs == []  # type: ignore[union-attr]
+    # streamed: each text delta carries its tokens' entries, the done event all of them
+    events = list(client.responses.create(stream=True, top_logprobs=2, **kw))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [x.model_dump() for e in deltas for x in e.logprobs]  # type: ignore[union-attr]
+    assert [x["token"] for x in streamed] == [e["token"] for e in got]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [x.token for x in done.logprobs] == [e["token"] for e in got]  # type: ignore[union-attr]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert len(final.output[0].content[0].logprobs) == 6
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -238,6 +266,12 @@ def test_auto_tool_calls_whole_and_streamed(client: openai.OpenAI) -> None:
         ({"previous_response_id": 5}, "previous_response_id"),
         ({"previous_response_id": ""}, "previous_response_id"),
         ({"stream": "yes"}, "stream"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": -1}, "top_logprobs"),
+        ({"top_logprobs": True}, "top_logprobs"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"include": "message.output_text.logprobs"}, "include"),
+        ({"include": ["message.output_text.logprobs"] * 100}, "include"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_400_naming_the_field(

@@ -225,10 +225,7 @@ class ModelArgs:
             eos_token_ids=eos_ids,
             sliding_window=window,
             full_attention_layers=full_layers,
-            is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
-            matryoshka_dimensions=tuple(int(d) for d in raw["matryoshka_dimensions"])
-            if raw.get("matryoshka_dimensions")
-            else None,
+            **_matryoshka(raw),
             # Gemma 3's config carries the field, but its attention does not read it
             attn_logit_softcapping=_float_or_none(raw.get("attn_logit_softcapping", 50.0))
             if arch == "Gemma2ForCausalLM"
@@ -302,8 +299,18 @@ def _encoder_args(arch: str, raw: dict[str, Any]) -> ModelArgs:
         eos_token_ids=(),
         labels=_labels(raw) if arch.endswith("ForSequenceClassification") else (),
         token_types=int(raw.get("type_vocab_size", 2)) > 1,
+        **_matryoshka(raw),
         hf_config=dict(raw),
     )
+
+
+def _matryoshka(raw: dict[str, Any]) -> dict[str, Any]:
+    """``is_matryoshka`` and ``matryoshka_dimensions`` as vLLM reads them from config.json."""
+    dims = raw.get("matryoshka_dimensions")
+    return {
+        "is_matryoshka": bool(raw.get("is_matryoshka") or dims),
+        "matryoshka_dimensions": tuple(int(d) for d in dims) if dims else None,
+    }
 
 
 def _labels(raw: dict[str, Any]) -> tuple[str, ...]:

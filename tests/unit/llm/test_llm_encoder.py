@@ -197,6 +197,10 @@ def test_encoder_configs_kiln_cannot_run_are_refused() -> None:
     xlmr = {"architectures": ["XLMRobertaModel"], "pad_token_id": 1, "type_vocab_size": 1}
     roberta = ModelArgs.from_dict(_config(**xlmr, max_position_embeddings=514))
     assert roberta.max_position_embeddings == 512 and not roberta.token_types
+    # a matryoshka encoder (its vectors may be cut to these sizes), as for a decoder
+    mrl = ModelArgs.from_dict(_config(matryoshka_dimensions=[4, 8]))
+    assert mrl.is_matryoshka and mrl.matryoshka_dimensions == (4, 8)
+    assert ModelArgs.from_dict(_config(is_matryoshka=True)).matryoshka_dimensions is None
     with pytest.raises(KilnError, match="position_embedding_type 'relative_key' is not supported"):
         ModelArgs.from_dict(_config(position_embedding_type="relative_key"))
     with pytest.raises(KilnError, match="hidden_act 'swish_beta' is not supported"):

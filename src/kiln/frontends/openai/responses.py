@@ -21,7 +21,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ from kiln.frontends.openai.protocol import MAX_MESSAGES, OpenAIError, check_fiel
 if TYPE_CHECKING:
     from kiln.frontends.openai.generation import Delta
     from kiln.frontends.openai.protocol import GenerationRequest
+    from kiln.llm.sampler import TokenLogprobs
 
 #: sampling and vLLM fields passed to the chat path as they are
 _PASSED = (
@@ -57,9 +58,10 @@ _PASSED = (
     "chat_template_kwargs",
     "structured_outputs",
 )
-#: fields read here; ``background``, ``include``, ``reasoning``, ``truncation``,
-#: ``max_tool_calls``, ``prompt``, ``conversation``, ``top_logprobs`` and ``service_tier``
-#: only with the values that ask for nothing (else 400, naming them)
+#: fields read here (``top_logprobs``, ``include``: the logprobs of the output text, as
+#: vLLM answers them); ``background``, ``reasoning``, ``truncation``, ``max_tool_calls``,
+#: ``prompt``, ``conversation`` and ``service_tier`` only with the values that ask for
+#: nothing (else 400, naming them)
 RESPONSES_FIELDS = frozenset(
     (
         *_PASSED,
@@ -75,17 +77,21 @@ RESPONSES_FIELDS = frozenset(
         "stream_options",
         "safety_identifier",
         "prompt_cache_key",
+        "top_logprobs",
+        "include",
     )
 )
+#: ``include`` values kiln answers: the output text's logprobs
+INCLUDABLE = ("message.output_text.logprobs",)
+#: OpenAI's bound on ``top_logprobs``
+MAX_TOP_LOGPROBS = 20
 _HARMLESS: dict[str, tuple[Any, ...]] = {
     "background": (None, False),
-    "include": (None, []),
     "reasoning": (None,),
     "truncation": (None, "disabled"),
     "max_tool_calls": (None,),
     "prompt": (None,),
     "conversation": (None,),
-    "top_logprobs": (None, 0),
     "service_tier": (None, "auto", "default"),
 }
 _ROLES = ("user", "system", "developer", "assistant")
@@ -361,6 +367,8 @@ class ResponsesCall:
     echo: dict[str, Any]
     store: bool
     created_at: int = field(default_factory=lambda: int(time.time()))
+    #: the output text's logprobs are answered (``top_logprobs`` > 0 or ``include``)
+    logprobs: bool = False
 
     @classmethod
     def read(cls, body: dict[str, Any], stored: ResponseStore) -> ResponsesCall:
@@ -390,6 +398,9 @@ class ResponsesCall:
         chat["messages"] = system + conversation
         if body.get("max_output_tokens") is not None:
             chat["max_completion_tokens"] = body["max_output_tokens"]
+        top, logprobs = _logprobs(body)
+        if logprobs:
+            chat["logprobs"], chat["top_logprobs"] = True, top
         response_format = _response_format(body.get("text"))
         if response_format is not None:
             chat["response_format"] = response_format
@@ -413,9 +424,10 @@ class ResponsesCall:
             "text": {"format": response_format_echo(body.get("text"))},
             "tool_choice": body.get("tool_choice", "auto"),
             "tools": body.get("tools") or [],
+            "top_logprobs": top,
             "user": body.get("user"),
         }
-        return cls(chat, conversation, echo, store)
+        return cls(chat, conversation, echo, store, logprobs=logprobs)
 
     def skeleton(self, rid: str, model: str, status: str) -> dict[str, Any]:
         """The response object without its output (a stream's first events)."""
@@ -431,7 +443,6 @@ class ResponsesCall:
             "output": [],
             "reasoning": None,
             "store": self.store,
-            "top_logprobs": 0,
             "truncation": "disabled",
             "usage": None,
             **self.echo,
@@ -448,7 +459,8 @@ class ResponsesCall:
         ``ids``: the output items' ids (a stream's, which its events named)."""
         choice = answer["choices"][0]
         message, reason = choice["message"], choice.get("finish_reason")
-        items = output_items(message, ids)
+        logprobs = (choice.get("logprobs") or {}).get("content") or []
+        items = output_items(message, ids, logprobs)
         usage = answer.get("usage") or {}
         response = self.skeleton(rid, answer["model"], "completed")
         response["output"] = items
@@ -496,9 +508,14 @@ def response_format_echo(text: Any) -> dict[str, Any]:
     return fmt if isinstance(fmt, dict) else {"type": "text"}
 
 
-def output_items(message: dict[str, Any], ids: list[str] | None = None) -> list[dict[str, Any]]:
-    """A chat message as output items: a ``message`` (its text; there is one even when
-    empty, unless the answer is calls only) and one ``function_call`` per tool call."""
+def output_items(
+    message: dict[str, Any],
+    ids: list[str] | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """A chat message as output items: a ``message`` (its text, with ``logprobs``: its
+    tokens', chat's entries; there is one even when empty, unless the answer is calls
+    only) and one ``function_call`` per tool call."""
     calls = message.get("tool_calls") or []
     fresh = iter(ids) if ids is not None else None
 
@@ -510,7 +527,7 @@ def output_items(message: dict[str, Any], ids: list[str] | None = None) -> list[
         items.append(_reasoning_item(next_id("rs"), message["reasoning"], "completed"))
     content = message.get("content")
     if content or not calls:
-        items.append(_message_item(next_id("msg"), content or "", "completed"))
+        items.append(_message_item(next_id("msg"), content or "", "completed", logprobs))
     for call in calls:
         items.append(
             _call_item(
@@ -530,8 +547,10 @@ def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "status": status}  # fmt: skip
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+def _message_item(
+    item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    content = [_text_part(text, logprobs)]
     return {
         "type": "message",
         "id": item_id,
@@ -539,6 +558,37 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
         "role": "assistant",
         "content": content if status == "completed" else [],
     }
+
+
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _logprobs(body: dict[str, Any]) -> tuple[int, bool]:
+    """``top_logprobs`` (0-20) and whether the output text's logprobs are answered: asked
+    by ``top_logprobs`` > 0 or by ``include``'s ``message.output_text.logprobs`` (any other
+    ``include`` value is refused, naming it)."""
+    top = body.get("top_logprobs")
+    if top is not None and (
+        isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS
+    ):
+        raise OpenAIError(
+            f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}",
+            param="top_logprobs",
+        )
+    include = body.get("include")
+    if include is None:
+        include = []
+    if not isinstance(include, list) or len(include) > len(INCLUDABLE) + 8:
+        raise OpenAIError("'include' must be a short list of strings", param="include")
+    for value in include:
+        if value not in INCLUDABLE:
+            raise OpenAIError(
+                f"'include' value {str(value)[:80]!r} is not supported by kiln (it answers "
+                f"{', '.join(INCLUDABLE)})",
+                param="include",
+            )
+    return top or 0, bool(top) or bool(include)
 
 
 def _call_item(
@@ -561,8 +611,12 @@ async def events(
     deltas: AsyncIterator[Delta],
     prompt_tokens: int,
     stored: ResponseStore,
+    logprobs: Callable[[list[TokenLogprobs]], list[dict[str, Any]]] | None = None,
 ) -> AsyncIterator[bytes]:
-    """The Responses API's stream: typed events, each with its ``sequence_number``."""
+    """The Responses API's stream: typed events, each with its ``sequence_number``.
+    ``logprobs`` (when the request asked for them) turns a delta's token logprobs into
+    the answer's entries: each text delta carries those of the tokens it releases (and of
+    any a parser held back before it), the done events all of them."""
     numbers = itertools.count()
 
     def event(kind: str, **fields: Any) -> bytes:
@@ -583,6 +637,8 @@ async def events(
     call_at: list[int] = []
     reason: str | None = None
     tokens = cached = 0
+    scored: list[dict[str, Any]] = []  # every token's logprobs, and those not yet sent
+    unsent: list[dict[str, Any]] = []
 
     def close_thought() -> list[bytes]:
         nonlocal thought_at
@@ -601,7 +657,7 @@ async def events(
         message_at = len(ids)
         ids.append(_id("msg"))
         item = _message_item(ids[message_at], "", "in_progress")
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        part = _text_part("")
         return [
             event("response.output_item.added", output_index=message_at, item=item),
             event("response.content_part.added", item_id=ids[message_at],
@@ -611,14 +667,14 @@ async def events(
     def close_message() -> list[bytes]:
         assert message_at is not None
         item_id = ids[message_at]
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        part = _text_part(text, scored)
         return [
             event("response.output_text.done", item_id=item_id, output_index=message_at,
-                  content_index=0, text=text, logprobs=[]),
+                  content_index=0, text=text, logprobs=scored),
             event("response.content_part.done", item_id=item_id, output_index=message_at,
                   content_index=0, part=part),
             event("response.output_item.done", output_index=message_at,
-                  item=_message_item(item_id, text, "completed")),
+                  item=_message_item(item_id, text, "completed", scored)),
         ]  # fmt: skip
 
     try:
@@ -627,6 +683,10 @@ async def events(
             reason = d.finish_reason or reason
             piece, found = d.text, list[dict[str, Any]]()
             last = d.finish_reason is not None
+            if logprobs is not None and d.logprobs:
+                entries = logprobs(d.logprobs)
+                scored += entries
+                unsent += entries
             if thinking is not None:
                 more, piece = thinking.feed(piece, final=last)
                 if more and req.include_reasoning:
@@ -651,7 +711,8 @@ async def events(
                 text += piece
                 yield event("response.output_text.delta", item_id=ids[message_at],  # type: ignore[index]
                             output_index=message_at, content_index=0, delta=piece,
-                            logprobs=[])  # fmt: skip
+                            logprobs=unsent)  # fmt: skip
+                unsent = []
             for part in found:
                 if "id" in part:  # a new call: its name is known
                     calls.append({"id": part["id"], "type": "function",
@@ -696,7 +757,8 @@ async def events(
         message["tool_calls"] = calls
     answer = {
         "model": req.model,
-        "choices": [{"message": message, "finish_reason": reason}],
+        "choices": [{"message": message, "finish_reason": reason,
+                     "logprobs": {"content": scored}}],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
                   "total_tokens": prompt_tokens + tokens,
                   "prompt_tokens_details": {"cached_tokens": cached}},

@@ -684,7 +684,14 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         if req.stream:
             deltas = await started(_outputs(llm, req, prepared, rid))
             counts = sum(len(ids) for ids, _ in prepared)
-            events = responses.events(call, rid, req, deltas, counts, stored)
+            tok = llm.tokenizer
+
+            def entries(tokens: list[TokenLogprobs]) -> list[dict[str, Any]]:
+                content: list[dict[str, Any]] = chat_logprobs(tok, tokens)["content"]
+                return content
+
+            scored = entries if call.logprobs else None
+            events = responses.events(call, rid, req, deltas, counts, stored, scored)
             return StreamingResponse(events, media_type="text/event-stream")
         answer = await _answer(llm, req, prepared, chat=True)
         return _json(call.finish(rid, answer, stored))
