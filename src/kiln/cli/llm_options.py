@@ -52,6 +52,10 @@ ENGINE_FLAGS = {
     "stream_interval": "stream_interval",
     "max_logprobs": "max_logprobs",
     "seed": "seed",
+    "runner": "runner",
+    "convert": "convert",
+    "task": "task",
+    "pooler_config": "pooler_config",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -255,6 +259,32 @@ def llm_options(func: F) -> F:
             help="auto, torch, cpu, flex or triton (on CUDA: flex compiled by torch, or "
             "kiln's Triton kernels for decodes, norms, SiLU-mul and RoPE) [default: auto: "
             "flex on CUDA; triton, faster there, is opt-in] (docs/llm.md).",
+        ),
+        click.option(
+            "--runner",
+            type=click.Choice(["auto", "generate", "pooling"]),
+            default=None,
+            help="pooling: the model serves /v1/embeddings (and /pooling, /score, "
+            "/rerank) instead of generating [default: auto: generate, except for a "
+            "classifier or an encoder, which pool] (docs/llm.md, Embeddings).",
+        ),
+        click.option(
+            "--convert",
+            type=click.Choice(["auto", "none", "embed"]),
+            default=None,
+            help="embed: a language model served as an embedding model (vLLM's "
+            "--convert embed; the same as --runner pooling).",
+        ),
+        click.option(
+            "--task", default=None, hidden=True, help="vLLM's older spelling: embed, generate"
+        ),
+        click.option(
+            "--pooler-config",
+            "--override-pooler-config",
+            "pooler_config",
+            default=None,
+            help='How a pooling model pools, as vLLM\'s JSON: {"pooling_type": "MEAN", '
+            '"normalize": false} (LAST, MEAN or CLS) [default: the model\'s].',
         ),
         click.option(
             "--enable-multiprocessing/--no-enable-multiprocessing",

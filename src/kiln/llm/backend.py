@@ -145,6 +145,8 @@ def _pooling(config: ModelConfig, out: EngineConfig) -> None:
     ``pooler_config`` (its JSON), or ``pooling_type`` and ``normalize`` one by one."""
     name = config.name
     runner = (parameter(config, "runner") or "generate").strip().lower()
+    if runner == "auto":  # vLLM's default: a classifier or an encoder pools all the same
+        runner = "generate"
     for key, value in (("task", "embed"), ("convert", "embed")):
         raw = parameter(config, key)
         if raw is None:
@@ -172,12 +174,6 @@ def _pooling(config: ModelConfig, out: EngineConfig) -> None:
         pooling_type.strip().upper() if pooling_type else pooler_config.pooling_type,
         pooler_config.normalize if normalize is None else _BOOLEANS[normalize.strip().lower()],
     )
-    if runner != "pooling" and (pooler or pooling_type or normalize):
-        raise KilnError(
-            f"model '{name}': pooling_type, normalize and pooler_config need parameter "
-            "runner 'pooling' (the model serves /v1/embeddings)",
-            Status.INVALID_ARG,
-        )
 
 
 def tool_calling(config: ModelConfig) -> tuple[bool, str | None]:

@@ -94,6 +94,14 @@ class LLMEngine:
             # a sequence classifier or an encoder pools (vLLM picks its pooling runner for
             # one); a classifier serves /classify
             config.runner = "pooling"
+        asked = config.pooler_config
+        if config.runner != "pooling" and (asked.pooling_type or asked.normalize is not None):
+            raise KilnError(
+                "llm backend: pooling_type, normalize and pooler_config need runner "
+                f"'pooling' (the model serves /v1/embeddings); {self.args.architecture} "
+                "generates unless told to pool",
+                Status.INVALID_ARG,
+            )
         config.pooler_config = _pooler_config(path, self.args, config.pooler_config)
         config.max_model_len = config.max_model_len or self.args.max_position_embeddings
         config.dtype = resolve_dtype(

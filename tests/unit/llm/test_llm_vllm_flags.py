@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from kiln.core.errors import KilnError
-from kiln.llm.config import EngineConfig
+from kiln.llm.config import EngineConfig, PoolerConfig
 from kiln.llm.engine import LLMEngine
 from kiln.llm.params import InvalidField
 from kiln.llm.sequence import SamplingParams
@@ -65,3 +65,38 @@ def test_max_logprobs_bounds_a_requests_logprobs(folder: Path) -> None:
     (config,) = served_models((folder,), ("tiny",), {"max_logprobs": 5, "seed": 3})
     assert config.parameters["max_logprobs"].string_value == "5"
     assert config.parameters["seed"].string_value == "3"
+
+
+def _engine_config(folder: Path, **flags: object) -> EngineConfig:
+    from kiln.backends.base import InstanceSpec
+    from kiln.cli.llm_options import served_models
+    from kiln.llm.backend import engine_config
+
+    (config,) = served_models((folder,), ("m",), flags)
+    spec = InstanceSpec(name="m_0", kind="cpu", device_id=0, index=0, total_instances=1)
+    return engine_config(config, spec)
+
+
+def test_pooling_flags_serve_a_language_model_as_an_embedding_model(
+    folder: Path, tmp_path: Path
+) -> None:
+    from tests.llm_models import build_tiny_encoder
+
+    # vLLM's --runner pooling (or --convert embed, or the older --task embed) and
+    # --pooler-config: the same parameters a config.pbtxt gives
+    config = _engine_config(folder, runner="pooling", pooler_config='{"pooling_type": "MEAN"}')
+    assert config.runner == "pooling" and config.pooler_config.pooling_type == "MEAN"
+    assert _engine_config(folder, convert="embed").runner == "pooling"
+    assert _engine_config(folder, task="embed").runner == "pooling"
+    assert _engine_config(folder, runner="auto").runner == "generate"
+    engine = LLMEngine(folder, config)
+    assert engine.config.pooler_config.pooling_type == "MEAN"
+    assert engine.config.pooler_config.normalize is True  # the model's default
+    # a pooler config for a model that generates is refused, naming what to set
+    generating = _engine_config(folder, pooler_config='{"normalize": false}')
+    with pytest.raises(KilnError, match="need runner 'pooling'"):
+        LLMEngine(folder, generating)
+    # an encoder pools without being told: its pooler config needs no --runner
+    encoder = build_tiny_encoder(tmp_path / "bert")
+    asked = _engine_config(encoder, pooler_config='{"pooling_type": "MEAN"}')
+    assert LLMEngine(encoder, asked).config.pooler_config == PoolerConfig("MEAN", True)
