@@ -104,3 +104,30 @@ def test_an_encoder_asked_to_generate_is_refused(http: Any) -> None:
     long = http.post("/v1/embeddings", json={"model": "e5", "input": "fox " * 400})
     assert long.status_code == 400, long.text
     assert "maximum context length is 128 tokens" in long.json()["error"]["message"]
+
+
+def test_kiln_serve_model_with_vllms_pooling_flags(tmp_path: Path) -> None:
+    """``kiln serve --model`` as ``vllm serve`` is run for embeddings: a decoder told to
+    pool (``--runner pooling``, ``--pooler-config``) and an encoder that pools by itself."""
+    from tests.llm_models import build_tiny_llm
+
+    decoder = build_tiny_llm(tmp_path / "llama")
+    encoder = build_tiny_encoder(tmp_path / "bert")
+    args = ["--model", str(decoder), "--model", str(encoder), "--served-model-name", "llama",
+            "--served-model-name", "bert", "--runner", "pooling",
+            "--pooler-config", '{"pooling_type": "MEAN"}']  # fmt: skip
+    proc = KilnProcess(tmp_path / "repo", args=args, with_repository=False).start(timeout=180)
+    try:
+        client = openai.OpenAI(base_url=f"http://{proc.http_url}/v1", api_key="none")
+        got = torch.tensor(
+            client.embeddings.create(model="bert", input=TEXTS[:2]).data[0].embedding
+        )
+        want = F.normalize(reference_encoder(encoder, TEXTS[:1])[0].mean(0), dim=-1)
+        assert torch.allclose(got, want, atol=1e-4)  # MEAN, as the flag says
+        vectors = client.embeddings.create(model="llama", input=["hello world"]).data
+        assert len(vectors[0].embedding) == 64
+        with httpx.Client(base_url=f"http://{proc.http_url}", timeout=60) as http:
+            reply = http.post("/v1/completions", json={"model": "llama", "prompt": "hi"})
+            assert reply.status_code == 400 and "runner 'pooling'" in reply.text
+    finally:
+        proc.stop()
