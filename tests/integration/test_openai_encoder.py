@@ -63,6 +63,33 @@ def test_embeddings_through_the_openai_client(server: KilnProcess, repo: Path) -
     assert reply.usage.prompt_tokens == sum(h.shape[0] for h in hidden)  # [CLS] .. [SEP]
 
 
+def test_token_embed_on_pooling(http: Any, repo: Path) -> None:
+    """vLLM's ``/pooling`` with ``task: token_embed``: every token's vector, each
+    normalized (the model normalizes), through the engine process."""
+    hidden = reference_encoder(repo / "e5" / "1", TEXTS)
+    reply = http.post("/pooling", json={"model": "e5", "input": TEXTS, "task": "token_embed"})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert [d["index"] for d in body["data"]] == [0, 1, 2]
+    for item, want in zip(body["data"], hidden, strict=True):
+        got = torch.tensor(item["data"])
+        assert got.shape == want.shape  # [tokens, hidden]
+        assert torch.allclose(got, F.normalize(want, dim=-1), atol=1e-4)
+    assert body["usage"]["prompt_tokens"] == sum(h.shape[0] for h in hidden)
+    # the raw states when asked, and the refusals
+    raw = http.post("/pooling", json={"model": "e5", "input": TEXTS[1], "task": "token_embed",
+                                      "normalize": False})  # fmt: skip
+    assert torch.allclose(torch.tensor(raw.json()["data"][0]["data"]), hidden[1], atol=1e-4)
+    b64 = http.post("/pooling", json={"model": "e5", "input": "hi", "task": "token_embed",
+                                      "encoding_format": "base64"})  # fmt: skip
+    assert b64.status_code == 400 and b64.json()["error"]["param"] == "encoding_format"
+    odd = http.post("/pooling", json={"model": "e5", "input": "hi", "task": "reward"})
+    assert odd.status_code == 400 and odd.json()["error"]["param"] == "task"
+    classifier = http.post("/pooling", json={"model": "xlmr", "input": "hi",
+                                             "task": "token_embed"})  # fmt: skip
+    assert classifier.status_code == 400 and classifier.json()["error"]["param"] == "model"
+
+
 def test_cross_encoder_scores_and_reranks(http: Any, repo: Path) -> None:
     folder = repo / "rerank" / "1"
     want = torch.stack(reference_encoder(folder, [(QUERY, t) for t in TEXTS]))[:, 0].sigmoid()

@@ -186,6 +186,8 @@ class _Pool:
     prompts: list[list[int]] = field(compare=False)
     future: concurrent.futures.Future[list[torch.Tensor]] = field(compare=False)
     results: list[torch.Tensor] = field(default_factory=list, compare=False)
+    #: every token's state (``token_embed``): a [length, hidden] result per prompt
+    tokens: bool = field(default=False, compare=False)
 
 
 class AsyncEngine:
@@ -247,7 +249,9 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(rid, None)
 
-    async def pool(self, prompts: list[list[int]], priority: int = 0) -> list[torch.Tensor]:
+    async def pool(
+        self, prompts: list[list[int]], priority: int = 0, tokens: bool = False
+    ) -> list[torch.Tensor]:
         """Each prompt's pooled vector (float32, on the CPU), computed on the engine's
         thread between steps: a generation step waits for at most one pooling batch
         (``max_num_batched_tokens`` tokens), and a pooling request for the steps in flight.
@@ -261,7 +265,7 @@ class AsyncEngine:
                     Status.UNAVAILABLE,
                 )
             self._pooling += len(prompts)
-        job = _Pool(priority, next(_IDS), prompts, concurrent.futures.Future())
+        job = _Pool(priority, next(_IDS), prompts, concurrent.futures.Future(), tokens=tokens)
         self._send(job)
         try:
             return await asyncio.wrap_future(job.future)
@@ -354,6 +358,8 @@ class AsyncEngine:
         for job in sorted(self._pools):  # by (priority, arrival)
             if job.future.cancelled():
                 continue
+            if batch and job.tokens != batch[0][0].tokens:
+                break  # a batch is of one kind: pooled, or every token's states
             start = len(job.results)
             end = start
             while end < len(job.prompts) and (
@@ -374,8 +380,13 @@ class AsyncEngine:
         prompts = [
             p for job, n in batch for p in job.prompts[len(job.results) : len(job.results) + n]
         ]
+        tokens = bool(batch) and batch[0][0].tokens
         try:
-            pooled = list(self.engine.pool(prompts).cpu().unbind(0)) if prompts else []
+            out = self.engine.pool(prompts, tokens).cpu() if prompts else torch.empty(0)
+            if tokens:
+                pooled = list(out.split_with_sizes([len(p) for p in prompts]))
+            else:
+                pooled = list(out.unbind(0))
         except Exception as exc:
             if len(batch) > 1:
                 for part in batch:

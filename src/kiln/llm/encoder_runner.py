@@ -162,13 +162,16 @@ class EncoderRunner:
     @torch.inference_mode()
     def pool(self, prompts: list[list[int]], pooling_type: str) -> torch.Tensor:
         """The prompts' pooled final hidden states [len(prompts), hidden] (a classifier's:
-        its logits [len(prompts), num_labels], from the first token), float32."""
+        its logits [len(prompts), num_labels], from the first token), float32; ``ALL``:
+        every token's, the prompts one after another [sum of lengths, hidden]."""
         check_token_types(self.args, prompts)
         lengths = [len(p) for p in prompts]
         if any(n == 0 for n in lengths):
             raise KilnError("llm backend: an encoder's input needs a token", Status.INVALID_ARG)
         width = self.args.num_labels or self.args.hidden_size
-        out = torch.empty(len(prompts), width, dtype=torch.float32)
+        every = pooling_type == "ALL"  # every token's state, inputs one after another
+        out = torch.empty(sum(lengths) if every else len(prompts), width, dtype=torch.float32)
+        starts = torch.tensor([0, *lengths]).cumsum(0)
         dev = self.device
         for batch in self._batches(lengths):
             sizes = [lengths[i] for i in batch]
@@ -176,6 +179,13 @@ class EncoderRunner:
             positions = torch.cat([torch.arange(n) for n in sizes]).to(dev)
             rows = token_rows(sizes, "CLS" if self.args.num_labels else pooling_type)
             groups = attention_groups(sizes, dev)
+            if every:
+                hidden = self.model(ids, positions, groups).float().cpu()
+                at = 0
+                for i, n in zip(batch, sizes, strict=True):
+                    out[starts[i] : starts[i] + n] = hidden[at : at + n]
+                    at += n
+                continue
             if rows is None:
                 pooled = mean_pool(self.model(ids, positions, groups), sizes)
             else:  # one token each: the last layer finishes those rows alone

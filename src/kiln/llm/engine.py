@@ -551,11 +551,18 @@ class LLMEngine:
             num_cached_tokens=seq.request.num_cached_tokens,
         )
 
-    def pool(self, prompts: list[list[int]]) -> torch.Tensor:
+    def pool(self, prompts: list[list[int]], tokens: bool = False) -> torch.Tensor:
         """The prompts' pooled final hidden states [len(prompts), hidden] (float32), by the
-        model's ``pooler_config``, in one forward pass outside the KV cache."""
-        pooling = self.config.pooler_config.pooling_type
+        model's ``pooler_config``, in one forward pass outside the KV cache. ``tokens``
+        (vLLM's ``token_embed``): every token's state instead, the prompts' one after
+        another [sum of their lengths, hidden]."""
+        pooling = "ALL" if tokens else self.config.pooler_config.pooling_type
         assert pooling is not None, "resolved when the engine was built"
+        if tokens and self.args.num_labels:
+            raise KilnError(
+                "llm backend: a sequence classifier has no per-token embeddings",
+                Status.INVALID_ARG,
+            )
         pooled = self.runner.pool(prompts, pooling)
         self.stats.num_prompt_tokens += sum(len(p) for p in prompts)
         return pooled

@@ -240,12 +240,15 @@ class EngineClient:
                 except Exception:  # an observer never fails the request it watched
                     log.exception("llm: the finished-generation hook failed")
 
-    async def pool(self, prompts: list[list[int]], priority: int = 0) -> list[torch.Tensor]:
-        """Each prompt's pooled vector (``runner: pooling``), counted in flight like a
-        generation so that unload and shutdown wait for it."""
+    async def pool(
+        self, prompts: list[list[int]], priority: int = 0, tokens: bool = False
+    ) -> list[torch.Tensor]:
+        """Each prompt's pooled vector (``runner: pooling``; ``tokens``: its [length,
+        hidden] token states), counted in flight like a generation so that unload and
+        shutdown wait for it."""
         done = self._admit()
         try:
-            return await self._backend.async_engine.pool(prompts, priority)
+            return await self._backend.async_engine.pool(prompts, priority, tokens)
         finally:
             done()
 

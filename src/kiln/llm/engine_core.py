@@ -81,6 +81,7 @@ class _Job:
     prompts: list[list[int]] = field(compare=False)
     done: int = field(default=0, compare=False)  # prompts computed
     rows: list[bytes] = field(default_factory=list, compare=False)
+    tokens: bool = field(default=False, compare=False)  # every token's state
 
 
 class EngineCore:
@@ -157,7 +158,9 @@ class EngineCore:
                     self.engine.abort(command.request_id, command.index, command.reason)
                 self.dirty = True
             elif isinstance(command, msg.Pool):
-                self.jobs.append(_Job(command.priority, command.job_id, command.prompts))
+                job = _Job(command.priority, command.job_id, command.prompts)
+                job.tokens = command.tokens
+                self.jobs.append(job)
             elif isinstance(command, msg.CancelPool):
                 self.jobs = [j for j in self.jobs if j.job_id != command.job_id]
             elif isinstance(command, msg.LoadLoRA):
@@ -252,6 +255,8 @@ class EngineCore:
         batch: list[tuple[_Job, int]] = []
         tokens = 0
         for job in sorted(self.jobs):
+            if batch and job.tokens != batch[0][0].tokens:
+                break  # a batch is of one kind: pooled, or every token's states
             end = job.done
             while end < len(job.prompts) and (
                 (not batch and end == job.done) or tokens + len(job.prompts[end]) <= budget
@@ -268,8 +273,9 @@ class EngineCore:
     def _run_pool(self, batch: list[tuple[_Job, int]]) -> None:
         """When the batch fails, each job's part runs alone: one job's failure is its own."""
         prompts = [p for job, n in batch for p in job.prompts[job.done : job.done + n]]
+        tokens = batch[0][0].tokens
         try:
-            pooled = self.engine.pool(prompts).float().cpu().contiguous().numpy()
+            pooled = self.engine.pool(prompts, tokens).float().cpu().contiguous().numpy()
         except Exception as exc:
             if len(batch) > 1:
                 for part in batch:
@@ -282,11 +288,14 @@ class EngineCore:
             return
         at = 0
         for job, n in batch:
-            job.rows.append(pooled[at : at + n].tobytes())
+            taken = job.prompts[job.done : job.done + n]
+            count = sum(len(p) for p in taken) if tokens else n  # rows of this job's part
+            job.rows.append(pooled[at : at + count].tobytes())
             job.done += n
-            at += n
+            at += count
             if job.done == len(job.prompts):
-                self.pooled.append(msg.Pooled(job.job_id, b"".join(job.rows), len(job.prompts)))
+                rows = sum(len(p) for p in job.prompts) if tokens else len(job.prompts)
+                self.pooled.append(msg.Pooled(job.job_id, b"".join(job.rows), rows))
         self.dirty = True
 
 

@@ -56,6 +56,8 @@ class Pool(msgspec.Struct, tag=True, array_like=True):
     job_id: int
     priority: int
     prompts: list[list[int]]
+    #: every token's state (``token_embed``) instead of one pooled row per prompt
+    tokens: bool = False
 
 
 class CancelPool(msgspec.Struct, tag=True, array_like=True):
@@ -127,7 +129,8 @@ class Failed(msgspec.Struct, array_like=True):
 
 class Pooled(msgspec.Struct, array_like=True):
     job_id: int
-    #: float32 rows, C order: [len(prompts), hidden]; empty with ``error``
+    #: float32 rows, C order: [len(prompts), hidden] (``tokens``: [sum of the prompts'
+    #: lengths, hidden]); empty with ``error``
     data: bytes = b""
     rows: int = 0
     error: str = ""

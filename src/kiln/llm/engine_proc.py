@@ -115,6 +115,8 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[list[torch.Tensor]]
     epoch: int
+    #: ``token_embed``: each prompt's length, to split the rows by (None: a row a prompt)
+    lengths: list[int] | None = None
 
 
 def _exit_text(proc: subprocess.Popen[bytes]) -> str:
@@ -324,7 +326,9 @@ class EngineProcClient:
                 )
             else:
                 rows = torch.frombuffer(bytearray(pooled.data), dtype=torch.float32)
-                result = list(rows.view(pooled.rows, -1).unbind(0))
+                table = rows.view(pooled.rows, -1)
+                parts = table.split_with_sizes(job.lengths) if job.lengths else table.unbind(0)
+                result = list(parts)
             with contextlib.suppress(RuntimeError):
                 job.loop.call_soon_threadsafe(_settle, job.future, result)
 
@@ -380,7 +384,9 @@ class EngineProcClient:
             with self._lock:
                 self._streams.pop(rid, None)
 
-    async def pool(self, prompts: list[list[int]], priority: int = 0) -> list[torch.Tensor]:
+    async def pool(
+        self, prompts: list[list[int]], priority: int = 0, tokens: bool = False
+    ) -> list[torch.Tensor]:
         """As ``AsyncEngine.pool``."""
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -388,8 +394,9 @@ class EngineProcClient:
             self._pooling += len(prompts)
             job_id = next(_IDS)
             job = _Job(loop, loop.create_future(), epoch)
+            job.lengths = [len(p) for p in prompts] if tokens else None
             self._jobs[job_id] = job
-        self._send(epoch, msg.Pool(job_id, priority, prompts))
+        self._send(epoch, msg.Pool(job_id, priority, prompts, tokens))
         try:
             return await job.future
         finally:

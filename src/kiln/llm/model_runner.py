@@ -341,7 +341,8 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)
         rows = token_rows(lengths, pooling_type)
         if rows is None:
-            return mean_pool(self.model.hidden_states(ids, positions, metas), lengths)
+            hidden = self.model.hidden_states(ids, positions, metas)
+            return hidden.float() if pooling_type == "ALL" else mean_pool(hidden, lengths)
         # LAST and CLS read one token each: the final norm runs on those rows alone
         hidden = self.model.hidden_states(ids, positions, metas, rows.to(dev))
         if self.args.num_labels:  # a classifier: its score head on the last token

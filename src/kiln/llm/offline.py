@@ -120,6 +120,13 @@ class ScoringOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """vLLM's: ``encode``'s raw result (``token_embed``: [tokens, hidden])."""
+
+    data: Any
+
+
+@dataclass
 class PoolingRequestOutput:
     """vLLM's ``EmbeddingRequestOutput`` / ``ClassificationRequestOutput``."""
 
@@ -315,6 +322,42 @@ class LLM:
             for i, (v, (_, ids)) in enumerate(zip(vectors, items, strict=True))
         ]
 
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        use_tqdm: bool = True,
+        pooling_task: str = "token_embed",
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's ``encode``: with ``pooling_task="token_embed"`` each prompt's token
+        vectors [tokens, hidden] (normalized by the pooler config); ``embed`` and
+        ``classify`` as ``embed()`` and ``classify()``, their data as tensors."""
+        import torch
+
+        from kiln.llm.pooling import finish
+
+        if pooling_task == "embed":
+            done = self.embed(prompts, use_tqdm)
+            for out in done:
+                out.outputs = PoolingOutput(torch.tensor(out.outputs.embedding))
+            return done
+        if pooling_task == "classify":
+            done = self.classify(prompts, use_tqdm)
+            for out in done:
+                out.outputs = PoolingOutput(torch.tensor(out.outputs.probs))
+            return done
+        if pooling_task != "token_embed":
+            raise ValueError(
+                f"pooling_task must be token_embed, embed or classify, got {pooling_task!r}"
+            )
+        self._pooling("embed")
+        flat, items = self._pool(prompts, use_tqdm, tokens=True)
+        normalize = self.engine.config.pooler_config.normalize is not False
+        parts = flat.split_with_sizes([len(ids) for _, ids in items])
+        return [
+            PoolingRequestOutput(str(i), ids, PoolingOutput(finish(part, None, normalize)))
+            for i, (part, (_, ids)) in enumerate(zip(parts, items, strict=True))
+        ]
+
     def classify(
         self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True
     ) -> list[PoolingRequestOutput]:
@@ -369,7 +412,7 @@ class LLM:
             raise ValueError(f"{task}() needs a model that can {task}; this one is {kind}")
 
     def _pool(
-        self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool
+        self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool, tokens: bool = False
     ) -> tuple[torch.Tensor, list[tuple[str | None, list[int]]]]:
         import torch
 
@@ -381,15 +424,15 @@ class LLM:
             at = 0
             while at < len(items):
                 batch: list[list[int]] = []
-                tokens = 0
-                while at < len(items) and (not batch or tokens + len(items[at][1]) <= budget):
+                taken = 0
+                while at < len(items) and (not batch or taken + len(items[at][1]) <= budget):
                     ids = items[at][1]
                     if len(ids) > limit:
                         raise ValueError(f"prompt {at} has {len(ids)} tokens, past {limit}")
                     batch.append(ids)
-                    tokens += len(ids)
+                    taken += len(ids)
                     at += 1
-                rows.append(self.engine.pool(batch))
+                rows.append(self.engine.pool(batch, tokens))
                 for _ in batch:
                     advance()
         return torch.cat(rows), items

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 def token_rows(lengths: list[int], pooling_type: str) -> torch.Tensor | None:
     """The flat token each input is pooled from (``LAST``: its last, ``CLS``: its first);
-    None for ``MEAN``, which reads them all."""
-    if pooling_type == "MEAN":
+    None for ``MEAN`` and ``ALL`` (every token's state, vLLM's ``token_embed``), which read
+    them all."""
+    if pooling_type in ("MEAN", "ALL"):
         return None
     counts = torch.tensor(lengths)
     ends = counts.cumsum(0)

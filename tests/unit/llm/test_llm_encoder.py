@@ -250,6 +250,13 @@ def test_the_offline_api_embeds_and_scores(tmp_path: Path) -> None:
     vectors = [o.outputs.embedding for o in LLM(model=str(folder)).embed(TEXTS[:2])]
     want = F.normalize(torch.stack([h[0] for h in reference_encoder(folder, TEXTS[:2])]), dim=-1)
     assert torch.allclose(torch.tensor(vectors), want, atol=1e-4)
+    # vLLM's encode(pooling_task="token_embed"): each prompt's token vectors, normalized
+    (first, second) = LLM(model=str(folder)).encode(TEXTS[:2])
+    hidden = reference_encoder(folder, TEXTS[:2])
+    assert torch.allclose(first.outputs.data, F.normalize(hidden[0], dim=-1), atol=1e-4)
+    assert second.outputs.data.shape == hidden[1].shape
+    pooled = LLM(model=str(folder)).encode(TEXTS[:1], pooling_task="embed")[0].outputs.data
+    assert torch.allclose(pooled, torch.tensor(vectors[0]), atol=1e-6)
     ce = build_tiny_encoder(tmp_path / "ce", labels=("relevance",))
     query, docs = PAIRS[0][0], [b for _, b in PAIRS]
     scores = [o.outputs.score for o in LLM(model=str(ce)).score(query, docs)]

@@ -124,9 +124,9 @@ def test_pooling_interleaves_with_generation(llama: Path) -> None:
     sizes: list[int] = []
     real = engine.pool
 
-    def recording(prompts: list[list[int]]) -> torch.Tensor:
+    def recording(prompts: list[list[int]], tokens: bool = False) -> torch.Tensor:
         sizes.append(sum(len(p) for p in prompts))
-        return real(prompts)
+        return real(prompts, tokens)
 
     engine.pool = recording  # type: ignore[method-assign]
     async_engine = AsyncEngine(engine, "t")
@@ -153,3 +153,49 @@ def test_pooling_interleaves_with_generation(llama: Path) -> None:
     # several batches, each within the token budget
     assert len(sizes) > 1 and all(s <= 48 for s in sizes)
     assert engine.stats.num_prompt_tokens >= sum(len(p) for p in many)
+
+
+async def test_token_embed_gives_every_tokens_state_in_both_engine_paths(llama: Path) -> None:
+    """vLLM's ``token_embed``: each input's [length, hidden] final states, as
+    ``transformers``' ``last_hidden_state``; the async engine keeps pooled and per-token
+    jobs in batches of their own kind, and splits the rows by input."""
+    engine = _engine(llama)
+    flat = engine.pool(PROMPTS, tokens=True)
+    assert flat.shape == (sum(len(p) for p in PROMPTS), 64)
+    model = _base_model(llama)
+    at = 0
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            want = model(torch.tensor([prompt])).last_hidden_state[0]
+        torch.testing.assert_close(flat[at : at + len(prompt)], want, atol=ATOL, rtol=0)
+        at += len(prompt)
+    async_engine = AsyncEngine(engine)
+    try:
+        tokens, pooled = await asyncio.gather(
+            async_engine.pool(PROMPTS, tokens=True), async_engine.pool(PROMPTS)
+        )
+    finally:
+        async_engine.close()
+    assert [t.shape[0] for t in tokens] == [len(p) for p in PROMPTS]
+    torch.testing.assert_close(torch.cat(tokens), flat, atol=ATOL, rtol=0)
+    assert [v.shape for v in pooled] == [torch.Size([64])] * len(PROMPTS)
+    torch.testing.assert_close(pooled[1], engine.pool([PROMPTS[1]])[0], atol=ATOL, rtol=0)
+
+
+def test_token_embed_of_an_encoder_and_not_of_a_classifier(tmp_path: Path) -> None:
+    from tests.llm_models import (
+        build_tiny_classifier,
+        build_tiny_encoder,
+        encoder_inputs,
+        reference_encoder,
+    )
+
+    folder = build_tiny_encoder(tmp_path / "bert")
+    texts = ["hello world", "the quick brown fox jumps over the lazy dog", "kiln"]
+    ids = [e.ids for e in encoder_inputs(folder, texts)]
+    flat = LLMEngine(folder, EngineConfig(max_num_batched_tokens=8)).pool(ids, tokens=True)
+    want = torch.cat(reference_encoder(folder, texts))  # the inputs in order, whatever
+    torch.testing.assert_close(flat, want, atol=1e-4, rtol=0)  # the length-sorted batches
+    classifier = LLMEngine(build_tiny_classifier(tmp_path / "cls"), EngineConfig())
+    with pytest.raises(KilnError, match="no per-token embeddings"):
+        classifier.pool([[1, 2, 3]], tokens=True)

@@ -60,6 +60,12 @@ EMBED_DTYPES = ("float32", "float16", "bfloat16")
 ENDIANNESS = ("native", "little", "big")
 
 
+#: vLLM's ``/pooling`` tasks kiln serves: one vector an input (``embed``), a classifier's
+#: probabilities (``classify``), every token's vector (``token_embed``)
+POOLING_TASKS = ("embed", "classify", "token_embed")
+#: ``token_embed``: the most values (tokens x hidden) one answer may hold, checked once the
+#: inputs are tokenized (64 MB of float32; ~8x that as JSON text)
+MAX_TOKEN_VALUES = 1 << 24
 #: inputs one request may list, checked before any is read (OpenAI's embeddings bound: 2,048
 #: per request; vLLM's queue is the only bound there, kiln's too once the model is known)
 MAX_INPUTS = 4096
@@ -88,7 +94,8 @@ class EmbeddingRequest:
     add_special_tokens: bool = True
     #: asked through vLLM's ``/pooling`` (its answer's shape and its API's name)
     pooling: bool = False
-    #: ``/pooling``'s ``task``: ``embed``, ``classify`` (None: the model's own)
+    #: ``/pooling``'s ``task``: ``embed``, ``classify``, ``token_embed`` (None: the
+    #: model's own)
     task: str | None = None
 
 
@@ -149,10 +156,17 @@ def embedding_request(body: dict[str, Any], pooling: bool = False) -> EmbeddingR
     task kiln's pooling models serve) when sent."""
     check_fields(body, POOLING_FIELDS if pooling else EMBEDDING_FIELDS, "embeddings")
     task = body.get("task") if pooling else None
-    if task not in (None, "embed", "classify"):
+    if task not in (None, *POOLING_TASKS):
         raise OpenAIError(
-            f"'task' must be 'embed' or 'classify' (the pooling tasks kiln serves), got {task!r}",
+            f"'task' must be one of {', '.join(POOLING_TASKS)} (the pooling tasks kiln "
+            f"serves), got {str(task)[:80]!r}",
             param="task",
+        )
+    if task == "token_embed" and body.get("encoding_format", "float") != "float":
+        raise OpenAIError(
+            "task 'token_embed' answers each input's token vectors as nested lists: "
+            "'encoding_format' must be 'float'",
+            param="encoding_format",
         )
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -215,6 +229,17 @@ def embedding_request(body: dict[str, Any], pooling: bool = False) -> EmbeddingR
         pooling=pooling,
         task=task,
     )
+
+
+def check_token_values(llm: EngineClient, prompts: list[list[int]]) -> None:
+    """``token_embed``'s answer (every token's vector) stays within ``MAX_TOKEN_VALUES``."""
+    values = sum(len(p) for p in prompts) * llm.engine.args.hidden_size
+    if values > MAX_TOKEN_VALUES:
+        raise OpenAIError(
+            f"task 'token_embed' would answer {values} values (tokens x hidden size), more "
+            f"than {MAX_TOKEN_VALUES}: send fewer or shorter inputs",
+            param="input",
+        )
 
 
 def check_model(llm: EngineClient, req: EmbeddingRequest) -> None:
@@ -408,7 +433,10 @@ def response_body(
     normalize = req.normalize
     if normalize is None:
         normalize = llm.engine.config.pooler_config.normalize is not False
-    stacked = finish(torch.stack(vectors), req.dimensions, normalize)
+    if req.task == "token_embed":  # every token's vector, each normalized alone
+        stacked: Any = [finish(v, req.dimensions, normalize) for v in vectors]
+    else:
+        stacked = finish(torch.stack(vectors), req.dimensions, normalize)
     data = []
     for index, vector in enumerate(stacked):
         embedding: Any = (

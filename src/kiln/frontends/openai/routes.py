@@ -716,7 +716,10 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
             return _json(classifier.pooling_body(llm, req, logits, tokens))
         embeddings.check_model(llm, req)
         prompts = await asyncio.to_thread(embeddings.token_ids, llm, req)
-        vectors = await llm.pool(prompts, req.priority)
+        every = req.task == "token_embed"
+        if every:
+            embeddings.check_token_values(llm, prompts)
+        vectors = await llm.pool(prompts, req.priority, every)
         tokens = sum(len(p) for p in prompts)
         raw = await asyncio.to_thread(embeddings.response_body, llm, req, vectors, tokens)
         return Response(raw, media_type="application/json")

@@ -128,3 +128,18 @@ def test_an_input_list_past_its_bound_is_refused_before_its_items_are_read() -> 
         assert err.value.param == "input"
     ids = embedding_request({"model": "m", "input": [7] * (MAX_INPUTS + 1)})
     assert ids.inputs == [[7] * (MAX_INPUTS + 1)]
+
+
+def test_token_embed_answers_are_bounded_once_the_inputs_are_tokenized() -> None:
+    """``token_embed`` answers tokens x hidden values: past MAX_TOKEN_VALUES a 400 naming
+    ``input``, before anything is pooled."""
+    from types import SimpleNamespace
+
+    from kiln.frontends.openai.embeddings import MAX_TOKEN_VALUES, check_token_values
+
+    llm: Any = SimpleNamespace(engine=SimpleNamespace(args=SimpleNamespace(hidden_size=1024)))
+    fits = MAX_TOKEN_VALUES // 1024
+    check_token_values(llm, [[1] * (fits // 2), [2] * (fits // 2)])
+    with pytest.raises(OpenAIError, match=r"would answer .* values") as err:
+        check_token_values(llm, [[1] * (fits // 2), [2] * (fits // 2 + 1)])
+    assert err.value.param == "input"
