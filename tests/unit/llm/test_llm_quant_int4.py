@@ -99,3 +99,23 @@ def test_gptq_per_channel_falls_back_to_dequantized(base: Path, tmp_path: Path) 
     engine = _check(*write_gptq(base, tmp_path, group_size=-1))
     layer = engine.runner.model.model.layers[0]
     assert type(layer.mlp.down_proj) in DENSE  # dense float32 (packed by cpu_linear on CPU)
+
+
+def test_stacked_int4_projections_equal_their_parts_on_this_cpu() -> None:
+    """q/k/v and gate/up fuse into one Int4Linear: its product must equal the parts' side by
+    side. torch's CPU int4 layout is the ISA's (AVX-512 tiles rows), so the parts' packed
+    tensors cannot simply be concatenated: on an AVX-512 CPU that gave wrong logits."""
+    torch.manual_seed(0)
+    k, group = 128, 32
+
+    def part(n: int) -> Int4Linear:
+        q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+        scale, offset = torch.rand(k // group, n) * 0.1 + 0.01, torch.randn(k // group, n) * 0.1
+        return Int4Linear(q, scale, offset, group, None, None)
+
+    parts = [part(64), part(32), part(32)]
+    fused = parts[0].stack(parts)
+    assert isinstance(fused, Int4Linear)
+    x = torch.randn(5, k)
+    want = torch.cat([p(x) for p in parts], dim=-1)
+    torch.testing.assert_close(fused(x), want, atol=1e-3, rtol=0)

@@ -119,7 +119,6 @@ class Int4Linear(QuantLinear):
         same = len(ints) == len(parts) and all(
             p.perm is None and p.group_size == self.group_size for p in ints
         )
-        # the CPU layout packs each output row alone (rows concatenate); CUDA's tiles them
         if not same or self.packed.device.type != "cpu":
             return ConcatLinear(parts)
         fused = Int4Linear.__new__(Int4Linear)
@@ -129,8 +128,26 @@ class Int4Linear(QuantLinear):
         fused.group_size = self.group_size
         fused.register_buffer("scales_and_zeros", torch.cat([p.scales_and_zeros for p in ints], 1))
         fused.register_buffer("perm", None)
-        fused.register_buffer("packed", torch.cat([p.packed for p in ints]))
+        # packed again from the parts' 4-bit values: the CPU layout is the ISA's (rows
+        # stand alone with AVX2, are tiled with AVX-512), so packed parts never concatenate
+        q = torch.cat([p.unpack_cpu() for p in ints])
+        fused.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         return fused
+
+    def unpack_cpu(self) -> torch.Tensor:
+        """The 4-bit values [out, in] (int32, 0..15) back from the CPU-packed weight: its
+        product with the identity under scale 1 and zero 8 is each value, exactly (small
+        integers are exact in bfloat16)."""
+        groups = self.in_features // self.group_size
+        unit = torch.stack(
+            [torch.ones(groups, self.out_features), torch.full((groups, self.out_features), 8.0)],
+            dim=-1,
+        ).to(torch.bfloat16)
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        values = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            eye, self.packed, self.group_size, unit.contiguous()
+        )
+        return cast(torch.Tensor, values.t().round().int().contiguous())
 
 
 class Int8Linear(QuantLinear):
