@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import click
 
 from kiln.config.model_config_pb2 import ModelConfig
-from kiln.llm.config import ATTENTION_BACKENDS, REASONING_PARSERS, TOOL_CALL_PARSERS
+from kiln.llm.config import ATTENTION_BACKENDS, REASONING_PARSERS, RUNNERS, TOOL_CALL_PARSERS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -262,7 +262,7 @@ def llm_options(func: F) -> F:
         ),
         click.option(
             "--runner",
-            type=click.Choice(["auto", "generate", "pooling"]),
+            type=click.Choice(["auto", *RUNNERS]),
             default=None,
             help="pooling: the model serves /v1/embeddings (and /pooling, /score, "
             "/rerank) instead of generating [default: auto: generate, except for a "

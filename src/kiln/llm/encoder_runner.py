@@ -15,6 +15,7 @@ from kiln.llm import cpu_linear
 from kiln.llm.checkpoint import Checkpoint
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.lora_layers import LoRAManager
+from kiln.llm.model_runner import DTYPES
 from kiln.llm.models.bert import Encoder, attention_groups, check_token_types, rename
 from kiln.llm.pooling import mean_pool, token_rows
 from kiln.llm.sampler import SampledToken
@@ -26,7 +27,6 @@ log = logging.getLogger(__name__)
 #: ([tokens, 3 x hidden], [tokens, intermediate]) then stay in the cache; 512-1,536 were
 #: equal and 8,192 6 % slower on bert-base (docs/design/llm-encoders.md)
 CPU_BATCH_TOKENS = 1024
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def load_encoder_weights(model: Encoder, checkpoint: Checkpoint, dtype: torch.dtype) -> None:
@@ -78,17 +78,14 @@ class EncoderRunner:
     lora: LoRAManager | None = None
 
     def __init__(self, checkpoint: Checkpoint, args: ModelArgs, config: EngineConfig) -> None:
-        refused = [
-            name
-            for name, value in (
-                ("speculative_config", config.speculative_config),
-                ("lora_config", config.lora_config),
-                ("tensor_parallel_size > 1", config.tensor_parallel_size > 1 or None),
-                ("kv_cache_dtype", None if config.kv_cache_dtype == "auto" else 1),
-                ("quantization", None if config.quantization == "auto" else 1),
-            )
-            if value is not None
-        ]
+        asked = {
+            "speculative_config": config.speculative_config is not None,
+            "lora_config": config.lora_config is not None,
+            "tensor_parallel_size > 1": config.tensor_parallel_size > 1,
+            "kv_cache_dtype": config.kv_cache_dtype != "auto",
+            "quantization": config.quantization != "auto",
+        }
+        refused = [name for name, given in asked.items() if given]
         if refused:
             raise KilnError(
                 f"llm backend: {args.architecture} is an encoder (it pools, with no KV "

@@ -119,14 +119,15 @@ def attention_groups(lengths: list[int], device: torch.device) -> list[Attention
         starts.append(starts[-1] + n)
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     runs: list[list[int]] = []
+    real = 0  # the last run's tokens
     for i in order:  # ascending: the newcomer is the longest
-        run = runs[-1] if runs else None
-        if run is not None:
-            real = sum(lengths[j] for j in run) + lengths[i]
-            if (len(run) + 1) * lengths[i] - real <= MAX_PADDING * real:
-                run.append(i)
-                continue
-        runs.append([i])
+        grown = real + lengths[i]
+        if runs and (len(runs[-1]) + 1) * lengths[i] - grown <= MAX_PADDING * grown:
+            runs[-1].append(i)
+            real = grown
+        else:
+            runs.append([i])
+            real = lengths[i]
     groups = []
     for run in runs:
         longest = max(lengths[i] for i in run)
