@@ -304,6 +304,59 @@ def reference_generate(folder: Path, prompt: list[int], max_new_tokens: int) -> 
     return [int(t) for t in out[0, len(prompt) :]]
 
 
+def build_ending_llm(folder: Path) -> Path:
+    """:func:`build_tiny_llm` whose EOS is a likely next token (its head row near that of
+    a common token): beams end at EOS as well as at the length."""
+    import torch
+    import transformers
+
+    build_tiny_llm(folder)
+    eos = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]["</s>"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        common = int(model(torch.tensor([[0, 5, 9, 14, 20]])).logits[0, -1].argmax())
+        model.lm_head.weight[eos] = model.lm_head.weight[common] * 0.97
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def reference_beam_search(
+    folder: Path,
+    prompt: list[int],
+    width: int,
+    max_tokens: int,
+    eos: int,
+    length_penalty: float = 1.0,
+) -> list[tuple[list[int], float]]:
+    """Beam search as vLLM's online loop runs it, on ``transformers``' logits (every step
+    of ``max_tokens``, no early end): the best ``width`` (output tokens, the EOS that ended
+    one left out; cumulative logprob), best first."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), torch_dtype=torch.float32
+    ).eval()
+    live: list[tuple[list[int], float]] = [([], 0.0)]
+    done: list[tuple[list[int], float, int]] = []  # (tokens, logprob, counted length)
+    for _ in range(max_tokens):
+        pool = []
+        for tokens, cum in live:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + tokens])).logits[0, -1]
+            values, ids = torch.log_softmax(logits.float(), -1).topk(2 * width)
+            for value, token in zip(values.tolist(), ids.tolist(), strict=True):
+                if token == eos:
+                    done.append((tokens, cum + value, len(tokens)))
+                else:
+                    pool.append(([*tokens, token], cum + value))
+        pool.sort(key=lambda b: b[1], reverse=True)
+        live = pool[:width]
+    ranked = done + [(t, c, len(t)) for t, c in live]
+    ranked.sort(key=lambda b: b[1] / (len(prompt) + b[2]) ** length_penalty, reverse=True)
+    return [(t, c) for t, c, _ in ranked[:width]]
+
+
 def llm_config(name: str = "tiny", **parameters: object) -> str:
     """A ``backend: "llm"`` config.pbtxt with these engine ``parameters``."""
     lines = [f'name: "{name}"', 'backend: "llm"']

@@ -510,7 +510,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
         ("completions", {"best_of": 3}, "best_of"),
         ("completions", {"best_of": 1, "n": 2}, "best_of"),
         ("completions", {"suffix": "the end"}, "suffix"),
-        ("completions", {"use_beam_search": True}, "use_beam_search"),
         ("completions", {"logits_processors": ["x"]}, "logits_processors"),
         ("completions", {"allowed_token_ids": []}, "allowed_token_ids"),
         ("chat", {"allowed_token_ids": [10**9]}, "allowed_token_ids"),  # past the vocabulary

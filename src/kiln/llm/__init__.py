@@ -7,7 +7,7 @@ from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("LLM", "SamplingParams"):
+    if name in ("LLM", "SamplingParams", "BeamSearchParams"):
         from kiln.llm import offline
 
         return getattr(offline, name)

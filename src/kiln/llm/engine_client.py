@@ -125,6 +125,11 @@ class EngineClient:
         return self._backend.engine.args.vocab_size
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's end-of-sequence ids (its tokenizer's and generation_config.json's)."""
+        return self._backend.engine.args.eos_token_ids
+
+    @property
     def max_queued(self) -> int:
         """Requests the engine holds at once, running and waiting."""
         config = self._backend.engine.config

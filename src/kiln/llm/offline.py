@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +98,44 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams`` (``LLM.beam_search``): ``beam_width`` beams ranked by
+    cumulative logprob / length ** ``length_penalty`` (kiln.llm.beam_search). The
+    ``temperature`` is accepted and, as the model's logprobs alone rank beams, unused."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    #: vLLM's constrained beam search: not in kiln (a ValueError)
+    structured_outputs: Any = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """vLLM's: one beam. ``tokens`` and ``text`` hold the prompt and the output (with the
+    EOS that ended it), as vLLM's offline beam search returns them."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    lora_request: None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """vLLM's: a prompt's best ``beam_width`` beams, best first."""
+
+    sequences: list[BeamSearchSequence]
 
 
 @dataclass
@@ -266,6 +304,98 @@ class LLM:
                 for rid, error in self.engine.failed:
                     raise KilnError(f"request {rid} failed: {error}", Status.INTERNAL)
         return [run.output() for run in runs]
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``beam_search``: each prompt's best ``params.beam_width`` beams. Every
+        step runs all prompts' live beams as one-token requests in one engine batch
+        (``concurrency_limit``: at most this many prompts searched at once)."""
+        from kiln.llm.beam_search import BeamSearch
+
+        if lora_request is not None:
+            raise ValueError("beam_search() with a LoRA adapter is not supported by kiln")
+        if params.structured_outputs is not None:
+            raise ValueError("beam_search() with structured_outputs is not supported by kiln")
+        if self.engine.config.runner != "generate":
+            raise ValueError("beam_search() needs a generating model; this one pools")
+        width, length_penalty = params.beam_width, params.length_penalty
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"beam_width must be a positive integer, got {width!r}")
+        if not -10 <= length_penalty <= 10:
+            raise ValueError(f"length_penalty must be in [-10, 10], got {length_penalty}")
+        limit = self.engine.config.max_logprobs
+        if limit != -1 and 2 * width > limit:
+            raise ValueError(
+                f"beam_width {width} ranks {2 * width} candidates a beam each step, more than "
+                f"max_logprobs ({limit}): raise max_logprobs or lower beam_width"
+            )
+        items = self._prompts(prompts, add_special_tokens=True)
+        step = sequence.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                       logprobs=2 * width)  # fmt: skip
+        searches = []
+        for _, ids in items:
+            self.engine.check_request(len(ids), replace(step, max_tokens=params.max_tokens))
+            search = BeamSearch(
+                len(ids),
+                width,
+                params.max_tokens,
+                eos_token_ids=self.engine.args.eos_token_ids,
+                ignore_eos=params.ignore_eos,
+                length_penalty=length_penalty,
+                include_stop_str_in_output=True,  # vLLM's offline beams keep their EOS
+            )
+            searches.append(search)
+        group = concurrency_limit or len(searches)
+        starts = range(0, len(searches), group)
+        # at most max_tokens steps a group (fewer when every beam ended or was settled)
+        with _progress(params.max_tokens * len(starts), use_tqdm, "Beam search steps") as advance:
+            for start in starts:
+                batch = list(range(start, min(start + group, len(searches))))
+                while live := [i for i in batch if not searches[i].done()]:
+                    self._beam_step([(items[i][1], searches[i]) for i in live], step)
+                    advance()
+        outputs = []
+        for (_, ids), search in zip(items, searches, strict=True):
+            beams = []
+            for beam in search.best():
+                tokens = ids + beam.tokens
+                logprobs = [
+                    {e.token_id: Logprob(e.logprob), **{t: Logprob(lp) for t, lp in e.top}}
+                    for e in beam.logprobs
+                ]
+                text = self.tokenizer.decode(tokens, params.skip_special_tokens)
+                beams.append(BeamSearchSequence(tokens, logprobs, beam.cum_logprob, text,
+                                                beam.finish_reason, beam.stop_reason))  # fmt: skip
+            outputs.append(BeamSearchOutput(beams))
+        return outputs
+
+    def _beam_step(
+        self, searches: list[tuple[list[int], Any]], params: sequence.SamplingParams
+    ) -> None:
+        """One step of these searches: their live beams as one engine batch."""
+        wanted: dict[str, Any] = {}
+        for p, (prompt, search) in enumerate(searches):
+            for b, ids in enumerate(search.prompts(prompt)):
+                self._ids += 1
+                rid = f"beam-{self._ids}"
+                self.engine.add_request(rid, ids, params)
+                wanted[rid] = (p, b)
+        dists: list[list[Any]] = [[None] * len(s.live) for _, s in searches]
+        while self.engine.has_work():
+            for out in self.engine.step():
+                if out.finished and out.logprobs:
+                    p, b = wanted[out.request_id]
+                    dists[p][b] = out.logprobs[0]
+            for rid, error in self.engine.failed:
+                raise KilnError(f"request {rid} failed: {error}", Status.INTERNAL)
+        for (_, search), found in zip(searches, dists, strict=True):
+            search.advance(found)
 
     def _engine_params(self, params: SamplingParams, prompt_len: int) -> sequence.SamplingParams:
         """vLLM's fields checked as a request's are, the model's defaults under them."""

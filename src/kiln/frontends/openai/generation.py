@@ -7,13 +7,16 @@ import asyncio
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from kiln.core.errors import KilnError, Status
+from kiln.llm.beam_search import BeamSearch
 from kiln.llm.sequence import SamplingParams, find_stop, token_by_token
 from kiln.llm.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:  # importing the engine imports torch
+    from kiln.llm.engine import RequestOutput
     from kiln.llm.engine_client import EngineClient
     from kiln.llm.sampler import TokenLogprobs
 
@@ -140,6 +143,95 @@ async def run(
                     text, None, prompt_len, completion, out.index, logprobs,
                     c.take_prompt_logprobs(), out.num_cached_tokens,
                 )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class BeamOptions:
+    """vLLM's beam search settings beside ``n`` (the beams) and the sampling params'."""
+
+    length_penalty: float = 1.0
+
+
+async def beam_run(
+    llm: EngineClient,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    stops: tuple[str, ...],
+    beams: BeamOptions,
+    priority: int = 0,
+    request_id: str = "",
+    options: OutputOptions = OutputOptions(),
+) -> AsyncGenerator[Delta, None]:
+    """vLLM's ``use_beam_search`` (kiln.llm.beam_search): ``params.n`` beams; every step
+    runs the live beams as one-token engine requests at once. The choices are the best
+    beams, best first, each one delta when the search ends. Leaving early (the client
+    went away) cancels the step's requests, which aborts them."""
+    skip = options.skip_special_tokens
+    tokenizer = llm.tokenizer
+    search = BeamSearch(
+        len(prompt_ids),
+        params.n,
+        params.max_tokens,
+        eos_token_ids=llm.eos_token_ids,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        length_penalty=beams.length_penalty,
+        include_stop_str_in_output=options.include_stop_str_in_output,
+        min_tokens=params.min_tokens,
+        stops=stops,
+        decode=lambda ids: tokenizer.decode(ids, skip),
+    )
+    asked = params.logprobs
+    step = SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=max(search.num_candidates, asked or 0),
+        cache_salt=params.cache_salt,
+    )
+    rid = f"beam-{uuid.uuid4().hex}"
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cached = 0
+    while not search.done():
+        first = search.steps == 0
+        # the prompt's logprobs (vLLM's prompt_logprobs, echo's) come with the first step
+        p = replace(step, prompt_logprobs=params.prompt_logprobs) if first else step
+        async with asyncio.TaskGroup() as group:
+            tasks = [
+                group.create_task(
+                    _next_token(llm, ids, p, f"{rid}-{search.steps}-{i}", priority, request_id)
+                )
+                for i, ids in enumerate(search.prompts(prompt_ids))
+            ]
+        outs = [task.result() for task in tasks]
+        if first:
+            prompt_logprobs, cached = outs[0].prompt_logprobs, outs[0].num_cached_tokens
+        search.advance([out.logprobs[0] for out in outs if out.logprobs])
+    for index, beam in enumerate(search.best()):
+        text = beam.text if beam.text is not None else tokenizer.decode(beam.tokens, skip)
+        entries = [] if asked is None else [replace(e, top=e.top[:asked]) for e in beam.logprobs]
+        yield Delta(
+            text, beam.finish_reason, len(prompt_ids), len(beam.logprobs), index, entries,
+            prompt_logprobs, cached,
+        )  # fmt: skip
+
+
+async def _next_token(
+    llm: EngineClient,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    rid: str,
+    priority: int,
+    request_id: str,
+) -> RequestOutput:
+    """One beam's step: the engine's one output of a one-token request."""
+    last: RequestOutput | None = None
+    async with aclosing(llm.generate(prompt_ids, params, rid, priority, request_id)) as outs:
+        async for out in outs:
+            last = out
+    if last is None or not last.logprobs:
+        raise KilnError(f"beam search: request {rid} ended without a token", Status.INTERNAL)
+    return last
 
 
 async def started(deltas: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:

@@ -41,8 +41,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,),
     "store": (None, False),
     # other vLLM fields
-    "use_beam_search": (None, False),
-    "length_penalty": (None, 1, 1.0),  # beam search's
     "logits_processors": (None, []),
     "chat_template": (None,),
     "mm_processor_kwargs": (None, {}),
@@ -72,6 +70,8 @@ _COMMON_FIELDS = (
     "truncate_prompt_tokens",
     "add_special_tokens",
     "return_tokens_as_token_ids",
+    "use_beam_search",
+    "length_penalty",  # beam search's
     *STRUCTURED_FIELDS,
 )
 #: the template's options, for chat and /tokenize
@@ -230,6 +230,10 @@ class GenerationRequest:
     reasoning: ReasoningParser | None = None
     #: vLLM's ``include_reasoning``: false leaves the reasoning out of the answer
     include_reasoning: bool = True
+    #: vLLM's ``use_beam_search``: ``n`` beams (kiln.llm.beam_search), ranked with
+    #: ``length_penalty``
+    beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
@@ -253,6 +257,60 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
 
 #: ``bad_words`` are matched against every sequence's output at every step: a bound on that
 MAX_BAD_WORDS = 256
+
+
+#: ``length_penalty``'s bound: the score divides by length ** length_penalty, which must
+#: stay a finite float for every length a context holds
+MAX_LENGTH_PENALTY = 10.0
+#: sampling fields that change which tokens a sampler picks but not the model's logprobs,
+#: which alone rank beams: refused with beam search unless they ask for nothing
+_BEAM_REFUSED = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": (),
+    "allowed_token_ids": (),
+}
+
+
+def _beam_search(body: dict[str, Any], fields: dict[str, Any]) -> tuple[bool, float]:
+    """``use_beam_search`` and ``length_penalty``; beam search runs without penalties,
+    logit biases, allowed or banned tokens (a 400 names the field: never ignored)."""
+    beam = flag(body, "use_beam_search", False)
+    raw = body.get("length_penalty")
+    penalty = 1.0
+    if raw is not None:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise OpenAIError(
+                f"'length_penalty' must be a number, got {raw!r}", param="length_penalty"
+            )
+        if not -MAX_LENGTH_PENALTY <= raw <= MAX_LENGTH_PENALTY:
+            raise OpenAIError(
+                f"length_penalty must be in [{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+                f"got {raw}",
+                param="length_penalty",
+            )
+        penalty = float(raw)
+    if not beam:
+        if penalty != 1.0:
+            raise OpenAIError(
+                "'length_penalty' ranks beams: it needs 'use_beam_search': true",
+                param="length_penalty",
+            )
+        return False, penalty
+    for key, neutral in _BEAM_REFUSED.items():
+        if fields.get(key, neutral) != neutral:
+            raise OpenAIError(
+                f"'{key}' does not apply to beam search (beams are ranked by the model's "
+                f"logprobs): send no '{key}' with 'use_beam_search'",
+                param=key,
+            )
+    if body.get("bad_words"):
+        raise OpenAIError(
+            "'bad_words' does not apply to beam search: send no 'bad_words' with 'use_beam_search'",
+            param="bad_words",
+        )
+    return True, penalty
 
 
 def _best_of(body: dict[str, Any], n: int) -> None:
@@ -364,6 +422,7 @@ def _common(
         structured = structured_outputs(body)
     except InvalidField as exc:
         raise OpenAIError(exc.message, param=exc.field) from None
+    beam, length_penalty = _beam_search(body, fields)
     if max_tokens is not None and max_tokens <= 0:
         raise OpenAIError(f"{max_key} must be at least 1, got {max_tokens}", param=max_key)
     if n is not None and n < 1:
@@ -410,6 +469,8 @@ def _common(
         prompt_logprobs_field=prompt_logprobs is not None,
         priority=priority,
         add_special_tokens=flag(body, "add_special_tokens", not chat),
+        beam_search=beam,
+        length_penalty=length_penalty,
         **output,
     )
 

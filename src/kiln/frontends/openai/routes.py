@@ -20,7 +20,15 @@ from kiln.core.errors import KilnError, Status
 from kiln.core.trace import FrontendSlot, http_slot
 from kiln.frontends.openai import classify as classifier
 from kiln.frontends.openai import embeddings, lora, reasoning, responses, scores, tools
-from kiln.frontends.openai.generation import Delta, OutputOptions, merged, run, started
+from kiln.frontends.openai.generation import (
+    BeamOptions,
+    Delta,
+    OutputOptions,
+    beam_run,
+    merged,
+    run,
+    started,
+)
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
     chat_logprobs,
@@ -108,6 +116,7 @@ async def _body(request: Request, reader: BodyReader) -> dict[str, Any]:
     # the HTTP frontend's reader: --http-max-input-size (413) and --http-read-timeout-secs
     # (408) hold here as on the KServe routes
     raw = await reader.read_body(request)
+    _watch_disconnect(request)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -115,6 +124,23 @@ async def _body(request: Request, reader: BodyReader) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     return body
+
+
+def _watch_disconnect(request: Request) -> None:
+    """Once the body is read, a client that disconnects before its answer cancels the
+    handler (vLLM's ``with_cancellation``): the engine requests it waits on are aborted,
+    not run to the end for nobody. ``_answers_errors`` ends the watch."""
+    handler = asyncio.current_task()
+    if handler is None:
+        return
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        request.state.client_left = True
+        handler.cancel()
+
+    request.state.disconnect_watch = asyncio.create_task(watch())
 
 
 async def _received(
@@ -157,8 +183,12 @@ def _chat_prompt(
 
 
 def _with_model_defaults(body: dict[str, Any], llm: EngineClient | None) -> dict[str, Any]:
-    """The body with the serving version's generation_config.json defaults filled in."""
-    return with_defaults(body, llm.sampling_defaults) if llm is not None else body
+    """The body with the serving version's generation_config.json defaults filled in (not
+    for beam search, which ranks by the model's logprobs alone: its penalties would be
+    refused as the client's)."""
+    if llm is None or body.get("use_beam_search") is True:
+        return body
+    return with_defaults(body, llm.sampling_defaults)
 
 
 def _prompt_ids(
@@ -208,6 +238,8 @@ def _prepare(
             check()
         except KilnError as exc:
             raise OpenAIError(str(exc), param=param) from None
+    if req.beam_search:
+        _check_beam_search(llm, req)
     prepared = []
     for prompt in req.prompts:
         ids = _prompt_ids(llm, req, prompt, bos=req.add_special_tokens)
@@ -235,6 +267,26 @@ def _prepare(
             raise OpenAIError(str(exc), param="prompt", code="context_length_exceeded") from None
         prepared.append((ids, params))
     return prepared
+
+
+def _check_beam_search(llm: EngineClient, req: GenerationRequest) -> None:
+    """What beam search cannot run with, refused before anything is queued: each step asks
+    the engine for 2 x ``n`` logprobs a beam (bounded by the model's ``max_logprobs``), and
+    a grammar constrains sampling, not the logprobs beams are ranked by."""
+    n = req.params.n
+    limit = llm.engine.config.max_logprobs
+    if limit != -1 and 2 * n > limit:
+        raise OpenAIError(
+            f"beam search with n = {n} ranks {2 * n} candidates a beam each step, more than "
+            f"this model's max_logprobs ({limit}): ask for at most {limit // 2} beams",
+            param="n",
+        )
+    if req.params.structured_outputs is not None:
+        raise OpenAIError(
+            "beam search does not run with structured outputs (response_format, "
+            "structured_outputs, guided_*, or a tool_choice that forces a call)",
+            param="use_beam_search",
+        )
 
 
 def _usage(prompt_tokens: int, completion: dict[int, int], cached: int = 0) -> dict[str, Any]:
@@ -431,6 +483,13 @@ def _outputs(
     outputs wait in the engine's collector until the choice ends (vLLM's ``FINAL_ONLY``),
     detokenized once instead of once a step."""
     options = OutputOptions(req.include_stop_str_in_output, req.skip_special_tokens)
+    if req.beam_search:
+        beams = BeamOptions(req.length_penalty)
+        return merged(
+            [beam_run(llm, ids, p, req.stop, beams, req.priority, rid, options)
+             for ids, p in prepared],
+            req.params.n,
+        )  # fmt: skip
     if not req.stream and not req.stop:
         prepared = [(ids, replace(p, stream_interval=p.max_tokens)) for ids, p in prepared]
     return merged(
@@ -579,6 +638,13 @@ def _answers_errors(handler: Handler) -> Handler:
     async def guarded(request: Request) -> Response:
         try:
             return await handler(request)
+        except asyncio.CancelledError:
+            if not getattr(request.state, "client_left", False):
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # the watch's cancel, answered: the request ends here
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed")
         except ClientDisconnect:
             return Response(status_code=400)  # nobody reads it
         except OpenAIError as exc:
@@ -594,6 +660,10 @@ def _answers_errors(handler: Handler) -> Handler:
             err = OpenAIError("internal server error: see the server's log", 500,
                               type_="server_error")  # fmt: skip
             return _json(err.body(), err.status)
+        finally:
+            watch = getattr(request.state, "disconnect_watch", None)
+            if watch is not None:
+                watch.cancel()
 
     return guarded
 

@@ -26,10 +26,6 @@ from kiln.llm.tokenizer import _open_final_message
     [
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
-        ("use_beam_search", True),
-        ("use_beam_search", 0),  # 0 is not False: a bool is asked for
-        ("length_penalty", 0.5),
-        ("length_penalty", True),
         ("structural_tag", "{}"),
         ("suffix", "x"),
     ],
@@ -47,9 +43,6 @@ def test_unsupported_values_are_refused_naming_the_field(field: str, value: obje
         ("functions", []),
         ("functions", None),
         ("function_call", "none"),
-        ("use_beam_search", False),
-        ("length_penalty", 1),
-        ("length_penalty", 1.0),
         ("suffix", ""),
     ],
 )
@@ -213,3 +206,35 @@ def test_a_bug_in_a_route_is_a_500_in_openais_shape(caplog: pytest.LogCaptureFix
     assert "not iterable" not in error["message"]  # the details stay in the log
     (record,) = caplog.records
     assert record.exc_info is not None and "/v1/completions" in record.getMessage()
+
+
+def test_beam_search_fields() -> None:
+    plain = _completion(use_beam_search=False, length_penalty=1)
+    assert not plain.beam_search and plain.length_penalty == 1.0
+    beams = _completion(use_beam_search=True, n=3, length_penalty=0.6, temperature=0.7,
+                        top_p=0.9, seed=4)  # fmt: skip
+    # sampling settings are accepted and change nothing: the model's logprobs rank beams
+    assert beams.beam_search and beams.params.n == 3 and beams.length_penalty == 0.6
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"use_beam_search": 0}, "use_beam_search"),  # 0 is not False: a bool is asked for
+        ({"use_beam_search": "true"}, "use_beam_search"),
+        ({"length_penalty": 0.5}, "length_penalty"),  # it ranks beams: beam search only
+        ({"use_beam_search": True, "length_penalty": True}, "length_penalty"),
+        ({"use_beam_search": True, "length_penalty": 11}, "length_penalty"),
+        ({"use_beam_search": True, "length_penalty": -1e300}, "length_penalty"),
+        ({"use_beam_search": True, "frequency_penalty": 1}, "frequency_penalty"),
+        ({"use_beam_search": True, "presence_penalty": -1}, "presence_penalty"),
+        ({"use_beam_search": True, "repetition_penalty": 1.1}, "repetition_penalty"),
+        ({"use_beam_search": True, "logit_bias": {"3": 1}}, "logit_bias"),
+        ({"use_beam_search": True, "allowed_token_ids": [3]}, "allowed_token_ids"),
+        ({"use_beam_search": True, "bad_words": ["x"]}, "bad_words"),
+    ],
+)
+def test_bad_beam_search_fields_are_400_naming_them(fields: dict[str, object], param: str) -> None:
+    with pytest.raises(OpenAIError) as info:
+        _completion(**fields)
+    assert info.value.status == 400 and info.value.param == param
