@@ -1,7 +1,8 @@
 """vLLM's ``use_beam_search`` over the OpenAI API on a ``kiln serve`` process, driven by
 the real ``openai`` client: completions and chat, whole and streamed, lists of prompts,
 ``echo`` and logprobs, against a beam search over ``transformers``' logits; every kind of
-bad input answers 400 naming its field; a client that leaves stops the search."""
+bad input answers 400 naming its field. A client that leaves before a whole answer stops
+the work done for it: a search, samples, Triton's ``generate``."""
 
 from __future__ import annotations
 
@@ -184,25 +185,31 @@ def test_bad_beam_search_requests_are_400(
     assert reply.json()["error"]["param"] == param
 
 
+LONG = {"max_tokens": 240, "ignore_eos": True}
+
+
 @pytest.mark.parametrize(
-    ("body", "asked"),
+    ("path", "body", "asked", "wait"),
     [
         # 10 beams for 240 steps, and 64 samples of 240 tokens: seconds of work anywhere
-        ({"prompt": "a long story", "n": 10, "use_beam_search": True}, 2400),
-        ({"prompt": ["a long story"] * 4, "n": 16, "temperature": 0}, 15360),
+        ("/v1/completions", {"prompt": "a long story", "n": 10, "use_beam_search": True,
+                             "model": "tiny", **LONG}, 2400, 0.3),
+        ("/v1/completions", {"prompt": ["a long story"] * 4, "n": 16, "temperature": 0,
+                             "model": "tiny", **LONG}, 15360, 0.3),
+        # Triton's generate: one sequence of 240 tokens, a few tenths of a second
+        ("/v2/models/tiny/generate", {"text_input": "a long story", "parameters": LONG},
+         240, 0.05),
     ],
-    ids=["beam-search", "samples"],
-)
+    ids=["beam-search", "samples", "triton-generate"],
+)  # fmt: skip
 def test_a_client_that_leaves_before_its_answer_stops_its_work(
-    server: KilnProcess, body: dict[str, Any], asked: int
+    server: KilnProcess, path: str, body: dict[str, Any], asked: int, wait: float
 ) -> None:
     """A long request (not streamed) whose client disconnects before the answer: its
     engine requests are aborted, nothing keeps running for nobody."""
     before = _metric(server, "vllm:generation_tokens_total")
-    body = {"model": "tiny", "max_tokens": 240, "ignore_eos": True, **body}
-    url = f"http://{server.http_url}/v1/completions"
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url, json=body, timeout=0.3)
+        httpx.post(f"http://{server.http_url}{path}", json=body, timeout=wait)
     # the counters settle (the last step's tokens are counted), then stay
     settled, deadline = -1.0, time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -28,6 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from kiln.backends.registry import LLM_BACKENDS
 from kiln.core.errors import KilnError, invalid_arg
 from kiln.core.trace import http_slot
+from kiln.frontends import disconnect
 from kiln.frontends.http.codec import parse_json
 from kiln.frontends.openai.generation import Delta, run
 from kiln.frontends.openai.protocol import MAX_CHARS_PER_TOKEN
@@ -256,7 +257,14 @@ async def generate(frontend: Any, request: Request, llm: EngineClient) -> Respon
             f"model '{req.model_name}': 'stream': true sends several responses, "
             "which generate cannot: use generate_stream"
         )
-    return Response(orjson.dumps(await _whole(llm, req)), media_type="application/json")
+    disconnect.watch(request)  # a client that leaves before the answer aborts the request
+    try:
+        whole = await _whole(llm, req)
+    except asyncio.CancelledError:
+        return disconnect.answered_nobody(request)  # raises unless the client left
+    finally:
+        disconnect.stop(request)
+    return Response(orjson.dumps(whole), media_type="application/json")
 
 
 async def generate_stream(frontend: Any, request: Request, llm: EngineClient) -> Response:

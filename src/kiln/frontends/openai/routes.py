@@ -18,6 +18,7 @@ from starlette.routing import BaseRoute, Route
 from kiln import __version__
 from kiln.core.errors import KilnError, Status
 from kiln.core.trace import FrontendSlot, http_slot
+from kiln.frontends import disconnect
 from kiln.frontends.openai import classify as classifier
 from kiln.frontends.openai import embeddings, lora, reasoning, responses, scores, tools
 from kiln.frontends.openai.generation import (
@@ -116,7 +117,7 @@ async def _body(request: Request, reader: BodyReader) -> dict[str, Any]:
     # the HTTP frontend's reader: --http-max-input-size (413) and --http-read-timeout-secs
     # (408) hold here as on the KServe routes
     raw = await reader.read_body(request)
-    _watch_disconnect(request)
+    disconnect.watch(request)  # a client that leaves from now on cancels the handler
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -124,23 +125,6 @@ async def _body(request: Request, reader: BodyReader) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     return body
-
-
-def _watch_disconnect(request: Request) -> None:
-    """Once the body is read, a client that disconnects before its answer cancels the
-    handler (vLLM's ``with_cancellation``): the engine requests it waits on are aborted,
-    not run to the end for nobody. ``_answers_errors`` ends the watch."""
-    handler = asyncio.current_task()
-    if handler is None:
-        return
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        request.state.client_left = True
-        handler.cancel()
-
-    request.state.disconnect_watch = asyncio.create_task(watch())
 
 
 async def _received(
@@ -639,12 +623,7 @@ def _answers_errors(handler: Handler) -> Handler:
         try:
             return await handler(request)
         except asyncio.CancelledError:
-            if not getattr(request.state, "client_left", False):
-                raise
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()  # the watch's cancel, answered: the request ends here
-            return Response(status_code=499)  # nobody reads it (nginx's "client closed")
+            return disconnect.answered_nobody(request)  # raises unless the client left
         except ClientDisconnect:
             return Response(status_code=400)  # nobody reads it
         except OpenAIError as exc:
@@ -661,9 +640,7 @@ def _answers_errors(handler: Handler) -> Handler:
                               type_="server_error")  # fmt: skip
             return _json(err.body(), err.status)
         finally:
-            watch = getattr(request.state, "disconnect_watch", None)
-            if watch is not None:
-                watch.cancel()
+            disconnect.stop(request)
 
     return guarded
 
