@@ -369,6 +369,28 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, http: ht
     assert _error(http.post("/v1/chat/completions", json=bad))["param"] == "chat_template_kwargs"
 
 
+def test_reasoning_effort_reaches_the_template(client: openai.OpenAI, http: httpx.Client) -> None:
+    """vLLM's: ``reasoning_effort`` is a template variable, and turns a template's
+    ``enable_thinking`` on (off for ``none``) unless chat_template_kwargs set it."""
+    messages = [{"role": "user", "content": "hi"}]
+    plain = _tokens(http, messages=messages)
+    thinking = _tokens(http, prompt="<|user|>hi</s><|assistant|><think>")
+    assert _tokens(http, messages=messages, reasoning_effort="high") == thinking
+    assert _tokens(http, messages=messages, reasoning_effort="none") == plain
+    off = {"enable_thinking": False}
+    kept = _tokens(http, messages=messages, reasoning_effort="high", chat_template_kwargs=off)
+    assert kept == plain
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=2,
+        reasoning_effort="low",  # type: ignore[arg-type]
+    )
+    assert reply.usage and reply.usage.prompt_tokens == len(thinking)
+    bad = {"model": "tiny", "messages": messages, "reasoning_effort": "extreme"}
+    assert _error(http.post("/v1/chat/completions", json=bad))["param"] == "reasoning_effort"
+
+
 def test_add_generation_prompt_and_continue_final_message(http: httpx.Client) -> None:
     no_prompt = _tokens(http, messages=CONVERSATION[:1], add_generation_prompt=False)
     assert no_prompt == _tokens(http, prompt="<|user|>hi</s>")

@@ -247,7 +247,10 @@ def test_output_text_logprobs_are_the_chat_completions(client: openai.OpenAI) ->
     ("fields", "param"),
     [
         ({"background": True}, "background"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": "high"}, "reasoning"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ({"reasoning": {"summary": "verbose"}}, "reasoning.summary"),
+        ({"reasoning": {"effort": "low", "budget": 5}}, "reasoning"),
         ({"input": [{"type": "input_image", "image_url": "file:///etc/passwd"}]}, "input[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
          "input[0].content"),
@@ -306,3 +309,12 @@ def test_leaving_a_stream_early_aborts_its_request(
     assert server.metric("vllm:num_requests_running", "plain") == 0
     # aborted, not run to its 250 tokens
     assert server.metric("vllm:request_success_total", "plain", abort) == aborted + 1
+
+
+def test_reasoning_effort_is_taken_and_echoed(client: openai.OpenAI) -> None:
+    reply = client.responses.create(model="plain", input="hi", max_output_tokens=2,
+                                    reasoning={"effort": "low"}, **GREEDY)  # fmt: skip
+    assert reply.reasoning is not None and reply.reasoning.effort == "low"
+    plain = client.responses.create(model="plain", input="hi", max_output_tokens=2, **GREEDY)
+    # this model's template reads no reasoning_effort: the same prompt either way
+    assert reply.usage and plain.usage and reply.usage.input_tokens == plain.usage.input_tokens

@@ -38,7 +38,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "web_search_options": (None,),
-    "reasoning_effort": (None,),
     "store": (None, False),
     # other vLLM fields
     "logits_processors": (None, []),
@@ -80,7 +79,10 @@ _TEMPLATE_FIELDS = (
     "continue_final_message",
     "chat_template_kwargs",
     "documents",
+    "reasoning_effort",
 )
+#: OpenAI's ``reasoning_effort`` values, and vLLM's ``max``
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 COMPLETION_FIELDS = frozenset((*_COMMON_FIELDS, "prompt"))
 CHAT_FIELDS = frozenset(
     (
@@ -589,6 +591,18 @@ def chat_template_options(body: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
             raise OpenAIError("'documents' must be a list of objects", param="documents")
         kwargs = {"documents": documents, **kwargs}
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise OpenAIError(
+                f"'reasoning_effort' must be one of {list(REASONING_EFFORTS)}, got {effort!r}",
+                param="reasoning_effort",
+            )
+        # vLLM's: the template reads it (gpt-oss's, Qwen's, ...), and a template that
+        # thinks on request (enable_thinking) thinks unless the effort is "none" and the
+        # client's chat_template_kwargs did not say
+        thinking = {} if "enable_thinking" in kwargs else {"enable_thinking": effort != "none"}
+        kwargs = {**kwargs, **thinking, "reasoning_effort": effort}
     return {
         "add_generation_prompt": add_prompt,
         "continue_final_message": continue_final,

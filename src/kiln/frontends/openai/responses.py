@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from kiln.core.errors import KilnError
-from kiln.frontends.openai.protocol import MAX_MESSAGES, OpenAIError, check_fields, flag
+from kiln.frontends.openai.protocol import (
+    MAX_MESSAGES,
+    REASONING_EFFORTS,
+    OpenAIError,
+    check_fields,
+    flag,
+)
 
 if TYPE_CHECKING:
     from kiln.frontends.openai.generation import Delta
@@ -79,6 +85,7 @@ RESPONSES_FIELDS = frozenset(
         "prompt_cache_key",
         "top_logprobs",
         "include",
+        "reasoning",
     )
 )
 #: ``include`` values kiln answers: the output text's logprobs
@@ -87,7 +94,6 @@ INCLUDABLE = ("message.output_text.logprobs",)
 MAX_TOP_LOGPROBS = 20
 _HARMLESS: dict[str, tuple[Any, ...]] = {
     "background": (None, False),
-    "reasoning": (None,),
     "truncation": (None, "disabled"),
     "max_tool_calls": (None,),
     "prompt": (None,),
@@ -95,6 +101,9 @@ _HARMLESS: dict[str, tuple[Any, ...]] = {
     "service_tier": (None, "auto", "default"),
 }
 _ROLES = ("user", "system", "developer", "assistant")
+#: ``reasoning.summary`` values accepted (kiln writes no summary: the reasoning text itself
+#: is the reasoning item, as vLLM answers)
+_SUMMARIES = (None, "auto", "concise", "detailed")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 #: OpenAI's bounds on ``metadata``
 MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
@@ -356,6 +365,29 @@ def _metadata(raw: Any) -> dict[str, str]:
     return dict(raw)
 
 
+def _reasoning(raw: Any) -> dict[str, Any]:
+    """``reasoning``: ``{"effort": ...}`` becomes the template's ``reasoning_effort``, as
+    vLLM passes it; ``summary`` is accepted."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or set(raw) - {"effort", "summary", "generate_summary"}:
+        raise OpenAIError(
+            "'reasoning' must be an object with 'effort' (and 'summary')", param="reasoning"
+        )
+    effort = raw.get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise OpenAIError(
+            f"reasoning.effort must be one of {list(REASONING_EFFORTS)}, got {effort!r}",
+            param="reasoning.effort",
+        )
+    for key in ("summary", "generate_summary"):
+        if raw.get(key) not in _SUMMARIES:
+            raise OpenAIError(
+                f"reasoning.{key} must be one of {list(_SUMMARIES)}", param=f"reasoning.{key}"
+            )
+    return raw
+
+
 @dataclass(slots=True)
 class ResponsesCall:
     """One Responses API request: the chat body it runs as, and what its answer echoes."""
@@ -369,6 +401,8 @@ class ResponsesCall:
     created_at: int = field(default_factory=lambda: int(time.time()))
     #: the output text's logprobs are answered (``top_logprobs`` > 0 or ``include``)
     logprobs: bool = False
+    #: the request's ``reasoning`` (``effort`` goes to the template), echoed
+    reasoning: dict[str, Any] | None = None
 
     @classmethod
     def read(cls, body: dict[str, Any], stored: ResponseStore) -> ResponsesCall:
@@ -410,6 +444,9 @@ class ResponsesCall:
         choice = _tool_choice(body.get("tool_choice"))
         if choice is not None:
             chat["tool_choice"] = choice
+        reasoning = _reasoning(body.get("reasoning"))
+        if reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise OpenAIError("'stream_options' must be an object", param="stream_options")
@@ -427,7 +464,8 @@ class ResponsesCall:
             "top_logprobs": top,
             "user": body.get("user"),
         }
-        return cls(chat, conversation, echo, store, logprobs=logprobs)
+        echoed = {"effort": reasoning.get("effort"), "summary": None} if reasoning else None
+        return cls(chat, conversation, echo, store, logprobs=logprobs, reasoning=echoed)
 
     def skeleton(self, rid: str, model: str, status: str) -> dict[str, Any]:
         """The response object without its output (a stream's first events)."""
@@ -441,7 +479,7 @@ class ResponsesCall:
             "incomplete_details": None,
             "model": model,
             "output": [],
-            "reasoning": None,
+            "reasoning": self.reasoning,
             "store": self.store,
             "truncation": "disabled",
             "usage": None,

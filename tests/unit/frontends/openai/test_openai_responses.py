@@ -105,3 +105,34 @@ def test_too_many_input_items_are_refused_before_they_are_read() -> None:
     with pytest.raises(OpenAIError) as err:
         ResponsesCall.read({"model": "m", "input": items}, ResponseStore())
     assert err.value.param == "input" and str(MAX_MESSAGES) in err.value.message
+
+
+def test_reasoning_effort_goes_to_the_chat_template_and_is_echoed() -> None:
+    store = ResponseStore()
+    call = ResponsesCall.read(
+        {"model": "m", "input": "hi", "reasoning": {"effort": "low", "summary": "auto"}}, store
+    )
+    assert call.chat_body["reasoning_effort"] == "low"
+    assert call.skeleton("resp_1", "m", "in_progress")["reasoning"] == {
+        "effort": "low",
+        "summary": None,
+    }
+    plain = ResponsesCall.read({"model": "m", "input": "hi"}, store)
+    assert "reasoning_effort" not in plain.chat_body
+    assert plain.skeleton("resp_2", "m", "completed")["reasoning"] is None
+
+
+def test_chat_template_options_take_reasoning_effort() -> None:
+    from kiln.frontends.openai.protocol import chat_template_options
+
+    kw = chat_template_options({"reasoning_effort": "high"})["template_kwargs"]
+    assert kw == {"reasoning_effort": "high", "enable_thinking": True}
+    kw = chat_template_options({"reasoning_effort": "none"})["template_kwargs"]
+    assert kw == {"reasoning_effort": "none", "enable_thinking": False}
+    # the client's own enable_thinking wins, as in vLLM
+    body = {"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}
+    assert chat_template_options(body)["template_kwargs"]["enable_thinking"] is False
+    for bad in ("extreme", 3, ["low"]):
+        with pytest.raises(OpenAIError) as info:
+            chat_template_options({"reasoning_effort": bad})
+        assert info.value.param == "reasoning_effort"
