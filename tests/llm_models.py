@@ -179,10 +179,12 @@ ENCODER_CLASSES = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRobe
 
 def build_tiny_encoder(
     folder: Path, family: str = "bert", labels: tuple[str, ...] = (),
-    st_pooling: str | None = None, st_normalize: bool = True, **overrides: Any,
+    st_pooling: str | None = None, st_normalize: bool = True, per_token: bool = False,
+    **overrides: Any,
 ) -> Path:  # fmt: skip
     """A 2-layer, hidden-64 BERT-family encoder with random weights: ``*Model`` (an
-    embedding model), or ``*ForSequenceClassification`` of ``labels``. ``st_pooling``
+    embedding model), or ``*ForSequenceClassification`` of ``labels`` (with ``per_token``:
+    ``*ForTokenClassification``, a label for every token). ``st_pooling``
     (``mean_tokens``, ``cls_token``, ``lasttoken``): a sentence-transformers layout
     (``modules.json`` and ``1_Pooling/config.json``), with a ``Normalize`` module when
     ``st_normalize``."""
@@ -208,6 +210,8 @@ def build_tiny_encoder(
     config = getattr(transformers, f"{name}Config")(**shape)
     torch.manual_seed(0)
     suffix = "ForSequenceClassification" if labels else "Model"
+    if per_token:
+        suffix = "ForTokenClassification"
     model = getattr(transformers, f"{name}{suffix}")(config)
     with torch.no_grad():  # random token types and positions: make them matter
         for param in model.parameters():
@@ -246,14 +250,18 @@ def encoder_inputs(folder: Path, texts: list[str] | list[tuple[str, str]]) -> li
 
 def reference_encoder(folder: Path, texts: list[str] | list[tuple[str, str]]) -> list[Any]:
     """``transformers``' answer for each input alone: an embedding model's final hidden
-    states [len, hidden]; a classifier's logits [num_labels]."""
+    states [len, hidden]; a classifier's logits [num_labels]; a token classifier's
+    [len, num_labels]."""
     import torch
     import transformers
 
     config = json.loads((folder / "config.json").read_text())
+    arch = config["architectures"][0]
     cls = (
         transformers.AutoModelForSequenceClassification
-        if config["architectures"][0].endswith("ForSequenceClassification")
+        if arch.endswith("ForSequenceClassification")
+        else transformers.AutoModelForTokenClassification
+        if arch.endswith("ForTokenClassification")
         else transformers.AutoModel
     )
     model = cls.from_pretrained(str(folder), dtype=torch.float32).eval()

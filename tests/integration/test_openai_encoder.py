@@ -24,6 +24,7 @@ from tests.llm_models import build_tiny_encoder, llm_config, reference_encoder  
 TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world", "kiln"]
 QUERY = "what jumps over the dog"
 LABELS = ("negative", "neutral", "positive")
+ENTITIES = ("O", "B-PER", "I-PER", "B-LOC", "I-LOC")
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,9 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "rerank" / "config.pbtxt").write_text(llm_config("rerank", max_num_seqs="4"))
     build_tiny_encoder(root / "xlmr" / "1", "xlm-roberta", labels=LABELS)
     (root / "xlmr" / "config.pbtxt").write_text(llm_config("xlmr", max_num_seqs="4"))
+    # a token classifier (named entities): RoBERTa's
+    build_tiny_encoder(root / "ner" / "1", "roberta", labels=ENTITIES, per_token=True)
+    (root / "ner" / "config.pbtxt").write_text(llm_config("ner", max_num_seqs="4"))
     return root
 
 
@@ -158,3 +162,48 @@ def test_kiln_serve_model_with_vllms_pooling_flags(tmp_path: Path) -> None:
             assert reply.status_code == 400 and "runner 'pooling'" in reply.text
     finally:
         proc.stop()
+
+
+def test_token_classify_on_pooling(http: Any, repo: Path) -> None:
+    """vLLM's ``/pooling`` of a ``*ForTokenClassification`` model: every token's label
+    probabilities (its default task), equal to ``transformers``' softmax; raw logits with
+    ``use_activation: false``; ``/invocations`` answers the same."""
+    want = reference_encoder(repo / "ner" / "1", TEXTS)
+    for body in ({"task": "token_classify"}, {}):
+        reply = http.post("/pooling", json={"model": "ner", "input": TEXTS, **body})
+        assert reply.status_code == 200, reply.text
+        data = reply.json()["data"]
+        for item, logits in zip(data, want, strict=True):
+            got = torch.tensor(item["data"])
+            assert got.shape == (logits.shape[0], len(ENTITIES))
+            assert torch.allclose(got, logits.softmax(-1), atol=1e-5)
+        assert reply.json()["usage"]["prompt_tokens"] == sum(w.shape[0] for w in want)
+    raw = http.post("/pooling", json={"model": "ner", "input": TEXTS[1], "use_activation": False})
+    assert torch.allclose(torch.tensor(raw.json()["data"][0]["data"]), want[1], atol=1e-4)
+    via = http.post("/invocations", json={"model": "ner", "input": TEXTS[:1]})
+    assert via.status_code == 200, via.text
+    assert torch.allclose(torch.tensor(via.json()["data"][0]["data"]), want[0].softmax(-1),
+                          atol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/embeddings", {"model": "ner", "input": "x"}, "model"),
+        ("/pooling", {"model": "ner", "input": "x", "task": "embed"}, "model"),
+        ("/pooling", {"model": "ner", "input": "x", "task": "token_embed"}, "model"),
+        ("/classify", {"model": "ner", "input": "x"}, "model"),
+        ("/score", {"model": "ner", "text_1": "a", "text_2": "b"}, "model"),
+        ("/pooling", {"model": "e5", "input": "x", "task": "token_classify"}, "task"),
+        ("/pooling", {"model": "xlmr", "input": "x", "task": "token_classify"}, "task"),
+        ("/pooling", {"model": "ner", "input": "x", "task": "token_classify",
+                      "encoding_format": "base64"}, "encoding_format"),
+        ("/v1/completions", {"model": "ner", "prompt": "x"}, "model"),
+    ],
+)  # fmt: skip
+def test_what_a_token_classifier_does_not_answer(
+    http: Any, path: str, body: dict[str, Any], param: str
+) -> None:
+    reply = http.post(path, json=body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param

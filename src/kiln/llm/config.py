@@ -42,6 +42,10 @@ ENCODERS = {
     "RobertaForSequenceClassification": "roberta",
     "XLMRobertaModel": "roberta",
     "XLMRobertaForSequenceClassification": "roberta",
+    # a label for every token (named entities, parts of speech): vLLM's token_classify
+    "BertForTokenClassification": "bert",
+    "RobertaForTokenClassification": "roberta",
+    "XLMRobertaForTokenClassification": "roberta",
 }
 #: the activations of an encoder's feed-forward (``hidden_act``) kiln runs
 ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu")
@@ -152,6 +156,9 @@ class ModelArgs:
     matryoshka_dimensions: tuple[int, ...] | None = None
     #: a sequence classifier's classes (``id2label``'s labels, by id; empty: not one)
     labels: tuple[str, ...] = ()
+    #: a token classifier's labels (``*ForTokenClassification``: every token classified,
+    #: vLLM's ``token_classify``); empty for any other model
+    token_labels: tuple[str, ...] = ()
     #: an encoder whose inputs carry segment ids (BERT's ``type_vocab_size`` > 1): a
     #: pair's second text is told apart from its first (``TOKEN_TYPE_SHIFT``)
     token_types: bool = False
@@ -239,6 +246,11 @@ class ModelArgs:
         """A sequence classifier's classes (0: a language model)."""
         return len(self.labels)
 
+    @property
+    def is_token_classifier(self) -> bool:
+        """A label for every token (``*ForTokenClassification``)."""
+        return bool(self.token_labels)
+
     @classmethod
     def load(cls, folder: Path) -> ModelArgs:
         from kiln.llm.checkpoint import open_checkpoint
@@ -298,6 +310,7 @@ def _encoder_args(arch: str, raw: dict[str, Any]) -> ModelArgs:
         attention_bias=True,
         eos_token_ids=(),
         labels=_labels(raw) if arch.endswith("ForSequenceClassification") else (),
+        token_labels=_labels(raw) if arch.endswith("ForTokenClassification") else (),
         token_types=int(raw.get("type_vocab_size", 2)) > 1,
         **_matryoshka(raw),
         hf_config=dict(raw),

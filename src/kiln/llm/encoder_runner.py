@@ -16,7 +16,13 @@ from kiln.llm.checkpoint import Checkpoint
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.lora_layers import LoRAManager
 from kiln.llm.model_runner import DTYPES
-from kiln.llm.models.bert import Encoder, attention_groups, check_token_types, rename
+from kiln.llm.models.bert import (
+    Encoder,
+    attention_groups,
+    check_token_types,
+    rename,
+    token_logits,
+)
 from kiln.llm.pooling import mean_pool, token_rows
 from kiln.llm.sampler import SampledToken
 from kiln.llm.scheduler import SchedulerOutput
@@ -160,13 +166,21 @@ class EncoderRunner:
     def pool(self, prompts: list[list[int]], pooling_type: str) -> torch.Tensor:
         """The prompts' pooled final hidden states [len(prompts), hidden] (a classifier's:
         its logits [len(prompts), num_labels], from the first token), float32; ``ALL``:
-        every token's, the prompts one after another [sum of lengths, hidden]."""
+        every token's, the prompts one after another [sum of lengths, hidden] (a token
+        classifier's: every token's logits [sum of lengths, labels], its only pooling)."""
         check_token_types(self.args, prompts)
         lengths = [len(p) for p in prompts]
         if any(n == 0 for n in lengths):
             raise KilnError("llm backend: an encoder's input needs a token", Status.INVALID_ARG)
-        width = self.args.num_labels or self.args.hidden_size
         every = pooling_type == "ALL"  # every token's state, inputs one after another
+        token_labels = len(self.args.token_labels)
+        if token_labels and not every:
+            raise KilnError(
+                f"llm backend: {self.args.architecture} classifies every token: it pools "
+                "only with task token_classify",
+                Status.INVALID_ARG,
+            )
+        width = self.args.num_labels or token_labels or self.args.hidden_size
         out = torch.empty(sum(lengths) if every else len(prompts), width, dtype=torch.float32)
         starts = torch.tensor([0, *lengths]).cumsum(0)
         dev = self.device
@@ -177,7 +191,10 @@ class EncoderRunner:
             rows = token_rows(sizes, "CLS" if self.args.num_labels else pooling_type)
             groups = attention_groups(sizes, dev)
             if every:
-                hidden = self.model(ids, positions, groups).float().cpu()
+                hidden = self.model(ids, positions, groups)
+                if token_labels:  # each token's label logits
+                    hidden = token_logits(self.model, hidden)
+                hidden = hidden.float().cpu()
                 at = 0
                 for i, n in zip(batch, sizes, strict=True):
                     out[starts[i] : starts[i] + n] = hidden[at : at + n]

@@ -74,7 +74,7 @@ def _pooler_config(path: Path, args: ModelArgs, asked: PoolerConfig) -> PoolerCo
     (a decoder's) or its first (an encoder's: ``[CLS]``); an embedding model pools as its
     sentence-transformers ``modules.json`` says, else from ``[CLS]`` (an encoder) or the last
     token (a decoder), L2-normalized."""
-    if args.num_labels:
+    if args.num_labels or args.is_token_classifier:  # (a token classifier reads every row)
         return PoolerConfig("CLS" if args.is_encoder else "LAST", normalize=False)
     st_pooling, st_normalize = sentence_transformers_pooling(path)
     pooling = asked.pooling_type or st_pooling or ("CLS" if args.is_encoder else "LAST")
@@ -555,12 +555,19 @@ class LLMEngine:
         """The prompts' pooled final hidden states [len(prompts), hidden] (float32), by the
         model's ``pooler_config``, in one forward pass outside the KV cache. ``tokens``
         (vLLM's ``token_embed``): every token's state instead, the prompts' one after
-        another [sum of their lengths, hidden]."""
+        another [sum of their lengths, hidden]; a token classifier's every token's logits
+        [sum of their lengths, labels] (vLLM's ``token_classify``, its only pooling)."""
         pooling = "ALL" if tokens else self.config.pooler_config.pooling_type
         assert pooling is not None, "resolved when the engine was built"
         if tokens and self.args.num_labels:
             raise KilnError(
                 "llm backend: a sequence classifier has no per-token embeddings",
+                Status.INVALID_ARG,
+            )
+        if self.args.is_token_classifier and not tokens:
+            raise KilnError(
+                f"llm backend: {self.args.architecture} classifies every token: it pools "
+                "only with task token_classify",
                 Status.INVALID_ARG,
             )
         pooled = self.runner.pool(prompts, pooling)

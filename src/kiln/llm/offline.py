@@ -459,8 +459,9 @@ class LLM:
         pooling_task: str = "token_embed",
     ) -> list[PoolingRequestOutput]:
         """vLLM's ``encode``: with ``pooling_task="token_embed"`` each prompt's token
-        vectors [tokens, hidden] (normalized by the pooler config); ``embed`` and
-        ``classify`` as ``embed()`` and ``classify()``, their data as tensors."""
+        vectors [tokens, hidden] (normalized by the pooler config); ``token_classify`` (a
+        token classifier's) each token's label probabilities [tokens, labels]; ``embed``
+        and ``classify`` as ``embed()`` and ``classify()``, their data as tensors."""
         import torch
 
         from kiln.llm.pooling import finish
@@ -475,9 +476,20 @@ class LLM:
             for out in done:
                 out.outputs = PoolingOutput(torch.tensor(out.outputs.probs))
             return done
+        if pooling_task == "token_classify":  # each token's label probabilities
+            self._pooling("token_classify")
+            flat, items = self._pool(prompts, use_tqdm, tokens=True)
+            one = len(self.engine.args.token_labels) == 1
+            probs = flat.sigmoid() if one else flat.softmax(-1)
+            parts = probs.split_with_sizes([len(ids) for _, ids in items])
+            return [
+                PoolingRequestOutput(str(i), ids, PoolingOutput(part))
+                for i, (part, (_, ids)) in enumerate(zip(parts, items, strict=True))
+            ]
         if pooling_task != "token_embed":
             raise ValueError(
-                f"pooling_task must be token_embed, embed or classify, got {pooling_task!r}"
+                "pooling_task must be token_embed, token_classify, embed or classify, got "
+                f"{pooling_task!r}"
             )
         self._pooling("embed")
         flat, items = self._pool(prompts, use_tqdm, tokens=True)
@@ -535,6 +547,12 @@ class LLM:
         ]
 
     def _pooling(self, task: str) -> None:
+        args = self.engine.args
+        if args.is_token_classifier != (task == "token_classify"):
+            kind = "a token classifier" if args.is_token_classifier else "no token classifier"
+            raise ValueError(f"{task}() needs a model that can {task}; this one is {kind}")
+        if task == "token_classify":
+            return
         classifier = bool(self.engine.args.num_labels)
         if self.engine.config.runner != "pooling" or classifier != (task == "classify"):
             runner = self.engine.config.runner

@@ -159,6 +159,42 @@ def test_sequence_classifier_logits(tmp_path: Path, family: str) -> None:
     assert F.softmax(got, -1).argmax(-1).tolist() == want.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("family", ["bert", "roberta", "xlm-roberta"])
+def test_token_classifier_labels_every_token(tmp_path: Path, family: str) -> None:
+    """``*ForTokenClassification`` (named entities): every token's label logits, equal to
+    transformers' per input, the inputs packed one after another; its only pooling."""
+    labels = ("O", "B-PER", "I-PER", "B-LOC", "I-LOC")
+    folder = build_tiny_encoder(tmp_path / family, family, labels=labels, per_token=True)
+    engine = LLMEngine(folder, EngineConfig())
+    assert engine.args.token_labels == labels and engine.args.num_labels == 0
+    assert engine.config.runner == "pooling"
+    ids = _ids(folder, TEXTS)
+    got = engine.pool(ids, tokens=True)
+    want = torch.cat(reference_encoder(folder, TEXTS))
+    assert got.shape == (sum(map(len, ids)), len(labels))
+    assert torch.allclose(got, want, atol=1e-4)
+    with pytest.raises(KilnError, match="only with task token_classify"):
+        engine.pool(ids)  # one vector an input: not a token classifier's answer
+    with pytest.raises(KilnError, match="encoder: it embeds"):
+        engine.check_request(3, SamplingParams())
+
+
+def test_the_offline_api_classifies_tokens(tmp_path: Path) -> None:
+    from kiln.llm import LLM
+
+    folder = build_tiny_encoder(tmp_path / "ner", labels=("O", "B-PER", "I-PER"), per_token=True)
+    llm = LLM(model=str(folder))
+    outs = llm.encode(TEXTS, pooling_task="token_classify")
+    for out, want in zip(outs, reference_encoder(folder, TEXTS), strict=True):
+        assert torch.allclose(out.outputs.data, want.softmax(-1), atol=1e-5)
+    for call in (lambda: llm.embed(TEXTS), lambda: llm.classify(TEXTS), lambda: llm.encode(TEXTS)):
+        with pytest.raises(ValueError, match="token classifier"):
+            call()
+    plain = LLM(model=str(build_tiny_encoder(tmp_path / "bert")))
+    with pytest.raises(ValueError, match="no token classifier"):
+        plain.encode(TEXTS, pooling_task="token_classify")
+
+
 def test_an_encoder_does_not_generate(tmp_path: Path) -> None:
     engine = LLMEngine(build_tiny_encoder(tmp_path / "bert"), EngineConfig())
     with pytest.raises(KilnError, match="BertModel is an encoder: it embeds"):

@@ -1,7 +1,8 @@
 """vLLM's classification API (``/classify``) for a sequence classifier
 (``*ForSequenceClassification``: a decoder with a ``score`` head on its last token): each
 input's class probabilities (the softmax of its logits; a one-class model's sigmoid) and
-the label of the likeliest class."""
+the label of the likeliest class; and ``/pooling``'s ``token_classify`` for a token
+classifier (``*ForTokenClassification``): every token's label probabilities."""
 
 from __future__ import annotations
 
@@ -115,6 +116,48 @@ def response_body(
         "data": data,
         "usage": pooling_usage(prompt_tokens),
     }
+
+
+def check_token_classifier(llm: EngineClient, req: EmbeddingRequest) -> None:
+    """vLLM's ``token_classify``: the model labels every token, and the inputs are few and
+    short enough to be worth reading."""
+    if not llm.engine.args.is_token_classifier:
+        raise OpenAIError(
+            f"The model '{req.model}' does not support task 'token_classify': it is not a "
+            "token classifier (a *ForTokenClassification checkpoint)",
+            param="task",
+        )
+    if llm.engine.config.runner != "pooling":
+        raise OpenAIError(f"The model '{req.model}' is served for generation", param="model")
+    check_queue(llm, req.priority, len(req.inputs), "'input' holds {} inputs", "input")
+    for item in req.inputs:
+        if isinstance(item, str):
+            check_prompt_chars(len(item), llm.engine.config.max_model_len, "input")
+
+
+def token_pooling_body(
+    llm: EngineClient, req: EmbeddingRequest, logits: list[torch.Tensor], prompt_tokens: int
+) -> bytes:
+    """vLLM's ``/pooling`` of a token classifier: each input's rows, one a token, of label
+    probabilities (softmax; a one-label model's sigmoid; ``use_activation: false``: the
+    logits), as JSON bytes. On a worker thread: in proportion to the tokens."""
+    import orjson
+
+    one = len(llm.engine.args.token_labels) == 1
+    data = []
+    for index, rows in enumerate(logits):
+        if req.normalize is not False:
+            rows = rows.sigmoid() if one else rows.softmax(-1)
+        data.append({"index": index, "object": "pooling", "data": rows.numpy()})
+    body = {
+        "id": f"pool-{req.request_id or uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": req.model,
+        "data": data,
+        "usage": pooling_usage(prompt_tokens),
+    }
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def pooling_body(

@@ -61,8 +61,11 @@ ENDIANNESS = ("native", "little", "big")
 
 
 #: vLLM's ``/pooling`` tasks kiln serves: one vector an input (``embed``), a classifier's
-#: probabilities (``classify``), every token's vector (``token_embed``)
-POOLING_TASKS = ("embed", "classify", "token_embed")
+#: probabilities (``classify``), every token's vector (``token_embed``), a token
+#: classifier's probabilities for every token (``token_classify``)
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
+#: the tasks whose answer holds a row for every token
+TOKEN_TASKS = ("token_embed", "token_classify")
 #: ``token_embed``: the most values (tokens x hidden) one answer may hold, checked once the
 #: inputs are tokenized (64 MB of float32; ~8x that as JSON text)
 MAX_TOKEN_VALUES = 1 << 24
@@ -94,8 +97,8 @@ class EmbeddingRequest:
     add_special_tokens: bool = True
     #: asked through vLLM's ``/pooling`` (its answer's shape and its API's name)
     pooling: bool = False
-    #: ``/pooling``'s ``task``: ``embed``, ``classify``, ``token_embed`` (None: the
-    #: model's own)
+    #: ``/pooling``'s ``task``: ``embed``, ``classify``, ``token_embed``,
+    #: ``token_classify`` (None: the model's own)
     task: str | None = None
 
 
@@ -162,9 +165,9 @@ def embedding_request(body: dict[str, Any], pooling: bool = False) -> EmbeddingR
             f"serves), got {str(task)[:80]!r}",
             param="task",
         )
-    if task == "token_embed" and body.get("encoding_format", "float") != "float":
+    if task in TOKEN_TASKS and body.get("encoding_format", "float") != "float":
         raise OpenAIError(
-            "task 'token_embed' answers each input's token vectors as nested lists: "
+            f"task '{task}' answers each input's token rows as nested lists: "
             "'encoding_format' must be 'float'",
             param="encoding_format",
         )
@@ -231,12 +234,15 @@ def embedding_request(body: dict[str, Any], pooling: bool = False) -> EmbeddingR
     )
 
 
-def check_token_values(llm: EngineClient, prompts: list[list[int]]) -> None:
-    """``token_embed``'s answer (every token's vector) stays within ``MAX_TOKEN_VALUES``."""
-    values = sum(len(p) for p in prompts) * llm.engine.args.hidden_size
+def check_token_values(llm: EngineClient, prompts: list[list[int]], task: str) -> None:
+    """A token task's answer (every token's vector or label probabilities) stays within
+    ``MAX_TOKEN_VALUES``."""
+    args = llm.engine.args
+    width = len(args.token_labels) if task == "token_classify" else args.hidden_size
+    values = sum(len(p) for p in prompts) * width
     if values > MAX_TOKEN_VALUES:
         raise OpenAIError(
-            f"task 'token_embed' would answer {values} values (tokens x hidden size), more "
+            f"task '{task}' would answer {values} values (tokens x row width), more "
             f"than {MAX_TOKEN_VALUES}: send fewer or shorter inputs",
             param="input",
         )
@@ -285,6 +291,12 @@ def check_pools(
         raise OpenAIError(
             f"The model '{model}' does not support {api} API: it is served for generation "
             f"(set its parameter runner to 'pooling' to serve {serves})",
+            param="model",
+        )
+    if llm.engine.args.is_token_classifier:
+        raise OpenAIError(
+            f"The model '{model}' does not support {api} API: it is a token classifier, "
+            "whose answers are on /pooling with task 'token_classify'",
             param="model",
         )
     labels = llm.engine.args.num_labels

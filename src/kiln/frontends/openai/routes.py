@@ -755,6 +755,15 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         llm = _llm(server, req.model)
         if llm.lora_request is not None:
             raise OpenAIError("LoRA adapters serve generation, not embeddings", param="model")
+        token_classifier = llm.engine.args.is_token_classifier
+        if req.task == "token_classify" or (pooling and not req.task and token_classifier):
+            classifier.check_token_classifier(llm, req)  # vLLM's /pooling of a token classifier
+            prompts = await asyncio.to_thread(embeddings.token_ids, llm, req)
+            embeddings.check_token_values(llm, prompts, "token_classify")
+            rows = await llm.pool(prompts, req.priority, tokens=True)
+            tokens = sum(len(p) for p in prompts)
+            raw = await asyncio.to_thread(classifier.token_pooling_body, llm, req, rows, tokens)
+            return Response(raw, media_type="application/json")
         if req.task == "classify" or (pooling and not req.task and llm.engine.args.num_labels):
             classifier.check_model(llm, req)  # vLLM's /pooling of a classifier
             prompts = await asyncio.to_thread(embeddings.token_ids, llm, req)
@@ -765,7 +774,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         prompts = await asyncio.to_thread(embeddings.token_ids, llm, req)
         every = req.task == "token_embed"
         if every:
-            embeddings.check_token_values(llm, prompts)
+            embeddings.check_token_values(llm, prompts, "token_embed")
         vectors = await llm.pool(prompts, req.priority, every)
         tokens = sum(len(p) for p in prompts)
         raw = await asyncio.to_thread(embeddings.response_body, llm, req, vectors, tokens)
@@ -861,6 +870,8 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
             llm = _llm(server, model) if isinstance(model, str) else None
             if llm is not None and llm.engine.args.num_labels:  # the model's task decides
                 return await classify(request)
+            if llm is not None and llm.engine.args.is_token_classifier:
+                return await pool(request)  # each token's labels: /pooling's answer
             return await embed(request)
         if "text_1" in body or "data_1" in body:
             return await score(request)

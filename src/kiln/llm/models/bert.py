@@ -1,7 +1,8 @@
 """BERT's family of encoders (BERT, RoBERTa, XLM-RoBERTa): every token attends to every
 other token of its input, so there is no KV cache and no generation; the final hidden
 states are pooled into an embedding, or a classification head scores the first token
-(``[CLS]`` / ``<s>``): a reranker's cross-encoder, a sentiment classifier.
+(``[CLS]`` / ``<s>``): a reranker's cross-encoder, a sentiment classifier; a token
+classifier's head labels every token (named entities).
 
 Tokens travel packed, the inputs one after another with no padding ([T, H]): every
 projection, norm and activation runs on real tokens only. Attention alone needs each input's
@@ -243,6 +244,8 @@ class Encoder(nn.Module):
         if args.num_labels:
             self.head_dense = nn.Linear(h, h)
             self.classifier = nn.Linear(h, args.num_labels)
+        elif args.is_token_classifier:  # one product on every token's final state
+            self.classifier = nn.Linear(h, len(args.token_labels))
 
     def fuse(self) -> None:
         for layer in self.layers:
@@ -271,6 +274,14 @@ class Encoder(nn.Module):
         assert self.head_dense is not None and self.classifier is not None
         logits: torch.Tensor = self.classifier(torch.tanh(self.head_dense(first)))
         return logits
+
+
+def token_logits(model: Encoder, hidden: torch.Tensor) -> torch.Tensor:
+    """A token classifier's logits [T, labels] from every token's final state [T, H]
+    (transformers' ``*ForTokenClassification``: its dropout, then one linear layer)."""
+    assert model.classifier is not None and model.head_dense is None
+    logits: torch.Tensor = model.classifier(hidden)
+    return logits
 
 
 def check_token_types(args: ModelArgs, ids: list[list[int]]) -> None:

@@ -137,9 +137,14 @@ def test_token_embed_answers_are_bounded_once_the_inputs_are_tokenized() -> None
 
     from kiln.frontends.openai.embeddings import MAX_TOKEN_VALUES, check_token_values
 
-    llm: Any = SimpleNamespace(engine=SimpleNamespace(args=SimpleNamespace(hidden_size=1024)))
+    args = SimpleNamespace(hidden_size=1024, token_labels=("O",) * 8)
+    llm: Any = SimpleNamespace(engine=SimpleNamespace(args=args))
     fits = MAX_TOKEN_VALUES // 1024
-    check_token_values(llm, [[1] * (fits // 2), [2] * (fits // 2)])
+    check_token_values(llm, [[1] * (fits // 2), [2] * (fits // 2)], "token_embed")
     with pytest.raises(OpenAIError, match=r"would answer .* values") as err:
-        check_token_values(llm, [[1] * (fits // 2), [2] * (fits // 2 + 1)])
+        check_token_values(llm, [[1] * (fits // 2), [2] * (fits // 2 + 1)], "token_embed")
     assert err.value.param == "input"
+    # token_classify: tokens x labels (8 here), so 128 times the tokens fit
+    check_token_values(llm, [[1] * (fits * 128)], "token_classify")
+    with pytest.raises(OpenAIError, match="token_classify"):
+        check_token_values(llm, [[1] * (fits * 128 + 1)], "token_classify")
