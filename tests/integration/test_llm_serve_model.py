@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -257,3 +258,50 @@ def test_kserve_infer_takes_the_vllm_backends_tensors(
         assert result.as_numpy("text_output")[0].decode() == PROMPT + want.choices[0].text
     finally:
         grpc.close()
+
+
+def test_vllms_tokenizer_template_and_generation_flags(folder: Path, tmp_path: Path) -> None:
+    """``--tokenizer`` (weights and tokenizer in two folders), ``--default-chat-template-
+    kwargs`` (under a request's own), ``--response-role`` and ``--override-generation-config``
+    on one ``kiln serve`` command line, as vLLM reads them."""
+    import httpx
+
+    weights, tok = tmp_path / "weights", tmp_path / "tok"
+    weights.mkdir()
+    tok.mkdir()
+    for f in folder.iterdir():
+        target = tok if f.name.startswith("tokenizer") else weights
+        (target / f.name).write_bytes(f.read_bytes())
+    template = "{% if enable_thinking %}<think>{% endif %}{{ messages[0]['content'] }}"
+    args = [str(weights), "--served-model-name", "tiny", "--tokenizer", str(tok),
+            "--dtype", "float32", "--kv-cache-memory", "1M", "--chat-template", template,
+            "--default-chat-template-kwargs", '{"enable_thinking": true}',
+            "--response-role", "model", "--override-generation-config",
+            '{"max_new_tokens": 3, "temperature": 0}']  # fmt: skip
+    proc = KilnProcess(tmp_path / "repo", args=args, with_repository=False).start(timeout=120)
+    try:
+        with httpx.Client(base_url=f"http://{proc.http_url}", timeout=60) as http:
+            messages = [{"role": "user", "content": PROMPT}]
+
+            def rendered(**extra: Any) -> str:
+                body = {"model": "tiny", "messages": messages, **extra}
+                ids = http.post("/tokenize", json=body).json()["tokens"]
+                return str(http.post("/detokenize", json={"tokens": ids}).json()["prompt"])
+
+            assert rendered() == "<think>" + PROMPT  # the server's default
+            off = {"chat_template_kwargs": {"enable_thinking": False}}
+            assert rendered(**off) == PROMPT  # the request's own wins
+            assert rendered(reasoning_effort="none") == PROMPT
+            reply = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages,
+                                                            "max_tokens": 2})  # fmt: skip
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["role"] == "model"
+            # the override's max_new_tokens bounds every request; its temperature 0 is greedy
+            body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 50, "ignore_eos": True}
+            first = http.post("/v1/completions", json=body).json()
+            assert first["usage"]["completion_tokens"] == 3
+            assert http.post("/v1/completions", json=body).json()["choices"] == first["choices"]
+    finally:
+        proc.stop()
+    refused = _serve_fails([str(weights), "--tokenizer", str(tmp_path / "none")])
+    assert "--tokenizer" in refused and "does not exist" in refused

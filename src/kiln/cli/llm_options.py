@@ -56,6 +56,11 @@ ENGINE_FLAGS = {
     "convert": "convert",
     "task": "task",
     "pooler_config": "pooler_config",
+    "tokenizer": "tokenizer",
+    "num_gpu_blocks_override": "num_gpu_blocks",
+    "default_chat_template_kwargs": "default_chat_template_kwargs",
+    "override_generation_config": "override_generation_config",
+    "response_role": "response_role",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -77,6 +82,19 @@ class ByteSize(click.ParamType[int, str | int]):
         number, unit, _ = match.groups()
         scale = 1024 ** ("KMGT".index(unit) + 1) if unit.isupper() else _UNITS[unit]
         return int(float(number) * scale)
+
+
+def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A flag holding a JSON object, checked when the command line is read."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise click.BadParameter(f"must be a JSON object, got {value[:80]!r}")
+    return value
 
 
 def llm_options(func: F) -> F:
@@ -155,6 +173,39 @@ def llm_options(func: F) -> F:
             "--chat-template",
             default=None,
             help="A Jinja chat template, or a file holding one, replacing the model's.",
+        ),
+        click.option(
+            "--default-chat-template-kwargs",
+            default=None,
+            callback=_json_object,
+            metavar="JSON",
+            help="The chat template's variables unless a request sets them: "
+            "'{\"enable_thinking\": false}'.",
+        ),
+        click.option(
+            "--response-role",
+            default=None,
+            help="A chat answer's role after the generation prompt [default: assistant].",
+        ),
+        click.option(
+            "--tokenizer",
+            type=click.Path(exists=True, file_okay=False, path_type=Path),
+            default=None,
+            help="A folder holding the tokenizer, when not the checkpoint's.",
+        ),
+        click.option(
+            "--num-gpu-blocks-override",
+            type=click.IntRange(min=1),
+            default=None,
+            help="KV cache blocks, instead of sizing the cache from memory.",
+        ),
+        click.option(
+            "--override-generation-config",
+            default=None,
+            callback=_json_object,
+            metavar="JSON",
+            help="Sampling defaults over generation_config.json's (or alone with "
+            "--generation-config vllm): '{\"temperature\": 0.5}'.",
         ),
         click.option(
             "--generation-config",
@@ -324,6 +375,8 @@ def served_models(
         config = ModelConfig(name=name, backend="llm")
         config.parameters["model_path"].string_value = str(path)
         for key, value in given.items():
+            if isinstance(value, Path):
+                value = value.resolve()
             if isinstance(value, tuple):  # a repeated flag: a JSON list (paths resolved)
                 value = json.dumps([str(Path(v).resolve()) if isinstance(v, Path) else v
                                     for v in value])  # fmt: skip

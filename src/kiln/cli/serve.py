@@ -11,6 +11,7 @@ import click
 
 from kiln.cli.llm_options import ENGINE_FLAGS, llm_options, served_models
 from kiln.cli.security_options import build_security, security_options
+from kiln.cli.vllm_flags import vllm_flags
 from kiln.core.header_forward import header_forward
 from kiln.security import DEFAULT_MAX_INPUT_BYTES
 
@@ -298,6 +299,7 @@ def _open_repositories(values: tuple[str, ...]) -> list[Any]:
 )  # fmt: skip
 @security_options
 @llm_options
+@vllm_flags
 def serve(
     model_paths: tuple[Path, ...],
     model_repository: tuple[str, ...],

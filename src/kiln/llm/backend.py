@@ -13,6 +13,7 @@ arguments (``model_json.py``), served by the same engine.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from contextlib import aclosing
@@ -39,6 +40,7 @@ from kiln.llm.engine_core import EngineInit, build_engine
 from kiln.llm.engine_messages import Counts, counts
 from kiln.llm.engine_proc import EngineProcClient
 from kiln.llm.lora import LoRARegistry, LoRARequest, check_allowed_path, lora_config
+from kiln.llm.params import InvalidField, sampling_fields
 from kiln.llm.spec_config import SpeculativeConfig
 from kiln.llm.tokenizer import Tokenizer
 
@@ -176,6 +178,25 @@ def _pooling(config: ModelConfig, out: EngineConfig) -> None:
     )
 
 
+def json_object(config: ModelConfig, key: str) -> dict[str, Any]:
+    """A parameter holding a JSON object ({} when unset)."""
+    raw = parameter(config, key)
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise KilnError(
+            f"model '{config.name}': parameter {key} is not JSON: {exc}", Status.INVALID_ARG
+        ) from None
+    if not isinstance(value, dict):
+        raise KilnError(
+            f"model '{config.name}': parameter {key} must be a JSON object, got {raw[:80]!r}",
+            Status.INVALID_ARG,
+        )
+    return value
+
+
 def tool_calling(config: ModelConfig) -> tuple[bool, str | None]:
     """Parameters ``enable_auto_tool_choice`` and ``tool_call_parser``, checked as vLLM
     checks its flags: auto tool choice needs a parser."""
@@ -286,9 +307,24 @@ class LLMBackend(Backend):
         self.enable_auto_tool_choice, self.tool_call_parser = tool_calling(config)
         #: vLLM's ``--reasoning-parser`` (the frontend's too)
         self.reasoning_parser = reasoning_parser(config)
+        #: vLLM's ``--default-chat-template-kwargs``: the template's variables a request's
+        #: ``chat_template_kwargs`` (or ``reasoning_effort``) may override
+        self.default_chat_template_kwargs = json_object(config, "default_chat_template_kwargs")
+        #: vLLM's ``--response-role``: a chat answer's role after the generation prompt
+        self.response_role = (parameter(config, "response_role") or "assistant").strip()
         # the tokenizer first: its errors come before minutes of weight loading
         self.tokenizer = Tokenizer.load(tokenizer, settings.chat_template)
         generation = self._generation_config(settings.generation_config, folder)
+        # vLLM's --override-generation-config: over the checkpoint's (auto) or alone (vllm)
+        override = json_object(config, "override_generation_config")
+        try:
+            sampling_fields(sampling_defaults(override))
+        except InvalidField as exc:
+            raise KilnError(
+                f"model '{config.name}': override_generation_config: {exc.message}",
+                Status.INVALID_ARG,
+            ) from None
+        generation = {**generation, **override}
         #: request fields' defaults from generation_config.json (vLLM's ``auto``)
         self.sampling_defaults = sampling_defaults(generation)
         #: generation_config.json's ``max_new_tokens``: vLLM bounds every request's
@@ -375,9 +411,18 @@ class LLMBackend(Backend):
     def _settings(
         cls, config: ModelConfig, version_dir: Path, instance: InstanceSpec
     ) -> tuple[Path, Path, EngineConfig]:
-        """The weights' folder, the tokenizer's, and the engine's settings."""
+        """The weights' folder, the tokenizer's (vLLM's ``--tokenizer``: another folder),
+        and the engine's settings."""
         folder = Path(parameter(config, "model_path", "") or version_dir)
-        return folder, folder, engine_config(config, instance)
+        given = parameter(config, "tokenizer", "")
+        tokenizer = Path(given) if given else folder  # a .gguf file holds its own
+        if given and not tokenizer.is_dir():
+            raise KilnError(
+                f"model '{config.name}': parameter tokenizer '{tokenizer}' is not a folder "
+                "(kiln reads local tokenizers: tokenizer.json and tokenizer_config.json)",
+                Status.INVALID_ARG,
+            )
+        return folder, tokenizer, engine_config(config, instance)
 
     @classmethod
     def auto_complete_config(cls, config: ModelConfig, version_dir: Path) -> None:

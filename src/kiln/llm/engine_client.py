@@ -166,6 +166,16 @@ class EngineClient:
         return self._backend.reasoning_parser
 
     @property
+    def default_chat_template_kwargs(self) -> dict[str, Any]:
+        """vLLM's ``--default-chat-template-kwargs``: under each request's own."""
+        return self._backend.default_chat_template_kwargs
+
+    @property
+    def response_role(self) -> str:
+        """vLLM's ``--response-role``: a chat answer's role after a generation prompt."""
+        return self._backend.response_role
+
+    @property
     def tool_call_parser(self) -> str | None:
         """vLLM's ``--tool-call-parser``: the format ``auto`` reads calls in."""
         return self._backend.tool_call_parser

@@ -80,3 +80,59 @@ def test_serve_reads_vllms_command_line(tmp_path: Path) -> None:
     assert (ctx.params["seed"], ctx.params["max_logprobs"], ctx.params["stream_interval"]) == (
         3, -1, 4,
     )  # fmt: skip
+
+
+def test_vllms_other_flags_are_accepted_or_refused_by_name(tmp_path: Path) -> None:
+    """A ``vllm serve`` command line runs unchanged where kiln has nothing to do for a
+    flag, and fails naming the flag where it asks for what kiln does not do."""
+    from kiln.cli.serve import serve
+    from kiln.cli.vllm_flags import (
+        ACCEPTED_SWITCHES,
+        ACCEPTED_VALUES,
+        LIMITED_VALUES,
+        REFUSED_SWITCHES,
+    )
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    accepted = ["--uvicorn-log-level", "warning", "--download-dir", "/tmp/hf",
+                "--revision", "main", "--pipeline-parallel-size", "1",
+                "--load-format", "safetensors", "--tokenizer-mode", "auto",
+                "--distributed-executor-backend", "mp", "--logprobs-mode", "raw_logprobs",
+                *ACCEPTED_SWITCHES]  # fmt: skip
+    ctx = serve.make_context("serve", [str(model), *accepted])
+    assert not any(k.startswith("vllm_") for k in ctx.params)  # nothing reaches serve()
+    refused = [["--pipeline-parallel-size", "2"], ["--data-parallel-size", "4"],
+               ["--cpu-offload-gb", "8"], ["--load-format", "dummy"],
+               ["--logprobs-mode", "processed_logprobs"], ["--kv-transfer-config", "{}"],
+               *([s] for s in REFUSED_SWITCHES)]  # fmt: skip
+    for args in refused:
+        with pytest.raises(click.BadParameter, match=f"vLLM's {args[0]}"):
+            serve.make_context("serve", [str(model), *args])
+    # every flag of the tables is a hidden option of kiln serve
+    opts = {o for p in serve.params for o in p.opts if getattr(p, "hidden", False)}
+    tables = (ACCEPTED_VALUES, ACCEPTED_SWITCHES, LIMITED_VALUES, REFUSED_SWITCHES)
+    assert set().union(*tables) <= opts
+
+
+def test_vllms_model_flags_become_engine_parameters(tmp_path: Path) -> None:
+    from kiln.cli.llm_options import served_models
+    from kiln.cli.serve import serve
+
+    model, tok = tmp_path / "m", tmp_path / "tok"
+    model.mkdir()
+    tok.mkdir()
+    args = [str(model), "--tokenizer", str(tok), "--num-gpu-blocks-override", "64",
+            "--default-chat-template-kwargs", '{"enable_thinking": false}',
+            "--override-generation-config", '{"temperature": 0.5}',
+            "--response-role", "model"]  # fmt: skip
+    ctx = serve.make_context("serve", args)
+    (config,) = served_models(ctx.params["model_paths"], (), ctx.params)
+    got = {k: v.string_value for k, v in config.parameters.items()}
+    assert got["tokenizer"] == str(tok.resolve()) and got["num_gpu_blocks"] == "64"
+    assert got["default_chat_template_kwargs"] == '{"enable_thinking": false}'
+    assert got["override_generation_config"] == '{"temperature": 0.5}'
+    assert got["response_role"] == "model"
+    for flag in ("--default-chat-template-kwargs", "--override-generation-config"):
+        with pytest.raises(click.BadParameter, match="JSON object"):
+            serve.make_context("serve", [str(model), flag, "[1]"])

@@ -100,3 +100,23 @@ def test_pooling_flags_serve_a_language_model_as_an_embedding_model(
     encoder = build_tiny_encoder(tmp_path / "bert")
     asked = _engine_config(encoder, pooler_config='{"pooling_type": "MEAN"}')
     assert LLMEngine(encoder, asked).config.pooler_config == PoolerConfig("MEAN", True)
+
+
+def test_json_and_tokenizer_parameters_are_checked(tmp_path: Path) -> None:
+    """config.pbtxt's spellings of vLLM's --default-chat-template-kwargs,
+    --override-generation-config and --tokenizer: refused by name when malformed."""
+    from kiln.backends.base import InstanceSpec
+    from kiln.config.model_config_pb2 import ModelConfig
+    from kiln.llm.backend import LLMBackend, json_object
+
+    config = ModelConfig(name="m", backend="llm")
+    assert json_object(config, "default_chat_template_kwargs") == {}
+    config.parameters["default_chat_template_kwargs"].string_value = '{"a": 1}'
+    assert json_object(config, "default_chat_template_kwargs") == {"a": 1}
+    for bad, why in (("[1]", "JSON object"), ("{nope", "not JSON")):
+        config.parameters["override_generation_config"].string_value = bad
+        with pytest.raises(KilnError, match=why):
+            json_object(config, "override_generation_config")
+    config.parameters["tokenizer"].string_value = str(tmp_path / "missing")
+    with pytest.raises(KilnError, match=r"parameter tokenizer .* is not a folder"):
+        LLMBackend._settings(config, tmp_path, InstanceSpec("m_0", "cpu", 0, 0, 1))

@@ -19,6 +19,7 @@ from kiln.frontends.openai.protocol import (
     chat_template_options,
     check_fields,
     check_prompt_chars,
+    with_server_kwargs,
 )
 from kiln.llm.params import InvalidField, integer
 
@@ -402,7 +403,8 @@ def token_ids(llm: EngineClient, req: EmbeddingRequest) -> list[list[int]]:
     inputs = req.inputs
     if req.messages is not None:
         assert req.template is not None
-        inputs = [llm.tokenizer.apply_chat_template(req.messages, **req.template)]
+        template = with_server_kwargs(llm, req.template)
+        inputs = [llm.tokenizer.apply_chat_template(req.messages, **template)]
     out = []
     for item in inputs:
         if isinstance(item, list):

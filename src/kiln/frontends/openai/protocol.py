@@ -19,6 +19,7 @@ from kiln.llm.structured import from_request as structured_outputs
 if TYPE_CHECKING:
     from kiln.frontends.openai.reasoning import ReasoningParser
     from kiln.frontends.openai.tools import ToolRequest
+    from kiln.llm.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -610,16 +611,27 @@ def chat_template_options(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def with_server_kwargs(llm: EngineClient, template: dict[str, Any]) -> dict[str, Any]:
+    """``template`` (``chat_template_options``) over the server's
+    ``--default-chat-template-kwargs``: a request's own variables win, as in vLLM."""
+    defaults = llm.default_chat_template_kwargs
+    if not defaults:
+        return template
+    return {**template, "template_kwargs": {**defaults, **template["template_kwargs"]}}
+
+
 def chat_request(
     body: dict[str, Any],
     messages: list[dict[str, Any]],
     rendered_prompt: str,
     template: dict[str, Any],
+    response_role: str = "assistant",
 ) -> GenerationRequest:
     req = _common(body, [rendered_prompt], "max_completion_tokens", chat=True)
-    # vLLM's roles: the answer is the assistant's after a generation prompt, else it
-    # continues the last message's role; echo starts it with that message when it is ours
-    req.role = "assistant" if template["add_generation_prompt"] else messages[-1]["role"]
+    # vLLM's roles: the answer is the server's --response-role (the assistant's) after a
+    # generation prompt, else it continues the last message's role; echo starts it with
+    # that message when it is ours
+    req.role = response_role if template["add_generation_prompt"] else messages[-1]["role"]
     if req.echo and messages[-1]["role"] == req.role:
         req.chat_echo = messages[-1]["content"]
     req.template = template

@@ -48,6 +48,7 @@ from kiln.frontends.openai.protocol import (
     completion_request,
     detokenize_ids,
     flag,
+    with_server_kwargs,
 )
 from kiln.frontends.openai.reasoning import ReasoningParser
 from kiln.llm.engine_client import EngineClient
@@ -163,7 +164,7 @@ def _chat_prompt(
     llm: EngineClient, messages: list[dict[str, Any]], template: dict[str, Any]
 ) -> str:
     check_prompt_chars(sum(len(m["content"]) for m in messages), llm.max_model_len, "messages")
-    return llm.tokenizer.apply_chat_template(messages, **template)
+    return llm.tokenizer.apply_chat_template(messages, **with_server_kwargs(llm, template))
 
 
 def _with_model_defaults(body: dict[str, Any], llm: EngineClient | None) -> dict[str, Any]:
@@ -662,7 +663,8 @@ async def _chat_setup(
         template["template_kwargs"] = {"tools": calling.tools, **template["template_kwargs"]}
     # the template renders in proportion to the messages: off the event loop too
     prompt = await asyncio.to_thread(_chat_prompt, llm, messages, template) if llm else ""
-    req = chat_request(_with_model_defaults(body, llm), messages, prompt, template)
+    role = llm.response_role if llm is not None else "assistant"
+    req = chat_request(_with_model_defaults(body, llm), messages, prompt, template, role)
     tools.apply(req, calling)
     if llm is None:  # chat_request refused a 'model' that is not a string
         llm = _generator(server, req.model, api, body)

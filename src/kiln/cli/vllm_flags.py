@@ -1,0 +1,100 @@
+"""``vllm serve`` flags that have nothing to map onto in kiln, so that a vLLM command line
+runs unchanged where it can and fails naming the flag where it cannot.
+
+Accepted (hidden from ``--help``, listed in docs/llm.md): flags for what kiln does anyway or
+has no counterpart of (a hub's revisions, uvicorn's own logs). Refused: flags that ask for
+something kiln does not do (pipeline or data parallelism, CPU offload, sleep mode, ...),
+unless their value asks for nothing (``--pipeline-parallel-size 1``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger(__name__)
+
+#: flags with a value kiln accepts and needs nothing from: why
+ACCEPTED_VALUES = {
+    "--uvicorn-log-level": "kiln's HTTP server logs warnings and errors (--log-level sets kiln's)",
+    "--max-log-len": "kiln logs no prompts",
+    "--download-dir": "kiln reads local checkpoints only: nothing is downloaded",
+    "--revision": "a local folder has one revision",
+    "--tokenizer-revision": "a local folder has one revision",
+    "--code-revision": "kiln runs no code from a checkpoint",
+    "--hf-token": "kiln reads no hub",
+    "--max-parallel-loading-workers": "kiln loads one shard at a time",
+}
+#: switches kiln accepts: why
+ACCEPTED_SWITCHES = {
+    "--disable-uvicorn-access-log": "kiln's HTTP server writes no access log",
+    "--disable-fastapi-docs": "kiln serves no /docs pages",
+    "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details",
+    "--enable-server-load-tracking": "kiln counts requests in flight always (/metrics)",
+}
+#: flags with a value, accepted only with the values that ask for nothing kiln lacks
+LIMITED_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
+    "--pipeline-parallel-size": (("1",), "one machine: --tensor-parallel-size splits a model"),
+    "--data-parallel-size": (("1",), "run one kiln per replica (docs/scaling.md)"),
+    "--api-server-count": (("1",), "one server process"),
+    "--cpu-offload-gb": (("0",), "weights stay on the device"),
+    "--load-format": (("auto", "safetensors", "gguf"), "kiln reads safetensors and GGUF"),
+    "--tokenizer-mode": (("auto", "hf"), "kiln runs the tokenizer.json tokenizer"),
+    "--logprobs-mode": (("raw_logprobs",), "logprobs are the model's raw distribution"),
+    "--distributed-executor-backend": (("mp", "uni"), "kiln's workers are processes"),
+    "--root-path": (("", "/"), "serve under a path prefix with the proxy's rewrite"),
+    "--kv-transfer-config": ((), "no disaggregated prefill"),
+    "--limit-mm-per-prompt": ((), "kiln serves text"),
+    "--hf-overrides": (("{}",), "edit config.json instead"),
+}
+#: switches that ask for something kiln does not do
+REFUSED_SWITCHES = {
+    "--enable-sleep-mode": "no sleep mode: unload the model (--model-control-mode explicit)",
+    "--enable-expert-parallel": "experts run on each tensor-parallel rank",
+    "--skip-tokenizer-init": "the OpenAI routes need the tokenizer",
+    "--trust-request-chat-template": "a request cannot bring its own chat template",
+    "--headless": "kiln serves its API in the engine's server",
+}
+
+
+def _opt_name(flag: str) -> str:
+    return "vllm_" + flag.removeprefix("--").replace("-", "_")
+
+
+def _check_value(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is None:
+        return
+    flag = param.opts[0]
+    if flag in ACCEPTED_VALUES:
+        log.info("vLLM's %s %s: accepted, nothing to do (%s)", flag, value, ACCEPTED_VALUES[flag])
+        return
+    allowed, why = LIMITED_VALUES[flag]
+    if value.strip() not in allowed:
+        takes = f" (kiln takes {', '.join(repr(a) for a in allowed)})" if allowed else ""
+        raise click.BadParameter(f"vLLM's {flag} {value!r} is not supported by kiln{takes}: {why}")
+
+
+def _check_switch(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if not value:
+        return
+    flag = param.opts[0]
+    if flag in REFUSED_SWITCHES:
+        raise click.BadParameter(
+            f"vLLM's {flag} is not supported by kiln: {REFUSED_SWITCHES[flag]}"
+        )
+    log.info("vLLM's %s: accepted, nothing to do (%s)", flag, ACCEPTED_SWITCHES[flag])
+
+
+def vllm_flags(func: F) -> F:
+    """The flags above, hidden, on ``kiln serve``."""
+    for flag in (*ACCEPTED_VALUES, *LIMITED_VALUES):
+        func = click.option(flag, _opt_name(flag), default=None, hidden=True,
+                            expose_value=False, callback=_check_value)(func)  # fmt: skip
+    for flag in (*ACCEPTED_SWITCHES, *REFUSED_SWITCHES):
+        func = click.option(flag, _opt_name(flag), is_flag=True, default=False, hidden=True,
+                            expose_value=False, callback=_check_switch)(func)  # fmt: skip
+    return func
