@@ -36,6 +36,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     generation = folder / "generation_config.json"
     config = json.loads(generation.read_text()) if generation.exists() else {}
     generation.write_text(json.dumps({**config, "repetition_penalty": 1.3, "temperature": 0.6}))
+    # the same weights without the prefix cache, which beam search needs
+    uncached = llm_config("uncached", block_size="4", num_gpu_blocks="64", dtype="float32",
+                          enable_prefix_caching="false", model_path=str(folder))  # fmt: skip
+    (repo / "uncached" / "1").mkdir(parents=True)
+    (repo / "uncached" / "config.pbtxt").write_text(uncached)
     (repo / "tiny" / "config.pbtxt").write_text(CONFIG)
     return repo
 
@@ -157,6 +162,18 @@ def test_echo_logprobs_and_stop_strings(client: openai.OpenAI, tokenizer: Any) -
                                         stop=[stop], extra_body=BEAM)  # fmt: skip
         assert all(stop not in c.text for c in cut.choices)
         assert any(c.finish_reason == "stop" for c in cut.choices)
+
+
+def test_beam_search_without_the_prefix_cache_is_refused(http: httpx.Client) -> None:
+    """Each step's requests hold their whole sequence: without the prefix cache every beam
+    would be recomputed from the prompt's start at every step."""
+    body = {"model": "uncached", "prompt": "hello", "max_tokens": 4, **BEAM}
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "use_beam_search"
+    assert "prefix cache" in reply.json()["error"]["message"]
+    plain = http.post("/v1/completions", json={**body, "use_beam_search": False})
+    assert plain.status_code == 200, plain.text
 
 
 @pytest.mark.parametrize(

@@ -329,6 +329,11 @@ class LLM:
             raise ValueError(f"beam_width must be a positive integer, got {width!r}")
         if not -10 <= length_penalty <= 10:
             raise ValueError(f"length_penalty must be in [-10, 10], got {length_penalty}")
+        if not self.engine.config.enable_prefix_caching:
+            raise ValueError(
+                "beam_search() needs the prefix cache (enable_prefix_caching=True): without "
+                "it every step recomputes every beam from the prompt's start"
+            )
         limit = self.engine.config.max_logprobs
         if limit != -1 and 2 * width > limit:
             raise ValueError(

@@ -196,3 +196,7 @@ def test_llm_beam_search_refuses_what_it_cannot_run(tiny: Path) -> None:
         llm.beam_search(["hello"], BeamSearchParams(2, 4, structured_outputs={"json": {}}))
     with pytest.raises(ValueError, match="beam_width"):
         llm.beam_search(["hello"], BeamSearchParams(0, 4))
+    uncached = LLM(tiny, dtype="float32", max_model_len=64, num_gpu_blocks=64, block_size=4,
+                   enable_prefix_caching=False)  # fmt: skip
+    with pytest.raises(ValueError, match="prefix cache"):
+        uncached.beam_search(["hello"], BeamSearchParams(2, 4))

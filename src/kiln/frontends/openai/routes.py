@@ -256,8 +256,17 @@ def _prepare(
 
 def _check_beam_search(llm: EngineClient, req: GenerationRequest) -> None:
     """What beam search cannot run with, refused before anything is queued: each step asks
-    the engine for 2 x ``n`` logprobs a beam (bounded by the model's ``max_logprobs``), and
-    a grammar constrains sampling, not the logprobs beams are ranked by."""
+    the engine for 2 x ``n`` logprobs a beam (bounded by the model's ``max_logprobs``); each
+    step's requests hold their whole sequence, so without the prefix cache a search would
+    recompute every beam from its prompt's start at every step (its work growing with the
+    square of its length: one request could hold the engine); and a grammar constrains
+    sampling, not the logprobs beams are ranked by."""
+    if not llm.engine.config.enable_prefix_caching:
+        raise OpenAIError(
+            "beam search needs the prefix cache, which this model runs without "
+            "(--enable-prefix-caching)",
+            param="use_beam_search",
+        )
     n = req.params.n
     limit = llm.engine.config.max_logprobs
     if limit != -1 and 2 * n > limit:
