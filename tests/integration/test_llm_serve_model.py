@@ -277,7 +277,7 @@ def test_vllms_tokenizer_template_and_generation_flags(folder: Path, tmp_path: P
             "--dtype", "float32", "--kv-cache-memory", "1M", "--chat-template", template,
             "--default-chat-template-kwargs", '{"enable_thinking": true}',
             "--response-role", "model", "--override-generation-config",
-            '{"max_new_tokens": 3, "temperature": 0}']  # fmt: skip
+            '{"max_new_tokens": 3, "temperature": 0}', "--trust-request-chat-template"]  # fmt: skip
     proc = KilnProcess(tmp_path / "repo", args=args, with_repository=False).start(timeout=120)
     try:
         with httpx.Client(base_url=f"http://{proc.http_url}", timeout=60) as http:
@@ -292,6 +292,12 @@ def test_vllms_tokenizer_template_and_generation_flags(folder: Path, tmp_path: P
             off = {"chat_template_kwargs": {"enable_thinking": False}}
             assert rendered(**off) == PROMPT  # the request's own wins
             assert rendered(reasoning_effort="none") == PROMPT
+            # --trust-request-chat-template: a request's own template, in the sandbox
+            own = "{{ messages[0]['content'] }}?{% if enable_thinking %}!{% endif %}"
+            assert rendered(chat_template=own) == PROMPT + "?!"
+            bomb = {"model": "tiny", "messages": messages, "chat_template": "{{ 'a' * 10**9 }}"}
+            reply = http.post("/v1/chat/completions", json=bomb)
+            assert reply.status_code == 400 and "chat template" in reply.json()["error"]["message"]
             reply = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages,
                                                             "max_tokens": 2})  # fmt: skip
             assert reply.status_code == 200, reply.text

@@ -369,6 +369,15 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, http: ht
     assert _error(http.post("/v1/chat/completions", json=bad))["param"] == "chat_template_kwargs"
 
 
+def test_a_requests_chat_template_needs_the_servers_trust(http: httpx.Client) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+            "chat_template": "{{ messages[0]['content'] }}"}  # fmt: skip
+    for path in ("/v1/chat/completions", "/tokenize"):
+        error = _error(http.post(path, json=body))
+        assert error["param"] == "chat_template"
+        assert "--trust-request-chat-template" in error["message"]
+
+
 def test_reasoning_effort_reaches_the_template(client: openai.OpenAI, http: httpx.Client) -> None:
     """vLLM's: ``reasoning_effort`` is a template variable, and turns a template's
     ``enable_thinking`` on (off for ``none``) unless chat_template_kwargs set it."""

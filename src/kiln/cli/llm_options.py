@@ -61,6 +61,7 @@ ENGINE_FLAGS = {
     "default_chat_template_kwargs": "default_chat_template_kwargs",
     "override_generation_config": "override_generation_config",
     "response_role": "response_role",
+    "trust_request_chat_template": "trust_request_chat_template",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -181,6 +182,13 @@ def llm_options(func: F) -> F:
             metavar="JSON",
             help="The chat template's variables unless a request sets them: "
             "'{\"enable_thinking\": false}'.",
+        ),
+        click.option(
+            "--trust-request-chat-template",
+            is_flag=True,
+            default=None,
+            help="Requests may bring their own chat_template (rendered in a sandbox; off: "
+            "a 400). Only for clients you trust: a template runs loops of their choosing.",
         ),
         click.option(
             "--response-role",

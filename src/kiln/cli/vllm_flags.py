@@ -56,7 +56,6 @@ REFUSED_SWITCHES = {
     "--enable-sleep-mode": "no sleep mode: unload the model (--model-control-mode explicit)",
     "--enable-expert-parallel": "experts run on each tensor-parallel rank",
     "--skip-tokenizer-init": "the OpenAI routes need the tokenizer",
-    "--trust-request-chat-template": "a request cannot bring its own chat template",
     "--headless": "kiln serves its API in the engine's server",
 }
 

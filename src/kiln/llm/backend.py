@@ -178,6 +178,20 @@ def _pooling(config: ModelConfig, out: EngineConfig) -> None:
     )
 
 
+def flag_parameter(config: ModelConfig, key: str) -> bool:
+    """A true/false parameter (false when unset)."""
+    raw = parameter(config, key)
+    if raw is None:
+        return False
+    value = _BOOLEANS.get(raw.strip().lower())
+    if value is None:
+        raise KilnError(
+            f"model '{config.name}': parameter {key} must be true or false, got '{raw}'",
+            Status.INVALID_ARG,
+        )
+    return value
+
+
 def json_object(config: ModelConfig, key: str) -> dict[str, Any]:
     """A parameter holding a JSON object ({} when unset)."""
     raw = parameter(config, key)
@@ -312,6 +326,8 @@ class LLMBackend(Backend):
         self.default_chat_template_kwargs = json_object(config, "default_chat_template_kwargs")
         #: vLLM's ``--response-role``: a chat answer's role after the generation prompt
         self.response_role = (parameter(config, "response_role") or "assistant").strip()
+        #: vLLM's ``--trust-request-chat-template``: a request's chat_template is rendered
+        self.trust_request_chat_template = flag_parameter(config, "trust_request_chat_template")
         # the tokenizer first: its errors come before minutes of weight loading
         self.tokenizer = Tokenizer.load(tokenizer, settings.chat_template)
         generation = self._generation_config(settings.generation_config, folder)

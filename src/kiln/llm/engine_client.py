@@ -171,6 +171,11 @@ class EngineClient:
         return self._backend.default_chat_template_kwargs
 
     @property
+    def trust_request_chat_template(self) -> bool:
+        """vLLM's ``--trust-request-chat-template``: a request may bring its template."""
+        return self._backend.trust_request_chat_template
+
+    @property
     def response_role(self) -> str:
         """vLLM's ``--response-role``: a chat answer's role after a generation prompt."""
         return self._backend.response_role

@@ -22,7 +22,7 @@ from kiln.llm.config import EngineConfig, PoolerConfig
 from kiln.llm.engine_core import build_engine
 from kiln.llm.params import InvalidField, sampling_fields, with_defaults
 from kiln.llm.sequence import find_stop, token_by_token
-from kiln.llm.tokenizer import IncrementalDetokenizer, Tokenizer
+from kiln.llm.tokenizer import IncrementalDetokenizer, Tokenizer, template_source
 
 if TYPE_CHECKING:
     import torch
@@ -251,17 +251,20 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered by the model's chat
-        template, then generated as ``generate`` does."""
+        template (or ``chat_template``, vLLM's argument), then generated as ``generate``
+        does."""
         conversations: list[Any] = (
             list(messages) if messages and isinstance(messages[0], list) else [messages]
         )
         items: list[tuple[str | None, list[int]]] = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt, continue_final_message, chat_template_kwargs
-            )
+                conversation, add_generation_prompt, continue_final_message,
+                chat_template_kwargs, template_source(chat_template) if chat_template else None,
+            )  # fmt: skip
             items.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._run(items, sampling_params, use_tqdm)
 

@@ -58,7 +58,7 @@ class Tokenizer:
             HFTokenizer.from_file(str(path)),
             _token_text(config.get("bos_token")),
             _token_text(config.get("eos_token")),
-            _chat_template(chat_template) or self._template(folder, config),
+            template_source(chat_template) or self._template(folder, config),
             decoder.get("type") == "ByteLevel",
         )
 
@@ -97,7 +97,7 @@ class Tokenizer:
 
         tok, bos, eos, template, byte_level = gguf_tokenizer(path)
         out = cls.__new__(cls)
-        out._setup(tok, bos, eos, _chat_template(chat_template) or template, byte_level)
+        out._setup(tok, bos, eos, template_source(chat_template) or template, byte_level)
         return out
 
     @property
@@ -171,12 +171,17 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> str:
         """The conversation as the model's template writes it. ``template_kwargs``: more
         variables for the template (vLLM's ``chat_template_kwargs``, e.g.
         ``enable_thinking``). ``continue_final_message``: the text ends with the last
-        message's content, left open for the model to continue (``transformers``' rule)."""
-        if self.chat_template is None:
+        message's content, left open for the model to continue (``transformers``' rule).
+        ``chat_template``: a request's own template instead of the model's (vLLM's, with
+        ``--trust-request-chat-template``), rendered where repetition and powers are
+        bounded too."""
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
             raise KilnError(
                 "this model's tokenizer has no chat template: use /v1/completions",
                 Status.INVALID_ARG,
@@ -187,9 +192,8 @@ class Tokenizer:
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
+        kind = ImmutableSandboxedEnvironment if chat_template is None else _request_env()
+        env = kind(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
         # transformers' tojson: Jinja's escapes <, >, & and ' and sorts keys, which would
         # write a tool's JSON schema (tools=) differently from the model's training data
@@ -201,14 +205,56 @@ class Tokenizer:
                 "add_generation_prompt": add_generation_prompt,
                 **(template_kwargs or {}),  # vLLM's order: the request's kwargs win
             }
-            text = env.from_string(self.chat_template).render(messages=messages, **variables)
-        except (TemplateError, TypeError, ValueError, RecursionError) as exc:
+            text: str = env.from_string(source).render(messages=messages, **variables)
+        except (TemplateError, TypeError, ValueError, RecursionError, OverflowError) as exc:
             # the request's data the template cannot take (tojson of an undefined
             # field...): the request's error, not the server's
             raise KilnError(f"chat template: {exc}", Status.INVALID_ARG) from exc
         if continue_final_message:
             text = _open_final_message(text, messages[-1].get("content") or "")
         return text
+
+
+#: a request's template may build no string or list longer than this by ``*``, nor raise to
+#: a power past ``MAX_POWER`` (the sandbox bounds ``range`` itself, to 100,000)
+MAX_REPEAT = 1 << 20
+MAX_POWER = 64
+
+
+def _request_template_env() -> type:
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class RequestTemplateEnv(ImmutableSandboxedEnvironment):
+        """The sandbox, with ``*`` and ``**`` checked before they allocate."""
+
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_POWER:
+                raise SecurityError(f"a power past {MAX_POWER} in a request's chat template")
+            if operator == "*":
+                count = right if isinstance(left, (str, list, tuple)) else left
+                seq = left if isinstance(left, (str, list, tuple)) else right
+                sized = isinstance(seq, (str, list, tuple)) and isinstance(count, int)
+                if sized and len(seq) * count > MAX_REPEAT:
+                    raise SecurityError(
+                        f"a repetition past {MAX_REPEAT} items in a request's chat template"
+                    )
+            return super().call_binop(context, operator, left, right)
+
+    return RequestTemplateEnv
+
+
+_REQUEST_ENV: list[type] = []
+
+
+def _request_env() -> type:
+    """The request templates' environment class (jinja2 is imported when a template is
+    first rendered, not with this module)."""
+    if not _REQUEST_ENV:
+        _REQUEST_ENV.append(_request_template_env())
+    return _REQUEST_ENV[0]
 
 
 def _tojson(
@@ -239,7 +285,7 @@ def _open_final_message(text: str, final: str) -> str:
     return text[: at + len(final.strip())]
 
 
-def _chat_template(value: str) -> str | None:
+def template_source(value: str) -> str | None:
     """vLLM's ``--chat-template``: a file's path, or the template itself."""
     if not value:
         return None

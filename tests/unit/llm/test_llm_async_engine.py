@@ -79,6 +79,25 @@ def test_chat_template_and_incremental_decoding(folder: Path) -> None:
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_a_requests_own_chat_template_renders_bounded(folder: Path) -> None:
+    """vLLM's ``chat_template`` of a request (``--trust-request-chat-template``): rendered
+    instead of the model's, in the sandbox, with repetition and powers bounded before they
+    allocate; the model's own template keeps the plain sandbox."""
+    from kiln.core.errors import KilnError
+
+    tok = Tokenizer(folder)
+    messages = [{"role": "user", "content": "hi"}]
+    own = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
+    assert tok.apply_chat_template(messages, chat_template=own) == "[user] hi"
+    assert tok.apply_chat_template(messages, chat_template="{{ 'ab' * 3 }}") == "ababab"
+    hostile = ["{{ 'a' * 10**9 }}", "{{ [1] * 2**30 }}", "{{ 2 ** 100000 }}",
+               "{{ ''.__class__.__mro__ }}", "{% for i in range(10**9) %}{% endfor %}"]  # fmt: skip
+    for template in hostile:
+        with pytest.raises(KilnError, match="chat template"):
+            tok.apply_chat_template(messages, chat_template=template)
+    assert tok.apply_chat_template(messages) == "<|user|>hi</s><|assistant|>"
+
+
 def test_incremental_decoding_equals_decoding_the_whole_output(folder: Path) -> None:
     # Random ids, byte-level pieces of multi-byte characters included: the streamed deltas
     # join to exactly what one decode of the whole list gives, token by token or in chunks.

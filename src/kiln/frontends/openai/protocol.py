@@ -42,7 +42,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "store": (None, False),
     # other vLLM fields
     "logits_processors": (None, []),
-    "chat_template": (None,),
     "mm_processor_kwargs": (None, {}),
     "prompt_embeds": (None,),
     "kv_transfer_params": (None,),
@@ -81,7 +80,10 @@ _TEMPLATE_FIELDS = (
     "chat_template_kwargs",
     "documents",
     "reasoning_effort",
+    "chat_template",
 )
+#: the longest chat template a request may bring (--trust-request-chat-template)
+MAX_REQUEST_TEMPLATE_CHARS = 1 << 16
 #: OpenAI's ``reasoning_effort`` values, and vLLM's ``max``
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 COMPLETION_FIELDS = frozenset((*_COMMON_FIELDS, "prompt"))
@@ -604,16 +606,34 @@ def chat_template_options(body: dict[str, Any]) -> dict[str, Any]:
         # client's chat_template_kwargs did not say
         thinking = {} if "enable_thinking" in kwargs else {"enable_thinking": effort != "none"}
         kwargs = {**kwargs, **thinking, "reasoning_effort": effort}
+    template = body.get("chat_template")
+    if template is not None and (not isinstance(template, str) or not template.strip()):
+        raise OpenAIError("'chat_template' must be a non-empty string", param="chat_template")
+    if template is not None and len(template) > MAX_REQUEST_TEMPLATE_CHARS:
+        raise OpenAIError(
+            f"'chat_template' holds {len(template)} characters, more than "
+            f"{MAX_REQUEST_TEMPLATE_CHARS}",
+            param="chat_template",
+        )
     return {
         "add_generation_prompt": add_prompt,
         "continue_final_message": continue_final,
         "template_kwargs": kwargs,
+        "chat_template": template,
     }
 
 
 def with_server_kwargs(llm: EngineClient, template: dict[str, Any]) -> dict[str, Any]:
     """``template`` (``chat_template_options``) over the server's
-    ``--default-chat-template-kwargs``: a request's own variables win, as in vLLM."""
+    ``--default-chat-template-kwargs``: a request's own variables win, as in vLLM. A
+    request's own ``chat_template`` only where the server trusts them
+    (``--trust-request-chat-template``), as vLLM: else a 400."""
+    if template.get("chat_template") is not None and not llm.trust_request_chat_template:
+        raise OpenAIError(
+            "Chat template is passed with request, but --trust-request-chat-template is not "
+            "set. Refused request with untrusted chat template.",
+            param="chat_template",
+        )
     defaults = llm.default_chat_template_kwargs
     if not defaults:
         return template

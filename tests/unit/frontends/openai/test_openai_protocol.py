@@ -93,11 +93,20 @@ def test_prompt_lists() -> None:
             completion_prompts({"prompt": bad})
 
 
+def test_a_requests_chat_template_is_a_bounded_string() -> None:
+    assert chat_template_options({"chat_template": "{{ x }}"})["chat_template"] == "{{ x }}"
+    for bad in ("", " ", 5, ["x"], "x" * (protocol.MAX_REQUEST_TEMPLATE_CHARS + 1)):
+        with pytest.raises(OpenAIError) as info:
+            chat_template_options({"chat_template": bad})
+        assert info.value.param == "chat_template"
+
+
 def test_template_options() -> None:
     assert chat_template_options({}) == {
         "add_generation_prompt": True,
         "continue_final_message": False,
         "template_kwargs": {},
+        "chat_template": None,
     }
     opened = chat_template_options({"continue_final_message": True, "documents": [{"a": "b"}]})
     assert opened["add_generation_prompt"] is False
