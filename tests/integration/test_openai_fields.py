@@ -96,6 +96,26 @@ def test_health_version_and_models(http: httpx.Client, client: openai.OpenAI) ->
     assert extra["permission"][0]["object"] == "model_permission"
 
 
+def test_load_counts_the_requests_in_the_engine(http: httpx.Client) -> None:
+    """vLLM's ``GET /load``: 0 when idle, the requests running and waiting while a
+    request of eight prompts runs, 0 again after."""
+    import threading
+
+    assert http.get("/load").json() == {"server_load": 0}
+    # eight prompts of 200 tokens: two fit this model's KV cache at once
+    body = {"model": "tiny", "prompt": ["a long story"] * 8, "max_tokens": 200,
+            "ignore_eos": True}  # fmt: skip
+    worker = threading.Thread(target=lambda: http.post("/v1/completions", json=body))
+    worker.start()
+    seen = []
+    while worker.is_alive():
+        seen.append(http.get("/load").json()["server_load"])
+        time.sleep(0.01)
+    worker.join()
+    assert max(seen) >= 1 and max(seen) <= 8, seen
+    assert http.get("/load").json() == {"server_load": 0}
+
+
 # --- a list of prompts -------------------------------------------------------------------
 
 

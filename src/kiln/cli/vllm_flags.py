@@ -34,7 +34,7 @@ ACCEPTED_SWITCHES = {
     "--disable-uvicorn-access-log": "kiln's HTTP server writes no access log",
     "--disable-fastapi-docs": "kiln serves no /docs pages",
     "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details",
-    "--enable-server-load-tracking": "kiln counts requests in flight always (/metrics)",
+    "--enable-server-load-tracking": "GET /load answers always",
 }
 #: flags with a value, accepted only with the values that ask for nothing kiln lacks
 LIMITED_VALUES: dict[str, tuple[tuple[str, ...], str]] = {

@@ -44,6 +44,7 @@ _RULES: list[tuple[re.Pattern[str], ApiGroup | None]] = [
     (re.compile(r"/(v2/)?(score|rerank|pooling|classify)$"), ApiGroup.INFERENCE),  # vLLM's
     (re.compile(r"/(health|ping)$"), ApiGroup.HEALTH),
     (re.compile(r"/version$"), ApiGroup.METADATA),
+    (re.compile(r"/load$"), ApiGroup.METADATA),  # vLLM's server load: a count, no data
     (re.compile(r"/dashboard(/.*)?$"), None),
 ]
 

@@ -899,6 +899,13 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     async def version(request: Request) -> Response:
         return _json({"version": __version__})
 
+    async def load(request: Request) -> Response:
+        """vLLM's ``GET /load`` (its ``--enable-server-load-tracking``, always on here):
+        the requests in the llm models' engines, running and waiting, for a load-aware
+        router."""
+        total = sum(llm.num_requests for llm in server.llm_engines().values())
+        return _json({"server_load": total})
+
     return [
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", _answers_errors(completions), methods=["POST"]),
@@ -922,6 +929,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         Route("/invocations", _answers_errors(invocations), methods=["POST"]),
         Route("/v1/models/{model:path}", _answers_errors(model_card), methods=["GET"]),
         Route("/version", version, methods=["GET"]),
+        Route("/load", load, methods=["GET"]),
     ]
 
 
