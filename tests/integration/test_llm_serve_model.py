@@ -277,7 +277,8 @@ def test_vllms_tokenizer_template_and_generation_flags(folder: Path, tmp_path: P
             "--dtype", "float32", "--kv-cache-memory", "1M", "--chat-template", template,
             "--default-chat-template-kwargs", '{"enable_thinking": true}',
             "--response-role", "model", "--override-generation-config",
-            '{"max_new_tokens": 3, "temperature": 0}', "--trust-request-chat-template"]  # fmt: skip
+            '{"max_new_tokens": 3, "temperature": 0}', "--trust-request-chat-template",
+            "--enable-force-include-usage", "--return-tokens-as-token-ids"]  # fmt: skip
     proc = KilnProcess(tmp_path / "repo", args=args, with_repository=False).start(timeout=120)
     try:
         with httpx.Client(base_url=f"http://{proc.http_url}", timeout=60) as http:
@@ -307,6 +308,19 @@ def test_vllms_tokenizer_template_and_generation_flags(folder: Path, tmp_path: P
             first = http.post("/v1/completions", json=body).json()
             assert first["usage"]["completion_tokens"] == 3
             assert http.post("/v1/completions", json=body).json()["choices"] == first["choices"]
+            # --enable-force-include-usage: a stream ends with usage unasked
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as out:
+                events = [line for line in out.iter_lines() if line.startswith("data: {")]
+            assert json.loads(events[-1][6:])["usage"]["completion_tokens"] == 3
+
+            # --return-tokens-as-token-ids: the default of the request's own field
+            def tokens(extra: dict[str, Any]) -> list[str]:
+                reply = http.post("/v1/completions", json={**body, "logprobs": 1, **extra})
+                return list(reply.json()["choices"][0]["logprobs"]["tokens"])
+
+            assert all(t.startswith("token_id:") for t in tokens({}))
+            own = tokens({"return_tokens_as_token_ids": False})
+            assert not any(t.startswith("token_id:") for t in own)
     finally:
         proc.stop()
     refused = _serve_fails([str(weights), "--tokenizer", str(tmp_path / "none")])

@@ -62,6 +62,8 @@ ENGINE_FLAGS = {
     "override_generation_config": "override_generation_config",
     "response_role": "response_role",
     "trust_request_chat_template": "trust_request_chat_template",
+    "enable_force_include_usage": "enable_force_include_usage",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -189,6 +191,18 @@ def llm_options(func: F) -> F:
             default=None,
             help="Requests may bring their own chat_template (rendered in a sandbox; off: "
             "a 400). Only for clients you trust: a template runs loops of their choosing.",
+        ),
+        click.option(
+            "--enable-force-include-usage",
+            is_flag=True,
+            default=None,
+            help="Every stream's last chunk carries usage, whatever its stream_options.",
+        ),
+        click.option(
+            "--return-tokens-as-token-ids",
+            is_flag=True,
+            default=None,
+            help="Logprobs name tokens token_id:<id> unless a request says otherwise.",
         ),
         click.option(
             "--response-role",

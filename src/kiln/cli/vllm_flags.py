@@ -35,6 +35,8 @@ ACCEPTED_SWITCHES = {
     "--disable-fastapi-docs": "kiln serves no /docs pages",
     "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details",
     "--enable-server-load-tracking": "GET /load answers always",
+    "--enable-log-requests": "kiln logs no request contents (--trace-config traces them)",
+    "--enable-log-outputs": "kiln logs no outputs (--trace-config level=TENSORS traces them)",
 }
 #: flags with a value, accepted only with the values that ask for nothing kiln lacks
 LIMITED_VALUES: dict[str, tuple[tuple[str, ...], str]] = {

@@ -328,6 +328,9 @@ class LLMBackend(Backend):
         self.response_role = (parameter(config, "response_role") or "assistant").strip()
         #: vLLM's ``--trust-request-chat-template``: a request's chat_template is rendered
         self.trust_request_chat_template = flag_parameter(config, "trust_request_chat_template")
+        #: vLLM's ``--enable-force-include-usage`` and ``--return-tokens-as-token-ids``
+        self.force_include_usage = flag_parameter(config, "enable_force_include_usage")
+        self.return_tokens_as_token_ids = flag_parameter(config, "return_tokens_as_token_ids")
         # the tokenizer first: its errors come before minutes of weight loading
         self.tokenizer = Tokenizer.load(tokenizer, settings.chat_template)
         generation = self._generation_config(settings.generation_config, folder)

@@ -176,6 +176,16 @@ class EngineClient:
         return self._backend.trust_request_chat_template
 
     @property
+    def force_include_usage(self) -> bool:
+        """vLLM's ``--enable-force-include-usage``: every stream ends with ``usage``."""
+        return self._backend.force_include_usage
+
+    @property
+    def return_tokens_as_token_ids(self) -> bool:
+        """vLLM's ``--return-tokens-as-token-ids``: the default of the request's field."""
+        return self._backend.return_tokens_as_token_ids
+
+    @property
     def response_role(self) -> str:
         """vLLM's ``--response-role``: a chat answer's role after a generation prompt."""
         return self._backend.response_role

@@ -125,7 +125,8 @@ def test_vllms_model_flags_become_engine_parameters(tmp_path: Path) -> None:
     args = [str(model), "--tokenizer", str(tok), "--num-gpu-blocks-override", "64",
             "--default-chat-template-kwargs", '{"enable_thinking": false}',
             "--override-generation-config", '{"temperature": 0.5}',
-            "--response-role", "model"]  # fmt: skip
+            "--response-role", "model", "--enable-force-include-usage",
+            "--return-tokens-as-token-ids", "--trust-request-chat-template"]  # fmt: skip
     ctx = serve.make_context("serve", args)
     (config,) = served_models(ctx.params["model_paths"], (), ctx.params)
     got = {k: v.string_value for k, v in config.parameters.items()}
@@ -133,6 +134,9 @@ def test_vllms_model_flags_become_engine_parameters(tmp_path: Path) -> None:
     assert got["default_chat_template_kwargs"] == '{"enable_thinking": false}'
     assert got["override_generation_config"] == '{"temperature": 0.5}'
     assert got["response_role"] == "model"
+    for key in ("enable_force_include_usage", "return_tokens_as_token_ids",
+                "trust_request_chat_template"):  # fmt: skip
+        assert got[key] == "true"
     for flag in ("--default-chat-template-kwargs", "--override-generation-config"):
         with pytest.raises(click.BadParameter, match="JSON object"):
             serve.make_context("serve", [str(model), flag, "[1]"])

@@ -254,6 +254,16 @@ def _prepare(
     return prepared
 
 
+def _server_defaults(llm: EngineClient, req: GenerationRequest, body: dict[str, Any]) -> None:
+    """vLLM's server flags over a request: ``--enable-force-include-usage`` (a stream's
+    last chunk carries ``usage`` whatever its ``stream_options``) and
+    ``--return-tokens-as-token-ids`` (the default of the request's field)."""
+    if llm.force_include_usage and req.stream:
+        req.include_usage = True
+    if body.get("return_tokens_as_token_ids") is None and llm.return_tokens_as_token_ids:
+        req.return_tokens_as_token_ids = True
+
+
 def _check_beam_search(llm: EngineClient, req: GenerationRequest) -> None:
     """What beam search cannot run with, refused before anything is queued: each step asks
     the engine for 2 x ``n`` logprobs a beam (bounded by the model's ``max_logprobs``); each
@@ -677,6 +687,7 @@ async def _chat_setup(
     tools.apply(req, calling)
     if llm is None:  # chat_request refused a 'model' that is not a string
         llm = _generator(server, req.model, api, body)
+    _server_defaults(llm, req, body)
     if llm.reasoning_parser is not None:
         req.reasoning = ReasoningParser(llm.reasoning_parser)
         if req.params.structured_outputs is not None:
@@ -719,6 +730,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         req = completion_request(_with_model_defaults(body, drawn))
         _precheck_prompt(drawn, body)
         llm = drawn or _generator(server, req.model, "Completions", body)
+        _server_defaults(llm, req, body)
         # OpenAI's default max_tokens for completions: 16
         prepared = await asyncio.to_thread(_prepare, llm, req, 16)
         return await _respond(llm, req, prepared, chat=False)
