@@ -329,7 +329,7 @@ def build_ending_llm(folder: Path) -> Path:
 
 
 def reference_beam_search(
-    folder: Path,
+    folder: Path | Any,
     prompt: list[int],
     width: int,
     max_tokens: int,
@@ -338,13 +338,18 @@ def reference_beam_search(
 ) -> list[tuple[list[int], float]]:
     """Beam search as vLLM's online loop runs it, on ``transformers``' logits (every step
     of ``max_tokens``, no early end): the best ``width`` (output tokens, the EOS that ended
-    one left out; cumulative logprob), best first."""
+    one left out; cumulative logprob), best first. ``folder``: a checkpoint's, or a loaded
+    ``transformers`` model."""
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(folder), torch_dtype=torch.float32
-    ).eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), torch_dtype=torch.float32
+        ).eval()
+        if isinstance(folder, Path)
+        else folder
+    )
     live: list[tuple[list[int], float]] = [([], 0.0)]
     done: list[tuple[list[int], float, int]] = []  # (tokens, logprob, counted length)
     for _ in range(max_tokens):

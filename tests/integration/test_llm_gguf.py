@@ -106,3 +106,22 @@ def test_completion_matches_transformers(
     assert out.usage is not None and out.usage.prompt_tokens == len(ids)
     assert out.choices[0].text == tok.decode(expected, skip_special_tokens=True)  # type: ignore[attr-defined]
     assert out.usage.completion_tokens == len(expected)
+
+
+def test_beam_search_matches_a_search_over_transformers_logits(
+    client: openai.OpenAI, reference: tuple[object, object]
+) -> None:
+    """vLLM's use_beam_search on the real checkpoint: the beams are those of a beam search
+    over transformers' logits of the same file, best first."""
+    from tests.llm_models import reference_beam_search
+
+    tok, model = reference
+    messages = [{"role": "user", "content": "Name a color."}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)  # type: ignore[attr-defined]
+    ids = tok(text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    eos = int(tok.eos_token_id)  # type: ignore[attr-defined]
+    want = reference_beam_search(model, ids, 3, 6, eos)
+    out = client.completions.create(model=NAME, prompt=ids, n=3, max_tokens=6,
+                                    extra_body={"use_beam_search": True})  # fmt: skip
+    texts = [tok.decode(t, skip_special_tokens=True) for t, _ in want]  # type: ignore[attr-defined]
+    assert [c.text for c in out.choices] == texts
