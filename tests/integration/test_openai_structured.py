@@ -228,7 +228,39 @@ BAD = [
     ({"guided_choice": []}, "guided_choice"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
-]
+    ({"response_format": {"type": "structural_tag", "format": {"type": "any_text"}}},
+     "response_format"),
+    ({"structural_tag": {"structures": [{"begin": "<f>", "end": ""}], "triggers": ["<g"]}},
+     "structural_tag"),
+]  # fmt: skip
+
+
+#: a trigger random weights write often: every "e" of the output starts ``e=<digit>;``
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+DIGIT_TAG = {"type": "structural_tag", "triggers": ["e"],
+             "structures": [{"begin": "e=", "end": ";", "schema": DIGIT}]}  # fmt: skip
+
+
+@pytest.mark.parametrize("field", ["response_format", "structured_outputs"])
+def test_structural_tag_constrains_after_each_trigger(client: openai.OpenAI, field: str) -> None:
+    """vLLM's structural tags (xgrammar's structures and triggers): free text, and after a
+    trigger its structure, whole and streamed."""
+    extra: dict[str, Any] = (
+        {"response_format": DIGIT_TAG}
+        if field == "response_format"
+        else {"structured_outputs": {"structural_tag": json.dumps(DIGIT_TAG)}}
+    )
+    pattern = r"(?:[^e]*e=\s*\d\s*;)*[^e]*(?:e=?\s*\d?\s*)?"
+    seen = 0
+    for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
+        kw: dict[str, Any] = dict(model="tiny", prompt="hello world", max_tokens=60,
+                                  temperature=temperature, seed=seed, extra_body=extra)  # fmt: skip
+        text = client.completions.create(**kw).choices[0].text
+        assert re.fullmatch(pattern, text, re.S), text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+        assert streamed == text
+        seen += text.count("e=")
+    assert seen > 0
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
     from kiln.llm.tokenizer import Tokenizer
 
 #: the constraint kinds, vLLM's ``StructuredOutputsParams`` names
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+#: a structural tag's most structures and triggers (each structure compiles its schema)
+MAX_STRUCTURES = 256
 #: vLLM's options beside the constraint; ``disable_fallback`` picks among vLLM's backends,
 #: of which kiln has one, so it is accepted and has no effect
 _OPTIONS = (
@@ -46,6 +48,7 @@ _GUIDED = {
 REQUEST_FIELDS = (
     "response_format",
     "structured_outputs",
+    "structural_tag",  # vLLM's older top-level field
     *_GUIDED,
     "guided_whitespace_pattern",
     "guided_decoding_backend",
@@ -90,10 +93,61 @@ def _json_schema(value: Any, param: str) -> str:
     return json.dumps(value)
 
 
+def _structural_tag(value: Any, param: str) -> str:
+    """vLLM's structural tag (xgrammar's: text is free until a trigger, then one of the
+    structures whose ``begin`` starts with it: its JSON schema, then its ``end``), given as
+    an object or its JSON text, as canonical JSON text. xgrammar's newer ``format`` tags
+    are refused."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidField(param, f"'{param}' is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidField(param, f"'{param}' must be an object with structures and triggers")
+    if "format" in value:
+        raise InvalidField(
+            param,
+            f"'{param}': xgrammar's 'format' structural tags are not supported by kiln: send "
+            "'structures' (begin, schema, end) and 'triggers'",
+        )
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if (
+        not isinstance(triggers, list)
+        or not triggers
+        or not all(isinstance(t, str) and t for t in triggers)
+    ):
+        raise InvalidField(param, f"'{param}.triggers' must be a list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise InvalidField(param, f"'{param}.structures' must be a non-empty list")
+    if len(structures) > MAX_STRUCTURES or len(triggers) > MAX_STRUCTURES:
+        raise InvalidField(
+            param, f"'{param}' holds more than {MAX_STRUCTURES} structures or triggers"
+        )
+    out = []
+    for i, item in enumerate(structures):
+        where = f"{param}.structures[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidField(param, f"'{where}' must be an object (begin, schema, end)")
+        begin, end, schema = item.get("begin"), item.get("end"), item.get("schema")
+        if not isinstance(begin, str) or not isinstance(end, str):
+            raise InvalidField(param, f"'{where}' needs 'begin' and 'end' strings")
+        if not any(begin.startswith(t) for t in triggers):
+            raise InvalidField(param, f"'{where}.begin' starts with none of the triggers")
+        if schema is None:
+            schema = {}  # any JSON value
+        if not isinstance(schema, dict | bool):
+            raise InvalidField(param, f"'{where}.schema' must be a JSON Schema (an object)")
+        out.append({"begin": begin, "schema": schema, "end": end})
+    return json.dumps({"structures": out, "triggers": triggers})
+
+
 def _constraint(kind: str, value: Any, param: str) -> str:
     """The spec text of constraint ``kind``, its type checked."""
     if kind == "json":
         return _json_schema(value, param)
+    if kind == "structural_tag":
+        return _structural_tag(value, param)
     if kind == "choice":
         if (
             not isinstance(value, list)
@@ -129,9 +183,12 @@ def _response_format(value: Any) -> tuple[str, str] | None:
                 "'schema': {...}}",
             )
         return "json", _json_schema(inner["schema"], "response_format")
+    if kind == "structural_tag":
+        return "structural_tag", _structural_tag(value, "response_format")
     raise InvalidField(
         "response_format",
-        f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        "response_format type must be 'text', 'json_object', 'json_schema' or "
+        f"'structural_tag', got {kind!r}",
     )
 
 
@@ -152,7 +209,7 @@ def from_request(body: Mapping[str, Any]) -> StructuredOutputsParams | None:
         picked = _response_format(body["response_format"])
         if picked is not None:
             found.append((*picked, "response_format"))
-    for name, kind in _GUIDED.items():
+    for name, kind in (*_GUIDED.items(), ("structural_tag", "structural_tag")):
         if body.get(name) is not None:
             found.append((kind, _constraint(kind, body[name], name), name))
     pattern = body.get("guided_whitespace_pattern")
@@ -176,8 +233,6 @@ def from_request(body: Mapping[str, Any]) -> StructuredOutputsParams | None:
                     found.append(("json_object", "", param))
             elif key in KINDS:
                 found.append((key, _constraint(key, value, param), param))
-            elif key == "structural_tag":
-                raise InvalidField(param, "structural_tag is not supported by kiln")
             elif key in _OPTIONS:
                 options[key] = value
                 if key == "whitespace_pattern":
@@ -248,6 +303,17 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.spec)
+    if kind == "structural_tag":
+        # llguidance's structural tags: free text, a lazy lexeme for each trigger, then the
+        # structure's begin, its JSON, its end (triggers are text, not special tokens)
+        tag = json.loads(spec.spec)
+        tags = []
+        for item in tag["structures"]:
+            trigger = max((t for t in tag["triggers"] if item["begin"].startswith(t)), key=len)
+            tags.append(llguidance.StructTag(trigger=trigger, begin=item["begin"],
+                                             grammar=item["schema"], end=item["end"]))  # fmt: skip
+        lark = llguidance.StructTag.to_grammar(tags, assume_special=False)
+        return llguidance.LLMatcher.grammar_from_lark(lark)
     if kind == "choice":
         # one lexeme (a terminal), not one grammar alternative per choice: the lexer's
         # automaton takes thousands of them where the parser's row overflows at 2,000

@@ -552,3 +552,87 @@ def test_a_thinking_model_is_constrained_after_its_reasoning(
     assert seq.output_token_ids[0] != marker
     jsonschema.validate(json.loads(_text(seq)), PERSON)
     all_blocks_returned(engine)
+
+
+WEATHER_TAG = {
+    "structures": [
+        {
+            "begin": "<function=get_weather>",
+            "schema": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["paris", "rome"]}},
+                "required": ["city"],
+            },
+            "end": "</function>",
+        }
+    ],
+    "triggers": ["<function="],
+}
+
+
+NUMBER_SCHEMA = {"begin": "<a", "end": "", "schema": 3}
+EMPTY = {"begin": "<a", "end": ""}
+
+
+def test_structural_tag_request_fields() -> None:
+    """vLLM's structural tag (xgrammar's structures and triggers): as ``response_format``,
+    ``structured_outputs.structural_tag`` (its JSON text) or the older top-level field."""
+    canonical = json.dumps({"structures": [{**WEATHER_TAG["structures"][0]}],  # type: ignore[index]
+                            "triggers": WEATHER_TAG["triggers"]})  # fmt: skip
+    for body in (
+        {"response_format": {"type": "structural_tag", **WEATHER_TAG}},
+        {"structured_outputs": {"structural_tag": json.dumps(WEATHER_TAG)}},
+        {"structural_tag": json.dumps(WEATHER_TAG)},
+    ):
+        got = from_request(body)
+        assert got is not None and got.kind == "structural_tag" and got.spec == canonical
+    bad = [
+        ({"structural_tag": {**WEATHER_TAG, "format": {}}}, "format"),
+        ({"structural_tag": {**WEATHER_TAG, "triggers": ["<tool"]}}, "starts with none"),
+        ({"structural_tag": {"structures": [], "triggers": ["<"]}}, "non-empty list"),
+        ({"structural_tag": {"structures": [{"begin": "<a"}], "triggers": ["<"]}}, "'end'"),
+        ({"structural_tag": {"structures": [NUMBER_SCHEMA], "triggers": ["<"]}}, "JSON Schema"),
+        ({"structural_tag": {"structures": [EMPTY] * 300, "triggers": ["<"]}}, "more than"),
+        ({"response_format": {"type": "structural_tag"}}, "triggers"),
+    ]
+    for body, message in bad:
+        with pytest.raises(InvalidField, match=message) as err:
+            from_request(body)
+        assert err.value.field in ("structural_tag", "response_format")
+
+
+def test_structural_tag_constrains_only_what_follows_a_trigger(
+    folder: Path, tokenizer: Tokenizer
+) -> None:
+    """Text is free until the trigger; then the structure's begin, JSON its schema allows,
+    its end; then free again."""
+    compiler = GrammarCompiler(tokenizer, 300, (1,))
+    spec = from_request({"structural_tag": WEATHER_TAG})
+    assert spec is not None
+    ok = 'it rains <function=get_weather>{"city": "paris"}</function> so bring a coat'
+    ids = tokenizer.encode(ok)
+    assert compiler.matcher(spec).validate_tokens(ids) == len(ids)
+    for bad in ('it rains <function=get_weather>{"city": "london"}',
+                "it rains <function=get_time>{}</function>",
+                '<function=get_weather>{"city": "rome"}x'):  # fmt: skip
+        ids = tokenizer.encode(bad)
+        assert compiler.matcher(spec).validate_tokens(ids) < len(ids), bad
+
+
+def test_generation_follows_a_structural_tag(engine: LLMEngine, tokenizer: Tokenizer) -> None:
+    """A trigger random weights write often ("e"): every one of them in the output is
+    followed by its structure (``e=<digit>;``), sampled or greedy."""
+    tag = {"structures": [{"begin": "e=", "schema": {"type": "integer", "minimum": 0,
+                                                       "maximum": 9}, "end": ";"}],
+           "triggers": ["e"]}  # fmt: skip
+    spec = from_request({"structural_tag": tag})
+    prompt = tokenizer.encode("the quick brown fox")
+    params = [_params(spec, t, seed, max_tokens=60) for t, seed in SETTINGS]
+    seqs = [engine.add_request(f"st{i}", prompt, p) for i, p in enumerate(params)]
+    drain(engine)
+    triggered = 0
+    for seq in seqs:
+        text = _text(seq)
+        assert re.fullmatch(r"(?:[^e]*e=\s*\d\s*;)*[^e]*(?:e=?\s*\d?\s*)?", text, re.S), text
+        triggered += text.count("e=")
+    assert triggered > 0  # the constraint was exercised

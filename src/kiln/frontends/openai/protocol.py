@@ -28,8 +28,6 @@ log = logging.getLogger(__name__)
 #: value answers 400 naming the field: never a 200 that quietly did something else. The
 #: one list of them: a change that implements a field removes its line.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    # structured outputs: structural tags
-    "structural_tag": (None,),
     # tool calling: OpenAI's deprecated function calling (``tools`` replaced it)
     "functions": (None, []),
     "function_call": (None, "none"),

@@ -26,7 +26,6 @@ from kiln.llm.tokenizer import _open_final_message
     [
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
-        ("structural_tag", "{}"),
         ("suffix", "x"),
     ],
 )
