@@ -246,7 +246,9 @@ def test_output_text_logprobs_are_the_chat_completions(client: openai.OpenAI) ->
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
+        ({"background": True, "stream": True}, "stream"),
+        ({"background": "yes"}, "background"),
         ({"reasoning": "high"}, "reasoning"),
         ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"reasoning": {"summary": "verbose"}}, "reasoning.summary"),
@@ -318,3 +320,53 @@ def test_reasoning_effort_is_taken_and_echoed(client: openai.OpenAI) -> None:
     plain = client.responses.create(model="plain", input="hi", max_output_tokens=2, **GREEDY)
     # this model's template reads no reasoning_effort: the same prompt either way
     assert reply.usage and plain.usage and reply.usage.input_tokens == plain.usage.input_tokens
+
+
+def _until(client: openai.OpenAI, rid: str, statuses: tuple[str, ...]) -> Any:
+    deadline = time.monotonic() + 60
+    while True:
+        got = client.responses.retrieve(rid)
+        if got.status in statuses or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+def test_a_background_response_is_fetched_when_done(client: openai.OpenAI) -> None:
+    """OpenAI's ``background``: answered at once (queued), run on the server, its result
+    read with GET: the same as the response of the same request in the foreground."""
+    kw: dict[str, Any] = dict(model="plain", input="hello world", max_output_tokens=8, **GREEDY)
+    queued = client.responses.create(background=True, **kw)
+    assert queued.background is True and queued.status in ("queued", "in_progress")
+    assert queued.output == []
+    done = _until(client, queued.id, ("completed", "incomplete", "failed"))
+    foreground = client.responses.create(**kw)
+    assert done.status == foreground.status == "incomplete"  # cut by max_output_tokens
+    assert done.output_text == foreground.output_text
+    assert done.usage is not None and done.usage.output_tokens == 8
+    # it continues a conversation like any stored response
+    follow = client.responses.create(model="plain", input="and?", max_output_tokens=2,
+                                     previous_response_id=done.id, **GREEDY)  # fmt: skip
+    assert follow.usage and foreground.usage
+    assert follow.usage.input_tokens > foreground.usage.input_tokens
+
+
+def test_cancelling_a_background_response_aborts_it(
+    client: openai.OpenAI, server: KilnProcess, http: httpx.Client
+) -> None:
+    abort = 'finished_reason="abort"'
+    aborted = server.metric("vllm:request_success_total", "plain", abort)
+    queued = client.responses.create(model="plain", input="a long story", background=True,
+                                     max_output_tokens=250, **GREEDY)  # fmt: skip
+    _until(client, queued.id, ("in_progress",))
+    cancelled = client.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and server.metric("vllm:num_requests_running", "plain"):
+        time.sleep(0.1)
+    assert server.metric("vllm:request_success_total", "plain", abort) == aborted + 1
+    # only a response still queued or running can be cancelled
+    again = http.post(f"/v1/responses/{queued.id}/cancel")
+    assert again.status_code == 400 and again.json()["error"]["param"] == "response_id"
+    missing = http.post("/v1/responses/resp_none/cancel")
+    assert missing.status_code == 404

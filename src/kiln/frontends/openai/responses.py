@@ -86,6 +86,7 @@ RESPONSES_FIELDS = frozenset(
         "top_logprobs",
         "include",
         "reasoning",
+        "background",
     )
 )
 #: ``include`` values kiln answers: the output text's logprobs
@@ -93,7 +94,6 @@ INCLUDABLE = ("message.output_text.logprobs",)
 #: OpenAI's bound on ``top_logprobs``
 MAX_TOP_LOGPROBS = 20
 _HARMLESS: dict[str, tuple[Any, ...]] = {
-    "background": (None, False),
     "truncation": (None, "disabled"),
     "max_tool_calls": (None,),
     "prompt": (None,),
@@ -143,6 +143,9 @@ class ResponseStore:
 
     def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
         size = len(orjson.dumps(response)) + len(orjson.dumps(messages))
+        old = self._items.pop(response["id"], None)  # a background response, finished
+        if old is not None:
+            self._bytes -= old.size
         if size > self._max_bytes:
             return  # larger than the whole store: kept nowhere (GET answers 404)
         self._items[response["id"]] = _Stored(response, messages, size)
@@ -403,6 +406,8 @@ class ResponsesCall:
     logprobs: bool = False
     #: the request's ``reasoning`` (``effort`` goes to the template), echoed
     reasoning: dict[str, Any] | None = None
+    #: OpenAI's ``background``: answered at once (``queued``), run on, fetched with GET
+    background: bool = False
 
     @classmethod
     def read(cls, body: dict[str, Any], stored: ResponseStore) -> ResponsesCall:
@@ -426,6 +431,18 @@ class ResponsesCall:
         conversation = stored.conversation(previous) if previous else []
         conversation += _messages(body.get("input"))
         store = flag(body, "store", True)
+        background = flag(body, "background", False)
+        if background and not store:
+            raise OpenAIError(
+                "a background response is fetched later with GET: it needs store: true",
+                param="background",
+            )
+        if background and flag(body, "stream", False):
+            raise OpenAIError(
+                "kiln does not stream a background response: leave stream out and poll "
+                "GET /v1/responses/{id}",
+                param="stream",
+            )
         metadata = _metadata(body.get("metadata"))
         chat: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
         system = [{"role": "system", "content": instructions}] if instructions else []
@@ -465,7 +482,8 @@ class ResponsesCall:
             "user": body.get("user"),
         }
         echoed = {"effort": reasoning.get("effort"), "summary": None} if reasoning else None
-        return cls(chat, conversation, echo, store, logprobs=logprobs, reasoning=echoed)
+        return cls(chat, conversation, echo, store, logprobs=logprobs, reasoning=echoed,
+                   background=background)  # fmt: skip
 
     def skeleton(self, rid: str, model: str, status: str) -> dict[str, Any]:
         """The response object without its output (a stream's first events)."""
@@ -474,7 +492,7 @@ class ResponsesCall:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
-            "background": False,
+            "background": self.background,
             "error": None,
             "incomplete_details": None,
             "model": model,

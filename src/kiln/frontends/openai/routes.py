@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -702,6 +703,8 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     """``reader``: the HTTP frontend whose body limits apply."""
     #: the Responses API's stored responses (``store``, ``previous_response_id``)
     stored = responses.ResponseStore()
+    #: background responses still running, by id (their engine requests bound them)
+    running: dict[str, asyncio.Task[None]] = {}
 
     async def models(request: Request) -> Response:
         created = int(time.time())
@@ -751,6 +754,13 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         except OpenAIError as exc:
             raise responses.renamed(exc) from None
         rid = f"resp_{uuid.uuid4().hex}"
+        if call.background:  # answered now, run on: GET fetches it, /cancel stops it
+            response = call.skeleton(rid, req.model, "queued")
+            stored.put(response, call.conversation)
+            task = asyncio.create_task(_run_background(llm, req, prepared, call, rid))
+            running[rid] = task
+            task.add_done_callback(lambda _: running.pop(rid, None))
+            return _json(response)
         if req.stream:
             deltas = await started(_outputs(llm, req, prepared, rid))
             counts = sum(len(ids) for ids, _ in prepared)
@@ -766,8 +776,59 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         answer = await _answer(llm, req, prepared, chat=True)
         return _json(call.finish(rid, answer, stored))
 
+    async def _run_background(
+        llm: EngineClient,
+        req: GenerationRequest,
+        prepared: list[tuple[list[int], SamplingParams]],
+        call: responses.ResponsesCall,
+        rid: str,
+    ) -> None:
+        """A background response's run: its stored object goes ``in_progress``, then is
+        replaced by the finished one (or marked ``failed`` with the error)."""
+
+        def mark(status: str, error: dict[str, Any] | None = None) -> None:
+            with contextlib.suppress(OpenAIError):  # evicted from the store meanwhile
+                current = stored.get(rid)
+                if current["status"] in ("queued", "in_progress"):
+                    current["status"] = status
+                    if error is not None:
+                        current["error"] = error
+
+        mark("in_progress")
+        try:
+            answer = await _answer(llm, req, prepared, chat=True)
+        except OpenAIError as exc:
+            mark("failed", {"code": exc.code or exc.type, "message": exc.message})
+            return
+        except Exception:
+            log.exception("background response %s failed", rid)
+            mark("failed", {"code": "server_error", "message": "see the server's log"})
+            return
+        with contextlib.suppress(OpenAIError):
+            if stored.get(rid)["status"] == "cancelled":
+                return  # cancelled as it finished: stays cancelled
+        call.finish(rid, answer, stored)
+
     async def get_response(request: Request) -> Response:
         return _json(stored.get(request.path_params["response_id"]))
+
+    async def cancel_response(request: Request) -> Response:
+        """OpenAI's ``POST /v1/responses/{id}/cancel``: a background response still queued
+        or running is stopped (its engine request aborted) and marked ``cancelled``."""
+        rid = request.path_params["response_id"]
+        response = stored.get(rid)
+        if response["status"] not in ("queued", "in_progress"):
+            raise OpenAIError(
+                f"Cannot cancel a response that is {response['status']} (only a background "
+                "response still queued or in progress)",
+                param="response_id",
+            )
+        response["status"] = "cancelled"
+        task = running.get(rid)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return _json(response)
 
     async def delete_response(request: Request) -> Response:
         return _json(stored.delete(request.path_params["response_id"]))
@@ -932,6 +993,9 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         Route("/v1/responses", _answers_errors(create_response), methods=["POST"]),
         Route("/v1/responses/{response_id}", _answers_errors(get_response), methods=["GET"]),
         Route("/v1/responses/{response_id}", _answers_errors(delete_response), methods=["DELETE"]),
+        Route(
+            "/v1/responses/{response_id}/cancel", _answers_errors(cancel_response), methods=["POST"]
+        ),
         Route("/v1/load_lora_adapter", _answers_errors(load_lora), methods=["POST"]),
         Route("/v1/unload_lora_adapter", _answers_errors(unload_lora), methods=["POST"]),
         Route("/tokenize", _answers_errors(tokenize), methods=["POST"]),

@@ -136,3 +136,13 @@ def test_chat_template_options_take_reasoning_effort() -> None:
         with pytest.raises(OpenAIError) as info:
             chat_template_options({"reasoning_effort": bad})
         assert info.value.param == "reasoning_effort"
+
+
+def test_a_response_stored_again_replaces_its_bytes() -> None:
+    """A background response is stored when queued and again when done: the first
+    entry's bytes are given back, so the store does not fill with ghosts."""
+    store = ResponseStore(max_count=100, max_bytes=10_000)
+    for _ in range(50):  # far past the bound if each put added its size again
+        store.put(_response("r1", "x" * 3000), [])
+    store.put(_response("r2", "y" * 3000), [])
+    assert len(store) == 2 and store.get("r1")["output"] == "x" * 3000
