@@ -7,6 +7,8 @@ rendered in Jinja's sandbox: it is code shipped with the model, not trusted code
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -187,17 +189,7 @@ class Tokenizer:
                 Status.INVALID_ARG,
             )
         from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        kind = ImmutableSandboxedEnvironment if chat_template is None else _request_env()
-        env = kind(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = raise_exception
-        # transformers' tojson: Jinja's escapes <, >, & and ' and sorts keys, which would
-        # write a tool's JSON schema (tools=) differently from the model's training data
-        env.filters["tojson"] = _tojson
         try:
             variables = {
                 "bos_token": self.bos_token,
@@ -205,7 +197,8 @@ class Tokenizer:
                 "add_generation_prompt": add_generation_prompt,
                 **(template_kwargs or {}),  # vLLM's order: the request's kwargs win
             }
-            text: str = env.from_string(source).render(messages=messages, **variables)
+            compiled = _compiled(source, request=chat_template is not None)
+            text: str = compiled.render(messages=messages, **variables)
         except (TemplateError, TypeError, ValueError, RecursionError, OverflowError) as exc:
             # the request's data the template cannot take (tojson of an undefined
             # field...): the request's error, not the server's
@@ -213,6 +206,42 @@ class Tokenizer:
         if continue_final_message:
             text = _open_final_message(text, messages[-1].get("content") or "")
         return text
+
+
+#: compiled templates kept (the models' own and requests' ones): compiling is most of a
+#: render's time (1.6 ms of 1.65 for SmolLM2's template)
+_COMPILED_MAX = 32
+_COMPILED: OrderedDict[tuple[str, bool], Any] = OrderedDict()
+_COMPILED_LOCK = threading.Lock()
+
+
+def _compiled(source: str, request: bool) -> Any:
+    """The Jinja template of ``source``, compiled once (``request``: in the bounded
+    environment of a request's own template)."""
+    key = (source, request)
+    with _COMPILED_LOCK:
+        hit = _COMPILED.get(key)
+        if hit is not None:
+            _COMPILED.move_to_end(key)
+            return hit
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    kind = _request_env() if request else ImmutableSandboxedEnvironment
+    env = kind(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    # transformers' tojson: Jinja's escapes <, >, & and ' and sorts keys, which would
+    # write a tool's JSON schema (tools=) differently from the model's training data
+    env.filters["tojson"] = _tojson
+    template = env.from_string(source)
+    with _COMPILED_LOCK:
+        _COMPILED[key] = template
+        while len(_COMPILED) > _COMPILED_MAX:
+            _COMPILED.popitem(last=False)
+    return template
 
 
 #: a request's template may build no string or list longer than this by ``*``, nor raise to

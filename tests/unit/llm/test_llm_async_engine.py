@@ -96,6 +96,13 @@ def test_a_requests_own_chat_template_renders_bounded(folder: Path) -> None:
         with pytest.raises(KilnError, match="chat template"):
             tok.apply_chat_template(messages, chat_template=template)
     assert tok.apply_chat_template(messages) == "<|user|>hi</s><|assistant|>"
+    # each template is compiled once: its next renders reuse it, in its own environment
+    from kiln.llm import tokenizer as module
+
+    assert tok.chat_template is not None
+    ours, theirs = module._compiled(tok.chat_template, False), module._compiled(own, True)
+    assert ours is module._compiled(tok.chat_template, False) and ours is not theirs
+    assert type(theirs.environment).__name__ == "RequestTemplateEnv"
 
 
 def test_incremental_decoding_equals_decoding_the_whole_output(folder: Path) -> None:
