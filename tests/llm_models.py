@@ -180,7 +180,7 @@ ENCODER_CLASSES = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRobe
 def build_tiny_encoder(
     folder: Path, family: str = "bert", labels: tuple[str, ...] = (),
     st_pooling: str | None = None, st_normalize: bool = True, per_token: bool = False,
-    **overrides: Any,
+    st_dense: int | None = None, **overrides: Any,
 ) -> Path:  # fmt: skip
     """A 2-layer, hidden-64 BERT-family encoder with random weights: ``*Model`` (an
     embedding model), or ``*ForSequenceClassification`` of ``labels`` (with ``per_token``:
@@ -219,8 +219,9 @@ def build_tiny_encoder(
                 param.mul_(20.0)  # the classifier's rows and BERT's type embeddings
     model.save_pretrained(str(folder), safe_serialization=True)
     if st_pooling is not None:
-        kinds = ["Transformer", "Pooling"] + (["Normalize"] if st_normalize else [])
-        paths = ["", "1_Pooling", "2_Normalize"]
+        dense = ["Dense"] if st_dense else []
+        kinds = ["Transformer", "Pooling", *dense] + (["Normalize"] if st_normalize else [])
+        paths = ["", "1_Pooling", *(["2_Dense"] if st_dense else []), "3_Normalize"]
         modules = [
             {
                 "idx": i,
@@ -237,6 +238,18 @@ def build_tiny_encoder(
         (folder / "1_Pooling" / "config.json").write_text(
             json.dumps({"word_embedding_dimension": 64, **pooling})
         )
+        if st_dense:  # a projection to st_dense dimensions, tanh (LaBSE's layout)
+            from safetensors.torch import save_file
+
+            (folder / "2_Dense").mkdir(exist_ok=True)
+            (folder / "2_Dense" / "config.json").write_text(json.dumps({
+                "in_features": 64, "out_features": st_dense, "bias": True,
+                "activation_function": "torch.nn.modules.activation.Tanh",
+            }))  # fmt: skip
+            gen = torch.Generator().manual_seed(1)
+            weights = {"linear.weight": torch.randn(st_dense, 64, generator=gen) * 0.2,
+                       "linear.bias": torch.randn(st_dense, generator=gen) * 0.1}  # fmt: skip
+            save_file(weights, str(folder / "2_Dense" / "model.safetensors"))
     return folder
 
 

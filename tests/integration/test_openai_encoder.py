@@ -37,6 +37,9 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "rerank" / "config.pbtxt").write_text(llm_config("rerank", max_num_seqs="4"))
     build_tiny_encoder(root / "xlmr" / "1", "xlm-roberta", labels=LABELS)
     (root / "xlmr" / "config.pbtxt").write_text(llm_config("xlmr", max_num_seqs="4"))
+    # LaBSE's layout: mean pooling, a Dense projection (64 -> 24, tanh), normalized
+    build_tiny_encoder(root / "labse" / "1", "bert", st_pooling="mean_tokens", st_dense=24)
+    (root / "labse" / "config.pbtxt").write_text(llm_config("labse", max_num_seqs="4"))
     # a token classifier (named entities): RoBERTa's
     build_tiny_encoder(root / "ner" / "1", "roberta", labels=ENTITIES, per_token=True)
     (root / "ner" / "config.pbtxt").write_text(llm_config("ner", max_num_seqs="4"))
@@ -207,3 +210,19 @@ def test_what_a_token_classifier_does_not_answer(
     reply = http.post(path, json=body)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+def test_a_dense_module_projects_served_embeddings(http: Any, repo: Path) -> None:
+    """A sentence-transformers Dense module on the served path (the engine's own process):
+    vectors of its width, normalize(tanh(W mean + b)); dimensions past it are a 400."""
+    from safetensors.torch import load_file
+
+    dense = load_file(str(repo / "labse" / "1" / "2_Dense" / "model.safetensors"))
+    pooled = torch.stack([h.mean(0) for h in reference_encoder(repo / "labse" / "1", TEXTS)])
+    want = F.normalize(torch.tanh(pooled @ dense["linear.weight"].T + dense["linear.bias"]), dim=-1)
+    reply = http.post("/v1/embeddings", json={"model": "labse", "input": TEXTS})
+    assert reply.status_code == 200, reply.text
+    got = torch.tensor([d["embedding"] for d in reply.json()["data"]])
+    assert got.shape == (3, 24) and torch.allclose(got, want, atol=1e-5)
+    wide = http.post("/v1/embeddings", json={"model": "labse", "input": "x", "dimensions": 32})
+    assert wide.status_code == 400

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -133,14 +134,43 @@ _ST_POOLING = {
 }
 
 
-def sentence_transformers_pooling(path: Path) -> tuple[str | None, bool | None]:
-    """How a sentence-transformers checkpoint pools, as vLLM reads it: ``modules.json``'s
-    ``Pooling`` module names a folder whose ``config.json`` switches one mode on, and a
-    ``Normalize`` module means L2-normalized vectors. (None, None): not such a checkpoint,
-    or a mode kiln does not have (max, weighted mean), which is logged."""
+#: sentence-transformers' Dense module types (vLLM's list)
+_DENSE_TYPES = (
+    "sentence_transformers.models.Dense",
+    "sentence_transformers.base.modules.dense.Dense",
+    "pylate.models.Dense.Dense",
+)
+#: a Dense module's activations, by the last part of their torch names
+DENSE_ACTIVATIONS = ("identity", "tanh", "relu", "gelu", "sigmoid", "silu")
+
+
+_DENSE_FUNCTIONS: dict[str, Any] = {
+    "tanh": torch.tanh,
+    "relu": torch.relu,
+    "sigmoid": torch.sigmoid,
+    "gelu": torch.nn.functional.gelu,
+    "silu": torch.nn.functional.silu,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DenseLayer:
+    """One sentence-transformers ``Dense`` module: ``activation(x @ weight.T + bias)``."""
+
+    weight: torch.Tensor  # [out, in]
+    bias: torch.Tensor | None  # [out]
+    activation: str
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x.float(), self.weight, self.bias)
+        act = _DENSE_FUNCTIONS.get(self.activation)
+        return y if act is None else act(y)
+
+
+def _modules(path: Path) -> list[dict[str, Any]] | None:
     modules_file = path / "modules.json"
     if not path.is_dir() or not modules_file.is_file():
-        return None, None
+        return None
     try:
         modules = json.loads(modules_file.read_text())
     except (OSError, ValueError) as exc:
@@ -149,17 +179,84 @@ def sentence_transformers_pooling(path: Path) -> tuple[str | None, bool | None]:
         ) from None
     if not isinstance(modules, list):
         raise KilnError(f"llm backend: {modules_file} is not a JSON list", Status.INVALID_ARG)
-    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+    return [m for m in modules if isinstance(m, dict)]
+
+
+def _module_folder(path: Path, module: dict[str, Any], kind: str) -> Path:
+    """A module's folder, which must be inside the checkpoint and hold a config.json."""
+    folder = (path / str(module.get("path", ""))).resolve()
+    if not folder.is_relative_to(path.resolve()) or not (folder / "config.json").is_file():
+        raise KilnError(
+            f"llm backend: {path / 'modules.json'}'s {kind} module names no config.json inside "
+            f"{path}: {module.get('path')!r}",
+            Status.INVALID_ARG,
+        )
+    return folder
+
+
+def sentence_transformers_dense(path: Path, width: int) -> list[DenseLayer]:
+    """A sentence-transformers checkpoint's ``Dense`` modules, in order (vLLM's projector:
+    applied to the pooled vectors before they are normalized); ``width``: the model's
+    hidden size, which the first must take. Each folder's ``config.json`` gives
+    ``in_features``, ``out_features``, ``bias`` and ``activation_function``; its
+    ``model.safetensors`` the weights (``linear.weight``, or ``weight``)."""
+    from safetensors.torch import load_file
+
+    modules = _modules(path) or []
+    out: list[DenseLayer] = []
+    for module in modules:
+        if module.get("type") not in _DENSE_TYPES:
+            continue
+        folder = _module_folder(path, module, "Dense")
+        config = _json(folder / "config.json")
+        act = str(config.get("activation_function") or "identity").rsplit(".", 1)[-1].lower()
+        if act not in DENSE_ACTIVATIONS:
+            raise KilnError(
+                f"llm backend: {folder}'s activation {config.get('activation_function')!r} "
+                f"is not one kiln has ({', '.join(DENSE_ACTIVATIONS)})",
+                Status.INVALID_ARG,
+            )
+        weights_file = folder / "model.safetensors"
+        if not weights_file.is_file():
+            raise KilnError(
+                f"llm backend: {folder} holds no model.safetensors (kiln reads no pickles)",
+                Status.INVALID_ARG,
+            )
+        tensors = load_file(str(weights_file))
+        key = next((k for k in ("linear.weight", "weight", "dense.weight") if k in tensors), None)
+        if key is None:
+            raise KilnError(
+                f"llm backend: {weights_file} holds no linear.weight", Status.INVALID_ARG
+            )
+        weight = tensors[key].float()
+        bias = tensors.get(key.replace("weight", "bias"))
+        shape = (int(config.get("out_features", -1)), int(config.get("in_features", -1)))
+        expected_in = out[-1].weight.shape[0] if out else width
+        if tuple(weight.shape) != shape or shape[1] != expected_in:
+            raise KilnError(
+                f"llm backend: {folder}'s weight is {list(weight.shape)}, its config says "
+                f"{list(shape)} and its input is {expected_in} wide",
+                Status.INVALID_ARG,
+            )
+        if bias is not None and config.get("bias", True) is False:
+            bias = None
+        out.append(DenseLayer(weight, None if bias is None else bias.float(), act))
+    return out
+
+
+def sentence_transformers_pooling(path: Path) -> tuple[str | None, bool | None]:
+    """How a sentence-transformers checkpoint pools, as vLLM reads it: ``modules.json``'s
+    ``Pooling`` module names a folder whose ``config.json`` switches one mode on, and a
+    ``Normalize`` module means L2-normalized vectors. (None, None): not such a checkpoint,
+    or a mode kiln does not have (max, weighted mean), which is logged."""
+    modules = _modules(path)
+    if modules is None:
+        return None, None
+    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules}
     pooling = kinds.get("Pooling")
     if pooling is None:
         return None, None
-    folder = (path / str(pooling.get("path", ""))).resolve()
-    if not folder.is_relative_to(path.resolve()) or not (folder / "config.json").is_file():
-        raise KilnError(
-            f"llm backend: {modules_file}'s Pooling module names no config.json inside "
-            f"{path}: {pooling.get('path')!r}",
-            Status.INVALID_ARG,
-        )
+    folder = _module_folder(path, pooling, "Pooling")
     modes = [k for k, on in _json(folder / "config.json").items() if on is True]
     kind = next((_ST_POOLING[m] for m in modes if m in _ST_POOLING), None)
     if kind is None:

@@ -156,6 +156,9 @@ class ModelArgs:
     matryoshka_dimensions: tuple[int, ...] | None = None
     #: a sequence classifier's classes (``id2label``'s labels, by id; empty: not one)
     labels: tuple[str, ...] = ()
+    #: a pooled vector's width when not ``hidden_size`` (a sentence-transformers Dense
+    #: module projects it: set by the engine at load)
+    pooled_size: int | None = None
     #: a token classifier's labels (``*ForTokenClassification``: every token classified,
     #: vLLM's ``token_classify``); empty for any other model
     token_labels: tuple[str, ...] = ()
@@ -245,6 +248,12 @@ class ModelArgs:
     def num_labels(self) -> int:
         """A sequence classifier's classes (0: a language model)."""
         return len(self.labels)
+
+    @property
+    def embedding_size(self) -> int:
+        """The width of the vectors the model pools (its hidden size, or its Dense
+        modules' output)."""
+        return self.pooled_size or self.hidden_size
 
     @property
     def is_token_classifier(self) -> bool:

@@ -11,7 +11,13 @@ import torch
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm.block_manager import BlockManager
-from kiln.llm.checkpoint import open_checkpoint, sentence_transformers_pooling, torch_dtype_name
+from kiln.llm.checkpoint import (
+    DenseLayer,
+    open_checkpoint,
+    sentence_transformers_dense,
+    sentence_transformers_pooling,
+    torch_dtype_name,
+)
 from kiln.llm.config import EngineConfig, ModelArgs, PoolerConfig
 from kiln.llm.draft_model import DraftProposer
 from kiln.llm.lora import LoRARequest
@@ -103,6 +109,15 @@ class LLMEngine:
                 Status.INVALID_ARG,
             )
         config.pooler_config = _pooler_config(path, self.args, config.pooler_config)
+        #: a sentence-transformers checkpoint's Dense modules, applied to the pooled
+        #: vectors (vLLM's projector); the vectors' width is then the last one's
+        self.projector: list[DenseLayer] = []
+        plain = not self.args.num_labels and not self.args.is_token_classifier
+        if config.runner == "pooling" and plain and Path(path).is_dir():
+            self.projector = sentence_transformers_dense(Path(path), self.args.hidden_size)
+        if self.projector:
+            width = int(self.projector[-1].weight.shape[0])
+            self.args = replace(self.args, pooled_size=width)
         config.max_model_len = config.max_model_len or self.args.max_position_embeddings
         config.dtype = resolve_dtype(
             config.dtype, torch_dtype_name(raw), torch.device(config.device)
@@ -571,6 +586,8 @@ class LLMEngine:
                 Status.INVALID_ARG,
             )
         pooled = self.runner.pool(prompts, pooling)
+        for layer in self.projector:  # before any normalization, as vLLM's projector
+            pooled = layer(pooled)
         self.stats.num_prompt_tokens += sum(len(p) for p in prompts)
         return pooled
 

@@ -115,6 +115,56 @@ def test_sentence_transformers_pooling_is_the_default(tmp_path: Path) -> None:
     assert LLMEngine(folder2, EngineConfig()).config.pooler_config == PoolerConfig("LAST", True)
 
 
+def test_sentence_transformers_dense_modules_project_the_pooled_vectors(
+    tmp_path: Path,
+) -> None:
+    """LaBSE's layout: pooling, a Dense module (64 -> 24, tanh), normalization: the
+    vectors are normalize(tanh(W mean + b)), as vLLM's projector and sentence-transformers
+    write them; their width is the Dense module's."""
+    from safetensors.torch import load_file
+
+    from kiln.llm import LLM
+
+    folder = build_tiny_encoder(tmp_path / "labse", st_pooling="mean_tokens", st_dense=24)
+    dense = load_file(str(folder / "2_Dense" / "model.safetensors"))
+    hidden = reference_encoder(folder, TEXTS)
+    pooled = torch.stack([h.mean(0) for h in hidden])
+    want = F.normalize(torch.tanh(pooled @ dense["linear.weight"].T + dense["linear.bias"]), dim=-1)
+    llm = LLM(model=str(folder))
+    assert llm.engine.args.embedding_size == 24
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS)])
+    assert got.shape == (len(TEXTS), 24)
+    assert torch.allclose(got, want, atol=1e-5)
+    # token_embed: every token's state projected too
+    first = llm.encode(TEXTS[:1])[0].outputs.data
+    tokens = torch.tanh(hidden[0] @ dense["linear.weight"].T + dense["linear.bias"])
+    assert torch.allclose(first, F.normalize(tokens, dim=-1), atol=1e-5)
+
+
+def test_a_dense_module_kiln_cannot_read_is_refused(tmp_path: Path) -> None:
+    folder = build_tiny_encoder(tmp_path / "m", st_pooling="mean_tokens", st_dense=8)
+    config_file = folder / "2_Dense" / "config.json"
+    config = json.loads(config_file.read_text())
+    cases = [
+        ({**config, "activation_function": "torch.nn.modules.activation.Softsign"}, "Softsign"),
+        ({**config, "in_features": 32}, "config says"),
+    ]
+    for bad, message in cases:
+        config_file.write_text(json.dumps(bad))
+        with pytest.raises(KilnError, match=message):
+            LLMEngine(folder, EngineConfig())
+    config_file.write_text(json.dumps(config))
+    weights = folder / "2_Dense" / "model.safetensors"
+    weights.rename(folder / "2_Dense" / "pytorch_model.bin")
+    with pytest.raises(KilnError, match=r"no model\.safetensors"):
+        LLMEngine(folder, EngineConfig())
+    modules = json.loads((folder / "modules.json").read_text())
+    modules[2]["path"] = "../elsewhere"
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(KilnError, match=r"Dense module names no config\.json inside"):
+        LLMEngine(folder, EngineConfig())
+
+
 def test_a_pooling_mode_kiln_lacks_falls_back_to_the_default(tmp_path: Path) -> None:
     folder = build_tiny_encoder(tmp_path / "max", st_pooling="max_tokens")
     assert LLMEngine(folder, EngineConfig()).config.pooler_config.pooling_type == "CLS"

@@ -239,7 +239,7 @@ def check_token_values(llm: EngineClient, prompts: list[list[int]], task: str) -
     """A token task's answer (every token's vector or label probabilities) stays within
     ``MAX_TOKEN_VALUES``."""
     args = llm.engine.args
-    width = len(args.token_labels) if task == "token_classify" else args.hidden_size
+    width = len(args.token_labels) if task == "token_classify" else args.embedding_size
     values = sum(len(p) for p in prompts) * width
     if values > MAX_TOKEN_VALUES:
         raise OpenAIError(
@@ -267,9 +267,9 @@ def check_model(llm: EngineClient, req: EmbeddingRequest) -> None:
                 f"Model '{req.model}' only supports {list(allowed)} matryoshka dimensions",
                 param="dimensions",
             )
-        if req.dimensions > args.hidden_size:
+        if req.dimensions > args.embedding_size:
             raise OpenAIError(
-                f"dimensions ({req.dimensions}) is more than the model's {args.hidden_size}",
+                f"dimensions ({req.dimensions}) is more than the model's {args.embedding_size}",
                 param="dimensions",
             )
     check_queue(llm, req.priority, len(req.inputs), "'input' holds {} inputs", "input")

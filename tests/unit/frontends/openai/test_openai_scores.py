@@ -137,7 +137,7 @@ def test_token_embed_answers_are_bounded_once_the_inputs_are_tokenized() -> None
 
     from kiln.frontends.openai.embeddings import MAX_TOKEN_VALUES, check_token_values
 
-    args = SimpleNamespace(hidden_size=1024, token_labels=("O",) * 8)
+    args = SimpleNamespace(embedding_size=1024, token_labels=("O",) * 8)
     llm: Any = SimpleNamespace(engine=SimpleNamespace(args=args))
     fits = MAX_TOKEN_VALUES // 1024
     check_token_values(llm, [[1] * (fits // 2), [2] * (fits // 2)], "token_embed")
