@@ -27,6 +27,7 @@ from tests.llm_models import tool_calling_repository  # noqa: E402
 #: the Responses API writes function tools flat
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+GREEDY_BODY: dict[str, Any] = {"temperature": 0, "ignore_eos": True}
 COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
 
 
@@ -247,7 +248,6 @@ def test_output_text_logprobs_are_the_chat_completions(client: openai.OpenAI) ->
     ("fields", "param"),
     [
         ({"background": True, "store": False}, "background"),
-        ({"background": True, "stream": True}, "stream"),
         ({"background": "yes"}, "background"),
         ({"reasoning": "high"}, "reasoning"),
         ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
@@ -370,3 +370,33 @@ def test_cancelling_a_background_response_aborts_it(
     assert again.status_code == 400 and again.json()["error"]["param"] == "response_id"
     missing = http.post("/v1/responses/resp_none/cancel")
     assert missing.status_code == 404
+
+
+def _sse(lines: Any) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def test_a_streamed_background_response_can_be_read_again(
+    http: httpx.Client, client: openai.OpenAI
+) -> None:
+    """``background`` with ``stream``: the events come to the request that made it, and
+    ``GET /v1/responses/{id}?stream=true&starting_after=N`` reads them again from N + 1."""
+    body = {"model": "plain", "input": "hello world", "max_output_tokens": 8,
+            "background": True, "stream": True, **GREEDY_BODY}  # fmt: skip
+    with http.stream("POST", "/v1/responses", json=body) as first:
+        assert first.status_code == 200
+        events = _sse(first.iter_lines())
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created" and events[0]["response"]["background"]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    rid = events[0]["response"]["id"]
+    with http.stream("GET", f"/v1/responses/{rid}?stream=true&starting_after=2") as again:
+        assert _sse(again.iter_lines()) == events[3:]
+    done = client.responses.retrieve(rid)
+    assert done.output_text == events[-1]["response"]["output"][0]["content"][0]["text"]
+    for query, param in (("stream=true&starting_after=x", "starting_after"),):
+        bad = http.get(f"/v1/responses/{rid}?{query}")
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+    plain = client.responses.create(model="plain", input="hi", max_output_tokens=2, **GREEDY)
+    unstreamed = http.get(f"/v1/responses/{plain.id}?stream=true")
+    assert unstreamed.status_code == 400 and unstreamed.json()["error"]["param"] == "stream"

@@ -16,12 +16,13 @@ out first, so a busy server forgets rather than grows.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +128,38 @@ class _Stored:
     #: ``previous_response_id`` does), its answer last
     messages: list[dict[str, Any]]
     size: int
+
+
+class EventFeed:
+    """A streamed background response's events as its run produces them: read from the
+    start by the request that created it, and from any ``starting_after`` by
+    ``GET /v1/responses/{id}?stream=true`` (an event's index is its ``sequence_number``)."""
+
+    def __init__(self) -> None:
+        self._events: list[bytes] = []
+        self._more = asyncio.Event()
+        self.closed = False
+
+    def append(self, event: bytes) -> None:
+        self._events.append(event)
+        self._more.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._more.set()
+
+    async def read(self, after: int = -1) -> AsyncIterator[bytes]:
+        at = max(after + 1, 0)
+        while True:
+            while at < len(self._events):
+                yield self._events[at]
+                at += 1
+            if self.closed:
+                return
+            self._more.clear()
+            if at < len(self._events) or self.closed:
+                continue
+            await self._more.wait()
 
 
 class ResponseStore:
@@ -437,12 +470,7 @@ class ResponsesCall:
                 "a background response is fetched later with GET: it needs store: true",
                 param="background",
             )
-        if background and flag(body, "stream", False):
-            raise OpenAIError(
-                "kiln does not stream a background response: leave stream out and poll "
-                "GET /v1/responses/{id}",
-                param="stream",
-            )
+
         metadata = _metadata(body.get("metadata"))
         chat: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
         system = [{"role": "system", "content": instructions}] if instructions else []
@@ -668,7 +696,7 @@ async def events(
     prompt_tokens: int,
     stored: ResponseStore,
     logprobs: Callable[[list[TokenLogprobs]], list[dict[str, Any]]] | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The Responses API's stream: typed events, each with its ``sequence_number``.
     ``logprobs`` (when the request asked for them) turns a delta's token logprobs into
     the answer's entries: each text delta carries those of the tokens it releases (and of

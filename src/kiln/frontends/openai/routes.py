@@ -255,6 +255,10 @@ def _prepare(
     return prepared
 
 
+#: streamed background responses whose events are kept for GET ?stream=true
+MAX_FEEDS = 64
+
+
 def _server_defaults(llm: EngineClient, req: GenerationRequest, body: dict[str, Any]) -> None:
     """vLLM's server flags over a request: ``--enable-force-include-usage`` (a stream's
     last chunk carries ``usage`` whatever its ``stream_options``) and
@@ -705,6 +709,8 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     stored = responses.ResponseStore()
     #: background responses still running, by id (their engine requests bound them)
     running: dict[str, asyncio.Task[None]] = {}
+    #: streamed background responses' events, by id (the MAX_FEEDS most recent)
+    feeds: dict[str, responses.EventFeed] = {}
 
     async def models(request: Request) -> Response:
         created = int(time.time())
@@ -757,9 +763,16 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         if call.background:  # answered now, run on: GET fetches it, /cancel stops it
             response = call.skeleton(rid, req.model, "queued")
             stored.put(response, call.conversation)
-            task = asyncio.create_task(_run_background(llm, req, prepared, call, rid))
+            feed = None
+            if req.stream:  # its events kept, for this request and GET ?stream=true
+                feed = feeds[rid] = responses.EventFeed()
+                while len(feeds) > MAX_FEEDS:
+                    feeds.pop(next(iter(feeds)))
+            task = asyncio.create_task(_run_background(llm, req, prepared, call, rid, feed))
             running[rid] = task
             task.add_done_callback(lambda _: running.pop(rid, None))
+            if feed is not None:
+                return StreamingResponse(feed.read(), media_type="text/event-stream")
             return _json(response)
         if req.stream:
             deltas = await started(_outputs(llm, req, prepared, rid))
@@ -782,9 +795,11 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         prepared: list[tuple[list[int], SamplingParams]],
         call: responses.ResponsesCall,
         rid: str,
+        feed: responses.EventFeed | None = None,
     ) -> None:
         """A background response's run: its stored object goes ``in_progress``, then is
-        replaced by the finished one (or marked ``failed`` with the error)."""
+        replaced by the finished one (or marked ``failed`` with the error); a streamed
+        one's events go to ``feed`` as they come."""
 
         def mark(status: str, error: dict[str, Any] | None = None) -> None:
             with contextlib.suppress(OpenAIError):  # evicted from the store meanwhile
@@ -795,6 +810,24 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
                         current["error"] = error
 
         mark("in_progress")
+        if feed is not None:
+            try:
+                deltas = _outputs(llm, req, prepared, rid)
+                scored = None
+                if call.logprobs:
+                    tok = llm.tokenizer
+                    scored = lambda t: chat_logprobs(tok, t)["content"]  # noqa: E731
+                counts = sum(len(ids) for ids, _ in prepared)
+                stream = responses.events(call, rid, req, deltas, counts, stored, scored)
+                async with contextlib.aclosing(stream) as events:
+                    async for event in events:
+                        feed.append(event)
+            except Exception:
+                log.exception("background response %s failed", rid)
+                mark("failed", {"code": "server_error", "message": "see the server's log"})
+            finally:
+                feed.close()
+            return
         try:
             answer = await _answer(llm, req, prepared, chat=True)
         except OpenAIError as exc:
@@ -810,7 +843,26 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         call.finish(rid, answer, stored)
 
     async def get_response(request: Request) -> Response:
-        return _json(stored.get(request.path_params["response_id"]))
+        """A stored response; with ``?stream=true`` a streamed background response's events
+        (from after ``starting_after``, a sequence number), as they come."""
+        rid = request.path_params["response_id"]
+        response = stored.get(rid)
+        if request.query_params.get("stream") not in ("true", "1"):
+            return _json(response)
+        feed = feeds.get(rid)
+        if feed is None:
+            raise OpenAIError(
+                f"response '{rid[:100]}' was not created with background and stream: it has "
+                "no events to stream",
+                param="stream",
+            )
+        raw = request.query_params.get("starting_after", "-1")
+        if not raw.lstrip("-").isdigit() or not -1 <= int(raw) < 1 << 31:
+            raise OpenAIError(
+                "'starting_after' must be a sequence number (an integer, -1 for all)",
+                param="starting_after",
+            )
+        return StreamingResponse(feed.read(int(raw)), media_type="text/event-stream")
 
     async def cancel_response(request: Request) -> Response:
         """OpenAI's ``POST /v1/responses/{id}/cancel``: a background response still queued
