@@ -96,16 +96,8 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
         if raw:
             setattr(out, key, raw)
     for key in ("enable_prefix_caching", "enforce_eager"):
-        raw = parameter(config, key)
-        if raw is None:
-            continue
-        flag = _BOOLEANS.get(raw.strip().lower())
-        if flag is None:
-            raise KilnError(
-                f"model '{config.name}': parameter {key} must be true or false, got '{raw}'",
-                Status.INVALID_ARG,
-            )
-        setattr(out, key, flag)
+        if parameter(config, key) is not None:
+            setattr(out, key, flag_parameter(config, key))
     backend = parameter(config, "attention_backend")
     if backend is not None:
         out.attention_backend = backend.strip().lower()
@@ -214,14 +206,7 @@ def json_object(config: ModelConfig, key: str) -> dict[str, Any]:
 def tool_calling(config: ModelConfig) -> tuple[bool, str | None]:
     """Parameters ``enable_auto_tool_choice`` and ``tool_call_parser``, checked as vLLM
     checks its flags: auto tool choice needs a parser."""
-    raw = parameter(config, "enable_auto_tool_choice")
-    enabled = False if raw is None else _BOOLEANS.get(raw.strip().lower())
-    if enabled is None:
-        raise KilnError(
-            f"model '{config.name}': parameter enable_auto_tool_choice must be true or false, "
-            f"got '{raw}'",
-            Status.INVALID_ARG,
-        )
+    enabled = flag_parameter(config, "enable_auto_tool_choice")
     parser = _parser(config, "tool_call_parser", TOOL_CALL_PARSERS)
     if enabled and parser is None:
         raise KilnError(

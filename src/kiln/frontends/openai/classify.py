@@ -6,16 +6,14 @@ classifier (``*ForTokenClassification``): every token's label probabilities."""
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from kiln.frontends.openai.embeddings import (
     EmbeddingRequest,
     check_queue,
     inputs_field,
+    list_body,
     pooling_fields,
-    pooling_usage,
 )
 from kiln.frontends.openai.protocol import OpenAIError, check_fields, check_prompt_chars
 
@@ -108,14 +106,7 @@ def response_body(
         }
         for index, row in enumerate(probabilities(llm, logits, activation))
     ]
-    return {
-        "id": f"classify-{req.request_id or uuid.uuid4().hex}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": req.model,
-        "data": data,
-        "usage": pooling_usage(prompt_tokens),
-    }
+    return list_body(req, "classify", data, prompt_tokens)
 
 
 def check_token_classifier(llm: EngineClient, req: EmbeddingRequest) -> None:
@@ -149,14 +140,7 @@ def token_pooling_body(
         if req.normalize is not False:
             rows = rows.sigmoid() if one else rows.softmax(-1)
         data.append({"index": index, "object": "pooling", "data": rows.numpy()})
-    body = {
-        "id": f"pool-{req.request_id or uuid.uuid4().hex}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": req.model,
-        "data": data,
-        "usage": pooling_usage(prompt_tokens),
-    }
+    body = list_body(req, "pool", data, prompt_tokens)
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
@@ -166,13 +150,5 @@ def pooling_body(
     """vLLM's ``/pooling`` of a classifier (``task: classify``): each input's
     probabilities as its ``data`` (``use_activation: false``: its logits)."""
     rows = probabilities(llm, logits, req.normalize is not False)
-    return {
-        "id": f"pool-{req.request_id or uuid.uuid4().hex}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": req.model,
-        "data": [
-            {"index": i, "object": "pooling", "data": row.tolist()} for i, row in enumerate(rows)
-        ],
-        "usage": pooling_usage(prompt_tokens),
-    }
+    data = [{"index": i, "object": "pooling", "data": row.tolist()} for i, row in enumerate(rows)]
+    return list_body(req, "pool", data, prompt_tokens)

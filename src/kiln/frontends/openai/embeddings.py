@@ -462,12 +462,19 @@ def response_body(
             data.append({"index": index, "object": "pooling", "data": embedding})
         else:
             data.append({"index": index, "object": "embedding", "embedding": embedding})
-    body = {
-        "id": f"{'pool' if req.pooling else 'embd'}-{req.request_id or uuid.uuid4().hex}",
+    body = list_body(req, "pool" if req.pooling else "embd", data, prompt_tokens)
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def list_body(
+    req: EmbeddingRequest, prefix: str, data: list[Any], prompt_tokens: int
+) -> dict[str, Any]:
+    """A pooling answer's body (vLLM's: embeddings, pooling, classification)."""
+    return {
+        "id": f"{prefix}-{req.request_id or uuid.uuid4().hex}",
         "object": "list",
         "created": int(time.time()),
         "model": req.model,
         "data": data,
         "usage": pooling_usage(prompt_tokens),
     }
-    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
