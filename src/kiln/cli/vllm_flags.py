@@ -9,6 +9,7 @@ unless their value asks for nothing (``--pipeline-parallel-size 1``).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -52,6 +53,10 @@ LIMITED_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "--kv-transfer-config": ((), "no disaggregated prefill"),
     "--limit-mm-per-prompt": ((), "kiln serves text"),
     "--hf-overrides": (("{}",), "edit config.json instead"),
+    "--guided-decoding-backend": (
+        ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"),
+        "kiln's one grammar engine (llguidance) serves every backend's constraints",
+    ),
 }
 #: switches that ask for something kiln does not do
 REFUSED_SWITCHES = {
@@ -64,6 +69,33 @@ REFUSED_SWITCHES = {
 
 def _opt_name(flag: str) -> str:
     return "vllm_" + flag.removeprefix("--").replace("-", "_")
+
+
+#: vLLM's structured-outputs backends: kiln's llguidance serves the constraints of each
+_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
+
+
+def _check_structured_config(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """``--structured-outputs-config '{"backend": "xgrammar"}'``: any of vLLM's backends
+    (kiln has one grammar engine); other keys are refused by name."""
+    if value is None:
+        return
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise click.BadParameter("must be a JSON object")
+    backend = parsed.pop("backend", "auto")
+    if backend not in _BACKENDS:
+        raise click.BadParameter(
+            f"backend {backend!r} is not one of vLLM's ({', '.join(_BACKENDS)})"
+        )
+    if parsed:
+        raise click.BadParameter(
+            f"vLLM's structured-outputs options {sorted(parsed)} are not supported by kiln"
+        )
+    log.info("vLLM's --structured-outputs-config backend %s: kiln's llguidance serves it", backend)
 
 
 def _check_value(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -95,6 +127,9 @@ def vllm_flags(func: F) -> F:
     for flag in (*ACCEPTED_VALUES, *LIMITED_VALUES):
         func = click.option(flag, _opt_name(flag), default=None, hidden=True,
                             expose_value=False, callback=_check_value)(func)  # fmt: skip
+    func = click.option("--structured-outputs-config", "vllm_structured_outputs_config",
+                        default=None, hidden=True, expose_value=False,
+                        callback=_check_structured_config)(func)  # fmt: skip
     for flag in (*ACCEPTED_SWITCHES, *REFUSED_SWITCHES):
         func = click.option(flag, _opt_name(flag), is_flag=True, default=False, hidden=True,
                             expose_value=False, callback=_check_switch)(func)  # fmt: skip

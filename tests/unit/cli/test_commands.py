@@ -99,7 +99,8 @@ def test_vllms_other_flags_are_accepted_or_refused_by_name(tmp_path: Path) -> No
                 "--revision", "main", "--pipeline-parallel-size", "1",
                 "--load-format", "safetensors", "--tokenizer-mode", "auto",
                 "--distributed-executor-backend", "mp", "--logprobs-mode", "raw_logprobs",
-                *ACCEPTED_SWITCHES]  # fmt: skip
+                "--structured-outputs-config", '{"backend": "xgrammar"}',
+                "--guided-decoding-backend", "guidance", *ACCEPTED_SWITCHES]  # fmt: skip
     ctx = serve.make_context("serve", [str(model), *accepted])
     assert not any(k.startswith("vllm_") for k in ctx.params)  # nothing reaches serve()
     refused = [["--pipeline-parallel-size", "2"], ["--data-parallel-size", "4"],
@@ -109,6 +110,9 @@ def test_vllms_other_flags_are_accepted_or_refused_by_name(tmp_path: Path) -> No
     for args in refused:
         with pytest.raises(click.BadParameter, match=f"vLLM's {args[0]}"):
             serve.make_context("serve", [str(model), *args])
+    for config in ('{"backend": "mine"}', '{"backend": "auto", "reasoning_parser": "x"}', "[]"):
+        with pytest.raises(click.BadParameter):
+            serve.make_context("serve", [str(model), "--structured-outputs-config", config])
     # every flag of the tables is a hidden option of kiln serve
     opts = {o for p in serve.params for o in p.opts if getattr(p, "hidden", False)}
     tables = (ACCEPTED_VALUES, ACCEPTED_SWITCHES, LIMITED_VALUES, REFUSED_SWITCHES)
