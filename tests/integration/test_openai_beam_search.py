@@ -41,6 +41,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                           enable_prefix_caching="false", model_path=str(folder))  # fmt: skip
     (repo / "uncached" / "1").mkdir(parents=True)
     (repo / "uncached" / "config.pbtxt").write_text(uncached)
+    # room for three requests at once, running or waiting
+    narrow = llm_config("narrow", block_size="4", num_gpu_blocks="256", dtype="float32",
+                        max_num_seqs="2", max_waiting="1", model_path=str(folder))  # fmt: skip
+    (repo / "narrow" / "1").mkdir(parents=True)
+    (repo / "narrow" / "config.pbtxt").write_text(narrow)
     (repo / "tiny" / "config.pbtxt").write_text(CONFIG)
     return repo
 
@@ -240,3 +245,29 @@ def test_a_client_that_leaves_before_its_answer_stops_its_work(
     assert _metric(server, "vllm:generation_tokens_total") == settled
     # far fewer tokens than were asked for
     assert settled - before < asked / 2
+
+
+def test_a_step_the_queue_cannot_take_fails_the_search_with_its_status(
+    server: KilnProcess,
+) -> None:
+    """Each step's beams are requests of the engine: when its queue is full (two other
+    streams hold two of its three places), the search fails with the queue's 503, in
+    OpenAI's shape, not a server error; the other clients are untouched."""
+    url = f"http://{server.http_url}/v1/completions"
+    long = {"model": "narrow", "prompt": "a long story", "max_tokens": 200, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with (
+        httpx.Client(timeout=60) as a,
+        httpx.Client(timeout=60) as b,
+        a.stream("POST", url, json=long) as one,
+        b.stream("POST", url, json=long) as two,
+    ):
+        streams = [one.iter_lines(), two.iter_lines()]
+        for lines in streams:
+            assert next(lines).startswith('data: {"id"')
+        beams = {"model": "narrow", "prompt": "hello", "n": 2, "max_tokens": 4, **BEAM}
+        reply = httpx.post(url, json=beams, timeout=60)
+        assert reply.status_code == 503, reply.text
+        assert "queue is full" in reply.json()["error"]["message"]
+        for lines in streams:
+            assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"

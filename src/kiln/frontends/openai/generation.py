@@ -196,17 +196,20 @@ async def beam_run(
         first = search.steps == 0
         # the prompt's logprobs (vLLM's prompt_logprobs, echo's) come with the first step
         p = replace(step, prompt_logprobs=params.prompt_logprobs) if first else step
-        async with asyncio.TaskGroup() as group:
-            tasks = [
-                group.create_task(
-                    _next_token(llm, ids, p, f"{rid}-{search.steps}-{i}", priority, request_id)
-                )
-                for i, ids in enumerate(search.prompts(prompt_ids))
-            ]
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(
+                        _next_token(llm, ids, p, f"{rid}-{search.steps}-{i}", priority, request_id)
+                    )
+                    for i, ids in enumerate(search.prompts(prompt_ids))
+                ]
+        except BaseExceptionGroup as failed:  # the first step request's error, as it was
+            raise failed.exceptions[0] from None
         outs = [task.result() for task in tasks]
         if first:
             prompt_logprobs, cached = outs[0].prompt_logprobs, outs[0].num_cached_tokens
-        search.advance([out.logprobs[0] for out in outs if out.logprobs])
+        search.advance([_next_dist(out) for out in outs])
     for index, beam in enumerate(search.best()):
         text = beam.text if beam.text is not None else tokenizer.decode(beam.tokens, skip)
         entries = [] if asked is None else [replace(e, top=e.top[:asked]) for e in beam.logprobs]
@@ -214,6 +217,11 @@ async def beam_run(
             text, beam.finish_reason, len(prompt_ids), len(beam.logprobs), index, entries,
             prompt_logprobs, cached,
         )  # fmt: skip
+
+
+def _next_dist(out: RequestOutput) -> TokenLogprobs:
+    assert out.logprobs, "checked by _next_token"
+    return out.logprobs[0]
 
 
 async def _next_token(
