@@ -189,7 +189,11 @@ async def test_the_engines_stream_interval_paces_a_real_stream(
     finally:
         async_engine.close()
     interval = request_interval or 3
-    assert counts[0] == 1 and counts[-1] == 20
+    # the first output holds the first token, and the steps the engine ran before the
+    # reader first got to it (a reader that falls behind gets them merged): its size is
+    # the scheduler's, not the collector's (test_stream_interval_holds_tokens_until_it_has
+    # _that_many pins "the first at once" without timing)
+    assert counts[0] >= 1 and counts[-1] == 20
     gaps = [b - a for a, b in itertools.pairwise(counts[:-1])]  # the last: what was left
     assert gaps and all(gap >= interval for gap in gaps), counts
 
