@@ -85,6 +85,8 @@ class BeamSearch:
         self.min_tokens = min_tokens
         self.stops = stops
         self.decode = decode
+        #: the most tokens a stop string can span
+        self._stop_window = 4 * max((len(x) for x in stops), default=0) + 1
         self.live: list[Beam] = [Beam()]
         self.completed: list[Beam] = []
         self.steps = 0
@@ -133,10 +135,17 @@ class BeamSearch:
         self.live = pool[: self.width]
 
     def _stopped(self, beam: Beam) -> bool:
+        """Whether the new token completes a stop string. Its parent held none, so only
+        the output's end is decoded: the last tokens that can hold the longest stop (a
+        character is at most 4 bytes, a token at least 1); the whole text only to cut it.
+        Every candidate of every step is checked, so this must not grow with the output."""
         assert self.decode is not None
+        tail = self.decode(beam.tokens[-self._stop_window :])
+        if find_stop(tail, self.stops) is None:
+            return False
         text = self.decode(beam.tokens)
         found = find_stop(text, self.stops)
-        if found is None:
+        if found is None:  # the tail's start was a character cut in two
             return False
         at, stop = found
         beam.text = text[: at + (len(stop) if self.include_stop else 0)]

@@ -132,6 +132,21 @@ def test_stop_strings_end_a_beam_at_the_string() -> None:
         assert all("ab" not in decode(b.tokens) for b in search.live)
 
 
+def test_stop_strings_decode_only_the_outputs_end() -> None:
+    """Every candidate of every step is checked for stop strings: the decoded part must
+    not grow with the output (it did: the whole output each time)."""
+    letters = "_abc"
+    longest: list[int] = []
+
+    def decode(ids: list[int]) -> str:
+        longest.append(len(ids))
+        return "".join(letters[t] for t in ids)
+
+    search = BeamSearch(1, 3, 40, stops=("zz",), decode=decode)  # never found
+    _run(search, [1], 11)
+    assert max(longest) <= 4 * 2 + 1
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearch(1, 0, 4)
