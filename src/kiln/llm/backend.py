@@ -173,12 +173,14 @@ def _pooling(config: ModelConfig, out: EngineConfig) -> None:
 def flag_parameter(config: ModelConfig, key: str) -> bool:
     """A true/false parameter (false when unset)."""
     raw = parameter(config, key)
-    if raw is None:
-        return False
+    return False if raw is None else _boolean(config, raw, f"parameter {key}")
+
+
+def _boolean(config: ModelConfig, raw: str, source: str) -> bool:
     value = _BOOLEANS.get(raw.strip().lower())
     if value is None:
         raise KilnError(
-            f"model '{config.name}': parameter {key} must be true or false, got '{raw}'",
+            f"model '{config.name}': {source} must be true or false, got '{raw}'",
             Status.INVALID_ARG,
         )
     return value
@@ -247,13 +249,7 @@ def enable_multiprocessing(config: ModelConfig) -> bool:
         source = "VLLM_ENABLE_V1_MULTIPROCESSING"
     if raw is None:
         return DEFAULT_MULTIPROCESSING
-    flag = _BOOLEANS.get(raw.strip().lower())
-    if flag is None:
-        raise KilnError(
-            f"model '{config.name}': {source} must be true or false, got '{raw}'",
-            Status.INVALID_ARG,
-        )
-    return flag
+    return _boolean(config, raw, source)
 
 
 def _threads() -> int:
