@@ -9,6 +9,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import textwrap
 import threading
 import time
@@ -169,14 +170,15 @@ class TritonPythonModel:
 
     def execute(self, requests):
         request = requests[0]
-        open(os.path.join(self.folder, "started"), "w").close()
+        x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+        tag = str(int(x[0]))  # each test its own X: its own files
+        open(os.path.join(self.folder, "started." + tag), "w").close()
         for i in range(6000):  # 30 s unless the client goes away
             if request.is_cancelled():
-                with open(os.path.join(self.folder, "cancelled"), "w") as f:
+                with open(os.path.join(self.folder, "cancelled." + tag), "w") as f:
                     f.write(str(i))
                 break
             time.sleep(0.005)
-        x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
         return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)])]
 """
 
@@ -1089,6 +1091,7 @@ def test_a_cancelled_grpc_infer_is_seen_by_the_model(server: KilnProcess) -> Non
     """tritonclient's asyncio client cancels a unary ``ModelInfer`` (the task is cancelled,
     so the call is): ``request.is_cancelled()`` turns true in the running ``execute``."""
     folder = server.repository / "py_unary_until_cancelled"
+    before = _cancelled_count(server, "py_unary_until_cancelled")
 
     async def cancel_one() -> None:
         async with grpcaio.InferenceServerClient(server.grpc_url) as client:
@@ -1096,7 +1099,7 @@ def test_a_cancelled_grpc_infer_is_seen_by_the_model(server: KilnProcess) -> Non
             x.set_data_from_numpy(np.array([7], np.int32))
             call = asyncio.create_task(client.infer("py_unary_until_cancelled", [x]))
             deadline = time.monotonic() + 30
-            while not (folder / "started").exists():
+            while not (folder / "started.7").exists():
                 assert time.monotonic() < deadline, "execute never started"
                 await asyncio.sleep(0.02)
             call.cancel()
@@ -1104,9 +1107,48 @@ def test_a_cancelled_grpc_infer_is_seen_by_the_model(server: KilnProcess) -> Non
                 await call
 
     asyncio.run(cancel_one())
-    sent = int(_wait_for_file(folder / "cancelled"))
+    sent = int(_wait_for_file(folder / "cancelled.7"))
     assert 0 <= sent < 6000
-    _wait_for_count(server, "py_unary_until_cancelled", 1)
+    _wait_for_count(server, "py_unary_until_cancelled", before + 1)
+
+
+@pytest.mark.parametrize(
+    ("route", "chunked", "x"),
+    [
+        ("infer", False, 8),
+        ("infer", True, 9),
+        ("generate", False, 10),
+        ("generate_stream", False, 11),
+    ],
+    ids=["infer", "infer-chunked", "generate", "generate_stream"],
+)
+def test_an_http_client_that_leaves_cancels_its_request(
+    server: KilnProcess, route: str, chunked: bool, x: int
+) -> None:
+    """Over HTTP too (Triton cancels only gRPC calls): a client whose connection closes
+    while ``execute`` runs has its request turn ``is_cancelled()``; on the fast path
+    (``infer``), the ASGI one (a chunked body), ``generate`` and ``generate_stream`` (before
+    its first response)."""
+    folder = server.repository / "py_unary_until_cancelled"
+    before = _cancelled_count(server, "py_unary_until_cancelled")
+    if route == "infer":
+        tensor = {"name": "X", "shape": [1], "datatype": "INT32", "data": [x]}
+        body = json.dumps({"inputs": [tensor]}).encode()
+    else:
+        body = json.dumps({"X": [x]}).encode()
+    host, port = server.http_url.rsplit(":", 1)
+    head = f"POST /v2/models/py_unary_until_cancelled/{route} HTTP/1.1\r\nHost: {host}\r\n"
+    if chunked:
+        raw = f"{head}Transfer-Encoding: chunked\r\n\r\n{len(body):x}\r\n".encode()
+        raw += body + b"\r\n0\r\n\r\n"
+    else:
+        raw = f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(raw)
+        _wait_for_file(folder / f"started.{x}")
+    sent = int(_wait_for_file(folder / f"cancelled.{x}"))
+    assert 0 <= sent < 6000
+    _wait_for_count(server, "py_unary_until_cancelled", before + 1)
 
 
 def _assert_streams(server: KilnProcess) -> None:

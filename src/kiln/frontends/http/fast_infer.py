@@ -10,6 +10,7 @@ Starlette app. Access control and CORS wrap this app from the outside.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -21,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.core.errors import KilnError
 from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done, trace_context
+from kiln.frontends import disconnect
 from kiln.frontends.http.codec import HEADER_LENGTH
 
 if TYPE_CHECKING:
@@ -84,9 +86,17 @@ class FastInfer:
                 slot.carrier = trace_context(headers)
             forward = self.frontend.header_forward
             forwarded = None if forward is None else forward.select_raw(scope["headers"])
-            status, out, extra = await answer(
-                self.frontend, match[1], match[2] or "", body, headers, forwarded
-            )
+            watch = disconnect.Watch(receive)  # a client that leaves cancels its request
+            try:
+                status, out, extra = await answer(
+                    self.frontend, match[1], match[2] or "", body, headers, forwarded
+                )
+            except asyncio.CancelledError:
+                if not watch.left():
+                    raise  # the server stopping
+                return  # nobody to answer
+            finally:
+                watch.stop()
         send_start = time.monotonic_ns()
         try:
             await _send(send, status, out, extra)

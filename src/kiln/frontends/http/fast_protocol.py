@@ -8,7 +8,8 @@ inference requests this path does not take: chunked or oversized bodies, ``Expec
 100-continue``, percent-encoded paths, requests over the concurrency limit) is left to
 uvicorn unchanged. Ordering of pipelined requests, graceful shutdown, keep-alive and the
 header timeout keep working because the in-flight request stands in ``self.cycle`` as
-uvicorn's own cycle would.
+uvicorn's own cycle would. A client whose connection drops before its answer has its
+request cancelled, as a cancelled gRPC call's is (the model sees ``is_cancelled()``).
 
 API keys and restricted API groups are checked here exactly as the access middleware
 checks them, as soon as the head has arrived: a refused request is answered and its
@@ -55,7 +56,7 @@ class _FastCycle:
 
     __slots__ = (
         "body", "disconnected", "headers", "keep_alive", "match", "raw_headers",
-        "recv_end", "recv_start", "response_complete",
+        "recv_end", "recv_start", "response_complete", "task",
     )  # fmt: skip
     message_event = _Nothing()
 
@@ -74,6 +75,7 @@ class _FastCycle:
         self.disconnected = False
         self.response_complete = False
         self.recv_start = self.recv_end = 0  # stamped while the server traces
+        self.task: asyncio.Task[None] | None = None  # the one answering it
 
 
 def fast_infer_protocol(
@@ -170,7 +172,7 @@ def fast_infer_protocol(
             self._cancel_read_timer()
             if cycle.recv_start:
                 cycle.recv_end = time.monotonic_ns()
-            task = self.loop.create_task(self._serve(cycle))
+            task = cycle.task = self.loop.create_task(self._serve(cycle))
             task.add_done_callback(self.tasks.discard)
             self.tasks.add(task)
 
@@ -192,9 +194,14 @@ def fast_infer_protocol(
             else:
                 forward = frontend.header_forward
                 forwarded = None if forward is None else forward.select_raw(cycle.raw_headers)
-                status, out, extra = await answer(
-                    frontend, match[1], match[2] or "", body, headers, forwarded
-                )
+                try:
+                    status, out, extra = await answer(
+                        frontend, match[1], match[2] or "", body, headers, forwarded
+                    )
+                except asyncio.CancelledError:
+                    if not cycle.disconnected:
+                        raise  # the server stopping
+                    return  # the client left (connection_lost): its request was cancelled
             if slot is None:
                 self._respond(cycle, status, out, extra)
             else:
@@ -264,6 +271,11 @@ def fast_infer_protocol(
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_read_timer()
             self._fast_rx = None
+            cycle = self.cycle
             super().connection_lost(exc)
+            if isinstance(cycle, _FastCycle) and cycle.disconnected and cycle.task is not None:
+                # nobody to answer: the model's request is cancelled (``is_cancelled()``,
+                # withdrawn from a batcher's queue), as a cancelled gRPC call's is
+                cycle.task.cancel()
 
     return FastInferProtocol

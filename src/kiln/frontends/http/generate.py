@@ -11,6 +11,7 @@ instead (``llm_generate``).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from kiln.config.signature import ModelSignature
 from kiln.core.errors import KilnError, invalid_arg
 from kiln.core.stream import CLIENT_STREAM_WINDOW
 from kiln.core.types import InferenceRequest, InferenceResponse, InferInput, element_count
+from kiln.frontends import disconnect
 from kiln.frontends.http import llm_generate
 from kiln.frontends.http.codec import from_json, parse_json, to_json_data
 
@@ -95,7 +97,13 @@ async def generate(frontend: Any, request: Request) -> Response:
     if llm is not None:
         return await llm_generate.generate(frontend, request, llm)
     req = await _request(frontend, request)
-    responses = [r async for r in frontend.server.infer_stream(req)]
+    disconnect.watch(request)  # a client that leaves before the answer cancels the request
+    try:
+        responses = [r async for r in frontend.server.infer_stream(req)]
+    except asyncio.CancelledError:
+        return disconnect.answered_nobody(request)  # raises unless the client left
+    finally:
+        disconnect.stop(request)
     if len(responses) != 1:
         raise KilnError(
             f"model '{req.model_name}' sent {len(responses)} responses to a generate request, "
@@ -112,11 +120,16 @@ async def generate_stream(frontend: Any, request: Request) -> Response:
     # uvicorn sends an event only once the client's socket took the ones before: a slow
     # reader holds the model back at the window (``core/stream.py``).
     stream = frontend.server.infer_stream(req, CLIENT_STREAM_WINDOW).__aiter__()
+    disconnect.watch(request)  # until the first response; a write notices it from then on
     try:
         # The first response is awaited here, so an early error keeps its HTTP status.
         first: InferenceResponse | None = await stream.__anext__()
     except StopAsyncIteration:
         first = None
+    except asyncio.CancelledError:
+        return disconnect.answered_nobody(request)  # raises unless the client left
+    finally:
+        disconnect.stop(request)
 
     async def events() -> AsyncIterator[bytes]:
         if first is None:
