@@ -87,6 +87,38 @@ class ByteSize(click.ParamType[int, str | int]):
         return int(float(number) * scale)
 
 
+class TokenCount(click.ParamType[int, str | int]):
+    """A count of tokens, as vLLM reads one: ``32768``, ``32k`` (powers of 1000, decimals
+    allowed: ``25.6k``), ``32K`` (powers of 1024); with ``auto`` set, ``auto`` and ``-1``
+    leave the choice to kiln (None)."""
+
+    name = "tokens"
+
+    def __init__(self, auto: bool = False) -> None:
+        self.auto = auto
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int):
+            number = value
+        else:
+            text = str(value).strip()
+            if self.auto and text in ("auto", "-1"):
+                return None
+            match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT]?)", text)
+            if match is None:
+                self.fail(f"'{value}' is not a count of tokens (e.g. 4096, 32k, 32K)", param, ctx)
+            digits, unit = match.groups()
+            if unit.isupper():
+                if "." in digits:
+                    self.fail(f"'{value}': no decimals with {unit} (powers of 1024)", param, ctx)
+                number = int(digits) * 1024 ** ("KMGT".index(unit) + 1)
+            else:
+                number = int(float(digits) * _UNITS[unit])
+        if number < 1:
+            self.fail(f"'{value}' is not a positive count of tokens", param, ctx)
+        return number
+
+
 def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """A flag holding a JSON object, checked when the command line is read."""
     if value is None:
@@ -124,9 +156,16 @@ def llm_options(func: F) -> F:
             help="Weights and KV cache dtype [default: auto: the checkpoint's on GPU, "
             "float32 on the CPU].",
         ),
-        click.option("--max-model-len", type=click.IntRange(min=1), default=None),
+        click.option(
+            "--max-model-len",
+            type=TokenCount(auto=True),
+            default=None,
+            help="Context length, prompt and output (32k, 32K as vLLM reads them) [default: "
+            "auto: the model's].",
+        ),
         click.option(
             "--gpu-memory-utilization",
+            "--device-memory-utilization",
             type=click.FloatRange(0, 1, min_open=True),
             default=None,
             help="Share of the GPU's memory for weights, activations and KV cache; the KV "
@@ -143,7 +182,7 @@ def llm_options(func: F) -> F:
             "full-length sequences fill; logged].",
         ),
         click.option("--max-num-seqs", type=click.IntRange(min=1), default=None),
-        click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None),
+        click.option("--max-num-batched-tokens", type=TokenCount(), default=None),
         click.option("--block-size", type=click.IntRange(min=1), default=None),
         click.option(
             "--enable-prefix-caching/--no-enable-prefix-caching", default=None, show_default=False
@@ -258,6 +297,7 @@ def llm_options(func: F) -> F:
         ),
         click.option(
             "--speculative-config",
+            "-sc",
             default=None,
             help='Speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} '
@@ -378,7 +418,9 @@ def served_models(
     """One in-memory llm config per ``--model``; ``settings``: the engine flags' values."""
     if len(names) > len(models):
         raise click.BadParameter(
-            f"{len(names)} names for {len(models)} --model", param_hint="--served-model-name"
+            f"{len(names)} names for {len(models)} --model: one name per --model (vLLM's "
+            "several names for one model are not supported)",
+            param_hint="--served-model-name",
         )
     given = {k: v for k, v in settings.items() if k in ENGINE_FLAGS and v not in (None, ())}
     if given and not models:

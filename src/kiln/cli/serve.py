@@ -11,6 +11,7 @@ import click
 
 from kiln.cli.llm_options import ENGINE_FLAGS, llm_options, served_models
 from kiln.cli.security_options import build_security, security_options
+from kiln.cli.vllm_command import ServeCommand
 from kiln.cli.vllm_flags import vllm_flags
 from kiln.core.header_forward import header_forward
 from kiln.security import DEFAULT_MAX_INPUT_BYTES
@@ -39,7 +40,7 @@ def _open_repositories(values: tuple[str, ...]) -> list[Any]:
     return opened
 
 
-@click.command()
+@click.command(cls=ServeCommand)
 @click.argument(
     "model_paths", metavar="[MODEL]...", nargs=-1,
     type=click.Path(exists=True, path_type=Path),
@@ -297,6 +298,13 @@ def _open_repositories(values: tuple[str, ...]) -> list[Any]:
     "runs no code from a checkpoint, and always splits a prompt longer than a step's "
     "--max-num-batched-tokens into chunks (vLLM V1's default).",
 )  # fmt: skip
+@click.option(
+    "--config",
+    metavar="FILE.yaml",
+    expose_value=False,
+    help="vLLM's config file: each key a flag (port: 8000, enable-prefix-caching: true); "
+    "the command line wins over it.",
+)
 @security_options
 @llm_options
 @vllm_flags

@@ -29,6 +29,23 @@ ACCEPTED_VALUES = {
     "--code-revision": "kiln runs no code from a checkpoint",
     "--hf-token": "kiln reads no hub",
     "--max-parallel-loading-workers": "kiln loads one shard at a time",
+    "--optimization-level": "kiln compiles no torch graphs (--enforce-eager turns its CUDA "
+    "graphs off)",
+    "--compilation-config": "kiln compiles no torch graphs (--enforce-eager turns its CUDA "
+    "graphs off)",
+    "--max-cudagraph-capture-size": "kiln captures its decode batch sizes itself",
+    "--cudagraph-capture-sizes": "kiln captures its decode batch sizes itself",
+    "--performance-mode": "kiln's engine has one mode",
+    "--collect-detailed-traces": "kiln's traces (--trace-config) carry their own spans",
+    "--show-hidden-metrics-for-version": "kiln's metrics are listed in docs/metrics.md",
+    "--disable-access-log-for-endpoints": "kiln's HTTP server writes no access log",
+    "--safetensors-load-strategy": "kiln maps safetensors files itself",
+    "--safetensors-prefetch-block-size": "kiln maps safetensors files itself",
+    "--safetensors-prefetch-num-threads": "kiln maps safetensors files itself",
+    "--pt-load-map-location": "kiln reads safetensors and GGUF, never pickled tensors",
+    "--ignore-patterns": "kiln reads local checkpoints only: nothing is downloaded",
+    "--prefix-caching-hash-algo": "kiln's prefix cache hashes blocks its own way",
+    "--kv-cache-metrics-sample": "kiln's KV-cache metrics are listed in docs/metrics.md",
 }
 #: switches kiln accepts: why
 ACCEPTED_SWITCHES = {
@@ -38,6 +55,23 @@ ACCEPTED_SWITCHES = {
     "--enable-server-load-tracking": "GET /load answers always",
     "--enable-log-requests": "kiln logs no request contents (--trace-config traces them)",
     "--enable-log-outputs": "kiln logs no outputs (--trace-config level=TENSORS traces them)",
+    "--enable-log-deltas": "kiln logs no outputs (--trace-config level=TENSORS traces them)",
+    "--async-scheduling": "kiln's scheduler has no synchronous and asynchronous modes",
+    "--disable-cascade-attn": "kiln has no cascade attention",
+    "--enable-flashinfer-autotune": "kiln runs no FlashInfer kernels",
+    "--disable-custom-all-reduce": "kiln has no custom all-reduce kernel",
+    "--aggregate-engine-logging": "kiln logs no periodic stats (/metrics and the dashboard "
+    "have them)",
+    "--enable-logging-iteration-details": "kiln logs no periodic stats (/metrics and the "
+    "dashboard have them)",
+    "--log-error-stack": "kiln logs a request's failure as it always does",
+    "--kv-cache-metrics": "kiln's KV-cache metrics are always on (docs/metrics.md)",
+    "--cudagraph-metrics": "kiln's metrics are listed in docs/metrics.md",
+    "--enable-mfu-metrics": "kiln's metrics are listed in docs/metrics.md",
+    "--use-tqdm-on-load": "nothing to do",
+    "--enable-offline-docs": "kiln serves no /docs pages",
+    "--allow-deprecated-quantization": "kiln's quantization formats are not deprecated",
+    "--fail-on-environ-validation": "kiln reads no VLLM_* variables but its own few",
 }
 #: flags with a value, accepted only with the values that ask for nothing kiln lacks
 LIMITED_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -53,6 +87,9 @@ LIMITED_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "--kv-transfer-config": ((), "no disaggregated prefill"),
     "--limit-mm-per-prompt": ((), "kiln serves text"),
     "--hf-overrides": (("{}",), "edit config.json instead"),
+    "--model-impl": (("auto", "vllm"), "kiln runs its own implementation of each model"),
+    "--config-format": (("auto", "hf"), "kiln reads config.json"),
+    "--lora-dtype": (("auto",), "adapters run in the model's dtype"),
     "--guided-decoding-backend": (
         ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"),
         "kiln's one grammar engine (llguidance) serves every backend's constraints",
@@ -64,11 +101,21 @@ REFUSED_SWITCHES = {
     "--enable-expert-parallel": "experts run on each tensor-parallel rank",
     "--skip-tokenizer-init": "the OpenAI routes need the tokenizer",
     "--headless": "kiln serves its API in the engine's server",
+    "--disable-sliding-window": "a model's sliding window is part of its attention in kiln",
 }
+
+
+#: vLLM's short spellings of the flags above
+SHORT = {"--pipeline-parallel-size": "-pp", "--data-parallel-size": "-dp",
+         "--api-server-count": "-asc", "--compilation-config": "-cc"}  # fmt: skip
 
 
 def _opt_name(flag: str) -> str:
     return "vllm_" + flag.removeprefix("--").replace("-", "_")
+
+
+def _names(flag: str) -> tuple[str, ...]:
+    return (flag, SHORT[flag]) if flag in SHORT else (flag,)
 
 
 #: vLLM's structured-outputs backends: kiln's llguidance serves the constraints of each
@@ -98,9 +145,13 @@ def _check_structured_config(ctx: click.Context, param: click.Parameter, value: 
     log.info("vLLM's --structured-outputs-config backend %s: kiln's llguidance serves it", backend)
 
 
-def _check_value(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    if value is None:
+def _check_value(
+    ctx: click.Context, param: click.Parameter, value: str | tuple[str, ...] | None
+) -> None:
+    if value is None or value == ():
         return
+    if isinstance(value, tuple):
+        value = " ".join(value)
     flag = param.opts[0]
     if flag in ACCEPTED_VALUES:
         log.info("vLLM's %s %s: accepted, nothing to do (%s)", flag, value, ACCEPTED_VALUES[flag])
@@ -125,8 +176,10 @@ def _check_switch(ctx: click.Context, param: click.Parameter, value: bool) -> No
 def vllm_flags(func: F) -> F:
     """The flags above, hidden, on ``kiln serve``."""
     for flag in (*ACCEPTED_VALUES, *LIMITED_VALUES):
-        func = click.option(flag, _opt_name(flag), default=None, hidden=True,
-                            expose_value=False, callback=_check_value)(func)  # fmt: skip
+        several = flag in ("--cudagraph-capture-sizes", "--ignore-patterns")
+        func = click.option(*_names(flag), _opt_name(flag), default=None, hidden=True,
+                            multiple=several, expose_value=False,
+                            callback=_check_value)(func)  # fmt: skip
     func = click.option("--structured-outputs-config", "vllm_structured_outputs_config",
                         default=None, hidden=True, expose_value=False,
                         callback=_check_structured_config)(func)  # fmt: skip
