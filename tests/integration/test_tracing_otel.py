@@ -240,3 +240,66 @@ def test_sampled_requests_are_exported_when_the_server_stops(
     assert len({s["trace_id"] for s in roots}) == 2  # each its own trace
     models = [s for s in receiver.spans if s["name"] == "simple"]
     assert sorted(m["attributes"]["triton.request_id"] for m in models) == ["r1", "r3"]
+
+
+class GrpcReceiver(Receiver):
+    """An OTLP/gRPC trace receiver (TraceService/Export), vLLM's default transport."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+        self.spans, self.resources, self.lock = [], [], threading.Lock()
+        receiver = self
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:
+                receiver.take(request, "grpc")
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self.grpc_server = grpc.server(futures.ThreadPoolExecutor(2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self.grpc_server)
+        self.port = self.grpc_server.add_insecure_port("127.0.0.1:0")
+        self.grpc_server.start()
+
+    def close(self) -> None:
+        self.grpc_server.stop(0)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_vllms_otlp_traces_endpoint_traces_every_request(
+    make_server: type[KilnProcess],
+    repo: Path,
+    protocol: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--otlp-traces-endpoint``, as vLLM: every request, no client context needed, over
+    OTLP/gRPC unless ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` says HTTP; a --trace-config
+    setting given as well wins (here the export delay)."""
+    receiver = GrpcReceiver() if protocol == "grpc" else Receiver()
+    try:
+        if protocol != "grpc":
+            monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)
+        args = ["--otlp-traces-endpoint", f"127.0.0.1:{receiver.port}",
+                "--trace-config", "opentelemetry,bsp_schedule_delay=100"]  # fmt: skip
+        server = make_server(repo, args=args).start()
+        http = httpclient.InferenceServerClient(server.http_url)
+        for i in range(2):
+            http.infer("simple", simple_inputs(httpclient), request_id=f"r{i}")
+        spans = receiver.wait_for(6)  # root, model, compute for each
+        assert {s["path"] for s in spans} == {"grpc" if protocol == "grpc" else "/v1/traces"}
+        models = [s for s in spans if s["name"] == "simple"]
+        assert sorted(m["attributes"]["triton.request_id"] for m in models) == ["r0", "r1"]
+        assert len({s["trace_id"] for s in spans}) == 2
+    finally:
+        receiver.close()
+
+
+def test_a_bad_otlp_protocol_is_refused(make_server: type[KilnProcess], repo: Path) -> None:
+    server = make_server(repo, args=["--trace-config", "mode=opentelemetry",
+                                     "--trace-config", "opentelemetry,protocol=udp"])  # fmt: skip
+    server.start(wait_ready=False)
+    assert server.proc is not None and server.proc.wait(60) != 0
+    assert "protocol must be one of http/protobuf, grpc" in server.log()

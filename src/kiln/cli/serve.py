@@ -40,6 +40,19 @@ def _open_repositories(values: tuple[str, ...]) -> list[Any]:
     return opened
 
 
+def _otlp_flags(endpoint: str | None) -> list[str]:
+    """vLLM's ``--otlp-traces-endpoint``: every request traced as spans to ``endpoint``,
+    over the transport ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` names (gRPC by default, as
+    in vLLM)."""
+    if endpoint is None:
+        return []
+    import os
+
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    return ["mode=opentelemetry", "rate=1", "count=-1", "level=TIMESTAMPS",
+            f"opentelemetry,url={endpoint}", f"opentelemetry,protocol={protocol}"]  # fmt: skip
+
+
 @click.command(cls=ServeCommand)
 @click.argument(
     "model_paths", metavar="[MODEL]...", nargs=-1,
@@ -278,6 +291,14 @@ def _open_repositories(values: tuple[str, ...]) -> list[Any]:
     "(every N traces to PATH.0, PATH.1, ...). Changeable at run time through "
     "/v2/trace/setting (docs/tracing.md).",
 )
+@click.option(
+    "--otlp-traces-endpoint",
+    metavar="URL",
+    default=None,
+    help="vLLM's: trace every request as OpenTelemetry spans sent to this collector, over "
+    "OTLP/gRPC (or OTLP/HTTP with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); "
+    "--trace-config settings given as well win.",
+)
 @click.option("--trace-file", hidden=True, help="Triton's older spelling of triton,file=")
 @click.option("--trace-level", multiple=True, hidden=True, help="Older spelling of level=")
 @click.option("--trace-rate", hidden=True, help="Older spelling of rate=")
@@ -350,6 +371,7 @@ def serve(
     rate_limit: str,
     rate_limit_resources: tuple[str, ...],
     trace_config: tuple[str, ...],
+    otlp_traces_endpoint: str | None,
     trace_file: str | None,
     trace_level: tuple[str, ...],
     trace_rate: str | None,
@@ -413,7 +435,8 @@ def serve(
         "log_frequency": [trace_log_frequency] if trace_log_frequency is not None else [],
     }
     try:
-        trace, trace_otel = parse_trace_config(trace_config, legacy)
+        trace_flags = _otlp_flags(otlp_traces_endpoint) + list(trace_config)
+        trace, trace_otel = parse_trace_config(trace_flags, legacy)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--trace-config") from None
     options = ServerOptions(

@@ -91,7 +91,7 @@ _TRACE_FLAGS = {
     ("triton", "log-frequency"): "log_frequency",
 }
 # ``--trace-config opentelemetry,SETTING=VALUE``: the exporter's (not trace API settings)
-_OTEL_FLAGS = ("url", "resource", "bsp_max_queue_size", "bsp_schedule_delay",
+_OTEL_FLAGS = ("url", "resource", "protocol", "bsp_max_queue_size", "bsp_schedule_delay",
                "bsp_max_export_batch_size")  # fmt: skip
 
 
@@ -101,7 +101,8 @@ def parse_trace_config(
     """The starting trace settings from ``--trace-config`` flags (``rate=100``,
     ``level=TIMESTAMPS`` (repeatable), ``count=N``, ``mode=triton|opentelemetry``,
     ``triton,file=PATH``, ``triton,log-frequency=N``, ``opentelemetry,url=URL``,
-    ``opentelemetry,resource=KEY=VALUE`` (repeatable), ``opentelemetry,bsp_*=N``) and
+    ``opentelemetry,resource=KEY=VALUE`` (repeatable), ``opentelemetry,protocol=grpc``
+    (OTLP's other transport), ``opentelemetry,bsp_*=N``) and
     Triton's older flags (``legacy``: setting -> values, e.g. ``--trace-file``), with the
     OpenTelemetry exporter's options in that mode; ``ValueError`` names what is wrong."""
     from kiln.core.trace_otel import OtelOptions
@@ -146,6 +147,11 @@ def parse_trace_config(
             raise ValueError(
                 "mode=opentelemetry needs the OpenTelemetry SDK: pip install 'kiln-serve[otel]'"
             )
+        if otel.protocol == "grpc" and _missing("opentelemetry.exporter.otlp.proto.grpc"):
+            raise ValueError(
+                "opentelemetry,protocol=grpc needs OTLP's gRPC exporter: pip install "
+                "'kiln-serve[otel]'"
+            )
         return settings, otel
     if otel_flags:
         raise ValueError(f"'{otel_flags[0]}' applies to mode=opentelemetry only")
@@ -157,9 +163,22 @@ def parse_trace_config(
     return settings, None
 
 
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:  # a parent package is missing
+        return True
+
+
 def _otel_setting(otel: OtelOptions, flag: str, name: str, value: str) -> None:
     if name == "url":
         otel.url = value
+    elif name == "protocol":
+        from kiln.core.trace_otel import PROTOCOLS
+
+        if value not in PROTOCOLS:
+            raise ValueError(f"'{flag}': protocol must be one of {', '.join(PROTOCOLS)}")
+        otel.protocol = value
     elif name == "resource":
         key, eq, text = value.partition("=")
         if not eq or not key:

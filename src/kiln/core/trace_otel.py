@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from kiln.core.trace import Trace
 
 DEFAULT_URL = "http://localhost:4318/v1/traces"
+#: OTLP's transports: Triton's (HTTP, the default) and gRPC (vLLM's default)
+PROTOCOLS = ("http/protobuf", "grpc")
 #: Longest wait for one export (and for the last one, as the server stops)
 EXPORT_TIMEOUT_S = 5
 _COMPUTE = ("COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END")
@@ -42,6 +44,7 @@ class OtelOptions:
     default to Triton's)."""
 
     url: str = DEFAULT_URL
+    protocol: str = "http/protobuf"
     resource: dict[str, str] = field(
         default_factory=lambda: {"service.name": "kiln"}
     )  # fmt: skip
@@ -61,6 +64,30 @@ class OtelOptions:
         return f"{scheme}://{rest}"
 
 
+def _exporter(options: OtelOptions) -> tuple[str, Any]:
+    """(the collector's URL, the OTLP span exporter of ``options.protocol``); each export
+    bounded, so that a collector that is down cannot hold a stopping server for the SDK's
+    default 30 s."""
+    try:
+        if options.protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                OTLPSpanExporter as GrpcExporter,
+            )
+
+            # host:port, as vLLM takes it; plaintext unless the URL says https
+            url = options.url if "://" in options.url else "http://" + options.url
+            secure = url.startswith("https://")
+            return url, GrpcExporter(endpoint=url, insecure=not secure, timeout=EXPORT_TIMEOUT_S)
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError as exc:
+        raise OtelUnavailable(
+            f"OpenTelemetry trace mode needs OTLP's {options.protocol} exporter ({exc.name} "
+            "is missing): pip install 'kiln-serve[otel]'"
+        ) from None
+    url = OtelOptions.endpoint(options.url)
+    return url, OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S)
+
+
 @dataclass(slots=True)
 class Spans:
     """One trace's open spans."""
@@ -75,7 +102,6 @@ class OtelSink:
 
     def __init__(self, options: OtelOptions) -> None:
         try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -88,13 +114,11 @@ class OtelSink:
                 f"OpenTelemetry trace mode needs the OpenTelemetry SDK ({exc.name} is "
                 "missing): pip install 'kiln-serve[otel]'"
             ) from None
-        self.url = OtelOptions.endpoint(options.url)
+        self.url, exporter = _exporter(options)
         self.provider = TracerProvider(resource=Resource.create(dict(options.resource)))
         self.provider.add_span_processor(
             BatchSpanProcessor(
-                # bounded, so that a collector that is down cannot hold a stopping server
-                # for the SDK's default 30 s
-                OTLPSpanExporter(endpoint=self.url, timeout=EXPORT_TIMEOUT_S),
+                exporter,
                 max_queue_size=options.bsp_max_queue_size,
                 schedule_delay_millis=options.bsp_schedule_delay,
                 max_export_batch_size=options.bsp_max_export_batch_size,

@@ -272,6 +272,20 @@ def test_parse_trace_config_reads_opentelemetry_flags() -> None:
         100, 64, 8)  # fmt: skip
 
 
+def test_otlp_over_grpc_exports_to_the_host_and_port_given() -> None:
+    from kiln.core.trace_otel import OtelSink
+
+    _settings, otel = parse_trace_config(
+        ["mode=opentelemetry", "opentelemetry,url=collector:4317", "opentelemetry,protocol=grpc"]
+    )
+    assert otel is not None and otel.protocol == "grpc"
+    sink = OtelSink(otel)
+    try:
+        assert sink.url == "http://collector:4317"  # no /v1/traces: gRPC has no path
+    finally:
+        sink.close()
+
+
 def test_opentelemetry_settings_do_not_change_at_run_time() -> None:
     settings, otel = parse_trace_config(["mode=opentelemetry", "level=TIMESTAMPS"])
     tracer = Tracer(settings, otel)
@@ -297,6 +311,7 @@ def test_opentelemetry_settings_do_not_change_at_run_time() -> None:
         (["mode=jaeger"], "trace_mode must be 'triton' or 'opentelemetry'"),
         (["mode=opentelemetry", "opentelemetry,bsp_schedule_delay=soon"], "positive integer"),
         (["mode=opentelemetry", "opentelemetry,resource=edge"], "resource=KEY=VALUE"),
+        (["mode=opentelemetry", "opentelemetry,protocol=udp"], "one of http/protobuf, grpc"),
     ],
 )
 def test_parse_trace_config_names_what_is_wrong(flags: list[str], message: str) -> None:
