@@ -333,3 +333,30 @@ def test_vllms_tokenizer_template_and_generation_flags(folder: Path, tmp_path: P
         proc.stop()
     refused = _serve_fails([str(weights), "--tokenizer", str(tmp_path / "none")])
     assert "--tokenizer" in refused and "does not exist" in refused
+
+
+def test_several_served_names_for_one_model_as_vllm(folder: Path, tmp_path: Path) -> None:
+    """``vllm serve MODEL --served-model-name a b c``: the model answers to each name; the
+    first is its name, and /v1/models lists all three (root: the model's)."""
+    args = [str(folder), "--served-model-name", "tiny", "small", "little", "--dtype", "float32"]
+    args += ["--kv-cache-memory", "1M", "--max-model-len", "64"]
+    proc = KilnProcess(tmp_path / "repo", args=args, with_repository=False).start(timeout=120)
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://{proc.http_url}/v1", api_key="unused", max_retries=0
+        )
+        cards = {m.id: m for m in client.models.list()}
+        assert sorted(cards) == ["little", "small", "tiny"]
+        assert {getattr(m, "root", None) for m in cards.values()} == {"tiny"}
+        assert client.models.retrieve("little").id == "little"
+        texts = {
+            name: client.completions.create(model=name, prompt=PROMPT, max_tokens=4, temperature=0)
+            .choices[0]
+            .text
+            for name in ("tiny", "small")
+        }
+        assert texts["tiny"] == texts["small"]
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=1)
+    finally:
+        proc.stop()

@@ -412,14 +412,30 @@ def llm_options(func: F) -> F:
     return func
 
 
+def served_aliases(models: tuple[Path, ...], names: tuple[str, ...]) -> dict[str, str]:
+    """vLLM's ``--served-model-name a b c`` for one model: it answers to ``b`` and ``c``
+    too (alias -> ``a``)."""
+    if len(models) != 1 or len(names) < 2:
+        return {}
+    if len(set(names)) != len(names):
+        raise click.BadParameter(
+            f"'{next(n for n in names if names.count(n) > 1)}' is given twice",
+            param_hint="--served-model-name",
+        )
+    return {alias: names[0] for alias in names[1:]}
+
+
 def served_models(
     models: tuple[Path, ...], names: tuple[str, ...], settings: dict[str, Any]
 ) -> list[ModelConfig]:
-    """One in-memory llm config per ``--model``; ``settings``: the engine flags' values."""
+    """One in-memory llm config per ``--model``; ``settings``: the engine flags' values. One
+    model may have several names, as in vLLM (the first its name, :func:`served_aliases`)."""
+    if len(models) == 1:
+        names = names[:1]
     if len(names) > len(models):
         raise click.BadParameter(
-            f"{len(names)} names for {len(models)} --model: one name per --model (vLLM's "
-            "several names for one model are not supported)",
+            f"{len(names)} names for {len(models)} --model: one name per --model (several "
+            "names, as vLLM's, for a single --model only)",
             param_hint="--served-model-name",
         )
     given = {k: v for k, v in settings.items() if k in ENGINE_FLAGS and v not in (None, ())}

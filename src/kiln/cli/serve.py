@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from kiln.cli.llm_options import ENGINE_FLAGS, llm_options, served_models
+from kiln.cli.llm_options import ENGINE_FLAGS, llm_options, served_aliases, served_models
 from kiln.cli.security_options import build_security, security_options
 from kiln.cli.vllm_command import ServeCommand
 from kiln.cli.vllm_flags import vllm_flags
@@ -403,11 +403,12 @@ def serve(
     served = served_models((*model_paths, *models), served_model_names, llm_settings)
     if not repositories and not served:
         raise click.UsageError("give --model-repository, or --model to serve a checkpoint")
-    for config in served:
-        clash = [r for r in repositories if isinstance(r, Path) and (r / config.name).is_dir()]
+    aliases = served_aliases((*model_paths, *models), served_model_names)
+    for name in [c.name for c in served] + list(aliases):
+        clash = [r for r in repositories if isinstance(r, Path) and (r / name).is_dir()]
         if clash:
             raise click.BadParameter(
-                f"'{config.name}' is also a model of {clash[0]}: give --served-model-name",
+                f"'{name}' is also a model of {clash[0]}: give --served-model-name",
                 param_hint="--model",
             )
     try:
@@ -442,6 +443,7 @@ def serve(
     options = ServerOptions(
         model_repositories=repositories,
         served_models=served,
+        llm_aliases=aliases,
         model_control_mode=ControlMode(model_control_mode),
         load_models=list(load_model),
         strict_readiness=strict_readiness,

@@ -89,6 +89,8 @@ class ServerOptions:
     allow_shm_other_owners: bool = False  # --allow-shm-other-owners
     #: ``kiln serve --model``: llm configs built in memory (``model_path`` names each)
     served_models: list[ModelConfig] = field(default_factory=list)
+    #: vLLM's several ``--served-model-name`` for one model: other name -> the model's
+    llm_aliases: dict[str, str] = field(default_factory=dict)
     #: seeds the rollouts' weighted draws and shadow sampling (None: from the OS); tests
     rollout_seed: int | None = None
     #: Triton's --exit-on-error: a model named at start that fails to load stops the server
@@ -354,6 +356,7 @@ class Server:
         another backend: 400."""
         if self.shutting_down:
             raise KilnError("server is shutting down", Status.UNAVAILABLE)
+        name = self.llm_name(name)
         runtime, rollout = self._route(name, version, parameters or {})
         client = runtime.llm_engine()
         if rollout is not None and rollout.policy.shadow is not None:
@@ -362,6 +365,10 @@ class Server:
             # changed or removed later takes effect at once
             client.on_finished = self._llm_observer(name, runtime.version)
         return client
+
+    def llm_name(self, name: str) -> str:
+        """The model a request's name means: itself, or the model an alias names."""
+        return self.options.llm_aliases.get(name, name)
 
     def _llm_observer(self, name: str, version: int) -> FinishedHook:
         def observe(

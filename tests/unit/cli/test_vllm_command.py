@@ -168,3 +168,22 @@ def test_a_missing_or_repeated_config_file(tmp_path: Path) -> None:
     config.write_text("port: 1\n")
     with pytest.raises(click.BadParameter, match="given twice"):
         _params(["--config", str(config), "--config", str(config)])
+
+
+def test_several_served_names_for_one_model(model: Path, tmp_path: Path) -> None:
+    from kiln.cli.llm_options import served_aliases, served_models
+
+    params = _params([str(model), "--served-model-name", "a", "b", "c"])
+    names = params["served_model_names"]
+    assert names == ("a", "b", "c")
+    (config,) = served_models(params["model_paths"], names, params)
+    assert config.name == "a"
+    assert served_aliases(params["model_paths"], names) == {"b": "a", "c": "a"}
+    with pytest.raises(click.BadParameter, match="'b' is given twice"):
+        served_aliases((model,), ("a", "b", "b"))
+    # two models: one name each, as before
+    other = tmp_path / "o.gguf"
+    other.write_bytes(b"")
+    assert served_aliases((model, other), ("a", "b")) == {}
+    with pytest.raises(click.BadParameter, match="3 names for 2 --model"):
+        served_models((model, other), ("a", "b", "c"), params)

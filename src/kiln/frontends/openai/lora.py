@@ -30,7 +30,7 @@ def adapter(server: Server, name: str) -> EngineClient | None:
 
 def ready_llm(server: Server, name: str) -> EngineClient | None:
     """A ready model's engine, or an adapter's (bound to it), by the name a request gives."""
-    return server.llm_engines().get(name) or adapter(server, name)
+    return server.llm_engines().get(server.llm_name(name)) or adapter(server, name)
 
 
 def cards(server: Server, created: int) -> list[dict[str, Any]]:

@@ -714,18 +714,21 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
 
     async def models(request: Request) -> Response:
         created = int(time.time())
+        engines = server.llm_engines()
+        names = [(name, name) for name in engines]  # (served name, its model)
+        names += [(a, m) for a, m in server.options.llm_aliases.items() if m in engines]
         data = [
             {
                 "id": name,
                 "object": "model",
                 "created": created,
                 "owned_by": "kiln",
-                "root": name,
+                "root": model,
                 "parent": None,
-                "max_model_len": llm.max_model_len,
+                "max_model_len": engines[model].max_model_len,
                 "permission": [_permission(created)],
             }
-            for name, llm in sorted(server.llm_engines().items())
+            for name, model in sorted(names)
         ]
         adapters = lora.cards(server, created)
         data += [{**card, "permission": [_permission(created)]} for card in adapters]
