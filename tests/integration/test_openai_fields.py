@@ -301,12 +301,27 @@ def test_include_stop_str_in_output(client: openai.OpenAI) -> None:
     at = text.find(stop)
     cut = client.completions.create(stop=stop, **kw, **GREEDY).choices[0]
     assert cut.text == text[:at] and cut.finish_reason == "stop"
+    assert getattr(cut, "stop_reason", None) == stop  # vLLM's: the stop string that ended it
+    unstopped = client.completions.create(**kw, **GREEDY).choices[0]
+    assert unstopped.model_extra is not None and unstopped.model_extra["stop_reason"] is None
     extra = {"ignore_eos": True, "include_stop_str_in_output": True}
     kept = client.completions.create(stop=stop, **kw, temperature=0, extra_body=extra)
     assert kept.choices[0].text == text[: at + len(stop)]
     streamed = client.completions.create(stop=stop, stream=True, **kw, temperature=0,
                                          extra_body=extra)  # fmt: skip
-    assert "".join(c.choices[0].text for c in streamed if c.choices) == text[: at + len(stop)]
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(c.text for c in chunks) == text[: at + len(stop)]
+    # on the last chunk only, with its finish_reason
+    assert [getattr(c, "stop_reason", "absent") for c in chunks][-1] == stop
+    assert all("stop_reason" not in (c.model_extra or {}) for c in chunks[:-1])
+    chat_kw: dict[str, Any] = dict(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+        temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    said = client.chat.completions.create(**chat_kw).choices[0].message.content or ""
+    chat_stop = said[3:6]
+    chat = client.chat.completions.create(stop=chat_stop, **chat_kw).choices[0]
+    assert chat.finish_reason == "stop" and getattr(chat, "stop_reason", None) == chat_stop
 
 
 def test_a_stop_tokens_text_is_kept_only_when_asked(
@@ -325,6 +340,7 @@ def test_a_stop_tokens_text_is_kept_only_when_asked(
     extra: dict[str, Any] = {"ignore_eos": True, "stop_token_ids": [stop_id]}
     cut = client.completions.create(**kw, temperature=0, extra_body=extra).choices[0]
     assert cut.finish_reason == "stop" and cut.logprobs
+    assert getattr(cut, "stop_reason", None) == stop_id  # vLLM's: the stop token's id
     assert cut.logprobs.tokens == tokens[: tokens.index(token) + 1]  # it did stop there
     assert free.text.startswith(cut.text) and not cut.text.endswith(token)
     extra["include_stop_str_in_output"] = True

@@ -36,6 +36,9 @@ class Delta:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     #: prompt tokens the prefix cache held (the request's, the same for its ``n`` choices)
     cached_tokens: int = 0
+    #: vLLM's ``stop_reason``, on a choice's last delta: the stop string, or the id of the
+    #: ``stop_token_ids`` token, that ended it (None for EOS, length, and the rest)
+    stop_reason: int | str | None = None
 
 
 @dataclass(slots=True)
@@ -49,15 +52,15 @@ class _Choice:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     done: bool = False
 
-    def stop(self, stops: tuple[str, ...], options: OutputOptions, start: int = 0) -> bool:
-        """Whether a stop string is in the pending text (from ``start``); if so the text
+    def stop(self, stops: tuple[str, ...], options: OutputOptions, start: int = 0) -> str | None:
+        """The stop string in the pending text (from ``start``), if any; the text then
         ends at it (or after it, with ``include_stop_str_in_output``)."""
         found = find_stop(self.pending, stops, start)
         if found is None:
-            return False
+            return None
         at, stop = found
         self.pending = self.pending[: at + (len(stop) if options.include_stop_str_in_output else 0)]
-        return True
+        return stop
 
     def take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
         taken, self.prompt_logprobs = self.prompt_logprobs, None
@@ -104,6 +107,9 @@ async def run(
                 c.prompt_logprobs = out.prompt_logprobs
             drop = out.stop_token_id is not None and not options.include_stop_str_in_output
             reason = out.finish_reason if out.finished else None
+            matched: int | str | None = None
+            if reason == "stop" and out.stop_token_id in params.stop_token_ids:
+                matched = out.stop_token_id  # vLLM's: a stop token's id, not EOS's
             if stops and len(out.new_token_ids) > 1:
                 # several steps' tokens: a stop string ends the choice at the token that
                 # completes it (and usage counts to there), however the steps were merged
@@ -112,16 +118,20 @@ async def run(
                     start = max(len(c.pending) - hold, 0)
                     c.pending += c.detok.add(ids, final=final)
                     c.pending_logprobs.extend(entries)
-                    if completion > params.min_tokens and c.stop(stops, options, start):
-                        reason = "stop"
-                        break
+                    if completion > params.min_tokens:
+                        matched = c.stop(stops, options, start) or matched
+                        if isinstance(matched, str):
+                            reason = "stop"
+                            break
             else:
                 ids = out.new_token_ids[:-1] if drop else out.new_token_ids
                 c.pending += c.detok.add(ids, final=out.finished)
                 c.pending_logprobs.extend(out.logprobs or ())
                 # as vLLM: before min_tokens are out, no stop string ends the choice either
-                if stops and completion > params.min_tokens and c.stop(stops, options):
-                    reason = "stop"
+                if stops and completion > params.min_tokens:
+                    matched = c.stop(stops, options) or matched
+                    if isinstance(matched, str):
+                        reason = "stop"
             if reason == "stop" and not out.finished:  # the other choices go on
                 llm.abort(rid, out.index, "stop")
             if reason is not None:
@@ -129,7 +139,7 @@ async def run(
                 logprobs = c.pending_logprobs
                 yield Delta(
                     c.pending, reason, prompt_len, completion, out.index, logprobs,
-                    c.take_prompt_logprobs(), out.num_cached_tokens,
+                    c.take_prompt_logprobs(), out.num_cached_tokens, matched,
                 )  # fmt: skip
                 if not left:
                     # leaving the loop closes the generator, which aborts what is left

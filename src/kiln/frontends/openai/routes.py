@@ -409,6 +409,8 @@ async def _sse(
         if lp is None and fmt is not None:
             lp = fmt(d.logprobs)
         choice.update(logprobs=lp, finish_reason=reason)
+        if reason is not None:  # vLLM's: the stop string or stop token that ended it
+            choice["stop_reason"] = d.stop_reason
         return event(choice)
 
     if chat:
@@ -527,6 +529,7 @@ async def _answer(
     entries: list[list[TokenLogprobs]] = [[] for _ in range(total)]
     prompt_entries: list[list[TokenLogprobs | None] | None] = [None] * total
     reasons: list[str | None] = [None] * total
+    stopped_by: list[int | str | None] = [None] * total  # vLLM's stop_reason
     completion: dict[int, int] = {}
     cached: dict[int, int] = {}  # per prompt
     try:
@@ -536,6 +539,8 @@ async def _answer(
             if d.prompt_logprobs is not None:
                 prompt_entries[d.index] = d.prompt_logprobs
             reasons[d.index] = d.finish_reason or reasons[d.index]
+            if d.stop_reason is not None:
+                stopped_by[d.index] = d.stop_reason
             completion[d.index] = d.completion_tokens
             cached[d.index // n] = d.cached_tokens
     except KilnError as exc:
@@ -579,7 +584,7 @@ async def _answer(
             )
         elif fmt is not None:
             lp = fmt(entries[index])
-        choice.update(logprobs=lp, finish_reason=reasons[index])
+        choice.update(logprobs=lp, finish_reason=reasons[index], stop_reason=stopped_by[index])
         if req.prompt_logprobs_field and not chat:  # vLLM's field, per choice
             choice["prompt_logprobs"] = _prompt_field(llm, req, prompt)
         choices.append(choice)
