@@ -21,7 +21,7 @@ from kiln.core.errors import KilnError, Status
 from kiln.core.trace import FrontendSlot, http_slot
 from kiln.frontends import disconnect
 from kiln.frontends.openai import classify as classifier
-from kiln.frontends.openai import embeddings, lora, reasoning, responses, scores, tools
+from kiln.frontends.openai import embeddings, lora, messages, reasoning, responses, scores, tools
 from kiln.frontends.openai.generation import (
     BeamOptions,
     Delta,
@@ -447,6 +447,18 @@ async def _respond(
 ) -> Response:
     if not req.stream:
         return _json(await _answer(llm, req, prepared, chat))
+    events = await _stream(llm, req, prepared, chat)
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def _stream(
+    llm: EngineClient,
+    req: GenerationRequest,
+    prepared: list[tuple[list[int], SamplingParams]],
+    chat: bool,
+) -> AsyncIterator[bytes]:
+    """A streamed completion's SSE events, once the first output came (an error before
+    it keeps its HTTP status)."""
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
     deltas = _outputs(llm, req, prepared, rid)
     n = req.params.n
@@ -459,8 +471,7 @@ async def _respond(
     streamed = _Echo(echoed, firsts, n, set(range(total))) if echo else None
     deltas = await started(deltas)  # an error before any output: its HTTP status
     counts = [len(ids) for ids, _ in prepared]
-    events = _sse(deltas, req, chat, rid, formats, counts, streamed)
-    return StreamingResponse(events, media_type="text/event-stream")
+    return _sse(deltas, req, chat, rid, formats, counts, streamed)
 
 
 def _reasoning(text: str | None) -> dict[str, str | None]:
@@ -675,6 +686,24 @@ def _answers_errors(handler: Handler) -> Handler:
     return guarded
 
 
+def _anthropic_errors(handler: Handler) -> Handler:
+    """Anthropic's error shape (``{"type": "error", "error": {...}}``) for what
+    ``handler`` raises, with the same HTTP status."""
+    guarded = _answers_errors(handler)
+
+    async def anthropic(request: Request) -> Response:
+        response = await guarded(request)
+        if response.status_code < 400 or isinstance(response, StreamingResponse):
+            return response
+        try:
+            message = orjson.loads(response.body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return response  # no body (a client that left): nothing to reshape
+        return _json(messages.error_body(response.status_code, message), response.status_code)
+
+    return anthropic
+
+
 async def _chat_setup(
     server: Server, body: dict[str, Any], api: str
 ) -> tuple[EngineClient, GenerationRequest, list[tuple[list[int], SamplingParams]]]:
@@ -796,6 +825,31 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
             return StreamingResponse(events, media_type="text/event-stream")
         answer = await _answer(llm, req, prepared, chat=True)
         return _json(call.finish(rid, answer, stored))
+
+    async def anthropic_messages(request: Request) -> Response:
+        """Anthropic's ``POST /v1/messages``, through chat completions (``messages.py``)."""
+        slot = http_slot(server.tracer, request.headers)
+        body = await _received(request, slot, reader)
+        chat_body = messages.chat_body(body)
+        llm, req, prepared = await _chat_setup(server, chat_body, "Messages")
+        rid = f"msg_{uuid.uuid4().hex}"
+        if req.stream:
+            events = await _stream(llm, req, prepared, chat=True)
+            prompt = sum(len(ids) for ids, _ in prepared)
+            converted = messages.events(events, rid, req.model, prompt)
+            return StreamingResponse(converted, media_type="text/event-stream")
+        return _json(messages.message(await _answer(llm, req, prepared, chat=True), rid))
+
+    async def anthropic_count_tokens(request: Request) -> Response:
+        """Anthropic's ``POST /v1/messages/count_tokens``: the prompt's tokens as the chat
+        template renders the messages, the system prompt and the tools."""
+        body = await _body(request, reader)
+        chat_body = messages.chat_body(body, count_only=True)
+        if not isinstance(chat_body["model"], str):
+            raise OpenAIError("'model' is required: a string", param="model")
+        llm = _generator(server, chat_body["model"], "Messages", body)
+        counted = await asyncio.to_thread(_tokenize, llm, chat_body)
+        return _json({"input_tokens": counted["count"]})
 
     async def _run_background(
         llm: EngineClient,
@@ -1051,6 +1105,13 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         *(Route(path, _answers_errors(score), methods=["POST"]) for path in SCORE_PATHS),
         *(Route(path, _answers_errors(rerank), methods=["POST"]) for path in RERANK_PATHS),
         Route("/v1/responses", _answers_errors(create_response), methods=["POST"]),
+        # Anthropic's Messages API, as vLLM serves it
+        Route("/v1/messages", _anthropic_errors(anthropic_messages), methods=["POST"]),
+        Route(
+            "/v1/messages/count_tokens",
+            _anthropic_errors(anthropic_count_tokens),
+            methods=["POST"],
+        ),
         Route("/v1/responses/{response_id}", _answers_errors(get_response), methods=["GET"]),
         Route("/v1/responses/{response_id}", _answers_errors(delete_response), methods=["DELETE"]),
         Route(
