@@ -52,6 +52,7 @@ from kiln.frontends.openai.protocol import (
     with_server_kwargs,
 )
 from kiln.frontends.openai.reasoning import ReasoningParser
+from kiln.frontends.openai.request_ids import RequestIdError, remember_header, request_id
 from kiln.llm.engine_client import EngineClient
 from kiln.llm.params import InvalidField, with_defaults
 from kiln.llm.sequence import SamplingParams
@@ -113,6 +114,10 @@ class BodyReader(Protocol):
 
 
 async def _body(request: Request, reader: BodyReader) -> dict[str, Any]:
+    try:  # X-Request-Id names the answer (vLLM's rule): request_ids.py
+        remember_header(request)
+    except RequestIdError as exc:
+        raise OpenAIError(str(exc)) from None
     read: dict[str, Any] | None = getattr(request.state, "openai_body", None)
     if read is not None:  # /invocations read it to pick the route
         return read
@@ -445,7 +450,7 @@ async def _respond(
 ) -> Response:
     if not req.stream:
         return _json(await _answer(llm, req, prepared, chat))
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id(req.request_id)}"
     deltas = _outputs(llm, req, prepared, rid)
     n = req.params.n
     total = n * len(prepared)
@@ -514,7 +519,7 @@ async def _answer(
     chat: bool,
 ) -> dict[str, Any]:
     """A whole (not streamed) completion or chat completion body."""
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id(req.request_id)}"
     deltas = _outputs(llm, req, prepared, rid)
     n = req.params.n
     total = n * len(prepared)
