@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
+import socket
+import stat
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +28,7 @@ from kiln.frontends.http.access import AccessMiddleware
 from kiln.frontends.http.app import HttpFrontend
 from kiln.frontends.http.browser import BrowserGuard, BrowserGuardMiddleware
 from kiln.frontends.http.fast_protocol import fast_infer_protocol
+from kiln.frontends.http.request_id import RequestIdMiddleware
 from kiln.frontends.http.slow_clients import header_timeout_protocol
 from kiln.frontends.http.unread_body import CloseUnreadBody
 from kiln.frontends.openai.routes import openai_routes
@@ -51,6 +55,13 @@ class Endpoints:
     security: SecurityOptions = field(default_factory=SecurityOptions)
     # "kiln" (its own HTTP/2 + gRPC protocol) or "grpcio" (grpc.aio), see docs/grpc.md
     grpc_implementation: str = "kiln"
+    # HTTP on this Unix domain socket instead of host:http_port (vLLM's --uds); gRPC and
+    # metrics stay on host's TCP ports
+    uds: str | None = None
+
+    @property
+    def http_address(self) -> str:
+        return f"unix:{self.uds}" if self.uds else f"{self.host}:{self.http_port}"
 
 
 class _Uvicorn(uvicorn.Server):
@@ -86,13 +97,15 @@ def _uvicorn(
             "ssl_ca_certs": str(t.ca_certs) if t.ca_certs else None,
             "ssl_cert_reqs": t.cert_reqs,
         }
+        if t.ciphers is not None:
+            tls["ssl_ciphers"] = t.ciphers
     protocol = header_timeout_protocol(
         sec.http_header_timeout_secs, head.http_max_header_size, head.http_max_headers
     )
     # KILN_HTTP_FAST_PATH=0 leaves /infer to the ASGI app: an A/B switch for benchmarks.
     if fast is not None and os.environ.get("KILN_HTTP_FAST_PATH", "1") != "0":
         access = sec.http_access if sec.http_access.enabled else None
-        protocol = fast_infer_protocol(protocol, fast, access, browser)
+        protocol = fast_infer_protocol(protocol, fast, access, browser, sec.request_id_headers)
     config = uvicorn.Config(
         CloseUnreadBody(app),  # type: ignore[arg-type]
         host=host,
@@ -104,7 +117,8 @@ def _uvicorn(
         access_log=False,
         timeout_keep_alive=sec.http_timeout_keep_alive,  # type: ignore[arg-type]
         limit_concurrency=sec.http_limit_concurrency or None,
-        timeout_graceful_shutdown=int(max(timeout, 1)),
+        # 0: in-flight requests are cancelled at once (vLLM's --shutdown-timeout 0)
+        timeout_graceful_shutdown=math.ceil(timeout),
         server_header=False,
         date_header=False,
         **tls,  # type: ignore[arg-type]
@@ -112,30 +126,74 @@ def _uvicorn(
     return _Uvicorn(config)
 
 
+#: what browsers may send cross-origin unless --allowed-methods/--allowed-headers say
+CORS_METHODS = ("GET", "POST")
+CORS_HEADERS = (
+    "authorization",
+    "x-api-key",
+    "content-type",
+    "inference-header-content-length",
+    "content-encoding",
+)
+
+
 def _http_app(
     frontend: HttpFrontend, routes: list[Any], security: SecurityOptions, browser: BrowserGuard
 ) -> Any:
     """The HTTP app inside its access check, inside CORS (so browsers' preflight requests,
     which carry no credentials, are answered before the key is asked for), inside the
-    browser guard (a foreign Host or a cross-site state change reaches nothing)."""
+    browser guard (a foreign Host or a cross-site state change reaches nothing), inside
+    the X-Request-Id header when asked for (every answer carries it)."""
     app: Any = frontend.app(routes)
     if security.http_access.enabled:
         app = AccessMiddleware(app, security.http_access)
     if security.cors_origins:
+        expose = ["inference-header-content-length"]
+        if security.request_id_headers:
+            expose.append("x-request-id")
         app = CORSMiddleware(
             app,
             allow_origins=list(security.cors_origins),
-            allow_methods=["GET", "POST"],
-            allow_headers=[
-                "authorization",
-                "x-api-key",
-                "content-type",
-                "inference-header-content-length",
-                "content-encoding",
-            ],
-            expose_headers=["inference-header-content-length"],
+            allow_methods=list(security.cors_methods or CORS_METHODS),
+            allow_headers=list(security.cors_headers or CORS_HEADERS),
+            allow_credentials=security.cors_credentials,
+            expose_headers=expose,
         )
-    return BrowserGuardMiddleware(app, browser)
+    return _with_request_id(BrowserGuardMiddleware(app, browser), security)
+
+
+def _with_request_id(app: Any, security: SecurityOptions) -> Any:
+    return RequestIdMiddleware(app) if security.request_id_headers else app
+
+
+def bind_unix_socket(path: str) -> socket.socket:
+    """A listening socket at ``path``, made with the process's umask (as vLLM's: with the
+    usual 022 only this user may connect, since connecting needs write permission). A
+    socket file left by a kiln that is gone is replaced; one a live server answers on, or
+    a file that is not a socket, is an error (OSError naming it)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None:
+        if not stat.S_ISSOCK(mode):
+            raise OSError(f"{path} exists and is not a socket: kiln will not replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)  # nobody listens: a stale socket of an earlier run
+        else:
+            raise OSError(f"{path}: another server listens on this socket")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 async def run(options: ServerOptions, endpoints: Endpoints) -> int:
@@ -153,12 +211,18 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         metrics.start()
         if endpoints.monitor.enabled:
             external_url = f"http://{endpoints.host}:{endpoints.http_port}"
+            if endpoints.uds:  # a link alerts carry: no URL reaches a Unix socket
+                external_url = f"http+unix://{endpoints.uds}"
             monitor = MonitorService(metrics, endpoints.monitor, external_url)
             if monitor.alerts is not None:  # a rollout's guard rolls back on a firing alert
                 server.rollouts.alert_firing = monitor.alerts.firing
     security = endpoints.security
+    # a Unix socket has no host name a page could rebind (any Host is answered, unless
+    # --http-allowed-host lists names); browsers' cross-site requests are judged as ever
     browser = BrowserGuard.create(
-        endpoints.host, security.http_allowed_hosts, security.cors_origins
+        f"unix:{endpoints.uds}" if endpoints.uds else endpoints.host,
+        security.http_allowed_hosts,
+        security.cors_origins,
     )
     frontend = HttpFrontend(server, security.http_read_timeout_secs)
     http = _uvicorn(
@@ -180,16 +244,26 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         browser=browser,
     )
     servers = [http]
+    sockets: list[list[socket.socket] | None] = [None]
+    if endpoints.uds:
+        try:
+            sockets[0] = [bind_unix_socket(endpoints.uds)]
+        except OSError as exc:
+            log.error("HTTP cannot listen on unix:%s: %s", endpoints.uds, exc)
+            if metrics is not None:
+                metrics.stop()
+            return 1
     if metrics is not None and endpoints.allow_metrics:
         servers.append(
             _uvicorn(
-                BrowserGuardMiddleware(metrics_app(metrics), browser),
+                _with_request_id(BrowserGuardMiddleware(metrics_app(metrics), browser), security),
                 endpoints.host,
                 endpoints.metrics_port,
                 options.exit_timeout_secs,
                 head=security,
             )
         )
+        sockets.append(None)
     grpc_server = None
     if endpoints.allow_grpc:
         from kiln.frontends.grpc.listener import start_grpc
@@ -211,6 +285,7 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
             log.error("gRPC cannot listen on %s:%d: %s", endpoints.host, endpoints.grpc_port, exc)
             if metrics is not None:
                 metrics.stop()
+            _remove_socket(endpoints)
             return 1
 
     stop = asyncio.Event()
@@ -218,19 +293,19 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    tasks = [asyncio.create_task(s.serve()) for s in servers]
+    tasks = [asyncio.create_task(s.serve(sockets=k)) for s, k in zip(servers, sockets, strict=True)]
     while not all(s.started for s in servers):
         if any(t.done() for t in tasks):
             for t in tasks:
                 if t.done() and t.exception():
                     raise t.exception()  # type: ignore[misc]
             log.error("a listener failed to start (port in use?)")
+            _remove_socket(endpoints)
             return 1
         await asyncio.sleep(0.01)
     log.info(
-        "kiln listening: HTTP %s:%d, gRPC %s:%d, metrics %s:%d",
-        endpoints.host,
-        endpoints.http_port,
+        "kiln listening: HTTP %s, gRPC %s:%d, metrics %s:%d",
+        endpoints.http_address,
         endpoints.host,
         endpoints.grpc_port,
         endpoints.host,
@@ -280,13 +355,23 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         from kiln.backends.python.process import remove_private_dirs
 
         remove_private_dirs()
+        _remove_socket(endpoints)
         os._exit(rc)
+    _remove_socket(endpoints)
     if monitor is not None:
         monitor.stop()
     if metrics is not None:
         metrics.stop()
     log.info("kiln stopped")
     return rc
+
+
+def _remove_socket(endpoints: Endpoints) -> None:
+    """The HTTP socket file, once kiln stops listening on it (as a port is freed)."""
+    if endpoints.uds:
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.lstat(endpoints.uds).st_mode):
+                os.unlink(endpoints.uds)
 
 
 def raise_fd_limit() -> tuple[int, int]:

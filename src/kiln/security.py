@@ -26,6 +26,8 @@ class HttpTls:
     keyfile: Path
     ca_certs: Path | None = None
     client_auth: str = "none"
+    # OpenSSL cipher list of TLS 1.2 and older (--ssl-ciphers); None: uvicorn's default
+    ciphers: str | None = None
 
     def __post_init__(self) -> None:
         if self.client_auth != "none" and self.ca_certs is None:
@@ -84,6 +86,13 @@ class SecurityOptions:
     http_tls: HttpTls | None = None
     grpc_tls: GrpcTls | None = None
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
+    # CORS preflight answers (vLLM's --allowed-methods/--allowed-headers/--allow-credentials);
+    # None: kiln's own lists (launch.CORS_METHODS, launch.CORS_HEADERS)
+    cors_methods: tuple[str, ...] | None = None
+    cors_headers: tuple[str, ...] | None = None
+    cors_credentials: bool = False
+    # every HTTP response carries X-Request-Id (vLLM's --enable-request-id-headers)
+    request_id_headers: bool = False
     # uvicorn: idle keep-alive connections close after this long.
     http_timeout_keep_alive: float = 30.0
     # uvicorn: beyond this many open connections/tasks new requests get 503 (0: no limit).

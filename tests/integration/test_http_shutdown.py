@@ -103,11 +103,15 @@ def test_signal_on_idle_server_exits_0(
     assert _refuses_connections(server.http_port)
 
 
+# vLLM's --shutdown-timeout is kiln's exit timeout; 0 gives up on in-flight requests at once
+@pytest.mark.parametrize(
+    "timeout", [["--exit-timeout-secs", "1"], ["--shutdown-timeout", "0"]], ids=" ".join
+)
 def test_exit_timeout_bounds_shutdown_of_a_request_that_cannot_finish(
-    make_server: type[KilnProcess], tmp_path: Path
+    make_server: type[KilnProcess], tmp_path: Path, timeout: list[str]
 ) -> None:
     write_slow_model(tmp_path / "repo")
-    server = make_server(tmp_path / "repo", args=["--exit-timeout-secs", "1"]).start()
+    server = make_server(tmp_path / "repo", args=timeout).start()
     errors: list[str] = []
 
     def endless_request() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,13 @@ def _otlp_flags(endpoint: str | None) -> list[str]:
     "--http-port", "--port", "http_port", default=8000, show_default=True,
     help="HTTP port: KServe v2, OpenAI's API (--port: vLLM's name).",
 )  # fmt: skip
+@click.option(
+    "--uds",
+    default=None,
+    metavar="PATH",
+    help="Serve HTTP (KServe v2, OpenAI's API) on this Unix domain socket instead of "
+    "--host:--http-port (vLLM's flag); gRPC and metrics stay on their TCP ports.",
+)
 @click.option("--grpc-port", default=8001, show_default=True)
 @click.option("--metrics-port", default=8002, show_default=True)
 @click.option("--allow-grpc/--no-allow-grpc", default=True, show_default=True)
@@ -241,9 +249,13 @@ def _otlp_flags(endpoint: str | None) -> list[str]:
 )
 @click.option(
     "--exit-timeout-secs",
+    "--shutdown-timeout",
+    "exit_timeout_secs",
+    type=click.FloatRange(min=0),
     default=30.0,
     show_default=True,
-    help="On SIGTERM/SIGINT, how long in-flight requests may take to finish.",
+    help="On SIGTERM/SIGINT, how long in-flight requests may take to finish; 0: they are "
+    "cancelled at once (--shutdown-timeout: vLLM's name).",
 )
 @click.option(
     "--http-max-input-size",
@@ -338,6 +350,7 @@ def serve(
     load_model: tuple[str, ...],
     host: str,
     http_port: int,
+    uds: str | None,
     grpc_port: int,
     metrics_port: int,
     allow_grpc: bool,
@@ -504,5 +517,30 @@ def serve(
         monitor=monitor,
         security=security,
         grpc_implementation=grpc_implementation,
+        uds=_socket_path(uds),
     )
     sys.exit(run_server(options, endpoints))
+
+
+#: sun_path holds 108 bytes on Linux, the terminating NUL among them
+_MAX_SOCKET_PATH = 107
+
+
+def _socket_path(text: str | None) -> str | None:
+    """--uds's path, checked before anything starts: bind() would fail on each of these."""
+    if text is None:
+        return None
+    if not text or "\0" in text:
+        raise click.BadParameter("needs a file path", param_hint="--uds")
+    if len(os.fsencode(text)) > _MAX_SOCKET_PATH:
+        raise click.BadParameter(
+            f"'{text}' is {len(os.fsencode(text))} bytes long: a Unix socket's path holds at "
+            f"most {_MAX_SOCKET_PATH} (use a shorter or relative path)",
+            param_hint="--uds",
+        )
+    path = Path(text)
+    if not path.parent.is_dir():
+        raise click.BadParameter(f"'{path.parent}' is not a folder", param_hint="--uds")
+    if path.is_dir():
+        raise click.BadParameter(f"'{text}' is a folder", param_hint="--uds")
+    return text

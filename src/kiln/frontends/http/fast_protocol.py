@@ -17,7 +17,8 @@ connection closed without reading (buffering) its body. A browser's request (``O
 ``Sec-Fetch-Site``) and one whose ``Host`` kiln does not answer to go to the ASGI app, whose
 browser guard refuses them (403 / 421, :mod:`kiln.frontends.http.browser`) and whose CORS
 middleware adds the headers a browser needs; other clients pay one dict lookup per request
-for this (the Host value's).
+for this (the Host value's). With ``--enable-request-id-headers`` every answer written here
+carries ``X-Request-Id`` as the ASGI app's (:mod:`kiln.frontends.http.request_id`).
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ from kiln.frontends.http.fast_infer import (
     answer,
     error,
 )
+from kiln.frontends.http.request_id import new_id
 
 # markers in the header lookup (no header name holds a NUL)
 _HOST, _BROWSER = "\0host", "\0browser"
+_REQUEST_ID = "\0x-request-id"
 
 
 class _Nothing:
@@ -83,15 +86,19 @@ def fast_infer_protocol(
     frontend: HttpFrontend,
     access: AccessPolicy | None = None,
     browser: BrowserGuard | None = None,
+    request_id_headers: bool = False,
 ) -> type[HttpToolsProtocol]:
     """``access``: the HTTP access policy when it is enabled; ``browser``: the host names
-    answered (requests this path leaves to the ASGI app's guard)."""
+    answered (requests this path leaves to the ASGI app's guard); ``request_id_headers``:
+    every answer carries ``X-Request-Id``."""
     max_body = frontend.max_body
     # One dict lookup per header finds the wanted ones and those that send the request to
     # the ASGI app's browser guard (Host only where kiln checks it).
     lookup: dict[bytes, str] = {**WANTED_HEADERS, b"origin": _BROWSER, b"sec-fetch-site": _BROWSER}
     if browser is not None and browser.hosts is not None:
         lookup[b"host"] = _HOST
+    if request_id_headers:
+        lookup[b"x-request-id"] = _REQUEST_ID
     host_ok = (browser or BrowserGuard(None, frozenset())).host_ok
     read_timeout = frontend.read_timeout
     tracer = frontend.server.tracer
@@ -148,6 +155,8 @@ def fast_infer_protocol(
                         return None  # a foreign Host: the ASGI app answers 421
                 elif name is _BROWSER:
                     return None  # a browser's request: the ASGI app judges it, adds CORS
+                elif name is _REQUEST_ID:
+                    headers.setdefault(_REQUEST_ID, value.decode("latin-1"))  # the first
                 else:
                     headers[name] = value.decode("latin-1")
             length = headers.get("content-length")
@@ -237,6 +246,9 @@ def fast_infer_protocol(
                 parts += [name, b": ", value, b"\r\n"]
             for key, text in extra.items():
                 parts += [key.encode("latin-1"), b": ", text.encode("latin-1"), b"\r\n"]
+            if request_id_headers:
+                rid = cycle.headers.get(_REQUEST_ID) or new_id()
+                parts += [b"x-request-id: ", rid.encode("latin-1"), b"\r\n"]
             parts += [b"content-length: ", str(len(out)).encode(), b"\r\n"]
             if not cycle.keep_alive:
                 parts.append(b"connection: close\r\n")

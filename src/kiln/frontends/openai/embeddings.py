@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import time
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +20,7 @@ from kiln.frontends.openai.protocol import (
     check_prompt_chars,
     with_server_kwargs,
 )
+from kiln.frontends.openai.request_ids import request_id as answer_id
 from kiln.llm.params import InvalidField, integer
 
 if TYPE_CHECKING:  # importing the backend imports torch
@@ -471,7 +471,7 @@ def list_body(
 ) -> dict[str, Any]:
     """A pooling answer's body (vLLM's: embeddings, pooling, classification)."""
     return {
-        "id": f"{prefix}-{req.request_id or uuid.uuid4().hex}",
+        "id": f"{prefix}-{answer_id(req.request_id)}",
         "object": "list",
         "created": int(time.time()),
         "model": req.model,

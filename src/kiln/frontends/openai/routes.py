@@ -52,6 +52,7 @@ from kiln.frontends.openai.protocol import (
     with_server_kwargs,
 )
 from kiln.frontends.openai.reasoning import ReasoningParser
+from kiln.frontends.openai.request_ids import RequestIdError, remember_header, request_id
 from kiln.llm.engine_client import EngineClient
 from kiln.llm.params import InvalidField, with_defaults
 from kiln.llm.sequence import SamplingParams
@@ -113,6 +114,10 @@ class BodyReader(Protocol):
 
 
 async def _body(request: Request, reader: BodyReader) -> dict[str, Any]:
+    try:  # X-Request-Id names the answer (vLLM's rule): request_ids.py
+        remember_header(request)
+    except RequestIdError as exc:
+        raise OpenAIError(str(exc)) from None
     read: dict[str, Any] | None = getattr(request.state, "openai_body", None)
     if read is not None:  # /invocations read it to pick the route
         return read
@@ -459,7 +464,7 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     """A streamed completion's SSE events, once the first output came (an error before
     it keeps its HTTP status)."""
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id(req.request_id)}"
     deltas = _outputs(llm, req, prepared, rid)
     n = req.params.n
     total = n * len(prepared)
@@ -527,7 +532,7 @@ async def _answer(
     chat: bool,
 ) -> dict[str, Any]:
     """A whole (not streamed) completion or chat completion body."""
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id(req.request_id)}"
     deltas = _outputs(llm, req, prepared, rid)
     n = req.params.n
     total = n * len(prepared)
@@ -832,7 +837,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         body = await _received(request, slot, reader)
         chat_body = messages.chat_body(body)
         llm, req, prepared = await _chat_setup(server, chat_body, "Messages")
-        rid = f"msg_{uuid.uuid4().hex}"
+        rid = f"msg_{request_id(None)}"  # X-Request-Id names it, as chat's
         if req.stream:
             events = await _stream(llm, req, prepared, chat=True)
             prompt = sum(len(ids) for ids, _ in prepared)

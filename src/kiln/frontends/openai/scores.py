@@ -8,7 +8,6 @@ logit."""
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,7 @@ from kiln.frontends.openai.embeddings import (
     pooling_usage,
 )
 from kiln.frontends.openai.protocol import OpenAIError, check_fields, check_prompt_chars
+from kiln.frontends.openai.request_ids import request_id as answer_id
 from kiln.llm.params import InvalidField, integer
 
 if TYPE_CHECKING:  # importing the backend imports torch
@@ -222,7 +222,7 @@ def pair_tokens(left: list[list[int]], right: list[list[int]]) -> int:
 def score_body(req: ScoreRequest, scores: list[float], tokens: int) -> dict[str, Any]:
     """``tokens``: the prompt tokens the scores read."""
     return {
-        "id": f"score-{req.request_id or uuid.uuid4().hex}",
+        "id": f"score-{answer_id(req.request_id)}",
         "object": "list",
         "created": int(time.time()),
         "model": req.model,
@@ -238,7 +238,7 @@ def rerank_body(req: ScoreRequest, scores: list[float], tokens: int) -> dict[str
     if req.top_n:
         order = order[: req.top_n]
     return {
-        "id": f"rerank-{req.request_id or uuid.uuid4().hex}",
+        "id": f"rerank-{answer_id(req.request_id)}",
         "model": req.model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         "results": [
