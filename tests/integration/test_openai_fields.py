@@ -96,24 +96,32 @@ def test_health_version_and_models(http: httpx.Client, client: openai.OpenAI) ->
     assert extra["permission"][0]["object"] == "model_permission"
 
 
-def test_load_counts_the_requests_in_the_engine(http: httpx.Client) -> None:
-    """vLLM's ``GET /load``: 0 when idle, the requests running and waiting while a
-    request of eight prompts runs, 0 again after."""
+def test_load_counts_the_requests_in_flight(http: httpx.Client) -> None:
+    """vLLM's ``GET /load``: the HTTP requests in flight, not the engine's: 0 when idle, 1
+    while one request of eight prompts runs (two of them at once in this model's KV
+    cache), streamed or not, 0 again after."""
     import threading
 
     assert http.get("/load").json() == {"server_load": 0}
     # eight prompts of 200 tokens: two fit this model's KV cache at once
     body = {"model": "tiny", "prompt": ["a long story"] * 8, "max_tokens": 200,
             "ignore_eos": True}  # fmt: skip
-    worker = threading.Thread(target=lambda: http.post("/v1/completions", json=body))
-    worker.start()
-    seen = []
-    while worker.is_alive():
-        seen.append(http.get("/load").json()["server_load"])
-        time.sleep(0.01)
-    worker.join()
-    assert max(seen) >= 1 and max(seen) <= 8, seen
-    assert http.get("/load").json() == {"server_load": 0}
+    for stream in (False, True):
+
+        def send(stream: bool = stream) -> None:
+            with http.stream("POST", "/v1/completions", json={**body, "stream": stream}) as r:
+                for _ in r.iter_bytes():
+                    pass
+
+        worker = threading.Thread(target=send)
+        worker.start()
+        seen = []
+        while worker.is_alive():
+            seen.append(http.get("/load").json()["server_load"])
+            time.sleep(0.01)
+        worker.join()
+        assert set(seen) <= {0, 1} and 1 in seen, seen
+        assert http.get("/load").json() == {"server_load": 0}
 
 
 # --- a list of prompts -------------------------------------------------------------------

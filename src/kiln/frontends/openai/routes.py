@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Route, request_response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln import __version__
 from kiln.core.errors import KilnError, Status
@@ -742,6 +743,32 @@ async def _chat_setup(
     return llm, req, prepared
 
 
+class _InFlight:
+    """vLLM's server load (``GET /load``): the requests in flight on the routes that
+    generate or pool, from their arrival until their answer, a streamed one too, has been
+    sent (or its client left)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def route(self, path: str, handler: Handler, methods: list[str]) -> Route:
+        return Route(path, _Counted(request_response(handler), self), methods=methods)
+
+
+class _Counted:
+    """An endpoint as an ASGI app counted in flight around its whole call."""
+
+    def __init__(self, app: ASGIApp, load: _InFlight) -> None:
+        self.app, self.load = app, load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.load.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.count -= 1
+
+
 def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     """``reader``: the HTTP frontend whose body limits apply."""
     #: the Responses API's stored responses (``store``, ``previous_response_id``)
@@ -1091,32 +1118,31 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     async def version(request: Request) -> Response:
         return _json({"version": __version__})
 
+    inflight = _InFlight()
+
     async def load(request: Request) -> Response:
         """vLLM's ``GET /load`` (its ``--enable-server-load-tracking``, always on here):
-        the requests in the llm models' engines, running and waiting, for a load-aware
-        router."""
-        total = sum(llm.num_requests for llm in server.llm_engines().values())
-        return _json({"server_load": total})
+        the generation and pooling requests in flight, for a load-aware router."""
+        return _json({"server_load": inflight.count})
+
+    def counted(path: str, handler: Handler) -> Route:
+        return inflight.route(path, handler, ["POST"])
 
     return [
         Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/completions", _answers_errors(completions), methods=["POST"]),
-        Route("/v1/chat/completions", _answers_errors(chat), methods=["POST"]),
-        Route("/v1/embeddings", _answers_errors(embed), methods=["POST"]),
-        Route("/pooling", _answers_errors(pool), methods=["POST"]),
-        Route("/classify", _answers_errors(classify), methods=["POST"]),
+        counted("/v1/completions", _answers_errors(completions)),
+        counted("/v1/chat/completions", _answers_errors(chat)),
+        counted("/v1/embeddings", _answers_errors(embed)),
+        counted("/pooling", _answers_errors(pool)),
+        counted("/classify", _answers_errors(classify)),
         # vLLM's score and rerank APIs: its own paths, the /v1 ones it still answers, and
         # /v2/rerank (Cohere's v2 path)
-        *(Route(path, _answers_errors(score), methods=["POST"]) for path in SCORE_PATHS),
-        *(Route(path, _answers_errors(rerank), methods=["POST"]) for path in RERANK_PATHS),
-        Route("/v1/responses", _answers_errors(create_response), methods=["POST"]),
+        *(counted(path, _answers_errors(score)) for path in SCORE_PATHS),
+        *(counted(path, _answers_errors(rerank)) for path in RERANK_PATHS),
+        counted("/v1/responses", _answers_errors(create_response)),
         # Anthropic's Messages API, as vLLM serves it
-        Route("/v1/messages", _anthropic_errors(anthropic_messages), methods=["POST"]),
-        Route(
-            "/v1/messages/count_tokens",
-            _anthropic_errors(anthropic_count_tokens),
-            methods=["POST"],
-        ),
+        counted("/v1/messages", _anthropic_errors(anthropic_messages)),
+        counted("/v1/messages/count_tokens", _anthropic_errors(anthropic_count_tokens)),
         Route("/v1/responses/{response_id}", _answers_errors(get_response), methods=["GET"]),
         Route("/v1/responses/{response_id}", _answers_errors(delete_response), methods=["DELETE"]),
         Route(
