@@ -640,3 +640,64 @@ def test_unknown_fields_are_ignored_with_one_warning(
     )  # fmt: skip
     lines = [line for line in server.log().splitlines() if "frobnicate_level" in line]
     assert len(lines) == 1 and "ignored" in lines[0]
+
+
+# --- vLLM's batch chat completions -------------------------------------------------------
+
+
+def test_batch_chat_answers_each_conversation_as_chat_does(
+    client: openai.OpenAI, http: httpx.Client
+) -> None:
+    conversations = [
+        [{"role": "user", "content": "the quick brown fox"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+         {"role": "user", "content": "three"}],
+    ]  # fmt: skip
+    body = {"model": "tiny", "messages": conversations, "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    got = http.post("/v1/chat/completions/batch", json=body)
+    assert got.status_code == 200, got.text
+    batch = got.json()
+    assert batch["object"] == "chat.completion" and batch["id"].startswith("chatcmpl-")
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2]
+    prompt_tokens = 0
+    for conversation, choice in zip(conversations, batch["choices"], strict=True):
+        alone = client.chat.completions.create(
+            model="tiny", messages=conversation, max_tokens=6, temperature=0,  # type: ignore[arg-type]
+            logprobs=True, top_logprobs=2,
+        )  # fmt: skip
+        assert choice["message"]["content"] == alone.choices[0].message.content
+        assert choice["finish_reason"] == alone.choices[0].finish_reason
+        assert alone.choices[0].logprobs is not None and alone.choices[0].logprobs.content
+        assert [e["token"] for e in choice["logprobs"]["content"]] == [
+            e.token for e in alone.choices[0].logprobs.content
+        ]
+        assert alone.usage is not None
+        prompt_tokens += alone.usage.prompt_tokens
+    assert batch["usage"]["prompt_tokens"] == prompt_tokens
+    assert batch["usage"]["completion_tokens"] == 3 * 6
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"stream": True}, "stream"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"n": 2}, "n"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "not a conversation"}]}, "messages"),
+        ({"messages": [[{"role": "user", "content": "hi"}], [{"role": "robot"}]]},
+         "messages[1][0].role"),
+        ({"messages": [[{"role": "user", "content": "hi"}]] * 1025}, "messages"),
+    ],
+)  # fmt: skip
+def test_batch_chat_refuses_what_vllm_refuses(
+    http: httpx.Client, change: dict[str, Any], param: str
+) -> None:
+    body = {"model": "tiny", "messages": [[{"role": "user", "content": "hi"}]],
+            "max_tokens": 2, **change}  # fmt: skip
+    got = http.post("/v1/chat/completions/batch", json=body)
+    assert got.status_code == 400, got.text
+    assert got.json()["error"]["param"] == param

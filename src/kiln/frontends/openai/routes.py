@@ -68,6 +68,8 @@ LogprobsFormat = Callable[[list["TokenLogprobs"]], dict[str, Any]]
 
 
 SCORE_PATHS = ("/score", "/v1/score")
+#: conversations in one /v1/chat/completions/batch request
+MAX_BATCH_CONVERSATIONS = 1024
 RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
 
 
@@ -711,16 +713,17 @@ def _anthropic_errors(handler: Handler) -> Handler:
 
 
 async def _chat_setup(
-    server: Server, body: dict[str, Any], api: str
+    server: Server, body: dict[str, Any], api: str, drawn: EngineClient | None = None
 ) -> tuple[EngineClient, GenerationRequest, list[tuple[list[int], SamplingParams]]]:
     """A chat completions body, checked, rendered by the chat template and tokenized: the
-    model's engine, the request and each prompt's token ids and parameters."""
+    model's engine (``drawn``: the one already drawn for the request), the request and
+    each prompt's token ids and parameters."""
     messages = chat_messages(body)
     template = chat_template_options(body)
     model = body.get("model")
     # drawn once (a rollout split): the version whose template renders the prompt
     # is the version that generates
-    llm = _generator(server, model, api, body) if isinstance(model, str) else None
+    llm = drawn or (_generator(server, model, api, body) if isinstance(model, str) else None)
     calling = tools.tool_request(body, llm) if llm else None
     messages = tools.template_messages(messages)
     if calling is not None:  # transformers' ``tools=`` (the request's kwargs win)
@@ -819,6 +822,63 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         check_fields(body, CHAT_FIELDS, "chat completions")
         llm, req, prepared = await _chat_setup(server, body, "Chat Completions")
         return await _respond(llm, req, prepared, chat=True)
+
+    async def batch_chat(request: Request) -> Response:
+        """vLLM's ``POST /v1/chat/completions/batch``: ``messages`` holds conversations,
+        each rendered and generated as its own chat request with the body's other fields;
+        one choice per conversation, indexed in order, usage summed. Not streamed, without
+        tools, beam search or ``n`` > 1, as in vLLM."""
+        slot = http_slot(server.tracer, request.headers)
+        body = await _received(request, slot, reader)
+        check_fields(body, CHAT_FIELDS, "batch chat completions")
+        conversations = body.get("messages")
+        if (
+            not isinstance(conversations, list)
+            or not conversations
+            or not all(isinstance(c, list) and c for c in conversations)
+        ):
+            raise OpenAIError(
+                "'messages' must be a non-empty list of conversations, each a non-empty "
+                "list of messages",
+                param="messages",
+            )
+        if len(conversations) > MAX_BATCH_CONVERSATIONS:
+            raise OpenAIError(
+                f"'messages' holds {len(conversations)} conversations, more than "
+                f"{MAX_BATCH_CONVERSATIONS}",
+                param="messages",
+            )
+        for field, asks in (("stream", body.get("stream") not in (None, False)),
+                            ("tools", bool(body.get("tools"))),
+                            ("use_beam_search", body.get("use_beam_search") not in (None, False)),
+                            ("n", body.get("n") not in (None, 1)),
+                            ("echo", body.get("echo") not in (None, False))):  # fmt: skip
+            if asks:
+                raise OpenAIError(
+                    f"Batch chat completions do not support '{field}': send each "
+                    "conversation to /v1/chat/completions for it",
+                    param=field,
+                )
+        llm: EngineClient | None = None
+        first: GenerationRequest | None = None
+        prompts: list[Any] = []
+        prepared: list[tuple[list[int], SamplingParams]] = []
+        for i, conversation in enumerate(conversations):
+            try:
+                llm, req, one = await _chat_setup(
+                    server, {**body, "messages": conversation}, "Chat Completions", llm
+                )
+            except OpenAIError as exc:
+                if exc.param is not None and exc.param.startswith("messages"):
+                    exc.param = f"messages[{i}]" + exc.param.removeprefix("messages")
+                    exc.message = f"conversation {i}: {exc.message}"
+                raise
+            first = first or req
+            prompts += req.prompts
+            prepared += one
+        assert llm is not None and first is not None
+        whole = replace(first, prompts=prompts)  # one request of every conversation's prompt
+        return _json(await _answer(llm, whole, prepared, chat=True))
 
     async def create_response(request: Request) -> Response:
         slot = http_slot(server.tracer, request.headers)
@@ -1132,6 +1192,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         Route("/v1/models", models, methods=["GET"]),
         counted("/v1/completions", _answers_errors(completions)),
         counted("/v1/chat/completions", _answers_errors(chat)),
+        counted("/v1/chat/completions/batch", _answers_errors(batch_chat)),
         counted("/v1/embeddings", _answers_errors(embed)),
         counted("/pooling", _answers_errors(pool)),
         counted("/classify", _answers_errors(classify)),
