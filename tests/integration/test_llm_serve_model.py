@@ -360,3 +360,162 @@ def test_several_served_names_for_one_model_as_vllm(folder: Path, tmp_path: Path
             client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=1)
     finally:
         proc.stop()
+
+
+class _Recording:
+    """An httpx transport that notes when the stream's bytes held an SSE comment (the
+    ``openai`` client skips comments: the test sees them here)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import httpx
+
+        self.inner = httpx.HTTPTransport()
+        self.comment = threading.Event()
+
+    def handle_request(self, request: Any) -> Any:
+        import httpx
+
+        response = self.inner.handle_request(request)
+        seen = self.comment
+
+        class Stream(httpx.SyncByteStream):
+            def __iter__(self) -> Iterator[bytes]:
+                for chunk in response.stream:
+                    if b": keep-alive\n\n" in chunk:
+                        seen.set()
+                    yield chunk
+
+            def close(self) -> None:
+                response.stream.close()
+
+        return httpx.Response(response.status_code, headers=response.headers,
+                              stream=Stream(), extensions=response.extensions)  # fmt: skip
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_vllms_frontend_and_admission_flags(
+    server: KilnProcess, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """--sse-keep-alive-interval, --max-num-queued-reqs, --chat-template-content-format,
+    --exclude-tools-when-tool-choice-none and --enable-tokenizer-info-endpoint on one
+    command line. The engine is held deterministically: one sequence at a time
+    (--max-num-seqs 1) and a first request that runs until the test closes it, so a
+    second one waits in the queue for as long as the test wants."""
+    import threading
+
+    import httpx
+
+    long_model = build_tiny_llm(tmp_path_factory.mktemp("ckpt") / "long",
+                                max_position_embeddings=4096)  # fmt: skip
+    template = ("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}|"
+                "{% endfor %}{% endfor %}{% if tools %}TOOLS{% endif %}")  # fmt: skip
+    args = [str(long_model), "--served-model-name", "tiny", "--dtype", "float32",
+            "--kv-cache-memory", "16M", "--max-model-len", "4096", "--max-num-seqs", "1",
+            "--chat-template", template, "--sse-keep-alive-interval", "0.01",
+            "--max-num-queued-reqs", "2", "--chat-template-content-format", "auto",
+            "--exclude-tools-when-tool-choice-none",
+            "--enable-tokenizer-info-endpoint"]  # fmt: skip
+    home = tmp_path_factory.mktemp("home")
+    proc = KilnProcess(home / "repo", args=args, with_repository=False).start(timeout=120)
+    base = f"http://{proc.http_url}"
+    hold = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    parts = [{"type": "text", "text": "the quick"}, {"type": "text", "text": "brown fox"}]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": parts}],
+            "max_tokens": 4, "temperature": 0}  # fmt: skip
+    try:
+        with httpx.Client(base_url=base, timeout=60) as http:
+            # auto: the template loops over content, so it gets the parts
+            ids = http.post("/tokenize", json={"model": "tiny", "messages": chat["messages"]})
+            as_text = http.post("/tokenize", json={"model": "tiny", "add_special_tokens": False,
+                                                   "prompt": "the quick|brown fox|"})  # fmt: skip
+            assert ids.json()["tokens"] == as_text.json()["tokens"]
+
+            # tool_choice none: no tools in the prompt (the /tokenize of them has them)
+            tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+            bare = http.post("/v1/chat/completions", json=chat).json()["usage"]
+            hidden = http.post("/v1/chat/completions",
+                               json={**chat, "tools": tools, "tool_choice": "none"})  # fmt: skip
+            assert hidden.status_code == 200
+            assert hidden.json()["usage"]["prompt_tokens"] == bare["prompt_tokens"]
+            listed = http.post("/tokenize", json={"model": "tiny", "messages": chat["messages"],
+                                                  "tools": tools})  # fmt: skip
+            assert listed.json()["count"] > bare["prompt_tokens"]
+
+            # /tokenizer_info: on here, 404 on the server without the flag
+            info = http.get("/tokenizer_info")
+            assert info.status_code == 200
+            body = info.json()
+            assert body["chat_template"] == template and body["tokenizer_class"]
+            assert "vocab_file" not in body
+            unknown = http.get("/tokenizer_info", params={"model": "nope"})
+            assert unknown.status_code == 404
+            assert httpx.get(f"http://{server.http_url}/tokenizer_info").status_code == 404
+
+            # keep-alive comments while a stream waits behind the one running
+            with http.stream("POST", "/v1/completions", json=hold) as first:
+                lines = first.iter_lines()
+                assert next(line for line in lines if line.startswith("data: {"))
+                waiting = {**chat, "stream": True}
+                with http.stream("POST", "/v1/chat/completions", json=waiting) as second:
+                    assert second.status_code == 200
+                    # one iterator throughout: dropping one closes the connection
+                    waited = second.iter_lines()
+                    seen: list[str] = []
+                    for line in waited:
+                        seen.append(line)
+                        if line == ": keep-alive":
+                            break
+                    # two requests in flight: a third is refused, vLLM's 503
+                    third = http.post("/v1/chat/completions", json=chat)
+                    assert third.status_code == 503
+                    assert "currently busy" in third.json()["error"]["message"]
+                    first.close()  # the running request is aborted: the second runs
+                    seen += list(waited)
+            events = [line[6:] for line in seen if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            assert all(line in ("", ": keep-alive") or line.startswith("data: ") for line in seen)
+
+            # the openai client reads a stream that carried comments
+            transport = _Recording()
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
+                                   http_client=httpx.Client(transport=transport))  # fmt: skip
+            got: list[Any] = []
+            with http.stream("POST", "/v1/completions", json=hold) as first:
+                held = first.iter_lines()  # kept: dropping it closes the connection
+                assert next(x for x in held if x.startswith("data: {"))
+
+                failed: list[BaseException] = []
+
+                def read() -> None:
+                    try:
+                        stream = client.chat.completions.create(
+                            model="tiny", messages=chat["messages"], max_tokens=4,
+                            temperature=0, stream=True,
+                        )  # fmt: skip
+                        got.extend(stream)
+                    except BaseException as exc:  # seen by the test's thread
+                        failed.append(exc)
+                        transport.comment.set()
+
+                reader = threading.Thread(target=read)
+                reader.start()
+                assert transport.comment.wait(60)  # a comment reached the client
+                assert not failed, failed
+                first.close()
+            reader.join(60)
+            assert not reader.is_alive()
+            assert got[0].choices[0].delta.role == "assistant"
+            assert got[-1].choices[0].finish_reason == "length"
+            text = "".join(c.choices[0].delta.content or "" for c in got)
+            whole = http.post("/v1/chat/completions", json=chat).json()
+            assert text == whole["choices"][0]["message"]["content"]
+    finally:
+        proc.stop()

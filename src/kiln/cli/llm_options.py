@@ -64,6 +64,12 @@ ENGINE_FLAGS = {
     "trust_request_chat_template": "trust_request_chat_template",
     "enable_force_include_usage": "enable_force_include_usage",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids",
+    "chat_template_content_format": "chat_template_content_format",
+    "exclude_tools_when_tool_choice_none": "exclude_tools_when_tool_choice_none",
+    "sse_keep_alive_interval": "sse_keep_alive_interval",
+    "max_num_queued_reqs": "max_num_queued_reqs",
+    "max_num_queued_tokens": "max_num_queued_tokens",
+    "enable_tokenizer_info_endpoint": "enable_tokenizer_info_endpoint",
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -197,6 +203,37 @@ def llm_options(func: F) -> F:
             "prompt_logprobs may ask for; -1: the whole vocabulary [default: 20].",
         ),
         click.option(
+            "--max-num-queued-reqs",
+            type=click.IntRange(min=0),
+            default=None,
+            help="Requests in flight (waiting or running; n samples count n) beyond which "
+            "a new one is refused with 503, for a client to retry elsewhere [default: "
+            "none: kiln's queue of max_num_seqs + 1024].",
+        ),
+        click.option(
+            "--max-num-queued-tokens",
+            type=click.IntRange(min=0),
+            default=None,
+            help="A new request is refused with 503 while requests not yet past prefill "
+            "hold this many prompt tokens (a TTFT bound) [default: none].",
+        ),
+        click.option(
+            "--sse-keep-alive-interval",
+            type=click.FloatRange(min=0),
+            default=None,
+            metavar="SECONDS",
+            help="A completions or chat stream idle this long (queued, in prefill, between "
+            "tokens) sends an SSE comment ': keep-alive', so proxies keep it open "
+            "[default: 0: off].",
+        ),
+        click.option(
+            "--enable-tokenizer-info-endpoint",
+            is_flag=True,
+            default=None,
+            help="Serve GET /tokenizer_info: the tokenizer's configuration and chat "
+            "template (exposes the template).",
+        ),
+        click.option(
             "--seed",
             type=int,
             default=None,
@@ -223,6 +260,21 @@ def llm_options(func: F) -> F:
             metavar="JSON",
             help="The chat template's variables unless a request sets them: "
             "'{\"enable_thinking\": false}'.",
+        ),
+        click.option(
+            "--chat-template-content-format",
+            type=click.Choice(["auto", "string", "openai"]),
+            default=None,
+            help="A chat message's content as the template gets it: string (text parts "
+            'joined by newlines) or openai (a list of {"type": "text", "text": ...}) '
+            "[default: auto: openai when the template loops over a message's content].",
+        ),
+        click.option(
+            "--exclude-tools-when-tool-choice-none",
+            is_flag=True,
+            default=None,
+            help="tool_choice none: the tools are left out of the prompt (else the "
+            "template lists them, and the model is only kept from calling them).",
         ),
         click.option(
             "--trust-request-chat-template",

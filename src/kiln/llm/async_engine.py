@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kiln.core.errors import KilnError, Status
+from kiln.llm.admission import Admission
 from kiln.llm.engine import LLMEngine, RequestOutput
 from kiln.llm.lora import LoRARequest
 from kiln.llm.sequence import SamplingParams
@@ -203,6 +204,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
+        #: vLLM's --max-num-queued-reqs and --max-num-queued-tokens
+        config = engine.config
+        self.admission = Admission(config.max_num_queued_reqs, config.max_num_queued_tokens)
         self._thread = threading.Thread(target=self._run, name=f"kiln-llm-{name}", daemon=True)
         self._thread.start()
 
@@ -232,20 +236,24 @@ class AsyncEngine:
                     f"llm engine: {len(self._streams)} requests in flight, the queue is full",
                     Status.UNAVAILABLE,
                 )
+            ticket = self.admission.admit(params.n, len(prompt))
             rid = request_id or f"req-{next(_IDS)}"
             loop = asyncio.get_running_loop()
             interval = stream_interval(params, config.stream_interval)
             stream = _Stream(loop, OutputCollector(loop, interval))
             self._streams[rid] = stream
-        self._send(_Add(rid, prompt, params, priority, arrival, lora_request))
         try:
+            self._send(_Add(rid, prompt, params, priority, arrival, lora_request))
             # aclosing: a caller that stops early aborts now, not when the loop collects it
             async with contextlib.aclosing(
                 outputs(stream.collector, params.n, lambda: self._send(_Abort(rid)))
             ) as items:
                 async for item in items:
+                    if ticket.prefill_tokens:
+                        self.admission.prefilled(ticket)
                     yield item
         finally:
+            self.admission.release(ticket)
             with self._lock:
                 self._streams.pop(rid, None)
 

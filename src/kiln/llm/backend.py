@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 from contextlib import aclosing
 from pathlib import Path
@@ -22,7 +23,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kiln.backends.base import Backend, BackendRequest, InstanceSpec, RequestOutcome, parameter
+from kiln.backends.base import (
+    Backend,
+    BackendRequest,
+    InstanceSpec,
+    RequestOutcome,
+    count_parameter,
+    parameter,
+)
 from kiln.backends.gpus import torch_gpu_count
 from kiln.config.model_config_pb2 import ModelConfig, ModelInstanceGroup
 from kiln.core.errors import KilnError, Status
@@ -127,6 +135,9 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
         except KilnError as exc:
             message = str(exc).removeprefix("llm backend: ")
             raise KilnError(f"model '{config.name}': {message}", Status.INVALID_ARG) from None
+    # vLLM's admission limits (None: off; 0 refuses every request, as vLLM's does)
+    out.max_num_queued_reqs = count_parameter(config, "max_num_queued_reqs", "requests")
+    out.max_num_queued_tokens = count_parameter(config, "max_num_queued_tokens", "tokens")
     out.device = _device(config, instance)
     _pooling(config, out)
     out.lora_config = lora_config(lambda key: parameter(config, key), config.name)
@@ -200,6 +211,41 @@ def json_object(config: ModelConfig, key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise KilnError(
             f"model '{config.name}': parameter {key} must be a JSON object, got {raw[:80]!r}",
+            Status.INVALID_ARG,
+        )
+    return value
+
+
+#: vLLM's ``--chat-template-content-format`` choices
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def content_format(config: ModelConfig) -> str:
+    """Parameter ``chat_template_content_format``: how a chat message's ``content`` is
+    given to the template (``auto``: as the template reads it)."""
+    raw = (parameter(config, "chat_template_content_format") or "auto").strip().lower()
+    if raw not in CONTENT_FORMATS:
+        raise KilnError(
+            f"model '{config.name}': parameter chat_template_content_format must be one of "
+            f"{', '.join(CONTENT_FORMATS)}, got '{raw[:80]}'",
+            Status.INVALID_ARG,
+        )
+    return raw
+
+
+def keep_alive_interval(config: ModelConfig) -> float:
+    """Parameter ``sse_keep_alive_interval``: seconds (0: off)."""
+    raw = parameter(config, "sse_keep_alive_interval")
+    if raw is None or not raw.strip():
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise KilnError(
+            f"model '{config.name}': parameter sse_keep_alive_interval must be a non-negative "
+            f"number of seconds (0: off), got '{raw[:80]}'",
             Status.INVALID_ARG,
         )
     return value
@@ -312,6 +358,19 @@ class LLMBackend(Backend):
         #: vLLM's ``--enable-force-include-usage`` and ``--return-tokens-as-token-ids``
         self.force_include_usage = flag_parameter(config, "enable_force_include_usage")
         self.return_tokens_as_token_ids = flag_parameter(config, "return_tokens_as_token_ids")
+        #: vLLM's ``--chat-template-content-format``: ``auto``, ``string`` or ``openai``
+        self.chat_template_content_format = content_format(config)
+        #: vLLM's ``--exclude-tools-when-tool-choice-none``: ``tool_choice: none`` renders
+        #: the prompt without the tools
+        self.exclude_tools_when_tool_choice_none = flag_parameter(
+            config, "exclude_tools_when_tool_choice_none"
+        )
+        #: vLLM's ``--sse-keep-alive-interval``: seconds of an idle stream before a comment
+        self.sse_keep_alive_interval = keep_alive_interval(config)
+        #: vLLM's ``--enable-tokenizer-info-endpoint``: ``GET /tokenizer_info`` answers
+        self.enable_tokenizer_info_endpoint = flag_parameter(
+            config, "enable_tokenizer_info_endpoint"
+        )
         # the tokenizer first: its errors come before minutes of weight loading
         self.tokenizer = Tokenizer.load(tokenizer, settings.chat_template)
         generation = self._generation_config(settings.generation_config, folder)

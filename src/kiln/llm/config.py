@@ -462,6 +462,13 @@ class EngineConfig:
     #: vLLM's ``--stream-interval``: a stream's tokens reach its reader in runs of this
     #: many (fewer events and socket writes per token; the first token is never held)
     stream_interval: int = 1
+    #: vLLM's ``--max-num-queued-reqs``: requests in flight (waiting or running; one with
+    #: ``n`` samples counts ``n``) beyond which a new one is refused with 503 (None: only
+    #: ``max_waiting + max_num_seqs`` bounds them)
+    max_num_queued_reqs: int | None = None
+    #: vLLM's ``--max-num-queued-tokens``: a new request is refused with 503 while the
+    #: requests still in prefill (no output yet) hold this many prompt tokens (None: off)
+    max_num_queued_tokens: int | None = None
     #: the model's API name, for messages that must name it (a tensor-parallel worker's)
     served_model_name: str = ""
     extra: dict[str, str] = field(default_factory=dict)

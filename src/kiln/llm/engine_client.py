@@ -191,6 +191,32 @@ class EngineClient:
         return self._backend.response_role
 
     @property
+    def chat_template_content_format(self) -> str:
+        """vLLM's ``--chat-template-content-format``: ``auto``, ``string`` or ``openai``."""
+        return self._backend.chat_template_content_format
+
+    @property
+    def exclude_tools_when_tool_choice_none(self) -> bool:
+        """vLLM's ``--exclude-tools-when-tool-choice-none``."""
+        return self._backend.exclude_tools_when_tool_choice_none
+
+    @property
+    def sse_keep_alive_interval(self) -> float:
+        """vLLM's ``--sse-keep-alive-interval``: seconds (0: no keep-alive comments)."""
+        return self._backend.sse_keep_alive_interval
+
+    @property
+    def enable_tokenizer_info_endpoint(self) -> bool:
+        """vLLM's ``--enable-tokenizer-info-endpoint``: ``GET /tokenizer_info`` answers."""
+        return self._backend.enable_tokenizer_info_endpoint
+
+    def check_admission(self, n: int = 1) -> None:
+        """vLLM's preflight: a request of ``n`` samples that ``--max-num-queued-reqs`` or
+        ``--max-num-queued-tokens`` would refuse now is refused (503) before a stream
+        begins; ``generate`` counts it (and may still refuse it)."""
+        self._backend.async_engine.admission.check(n)
+
+    @property
     def tool_call_parser(self) -> str | None:
         """vLLM's ``--tool-call-parser``: the format ``auto`` reads calls in."""
         return self._backend.tool_call_parser

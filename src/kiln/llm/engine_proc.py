@@ -37,6 +37,7 @@ import torch
 import kiln
 from kiln.core.errors import KilnError, Status
 from kiln.llm import engine_messages as msg
+from kiln.llm.admission import Admission
 from kiln.llm.async_engine import OutputCollector, _put_all, _Stream, outputs, stream_interval
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.engine import LLMEngine, RequestOutput
@@ -150,6 +151,8 @@ class EngineProcClient:
         self._proc, self._conn, config, args = self._start()
         grammars = GrammarCompiler(tokenizer, args.vocab_size, args.eos_token_ids)
         self.view = EngineView(config, args, grammars)
+        #: vLLM's --max-num-queued-reqs and --max-num-queued-tokens
+        self.admission = Admission(config.max_num_queued_reqs, config.max_num_queued_tokens)
         self.restarts = 0
         self._reader = threading.Thread(target=self._read, name=f"kiln-llm-rx-{self.name}",
                                         daemon=True)  # fmt: skip
@@ -367,20 +370,24 @@ class EngineProcClient:
         self.view.check_request(len(prompt), params, priority, lora_request)
         with self._lock:
             epoch = self._admit(len(self._streams))
+            ticket = self.admission.admit(params.n, len(prompt))
             rid = request_id or f"req-{next(_IDS)}"
             loop = asyncio.get_running_loop()
             interval = stream_interval(params, self.view.config.stream_interval)
             stream = _Stream(loop, OutputCollector(loop, interval))
             self._streams[rid] = (stream, epoch)
-        add = msg.Add(rid, prompt, msg.params_to(params), priority, arrival,
-                      None if lora_request is None else msg.lora_to(lora_request))  # fmt: skip
-        self._send(epoch, add)
         try:
+            add = msg.Add(rid, prompt, msg.params_to(params), priority, arrival,
+                          None if lora_request is None else msg.lora_to(lora_request))  # fmt: skip
+            self._send(epoch, add)
             abort = lambda: self._send(epoch, msg.Abort(rid))  # noqa: E731
             async with contextlib.aclosing(outputs(stream.collector, params.n, abort)) as items:
                 async for item in items:
+                    if ticket.prefill_tokens:
+                        self.admission.prefilled(ticket)
                     yield item
         finally:
+            self.admission.release(ticket)
             with self._lock:
                 self._streams.pop(rid, None)
 

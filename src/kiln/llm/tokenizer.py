@@ -63,6 +63,8 @@ class Tokenizer:
             template_source(chat_template) or self._template(folder, config),
             decoder.get("type") == "ByteLevel",
         )
+        #: tokenizer_config.json as the checkpoint has it (vLLM's ``/tokenizer_info``)
+        self.config: dict[str, Any] = config if isinstance(config, dict) else {}
 
     def _setup(self, tok: Any, bos: str, eos: str, template: str | None, byte_level: bool) -> None:
         self._tok = tok
@@ -100,6 +102,7 @@ class Tokenizer:
         tok, bos, eos, template, byte_level = gguf_tokenizer(path)
         out = cls.__new__(cls)
         out._setup(tok, bos, eos, template_source(chat_template) or template, byte_level)
+        out.config = {}  # a .gguf file's metadata holds no tokenizer_config.json
         return out
 
     @property
@@ -204,7 +207,11 @@ class Tokenizer:
             # field...): the request's error, not the server's
             raise KilnError(f"chat template: {exc}", Status.INVALID_ARG) from exc
         if continue_final_message:
-            text = _open_final_message(text, messages[-1].get("content") or "")
+            final = messages[-1].get("content") or ""
+            if isinstance(final, list):  # text parts (--chat-template-content-format
+                # openai): the last one is where the text goes on (transformers' rule)
+                final = str(final[-1].get("text", "")) if final else ""
+            text = _open_final_message(text, final)
         return text
 
 

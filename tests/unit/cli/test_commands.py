@@ -144,3 +144,42 @@ def test_vllms_model_flags_become_engine_parameters(tmp_path: Path) -> None:
     for flag in ("--default-chat-template-kwargs", "--override-generation-config"):
         with pytest.raises(click.BadParameter, match="JSON object"):
             serve.make_context("serve", [str(model), flag, "[1]"])
+
+
+def test_vllms_frontend_and_admission_flags_become_engine_parameters(tmp_path: Path) -> None:
+    """--chat-template-content-format, --exclude-tools-when-tool-choice-none,
+    --sse-keep-alive-interval, --max-num-queued-reqs, --max-num-queued-tokens and
+    --enable-tokenizer-info-endpoint: options of kiln serve (no longer refused as vLLM
+    flags kiln lacks), in its --help, each a parameter of the model's config."""
+    from kiln.cli.llm_options import served_models
+    from kiln.cli.serve import serve
+    from kiln.cli.vllm_command import VLLM_SERVE_FLAGS
+
+    model = tmp_path / "m"
+    model.mkdir()
+    flags = {"--chat-template-content-format": "openai", "--sse-keep-alive-interval": "0.5",
+             "--max-num-queued-reqs": "8", "--max-num-queued-tokens": "4096"}  # fmt: skip
+    switches = ["--exclude-tools-when-tool-choice-none", "--enable-tokenizer-info-endpoint"]
+    assert set(flags) | set(switches) <= VLLM_SERVE_FLAGS  # vLLM's names
+    args = [str(model), *(x for kv in flags.items() for x in kv), *switches]
+    ctx = serve.make_context("serve", args)
+    (config,) = served_models(ctx.params["model_paths"], (), ctx.params)
+    got = {k: v.string_value for k, v in config.parameters.items()}
+    assert got["chat_template_content_format"] == "openai"
+    assert got["sse_keep_alive_interval"] == "0.5"
+    assert (got["max_num_queued_reqs"], got["max_num_queued_tokens"]) == ("8", "4096")
+    assert got["exclude_tools_when_tool_choice_none"] == "true"
+    assert got["enable_tokenizer_info_endpoint"] == "true"
+    shown = {o for p in serve.params if not getattr(p, "hidden", False) for o in p.opts}
+    assert set(flags) | set(switches) <= shown  # in --help
+    # vLLM's --no- spellings of the switches: accepted, nothing turned on
+    ctx = serve.make_context("serve", [str(model), "--no-exclude-tools-when-tool-choice-none"])
+    assert ctx.params["exclude_tools_when_tool_choice_none"] is None
+    bad = [["--chat-template-content-format", "jinja"], ["--sse-keep-alive-interval", "-1"],
+           ["--sse-keep-alive-interval", "soon"], ["--max-num-queued-reqs", "-1"],
+           ["--max-num-queued-tokens", "many"]]  # fmt: skip
+    for argv in bad:
+        with pytest.raises(click.BadParameter) as refused:
+            serve.make_context("serve", [str(model), *argv])
+        param = refused.value.param  # click's message names it
+        assert param is not None and argv[0] in param.opts

@@ -120,3 +120,35 @@ def test_json_and_tokenizer_parameters_are_checked(tmp_path: Path) -> None:
     config.parameters["tokenizer"].string_value = str(tmp_path / "missing")
     with pytest.raises(KilnError, match=r"parameter tokenizer .* is not a folder"):
         LLMBackend._settings(config, tmp_path, InstanceSpec("m_0", "cpu", 0, 0, 1))
+
+
+def test_frontend_and_admission_parameters_are_checked(tmp_path: Path) -> None:
+    """config.pbtxt's spellings of --chat-template-content-format,
+    --sse-keep-alive-interval, --max-num-queued-reqs and --max-num-queued-tokens: read, and
+    refused by name when malformed."""
+    from kiln.backends.base import InstanceSpec
+    from kiln.config.model_config_pb2 import ModelConfig
+    from kiln.llm.backend import content_format, engine_config, keep_alive_interval
+
+    config = ModelConfig(name="m", backend="llm")
+    instance = InstanceSpec("m_0", "cpu", 0, 0, 1)
+    assert (content_format(config), keep_alive_interval(config)) == ("auto", 0.0)
+    settings = engine_config(config, instance)
+    assert (settings.max_num_queued_reqs, settings.max_num_queued_tokens) == (None, None)
+    for key, value in (("chat_template_content_format", " OpenAI "),
+                       ("sse_keep_alive_interval", "2.5"), ("max_num_queued_reqs", "0"),
+                       ("max_num_queued_tokens", "8192")):  # fmt: skip
+        config.parameters[key].string_value = value
+    assert (content_format(config), keep_alive_interval(config)) == ("openai", 2.5)
+    settings = engine_config(config, instance)
+    assert (settings.max_num_queued_reqs, settings.max_num_queued_tokens) == (0, 8192)
+    for key, bad in (("chat_template_content_format", "jinja"),
+                     ("sse_keep_alive_interval", "-1"), ("sse_keep_alive_interval", "inf"),
+                     ("sse_keep_alive_interval", "nan"), ("max_num_queued_reqs", "-2"),
+                     ("max_num_queued_tokens", "lots")):  # fmt: skip
+        broken = ModelConfig(name="m", backend="llm")
+        broken.parameters[key].string_value = bad
+        with pytest.raises(KilnError, match=f"model 'm': parameter {key}"):
+            content_format(broken)
+            keep_alive_interval(broken)
+            engine_config(broken, instance)

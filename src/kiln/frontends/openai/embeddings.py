@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from kiln.core.errors import KilnError
+from kiln.frontends.openai.content import content_text, for_template
 from kiln.frontends.openai.protocol import (
     OpenAIError,
     chat_messages,
@@ -275,7 +276,8 @@ def check_model(llm: EngineClient, req: EmbeddingRequest) -> None:
     check_queue(llm, req.priority, len(req.inputs), "'input' holds {} inputs", "input")
     limit = config.max_model_len
     if req.messages is not None:
-        check_prompt_chars(sum(len(m["content"]) for m in req.messages), limit, "messages")
+        chars = sum(len(content_text(m["content"])) for m in req.messages)
+        check_prompt_chars(chars, limit, "messages")
     for item in req.inputs:
         if isinstance(item, str):
             check_prompt_chars(len(item), limit, "input")
@@ -404,7 +406,8 @@ def token_ids(llm: EngineClient, req: EmbeddingRequest) -> list[list[int]]:
     if req.messages is not None:
         assert req.template is not None
         template = with_server_kwargs(llm, req.template)
-        inputs = [llm.tokenizer.apply_chat_template(req.messages, **template)]
+        messages = for_template(llm, req.messages, template)
+        inputs = [llm.tokenizer.apply_chat_template(messages, **template)]
     out = []
     for item in inputs:
         if isinstance(item, list):

@@ -252,27 +252,54 @@ async def _next_token(
     return last
 
 
-async def started(deltas: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:
+async def started(
+    deltas: AsyncGenerator[Delta, None], wait: float | None = None
+) -> AsyncGenerator[Delta, None]:
     """``deltas`` with its first delta awaited already, so that an error before any output
     (the model began unloading since it was resolved, the engine's queue is full) is an
-    HTTP error with its status, not an event of a stream that began with 200."""
+    HTTP error with its status, not an event of a stream that began with 200. ``wait``:
+    seconds at most (``--sse-keep-alive-interval``): a first delta still to come then
+    (the request queued, or in a long prefill) is the stream's, which begins meanwhile."""
+    first: Delta | None = None
+    later: asyncio.Future[Delta] | None = None
     try:
-        first: Delta | None = await deltas.__anext__()
+        if wait is None:
+            first = await deltas.__anext__()
+        else:
+            later = asyncio.ensure_future(deltas.__anext__())
+            done, _ = await asyncio.wait({later}, timeout=wait)
+            if done:
+                first, later = later.result(), None
     except StopAsyncIteration:
-        first = None
+        pass
     except BaseException:
+        if later is not None:
+            later.cancel()
+            await asyncio.wait({later})
         await deltas.aclose()
         raise
+    ended = first is None and later is None
 
     async def rest() -> AsyncGenerator[Delta, None]:
         async with aclosing(deltas):
-            if first is None:
+            try:
+                if ended:
+                    return
+                yield first if first is not None else await _first(later)
+            except StopAsyncIteration:
                 return
-            yield first
             async for delta in deltas:
                 yield delta
 
     return rest()
+
+
+async def _first(later: asyncio.Future[Delta] | None) -> Delta:
+    assert later is not None
+    try:
+        return await later
+    finally:
+        later.cancel()  # left before it came: the engine's request is aborted by aclose
 
 
 async def merged(streams: list[AsyncGenerator[Delta, None]], n: int) -> AsyncGenerator[Delta, None]:

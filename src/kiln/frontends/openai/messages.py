@@ -401,6 +401,9 @@ async def events(
     called = False
     calls: dict[int, str] = {}  # a tool call's index -> its block's id
     async for raw in chunks:
+        if raw.startswith(b":"):  # an SSE comment (--sse-keep-alive-interval): Anthropic's ping
+            yield _event("ping", {})
+            continue
         text = raw.removeprefix(b"data: ").strip()
         if text == b"[DONE]":
             for out in blocks.close():

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kiln.core.errors import KilnError, Status
+from kiln.frontends.openai.content import content_text
 from kiln.llm.params import SAMPLING_FIELDS, InvalidField, integer, sampling_fields
 from kiln.llm.sequence import SamplingParams
 from kiln.llm.structured import REQUEST_FIELDS as STRUCTURED_FIELDS
@@ -539,10 +540,12 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                     f"messages[{i}].content: only text parts are supported",
                     param=f"messages[{i}].content",
                 )
-            content = "".join(t for t in texts if isinstance(t, str))
+            # kept as parts: --chat-template-content-format decides how the template
+            # gets them (content.template_content)
+            content = [{"type": "text", "text": t} for t in texts]
         if content is None and m.get("role") == "assistant" and m.get("tool_calls"):
             content = ""  # OpenAI's: an assistant turn that only calls tools has none
-        if not isinstance(content, str):
+        if not isinstance(content, str | list):
             raise OpenAIError(
                 f"messages[{i}].content must be a string or a list of text parts",
                 param=f"messages[{i}].content",
@@ -651,7 +654,7 @@ def chat_request(
     # that message when it is ours
     req.role = response_role if template["add_generation_prompt"] else messages[-1]["role"]
     if req.echo and messages[-1]["role"] == req.role:
-        req.chat_echo = messages[-1]["content"]
+        req.chat_echo = content_text(messages[-1]["content"])
     req.template = template
     req.include_reasoning = flag(body, "include_reasoning", True)
     return req

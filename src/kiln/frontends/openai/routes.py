@@ -23,6 +23,7 @@ from kiln.core.trace import FrontendSlot, http_slot
 from kiln.frontends import disconnect
 from kiln.frontends.openai import classify as classifier
 from kiln.frontends.openai import embeddings, lora, messages, reasoning, responses, scores, tools
+from kiln.frontends.openai.content import content_text, for_template
 from kiln.frontends.openai.generation import (
     BeamOptions,
     Delta,
@@ -32,6 +33,7 @@ from kiln.frontends.openai.generation import (
     run,
     started,
 )
+from kiln.frontends.openai.keep_alive import with_keep_alive
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
     chat_logprobs,
@@ -54,6 +56,7 @@ from kiln.frontends.openai.protocol import (
 )
 from kiln.frontends.openai.reasoning import ReasoningParser
 from kiln.frontends.openai.request_ids import RequestIdError, remember_header, request_id
+from kiln.frontends.openai.tokenizer_info import tokenizer_info
 from kiln.llm.engine_client import EngineClient
 from kiln.llm.params import InvalidField, with_defaults
 from kiln.llm.sequence import SamplingParams
@@ -172,8 +175,10 @@ def _precheck_prompt(llm: EngineClient | None, body: dict[str, Any]) -> None:
 def _chat_prompt(
     llm: EngineClient, messages: list[dict[str, Any]], template: dict[str, Any]
 ) -> str:
-    check_prompt_chars(sum(len(m["content"]) for m in messages), llm.max_model_len, "messages")
-    return llm.tokenizer.apply_chat_template(messages, **with_server_kwargs(llm, template))
+    chars = sum(len(content_text(m["content"])) for m in messages)
+    check_prompt_chars(chars, llm.max_model_len, "messages")
+    kwargs = with_server_kwargs(llm, template)  # a request's untrusted template: refused
+    return llm.tokenizer.apply_chat_template(for_template(llm, messages, template), **kwargs)
 
 
 def _with_model_defaults(body: dict[str, Any], llm: EngineClient | None) -> dict[str, Any]:
@@ -477,9 +482,16 @@ async def _stream(
     # the prompt's logprobs go through the same formatter, so offsets start at 0
     formats = [_logprobs_format(llm, req, chat, "") for _ in range(total)]
     streamed = _Echo(echoed, firsts, n, set(range(total))) if echo else None
-    deltas = await started(deltas)  # an error before any output: its HTTP status
+    interval = llm.sse_keep_alive_interval
+    if interval:
+        # vLLM's preflight: a request its admission limits refuse is a 503 before the
+        # stream begins, whenever its first output would come
+        llm.check_admission(total)
+    # an error before any output: its HTTP status (with keep-alive, one within the
+    # interval; the stream begins then, and its comments cover the wait)
+    deltas = await started(deltas, interval or None)
     counts = [len(ids) for ids, _ in prepared]
-    return _sse(deltas, req, chat, rid, formats, counts, streamed)
+    return with_keep_alive(_sse(deltas, req, chat, rid, formats, counts, streamed), interval)
 
 
 def _reasoning(text: str | None) -> dict[str, str | None]:
@@ -726,7 +738,10 @@ async def _chat_setup(
     llm = drawn or (_generator(server, model, api, body) if isinstance(model, str) else None)
     calling = tools.tool_request(body, llm) if llm else None
     messages = tools.template_messages(messages)
-    if calling is not None:  # transformers' ``tools=`` (the request's kwargs win)
+    # vLLM's --exclude-tools-when-tool-choice-none: tool_choice none renders no tools
+    exclude = llm is not None and llm.exclude_tools_when_tool_choice_none
+    if calling is not None and not (exclude and calling.choice == "none"):
+        # transformers' ``tools=`` (the request's kwargs win)
         template["template_kwargs"] = {"tools": calling.tools, **template["template_kwargs"]}
     # the template renders in proportion to the messages: off the event loop too
     prompt = await asyncio.to_thread(_chat_prompt, llm, messages, template) if llm else ""
@@ -1178,6 +1193,34 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     async def version(request: Request) -> Response:
         return _json({"version": __version__})
 
+    async def get_tokenizer_info(request: Request) -> Response:
+        """vLLM's ``GET /tokenizer_info``: the models served with
+        ``--enable-tokenizer-info-endpoint`` (``?model=`` names one when several are);
+        without any, the route is not there (404, as vLLM's)."""
+        shown = {n: m for n, m in server.llm_engines().items() if m.enable_tokenizer_info_endpoint}
+        if not shown:
+            return _json({"detail": "Not Found"}, 404)
+        name = request.query_params.get("model")
+        if name is None:
+            if len(shown) > 1:
+                raise OpenAIError(
+                    f"'model' is required: {len(shown)} models serve /tokenizer_info "
+                    "(GET /tokenizer_info?model=NAME)",
+                    param="model",
+                )
+            llm = next(iter(shown.values()))
+        elif name in shown:
+            llm = shown[name]
+        else:
+            raise OpenAIError(
+                f"The model '{name[:200]}' does not exist or is not served with "
+                "--enable-tokenizer-info-endpoint",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+        return _json(tokenizer_info(llm.tokenizer))
+
     inflight = _InFlight()
 
     async def load(request: Request) -> Response:
@@ -1219,6 +1262,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         Route("/v1/models/{model:path}", _answers_errors(model_card), methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/load", load, methods=["GET"]),
+        Route("/tokenizer_info", _answers_errors(get_tokenizer_info), methods=["GET"]),
     ]
 
 

@@ -197,6 +197,15 @@ def test_a_stream_becomes_blocks_in_turn() -> None:
     assert events[13]["usage"] == {"input_tokens": 5, "output_tokens": 9}
 
 
+def test_a_keep_alive_comment_is_a_ping() -> None:
+    raw = _chunks({"index": 0, "delta": {"content": "a"}, "finish_reason": "length"})
+    events = _events([raw[0], b": keep-alive\n\n", *raw[1:]])
+    assert [e["type"] for e in events][:4] == [
+        "message_start", "content_block_start", "content_block_delta", "ping"
+    ]  # fmt: skip
+    assert events[3] == {"type": "ping"}
+
+
 def test_a_stream_names_its_stop_sequence_and_its_errors() -> None:
     events = _events(_chunks(
         {"index": 0, "delta": {"content": "ab"}, "finish_reason": "stop", "stop_reason": "##"},
