@@ -169,3 +169,46 @@ def test_a_schema_holds_after_the_thinking(client: openai.OpenAI, server: KilnPr
         plain = client.chat.completions.create(model="plain-tags", seed=seed, extra_body=extra,
                                                **kw).choices[0].message  # fmt: skip
         jsonschema.validate(json.loads(plain.content or ""), schema)
+
+
+def _token_ids(reply: Any) -> list[int]:
+    """The answer's tokens (``return_tokens_as_token_ids`` names each ``token_id:N``)."""
+    entries = reply.choices[0].logprobs.content
+    return [int(e.token.removeprefix("token_id:")) for e in entries]
+
+
+def test_thinking_token_budget_forces_the_end_of_the_reasoning(
+    client: openai.OpenAI, server: KilnProcess
+) -> None:
+    """vLLM's ``thinking_token_budget``: the prompt opens the reasoning (a ``<think>`` with
+    no ``</think>`` after it); after three tokens of it the end marker is forced, and the
+    parser splits the answer there."""
+    import httpx
+
+    end = httpx.post(
+        f"http://{server.http_url}/tokenize",
+        json={"model": "r1-tags", "prompt": "</think>", "add_special_tokens": False},
+        timeout=30,
+    ).json()["tokens"]
+    assert len(end) == 1
+    kw: dict[str, Any] = dict(
+        model="r1-tags", messages=[{"role": "user", "content": "<think> go"}], max_tokens=10,
+        temperature=0, logprobs=True,
+    )  # fmt: skip
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    free = _token_ids(client.chat.completions.create(**kw, extra_body=extra))
+    capped_reply = client.chat.completions.create(
+        **kw, extra_body={**extra, "thinking_token_budget": 3}
+    )
+    capped = _token_ids(capped_reply)
+    assert capped[:3] == free[:3] and capped[3] == end[0] and len(capped) == 10
+    assert end[0] not in free[:4]  # the weights alone would not have closed it there
+    message = capped_reply.choices[0].message
+    assert getattr(message, "reasoning", None) and message.content  # split at the marker
+    # a model without a reasoning parser has no markers to count between: 400, named
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**{**kw, "model": "plain"},
+                                       extra_body={"thinking_token_budget": 3})  # fmt: skip
+    assert isinstance(info.value.body, dict)
+    assert info.value.body["param"] == "thinking_token_budget"
+    assert "--reasoning-parser" in info.value.body["message"]

@@ -273,6 +273,25 @@ class LLMEngine:
         spec = params.structured_outputs
         if spec is not None and self.grammars is None:
             raise InvalidField(spec.param, "this model has no tokenizer for structured outputs")
+        budget = params.thinking_token_budget
+        if budget is not None:
+            if budget < 0:
+                raise InvalidField(
+                    "thinking_token_budget",
+                    f"thinking_token_budget must be >= 0 (or -1: unlimited), got {budget}",
+                )
+            markers = params.reasoning_start + params.reasoning_end
+            if not params.reasoning_end or any(not 0 <= t < vocab for t in markers):
+                raise InvalidField(
+                    "thinking_token_budget",
+                    "thinking_token_budget needs the model's reasoning markers: serve it with "
+                    "--reasoning-parser",
+                )
+            if self.config.speculative_config is not None:
+                raise InvalidField(
+                    "thinking_token_budget",
+                    "thinking_token_budget is not supported with speculative decoding",
+                )
 
     def check_n(self, n: int) -> None:
         # the n samples of a request run together: they must fit in one running batch
@@ -324,6 +343,9 @@ class LLMEngine:
             )
             for i in range(1, params.n)
         ]
+        if params.thinking_token_budget is not None:
+            for sample in (seq, *seq.forks):
+                sample.start_budget()
         spec = params.structured_outputs
         if spec is not None and self.grammars is not None:
             # the frontend compiled it off the event loop: a cache hit here, unless evicted

@@ -29,6 +29,7 @@ SAMPLING_FIELDS = (
     "min_tokens",
     "allowed_token_ids",
     "stream_interval",
+    "thinking_token_budget",
 )
 
 #: OpenAI's bound on a ``logit_bias`` value
@@ -180,7 +181,15 @@ def sampling_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     interval = integer(body, "stream_interval")
     if interval is not None and interval < 1:
         raise InvalidField("stream_interval", f"stream_interval must be >= 1, got {interval}")
+    budget = integer(body, "thinking_token_budget")
+    if budget is not None and budget < -1:
+        raise InvalidField(
+            "thinking_token_budget",
+            f"thinking_token_budget must be a non-negative integer or -1 for unlimited, "
+            f"got {budget}",
+        )
     return {
+        "thinking_token_budget": None if budget == -1 else budget,
         "cache_salt": salt,
         "min_tokens": min_tokens,
         "stream_interval": interval,

@@ -89,6 +89,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
     if any(p.temperature > 0 for p in params):
         tokens = torch.where(_greedy_mask(seqs, logits.device), tokens, _draw(logits, seqs))
     ids = [int(t) for t in tokens.tolist()]
+    for i, seq in enumerate(seqs):
+        if seq.forced:  # thinking_token_budget spent: the end-of-reasoning marker
+            ids[i] = seq.forced[0]
     if raw is None:
         return [SampledToken(t) for t in ids]
     return [SampledToken(t, lp) for t, lp in zip(ids, _logprobs(raw, ids, seqs), strict=True)]

@@ -64,10 +64,27 @@ class SamplingParams:
     #: constraint applies from after it, as vLLM's does with a reasoning parser (unless the
     #: prompt holds it already: thinking turned off by the template)
     reasoning_end: tuple[int, ...] = ()
+    #: vLLM's ``thinking_token_budget``: at most this many tokens of reasoning (between
+    #: ``reasoning_start`` and ``reasoning_end``); then the end marker is forced (None: no
+    #: limit)
+    thinking_token_budget: int | None = None
+    #: the start-of-reasoning marker (``<think>``'s token ids), with the budget
+    reasoning_start: tuple[int, ...] = ()
     #: vLLM's ``stream_interval``: a sample's tokens reach its reader in runs of this many
     #: (its first and last at once); raised to the engine's ``--stream-interval``. None:
     #: the engine's. The reader's side alone (kiln.llm.async_engine.OutputCollector)
     stream_interval: int | None = None
+
+
+def _last(ids: list[int], marker: tuple[int, ...]) -> int:
+    """Where ``marker`` last begins in ``ids`` (-1: nowhere)."""
+    if not marker:
+        return -1
+    n = len(marker)
+    for at in range(len(ids) - n, -1, -1):
+        if ids[at] == marker[0] and tuple(ids[at : at + n]) == marker:
+            return at
+    return -1
 
 
 def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> tuple[int, str] | None:
@@ -168,6 +185,11 @@ class Sequence:
     grammar: llguidance.LLMatcher | None = None
     #: the grammar waits for ``params.reasoning_end`` (the model is still thinking)
     thinking: bool = False
+    #: with ``params.thinking_token_budget``: inside the reasoning, the reasoning tokens
+    #: so far, and the end marker's tokens still to force once the budget is spent
+    budget_open: bool = False
+    budget_used: int = 0
+    forced: list[int] = field(default_factory=list)
     #: ``params.allowed_token_ids`` as a [vocab] mask on the logits' device (the sampler's,
     #: built on the sequence's first step)
     allowed_mask: torch.Tensor | None = None
@@ -224,11 +246,46 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def start_budget(self) -> None:
+        """With ``thinking_token_budget``: the reasoning is open when the prompt's last start
+        marker comes after its last end marker (a template that opens it), as vLLM reads it."""
+        p = self.params
+        if p.thinking_token_budget is None or not p.reasoning_end:
+            return
+        self.budget_open = _last(self.token_ids, p.reasoning_start) > _last(
+            self.token_ids, p.reasoning_end
+        )
+        if self.budget_open and p.thinking_token_budget == 0:
+            self.forced = list(p.reasoning_end)
+
+    def _count_thinking(self, token_id: int) -> None:
+        p = self.params
+        if self.forced and token_id == self.forced[0]:
+            self.forced.pop(0)
+        tail = self.token_ids[self.num_prompt_tokens :]
+        if not self.budget_open:
+            start = p.reasoning_start
+            if start and token_id == start[-1] and tuple(tail[-len(start) :]) == start:
+                self.budget_open, self.budget_used = True, 0
+                if p.thinking_token_budget == 0:
+                    self.forced = list(p.reasoning_end)
+            return
+        end = p.reasoning_end
+        if token_id == end[-1] and tuple(tail[-len(end) :]) == end:
+            self.budget_open, self.forced = False, []
+            return
+        self.budget_used += 1
+        budget = p.thinking_token_budget
+        if budget is not None and self.budget_used >= budget and not self.forced:
+            self.forced = list(end)
+
     def append(self, token_id: int) -> None:
         """Add a sampled token; finish on a stop token, when the grammar is complete (its
         matcher takes nothing more), or at ``max_tokens``."""
         self.token_ids.append(token_id)
         p = self.params
+        if p.thinking_token_budget is not None and p.reasoning_end:
+            self._count_thinking(token_id)
         grammar = self.grammar
         if self.thinking:
             # free text until the reasoning's end marker; the grammar starts after it

@@ -8,7 +8,8 @@ The conversion, block by block: ``system`` (a string or text blocks) is the syst
 user's ``tool_result`` blocks ``tool`` messages; ``thinking`` blocks an assistant's
 ``reasoning``. ``tools`` / ``tool_choice`` (``auto``, ``any``: required, ``tool``: named,
 ``none``), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``thinking``
-(``disabled``: ``reasoning_effort: none``) and ``output_config`` (``effort``, a JSON
+(``enabled``: its ``budget_tokens`` the ``thinking_token_budget``; ``disabled``:
+``reasoning_effort: none``) and ``output_config`` (``effort``, a JSON
 schema ``format``) map onto chat's. kiln serves text: an ``image`` block is refused.
 """
 
@@ -225,6 +226,7 @@ def _thinking(body: dict[str, Any], chat: dict[str, Any]) -> None:
                     "thinking.budget_tokens must be less than max_tokens",
                     param="thinking.budget_tokens",
                 )
+            chat["thinking_token_budget"] = budget  # as vLLM: needs --reasoning-parser
         elif thinking["type"] == "disabled":
             chat["reasoning_effort"] = "none"
     config = body.get("output_config")

@@ -706,6 +706,17 @@ def _answers_errors(handler: Handler) -> Handler:
     return guarded
 
 
+def _thinking_markers(llm: EngineClient, req: GenerationRequest) -> None:
+    """With vLLM's ``thinking_token_budget``: the reasoning parser's markers, which the
+    engine counts between and forces the end of (without a parser the engine refuses the
+    budget, as vLLM does without its reasoning config)."""
+    if req.params.thinking_token_budget is None or llm.reasoning_parser is None:
+        return
+    encode = llm.tokenizer.encode
+    start, end = (tuple(encode(text, False)) for text in (reasoning.START, reasoning.END))
+    req.params = replace(req.params, reasoning_start=start, reasoning_end=end)
+
+
 def _anthropic_errors(handler: Handler) -> Handler:
     """Anthropic's error shape (``{"type": "error", "error": {...}}``) for what
     ``handler`` raises, with the same HTTP status."""
@@ -751,6 +762,7 @@ async def _chat_setup(
     if llm is None:  # chat_request refused a 'model' that is not a string
         llm = _generator(server, req.model, api, body)
     _server_defaults(llm, req, body)
+    _thinking_markers(llm, req)
     if llm.reasoning_parser is not None:
         req.reasoning = ReasoningParser(llm.reasoning_parser)
         if req.params.structured_outputs is not None:
@@ -827,6 +839,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         _precheck_prompt(drawn, body)
         llm = drawn or _generator(server, req.model, "Completions", body)
         _server_defaults(llm, req, body)
+        _thinking_markers(llm, req)
         # OpenAI's default max_tokens for completions: 16
         prepared = await asyncio.to_thread(_prepare, llm, req, 16)
         return await _respond(llm, req, prepared, chat=False)

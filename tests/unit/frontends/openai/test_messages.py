@@ -64,6 +64,13 @@ def test_a_conversation_becomes_chat_messages() -> None:
     )  # fmt: skip
     assert formatted["reasoning_effort"] == "low"
     assert formatted["response_format"]["json_schema"]["schema"] == schema
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    assert (
+        messages.chat_body({**body, "max_tokens": 2048, "thinking": thinking})[
+            "thinking_token_budget"
+        ]
+        == 1024
+    )
     counted = messages.chat_body({"model": "m", "messages": body["messages"]}, count_only=True)
     assert "max_tokens" not in counted and len(counted["messages"]) == 4
 
