@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from kiln.frontends.openai.protocol import OpenAIError
+from kiln.frontends.openai.protocol import MAX_MESSAGES, OpenAIError
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +264,11 @@ def chat_body(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("'messages' must be a non-empty list", param="messages")
+    if len(messages) > MAX_MESSAGES:  # before any is converted
+        raise OpenAIError(
+            f"'messages' holds {len(messages)} messages, more than {MAX_MESSAGES}",
+            param="messages",
+        )
     chat_messages = _system(body)
     for i, message in enumerate(messages):
         chat_messages += _message(i, message)

@@ -100,6 +100,7 @@ def test_a_conversation_becomes_chat_messages() -> None:
         ({"stream": "yes"}, "stream"),
         ({"messages": [{"role": "user", "content": [{"type": "text"}] * 4097}]},
          "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x"}] * 4097}, "messages"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_their_field(change: dict[str, Any], param: str) -> None:
