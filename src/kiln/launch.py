@@ -58,6 +58,8 @@ class Endpoints:
     # HTTP on this Unix domain socket instead of host:http_port (vLLM's --uds); gRPC and
     # metrics stay on host's TCP ports
     uds: str | None = None
+    # uvicorn's own log records (vLLM's --uvicorn-log-level); kiln's are --log-level's
+    uvicorn_log_level: str = "warning"
 
     @property
     def http_address(self) -> str:
@@ -81,6 +83,7 @@ def _uvicorn(
     fast: HttpFrontend | None = None,
     browser: BrowserGuard | None = None,
     head: SecurityOptions | None = None,
+    log_level: str = "warning",
 ) -> _Uvicorn:
     """``security``: the main HTTP listener's TLS and limits; None for the metrics port.
     ``fast``: answer inference inside the HTTP protocol with this frontend; ``browser``: the
@@ -113,7 +116,7 @@ def _uvicorn(
         loop="none",
         http=protocol,
         lifespan="off",
-        log_level="warning",
+        log_level=log_level,  # uvicorn's own log (vLLM's --uvicorn-log-level)
         access_log=False,
         timeout_keep_alive=sec.http_timeout_keep_alive,  # type: ignore[arg-type]
         limit_concurrency=sec.http_limit_concurrency or None,
@@ -242,6 +245,7 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
         security,
         fast=frontend,
         browser=browser,
+        log_level=endpoints.uvicorn_log_level,
     )
     servers = [http]
     sockets: list[list[socket.socket] | None] = [None]
@@ -261,6 +265,7 @@ async def run(options: ServerOptions, endpoints: Endpoints) -> int:
                 endpoints.metrics_port,
                 options.exit_timeout_secs,
                 head=security,
+                log_level=endpoints.uvicorn_log_level,
             )
         )
         sockets.append(None)

@@ -332,6 +332,13 @@ def _otlp_flags(endpoint: str | None) -> list[str]:
     "--max-num-batched-tokens into chunks (vLLM V1's default).",
 )  # fmt: skip
 @click.option(
+    "--uvicorn-log-level",
+    type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
+    default="warning",
+    show_default=True,
+    help="vLLM's: the HTTP server's (uvicorn's) own log; kiln's is --log-level.",
+)
+@click.option(
     "--config",
     metavar="FILE.yaml",
     expose_value=False,
@@ -391,6 +398,7 @@ def serve(
     trace_count: str | None,
     trace_log_frequency: str | None,
     log_level: str,
+    uvicorn_log_level: str,
     **security_params: Any,
 ) -> None:
     """Serve a model repository, or checkpoints (MODEL or --model), over KServe v2
@@ -518,6 +526,7 @@ def serve(
         security=security,
         grpc_implementation=grpc_implementation,
         uds=_socket_path(uds),
+        uvicorn_log_level=uvicorn_log_level,
     )
     sys.exit(run_server(options, endpoints))
 

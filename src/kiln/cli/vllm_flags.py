@@ -21,7 +21,6 @@ log = logging.getLogger(__name__)
 
 #: flags with a value kiln accepts and needs nothing from: why
 ACCEPTED_VALUES = {
-    "--uvicorn-log-level": "kiln's HTTP server logs warnings and errors (--log-level sets kiln's)",
     "--max-log-len": "kiln logs no prompts",
     "--download-dir": "kiln reads local checkpoints only: nothing is downloaded",
     "--revision": "a local folder has one revision",

@@ -95,7 +95,7 @@ def test_vllms_other_flags_are_accepted_or_refused_by_name(tmp_path: Path) -> No
 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
-    accepted = ["--uvicorn-log-level", "warning", "--download-dir", "/tmp/hf",
+    accepted = ["--download-dir", "/tmp/hf",
                 "--revision", "main", "--pipeline-parallel-size", "1",
                 "--load-format", "safetensors", "--tokenizer-mode", "auto",
                 "--distributed-executor-backend", "mp", "--logprobs-mode", "raw_logprobs",

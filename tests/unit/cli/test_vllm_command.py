@@ -187,3 +187,23 @@ def test_several_served_names_for_one_model(model: Path, tmp_path: Path) -> None
     assert served_aliases((model, other), ("a", "b")) == {}
     with pytest.raises(click.BadParameter, match="3 names for 2 --model"):
         served_models((model, other), ("a", "b", "c"), params)
+
+
+def test_uvicorn_log_level_reaches_the_http_server(model: Path) -> None:
+    import logging
+
+    from kiln.launch import _uvicorn
+
+    assert _params([str(model)])["uvicorn_log_level"] == "warning"
+    assert _params([str(model), "--uvicorn-log-level", "debug"])["uvicorn_log_level"] == "debug"
+    with pytest.raises(click.BadParameter):
+        _params([str(model), "--uvicorn-log-level", "loud"])
+    logger = logging.getLogger("uvicorn.error")
+    before = logger.level
+    try:
+        _uvicorn(object(), "127.0.0.1", 0, 1.0, log_level="debug")
+        assert logger.level == logging.DEBUG
+        _uvicorn(object(), "127.0.0.1", 0, 1.0)
+        assert logger.level == logging.WARNING  # kiln's default: quiet
+    finally:
+        logger.setLevel(before)
