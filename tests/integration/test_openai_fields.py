@@ -701,3 +701,45 @@ def test_batch_chat_refuses_what_vllm_refuses(
     got = http.post("/v1/chat/completions/batch", json=body)
     assert got.status_code == 400, got.text
     assert got.json()["error"]["param"] == param
+
+
+def test_logprob_token_ids_list_the_tokens_asked_for(client: openai.OpenAI) -> None:
+    """vLLM's ``logprob_token_ids``: each output token's alternatives are the sampled
+    token, then the ones asked for (in that order), with the logprobs the full
+    distribution gives them."""
+    kw: dict[str, Any] = dict(model="tiny", max_tokens=4, temperature=0)
+    wanted = [5, 9, 299]
+    full = client.completions.create(prompt="hi", logprobs=20, **kw).choices[0].logprobs
+    picked = (
+        client.completions.create(
+            prompt="hi", logprobs=1, extra_body={"logprob_token_ids": wanted}, **kw
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert full is not None and picked is not None and picked.top_logprobs
+    assert picked.tokens == full.tokens
+    for step in picked.top_logprobs:
+        assert len(step) in (3, 4)  # the sampled token and the three asked for
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "hi"}], logprobs=True,
+        extra_body={"logprob_token_ids": wanted, "return_tokens_as_token_ids": True}, **kw,
+    ).choices[0].logprobs  # fmt: skip
+    assert chat is not None and chat.content
+    for entry in chat.content:
+        sampled = int(entry.token.removeprefix("token_id:"))
+        listed = [int(t.token.removeprefix("token_id:")) for t in entry.top_logprobs]
+        assert listed == [sampled, *(t for t in wanted if t != sampled)]
+        assert entry.top_logprobs[0].logprob == entry.logprob
+    for body, says in (
+        ({"logprob_token_ids": [1]}, "`logprobs` must be set to true"),
+        ({"logprobs": True, "logprob_token_ids": [-1]}, "token ids"),
+        ({"logprobs": True, "logprob_token_ids": list(range(129))}, "more than 128"),
+        ({"logprobs": True, "logprob_token_ids": [10**9]}, "outside the vocabulary"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                messages=[{"role": "user", "content": "hi"}], extra_body=body, **kw
+            )
+        assert isinstance(info.value.body, dict) and says in info.value.body["message"]
+        assert info.value.body["param"] == "logprob_token_ids"

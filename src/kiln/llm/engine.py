@@ -229,6 +229,13 @@ class LLMEngine:
                 f"allowed_token_ids names token id {outside[0]}, outside the vocabulary "
                 f"[0, {vocab})",
             )
+        outside = [t for t in params.logprob_token_ids if not 0 <= t < vocab]
+        if outside:
+            raise InvalidField(
+                "logprob_token_ids",
+                f"logprob_token_ids names token id {outside[0]}, outside the vocabulary "
+                f"[0, {vocab})",
+            )
         outside = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if outside:
             raise InvalidField(

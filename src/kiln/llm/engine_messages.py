@@ -172,6 +172,7 @@ def params_from(raw: dict[str, Any]) -> SamplingParams:
             "allowed_token_ids": tuple(raw.get("allowed_token_ids", ())),
             "reasoning_end": tuple(raw.get("reasoning_end", ())),
             "reasoning_start": tuple(raw.get("reasoning_start", ())),
+            "logprob_token_ids": tuple(raw.get("logprob_token_ids", ())),
             "logit_bias": tuple((int(t), float(b)) for t, b in raw.get("logit_bias", ())),
             "bad_words_token_ids": tuple(tuple(w) for w in raw.get("bad_words_token_ids", ())),
             "structured_outputs": None if so is None else StructuredOutputsParams(**so),

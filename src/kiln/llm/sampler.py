@@ -319,6 +319,12 @@ def _logprobs(
         if n is None:
             out.append(None)
             continue
-        top = tuple(zip(indices[i][:n], values[i][:n], strict=True))
+        chosen_ids = seq.params.logprob_token_ids
+        if chosen_ids:  # vLLM's: the sampled token, then the ones asked for
+            wanted = [ids[i], *(t for t in chosen_ids if t != ids[i])]
+            row = raw[i, torch.tensor(wanted, device=raw.device)].tolist()
+            top = tuple(zip(wanted, row, strict=True))
+        else:
+            top = tuple(zip(indices[i][:n], values[i][:n], strict=True))
         out.append(TokenLogprobs(ids[i], chosen[i], top))
     return out

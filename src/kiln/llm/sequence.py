@@ -41,6 +41,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    #: vLLM's ``logprob_token_ids``: with ``logprobs``, these tokens' logprobs (after the
+    #: sampled one's) stand in place of the top alternatives
+    logprob_token_ids: tuple[int, ...] = ()
     #: samples of the prompt (OpenAI's ``n``); sample ``i`` draws with ``seed + i``
     n: int = 1
     #: OpenAI's ``logit_bias``: (token id, bias) pairs added to the logits before sampling

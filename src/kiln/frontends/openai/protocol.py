@@ -56,6 +56,7 @@ _COMMON_FIELDS = (
     "best_of",  # = n only (see _best_of)
     "stop",
     "logprobs",
+    "logprob_token_ids",
     "echo",
     "prompt_logprobs",
     "priority",
@@ -259,6 +260,38 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return count
 
 
+#: vLLM's bound on ``logprob_token_ids``
+MAX_LOGPROB_TOKEN_IDS = 128
+
+
+def _logprob_token_ids(body: dict[str, Any], logprobs: int | None, beam: bool) -> tuple[int, ...]:
+    """vLLM's ``logprob_token_ids``: the tokens whose logprobs each output token lists in
+    place of the top alternatives (with logprobs asked for; not with beam search)."""
+    ids = body.get("logprob_token_ids")
+    if not ids:
+        return ()
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise OpenAIError(
+            "'logprob_token_ids' must be a list of token ids (integers >= 0)",
+            param="logprob_token_ids",
+        )
+    if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+        raise OpenAIError(
+            f"'logprob_token_ids' holds {len(ids)} ids, more than {MAX_LOGPROB_TOKEN_IDS}",
+            param="logprob_token_ids",
+        )
+    if beam:
+        raise OpenAIError(
+            "`logprob_token_ids` is not supported with beam search.", param="logprob_token_ids"
+        )
+    if logprobs is None:  # vLLM's words (chat's; completions need ``logprobs`` set)
+        raise OpenAIError(
+            "when using `logprob_token_ids`, `logprobs` must be set to true.",
+            param="logprob_token_ids",
+        )
+    return tuple(ids)
+
+
 #: ``bad_words`` are matched against every sequence's output at every step: a bound on that
 MAX_BAD_WORDS = 256
 
@@ -433,6 +466,7 @@ def _common(
         raise OpenAIError(f"n must be at least 1, got {n}", param="n")
     stops = _stops(body.get("stop"))
     logprobs = _logprobs(body, chat)
+    chosen = _logprob_token_ids(body, logprobs, beam)
     echo = flag(body, "echo", False)
     stream = flag(body, "stream", False)
     include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
@@ -458,6 +492,7 @@ def _common(
         # an echoed prompt gets its logprobs too (completions, whole or streamed)
         prompt_logprobs=max((v for v in (echoed, prompt_logprobs) if v is not None), default=None),
         structured_outputs=structured,
+        logprob_token_ids=chosen,
         **fields,
     )
     return GenerationRequest(
