@@ -403,8 +403,9 @@ def tiny_llm_repository(root: Path, config: str, name: str = "tiny") -> Path:
 
 
 def tool_calling_repository(root: Path, template: str) -> Path:
-    """Two tiny models with chat template ``template``: ``tools`` (vLLM's auto tool choice
-    with the hermes parser) and ``plain`` (none); returns the repository folder."""
+    """Three tiny models with chat template ``template``: ``tools`` (vLLM's auto tool choice
+    with the hermes parser), ``xml-tools`` (with the qwen3_coder parser) and ``plain``
+    (none); returns the repository folder."""
     import shutil
 
     template_path = root / "template.jinja"
@@ -420,6 +421,13 @@ def tool_calling_repository(root: Path, template: str) -> Path:
         llm_config("tools", enable_auto_tool_choice="true", tool_call_parser="hermes", **common)
     )
     (repo / "plain" / "config.pbtxt").write_text(llm_config("plain", **common))
+    # Qwen3-Coder's XML calls (vLLM's qwen3_coder parser)
+    shutil.copytree(repo / "tools" / "1", repo / "xml-tools" / "1")
+    (repo / "xml-tools" / "config.pbtxt").write_text(
+        llm_config(
+            "xml-tools", enable_auto_tool_choice="true", tool_call_parser="qwen3_coder", **common
+        )
+    )
     return repo
 
 

@@ -200,6 +200,29 @@ def test_auto_reads_the_models_hermes_calls(client: openai.OpenAI) -> None:
     assert streamed == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
 
 
+#: what Qwen3-Coder writes (vLLM's qwen3_coder parser): its values are raw text
+XML_CALL = (
+    r"Sure\.<tool_call>\n<function=get_weather>\n<parameter=city>\n(paris|rome)\n"
+    r"</parameter>\n<parameter=days>\n[1-7]\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def test_auto_reads_qwen3_coders_xml_calls(client: openai.OpenAI) -> None:
+    """The XML call's values become the JSON types its tool's schema says (``days``: an
+    integer, which the schema check below needs), whole and streamed alike."""
+    kw: dict[str, Any] = dict(
+        model="xml-tools", messages=MESSAGES, tools=TOOLS, max_completion_tokens=200,
+        temperature=1.0, seed=5, extra_body={"structured_outputs": {"regex": XML_CALL}},
+    )  # fmt: skip
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    [(name, arguments)] = _check_calls(choice.message.tool_calls or [])
+    assert name == "get_weather" and isinstance(arguments["days"], int)
+    content, streamed, reason = _streamed(client, **kw)
+    assert (content, reason) == ("Sure.", "tool_calls")
+    assert streamed == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+
 def test_auto_text_without_calls_is_content(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(
         model="tools",

@@ -71,7 +71,8 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 #: vLLM's ``--runner``: ``pooling`` serves ``/v1/embeddings`` (and not generation)
 RUNNERS = ("generate", "pooling")
 #: vLLM's ``--tool-call-parser`` names kiln has a parser for (kiln.frontends.openai.tool_parsers)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "phi4_mini_json",
+                     "qwen3_coder", "qwen3_json", "qwen3_xml")  # fmt: skip
 #: vLLM's reasoning parsers kiln has (``--reasoning-parser``)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 

@@ -216,7 +216,7 @@ def tool_request(body: dict[str, Any], llm: EngineClient) -> ToolRequest | None:
                 "enable_auto_tool_choice and tool_call_parser in a config.pbtxt)",
                 param="tool_choice",
             )
-        return ToolRequest(tools, "auto", PARSERS[llm.tool_call_parser](), parallel)
+        return ToolRequest(tools, "auto", PARSERS[llm.tool_call_parser](tools), parallel)
     if choice == "required":
         schema = _required_schema(tools, parallel)
         spec = _constraint(body, schema, "tools")

@@ -40,6 +40,16 @@ LLAMA3 = (
 PYTHONIC = (
     "[get_weather(city='Paris \"FR\"', days=[1, 2]), get_time(tz=\"CET\", nested={'a': '}]'})]"
 )
+QWEN3_XML = (
+    'Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis "FR"\n'
+    "</parameter>\n<parameter=days>\n[1, 2]\n</parameter>\n</function>\n</tool_call>\n"
+    "<tool_call>\n<function=get_time>\n<parameter=tz>\nCET\n</parameter>\n"
+    '<parameter=nested>\n{"a": "}]"}\n</parameter>\n</function>\n</tool_call>'
+)
+PHI4 = (
+    'functools[{"name": "get_weather", "arguments": {"city": "Paris \\"FR\\"", "days": [1, 2]}}, '
+    '{"name": "get_time", "parameters": {"tz": "CET", "nested": {"a": "}]"}}}]'
+)
 WEATHER = {"city": 'Paris "FR"', "days": [1, 2]}
 TIME = {"tz": "CET", "nested": {"a": "}]"}}
 CASES = [
@@ -49,6 +59,11 @@ CASES = [
     ("llama3_json", LLAMA3, ""),
     ("pythonic", PYTHONIC, ""),
     ("pythonic", f"<|python_start|>{PYTHONIC}<|python_end|>", ""),
+    ("qwen3_xml", QWEN3_XML, "Let me check.\n"),
+    ("qwen3_coder", QWEN3_XML, "Let me check.\n"),
+    ("qwen3_json", HERMES, "Let me check.\n"),
+    ("phi4_mini_json", PHI4, ""),
+    ("phi4_mini_json", "Sure: " + PHI4, "Sure: "),
 ]
 
 
@@ -206,3 +221,31 @@ def test_required_calls_array() -> None:
         assert [json.loads(c["arguments"]) for c in calls] == [{"city": "Paris"}, {}]
     # cut by max_tokens: no calls, the text as content
     assert parser.parse(text[:30], final=True).calls == []
+
+
+def test_qwen3_xml_values_take_their_schemas_types() -> None:
+    """A parameter's raw text becomes what its tool's schema types it as (vLLM's order:
+    null, integer, number, boolean, object, array, string); untyped, JSON if it parses."""
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"},
+        "code": {"type": "string"}, "maybe": {"type": ["integer", "null"]},
+        "pick": {"enum": [1, 2, 3]}, "either": {"anyOf": [{"type": "integer"},
+                                                          {"type": "string"}]},
+        "obj": {"type": "object"}, "bad_int": {"type": "integer"},
+    }}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    params = {"n": "3", "x": "2.50", "ok": "True", "code": "007", "maybe": "null",
+              "pick": "2", "either": "abc", "obj": '{"k": [1]}', "bad_int": "three",
+              "free": "[1, 2]", "inf": "1e999"}  # fmt: skip
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    text = f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>"
+    (call,) = PARSERS["qwen3_coder"](tools).parse(text, final=True).calls
+    assert json.loads(call.arguments) == {
+        "n": 3, "x": 2.5, "ok": True, "code": "007", "maybe": None, "pick": 2,
+        "either": "abc", "obj": {"k": [1]}, "bad_int": "three", "free": [1, 2],
+        "inf": "1e999",
+    }  # fmt: skip
+    # a multi-line value keeps its inner newlines; only the framing ones go
+    text = "<function=f>\n<parameter=code>\nline 1\nline 2\n</parameter>\n</function>"
+    (call,) = PARSERS["qwen3_xml"](tools).parse(text, final=True).calls
+    assert json.loads(call.arguments) == {"code": "line 1\nline 2"}

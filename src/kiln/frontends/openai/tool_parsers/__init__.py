@@ -8,7 +8,9 @@ from kiln.frontends.openai.tool_parsers.forced import NamedCall, RequiredCalls
 from kiln.frontends.openai.tool_parsers.hermes import HermesParser
 from kiln.frontends.openai.tool_parsers.llama3_json import Llama3JsonParser
 from kiln.frontends.openai.tool_parsers.mistral import MistralParser
+from kiln.frontends.openai.tool_parsers.phi4_mini import Phi4MiniJsonParser
 from kiln.frontends.openai.tool_parsers.pythonic import PythonicParser
+from kiln.frontends.openai.tool_parsers.qwen3_xml import Qwen3XmlParser
 
 __all__ = [
     "PARSERS",
@@ -21,5 +23,9 @@ __all__ = [
 ]
 
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
-}
+    **{p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser,
+                           Phi4MiniJsonParser, Qwen3XmlParser)},
+    # vLLM's other names of the same formats
+    "qwen3_coder": Qwen3XmlParser,
+    "qwen3_json": HermesParser,
+}  # fmt: skip

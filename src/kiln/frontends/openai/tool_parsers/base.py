@@ -42,6 +42,15 @@ class ToolParser:
     #: ids as the family's chat templates accept them (Mistral's: 9 letters and digits)
     id_style = "chatcmpl-tool"
 
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        """``tools``: the request's (OpenAI's shape), whose parameter schemas a format of
+        untyped values (Qwen3-Coder's XML) types its values by."""
+        self.schemas: dict[str, Any] = {}
+        for tool in tools or ():
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("name"), str):
+                self.schemas[function["name"]] = function.get("parameters") or {}
+
     def parse(self, text: str, final: bool) -> Parsed:
         raise NotImplementedError
 
