@@ -41,14 +41,21 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     tok = Tokenizer.from_file(str(path))
     tok.add_tokens(["<think>", "</think>"])
     tok.save(str(path))
+    # Magistral's markers, as tokens of their own
+    shutil.copytree(repo / "plain" / "1", repo / "mistral-tags" / "1")
+    path = repo / "mistral-tags" / "1" / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    tok.add_tokens(["[THINK]", "[/THINK]"])
+    tok.save(str(path))
     common = dict(max_num_seqs="4", num_gpu_blocks="256", dtype="float32")
     for name, parser, base in (("qwen3", "qwen3", "plain"), ("r1", "deepseek_r1", "plain"),
-                               ("r1-tags", "deepseek_r1", "plain-tags")):  # fmt: skip
+                               ("r1-tags", "deepseek_r1", "plain-tags"),
+                               ("magistral", "mistral", "mistral-tags")):  # fmt: skip
         shutil.copytree(repo / base / "1", repo / name / "1")
         (repo / name / "config.pbtxt").write_text(
             llm_config(name, reasoning_parser=parser, **common)
         )
-    for name in ("plain", "plain-tags"):
+    for name in ("plain", "plain-tags", "mistral-tags"):
         (repo / name / "config.pbtxt").write_text(llm_config(name, **common))
     proc = KilnProcess(repo).start(timeout=180)
     yield proc
@@ -94,6 +101,32 @@ def test_qwen3_splits_the_thinking_from_the_answer(client: openai.OpenAI) -> Non
         "",
         answer,
     )
+
+
+def test_mistral_splits_magistrals_think_markers(client: openai.OpenAI) -> None:
+    """vLLM's ``mistral`` parser (Magistral): ``[THINK]`` ... ``[/THINK]``, whole and
+    streamed; ``<think>`` is no marker of its."""
+    thinks = r"\[THINK\][a-z]{2,6} [a-z]{2,6}\[/THINK\][a-z]{2,6} [a-z]{2,6}"
+    # the prompt holds the end marker: the constraint holds from the first token (as above)
+    messages = [{"role": "user", "content": "[/THINK] the quick brown fox"}]
+
+    def chat(regex: str, **kw: Any) -> Any:
+        return client.chat.completions.create(
+            model="magistral", messages=messages, max_tokens=60, temperature=1.0,  # type: ignore[arg-type]
+            seed=7, extra_body={"structured_outputs": {"regex": regex}}, **kw,
+        )  # fmt: skip
+
+    message = chat(thinks).choices[0].message
+    thought, answer = message.reasoning, message.content  # type: ignore[attr-defined]
+    assert thought and answer and "[" not in thought + answer
+    streamed = ["", ""]
+    for chunk in chat(thinks, stream=True):
+        for choice in chunk.choices:
+            streamed[0] += getattr(choice.delta, "reasoning", None) or ""
+            streamed[1] += choice.delta.content or ""
+    assert streamed == [thought, answer]
+    other = chat(THINKS).choices[0].message
+    assert other.content.startswith("<think>") and other.reasoning is None  # type: ignore[attr-defined]
 
 
 def test_qwen3_without_thinking_is_all_content(client: openai.OpenAI) -> None:

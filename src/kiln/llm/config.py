@@ -74,7 +74,7 @@ RUNNERS = ("generate", "pooling")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "phi4_mini_json",
                      "qwen3_coder", "qwen3_json", "qwen3_xml")  # fmt: skip
 #: vLLM's reasoning parsers kiln has (``--reasoning-parser``)
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "mistral", "qwen3")
 
 
 @dataclass(frozen=True, slots=True)

@@ -713,7 +713,8 @@ def _thinking_markers(llm: EngineClient, req: GenerationRequest) -> None:
     if req.params.thinking_token_budget is None or llm.reasoning_parser is None:
         return
     encode = llm.tokenizer.encode
-    start, end = (tuple(encode(text, False)) for text in (reasoning.START, reasoning.END))
+    parser = ReasoningParser(llm.reasoning_parser)
+    start, end = (tuple(encode(text, False)) for text in (parser.start, parser.end))
     req.params = replace(req.params, reasoning_start=start, reasoning_end=end)
 
 
@@ -765,9 +766,11 @@ async def _chat_setup(
     _thinking_markers(llm, req)
     if llm.reasoning_parser is not None:
         req.reasoning = ReasoningParser(llm.reasoning_parser)
+        if llm.reasoning_parser in reasoning.SPECIAL_MARKERS:
+            req.skip_special_tokens = False  # the markers are control tokens
         if req.params.structured_outputs is not None:
             # vLLM's rule: the model thinks freely, the constraint holds after </think>
-            end = tuple(llm.tokenizer.encode(reasoning.END))
+            end = tuple(llm.tokenizer.encode(req.reasoning.end))
             req.params = replace(req.params, reasoning_end=end)
     prepared = await asyncio.to_thread(_prepare, llm, req, None, True)
     return llm, req, prepared

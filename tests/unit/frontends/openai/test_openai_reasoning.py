@@ -10,6 +10,7 @@ import pytest
 from kiln.frontends.openai.reasoning import ReasoningParser
 
 QWEN3, R1 = ReasoningParser("qwen3"), ReasoningParser("deepseek_r1")
+MISTRAL = ReasoningParser("mistral")  # Magistral's [THINK] ... [/THINK]
 
 
 @pytest.mark.parametrize(
@@ -25,6 +26,10 @@ QWEN3, R1 = ReasoningParser("qwen3"), ReasoningParser("deepseek_r1")
         (R1, "<think>a</think>b", ("a", "b")),  # R1-0528 writes the tag itself
         (R1, "all thought", ("all thought", None)),
         (R1, "a</think>", ("a", None)),
+        (MISTRAL, "[THINK]hmm[/THINK]the answer", ("hmm", "the answer")),
+        (MISTRAL, "no thinking", (None, "no thinking")),
+        (MISTRAL, "<think>a</think>b", (None, "<think>a</think>b")),  # not its markers
+        (MISTRAL, "[THINK]cut short", ("cut short", None)),
     ],
 )
 def test_whole_answers(
@@ -33,11 +38,12 @@ def test_whole_answers(
     assert parser.split(text) == split
 
 
-@pytest.mark.parametrize("parser", [QWEN3, R1], ids=["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("parser", [QWEN3, R1, MISTRAL], ids=["qwen3", "deepseek_r1", "mistral"])
 def test_any_streaming_gives_the_whole_answers_split(parser: ReasoningParser) -> None:
     rng = random.Random(0)
     texts = ["<think>\nlet me see</think>\n\nthe answer", "plain <think> later", "<think>cut",
-             "< think", "x</think>y</think>z", "<", "<think", "</think>"]  # fmt: skip
+             "< think", "x</think>y</think>z", "<", "<think", "</think>",
+             "[THINK]a[/THINK]b", "[THI", "[THINK]x[/TH"]  # fmt: skip
     for text in texts:
         for _ in range(200):
             cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1)))
