@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -743,3 +744,43 @@ def test_logprob_token_ids_list_the_tokens_asked_for(client: openai.OpenAI) -> N
             )
         assert isinstance(info.value.body, dict) and says in info.value.body["message"]
         assert info.value.body["param"] == "logprob_token_ids"
+
+
+# --- vLLM's generative scoring -------------------------------------------------------
+
+
+def test_generative_scoring_reads_the_labels_next_token_probabilities(
+    client: openai.OpenAI, http: httpx.Client
+) -> None:
+    """Each item's score is the first label's probability as the next token after the
+    query and the item, softmaxed over the labels (or the model's own): the same numbers
+    the completions API's logprobs give for those tokens."""
+    labels = [5, 9, 17]
+    body = {"model": "tiny", "query": "is it", "items": [" red", " blue"],
+            "label_token_ids": labels}  # fmt: skip
+    got = http.post("/generative_scoring", json=body)
+    assert got.status_code == 200, got.text
+    answer = got.json()
+    assert answer["object"] == "list" and answer["id"].startswith("generative-scoring-")
+    assert [d["index"] for d in answer["data"]] == [0, 1]
+    raw = http.post("/generative_scoring", json={**body, "apply_softmax": False}).json()
+    for i, item in enumerate(body["items"]):
+        ids = _tokens(http, prompt="is it") + _tokens(http, prompt=item, add_special_tokens=False)
+        one = client.completions.create(
+            model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1,
+            extra_body={"logprob_token_ids": labels, "return_tokens_as_token_ids": True},
+        ).choices[0].logprobs  # fmt: skip
+        assert one is not None and one.top_logprobs
+        listed = {int(k.removeprefix("token_id:")): v for k, v in one.top_logprobs[0].items()}
+        lps = [listed[t] for t in labels]
+        assert raw["data"][i]["score"] == pytest.approx(math.exp(lps[0]), rel=1e-5)
+        softmax = math.exp(lps[0]) / sum(math.exp(lp) for lp in lps)
+        assert answer["data"][i]["score"] == pytest.approx(softmax, rel=1e-5)
+    assert answer["usage"]["completion_tokens"] == 2
+    for bad, param in (({"label_token_ids": []}, "label_token_ids"),
+                       ({"label_token_ids": [10**6]}, "label_token_ids"),
+                       ({"items": []}, "items"), ({"items": ["a", [1]]}, "items"),
+                       ({"query": 3}, "query")):  # fmt: skip
+        refused = http.post("/generative_scoring", json={**body, **bad})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == param

@@ -42,6 +42,8 @@ _RULES: list[tuple[re.Pattern[str], ApiGroup | None]] = [
     (re.compile(r"/(de)?tokenize$"), ApiGroup.INFERENCE),  # vLLM's, beside them
     (re.compile(r"/invocations$"), ApiGroup.INFERENCE),  # vLLM's SageMaker routes
     (re.compile(r"/(v2/)?(score|rerank|pooling|classify)$"), ApiGroup.INFERENCE),  # vLLM's
+    (re.compile(r"/generative_scoring$"), ApiGroup.INFERENCE),  # vLLM's
+    (re.compile(r"/tokenizer_info$"), ApiGroup.METADATA),  # vLLM's: the template, the config
     (re.compile(r"/(health|ping)$"), ApiGroup.HEALTH),
     (re.compile(r"/version$"), ApiGroup.METADATA),
     (re.compile(r"/load$"), ApiGroup.METADATA),  # vLLM's server load: a count, no data

@@ -22,7 +22,16 @@ from kiln.core.errors import KilnError, Status
 from kiln.core.trace import FrontendSlot, http_slot
 from kiln.frontends import disconnect
 from kiln.frontends.openai import classify as classifier
-from kiln.frontends.openai import embeddings, lora, messages, reasoning, responses, scores, tools
+from kiln.frontends.openai import (
+    embeddings,
+    generative_scoring,
+    lora,
+    messages,
+    reasoning,
+    responses,
+    scores,
+    tools,
+)
 from kiln.frontends.openai.content import content_text, for_template
 from kiln.frontends.openai.generation import (
     BeamOptions,
@@ -1206,6 +1215,38 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     async def health(request: Request) -> Response:
         return Response(status_code=200)
 
+    async def score_generatively(request: Request) -> Response:
+        """vLLM's ``POST /generative_scoring`` (``generative_scoring.py``)."""
+        body = await _body(request, reader)
+        check_fields(body, generative_scoring.FIELDS, "generative scoring")
+        req = generative_scoring.read(body)
+        llm = _generator(server, req.model, "Generative Scoring", body)
+        prompts = await asyncio.to_thread(generative_scoring.prompts, llm, req)
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            logprobs=0,
+            logprob_token_ids=tuple(req.labels),
+            cache_salt=req.cache_salt,
+        )
+        rid = f"generative-scoring-{request_id(req.request_id)}"
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        completion = 0
+        streams = [run(llm, ids, params, (), req.priority, rid) for ids in prompts]
+        try:
+            async with contextlib.aclosing(merged(streams, 1)) as deltas:
+                async for d in deltas:
+                    for entry in d.logprobs:  # the one token's: the sampled one, the labels
+                        listed = dict(entry.top)
+                        logprobs[d.index] = [listed[t] for t in req.labels]
+                    if d.finish_reason is not None:
+                        completion += d.completion_tokens
+        except KilnError as exc:
+            raise OpenAIError.from_kiln(exc) from None
+        scores = [generative_scoring.score(lps, req.apply_softmax) for lps in logprobs]
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        return _json(generative_scoring.body(rid, req.model, scores, prompt_tokens, completion))
+
     async def version(request: Request) -> Response:
         return _json({"version": __version__})
 
@@ -1252,6 +1293,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         counted("/v1/completions", _answers_errors(completions)),
         counted("/v1/chat/completions", _answers_errors(chat)),
         counted("/v1/chat/completions/batch", _answers_errors(batch_chat)),
+        counted("/generative_scoring", _answers_errors(score_generatively)),
         counted("/v1/embeddings", _answers_errors(embed)),
         counted("/pooling", _answers_errors(pool)),
         counted("/classify", _answers_errors(classify)),
