@@ -68,6 +68,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, weights: Path) -> Iterator[
     # a matryoshka model: its config.json lists the sizes its vectors may be cut to
     build_tiny_llm(repo / "mat" / "1", matryoshka_dimensions=[16, 32])
     (repo / "mat" / "config.pbtxt").write_text(f'name: "mat"\n{BASE}\n{MODELS["last"]}\n')
+    # a sentence-transformers model with prefixes by task (Cohere's input_type)
+    build_tiny_llm(repo / "prompted" / "1")
+    (repo / "prompted" / "1" / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": {"search_query": "query: ", "search_document": "passage: "}})
+    )
+    (repo / "prompted" / "config.pbtxt").write_text(f'name: "prompted"\n{BASE}\n{MODELS["last"]}\n')
     proc = KilnProcess(repo).start(timeout=120)
     yield proc
     proc.stop()
@@ -380,3 +386,76 @@ def test_pooling_answers_the_embedding_in_vllms_shape(server: KilnProcess) -> No
     assert status == 400 and "not a sequence classifier" in answer["error"]["message"]
     status, answer = _post(server, {**body, "model": "gen"}, "/pooling")
     assert status == 400 and "does not support Pooling API" in answer["error"]["message"]
+
+
+# --- Cohere's /v2/embed, as vLLM serves it ----------------------------------------------
+
+
+def test_cohere_embed_with_the_cohere_client(client: openai.OpenAI, server: KilnProcess) -> None:
+    """The real ``cohere`` client: ``input_type`` puts the model's prefix before each text,
+    the types derive from the float vectors (the same as /v1/embeddings'), ``truncate`` and
+    ``output_dimension`` map onto the embeddings API's."""
+    cohere = pytest.importorskip("cohere")
+    co = cohere.ClientV2(api_key="unused", base_url=f"http://{server.http_url}")
+    types = ["float", "binary", "ubinary", "base64"]
+    got = co.embed(model="prompted", texts=TEXTS[:2], input_type="search_query",
+                   embedding_types=types)  # fmt: skip
+    assert got.response_type == "embeddings_by_type" and got.texts == TEXTS[:2]
+    same = client.embeddings.create(model="prompted", input=["query: " + t for t in TEXTS[:2]])
+    floats = np.array(got.embeddings.float_)
+    np.testing.assert_allclose(floats, [d.embedding for d in same.data], atol=1e-6)
+    packed = np.packbits(floats >= 0, axis=-1)
+    assert got.embeddings.ubinary == packed.tolist()
+    assert got.embeddings.binary == (packed.astype(int) - 128).tolist()
+    decoded = [np.frombuffer(base64.b64decode(b), "<f4") for b in got.embeddings.base64]
+    np.testing.assert_allclose(decoded, floats, atol=0)
+    assert got.meta.billed_units.input_tokens == same.usage.prompt_tokens
+    # a task the model has no prefix for: 400 naming the ones it has
+    with pytest.raises(cohere.errors.BadRequestError) as info:
+        co.embed(model="prompted", texts=["x"], input_type="clustering",
+                 embedding_types=["float"])  # fmt: skip
+    assert "search_document, search_query" in str(info.value.body)
+    # a model without prefixes: input_type (the client always sends one) asks for nothing
+    plain = co.embed(model="last", texts=TEXTS[:1], input_type="search_document",
+                     embedding_types=["float"])  # fmt: skip
+    alone = client.embeddings.create(model="last", input=TEXTS[:1]).data[0].embedding
+    np.testing.assert_allclose(plain.embeddings.float_[0], alone, atol=1e-6)
+    # truncate END keeps the first max_tokens tokens; NONE refuses a longer text
+    cut = co.embed(model="last", texts=TEXTS[:1], input_type="search_document",
+                   embedding_types=["float"], truncate="END", max_tokens=3)  # fmt: skip
+    first = client.embeddings.create(
+        model="last", input=TEXTS[:1],
+        extra_body={"truncate_prompt_tokens": 3, "truncation_side": "right"},
+    )  # fmt: skip
+    np.testing.assert_allclose(cut.embeddings.float_[0], first.data[0].embedding, atol=1e-6)
+    with pytest.raises(cohere.errors.BadRequestError):
+        co.embed(model="last", texts=TEXTS[:1], input_type="search_document",
+                 embedding_types=["float"], truncate="NONE", max_tokens=2)  # fmt: skip
+    short = co.embed(model="mat", texts=["hi"], input_type="search_document",
+                     embedding_types=["float"], output_dimension=16)  # fmt: skip
+    assert len(short.embeddings.float_[0]) == 16
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"texts": []}, "texts"),
+        ({"images": ["data:image/png;base64,AA=="]}, "images"),
+        ({"texts": ["x"], "embedding_types": ["int8"]}, "embedding_types"),
+        ({"texts": ["x"], "truncate": "MIDDLE"}, "truncate"),
+        ({"texts": ["x"], "max_tokens": 0}, "max_tokens"),
+        ({"texts": ["x"] * 4097}, "texts"),
+    ],
+)
+def test_cohere_embed_refuses_bad_bodies(
+    server: KilnProcess, body: dict[str, Any], param: str
+) -> None:
+    request = urllib.request.Request(
+        f"http://{server.http_url}/v2/embed", method="POST",
+        data=json.dumps({"model": "last", **body}).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30)
+    assert info.value.code == 400
+    assert json.loads(info.value.read())["error"]["param"] == param

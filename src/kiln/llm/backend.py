@@ -41,6 +41,7 @@ from kiln.llm.checkpoint import (
     generation_eos_ids,
     open_checkpoint,
     sampling_defaults,
+    task_instructions,
 )
 from kiln.llm.config import REASONING_PARSERS, TOOL_CALL_PARSERS, EngineConfig, PoolerConfig
 from kiln.llm.engine import LLMEngine
@@ -353,6 +354,8 @@ class LLMBackend(Backend):
         self.default_chat_template_kwargs = json_object(config, "default_chat_template_kwargs")
         #: vLLM's ``--response-role``: a chat answer's role after the generation prompt
         self.response_role = (parameter(config, "response_role") or "assistant").strip()
+        #: an embedding model's prefixes by task (Cohere's ``input_type``)
+        self.task_instructions = task_instructions(folder)
         #: vLLM's ``--trust-request-chat-template``: a request's chat_template is rendered
         self.trust_request_chat_template = flag_parameter(config, "trust_request_chat_template")
         #: vLLM's ``--enable-force-include-usage`` and ``--return-tokens-as-token-ids``

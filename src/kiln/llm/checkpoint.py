@@ -194,6 +194,24 @@ def _module_folder(path: Path, module: dict[str, Any], kind: str) -> Path:
     return folder
 
 
+def task_instructions(path: Path) -> dict[str, str]:
+    """An embedding model's prefixes by task (vLLM reads them for Cohere's ``input_type``):
+    ``config.json``'s ``task_instructions``, else ``config_sentence_transformers.json``'s
+    ``prompts`` (``{"query": "query: ", ...}``); empty for a file or a folder without
+    them."""
+    if not path.is_dir():
+        return {}
+    for name, key in (("config.json", "task_instructions"),
+                      ("config_sentence_transformers.json", "prompts")):  # fmt: skip
+        file = path / name
+        if not file.is_file():
+            continue
+        found = _json(file).get(key)
+        if isinstance(found, dict) and found:
+            return {k: v for k, v in found.items() if isinstance(k, str) and isinstance(v, str)}
+    return {}
+
+
 def sentence_transformers_dense(path: Path, width: int) -> list[DenseLayer]:
     """A sentence-transformers checkpoint's ``Dense`` modules, in order (vLLM's projector:
     applied to the pooled vectors before they are normalized); ``width``: the model's

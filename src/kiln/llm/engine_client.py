@@ -186,6 +186,12 @@ class EngineClient:
         return self._backend.return_tokens_as_token_ids
 
     @property
+    def task_instructions(self) -> dict[str, str]:
+        """An embedding model's prefixes by task (Cohere's ``input_type``): its
+        ``task_instructions`` or sentence-transformers ``prompts``."""
+        return self._backend.task_instructions
+
+    @property
     def response_role(self) -> str:
         """vLLM's ``--response-role``: a chat answer's role after a generation prompt."""
         return self._backend.response_role

@@ -116,6 +116,7 @@ def test_restricted_messages_follow_triton() -> None:
         ("/v1/score", ApiGroup.INFERENCE),
         ("/version", ApiGroup.METADATA),
         ("/generative_scoring", ApiGroup.INFERENCE),
+        ("/v2/embed", ApiGroup.INFERENCE),
         ("/tokenizer_info", ApiGroup.METADATA),
         ("/v1/messages", ApiGroup.INFERENCE),
         ("/nowhere", ApiGroup.MONITORING),

@@ -43,6 +43,7 @@ _RULES: list[tuple[re.Pattern[str], ApiGroup | None]] = [
     (re.compile(r"/invocations$"), ApiGroup.INFERENCE),  # vLLM's SageMaker routes
     (re.compile(r"/(v2/)?(score|rerank|pooling|classify)$"), ApiGroup.INFERENCE),  # vLLM's
     (re.compile(r"/generative_scoring$"), ApiGroup.INFERENCE),  # vLLM's
+    (re.compile(r"/v2/embed$"), ApiGroup.INFERENCE),  # vLLM's Cohere embed API
     (re.compile(r"/tokenizer_info$"), ApiGroup.METADATA),  # vLLM's: the template, the config
     (re.compile(r"/(health|ping)$"), ApiGroup.HEALTH),
     (re.compile(r"/version$"), ApiGroup.METADATA),

@@ -23,6 +23,7 @@ from kiln.core.trace import FrontendSlot, http_slot
 from kiln.frontends import disconnect
 from kiln.frontends.openai import classify as classifier
 from kiln.frontends.openai import (
+    cohere,
     embeddings,
     generative_scoring,
     lora,
@@ -1110,6 +1111,22 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         raw = await asyncio.to_thread(embeddings.response_body, llm, req, vectors, tokens)
         return Response(raw, media_type="application/json")
 
+    async def cohere_embed(request: Request) -> Response:
+        """Cohere's ``POST /v2/embed``, as vLLM serves it (``cohere.py``)."""
+        body = await _received(request, http_slot(server.tracer, request.headers), reader)
+        check_fields(body, cohere.FIELDS, "Cohere embed")
+        req = cohere.read(body)
+        llm = _model_for(server, {"model": req.model} if req.model else {})
+        name = req.model or next(n for n, e in server.llm_engines().items() if e is llm)
+        embed = cohere.embedding_request(llm, req, name)
+        embeddings.check_model(llm, embed)
+        prompts = await asyncio.to_thread(embeddings.token_ids, llm, embed)
+        cohere.check_lengths(req, prompts)
+        vectors = await llm.pool(prompts, embed.priority)
+        tokens = sum(len(p) for p in prompts)
+        raw = await asyncio.to_thread(cohere.answer, llm, req, embed, vectors, tokens)
+        return Response(raw, media_type="application/json")
+
     async def pool(request: Request) -> Response:
         """vLLM's ``/pooling``: an embeddings request, answered in the pooling shape."""
         return await embed(request, pooling=True)
@@ -1294,6 +1311,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         counted("/v1/chat/completions", _answers_errors(chat)),
         counted("/v1/chat/completions/batch", _answers_errors(batch_chat)),
         counted("/generative_scoring", _answers_errors(score_generatively)),
+        counted("/v2/embed", _answers_errors(cohere_embed)),
         counted("/v1/embeddings", _answers_errors(embed)),
         counted("/pooling", _answers_errors(pool)),
         counted("/classify", _answers_errors(classify)),
