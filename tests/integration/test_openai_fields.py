@@ -777,10 +777,12 @@ def test_generative_scoring_reads_the_labels_next_token_probabilities(
         softmax = math.exp(lps[0]) / sum(math.exp(lp) for lp in lps)
         assert answer["data"][i]["score"] == pytest.approx(softmax, rel=1e-5)
     assert answer["usage"]["completion_tokens"] == 2
+    # bad fields, and more items than the model queues at once
     for bad, param in (({"label_token_ids": []}, "label_token_ids"),
                        ({"label_token_ids": [10**6]}, "label_token_ids"),
                        ({"items": []}, "items"), ({"items": ["a", [1]]}, "items"),
-                       ({"query": 3}, "query")):  # fmt: skip
+                       ({"query": 3}, "query"),
+                       ({"items": ["a"] * 2000}, "items")):  # fmt: skip
         refused = http.post("/generative_scoring", json={**body, **bad})
         assert refused.status_code == 400, refused.text
         assert refused.json()["error"]["param"] == param

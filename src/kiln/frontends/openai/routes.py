@@ -914,6 +914,9 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
                     exc.param = f"messages[{i}]" + exc.param.removeprefix("messages")
                     exc.message = f"conversation {i}: {exc.message}"
                 raise
+            if first is None:  # the model known: the batch must fit its queue
+                embeddings.check_queue(llm, req.priority, len(conversations),
+                                       "{} conversations", "messages")  # fmt: skip
             first = first or req
             prompts += req.prompts
             prepared += one
@@ -1238,6 +1241,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         check_fields(body, generative_scoring.FIELDS, "generative scoring")
         req = generative_scoring.read(body)
         llm = _generator(server, req.model, "Generative Scoring", body)
+        embeddings.check_queue(llm, req.priority, len(req.items), "{} items", "items")
         prompts = await asyncio.to_thread(generative_scoring.prompts, llm, req)
         params = SamplingParams(
             max_tokens=1,
