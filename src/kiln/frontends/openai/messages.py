@@ -396,6 +396,18 @@ async def events(
     """A chat completions stream (``data: {chunk}`` events, then ``data: [DONE]``) as
     Anthropic's events: message_start, the content blocks' start / delta / stop,
     message_delta (the stop reason and usage), message_stop."""
+    try:
+        async for event in _events(chunks, rid, model, prompt_tokens):
+            yield event
+    finally:  # the chat stream ends with these events: its engine requests with it
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
+
+
+async def _events(
+    chunks: AsyncIterator[bytes], rid: str, model: str, prompt_tokens: int
+) -> AsyncIterator[bytes]:
     blocks = _Blocks()
     start: dict[str, Any] = {
         "id": rid, "type": "message", "role": "assistant", "content": [], "model": model,
