@@ -72,14 +72,19 @@ def test_a_message_is_the_chat_answer_of_the_same_conversation(
         same.usage.prompt_tokens
     )
     assert said.usage.output_tokens == same.usage.completion_tokens == 12
-    # blocks, a system given as blocks, and an assistant turn render as chat's do
+    # text blocks render as chat's text parts do (joined by newlines), a system given as
+    # blocks as its string
+    parts = [{"type": "text", "text": "the quick"}, {"type": "text", "text": "brown fox"}]
     blocks = client.messages.create(
         model="plain", max_tokens=12, system=[{"type": "text", "text": "be brief"}],
-        messages=[{"role": "user", "content": [{"type": "text", "text": "the quick "},
-                                               {"type": "text", "text": "brown fox"}]}],
-        **GREEDY,
+        messages=[{"role": "user", "content": parts}], **GREEDY,
     )  # fmt: skip
-    assert blocks.content[0].text == block.text
+    as_parts = chat.chat.completions.create(
+        model="plain", max_tokens=12, temperature=0,
+        messages=[{"role": "system", "content": "be brief"},
+                  {"role": "user", "content": parts}],  # type: ignore[list-item]
+    )  # fmt: skip
+    assert blocks.content[0].text == as_parts.choices[0].message.content
 
 
 def test_a_stop_sequence_is_named(client: Any) -> None:

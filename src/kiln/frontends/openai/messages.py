@@ -157,7 +157,12 @@ def _message(i: int, message: Any) -> list[dict[str, Any]]:
             out.append({"role": "system", "content": "".join(texts)})
         return out
     if texts or calls or thinking or not results:
-        chat: dict[str, Any] = {"role": role, "content": "".join(texts)}
+        # several text blocks stay parts, as vLLM passes them: the chat template's content
+        # format joins them (with newlines) or iterates over them
+        content: Any = "".join(texts)
+        if len(texts) > 1:
+            content = [{"type": "text", "text": t} for t in texts]
+        chat: dict[str, Any] = {"role": role, "content": content}
         if calls:
             chat["tool_calls"] = calls
         if thinking:

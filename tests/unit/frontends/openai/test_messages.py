@@ -55,6 +55,9 @@ def test_a_conversation_becomes_chat_messages() -> None:
     assert chat["reasoning_effort"] == "none"
     assert (chat["max_tokens"], chat["stop"], chat["stream"]) == (8, ["##"], True)
     assert chat["stream_options"] == {"include_usage": True}
+    two = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    parts = messages.chat_body({**body, "messages": [{"role": "user", "content": two}]})
+    assert parts["messages"][-1]["content"] == two  # several blocks stay parts, as vLLM's
     named = messages.chat_body({**body, "tool_choice": {"type": "tool", "name": "get"}})
     assert named["tool_choice"] == {"type": "function", "function": {"name": "get"}}
     schema = {"type": "object"}
