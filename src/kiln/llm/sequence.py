@@ -261,20 +261,25 @@ class Sequence:
         if self.budget_open and p.thinking_token_budget == 0:
             self.forced = list(p.reasoning_end)
 
+    def _output_ends_with(self, marker: tuple[int, ...]) -> bool:
+        """The output (not the prompt) ends with ``marker``: only its last tokens read."""
+        n = len(marker)
+        ids = self.token_ids
+        return len(ids) - n >= self.num_prompt_tokens and tuple(ids[-n:]) == marker
+
     def _count_thinking(self, token_id: int) -> None:
         p = self.params
         if self.forced and token_id == self.forced[0]:
             self.forced.pop(0)
-        tail = self.token_ids[self.num_prompt_tokens :]
         if not self.budget_open:
             start = p.reasoning_start
-            if start and token_id == start[-1] and tuple(tail[-len(start) :]) == start:
+            if start and token_id == start[-1] and self._output_ends_with(start):
                 self.budget_open, self.budget_used = True, 0
                 if p.thinking_token_budget == 0:
                     self.forced = list(p.reasoning_end)
             return
         end = p.reasoning_end
-        if token_id == end[-1] and tuple(tail[-len(end) :]) == end:
+        if token_id == end[-1] and self._output_ends_with(end):
             self.budget_open, self.forced = False, []
             return
         self.budget_used += 1
