@@ -42,7 +42,8 @@ GAUGES = {
 }  # fmt: skip
 COUNTERS = {
     "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
-    "prompt_tokens_by_source", "prompt_tokens_cached", "generation_tokens", "request_success",
+    "prompt_tokens_by_source", "prompt_tokens_cached", "prompt_tokens_cached_by_source",
+    "generation_tokens", "request_success", "admission_rejections",
 }  # fmt: skip
 PER_REQUEST = (  # one observation per finished request
     "time_to_first_token_seconds", "e2e_request_latency_seconds",
@@ -51,6 +52,7 @@ PER_REQUEST = (  # one observation per finished request
     "request_time_per_output_token_seconds", "request_prompt_tokens",
     "request_generation_tokens", "request_prefill_kv_computed_tokens",
     "request_max_num_generation_tokens", "request_params_n", "request_params_max_tokens",
+    "request_num_preemptions",
 )  # fmt: skip
 HISTOGRAMS = {*PER_REQUEST, "inter_token_latency_seconds", "iteration_tokens_total"}
 
@@ -106,7 +108,14 @@ def test_families_carry_vllms_names_types_labels_and_buckets(
     assert {name: families[name].type for name in expected if name in families} == expected
     for family in families.values():
         for s in family.samples:
-            assert s.labels["model_name"] == "tiny" and s.labels["engine"] == "0", s
+            assert s.labels["model_name"] == "tiny", s
+            # vLLM's frontend counts admission refusals: no engine label, as vLLM's
+            engine = None if family.name == "vllm:admission_rejections" else "0"
+            assert s.labels.get("engine") == engine, s
+    refused = {s.labels["reason"]: s.value for s in families["vllm:admission_rejections"].samples}
+    assert refused == {"max_num_queued_reqs": 0, "max_num_queued_tokens": 0}
+    tiers = {s.labels["source"] for s in families["vllm:prompt_tokens_cached_by_source"].samples}
+    assert tiers == {"device", "host", "p2p", "disk", "external_unspecified"}
     reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
     assert reasons == {"stop", "length", "abort", "error"}
     sources = {s.labels["source"] for s in families["vllm:prompt_tokens_by_source"].samples}
@@ -118,6 +127,7 @@ def test_families_carry_vllms_names_types_labels_and_buckets(
     # token counts: vLLM's 1-2-5 series up to max_model_len (the model's 256 positions)
     assert _les(families, "vllm:request_prompt_tokens") == floats((1, 2, 5, 10, 20, 50, 100, 200))
     assert _les(families, "vllm:request_params_n") == floats((1, 2, 5, 10, 20))
+    assert _les(families, "vllm:request_num_preemptions") == floats((1, 2, 3, 4, 5, 10, 20))
     [info] = families["vllm:cache_config_info"].samples
     assert info.value == 1
     assert (info.labels["block_size"], info.labels["num_gpu_blocks"]) == ("4", "96")
@@ -166,6 +176,10 @@ def test_values_agree_with_the_usage_of_the_responses(
     assert grew("vllm:request_params_n_sum") == requests
     cached = grew("vllm:prompt_tokens_cached_total")
     assert grew("vllm:prompt_tokens_by_source_total", source="local_cache_hit") == cached
+    hits = grew("vllm:prefix_cache_hits_total")
+    assert grew("vllm:prompt_tokens_cached_by_source_total", source="device") == hits
+    assert grew("vllm:prompt_tokens_cached_by_source_total", source="host") == 0
+    assert grew("vllm:request_num_preemptions_sum") == 0  # the cache had room for all
     assert grew("vllm:prompt_tokens_by_source_total", source="local_compute") == prompt - cached
     assert grew("vllm:request_prefill_kv_computed_tokens_sum") == prompt - cached
     # every scheduled token: the prompts not found in the cache, then one per later token

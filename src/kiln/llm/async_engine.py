@@ -272,6 +272,7 @@ class AsyncEngine:
                     f"llm engine: {self._pooling} pooling prompts in flight, the queue is full",
                     Status.UNAVAILABLE,
                 )
+            ticket = self.admission.admit_prompts(len(prompts), sum(map(len, prompts)))
             self._pooling += len(prompts)
         job = _Pool(priority, next(_IDS), prompts, concurrent.futures.Future(), tokens=tokens)
         self._send(job)
@@ -279,6 +280,7 @@ class AsyncEngine:
             return await asyncio.wrap_future(job.future)
         finally:
             job.future.cancel()  # the thread skips what is left of it
+            self.admission.release(ticket)
             with self._lock:
                 self._pooling -= len(prompts)
 

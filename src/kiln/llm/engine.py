@@ -413,6 +413,7 @@ class LLMEngine:
         h.prompt_tokens.observe(seq.num_prompt_tokens)
         h.generation_tokens.observe(generated)
         h.params_max_tokens.observe(seq.params.max_tokens)
+        h.num_preemptions.observe(seq.num_preemptions)
         scheduled = state.first_scheduled_time
         if scheduled is not None:
             h.queue_time.observe(scheduled - state.arrival_time)

@@ -222,6 +222,10 @@ class EngineClient:
         begins; ``generate`` counts it (and may still refuse it)."""
         self._backend.async_engine.admission.check(n)
 
+    def admission_rejections(self) -> dict[str, int]:
+        """Requests the admission limits refused, per reason (``vllm:admission_rejections``)."""
+        return dict(self._backend.async_engine.admission.rejections)
+
     @property
     def tool_call_parser(self) -> str | None:
         """vLLM's ``--tool-call-parser``: the format ``auto`` reads calls in."""

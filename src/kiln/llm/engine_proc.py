@@ -398,6 +398,7 @@ class EngineProcClient:
         loop = asyncio.get_running_loop()
         with self._lock:
             epoch = self._admit(self._pooling, "pooling prompts", len(prompts))
+            ticket = self.admission.admit_prompts(len(prompts), sum(map(len, prompts)))
             self._pooling += len(prompts)
             job_id = next(_IDS)
             job = _Job(loop, loop.create_future(), epoch)
@@ -407,6 +408,7 @@ class EngineProcClient:
         try:
             return await job.future
         finally:
+            self.admission.release(ticket)
             with self._lock:
                 self._pooling -= len(prompts)
                 left = self._jobs.pop(job_id, None)

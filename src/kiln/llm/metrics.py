@@ -18,6 +18,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from kiln.llm.admission import REASONS
 from kiln.llm.stats import FINISH_REASONS, HISTOGRAMS
 
 if TYPE_CHECKING:
@@ -28,6 +29,9 @@ LABELS = ("model_name", "engine")
 ENGINE = "0"
 #: ``vllm:prompt_tokens_by_source``'s ``source`` values (kiln has no external KV transfer)
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+#: ``vllm:prompt_tokens_cached_by_source``'s tiers (vLLM's ``CacheHitSource``): kiln's prefix
+#: cache lives on the device alone
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 CACHE_CONFIG_KEYS = (
     "block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "num_cpu_blocks",
@@ -96,6 +100,20 @@ class LLMCollector(Collector):
         cached = _counter(
             "prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
+        cached_by_source = _counter(
+            "prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local "
+            "HBM), host (offloaded to DRAM), disk, p2p (transferred from another instance) or "
+            "external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
+            "vllm:external_prefix_cache_hits.",
+            ("source",),
+        )
+        # vLLM labels it with model_name alone: the frontend counts it, not an engine
+        rejections = CounterMetricFamily(
+            PREFIX + "admission_rejections",
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            labels=("model_name", "reason"),
+        )
         generation = _counter("generation_tokens", "Number of generation tokens processed.")
         success = _counter(
             "request_success", "Count of successfully processed requests.", ("finished_reason",)
@@ -126,6 +144,12 @@ class LLMCollector(Collector):
             usage.add_metric(labels, counts.kv_cache_usage)
             queries.add_metric(labels, counts.prefix_cache_queries)
             hits.add_metric(labels, counts.prefix_cache_hits)
+            for source in CACHE_HIT_SOURCES:
+                value = counts.prefix_cache_hits if source == "device" else 0
+                cached_by_source.add_metric([*labels, source], value)
+            refused = clients[name].admission_rejections()
+            for reason in REASONS:
+                rejections.add_metric([name, reason], refused.get(reason, 0))
             preemptions.add_metric(labels, counts.num_preemptions)
             prompt.add_metric(labels, stats.num_prompt_tokens)
             computed = stats.num_prompt_tokens - stats.num_prompt_tokens_cached
@@ -144,7 +168,8 @@ class LLMCollector(Collector):
             config = cache_config_info(engine, counts.num_blocks)
             info.add_metric([*labels, *(config[k] for k in CACHE_CONFIG_KEYS)], 1)
         yield from (running, waiting, by_reason, sleep, usage, queries, hits, preemptions)
-        yield from (prompt, by_source, cached, generation, success)
+        yield from (prompt, by_source, cached, cached_by_source, generation, success)
+        yield rejections
         yield from histograms
         yield info
         yield from _spec_decode(engines)

@@ -32,6 +32,8 @@ REQUEST_BUCKETS = (
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 #: vLLM's ``request_params_n`` buckets
 N_BUCKETS = (1, 2, 5, 10, 20)
+#: vLLM's ``request_num_preemptions`` buckets (the first holds never-preempted requests too)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 #: the ``finished_reason`` values of ``vllm:request_success`` (vLLM's ``FinishReason``)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -117,6 +119,8 @@ HISTOGRAMS = (
      "params_max_tokens"),
     ("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
      "iteration_tokens"),
+    ("request_num_preemptions", "Histogram of the number of times a request was preempted.",
+     "num_preemptions"),
 )  # fmt: skip
 
 
@@ -141,6 +145,7 @@ class RequestHistograms:
     params_n: Histogram
     params_max_tokens: Histogram
     iteration_tokens: Histogram
+    num_preemptions: Histogram
 
     @classmethod
     def for_model(cls, max_model_len: int) -> RequestHistograms:
@@ -151,6 +156,7 @@ class RequestHistograms:
             "time_per_output_token": ITL_BUCKETS,
             "params_n": N_BUCKETS,
             "iteration_tokens": ITERATION_BUCKETS,
+            "num_preemptions": PREEMPTION_BUCKETS,
             **dict.fromkeys(
                 ("e2e_request_latency", "queue_time", "inference_time", "prefill_time",
                  "decode_time"), REQUEST_BUCKETS,

@@ -113,3 +113,43 @@ async def test_the_prefill_backlog_refuses_new_requests_until_outputs_come(
         assert async_engine.admission.slots == 0
     finally:
         async_engine.close()
+
+
+def test_refusals_are_counted_per_reason() -> None:
+    """``vllm:admission_rejections``' counts, by vLLM's two reasons."""
+    admission = Admission(max_reqs=1, max_tokens=5)
+    assert admission.rejections == {"max_num_queued_reqs": 0, "max_num_queued_tokens": 0}
+    ticket = admission.admit(1, 10)
+    _refused(admission, 1, 1)
+    with pytest.raises(KilnError):
+        admission.check()
+    admission.prefilled(ticket)
+    admission.max_reqs = None
+    admission.admit(1, 10)
+    _refused(admission, 1, 1)
+    assert admission.rejections == {"max_num_queued_reqs": 2, "max_num_queued_tokens": 1}
+
+
+async def test_pooling_prompts_count_against_the_limits(folder: Path) -> None:
+    """Each pooled prompt takes a slot and its tokens stay in the backlog until the vectors
+    come, as vLLM runs each prompt as a request of the same engine."""
+    engine = LLMEngine(folder, EngineConfig(block_size=4, max_num_queued_reqs=2))
+    async_engine = AsyncEngine(engine)
+    admission = async_engine.admission
+    try:
+        first = async_engine.generate([1, 2, 3], LONG)
+        await first.__anext__()  # running: one slot
+        with pytest.raises(KilnError) as info:
+            await async_engine.pool([[4, 5], [6, 7]])  # two more slots: one too many
+        assert info.value.status is Status.UNAVAILABLE and str(info.value) == QUEUE_FULL
+        assert admission.rejections["max_num_queued_reqs"] == 1
+        job = asyncio.ensure_future(async_engine.pool([[4, 5, 6]]))
+        await asyncio.sleep(0)  # admitted: its slot and its three tokens are counted
+        assert (admission.slots, admission.prefill_tokens) == (2, 3)
+        [vector] = await job
+        assert vector.ndim == 1
+        assert (admission.slots, admission.prefill_tokens) == (1, 0)  # given back
+        await first.aclose()
+        assert admission.slots == 0
+    finally:
+        async_engine.close()

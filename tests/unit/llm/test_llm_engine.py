@@ -73,6 +73,10 @@ def test_preemption_by_recompute_keeps_tokens_identical(
         engine.block_manager.check(live)
     assert engine.scheduler.num_preemptions > 0
     assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    # vLLM's ``request_num_preemptions``: one observation per request, summing to the total
+    preemptions = engine.stats.histograms.num_preemptions
+    assert preemptions.count == len(PROMPTS)
+    assert preemptions.total == engine.scheduler.num_preemptions
     all_blocks_returned(engine)
 
 

@@ -250,3 +250,18 @@ def test_the_engine_process_spins_briefly_for_a_large_model_only(tmp_path: Path)
     assert engine_proc.child_env(tmp_path / "none") == {"OMP_WAIT_POLICY": "PASSIVE"}
     (small / "config.json").write_text("{broken")
     assert engine_proc.layer_params(small) == 0
+
+
+async def test_pooling_prompts_count_against_the_engine_process_admission(folder: Path) -> None:
+    """``--max-num-queued-reqs`` counts each pooled prompt in the server process too, and
+    gives the slots back once the vectors came."""
+    async with loaded(folder, True, max_num_queued_reqs="2") as runtime:
+        client = runtime.llm_engine()
+        admission = engine_proc(client).admission
+        with pytest.raises(KilnError) as info:
+            await client.pool([[1, 2], [3, 4], [5, 6]])
+        assert info.value.status is Status.UNAVAILABLE
+        assert client.admission_rejections()["max_num_queued_reqs"] == 1
+        vectors = await client.pool([[1, 2], [3, 4]])
+        assert len(vectors) == 2
+        assert (admission.slots, admission.prefill_tokens) == (0, 0)
