@@ -394,3 +394,16 @@ def test_bad_prompt_logprobs_are_400(
     body = info.value.body
     assert isinstance(body, dict) and body["param"] == "prompt_logprobs"
     assert message in body["message"]
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+def test_a_chats_bad_token_limit_names_the_field_sent(client: openai.OpenAI, key: str) -> None:
+    """Chat reads ``max_completion_tokens``, else the older ``max_tokens``: a bad value is
+    refused naming the one the client sent."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], extra_body={key: 0}
+        )
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == key
+    assert body["message"] == f"{key} must be at least 1, got 0"

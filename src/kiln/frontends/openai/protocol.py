@@ -452,6 +452,8 @@ def _common(
         max_tokens = integer(body, max_key)
         if max_tokens is None and max_key != "max_tokens":
             max_tokens = integer(body, "max_tokens")
+            if max_tokens is not None:  # an error names the field the client sent
+                max_key = "max_tokens"
         n = integer(body, "n")
         priority = integer(body, "priority") or 0
         _best_of(body, n or 1)
