@@ -23,7 +23,8 @@ def _paths(command: click.Command, path: list[str]) -> Iterator[list[str]]:
 
 def test_the_group_has_one_command_per_module() -> None:
     assert sorted(main.commands) == [
-        "bench", "monitor", "optimize", "repo", "run-batch", "serve", "trace",
+        "bench", "chat", "complete", "monitor", "optimize", "repo", "run-batch", "serve",
+        "trace",
     ]  # fmt: skip
     for name, command in main.commands.items():
         assert command.callback is not None
