@@ -349,9 +349,19 @@ def main(argv: list[str] | None = None) -> int:
     frozen = freeze_startup_heap()  # the engine's loop pauses for no full pass over them
     log.debug("gc.freeze: %d startup objects out of the collector's passes", frozen)
     conn.send_bytes(pickle.dumps(("ready", engine.config, engine.args, os.getpid())))
-    EngineCore(engine, conn).run()
+    try:
+        EngineCore(engine, conn).run()
+    finally:
+        engine.close()  # a tensor-parallel model's workers
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without the interpreter's finalization: nothing is left to release, and
+    # extension modules torch imports print pages of warnings at it (triton's bindings
+    # report every type and function as "leaked").
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
