@@ -67,9 +67,10 @@ def parse_query(params: dict[str, str], interval_s: float, now: float) -> Histor
         except ValueError:
             try:
                 step = parse_duration(text)
-            except ValueError:
+            except ValueError as exc:
                 raise HistoryQueryError(
-                    f"'step' must be seconds or a duration like 30s, got '{text}'"
+                    f"'step' must be seconds or a duration like 30s, got '{text[:40]}'"
+                    + (f": {exc}" if "out of range" in str(exc) else "")
                 ) from None
     else:
         step = max(interval_s, (end - start) / DEFAULT_POINTS)
