@@ -3,7 +3,11 @@ it answers costs the scraper bounded time and never touches the other sources. B
 a peer that dribbled its answer held the scraper for as long as it liked (each read had
 ``timeout_s``, the whole answer none) and counted as up, every other source waiting behind
 it; a Prometheus answer of the wrong shape raised past the per-source handler, so the
-sources after it were not scraped that round and its own old series stayed."""
+sources after it were not scraped that round and its own old series stayed. And a source
+could answer any number of series with labels of any length: every alert evaluation keeps
+the snapshots of its longest window (240 at the shipped rules' 1 h and 15 s), each with
+fresh copies, so one 15 MiB label became gigabytes. A source is now held to Prometheus's
+scrape limits (``sample_limit``, ``label_limit``, label name and value lengths)."""
 
 from __future__ import annotations
 
@@ -15,9 +19,30 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kiln.monitoring.fleet import FleetError, FleetOptions, FleetScraper, query_prometheus
+from kiln.monitoring.fleet import (
+    MAX_LABEL_VALUE,
+    MAX_LABELS,
+    MAX_SERIES,
+    FleetError,
+    FleetOptions,
+    FleetScraper,
+    query_prometheus,
+)
 
 AGENT = b'DCGM_FI_DEV_GPU_TEMP{gpu="0",UUID="GPU-a",Hostname="n1"} 61\n'
+TOO_MANY = b"".join(
+    b'DCGM_FI_DEV_GPU_TEMP{gpu="0",UUID="GPU-%d"} 61\n' % i for i in range(MAX_SERIES + 1)
+)
+LONG_VALUE = b'DCGM_FI_DEV_GPU_TEMP{UUID="GPU-a",Hostname="%s"} 61\n' % (b"h" * 100_000)
+MANY_LABELS = b'DCGM_FI_DEV_GPU_TEMP{UUID="GPU-a",%s} 61\n' % b",".join(
+    b'l%d="x"' % i for i in range(MAX_LABELS)
+)
+OVER_LIMITS = {"too-many": TOO_MANY, "long-value": LONG_VALUE, "many-labels": MANY_LABELS}
+PROMETHEUS_OVER_LIMITS = json.dumps(
+    {"status": "success", "data": {"result": [
+        {"metric": {"__name__": "DCGM_FI_DEV_GPU_TEMP", "UUID": "GPU-a",
+                    "Hostname": "h" * (MAX_LABEL_VALUE + 1)}, "value": [1, "61"]}]}}
+).encode()  # fmt: skip
 BAD_PROMETHEUS = {
     "list": b"[]",
     "data-string": b'{"status": "success", "data": "x"}',
@@ -51,7 +76,15 @@ class _Peer(BaseHTTPRequestHandler):
             except OSError:
                 pass  # the scraper gave up and closed: what it should do
             return
-        body = AGENT if path == "metrics" else BAD_PROMETHEUS[path.split("/")[0]]
+        first = path.split("/")[0]
+        if path == "metrics":
+            body = AGENT
+        elif first in OVER_LIMITS:
+            body = OVER_LIMITS[first]
+        elif first == "prometheus-over-limits":
+            body = PROMETHEUS_OVER_LIMITS
+        else:
+            body = BAD_PROMETHEUS[first]
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -91,3 +124,31 @@ def test_a_broken_prometheus_is_down_and_the_agents_are_still_scraped(peer: str)
     assert status[f"prometheus http://{peer}/list"]["up"] is False
     assert status[peer]["up"] is True
     assert json.dumps(scraper.targets())  # the status stays JSON for /api/live
+
+
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        ("too-many", f"{MAX_SERIES + 1} series, more than the {MAX_SERIES}"),
+        ("long-value", f"label 'Hostname' longer than {MAX_LABEL_VALUE} characters"),
+        ("many-labels", f"{MAX_LABELS + 2} labels, more than {MAX_LABELS}"),
+    ],
+)
+def test_an_agent_over_the_scrape_limits_is_down(peer: str, path: str, words: str) -> None:
+    source = f"http://{peer}/{path}/metrics"
+    scraper = FleetScraper(FleetOptions(agents=(source, peer)))
+    scraper.scrape_once()
+    status = {t["source"]: t for t in scraper.targets()}
+    assert status[source]["up"] is False
+    assert words in status[source]["error"]
+    assert status[peer]["up"] is True
+    temps = scraper.values()["DCGM_FI_DEV_GPU_TEMP"]
+    assert [dict(k)["instance"] for k in temps] == [peer]  # nothing of the refused one
+
+
+def test_a_prometheus_over_the_scrape_limits_is_down(peer: str) -> None:
+    scraper = FleetScraper(FleetOptions(prometheus=f"http://{peer}/prometheus-over-limits"))
+    scraper.scrape_once()
+    (status,) = scraper.targets()
+    assert status["up"] is False
+    assert f"label 'Hostname' longer than {MAX_LABEL_VALUE}" in status["error"]

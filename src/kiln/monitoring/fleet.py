@@ -42,6 +42,13 @@ Series = dict[str, dict[Labels, float]]
 MIB = 1024 * 1024
 MAX_BODY = 16 * 1024 * 1024  # a scrape larger than this is not a GPU exporter's
 READ_CHUNK = 64 * 1024
+# A source's scrape limits (Prometheus's sample_limit, label_limit, label_name_length_limit
+# and label_value_length_limit): every alert evaluation keeps the snapshots of its longest
+# window, each with its own copy of every series, so one source's excess is multiplied.
+MAX_SERIES = 10_000
+MAX_LABELS = 32
+MAX_LABEL_NAME = 128
+MAX_LABEL_VALUE = 1024
 FLEET_METRICS = DCGM_NAMES | {PROCESS_MEMORY}
 UP_JOB = "kiln-fleet"
 # kiln serve's Triton families -> (DCGM name, scale)
@@ -154,6 +161,31 @@ def query_prometheus(base: str, timeout: float) -> Series:
     return out
 
 
+def within_limits(series: Series) -> Series:
+    """``series`` if it keeps to a source's scrape limits; ``FleetError`` naming the first
+    it breaks (the whole scrape fails, as in Prometheus)."""
+    count = sum(len(values) for values in series.values())
+    if count > MAX_SERIES:
+        raise FleetError(f"{count} series, more than the {MAX_SERIES} a source may answer")
+    for name, values in series.items():
+        for labels in values:
+            if len(labels) > MAX_LABELS:
+                raise FleetError(
+                    f"a {name} series has {len(labels)} labels, more than {MAX_LABELS}"
+                )
+            for key, value in labels:
+                if len(key) > MAX_LABEL_NAME:
+                    raise FleetError(
+                        f"a {name} series has a label name longer than {MAX_LABEL_NAME} characters"
+                    )
+                if len(value) > MAX_LABEL_VALUE:
+                    raise FleetError(
+                        f"a {name} series has label '{key}' longer than {MAX_LABEL_VALUE} "
+                        "characters"
+                    )
+    return series
+
+
 @dataclass(slots=True)
 class TargetStatus:
     source: str
@@ -188,10 +220,11 @@ class FleetScraper:
     def _read(self, source: str) -> Series:
         timeout = self.options.timeout_s
         if source.startswith("prometheus "):
-            return query_prometheus(self.options.prometheus, timeout)
+            return within_limits(query_prometheus(self.options.prometheus, timeout))
         url = target_url(source)
         instance = urllib.parse.urlparse(url).netloc
-        return parse_exposition(_get(url, timeout).decode("utf-8", "replace"), instance)
+        text = _get(url, timeout).decode("utf-8", "replace")
+        return within_limits(parse_exposition(text, instance))
 
     def _start_read(self, source: str) -> Future[Series]:
         future: Future[Series] = Future()
