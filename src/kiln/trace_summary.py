@@ -53,17 +53,51 @@ def read_entries(paths: list[Path]) -> list[dict[str, Any]]:
     entries: list[dict[str, Any]] = []
     for path in paths:
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except OSError as exc:
             raise TraceFileError(f"{path}: {exc.strerror or exc}") from None
         except json.JSONDecodeError as exc:
             raise TraceFileError(f"{path}: not JSON (line {exc.lineno}: {exc.msg})") from None
+        except UnicodeDecodeError as exc:
+            raise TraceFileError(f"{path}: not UTF-8 (byte {exc.start})") from None
+        except RecursionError:
+            raise TraceFileError(f"{path}: not JSON (nested too deep)") from None
+        except ValueError as exc:  # an integer past Python's 4,300 digits
+            raise TraceFileError(f"{path}: not JSON ({exc})") from None
         if not isinstance(data, list) or not all(isinstance(e, dict) and "id" in e for e in data):
             raise TraceFileError(
                 f"{path}: not a trace file (expected a JSON array of objects with an 'id')"
             )
+        for i, entry in enumerate(data):
+            problem = _entry_problem(entry)
+            if problem:
+                raise TraceFileError(f"{path}: entry {i}: {problem}")
         entries.extend(data)
     return entries
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _entry_problem(entry: dict[str, Any]) -> str:
+    """What is wrong with one entry for ``summarize``, or ""."""
+    if not _is_int(entry["id"]):
+        return "'id' must be an integer"
+    if "model_name" in entry and not isinstance(entry["model_name"], str):
+        return "'model_name' must be a string"
+    version = entry.get("model_version", -1)
+    if not (
+        _is_int(version) or (isinstance(version, str) and version.isdigit() and len(version) <= 19)
+    ):
+        return "'model_version' must be an integer"
+    stamps = entry.get("timestamps", [])
+    if not isinstance(stamps, list) or not all(
+        isinstance(s, dict) and isinstance(s.get("name"), str) and _is_int(s.get("ns"))
+        for s in stamps
+    ):
+        return '\'timestamps\' must be a list of {"name": string, "ns": integer}'
+    return ""
 
 
 def summarize(entries: list[dict[str, Any]]) -> list[Group]:

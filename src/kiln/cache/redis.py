@@ -96,7 +96,7 @@ class RedisResponseCache:
             if not isinstance(raw, bytes):
                 raise ValueError(f"GET answered {type(raw).__name__}")
             return decode(raw)
-        except ValueError as exc:
+        except Exception as exc:  # whatever a shared Redis holds, it is a miss, never a failure
             self._failed("lookup (an entry that is not kiln's)", exc)
             return None
 
@@ -187,6 +187,8 @@ def decode(raw: bytes) -> Cached:
     if bytes(view[: len(MAGIC)]) != MAGIC:
         raise ValueError("no kiln record header")
     at = len(MAGIC)
+    if len(view) < at + _LENGTH.size:
+        raise ValueError("record is shorter than its header")
     (length,) = _LENGTH.unpack_from(view, at)
     at += _LENGTH.size
     try:
@@ -195,6 +197,8 @@ def decode(raw: bytes) -> Cached:
         parameters = header["parameters"]
         if not isinstance(described, list) or not isinstance(parameters, dict):
             raise TypeError("malformed header")
+    except RecursionError:
+        raise ValueError("malformed record header: nested too deep") from None
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"malformed record header: {exc}") from None
     at += length
@@ -204,7 +208,7 @@ def decode(raw: bytes) -> Cached:
             name, nbytes = str(spec["name"]), int(spec["nbytes"])
             datatype = DataType(spec["datatype"])
             shape = tuple(int(d) for d in spec["shape"])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # Overflow: Infinity
             raise ValueError(f"malformed output in record: {exc}") from None
         payload = view[at : at + nbytes]
         if len(payload) != nbytes or any(d < 0 for d in shape):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import ssl
 import time
 from collections import deque
@@ -22,6 +23,8 @@ from typing import Any, cast
 
 _CRLF = b"\r\n"
 _RETRY_AFTER_S = 1.0
+MAX_LINE = 64 * 1024  # a status, error or length line; Redis's own are far shorter
+MAX_BULK = 512 * 1024 * 1024  # Redis's proto-max-bulk-len: no value it holds is larger
 
 
 class RespError(Exception):
@@ -93,16 +96,23 @@ class _Connection(asyncio.Protocol):
 
 def _parse(buffer: bytearray, at: int) -> tuple[Any, int] | None:
     """One reply starting at ``at`` and where the next begins; None when incomplete.
-    Simple strings, errors, integers and bulk strings: all these commands answer."""
-    end = buffer.find(_CRLF, at)
+    Simple strings, errors, integers and bulk strings: all these commands answer.
+    ``ValueError`` for anything else, and for a line or bulk string past Redis's own
+    sizes: waiting for its end would buffer without bound."""
+    limit = at + 1 + MAX_LINE + 2  # type byte, line, CRLF
+    end = buffer.find(_CRLF, at, limit)
     if end < 0:
+        if len(buffer) >= limit:
+            raise ValueError(f"a reply line longer than {MAX_LINE} bytes")
         return None
     kind, line = buffer[at : at + 1], bytes(buffer[at + 1 : end])
     after = end + 2
     if kind == b"$":
-        size = int(line)
+        size = _integer(line)
         if size < 0:
             return None, after
+        if size > MAX_BULK:
+            raise ValueError(f"a bulk string of {size} bytes (Redis's limit is {MAX_BULK})")
         if len(buffer) < after + size + 2:
             return None
         return bytes(buffer[after : after + size]), after + size + 2
@@ -111,8 +121,17 @@ def _parse(buffer: bytearray, at: int) -> tuple[Any, int] | None:
     if kind == b"-":
         return RespError(line.decode(errors="replace")), after
     if kind == b":":
-        return int(line), after
+        return _integer(line), after
     raise ValueError(f"reply type {bytes(kind)!r}")
+
+
+_INTEGER = re.compile(rb"-?[0-9]{1,19}")  # a signed 64-bit integer, as Redis writes one
+
+
+def _integer(line: bytes) -> int:
+    if not _INTEGER.fullmatch(line):
+        raise ValueError(f"not an integer: {line[:32]!r}")
+    return int(line)
 
 
 class RespClient:

@@ -26,6 +26,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,14 @@ log = logging.getLogger(__name__)
 Series = dict[str, dict[Labels, float]]
 MIB = 1024 * 1024
 MAX_BODY = 16 * 1024 * 1024  # a scrape larger than this is not a GPU exporter's
+READ_CHUNK = 64 * 1024
+# A source's scrape limits (Prometheus's sample_limit, label_limit, label_name_length_limit
+# and label_value_length_limit): every alert evaluation keeps the snapshots of its longest
+# window, each with its own copy of every series, so one source's excess is multiplied.
+MAX_SERIES = 10_000
+MAX_LABELS = 32
+MAX_LABEL_NAME = 128
+MAX_LABEL_VALUE = 1024
 FLEET_METRICS = DCGM_NAMES | {PROCESS_MEMORY}
 UP_JOB = "kiln-fleet"
 # kiln serve's Triton families -> (DCGM name, scale)
@@ -77,11 +86,20 @@ def target_url(address: str) -> str:
 
 
 def _get(url: str, timeout: float) -> bytes:
+    """The whole answer within ``timeout``: a socket timeout bounds each read, not the
+    answer, and a peer sending a byte at a time would keep the read going for hours."""
+    deadline = time.monotonic() + timeout
+    chunks: list[bytes] = []
+    size = 0
     with urllib.request.urlopen(url, timeout=timeout) as resp:
-        body = resp.read(MAX_BODY + 1)
-    if len(body) > MAX_BODY:
-        raise FleetError(f"{url}: answer larger than {MAX_BODY} bytes")
-    return bytes(body)
+        while chunk := resp.read1(READ_CHUNK):
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise FleetError(f"{url}: answer larger than {MAX_BODY} bytes")
+            if time.monotonic() > deadline:
+                raise FleetError(f"{url}: no complete answer within {timeout:g} s")
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def parse_exposition(text: str, instance: str) -> Series:
@@ -113,16 +131,59 @@ def parse_exposition(text: str, instance: str) -> Series:
 
 def query_prometheus(base: str, timeout: float) -> Series:
     query = urllib.parse.urlencode({"query": '{__name__=~"DCGM_FI_.*"}'})
-    doc = json.loads(_get(f"{base.rstrip('/')}/api/v1/query?{query}", timeout))
+    body = _get(f"{base.rstrip('/')}/api/v1/query?{query}", timeout)
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
+        raise FleetError(f"Prometheus: the answer is not JSON ({type(exc).__name__})") from None
+    if not isinstance(doc, dict):
+        raise FleetError("Prometheus: the answer is not a JSON object")
     if doc.get("status") != "success":
-        raise FleetError(f"Prometheus: {doc.get('error', 'query failed')}")
+        raise FleetError(f"Prometheus: {str(doc.get('error', 'query failed'))[:200]}")
+    data = doc.get("data")
+    result = data.get("result") if isinstance(data, dict) else None
+    if not isinstance(result, list):
+        raise FleetError("Prometheus: 'data.result' is not a list")
     out: Series = {}
-    for item in doc["data"]["result"]:
-        metric = dict(item["metric"])
+    for i, item in enumerate(result):
+        metric = item.get("metric") if isinstance(item, dict) else None
+        value = item.get("value") if isinstance(item, dict) else None
+        if not (isinstance(metric, dict) and isinstance(value, list) and len(value) == 2):
+            raise FleetError(f"Prometheus: result {i} is not {{metric: {{...}}, value: [t, v]}}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metric.items()):
+            raise FleetError(f"Prometheus: result {i} has labels that are not strings")
         name = metric.pop("__name__", "")
         if name in DCGM_NAMES:
-            out.setdefault(name, {})[labels_of(metric)] = float(item["value"][1])
+            try:
+                out.setdefault(name, {})[labels_of(metric)] = float(value[1])
+            except (TypeError, ValueError):
+                raise FleetError(f"Prometheus: result {i} ({name}) has no number") from None
     return out
+
+
+def within_limits(series: Series) -> Series:
+    """``series`` if it keeps to a source's scrape limits; ``FleetError`` naming the first
+    it breaks (the whole scrape fails, as in Prometheus)."""
+    count = sum(len(values) for values in series.values())
+    if count > MAX_SERIES:
+        raise FleetError(f"{count} series, more than the {MAX_SERIES} a source may answer")
+    for name, values in series.items():
+        for labels in values:
+            if len(labels) > MAX_LABELS:
+                raise FleetError(
+                    f"a {name} series has {len(labels)} labels, more than {MAX_LABELS}"
+                )
+            for key, value in labels:
+                if len(key) > MAX_LABEL_NAME:
+                    raise FleetError(
+                        f"a {name} series has a label name longer than {MAX_LABEL_NAME} characters"
+                    )
+                if len(value) > MAX_LABEL_VALUE:
+                    raise FleetError(
+                        f"a {name} series has label '{key}' longer than {MAX_LABEL_VALUE} "
+                        "characters"
+                    )
+    return series
 
 
 @dataclass(slots=True)
@@ -139,6 +200,7 @@ class FleetScraper:
     options: FleetOptions
     status: dict[str, TargetStatus] = field(default_factory=dict)
     _values: dict[str, Series] = field(default_factory=dict)  # source -> series
+    _reads: dict[str, Future[Series]] = field(default_factory=dict)  # source -> last read
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -158,17 +220,40 @@ class FleetScraper:
     def _read(self, source: str) -> Series:
         timeout = self.options.timeout_s
         if source.startswith("prometheus "):
-            return query_prometheus(self.options.prometheus, timeout)
+            return within_limits(query_prometheus(self.options.prometheus, timeout))
         url = target_url(source)
         instance = urllib.parse.urlparse(url).netloc
-        return parse_exposition(_get(url, timeout).decode("utf-8", "replace"), instance)
+        text = _get(url, timeout).decode("utf-8", "replace")
+        return within_limits(parse_exposition(text, instance))
+
+    def _start_read(self, source: str) -> Future[Series]:
+        future: Future[Series] = Future()
+
+        def read() -> None:
+            try:
+                future.set_result(self._read(source))
+            except BaseException as exc:  # whatever a peer's answer raises is its failure
+                future.set_exception(exc)
+
+        threading.Thread(target=read, name="kiln-fleet-read", daemon=True).start()
+        return future
 
     def scrape_once(self) -> None:
+        """Every source at once, on its own thread, for at most ``timeout_s``: a slow or
+        broken source is down, and the others are read as if it were not there. A source
+        whose last read is still going gets no second one."""
+        for source in self.sources():
+            if source not in self._reads or self._reads[source].done():
+                self._reads[source] = self._start_read(source)
+        wait(self._reads.values(), timeout=self.options.timeout_s)
         for source in self.sources():
             st = self.status[source]
+            read = self._reads[source]
             try:
-                series = self._read(source)
-            except (OSError, ValueError, KeyError, urllib.error.URLError) as exc:
+                if not read.done():
+                    raise FleetError(f"no complete answer within {self.options.timeout_s:g} s")
+                series = read.result()
+            except Exception as exc:
                 if st.error != str(exc):
                     log.warning("fleet: %s: %s", source, exc)
                 st.up, st.error = False, str(exc)

@@ -206,15 +206,22 @@ class HistoryStore:
         return deleted
 
     def _delete_before(self, cutoff: float) -> int:
-        assert self.conn is not None
+        """Samples older than ``cutoff``, and the series left without any: label sets that
+        change (a fleet peer's GPU ids, models loaded under new names) must not pile up."""
+        conn = self.conn
+        assert conn is not None
         cutoff_ms = int(cutoff * 1000)
         total = 0
         # Per series, so each DELETE walks the (series_id, ts) primary key.
-        for sid in list(self._series.values()):
-            cur = self.conn.execute(
+        for key, sid in list(self._series.items()):
+            cur = conn.execute(
                 "DELETE FROM samples WHERE series_id = ? AND ts < ?", (sid, cutoff_ms)
             )
             total += cur.rowcount
+            if conn.execute("SELECT 1 FROM samples WHERE series_id = ? LIMIT 1", (sid,)).fetchone():
+                continue
+            conn.execute("DELETE FROM series WHERE id = ?", (sid,))
+            del self._series[key]
         return total
 
     def close(self) -> None:

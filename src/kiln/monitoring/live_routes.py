@@ -7,7 +7,6 @@ is there to fill the charts' past. The dashboard and ``kiln monitor URL`` both r
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from starlette.requests import Request
@@ -19,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kiln.dashboard import STATIC_DIR
 from kiln.metrics.app import MetricsService
 from kiln.monitoring.live import LiveTracker
-from kiln.monitoring.routes import json_response
+from kiln.monitoring.routes import MonitorBusy, busy_response, json_response, monitor_read
 from kiln.monitoring.service import MonitorOptions, MonitorService
 from kiln.server.server import Server
 
@@ -101,7 +100,10 @@ def live_routes(
                 },
                 503,
             )
-        summary = await asyncio.to_thread(tracker.summary)
+        try:
+            summary = await monitor_read(tracker.summary)
+        except MonitorBusy as exc:
+            return busy_response(exc)
         summary["models"] = merge_models(server.repository_index(), summary["models"])
         alerts = monitor.alerts if monitor is not None else None
         summary["alerting"] = {

@@ -17,6 +17,9 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 6048
 _UNITS["y"] = 365 * _UNITS["d"]
 _DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
 _DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
+# Prometheus keeps a duration in an int64 of milliseconds (about 292 million years): a
+# longer one is "out of range" there too, and here it would overflow a float.
+_MAX_DURATION_MS = 2**63 - 1
 
 
 class ExprError(ValueError):
@@ -31,7 +34,16 @@ def parse_duration(text: str) -> float:
         raise ValueError(
             f"invalid duration '{text}' (expected e.g. 30s, 5m, 1h30m; units ms s m h d w y)"
         )
-    return sum(int(n) * _UNITS[u] for n, u in _DURATION_PART.findall(text))
+    total_ms = 0
+    for n, u in _DURATION_PART.findall(text):
+        # 19 digits already exceed the limit: never convert a longer string to an int
+        total_ms += int(n) * round(_UNITS[u] * 1000) if len(n) <= 19 else _MAX_DURATION_MS + 1
+        if total_ms > _MAX_DURATION_MS:
+            raise ValueError(
+                f"duration '{text[:40]}' is out of range (at most 2^63-1 milliseconds, "
+                "as in Prometheus)"
+            )
+    return total_ms / 1000
 
 
 # ---- AST -----------------------------------------------------------------------------

@@ -10,7 +10,10 @@ import asyncio
 import math
 import sqlite3
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -21,8 +24,42 @@ from kiln.monitoring.history_query import HistoryQuery, HistoryQueryError, catal
 from kiln.monitoring.promql import parse_duration
 from kiln.monitoring.service import MonitorService
 
+T = TypeVar("T")
 DEFAULT_RANGE_S = 3600.0
 DEFAULT_POINTS = 240
+# Monitoring reads run on workers of their own: asyncio's default executor decodes large
+# inference bodies, inflates gRPC messages and tokenizes prompts, and a burst of slow
+# history queries must not make inference wait. Reads running and waiting are bounded.
+MONITOR_READ_WORKERS = 2
+MAX_MONITOR_READS = 256
+
+
+class _Reads:
+    executor = ThreadPoolExecutor(MONITOR_READ_WORKERS, thread_name_prefix="kiln-monitor-read")
+    in_flight = 0  # running and waiting, on the event loop's thread only
+
+
+class MonitorBusy(Exception):
+    pass
+
+
+async def monitor_read(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the monitoring workers; ``MonitorBusy`` when too many wait."""
+    if _Reads.in_flight >= MAX_MONITOR_READS:
+        raise MonitorBusy(
+            f"too many monitoring reads at once ({MAX_MONITOR_READS}): try again shortly"
+        )
+    _Reads.in_flight += 1
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_Reads.executor, fn, *args)
+    finally:
+        _Reads.in_flight -= 1
+
+
+def busy_response(exc: MonitorBusy) -> Response:
+    response = json_response({"error": str(exc)}, 503)
+    response.headers["Retry-After"] = "1"
+    return response
 
 
 def json_response(obj: object, status: int = 200) -> Response:
@@ -67,9 +104,10 @@ def parse_query(params: dict[str, str], interval_s: float, now: float) -> Histor
         except ValueError:
             try:
                 step = parse_duration(text)
-            except ValueError:
+            except ValueError as exc:
                 raise HistoryQueryError(
-                    f"'step' must be seconds or a duration like 30s, got '{text}'"
+                    f"'step' must be seconds or a duration like 30s, got '{text[:40]}'"
+                    + (f": {exc}" if "out of range" in str(exc) else "")
                 ) from None
     else:
         step = max(interval_s, (end - start) / DEFAULT_POINTS)
@@ -113,7 +151,9 @@ def monitor_routes(monitor: MonitorService | None) -> list[Route]:
             return down or json_response({}, 503)
         try:
             q = parse_query(dict(request.query_params), history.options.interval_s, time.time())
-            result = await asyncio.to_thread(run_query, history.options.path, q)
+            result = await monitor_read(run_query, history.options.path, q)
+        except MonitorBusy as exc:
+            return busy_response(exc)
         except HistoryQueryError as exc:
             return json_response({"error": str(exc)}, 400)
         except sqlite3.Error as exc:

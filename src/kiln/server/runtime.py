@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 # Tells apart successive loads of one model version in the response cache's keys.
 _LOAD_IDS = itertools.count(1)
+# A response cache key of inputs larger than this (an object array counts 8 bytes an
+# element) is computed on a worker thread, as a body over 1 MiB is decoded on one.
+KEY_ON_LOOP_MAX_BYTES = 1 << 20
 
 
 class ModelRuntime:
@@ -280,7 +283,13 @@ class ModelRuntime:
             key, lookup_ns = None, 0
             if self.cache is not None:
                 lookup_start = time.monotonic_ns()
-                key = request_key(self.name, self.version_str, request, names, self._cache_owner)
+                args = (self.name, self.version_str, request, names, self._cache_owner)
+                if sum(t.data.nbytes for t in request.inputs) > KEY_ON_LOOP_MAX_BYTES:
+                    # every byte is digested, each BYTES element in Python: seconds for a
+                    # large request, which the event loop must not spend
+                    key = await asyncio.to_thread(request_key, *args)
+                else:
+                    key = request_key(*args)
                 cached = await self.cache.get(key)
                 lookup_ns = time.monotonic_ns() - lookup_start
                 if cached is not None:
