@@ -1,0 +1,97 @@
+"""Hostile inputs on the OpenAI routes that reached past their checks: nesting deeper than
+Python's recursion in structured-output fields, a body ``request_id`` of any length, a chat
+whose rendered prompt (tools, documents, template variables) was tokenized whatever its
+length, bad words of any length, and a request's own chat template that could allocate
+without bound or loop forever."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("transformers")
+
+from tests.conftest import KilnProcess  # noqa: E402
+from tests.llm_models import llm_config, tiny_llm_repository  # noqa: E402
+
+CONFIG = llm_config(
+    block_size="4", num_gpu_blocks="64", dtype="float32", trust_request_chat_template="true"
+)
+STALL = 60.0  # a reply slower than this is a stalled server
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
+    repo = tiny_llm_repository(tmp_path_factory.mktemp("llm"), CONFIG)
+    proc = KilnProcess(repo).start(timeout=120)
+    yield proc
+    proc.stop()
+
+
+def _post(server: KilnProcess, path: str, body: bytes | dict[str, Any]) -> httpx.Response:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(
+        f"http://{server.http_url}{path}",
+        content=raw,
+        headers={"content-type": "application/json"},
+        timeout=STALL,
+    )
+
+
+def _error(reply: httpx.Response) -> dict[str, Any]:
+    assert reply.status_code == 400, reply.text
+    err = reply.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    return dict(err)
+
+
+def _nested(depth: int) -> bytes:
+    # within orjson's depth (1,024), past Python's recursion limit (1,000)
+    return b'{"a":' * depth + b"1" + b"}" * depth
+
+
+DEEP = _nested(1000)
+DEEP_TEXT = json.dumps("[" * 100_000 + "]" * 100_000).encode()
+COMPLETION = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2, '
+NESTED: list[tuple[str, bytes, str]] = [
+    ("/v1/completions", COMPLETION + b'"guided_json": ' + DEEP_TEXT + b"}", "guided_json"),
+    ("/v1/completions", COMPLETION + b'"guided_json": ' + DEEP + b"}", "guided_json"),
+    (
+        "/v1/completions",
+        COMPLETION + b'"structured_outputs": {"json": ' + DEEP + b"}}",
+        "structured_outputs.json",
+    ),
+    (
+        "/v1/completions",
+        COMPLETION + b'"response_format": {"type": "json_schema", "json_schema": {"name": "x", '
+        b'"schema": ' + DEEP + b"}}}",
+        "response_format",
+    ),
+    (
+        "/v1/completions",
+        COMPLETION + b'"structural_tag": {"triggers": ["<"], "structures": [{"begin": "<a", '
+        b'"end": ">", "schema": ' + _nested(998) + b"}]}}",
+        "structural_tag",
+    ),
+    (
+        "/v1/responses",
+        b'{"model": "tiny", "input": "hi", "max_output_tokens": 2, "text": {"format": '
+        b'{"type": "json_schema", "name": "x", "schema": ' + _nested(998) + b"}}}",
+        "text.format",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), NESTED)
+def test_a_schema_nested_past_the_recursion_limit_is_400(
+    server: KilnProcess, path: str, body: bytes, param: str
+) -> None:
+    # was a 500 (RecursionError while reading or writing the schema's JSON)
+    err = _error(_post(server, path, body))
+    assert err["param"] == param, err
+    assert "nested" in err["message"], err
