@@ -95,3 +95,15 @@ def test_a_schema_nested_past_the_recursion_limit_is_400(
     err = _error(_post(server, path, body))
     assert err["param"] == param, err
     assert "nested" in err["message"], err
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_request_id_past_512_characters_is_400(server: KilnProcess, path: str) -> None:
+    # every chunk of a stream carried the id: 10 MB of it, once per token
+    body = {"model": "tiny", "prompt": "hi", "messages": HI, "max_tokens": 2}
+    err = _error(_post(server, path, {**body, "request_id": "x" * 513}))
+    assert err["param"] == "request_id"
+    assert "512" in err["message"]
+    reply = _post(server, path, {**body, "request_id": "x" * 512})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["id"].endswith("-" + "x" * 512)
