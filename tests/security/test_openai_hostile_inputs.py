@@ -107,3 +107,44 @@ def test_a_request_id_past_512_characters_is_400(server: KilnProcess, path: str)
     reply = _post(server, path, {**body, "request_id": "x" * 512})
     assert reply.status_code == 200, reply.text
     assert reply.json()["id"].endswith("-" + "x" * 512)
+
+
+#: more characters than the tiny model's context (256 tokens x 64) can ever take
+LONG = "word " * 400_000
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"chat_template": "{{ x }}", "chat_template_kwargs": {"x": LONG}},
+        {
+            "chat_template": "{{ tools | tojson }}{{ messages[0].content }}",
+            "tools": [{"type": "function", "function": {"name": "f", "description": LONG}}],
+            "tool_choice": "none",  # (the tiny model parses no tool calls)
+        },
+        {"chat_template": "{% for d in documents %}{{ d.text }}{% endfor %}",
+         "documents": [{"text": LONG}]},
+    ],
+    ids=["kwargs", "tools", "documents"],
+)  # fmt: skip
+def test_a_rendered_prompt_too_long_is_400_before_it_is_tokenized(
+    server: KilnProcess, extra: dict[str, Any]
+) -> None:
+    # the messages were short: only the rendered text's length tells; it was tokenized
+    # whole (seconds of a worker thread per megabyte) before its tokens were counted
+    body = {"model": "tiny", "messages": HI, "max_tokens": 2, **extra}
+    err = _error(_post(server, "/v1/chat/completions", body))
+    assert err["code"] == "context_length_exceeded"
+    assert "characters" in err["message"], err
+    assert err["param"] == "messages"
+
+
+def test_bad_words_past_the_context_are_400_before_they_are_tokenized(
+    server: KilnProcess,
+) -> None:
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "bad_words": [LONG]}
+    err = _error(_post(server, "/v1/completions", body))
+    assert err["param"] == "bad_words"
+    assert "characters" in err["message"], err
+    ok = {**body, "bad_words": ["word " * 100]}
+    assert _post(server, "/v1/completions", ok).status_code == 200

@@ -405,6 +405,8 @@ def token_ids(llm: EngineClient, req: EmbeddingRequest) -> list[list[int]]:
         template = with_server_kwargs(llm, req.template)
         messages = for_template(llm, req.messages, template)
         inputs = [llm.tokenizer.apply_chat_template(messages, **template)]
+        # what the template added (tools, documents, its variables) counts too
+        check_prompt_chars(len(inputs[0]), limit, "messages")
     out = []
     for item in inputs:
         if isinstance(item, list):
