@@ -148,3 +148,56 @@ def test_bad_words_past_the_context_are_400_before_they_are_tokenized(
     assert "characters" in err["message"], err
     ok = {**body, "bad_words": ["word " * 100]}
     assert _post(server, "/v1/completions", ok).status_code == 200
+
+
+TEMPLATES = [
+    # printf and format widths, padding methods and filters: a gigabyte each
+    "{{ '%0*d' % (800000000, 1) }}",
+    "{{ '{:>800000000}'.format(1) }}",
+    "{{ 'a'.ljust(800000000) }}",
+    "{{ 'a' | center(800000000) }}",
+    "{{ '%0800000000d' | format(1) }}",
+    # what no single operation bounds: joins and concatenations in a loop
+    "{% set ns = namespace(s='x' * 1000000) %}{% for i in range(12) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
+    "{{ range(100000) | join('y' * 1000000) | length }}",
+]
+
+
+@pytest.mark.parametrize(
+    "template",
+    TEMPLATES,
+    ids=["printf-width", "format-width", "ljust", "center", "format-filter", "concat", "join"],
+)
+def test_a_request_template_that_allocates_without_bound_is_400(
+    server: KilnProcess, template: str
+) -> None:
+    body = {"model": "tiny", "messages": HI, "max_tokens": 2, "chat_template": template}
+    err = _error(_post(server, "/v1/chat/completions", body))
+    assert err["param"] == "chat_template", err
+    assert "memory" in err["message"], err
+
+
+def test_a_request_template_that_loops_is_400(server: KilnProcess) -> None:
+    template = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    body = {"model": "tiny", "messages": HI, "max_tokens": 2, "chat_template": template}
+    err = _error(_post(server, "/v1/chat/completions", body))
+    assert err["param"] == "chat_template", err
+    assert "seconds" in err["message"], err
+
+
+def test_request_templates_still_render_and_the_server_answers(server: KilnProcess) -> None:
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{{ x }}"
+    body = {"model": "tiny", "messages": HI, "chat_template": template,
+            "chat_template_kwargs": {"x": "end"}}  # fmt: skip
+    reply = _post(server, "/tokenize", body)
+    assert reply.status_code == 200, reply.text
+    plain = {"model": "tiny", "prompt": "user: hi\nend", "add_special_tokens": False}
+    plain_ids = _post(server, "/tokenize", plain).json()["tokens"]
+    assert reply.json()["tokens"] == plain_ids
+    # an error the template raises is the request's
+    raising = {**body, "chat_template": "{{ raise_exception('no system role') }}"}
+    err = _error(_post(server, "/v1/chat/completions", {**raising, "max_tokens": 2}))
+    assert "no system role" in err["message"]
+    ok = _post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
