@@ -201,3 +201,15 @@ def test_request_templates_still_render_and_the_server_answers(server: KilnProce
     assert "no system role" in err["message"]
     ok = _post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_a_lora_path_with_a_nul_byte_is_the_clients_error(tmp_path: Any) -> None:
+    # Path.resolve raised ValueError (embedded null byte): a 500 on /v1/load_lora_adapter
+    from kiln.core.errors import KilnError, Status
+    from kiln.llm.lora import check_allowed_path
+
+    with pytest.raises(KilnError) as info:
+        check_allowed_path(f"{tmp_path}/a\x00b", (str(tmp_path),))
+    assert info.value.status is Status.INVALID_ARG
+    assert "lora_path" in str(info.value)
+    assert check_allowed_path(f"{tmp_path}/a", (str(tmp_path),)) == tmp_path / "a"
