@@ -186,6 +186,8 @@ def check_allowed_path(path: str, allowed: tuple[str, ...]) -> Path:
             "kiln with --allowed-lora-path DIR (parameter allowed_lora_paths)",
             Status.INVALID_ARG,
         )
+    if "\x00" in path:  # the file system takes no NUL (Path.resolve raises ValueError)
+        raise KilnError("lora_path must not contain a NUL character", Status.INVALID_ARG)
     folder = Path(path).resolve()
     for root in allowed:
         if folder.is_relative_to(Path(root).resolve()):

@@ -83,14 +83,31 @@ class StructuredOutputsParams:
 def _json_schema(value: Any, param: str) -> str:
     """A schema given as an object or as its JSON text, as JSON text (keys in their order:
     a schema's ``properties`` order is the order the output writes them in)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise InvalidField(param, f"'{param}' is not valid JSON: {exc}") from None
+    value = _parsed(value, param)
     if not isinstance(value, dict | bool):
         raise InvalidField(param, f"'{param}' must be a JSON Schema (an object)")
-    return json.dumps(value)
+    return _dumped(value, param)
+
+
+def _parsed(value: Any, param: str) -> Any:
+    """``value``, or the JSON a string holds. Python's parser recurses once per level: a
+    string nested deeper than its recursion limit is the client's error, not the server's."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise InvalidField(param, f"'{param}' is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidField(param, f"'{param}' is nested too deeply") from None
+
+
+def _dumped(value: Any, param: str) -> str:
+    """``value`` as JSON text (the body's parser takes 1,024 levels, Python's writer fewer)."""
+    try:
+        return json.dumps(value)
+    except RecursionError:
+        raise InvalidField(param, f"'{param}' is nested too deeply") from None
 
 
 def _structural_tag(value: Any, param: str) -> str:
@@ -98,11 +115,7 @@ def _structural_tag(value: Any, param: str) -> str:
     structures whose ``begin`` starts with it: its JSON schema, then its ``end``), given as
     an object or its JSON text, as canonical JSON text. xgrammar's newer ``format`` tags
     are refused."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise InvalidField(param, f"'{param}' is not valid JSON: {exc}") from None
+    value = _parsed(value, param)
     if not isinstance(value, dict):
         raise InvalidField(param, f"'{param}' must be an object with structures and triggers")
     if "format" in value:
@@ -139,7 +152,7 @@ def _structural_tag(value: Any, param: str) -> str:
         if not isinstance(schema, dict | bool):
             raise InvalidField(param, f"'{where}.schema' must be a JSON Schema (an object)")
         out.append({"begin": begin, "schema": schema, "end": end})
-    return json.dumps({"structures": out, "triggers": triggers})
+    return _dumped({"structures": out, "triggers": triggers}, param)
 
 
 def _constraint(kind: str, value: Any, param: str) -> str:
@@ -399,6 +412,8 @@ class GrammarCompiler:
             text = _grammar_text(spec)
         except (ValueError, TypeError) as exc:
             raise InvalidField(spec.param, f"invalid {label} in {spec.param}: {exc}") from None
+        except RecursionError:  # disable_additional_properties walks the schema's depth
+            raise InvalidField(spec.param, f"'{spec.param}' is nested too deeply") from None
         tokenizer = self.ll_tokenizer()
         matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
         if matcher.is_error():

@@ -184,7 +184,8 @@ class Tokenizer:
         message's content, left open for the model to continue (``transformers``' rule).
         ``chat_template``: a request's own template instead of the model's (vLLM's, with
         ``--trust-request-chat-template``), rendered where repetition and powers are
-        bounded too."""
+        bounded too, in a worker process capped in memory and time
+        (:mod:`kiln.llm.request_template`)."""
         source = chat_template if chat_template is not None else self.chat_template
         if source is None:
             raise KilnError(
@@ -200,8 +201,13 @@ class Tokenizer:
                 "add_generation_prompt": add_generation_prompt,
                 **(template_kwargs or {}),  # vLLM's order: the request's kwargs win
             }
-            compiled = _compiled(source, request=chat_template is not None)
-            text: str = compiled.render(messages=messages, **variables)
+            if chat_template is not None:
+                # a request's own: in a worker process bounded in memory and time
+                from kiln.llm.request_template import render
+
+                text = render(source, messages, variables)
+            else:
+                text = _compiled(source, request=False).render(messages=messages, **variables)
         except (TemplateError, TypeError, ValueError, RecursionError, OverflowError) as exc:
             # the request's data the template cannot take (tojson of an undefined
             # field...): the request's error, not the server's

@@ -15,6 +15,7 @@ from kiln.core.errors import KilnError
 from kiln.frontends.openai.content import content_text, for_template
 from kiln.frontends.openai.protocol import (
     OpenAIError,
+    body_request_id,
     chat_messages,
     chat_template_options,
     check_fields,
@@ -210,9 +211,7 @@ def embedding_request(body: dict[str, Any], pooling: bool = False) -> EmbeddingR
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise OpenAIError("'user' must be a string", param="user")
-    request_id = body.get("request_id")
-    if request_id is not None and (not isinstance(request_id, str) or not request_id):
-        raise OpenAIError("'request_id' must be a non-empty string", param="request_id")
+    request_id = body_request_id(body)
     return EmbeddingRequest(
         model=model,
         inputs=inputs,
@@ -343,9 +342,7 @@ def pooling_fields(body: dict[str, Any]) -> dict[str, Any]:
     for key in ("use_activation", "activation", "softmax"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise OpenAIError(f"'{key}' must be a boolean, got {body[key]!r}", param=key)
-    request_id = body.get("request_id")
-    if request_id is not None and (not isinstance(request_id, str) or not request_id):
-        raise OpenAIError("'request_id' must be a non-empty string", param="request_id")
+    request_id = body_request_id(body)
     return {
         "model": model,
         "truncate_prompt_tokens": truncate,
@@ -408,6 +405,8 @@ def token_ids(llm: EngineClient, req: EmbeddingRequest) -> list[list[int]]:
         template = with_server_kwargs(llm, req.template)
         messages = for_template(llm, req.messages, template)
         inputs = [llm.tokenizer.apply_chat_template(messages, **template)]
+        # what the template added (tools, documents, its variables) counts too
+        check_prompt_chars(len(inputs[0]), limit, "messages")
     out = []
     for item in inputs:
         if isinstance(item, list):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kiln.frontends.openai.protocol import (
     MAX_LOGPROB_TOKEN_IDS,
     OpenAIError,
+    body_request_id,
     check_prompt_chars,
     flag,
 )
@@ -76,9 +77,7 @@ def read(body: dict[str, Any]) -> ScoringRequest:
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise OpenAIError("'cache_salt' must be a non-empty string", param="cache_salt")
-    request_id = body.get("request_id")
-    if request_id is not None and (not isinstance(request_id, str) or not request_id):
-        raise OpenAIError("'request_id' must be a non-empty string", param="request_id")
+    request_id = body_request_id(body)
     try:
         priority = integer(body, "priority") or 0
     except InvalidField as exc:

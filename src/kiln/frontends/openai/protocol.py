@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.core.errors import KilnError, Status
 from kiln.frontends.openai.content import content_text
+from kiln.frontends.openai.request_ids import MAX_LENGTH as MAX_REQUEST_ID
 from kiln.llm.params import SAMPLING_FIELDS, InvalidField, integer, sampling_fields
 from kiln.llm.sequence import SamplingParams
 from kiln.llm.structured import REQUEST_FIELDS as STRUCTURED_FIELDS
@@ -184,6 +185,23 @@ def check_fields(body: dict[str, Any], known: frozenset[str], what: str) -> None
                 what,
                 key[:100],
             )
+
+
+def body_request_id(body: dict[str, Any]) -> str | None:
+    """The body's ``request_id`` (vLLM's): a non-empty string of at most
+    :data:`~kiln.frontends.openai.request_ids.MAX_LENGTH` characters, as the X-Request-Id
+    header. It names the answer, and every chunk of a stream repeats it."""
+    value = body.get("request_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise OpenAIError("'request_id' must be a non-empty string", param="request_id")
+    if len(value) > MAX_REQUEST_ID:
+        raise OpenAIError(
+            f"'request_id' is {len(value)} characters long: at most {MAX_REQUEST_ID} are taken",
+            param="request_id",
+        )
+    return value
 
 
 def flag(body: dict[str, Any], key: str, default: bool) -> bool:
@@ -427,9 +445,7 @@ def _output_fields(body: dict[str, Any]) -> dict[str, Any]:
             f"truncate_prompt_tokens must be >= 1 (or -1: the model's context), got {truncate}",
             param="truncate_prompt_tokens",
         )
-    request_id = body.get("request_id")
-    if request_id is not None and (not isinstance(request_id, str) or not request_id):
-        raise OpenAIError("'request_id' must be a non-empty string", param="request_id")
+    request_id = body_request_id(body)
     flag(body, "spaces_between_special_tokens", True)  # no effect with tokenizer.json's
     return {
         "include_stop_str_in_output": flag(body, "include_stop_str_in_output", False),

@@ -51,6 +51,7 @@ from kiln.frontends.openai.logprobs import (
 )
 from kiln.frontends.openai.protocol import (
     CHAT_FIELDS,
+    MAX_CHARS_PER_TOKEN,
     TOKENIZE_FIELDS,
     GenerationRequest,
     OpenAIError,
@@ -188,7 +189,11 @@ def _chat_prompt(
     chars = sum(len(content_text(m["content"])) for m in messages)
     check_prompt_chars(chars, llm.max_model_len, "messages")
     kwargs = with_server_kwargs(llm, template)  # a request's untrusted template: refused
-    return llm.tokenizer.apply_chat_template(for_template(llm, messages, template), **kwargs)
+    prompt = llm.tokenizer.apply_chat_template(for_template(llm, messages, template), **kwargs)
+    # the template adds what the messages' count missed (tools, documents, its variables):
+    # the rendered text is checked too, before the tokenizer's work in proportion to it
+    check_prompt_chars(len(prompt), llm.max_model_len, "messages")
+    return prompt
 
 
 def _with_model_defaults(body: dict[str, Any], llm: EngineClient | None) -> dict[str, Any]:
@@ -225,6 +230,19 @@ def _prompt_ids(
     return ids
 
 
+def _check_bad_words(llm: EngineClient, words: tuple[str, ...]) -> None:
+    """``bad_words`` are tokenized like a prompt: their text together is bounded as a
+    prompt's is (longer, no output could hold them), before the tokenizer's work."""
+    chars = sum(len(w) for w in words)
+    limit = llm.max_model_len * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        raise OpenAIError(
+            f"'bad_words' hold {chars} characters, more than {limit} ({MAX_CHARS_PER_TOKEN} "
+            f"per token of the model's context, {llm.max_model_len}): no output could hold them",
+            param="bad_words",
+        )
+
+
 def _prepare(
     llm: EngineClient, req: GenerationRequest, default_max: int | None, chat: bool = False
 ) -> list[tuple[list[int], SamplingParams]]:
@@ -237,6 +255,7 @@ def _prepare(
             f"({llm.max_queued})",
             param="prompt",
         )
+    _check_bad_words(llm, req.bad_words)
     bad_words = llm.tokenizer.bad_words_ids(req.bad_words) if req.bad_words else ()
     checks: tuple[tuple[str, Callable[[], object]], ...] = (
         ("n", lambda: llm.check_n(req.params.n)),
