@@ -57,6 +57,8 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"seed": 2**64 - 1, "n": 2}, "seed"),  # seed + 1 overflowed torch's manual_seed
     ({"seed": 2**63}, "seed"),  # vLLM's bound: a torch long
     ({"priority": 2**63}, "priority"),
+    ({"temperature": 2.5}, "temperature"),  # vLLM's (and OpenAI's) bound: [0, 2]
+    ({"temperature": -0.5}, "temperature"),
 ]
 
 

@@ -6,6 +6,7 @@ bad value raises :class:`InvalidField`, which names the field for the frontend's
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -32,6 +33,8 @@ SAMPLING_FIELDS = (
     "thinking_token_budget",
 )
 
+#: vLLM's smallest temperature above 0: a smaller one is raised to it
+MIN_TEMPERATURE = 0.01
 #: OpenAI's bound on a ``logit_bias`` value
 MAX_LOGIT_BIAS = 100.0
 #: vLLM's bounds on integer fields (``seed``, ``top_k``...): a torch ``long``. A value out
@@ -143,8 +146,18 @@ def sampling_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     """Keyword arguments of :class:`~kiln.llm.sequence.SamplingParams` (all but
     ``max_tokens`` and ``logprobs``, whose defaults and names differ per API)."""
     temperature = number(body, "temperature", 1.0)
+    # vLLM's bounds and messages; a temperature too small to divide logits by without
+    # overflowing float32 (under 0.01, not 0) is raised to 0.01, as vLLM raises it
+    if not math.isfinite(temperature):
+        raise InvalidField(
+            "temperature", f"temperature must be a finite number, got {temperature}."
+        )
     if temperature < 0:
-        raise InvalidField("temperature", f"temperature must be >= 0, got {temperature}")
+        raise InvalidField("temperature", f"temperature must be non-negative, got {temperature}.")
+    if temperature > 2:
+        raise InvalidField("temperature", f"temperature must be in [0, 2], got {temperature}.")
+    if 0 < temperature < MIN_TEMPERATURE:
+        temperature = MIN_TEMPERATURE
     top_p = number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise InvalidField("top_p", f"top_p must be in (0, 1], got {top_p}")

@@ -254,3 +254,30 @@ def test_prompt_logprobs_are_the_model_s_for_every_prompt_token(llama: Path, chu
         values, ids = ref[position - 1].topk(3)
         assert [t for t, _ in entry.top] == ids.tolist()
         assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (-0.5, "temperature must be non-negative, got -0.5."),
+        (2.5, "temperature must be in [0, 2], got 2.5."),
+        (float("inf"), "temperature must be a finite number, got inf."),
+        (float("nan"), "temperature must be a finite number, got nan."),
+    ],
+)
+def test_temperature_has_vllms_bounds(value: float, message: str) -> None:
+    from kiln.llm.params import InvalidField, sampling_fields
+
+    with pytest.raises(InvalidField) as info:
+        sampling_fields({"temperature": value})
+    assert (info.value.field, info.value.message) == ("temperature", message)
+
+
+def test_a_temperature_too_small_to_divide_by_is_raised_to_vllms_floor() -> None:
+    """1e-300 divided into float32 logits overflowed to inf and sampled garbage; vLLM
+    raises anything in (0, 0.01) to 0.01 (greedy at 0 stays greedy)."""
+    from kiln.llm.params import sampling_fields
+
+    assert sampling_fields({"temperature": 1e-300})["temperature"] == 0.01
+    assert sampling_fields({"temperature": 0})["temperature"] == 0
+    assert sampling_fields({"temperature": 2})["temperature"] == 2
