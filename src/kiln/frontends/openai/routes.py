@@ -130,6 +130,10 @@ class BodyReader(Protocol):
     async def read_body(self, request: Request) -> bytes: ...
 
 
+#: a body longer than this is parsed off the event loop (the KServe routes' bound too)
+OFF_LOOP_PARSE_BYTES = 1 << 20
+
+
 async def _body(request: Request, reader: BodyReader) -> dict[str, Any]:
     try:  # X-Request-Id names the answer (vLLM's rule): request_ids.py
         remember_header(request)
@@ -143,7 +147,12 @@ async def _body(request: Request, reader: BodyReader) -> dict[str, Any]:
     raw = await reader.read_body(request)
     disconnect.watch(request)  # a client that leaves from now on cancels the handler
     try:
-        body = orjson.loads(raw)
+        # a large body parses on a worker thread (62 MB of token ids: half a second that
+        # every other client would wait), as the KServe routes decode theirs
+        if len(raw) > OFF_LOOP_PARSE_BYTES:
+            body = await asyncio.to_thread(orjson.loads, raw)
+        else:
+            body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise OpenAIError(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -159,6 +168,11 @@ async def _received(
     if slot is not None:
         slot.recv_end = time.monotonic_ns()
     return body
+
+
+def _detokenize(llm: EngineClient, body: dict[str, Any]) -> str:
+    """As vLLM's ``/detokenize``: the text of every token, special ones included."""
+    return llm.tokenizer.decode(detokenize_ids(body, llm.vocab_size), False)
 
 
 def _precheck_prompt(llm: EngineClient | None, body: dict[str, Any]) -> None:
@@ -1202,9 +1216,8 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     async def detokenize(request: Request) -> Response:
         body = await _body(request, reader)
         llm = _model_for(server, body)
-        ids = detokenize_ids(body, llm.vocab_size)
-        # as vLLM's: the text of every token, special ones included
-        text = await asyncio.to_thread(llm.tokenizer.decode, ids, False)
+        # checked and decoded off the event loop: a body holds millions of ids
+        text = await asyncio.to_thread(_detokenize, llm, body)
         return _json({"prompt": text})
 
     async def load_lora(request: Request) -> Response:
