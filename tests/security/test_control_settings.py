@@ -1,0 +1,56 @@
+"""Log and trace settings a client changes cannot leave the server unable to report them.
+
+``log_verbose_level`` is Triton's uint32: a larger JSON integer used to be stored, after
+which every gRPC ``LogSettings`` call (its answer carries the value as ``uint32_param``)
+failed INTERNAL for every client until someone set it back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+
+from tests.conftest import KilnProcess
+
+UINT32_MAX = 2**32 - 1
+
+
+@pytest.fixture
+def base(kiln_server: KilnProcess) -> Iterator[str]:
+    base = f"http://{kiln_server.http_url}"
+    yield base
+    requests.post(f"{base}/v2/logging", json={"log_verbose_level": 0}, timeout=30)
+
+
+@pytest.mark.parametrize("level", [UINT32_MAX + 1, 2**63, 2**64 - 1])
+def test_a_verbose_level_beyond_uint32_is_refused(
+    base: str, kiln_server: KilnProcess, level: int
+) -> None:
+    response = requests.post(f"{base}/v2/logging", json={"log_verbose_level": level}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == (
+        f"log setting 'log_verbose_level' must be an integer from 0 to {UINT32_MAX}, got {level}"
+    )
+    client = grpcclient.InferenceServerClient(kiln_server.grpc_url)
+    try:
+        settings = client.get_log_settings(as_json=True)["settings"]  # INTERNAL before
+        assert settings["log_verbose_level"] == {"uint32_param": 0}
+    finally:
+        client.close()
+
+
+def test_the_largest_uint32_level_is_taken_and_reported(
+    base: str, kiln_server: KilnProcess
+) -> None:
+    response = requests.post(
+        f"{base}/v2/logging", json={"log_verbose_level": UINT32_MAX}, timeout=30
+    )
+    assert response.status_code == 200, response.text
+    client = grpcclient.InferenceServerClient(kiln_server.grpc_url)
+    try:
+        settings = client.get_log_settings(as_json=True)["settings"]
+        assert settings["log_verbose_level"] == {"uint32_param": UINT32_MAX}
+    finally:
+        client.close()
