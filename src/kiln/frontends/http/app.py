@@ -23,6 +23,7 @@ from kiln.core.header_forward import header_forward
 from kiln.frontends import shm_io
 from kiln.frontends.http import generate
 from kiln.frontends.http.codec import (
+    OFF_LOOP_DECODE_BYTES,
     decode_raw_request,
     decode_request,
     encode_response,
@@ -33,9 +34,6 @@ from kiln.frontends.http.openapi import openapi_document
 from kiln.server.server import Server
 
 log = logging.getLogger(__name__)
-
-# Request bodies above this decode off the event loop (see ``infer_body``).
-OFF_LOOP_DECODE_BYTES = 1 << 20
 
 Handler = Callable[[Request], Awaitable[Response]]
 
