@@ -198,12 +198,12 @@ class HttpFrontend:
         ``--http-header-forward-pattern`` picked, as request parameters."""
         header_length: int | None = None
         if raw_length is not None:
-            try:
-                header_length = int(raw_length)
-            except ValueError:
+            # ASCII digits only: int() also takes '+5', '1_0' and surrounding spaces
+            if not (raw_length.isascii() and raw_length.isdigit()):
                 raise KilnError(
-                    f"Inference-Header-Content-Length must be an integer, got '{raw_length}'"
-                ) from None
+                    f"Inference-Header-Content-Length must be an integer >= 0, got '{raw_length}'"
+                )
+            header_length = int(raw_length)
         if header_length == 0:
             sig = self.server.model(name, version).signature
             req = decode_raw_request(body, sig, name, version)
