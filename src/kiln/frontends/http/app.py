@@ -23,7 +23,6 @@ from kiln.core.header_forward import header_forward
 from kiln.frontends import shm_io
 from kiln.frontends.http import generate
 from kiln.frontends.http.codec import (
-    OFF_LOOP_DECODE_BYTES,
     decode_raw_request,
     decode_request,
     encode_response,
@@ -31,6 +30,7 @@ from kiln.frontends.http.codec import (
 )
 from kiln.frontends.http.fast_infer import FastInfer
 from kiln.frontends.http.openapi import openapi_document
+from kiln.frontends.tensors import OFF_LOOP_DECODE_BYTES
 from kiln.server.server import Server
 
 log = logging.getLogger(__name__)

@@ -32,9 +32,6 @@ _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 HEADER_LENGTH = "inference-header-content-length"
 # JSON integer tensors up to this many values are range-checked with Python's min/max.
 _SMALL = 1024
-# Request bodies above this decode off the event loop (``infer_body``, ``generate``): JSON
-# tensors cost Python work per element.
-OFF_LOOP_DECODE_BYTES = 1 << 20
 
 
 def _shape(model: str, tensor: str, value: Any, max_elements: int) -> tuple[int, ...]:

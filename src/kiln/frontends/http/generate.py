@@ -27,11 +27,11 @@ from kiln.core.types import InferenceRequest, InferenceResponse, InferInput, ele
 from kiln.frontends import disconnect
 from kiln.frontends.http import llm_generate
 from kiln.frontends.http.codec import (
-    OFF_LOOP_DECODE_BYTES,
     from_json,
     parse_json,
     to_json_data,
 )
+from kiln.frontends.tensors import OFF_LOOP_DECODE_BYTES
 
 _RESERVED = ("id", "parameters")
 
