@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from tests.conftest import KilnProcess
 
@@ -54,3 +55,42 @@ def test_the_largest_uint32_level_is_taken_and_reported(
         assert settings["log_verbose_level"] == {"uint32_param": UINT32_MAX}
     finally:
         client.close()
+
+
+@pytest.fixture
+def trace_reset(kiln_server: KilnProcess) -> Iterator[str]:
+    base = f"http://{kiln_server.http_url}"
+    yield base
+    requests.post(f"{base}/v2/trace/setting", json={"trace_level": None}, timeout=30)
+
+
+def test_a_long_trace_level_list_is_refused(trace_reset: str, kiln_server: KilnProcess) -> None:
+    """Each value was kept and repeated in every answer: 25 MB of "OFF" held 380 MB of
+    the server's memory, and every later read of the settings sent 25 MB back."""
+    before = requests.get(f"{trace_reset}/v2/trace/setting", timeout=30).json()["trace_level"]
+    levels = ["OFF"] * 100_000
+    response = requests.post(
+        f"{trace_reset}/v2/trace/setting", json={"trace_level": levels}, timeout=30
+    )
+    assert response.status_code == 400, response.text[:200]
+    assert response.json()["error"] == (
+        "trace setting 'trace_level' takes at most 16 values, got 100000"
+    )
+    client = grpcclient.InferenceServerClient(kiln_server.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException) as err:
+            client.update_trace_settings(settings={"trace_level": levels})
+        assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "takes at most 16 values, got 100000" in str(err.value.message())
+    finally:
+        client.close()
+    after = requests.get(f"{trace_reset}/v2/trace/setting", timeout=30).json()["trace_level"]
+    assert after == before
+    # a mistyped list is still named as before
+    response = requests.post(
+        f"{trace_reset}/v2/trace/setting", json={"trace_level": ["OFF", 3]}, timeout=30
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == (
+        "trace setting 'trace_level' must be a string or list of strings"
+    )

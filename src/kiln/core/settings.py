@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from kiln.core.trace_otel import OtelOptions
 
 TRACE_LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
+#: values one trace setting may hold (trace_level's are a few of TRACE_LEVELS)
+MAX_TRACE_VALUES = 16
 _TRACE_INTS = ("trace_rate", "trace_count", "log_frequency")
 _TRACE_DEFAULTS = {
     "trace_file": [""],
@@ -63,6 +65,13 @@ class TraceSettings:
             raise invalid_arg(
                 f"unknown trace setting '{key}'; known settings: {sorted(_TRACE_DEFAULTS)}"
             )
+        # Before anything walks them: values are kept and sent back with every read.
+        if len(values) > MAX_TRACE_VALUES:
+            raise invalid_arg(
+                f"trace setting '{key}' takes at most {MAX_TRACE_VALUES} values, got {len(values)}"
+            )
+        if not all(isinstance(v, str) for v in values):  # a JSON body's list
+            raise invalid_arg(f"trace setting '{key}' must be a string or list of strings")
         if key == "trace_level":
             bad = [v for v in values if v not in TRACE_LEVELS]
             if bad:

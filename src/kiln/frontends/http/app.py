@@ -275,8 +275,8 @@ class HttpFrontend:
             for key, value in (await self.json_body(request)).items():
                 if value is None:
                     updates[key] = []  # null clears the setting
-                elif isinstance(value, list) and all(isinstance(v, str) for v in value):
-                    updates[key] = value
+                elif isinstance(value, list):
+                    updates[key] = value  # core checks its length, then its items
                 elif isinstance(value, str | int) and not isinstance(value, bool):
                     updates[key] = [str(value)]
                 else:
