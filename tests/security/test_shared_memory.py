@@ -470,3 +470,24 @@ def test_a_window_the_shape_does_not_fill_is_refused_before_it_is_read(
         http.infer("simple", _simple_inputs("sparse")).as_numpy("OUTPUT0"),
         np.zeros((1, 16), dtype=np.int32),
     )
+
+
+def test_region_names_are_bounded(
+    http: httpclient.InferenceServerClient, grpc: grpcclient.InferenceServerClient, tag: str
+) -> None:
+    """One object may be registered under many names, and each name is kept: over gRPC
+    a name could be as long as a message (64 MiB), 1,024 times over."""
+    key = f"/kiln_sec_names_{tag}"
+    handle = shm.create_shared_memory_region("n", key, NBYTES * 2)
+    try:
+        for client in (http, grpc):
+            with pytest.raises(InferenceServerException) as err:
+                client.register_system_shared_memory("r" * 257, key, NBYTES * 2)
+            assert err.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+            assert str(err.value.message()) == (
+                "a shared memory region name is 1 to 256 characters, got 257"
+            )
+        grpc.register_system_shared_memory("r" * 256, key, NBYTES * 2)
+        assert [r["name"] for r in http.get_system_shared_memory_status()] == ["r" * 256]
+    finally:
+        shm.destroy_shared_memory_region(handle)
