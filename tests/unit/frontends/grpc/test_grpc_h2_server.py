@@ -5,6 +5,7 @@ cancellation, deadlines, metadata and many streams on one connection."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import gzip
 import threading
 import time
@@ -17,6 +18,7 @@ from kiln.core.access import AccessPolicy
 from kiln.frontends.grpc.h2 import connection as conn_module
 from kiln.frontends.grpc.h2 import frames as f
 from kiln.frontends.grpc.h2 import rpc
+from kiln.frontends.grpc.h2.calls import Call
 from kiln.frontends.grpc.h2.hpack import encode
 from tests.h2_client import InProcessServer, RawH2, in_process_server, message, request_headers
 
@@ -466,6 +468,13 @@ def test_held_request_bytes_return_to_zero() -> None:
             "(4 x --grpc-max-message-bytes)"
         )
         assert held() == [4 * 905]
+
+        def unfinished() -> list[int]:  # calls still buffering a message, alive or garbage
+            calls = [o for o in gc.get_objects() if isinstance(o, Call) and o.reader.partial]
+            return sorted(c.stream.id for c in calls)
+
+        # the refused call's bytes go at once, not when the collector finds it
+        assert server.call(unfinished) == [49, 51, 53, 55]
         raw.data(49, b"u" * 100, end_stream=True)  # one finishes: answered, its bytes freed
         assert raw.response(49).status == rpc.OK
         assert held() == [3 * 905]

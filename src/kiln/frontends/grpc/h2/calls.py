@@ -163,7 +163,7 @@ class Call:
     def on_reset(self) -> None:
         self._cancelled = not self.done
         self.done = True
-        self._release()
+        self._drop_unread()
         self._stop_timer()
         task = self.task
         if task is not None:
@@ -184,6 +184,14 @@ class Call:
         n = self._held if n is None else min(n, self._held)
         self._held -= n
         self.conn.held -= n
+
+    def _drop_unread(self) -> None:
+        """The call is over: what it holds goes now, not when the garbage collector finds
+        the call (it and its stream refer to each other)."""
+        if self.reader.partial:
+            self.reader = rpc.MessageReader(self.limit)
+        self.messages = []
+        self._release()
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -213,7 +221,7 @@ class Call:
         if self.done:
             return
         self.done = True
-        self._release()  # nothing more is taken
+        self._drop_unread()  # nothing more is taken
         self._stop_timer()
         block = rpc.status_block(code, message, trailers_only=not self.headers_sent)
         if self.headers_sent:
