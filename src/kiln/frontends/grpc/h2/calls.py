@@ -28,8 +28,10 @@ from kiln.frontends.grpc.h2.streams import Stream
 
 log = logging.getLogger(__name__)
 
-# Messages above this size are decompressed on a worker thread, off the event loop.
-INFLATE_INLINE_BYTES = 2**18
+# Compressed messages above this size are inflated on a worker thread, off the event loop
+# (zlib gives up the GIL meanwhile). Small: deflate inflates up to ~1,000-fold, so 256 KiB
+# held every client for the second its 256 MiB took; 1 KiB is at most a few milliseconds.
+INFLATE_INLINE_BYTES = 2**10
 # A streaming call whose handler has this many messages waiting stops giving flow-control
 # credit back, so a client that sends faster than the handler reads is held by its window.
 STREAM_BACKLOG = 16
