@@ -118,3 +118,20 @@ def test_history_times_out_of_range_are_400(base: str, query: str, words: str) -
     assert words in response.json()["error"]
     ok = requests.get(f"{base}/api/history?metric=throughput&start=now-5m", timeout=30)
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("length", ["-1", "+5", "1_0", "0x10", ""])
+def test_inference_header_content_length_is_plain_digits(base: str, length: str) -> None:
+    """Python's int() took '+5' and '1_0' (cutting the JSON at 10 bytes), and a negative
+    length was told it "is larger than the request body"."""
+    body = b'{"inputs": []}'
+    response = requests.post(
+        f"{base}/v2/models/simple/infer",
+        data=body,
+        headers={"Inference-Header-Content-Length": length},
+        timeout=30,
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == (
+        f"Inference-Header-Content-Length must be an integer >= 0, got '{length}'"
+    )

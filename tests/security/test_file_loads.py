@@ -135,3 +135,28 @@ def test_overlong_file_name_over_grpc_is_invalid_argument(explicit: KilnProcess)
     assert f"failed to load '{MODEL}', failed to poll from model repository" in str(
         err.value.message()
     )
+
+
+@pytest.mark.parametrize("opener", ["[", '{"input":'])
+def test_a_deeply_nested_config_override_is_a_400(explicit: KilnProcess, opener: str) -> None:
+    """Python's JSON parser gives up on deep nesting with RecursionError: that was a 500."""
+    closer = "]" if opener == "[" else "}"
+    config = opener * 100_000 + "1" + closer * 100_000
+    url = f"http://{explicit.http_url}/v2/repository/models/mlp/load"
+    response = requests.post(url, json={"parameters": {"config": config}}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == (
+        "failed to load 'mlp': <config override>: invalid JSON: nested too deeply"
+    )
+
+
+def test_a_bad_config_override_is_named_as_such(explicit: KilnProcess, example_repo: Path) -> None:
+    """The override is what is wrong, not the repository's config.pbtxt (whose server
+    path the message used to tell)."""
+    url = f"http://{explicit.http_url}/v2/repository/models/mlp/load"
+    config = json.dumps({"max_batch_size": -5})
+    response = requests.post(url, json={"parameters": {"config": config}}, timeout=60)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]
+    assert message == "failed to load 'mlp': <config override>: max_batch_size must be >= 0, got -5"
+    assert str(example_repo) not in message

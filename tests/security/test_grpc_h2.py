@@ -373,3 +373,37 @@ class TestMessageSizeDefault:
             assert response.status == 8  # RESOURCE_EXHAUSTED
             assert str(DEFAULT_MAX_INPUT_BYTES) in response.message
         assert_other_client_served(kiln_server.grpc_port)
+
+
+class TestUnfinishedRequests:
+    """Flow control credits a unary call's bytes as they arrive (one message may be larger
+    than every window), so the calls of one connection could hold a message of the largest
+    size each: 1,024 streams of 64 MiB. What they hold before their handlers take it is
+    bounded at four messages' worth a connection (finding: 40 streams held 640 MiB)."""
+
+    def test_a_connection_holds_at_most_four_messages_worth(
+        self, make_server: type[KilnProcess], example_repo: Path
+    ) -> None:
+        limit = 2**20
+        server = make_server(example_repo, args=["--grpc-max-message-bytes", str(limit)]).start()
+        part = b"\0" + u32(limit) + b"\0" * (600 * 2**10)  # 60 % of a message
+        with RawH2(server.grpc_port) as raw:
+            # streams 1 to 11 hold 3.6 MiB of unfinished messages together
+            for sid in range(1, 13, 2):
+                raw.headers(sid, request_headers(INFER))
+                raw.data(sid, part)
+            # stream 13 brings the connection past four messages' worth (4 MiB)
+            raw.headers(13, request_headers(INFER))
+            raw.data(13, part)
+            response = raw.response(13, timeout=10)
+            assert response.status == 8, response  # RESOURCE_EXHAUSTED
+            assert response.message == (
+                f"the connection holds more than {4 * limit} bytes of requests not yet "
+                "handled (4 x --grpc-max-message-bytes)"
+            )
+            # what the other streams hold is theirs: one finishes and is answered
+            body = infer_body()
+            raw.headers(15, request_headers(INFER))
+            raw.data(15, message(body), end_stream=True)
+            assert raw.response(15, timeout=10).status == 0
+        assert_other_client_served(server.grpc_port)

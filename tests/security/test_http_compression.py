@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
+import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
 from kiln.examples import build_example_repository
 from tests.conftest import KilnProcess
@@ -78,3 +82,58 @@ def test_a_whole_stream_still_works(
     status, out = _infer(server, body, encoding, chunked)
     assert status == 200, out
     assert out["outputs"][0]["data"] == [9] * 16
+
+
+def _probes_during(base: str, work: Callable[[], None]) -> int:
+    """Health probes sent and answered in the second half of ``work``'s run."""
+    done: list[float] = []
+
+    def run() -> None:
+        work()
+        done.append(time.monotonic())
+
+    probes: list[tuple[float, float]] = []
+    session = requests.Session()
+    session.get(f"{base}/v2/health/live", timeout=30)  # a warm connection
+    worker = threading.Thread(target=run)
+    start = time.monotonic()
+    worker.start()
+    while worker.is_alive():
+        sent = time.monotonic()
+        assert session.get(f"{base}/v2/health/live", timeout=60).status_code == 200
+        probes.append((sent, time.monotonic()))
+    worker.join()
+    middle = start + (done[0] - start) / 2
+    return len([p for p in probes if p[0] >= middle and p[1] < done[0]])
+
+
+SIZE = 200 << 20  # inflated: about a second of zlib's work
+HEADER = json.dumps(
+    {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, SIZE // 4],
+                 "parameters": {"binary_data_size": SIZE}}]}
+).encode()  # fmt: skip
+
+
+def test_a_body_inflates_while_other_clients_are_answered(
+    make_server: type[KilnProcess], example_repo: Path
+) -> None:
+    """200 KB of gzip that inflate to 200 MiB held the event loop for their whole
+    inflation (60 KB took a quarter of a second of everyone's time under the default
+    limit). A binary body keeps the JSON small: only inflation costs. Only the order of
+    events is checked."""
+    proc = make_server(example_repo, ["--http-max-input-size", str(SIZE + (1 << 20))]).start()
+    bomb = gzip.compress(HEADER + bytes(SIZE), 6)
+    answers: list[Any] = []
+
+    def send() -> None:
+        sock, reader = connect(proc.http_port)
+        with sock:
+            extra = f"Content-Encoding: gzip\r\nInference-Header-Content-Length: {len(HEADER)}\r\n"
+            sock.sendall(post(INFER, bomb, extra))
+            answers.append(reader.response())
+
+    during = _probes_during(f"http://{proc.http_url}", send)
+    status, _, out = answers[0]
+    assert status == 400, out  # inflated whole, then refused by core
+    assert "missing required input(s) ['INPUT1']" in json.loads(out)["error"]
+    assert during >= 3

@@ -423,3 +423,71 @@ def test_python_arenas_are_removed_when_the_exit_timeout_forces_exit(
                 else:
                     p.unlink()
         thread.join(30)
+
+
+def _peak_rss(server: KilnProcess) -> int:
+    assert server.proc is not None
+    status = Path(f"/proc/{server.proc.pid}/status").read_text()
+    line = next(x for x in status.splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_a_window_the_shape_does_not_fill_is_refused_before_it_is_read(
+    http: httpclient.InferenceServerClient,
+    grpc: grpcclient.InferenceServerClient,
+    server: KilnProcess,
+    tag: str,
+) -> None:
+    """A sparse object costs its client nothing; the server used to read the whole
+    ``shared_memory_byte_size`` (a GiB, on the event loop) before it compared it with the
+    shape's 64 bytes."""
+    gib = 1 << 30
+    path = SHM / f"kiln_sec_sparse_{tag}"
+    with path.open("wb") as f:
+        f.truncate(gib)
+    http.register_system_shared_memory("sparse", f"/{path.name}", gib)
+    before = _peak_rss(server)
+    body = {
+        "inputs": [
+            {"name": n, "datatype": "INT32", "shape": [1, 16], "parameters": {
+                "shared_memory_region": "sparse", "shared_memory_byte_size": gib}}
+            for n in ("INPUT0", "INPUT1")
+        ]
+    }  # fmt: skip
+    r = requests.post(f"http://{server.http_url}/v2/models/simple/infer", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == (
+        f"input 'INPUT0' for model 'simple': shared_memory_byte_size {gib} of region 'sparse' "
+        "does not match shape [1,16] of INT32, which needs 64 bytes"
+    )
+    inputs = _grpc_inputs("sparse")
+    inputs[1].set_shared_memory("sparse", NBYTES * 2, offset=NBYTES)
+    with pytest.raises(InferenceServerException, match="region 'sparse' does not match") as err:
+        grpc.infer("simple", inputs)
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert _peak_rss(server) - before < gib // 2
+    np.testing.assert_array_equal(  # a window that matches is read as before
+        http.infer("simple", _simple_inputs("sparse")).as_numpy("OUTPUT0"),
+        np.zeros((1, 16), dtype=np.int32),
+    )
+
+
+def test_region_names_are_bounded(
+    http: httpclient.InferenceServerClient, grpc: grpcclient.InferenceServerClient, tag: str
+) -> None:
+    """One object may be registered under many names, and each name is kept: over gRPC
+    a name could be as long as a message (64 MiB), 1,024 times over."""
+    key = f"/kiln_sec_names_{tag}"
+    handle = shm.create_shared_memory_region("n", key, NBYTES * 2)
+    try:
+        for client in (http, grpc):
+            with pytest.raises(InferenceServerException) as err:
+                client.register_system_shared_memory("r" * 257, key, NBYTES * 2)
+            assert err.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+            assert str(err.value.message()) == (
+                "a shared memory region name is 1 to 256 characters, got 257"
+            )
+        grpc.register_system_shared_memory("r" * 256, key, NBYTES * 2)
+        assert [r["name"] for r in http.get_system_shared_memory_status()] == ["r" * 256]
+    finally:
+        shm.destroy_shared_memory_region(handle)

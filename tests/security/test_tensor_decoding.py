@@ -148,6 +148,81 @@ def test_a_big_json_body_is_decoded_while_other_clients_are_answered(base: str) 
     assert len(during_decode) >= 3, (len(probes), done[0] - start)
 
 
+def test_a_big_generate_body_is_decoded_while_other_clients_are_answered(base: str) -> None:
+    """As above, on Triton's generate extension (``/generate`` decoded its JSON on the
+    event loop: 24 MB held every other client for a second)."""
+    count = 4_000_000
+    body = b'{"INPUT0":[%s]}' % b",".join([b"1"] * count)
+    done: list[float] = []
+    answer: list[requests.Response] = []
+
+    def big() -> None:
+        answer.append(requests.post(f"{base}/v2/models/simple/generate", data=body, timeout=120))
+        done.append(time.monotonic())
+
+    probes: list[tuple[float, float]] = []
+    session = requests.Session()
+    session.get(f"{base}/v2/health/live", timeout=30)  # a warm connection
+    worker = threading.Thread(target=big)
+    start = time.monotonic()
+    worker.start()
+    while worker.is_alive():
+        sent = time.monotonic()
+        assert session.get(f"{base}/v2/health/live", timeout=60).status_code == 200
+        probes.append((sent, time.monotonic()))
+    worker.join()
+    assert answer[0].status_code == 400  # decoded, then refused by core
+    assert "missing required input(s) ['INPUT1']" in answer[0].json()["error"]
+    middle = start + (done[0] - start) / 2
+    during_decode = [p for p in probes if p[0] >= middle and p[1] < done[0]]
+    assert len(during_decode) >= 3, (len(probes), done[0] - start)
+
+
+@pytest.mark.parametrize("kind", ["typed", "bytes"])
+def test_a_big_grpc_message_is_decoded_while_other_clients_are_answered(
+    base: str, kiln_server: KilnProcess, kind: str
+) -> None:
+    """As above, over gRPC: typed ``contents`` become an array value by value, and BYTES
+    raw contents are walked element by element; both ran on the event loop (24 MB held
+    every HTTP and gRPC client for over a second)."""
+    count = 16_000_000 if kind == "typed" else 4_000_000  # about a second of decoding each
+    msg = pb.ModelInferRequest(model_name="simple" if kind == "typed" else "simple_string")
+    if kind == "typed":
+        tensor = msg.inputs.add(name="INPUT0", datatype="INT32", shape=[1, count])
+        tensor.contents.int_contents.extend([1] * count)
+    else:
+        msg.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, count])
+        msg.raw_input_contents.append(struct.pack("<I", 0) * count)
+    done: list[float] = []
+    answer: list[grpc.RpcError] = []
+
+    def big() -> None:
+        options = [("grpc.max_send_message_length", 256 * MiB)]
+        with grpc.insecure_channel(kiln_server.grpc_url, options=options) as channel:
+            try:
+                inference_stub(channel).ModelInfer(msg, timeout=120)
+            except grpc.RpcError as exc:
+                answer.append(exc)
+        done.append(time.monotonic())
+
+    probes: list[tuple[float, float]] = []
+    session = requests.Session()
+    session.get(f"{base}/v2/health/live", timeout=30)  # a warm connection
+    worker = threading.Thread(target=big)
+    start = time.monotonic()
+    worker.start()
+    while worker.is_alive():
+        sent = time.monotonic()
+        assert session.get(f"{base}/v2/health/live", timeout=60).status_code == 200
+        probes.append((sent, time.monotonic()))
+    worker.join()
+    assert answer and answer[0].code() == grpc.StatusCode.INVALID_ARGUMENT  # decoded, refused
+    assert "missing required input(s) ['INPUT1']" in (answer[0].details() or "")
+    middle = start + (done[0] - start) / 2
+    during_decode = [p for p in probes if p[0] >= middle and p[1] < done[0]]
+    assert len(during_decode) >= 3, (len(probes), done[0] - start)
+
+
 def test_max_tensor_elements_is_applied_before_decoding_and_to_streams(
     make_server: type[KilnProcess], example_repo: Path
 ) -> None:
@@ -156,6 +231,16 @@ def test_max_tensor_elements_is_applied_before_decoding_and_to_streams(
     body = {"inputs": [dict(tensor, name="INPUT0"), dict(tensor, name="INPUT1")]}
     response = requests.post(
         f"http://{server.http_url}/v2/models/simple/infer", json=body, timeout=30
+    )
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]
+    assert "input 'INPUT0' for model 'simple' has 2000 elements" in message
+    assert "(--max-tensor-elements)" in message
+    # Triton's generate extension too: before its data is decoded
+    response = requests.post(
+        f"http://{server.http_url}/v2/models/simple/generate",
+        json={"INPUT0": ["not a number"] * 2000, "INPUT1": 1},
+        timeout=30,
     )
     assert response.status_code == 400, response.text
     message = response.json()["error"]

@@ -225,6 +225,8 @@ def config_from_json(data: str | bytes | dict[str, Any]) -> ModelConfig:
             raise ConfigError(f"invalid JSON: {exc.msg}", path, exc.lineno, exc.colno) from None
         except UnicodeDecodeError as exc:
             raise ConfigError(f"invalid JSON: {exc}", path) from None
+        except RecursionError:  # Python's parser gives up on deep nesting this way
+            raise ConfigError("invalid JSON: nested too deeply", path) from None
     if not isinstance(data, dict):
         raise ConfigError(
             f"a model configuration must be a JSON object, not {type(data).__name__}", path
@@ -234,6 +236,8 @@ def config_from_json(data: str | bytes | dict[str, Any]) -> ModelConfig:
         json_format.ParseDict(data, cfg)
     except (json_format.ParseError, TypeError, ValueError) as exc:
         raise _json_error(str(exc), path) from None
+    except RecursionError:
+        raise ConfigError("invalid JSON: nested too deeply", path) from None
     return cfg
 
 

@@ -24,6 +24,8 @@ Control = ModelSequenceBatching.Control
 # Triton's default when max_sequence_idle_microseconds is 0 (unset).
 DEFAULT_IDLE_US = 1_000_000
 _UINT64_MAX = 2**64 - 1
+#: characters of a string correlation id (a UUID is 36)
+MAX_STRING_ID = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +181,13 @@ def parse_flags(parameters: dict[str, Any], model: str, iterative: bool = False)
         raise invalid_arg(
             f"request parameter 'sequence_id' for model '{model}' must be an unsigned "
             f"integer or a string, got {corrid!r}"
+        )
+    if isinstance(corrid, str) and len(corrid) > MAX_STRING_ID:
+        # the scheduler keeps thousands of ended ids (``GoneIds``): a long one is memory
+        # the client chose, held for the server's life
+        raise invalid_arg(
+            f"request parameter 'sequence_id' for model '{model}' is a string of "
+            f"{len(corrid)} characters, more than {MAX_STRING_ID}"
         )
     if isinstance(corrid, int) and not 0 <= corrid <= _UINT64_MAX:
         raise invalid_arg(

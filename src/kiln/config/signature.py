@@ -125,9 +125,17 @@ class ModelSignature:
                 raise invalid_arg(
                     f"inference request batch-size must be <= {self.max_batch_size} for '{model}'"
                 )
+        wanted: set[str] = set()
         for out in request.outputs:
             if out.name not in self.outputs:
                 raise invalid_arg(f"unexpected inference output '{out.name}' for model '{model}'")
+            # Each copy would be answered (and encoded) again: a body of one output
+            # repeated costs the server work quadratic in its length.
+            if out.name in wanted:
+                raise invalid_arg(
+                    f"output '{out.name}' requested more than once for model '{model}'"
+                )
+            wanted.add(out.name)
         return max(batch, 1)
 
 

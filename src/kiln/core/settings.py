@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from kiln.core.trace_otel import OtelOptions
 
 TRACE_LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
+#: values one trace setting may hold (trace_level's are a few of TRACE_LEVELS)
+MAX_TRACE_VALUES = 16
 _TRACE_INTS = ("trace_rate", "trace_count", "log_frequency")
 _TRACE_DEFAULTS = {
     "trace_file": [""],
@@ -63,6 +65,13 @@ class TraceSettings:
             raise invalid_arg(
                 f"unknown trace setting '{key}'; known settings: {sorted(_TRACE_DEFAULTS)}"
             )
+        # Before anything walks them: values are kept and sent back with every read.
+        if len(values) > MAX_TRACE_VALUES:
+            raise invalid_arg(
+                f"trace setting '{key}' takes at most {MAX_TRACE_VALUES} values, got {len(values)}"
+            )
+        if not all(isinstance(v, str) for v in values):  # a JSON body's list
+            raise invalid_arg(f"trace setting '{key}' must be a string or list of strings")
         if key == "trace_level":
             bad = [v for v in values if v not in TRACE_LEVELS]
             if bad:
@@ -190,6 +199,7 @@ def _otel_setting(otel: OtelOptions, flag: str, name: str, value: str) -> None:
         setattr(otel, name, int(value))
 
 
+_UINT32_MAX = 2**32 - 1
 _LOG_TYPES: dict[str, type] = {
     "log_file": str,
     "log_info": bool,
@@ -225,9 +235,15 @@ class LogSettings:
                 raise invalid_arg(
                     f"unknown log setting '{key}'; known settings: {sorted(_LOG_TYPES)}"
                 )
-            if type(value) is not kind or (isinstance(value, int) and value < 0):
-                expected = "non-negative integer" if kind is int else kind.__name__
-                raise invalid_arg(f"log setting '{key}' must be a {expected}, got {value!r}")
+            if type(value) is not kind:
+                expected = "an integer" if kind is int else f"a {kind.__name__}"
+                raise invalid_arg(f"log setting '{key}' must be {expected}, got {value!r}")
+            if isinstance(value, int) and not 0 <= value <= _UINT32_MAX:
+                # Triton's uint32: gRPC's answer carries it as one (a larger value made
+                # every LogSettings call fail)
+                raise invalid_arg(
+                    f"log setting '{key}' must be an integer from 0 to {_UINT32_MAX}, got {value!r}"
+                )
             if key == "log_format" and value not in ("default", "ISO8601"):
                 raise invalid_arg(f"log_format must be 'default' or 'ISO8601', got '{value}'")
             if key == "log_file" and value != self.values["log_file"]:

@@ -25,6 +25,8 @@ from kiln.core.errors import KilnError, Status, invalid_arg, not_found
 SHM_ROOT = Path("/dev/shm")
 #: ``--max-shm-regions``' default: each region holds one descriptor.
 MAX_REGIONS = 1024
+#: characters of a region name (one object may be registered under many names)
+MAX_REGION_NAME = 256
 
 # O_NOFOLLOW: a symlink in /dev/shm must not lead the server to a file of its choosing.
 # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused right after).
@@ -58,6 +60,10 @@ class SharedMemoryManager:
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         if not name:
             raise invalid_arg("a shared memory region needs a name")
+        if len(name) > MAX_REGION_NAME:  # kept for the region's life, up to max_regions
+            raise invalid_arg(
+                f"a shared memory region name is 1 to {MAX_REGION_NAME} characters, got {len(name)}"
+            )
         for what, value in (("offset", offset), ("byte_size", byte_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise invalid_arg(

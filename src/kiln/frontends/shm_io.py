@@ -10,7 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.core.errors import invalid_arg
-from kiln.core.types import InferenceRequest, InferenceResponse
+from kiln.core.types import (
+    DataType,
+    InferenceRequest,
+    InferenceResponse,
+    InferInput,
+    element_count,
+)
 from kiln.frontends.tensors import from_binary, to_binary
 from kiln.server.server import Server
 
@@ -35,6 +41,21 @@ def window(kind: str, tensor: str, params: dict[str, Any]) -> tuple[str, int, in
     return region, size, offset
 
 
+def _check_input_window(model: str, tensor: InferInput, region: str, size: int) -> None:
+    """A fixed-size tensor's window must be exactly what its shape needs: the window is
+    read whole, so a client's byte size must not size that read on its own (a sparse
+    object costs its client nothing)."""
+    if tensor.datatype is DataType.BYTES:
+        return  # its elements' lengths are in the data: checked as it is decoded
+    needed = element_count(tensor.shape) * tensor.datatype.itemsize
+    if size != needed:
+        raise invalid_arg(
+            f"input '{tensor.name}' for model '{model}': {BYTE_SIZE} {size} of region "
+            f"'{region}' does not match shape [{','.join(map(str, tensor.shape))}] of "
+            f"{tensor.datatype.value}, which needs {needed} bytes"
+        )
+
+
 async def infer(server: Server, request: InferenceRequest) -> InferenceResponse:
     """``server.infer`` with shared-memory inputs read and outputs written."""
     used: list[str] = []
@@ -43,6 +64,7 @@ async def infer(server: Server, request: InferenceRequest) -> InferenceResponse:
         if place is None:
             continue
         region, size, offset = place
+        _check_input_window(request.model_name, tensor, region, size)
         raw = server.shm.read(region, offset, size, tensor.name)
         tensor.data = from_binary(tensor.name, tensor.datatype, tensor.shape, memoryview(raw))
         used.append(region)

@@ -10,6 +10,9 @@ from kiln.core.errors import invalid_arg
 from kiln.core.types import DataType, element_count
 
 _LEN = struct.Struct("<I")
+# Requests larger than this (HTTP bodies, gRPC messages) decode off the event loop: JSON
+# values, typed gRPC contents and BYTES elements cost Python work each.
+OFF_LOOP_DECODE_BYTES = 1 << 20
 
 
 def serialize_bytes(data: np.ndarray) -> bytes:

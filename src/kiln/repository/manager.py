@@ -24,6 +24,7 @@ from kiln.backends.base import Backend
 from kiln.backends.registry import backend_class, backend_name, platform_for
 from kiln.config.ensemble_graph import is_ensemble
 from kiln.config.loader import (
+    JSON_OVERRIDE_PATH,
     ConfigError,
     config_from_json,
     load_config_file,
@@ -308,7 +309,9 @@ class RepositoryManager(Generic[R]):
             config = ModelConfig()
         if not config.name:
             config.name = name
-        problems = validate_config(config, name, str(config_path), text=text)
+        # an override's problems are the override's, not the folder's config.pbtxt
+        source = JSON_OVERRIDE_PATH if config_json is not None else str(config_path)
+        problems = validate_config(config, name, source, text=text)
         if problems:
             raise problems[0]
         versions = version_dirs(model_dir)
@@ -330,13 +333,13 @@ class RepositoryManager(Generic[R]):
             cls.auto_complete_config(config, versions[chosen[-1]])
         elif not len(config.output) and not is_ensemble(config):
             raise KilnError(
-                f"failed to load '{name}': {config_path} declares no output, and auto-complete "
+                f"failed to load '{name}': {source} declares no output, and auto-complete "
                 "is disabled (--disable-auto-complete-config), so none is read from the model",
                 Status.INVALID_ARG,
             )
         _complete_scheduling(config, default_batcher=self.auto_complete)
         check_config_paths(config, name)
-        problems = validate_config(config, name, str(config_path), text=None)
+        problems = validate_config(config, name, source, text=None)
         if problems:
             raise problems[0]
         if is_ensemble(config):

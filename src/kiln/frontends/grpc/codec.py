@@ -46,6 +46,7 @@ TYPED_FIELD = {
 }
 
 SHM_REGION = "shared_memory_region"
+_CHUNK = 1 << 16  # typed contents copied per slice (``_array``)
 
 
 # ---- parameters ----------------------------------------------------------------------
@@ -156,12 +157,10 @@ def from_contents(
             f"contents.{field} holds {len(values)}"
         )
     if datatype is DataType.BYTES:
-        arr = np.empty(count, dtype=object)
-        arr[:] = list(values)
-        return arr.reshape(shape)
+        return _array(values, np.dtype(object)).reshape(shape)
     if field in ("int_contents", "uint_contents") and datatype.itemsize < 4:
         # INT8/INT16/UINT8/UINT16 travel widened: refuse values their type cannot hold.
-        wide = np.array(values, dtype=np.int64)
+        wide = _array(values, np.dtype(np.int64))
         info = np.iinfo(datatype.numpy_dtype)
         if wide.size and (wide.min() < info.min or wide.max() > info.max):
             raise invalid_arg(
@@ -169,7 +168,17 @@ def from_contents(
                 f"{datatype.value} [{info.min}, {info.max}]"
             )
         return wide.astype(datatype.numpy_dtype).reshape(shape)
-    return np.array(values, dtype=datatype.numpy_dtype).reshape(shape)
+    return _array(values, datatype.numpy_dtype).reshape(shape)
+
+
+def _array(values: Any, dtype: np.dtype[Any]) -> np.ndarray:
+    """A repeated field's values as a ``dtype`` array, copied a slice at a time: one NumPy
+    call over millions of a message's values never gives up the GIL, so it would hold the
+    event loop even from the worker thread a big message decodes on."""
+    out = np.empty(len(values), dtype=dtype)
+    for start in range(0, len(values), _CHUNK):
+        out[start : start + _CHUNK] = values[start : start + _CHUNK]
+    return out
 
 
 # ---- response ------------------------------------------------------------------------

@@ -15,11 +15,13 @@ from kiln.core.errors import KilnError
 from kiln.core.header_forward import header_forward
 from kiln.core.stream import CLIENT_STREAM_WINDOW
 from kiln.core.trace import FRONTEND, FrontendSlot, frontend_done, trace_context
+from kiln.core.types import InferenceRequest
 from kiln.frontends import shm_io
 from kiln.frontends.grpc import grpc_service_pb2 as pb
 from kiln.frontends.grpc.codec import decode_request, encode_response, parameters_to_dict
 from kiln.frontends.grpc.errors import error_message, guarded
 from kiln.frontends.grpc.shared_memory import Context, SharedMemoryRpcs
+from kiln.frontends.tensors import OFF_LOOP_DECODE_BYTES
 from kiln.server.server import Server
 
 log = logging.getLogger(__name__)
@@ -114,10 +116,18 @@ class InferenceServicer(SharedMemoryRpcs):
         return _parse(stats, pb.ModelStatisticsResponse())
 
     # ---- inference -------------------------------------------------------------------
+    async def _decode(self, message: pb.ModelInferRequest) -> InferenceRequest:
+        """As HTTP's ``infer_body``: typed contents and BYTES elements cost Python work
+        each, so a big message decodes on a thread while other clients are answered."""
+        limit = self.server.options.max_tensor_elements
+        if message.ByteSize() > OFF_LOOP_DECODE_BYTES:
+            return await asyncio.to_thread(decode_request, message, limit)
+        return decode_request(message, limit)
+
     async def _infer(
         self, message: pb.ModelInferRequest, forwarded: dict[str, str] | None
     ) -> pb.ModelInferResponse:
-        request = decode_request(message, self.server.options.max_tensor_elements)
+        request = await self._decode(message)
         if forwarded:
             request.parameters.update(forwarded)
         response = await shm_io.infer(self.server, request)
@@ -143,7 +153,7 @@ class InferenceServicer(SharedMemoryRpcs):
         token = FRONTEND.set(slot)
         send_start = 0
         try:
-            decoded = decode_request(request, self.server.options.max_tensor_elements)
+            decoded = await self._decode(request)
             if forwarded:
                 decoded.parameters.update(forwarded)
             slot.recv_end = time.monotonic_ns()
@@ -171,7 +181,7 @@ class InferenceServicer(SharedMemoryRpcs):
 
         async def one(message: pb.ModelInferRequest) -> None:
             try:
-                request = decode_request(message, self.server.options.max_tensor_elements)
+                request = await self._decode(message)
                 if forwarded:
                     request.parameters.update(forwarded)
                 if self.server.is_decoupled(request.model_name, request.model_version):

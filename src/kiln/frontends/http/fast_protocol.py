@@ -197,7 +197,7 @@ def fast_infer_protocol(
             try:
                 body = b"".join(cycle.body)
                 if "content-encoding" in headers:
-                    body = frontend.decode_body(body, headers["content-encoding"])
+                    body = await frontend.inflate(body, headers["content-encoding"])
             except KilnError as exc:
                 status, out, extra = error(exc)
             else:

@@ -21,18 +21,29 @@ from starlette.responses import Response, StreamingResponse
 
 from kiln.config.signature import ModelSignature
 from kiln.core.errors import KilnError, invalid_arg
+from kiln.core.limits import tensor_elements
 from kiln.core.stream import CLIENT_STREAM_WINDOW
 from kiln.core.types import InferenceRequest, InferenceResponse, InferInput, element_count
 from kiln.frontends import disconnect
 from kiln.frontends.http import llm_generate
-from kiln.frontends.http.codec import from_json, parse_json, to_json_data
+from kiln.frontends.http.codec import (
+    from_json,
+    parse_json,
+    to_json_data,
+)
+from kiln.frontends.tensors import OFF_LOOP_DECODE_BYTES
 
 _RESERVED = ("id", "parameters")
 
 
 def decode_generate(
-    body: dict[str, Any], signature: ModelSignature, model: str, version: str
+    body: dict[str, Any],
+    signature: ModelSignature,
+    model: str,
+    version: str,
+    max_elements: int = 0,
 ) -> InferenceRequest:
+    """``max_elements``: ``--max-tensor-elements`` (0: none), applied before decoding data."""
     params = body.get("parameters") or {}
     if not isinstance(params, dict):
         raise invalid_arg("generate request: 'parameters' must be an object")
@@ -56,6 +67,7 @@ def decode_generate(
             shape = (len(flat),)  # a flat list fills a one-dimensional input
         if batching:
             shape = (1, *shape)
+        tensor_elements(model, key, shape, max_elements)  # before any data is decoded
         data = from_json(key, spec.datatype, shape, flat)
         request.inputs.append(InferInput(key, spec.datatype, shape, data))
     return request
@@ -79,12 +91,23 @@ def _dumps(obj: Any) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+def _decode(
+    body: bytes, signature: ModelSignature, model: str, version: str, max_elements: int
+) -> InferenceRequest:
+    return decode_generate(parse_json(body), signature, model, version, max_elements)
+
+
 async def _request(frontend: Any, request: Request) -> InferenceRequest:
     p = request.path_params
     name, version = p["model"], p.get("version", "")
     body = await frontend.read_body(request)
     signature = frontend.server.model(name, version).signature
-    decoded = decode_generate(parse_json(body), signature, name, version)
+    args = (body, signature, name, version, frontend.server.options.max_tensor_elements)
+    if len(body) > OFF_LOOP_DECODE_BYTES:
+        # as ``infer_body``: a big JSON body decodes on a thread, other clients go on
+        decoded = await asyncio.to_thread(_decode, *args)
+    else:
+        decoded = _decode(*args)
     forward = frontend.header_forward
     if forward is not None:  # --http-header-forward-pattern
         decoded.parameters.update(forward.select(request.headers.items()))

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kiln.frontends.grpc.h2 import huffman
 from kiln.frontends.grpc.h2.hpack import (
     Decoder,
+    HeaderListTooLarge,
     HpackError,
     decode_int,
     encode,
@@ -227,6 +228,16 @@ def test_size_update_evicts_and_is_bounded_by_our_setting() -> None:
     assert d.table == []
     with pytest.raises(HpackError, match="above the limit"):
         d.decode(encode_int(4097, 5, 0x20))
+
+
+def test_size_update_does_not_count_towards_the_list() -> None:
+    """A table size update is no field: its value was taken for the list's size, so a
+    list within the limit was refused after a size update to 4096."""
+    d = Decoder(max_table_size=4096, max_list_size=100)
+    field = b"\x00" + encode_int(1, 7) + b"a" + encode_int(60, 7) + b"v" * 60  # 93 bytes
+    assert d.decode(encode_int(4096, 5, 0x20) + field) == ((b"a", b"v" * 60),)
+    with pytest.raises(HeaderListTooLarge):
+        d.decode(encode_int(4096, 5, 0x20) + field + field)  # 186 bytes: over
 
 
 def test_entry_larger_than_the_table_empties_it() -> None:

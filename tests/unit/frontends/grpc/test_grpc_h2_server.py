@@ -5,6 +5,7 @@ cancellation, deadlines, metadata and many streams on one connection."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import gzip
 import threading
 import time
@@ -17,6 +18,7 @@ from kiln.core.access import AccessPolicy
 from kiln.frontends.grpc.h2 import connection as conn_module
 from kiln.frontends.grpc.h2 import frames as f
 from kiln.frontends.grpc.h2 import rpc
+from kiln.frontends.grpc.h2.calls import Call
 from kiln.frontends.grpc.h2.hpack import encode
 from tests.h2_client import InProcessServer, RawH2, in_process_server, message, request_headers
 
@@ -427,3 +429,52 @@ def test_binary_metadata_that_is_not_base64_arrives_as_sent(server: InProcessSer
         assert raw.response(1).status == 0
     metadata = dict(server.seen.metadata[-1])
     assert metadata == {"a-bin": b"\0\1\2", "b-bin": b"!!not base64"}
+
+
+def test_held_request_bytes_return_to_zero() -> None:
+    """Every way a call ends gives back what it held (calls.HELD_MESSAGES_PER_CONNECTION):
+    a long-lived connection must not drift into refusing calls. The budget here is 4 KB."""
+    with in_process_server(max_message_bytes=1000) as server, RawH2(server.port) as raw:
+
+        def held() -> list[int]:
+            return server.call(lambda: [c.held for c in server.server.connections])
+
+        for i in range(20):  # answered unary calls: 20 KB through a 4 KB budget
+            raw.unary(2 * i + 1, "/t/Echo", b"x" * 900)
+            assert raw.response(2 * i + 1).status == rpc.OK
+        raw.headers(41, request_headers("/t/Stream"))
+        for _ in range(10):
+            raw.data(41, message(b"y" * 900))
+        raw.data(41, b"", end_stream=True)
+        assert raw.response(41).data == message(b"y" * 900) * 10
+        raw.headers(43, request_headers("/t/Echo"))
+        raw.data(43, message(b"z" * 10)[:8])  # unfinished, then reset by the client
+        raw.frame(f.RST_STREAM, 0, 43, (8).to_bytes(4, "big"))
+        raw.headers(45, request_headers("/t/Echo"))
+        raw.data(45, message(b"w" * 1001))  # over the message limit
+        assert raw.response(45).status == rpc.RESOURCE_EXHAUSTED
+        raw.headers(47, request_headers("/t/Echo"))
+        raw.data(47, message(b"a") + message(b"b"))  # refused: two for a unary call
+        assert raw.response(47).status == rpc.INTERNAL
+        assert held() == [0]
+        # unfinished messages past the budget: the call that crosses it is refused
+        for sid in (49, 51, 53, 55, 57):
+            raw.headers(sid, request_headers("/t/Echo"))
+            raw.data(sid, rpc.prefix(1000) + b"u" * 900)
+        r = raw.response(57)
+        assert r.status == rpc.RESOURCE_EXHAUSTED
+        assert r.message == (
+            "the connection holds more than 4000 bytes of requests not yet handled "
+            "(4 x --grpc-max-message-bytes)"
+        )
+        assert held() == [4 * 905]
+
+        def unfinished() -> list[int]:  # calls still buffering a message, alive or garbage
+            calls = [o for o in gc.get_objects() if isinstance(o, Call) and o.reader.partial]
+            return sorted(c.stream.id for c in calls)
+
+        # the refused call's bytes go at once, not when the collector finds it
+        assert server.call(unfinished) == [49, 51, 53, 55]
+        raw.data(49, b"u" * 100, end_stream=True)  # one finishes: answered, its bytes freed
+        assert raw.response(49).status == rpc.OK
+        assert held() == [3 * 905]

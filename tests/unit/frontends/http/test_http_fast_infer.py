@@ -149,7 +149,7 @@ def test_unknown_model_and_bad_header_length_are_precise(server: Server) -> None
     assert status == 404 and "'nope'" in json.loads(out)["error"]
     bad = {"inference-header-content-length": "abc"}
     status, _, out = start_of(call(server, "POST", "/v2/models/mlp/infer", chunks(body, 1), bad))
-    assert status == 400 and "must be an integer, got 'abc'" in json.loads(out)["error"]
+    assert status == 400 and "must be an integer >= 0, got 'abc'" in json.loads(out)["error"]
 
 
 def test_client_disconnect_mid_body_sends_nothing(server: Server) -> None:

@@ -28,11 +28,21 @@ from kiln.frontends.grpc.h2.streams import Stream
 
 log = logging.getLogger(__name__)
 
-# Messages above this size are decompressed on a worker thread, off the event loop.
-INFLATE_INLINE_BYTES = 2**18
+# Compressed messages above this size are inflated on a worker thread, off the event loop
+# (zlib gives up the GIL meanwhile). Small: deflate inflates up to ~1,000-fold, so 256 KiB
+# held every client for the second its 256 MiB took; 1 KiB is at most a few milliseconds.
+INFLATE_INLINE_BYTES = 2**10
 # A streaming call whose handler has this many messages waiting stops giving flow-control
 # credit back, so a client that sends faster than the handler reads is held by its window.
 STREAM_BACKLOG = 16
+# A unary call's bytes are credited back as they arrive (a message may be larger than every
+# window), so without a bound the calls of one connection could hold a message of the
+# largest size each (MAX_CONCURRENT_STREAMS of them). What a connection's calls hold before
+# their handlers take it (unfinished messages, unary requests not yet parsed) is at most
+# this many messages of the largest size; the call whose bytes pass it ends with
+# RESOURCE_EXHAUSTED.
+HELD_MESSAGES_PER_CONNECTION = 4
+_PREFIX = 5  # a message's compressed flag and length
 
 _CODES: dict[Any, int] = {code: code.value[0] for code in grpc.StatusCode}
 
@@ -62,9 +72,9 @@ class Route:
 
 class Call:
     __slots__ = (
-        "_cancelled", "_code", "_details", "_orphaned", "_withheld", "conn", "deadline", "done",
-        "encoding", "headers", "headers_sent", "limit", "messages", "queue", "reader", "registry",
-        "route", "stream", "task", "timer",
+        "_cancelled", "_code", "_details", "_held", "_orphaned", "_withheld", "conn", "deadline",
+        "done", "encoding", "headers", "headers_sent", "limit", "messages", "queue", "reader",
+        "registry", "route", "stream", "task", "timer",
     )  # fmt: skip
 
     def __init__(
@@ -101,6 +111,7 @@ class Call:
         self._cancelled = False
         self._withheld = 0  # bytes received but not credited back (a full backlog)
         self._orphaned = False  # counted in conn.orphans until the task ends
+        self._held = 0  # its part of conn.held
 
     # ---- from the connection ---------------------------------------------------------
     def on_data(self, data: bytes) -> None:
@@ -110,6 +121,23 @@ class Call:
             messages = self.reader.feed(data)
         except rpc.MessageTooLarge as exc:
             self.finish(rpc.RESOURCE_EXHAUSTED, str(exc))
+            return
+        # Held: a unary call's bytes until its handler takes the request; a streaming
+        # call's unfinished message (whole ones wait in its queue, under flow control).
+        grow = len(data)
+        if self.queue is not None and messages:
+            grow -= sum(_PREFIX + len(payload) for _, payload in messages)
+        self._held += grow
+        self.conn.held += grow
+        budget = HELD_MESSAGES_PER_CONNECTION * self.limit
+        if grow > 0 and self.conn.held > budget:
+            self.finish(
+                rpc.RESOURCE_EXHAUSTED,
+                f"the connection holds more than {budget} bytes of requests not yet handled "
+                f"({HELD_MESSAGES_PER_CONNECTION} x --grpc-max-message-bytes)",
+            )
+            if self.task is not None:
+                self.task.cancel()  # a streaming call's handler waits for its next message
             return
         queue = self.queue
         if queue is None:
@@ -137,6 +165,7 @@ class Call:
     def on_reset(self) -> None:
         self._cancelled = not self.done
         self.done = True
+        self._drop_unread()
         self._stop_timer()
         task = self.task
         if task is not None:
@@ -150,6 +179,21 @@ class Call:
 
     def _released(self, task: asyncio.Task[None]) -> None:
         self.conn.orphans -= 1
+
+    def _release(self, n: int | None = None) -> None:
+        """The handler took ``n`` of the bytes this call holds (None: all of them, or the
+        call is over)."""
+        n = self._held if n is None else min(n, self._held)
+        self._held -= n
+        self.conn.held -= n
+
+    def _drop_unread(self) -> None:
+        """The call is over: what it holds goes now, not when the garbage collector finds
+        the call (it and its stream refer to each other)."""
+        if self.reader.partial:
+            self.reader = rpc.MessageReader(self.limit)
+        self.messages = []
+        self._release()
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -179,6 +223,7 @@ class Call:
         if self.done:
             return
         self.done = True
+        self._drop_unread()  # nothing more is taken
         self._stop_timer()
         block = rpc.status_block(code, message, trailers_only=not self.headers_sent)
         if self.headers_sent:
@@ -197,6 +242,7 @@ class Call:
                     raise Abort(
                         rpc.INTERNAL, f"expected one request message, got {len(self.messages)}"
                     )
+                self._release()  # taken: the handler's from here
                 request = self._parse(*self.messages[0])
                 if asyncio.iscoroutine(request):
                     request = await request
@@ -228,6 +274,7 @@ class Call:
             log.exception("gRPC %s failed", route.path.decode())
             self.finish(rpc.UNKNOWN, f"Unexpected error in RPC handling: {type(exc).__name__}")
         finally:
+            self._release()
             self._stop_timer()
             self.registry.discard(self)
 

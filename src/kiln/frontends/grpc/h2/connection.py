@@ -119,6 +119,8 @@ class Connection(Sender):
         # calls whose stream is gone (reset) but whose handler has not ended yet: they
         # keep their MAX_CONCURRENT_STREAMS slot until it has
         self.orphans = 0
+        # request bytes its calls have received and their handlers not taken yet (calls.py)
+        self.held = 0
         self._peer_window = f.DEFAULT_WINDOW  # its SETTINGS_INITIAL_WINDOW_SIZE
         self._recv_window = CONNECTION_WINDOW  # what the peer may still send us
         self._recv_unacked = 0

@@ -241,8 +241,8 @@ class Decoder:
             elif byte & 0x20:  # dynamic table size update (§6.3)
                 if fields_seen:
                     raise HpackError("table size update after the first field")
-                size, pos = decode_int(data, pos, 5)
-                self._resize(size)
+                table_size, pos = decode_int(data, pos, 5)  # no field: not in ``size``
+                self._resize(table_size)
                 indexed_only = False
                 continue
             else:  # literal without indexing / never indexed (§6.2.2, §6.2.3)
