@@ -32,6 +32,8 @@ ENGINE_FLAGS = {
     "enable_prefix_caching": "enable_prefix_caching",
     "enforce_eager": "enforce_eager",
     "scheduling_policy": "scheduling_policy",
+    "scheduler_reserve_full_isl": "scheduler_reserve_full_isl",
+    "watermark": "watermark",
     "chat_template": "chat_template",
     "generation_config": "generation_config",
     "enable_auto_tool_choice": "enable_auto_tool_choice",
@@ -195,6 +197,19 @@ def llm_options(func: F) -> F:
         ),
         click.option("--enforce-eager", is_flag=True, default=None),
         click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default=None),
+        click.option(
+            "--scheduler-reserve-full-isl/--no-scheduler-reserve-full-isl",
+            default=None,
+            help="Admit a waiting request only when the KV cache holds its whole prompt, not "
+            "only its first chunk [default: on, as vLLM's].",
+        ),
+        click.option(
+            "--watermark",
+            type=click.FloatRange(0, 1, max_open=True),
+            default=None,
+            help="Share of KV blocks a waiting or preempted request must leave free to join "
+            "a running batch: headroom against preemption thrash [default: 0].",
+        ),
         click.option(
             "--max-logprobs",
             type=click.IntRange(min=-1),

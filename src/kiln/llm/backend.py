@@ -104,9 +104,18 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
         raw = parameter(config, key)
         if raw:
             setattr(out, key, raw)
-    for key in ("enable_prefix_caching", "enforce_eager"):
+    for key in ("enable_prefix_caching", "enforce_eager", "scheduler_reserve_full_isl"):
         if parameter(config, key) is not None:
             setattr(out, key, flag_parameter(config, key))
+    raw = parameter(config, "watermark")
+    if raw is not None:
+        try:
+            out.watermark = float(raw)
+        except ValueError:
+            raise KilnError(
+                f"model '{config.name}': parameter watermark must be a number, got '{raw}'",
+                Status.INVALID_ARG,
+            ) from None
     backend = parameter(config, "attention_backend")
     if backend is not None:
         out.attention_backend = backend.strip().lower()

@@ -197,12 +197,16 @@ class BlockManager:
         want = -(-num_tokens // self.block_size)
         return max(want - len(seq.block_table), 0)
 
-    def admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
+    def admit(
+        self, seq: Sequence, hits: list[int], num_tokens: int, must_fit: int = 0, reserve: int = 0
+    ) -> bool:
         """Give a waiting sequence (empty block table) the cached blocks ``hits`` and fresh
-        ones up to ``num_tokens``; False (nothing taken) if the pool is too small."""
+        ones up to ``num_tokens``; False (nothing taken) if the pool is too small to hold
+        ``max(num_tokens, must_fit)`` tokens and still have ``reserve`` blocks free."""
         need = -(-num_tokens // self.block_size) - len(hits)
+        fit = -(-max(num_tokens, must_fit) // self.block_size) - len(hits)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        if need + revived > self.num_free_blocks:
+        if fit + revived + reserve > self.num_free_blocks:
             return False
         for block_id in hits:
             self._touch(block_id)

@@ -426,6 +426,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: ``fcfs``, or ``priority`` (requests' ``priority`` field, lower first)
     scheduling_policy: str = "fcfs"
+    #: vLLM's ``--scheduler-reserve-full-isl``: a waiting request is admitted only when the
+    #: KV cache holds its whole prompt, not only the first chunk a step prefills (without
+    #: it a long prompt admitted in chunks preempts others later, or itself)
+    scheduler_reserve_full_isl: bool = True
+    #: vLLM's ``--watermark``: the share of KV blocks a waiting (or preempted) request must
+    #: leave free to be admitted while others run, headroom against preemption thrash
+    watermark: float = 0.0
     #: ``auto`` (flex on CUDA, torch elsewhere), ``torch`` (portable SDPA) or ``flex``
     attention_backend: str = "auto"
     #: no CUDA graphs: every step runs eagerly (vLLM's name)
@@ -502,6 +509,11 @@ class EngineConfig:
             raise KilnError(
                 f"llm backend: max_logprobs must be -1 (the vocabulary) or at least 0, got "
                 f"{self.max_logprobs}",
+                Status.INVALID_ARG,
+            )
+        if not 0 <= self.watermark < 1:
+            raise KilnError(
+                f"llm backend: watermark must be in [0, 1), got {self.watermark}",
                 Status.INVALID_ARG,
             )
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -70,6 +70,16 @@ def _boolean(model: str, key: str, value: Any) -> bool:
     return value
 
 
+def _watermark(model: str, key: str, value: Any) -> float:
+    try:
+        number = float(value) if not isinstance(value, bool) else -1.0
+    except (TypeError, ValueError):
+        number = -1.0
+    if not 0 <= number < 1:
+        raise _error(model, f"'{key}' must be a number in [0, 1), got {value!r}")
+    return number
+
+
 def _fraction(model: str, key: str, value: Any) -> float:
     try:
         number = float(value) if not isinstance(value, bool) else -1.0
@@ -138,6 +148,11 @@ _SETTINGS: dict[str, tuple[str, Callable[[str, str, Any], Any]]] = {
     "seed": ("seed", lambda m, k, v: _integer(m, k, v)),
     "enable_prefix_caching": ("enable_prefix_caching", lambda m, k, v: _boolean(m, k, v)),
     "enforce_eager": ("enforce_eager", lambda m, k, v: _boolean(m, k, v)),
+    "scheduler_reserve_full_isl": (
+        "scheduler_reserve_full_isl",
+        lambda m, k, v: _boolean(m, k, v),
+    ),
+    "watermark": ("watermark", lambda m, k, v: _watermark(m, k, v)),
     "scheduling_policy": ("scheduling_policy", lambda m, k, v: str(v).strip().lower()),
     # vLLM's model.json holds it as an object (a JSON string is taken too)
     "speculative_config": (

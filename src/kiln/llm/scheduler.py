@@ -4,12 +4,13 @@ Every step each sequence is given tokens to run so that its ``num_computed_token
 up with its ``num_tokens`` (vLLM V1's formulation): a prompt's prefill, one token of decode,
 or a chunk of a long prompt when the budget runs short, all in the same batch. Running
 sequences go first, in admission order; waiting ones join between steps while the budget,
-``max_num_seqs`` and the free blocks allow, starting from the longest chain of their blocks
-already in the prefix cache. The waiting queue is served in arrival order (``fcfs``) or by
-(``priority``, arrival) under the ``priority`` policy. When a running sequence needs a block
-and none is free, a sequence is preempted: the latest admitted (``fcfs``) or the one with
-the worst (priority, arrival); its blocks are freed and it returns to the waiting queue to
-be recomputed.
+``max_num_seqs`` and the free blocks allow (by default room for the whole prompt, as vLLM's
+``scheduler_reserve_full_isl``, and ``watermark`` blocks of headroom), starting from the
+longest chain of their blocks already in the prefix cache. The waiting queue is served in
+arrival order (``fcfs``) or by (``priority``, arrival) under the ``priority`` policy. When
+a running sequence needs a block and none is free, a sequence is preempted: the latest
+admitted (``fcfs``) or the one with the worst (priority, arrival); its blocks are freed and
+it returns to the waiting queue to be recomputed.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        #: blocks a waiting request must leave free to join a running batch (``watermark``)
+        self.watermark_blocks = int(config.watermark * block_manager.num_blocks)
         spec = config.speculative_config
         #: drafts a decoding sequence may have verified per step (0: no speculation)
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
@@ -142,7 +145,11 @@ class Scheduler:
             hits = self.block_manager.find_cached(seq)
             computed = len(hits) * self.block_manager.block_size
             n = min(seq.num_tokens - computed, budget)
-            if not self.block_manager.admit(seq, hits, computed + n):
+            # vLLM's admission gates: room for the whole prompt (not only this step's
+            # chunk), and the watermark's headroom once something else runs this step
+            must_fit = seq.num_tokens if self.config.scheduler_reserve_full_isl else 0
+            reserve = self.watermark_blocks if out.seqs else 0
+            if not self.block_manager.admit(seq, hits, computed + n, must_fit, reserve):
                 break  # nobody overtakes the head of the queue
             self.waiting.popleft()
             if adapter:

@@ -186,3 +186,35 @@ def test_vllms_frontend_and_admission_flags_become_engine_parameters(tmp_path: P
             serve.make_context("serve", [str(model), *argv])
         param = refused.value.param  # click's message names it
         assert param is not None and argv[0] in param.opts
+
+
+def test_vllms_admission_gates_become_engine_parameters(tmp_path: Path) -> None:
+    """--watermark and --scheduler-reserve-full-isl (vLLM's scheduler flags, refused before
+    as flags kiln lacks): parameters of the model's config, read into the engine's."""
+    from kiln.backends.base import InstanceSpec
+    from kiln.cli.llm_options import served_models
+    from kiln.cli.serve import serve
+    from kiln.cli.vllm_command import VLLM_SERVE_FLAGS
+    from kiln.core.errors import KilnError
+    from kiln.llm.backend import engine_config
+
+    assert {"--watermark", "--scheduler-reserve-full-isl"} <= VLLM_SERVE_FLAGS
+    model = tmp_path / "m"
+    model.mkdir()
+    instance = InstanceSpec("m_0", "cpu", 0, 0, 1)
+    ctx = serve.make_context("serve", [str(model)])
+    (config,) = served_models(ctx.params["model_paths"], (), ctx.params)
+    settings = engine_config(config, instance)
+    assert (settings.watermark, settings.scheduler_reserve_full_isl) == (0.0, True)  # vLLM's
+    args = [str(model), "--watermark", "0.05", "--no-scheduler-reserve-full-isl"]
+    ctx = serve.make_context("serve", args)
+    (config,) = served_models(ctx.params["model_paths"], (), ctx.params)
+    got = {k: v.string_value for k, v in config.parameters.items()}
+    assert (got["watermark"], got["scheduler_reserve_full_isl"]) == ("0.05", "false")
+    settings = engine_config(config, instance)
+    assert (settings.watermark, settings.scheduler_reserve_full_isl) == (0.05, False)
+    with pytest.raises(click.BadParameter, match="0<=x<1"):
+        serve.make_context("serve", [str(model), "--watermark", "1"])
+    config.parameters["watermark"].string_value = "lots"
+    with pytest.raises(KilnError, match="model 'm': parameter watermark must be a number"):
+        engine_config(config, instance)

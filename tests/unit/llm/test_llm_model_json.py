@@ -44,6 +44,8 @@ def test_engine_arguments_honoured(tmp_path: Path) -> None:
             "tensor_parallel_size": 1,
             "disable_log_requests": True,
             "stream_interval": 4,
+            "watermark": "0.1",
+            "scheduler_reserve_full_isl": False,
         },
     )
     read = model_json.load("m", version)
@@ -56,6 +58,7 @@ def test_engine_arguments_honoured(tmp_path: Path) -> None:
         8, 32, False, True,
     )  # fmt: skip
     assert e.stream_interval == 4
+    assert (e.watermark, e.scheduler_reserve_full_isl) == (0.1, False)
 
 
 def test_relative_model_path_is_beside_model_json(tmp_path: Path) -> None:
@@ -76,6 +79,7 @@ def test_relative_model_path_is_beside_model_json(tmp_path: Path) -> None:
         ({"gpu_memory_utilization": 1.5}, "'gpu_memory_utilization' must be a number in (0, 1]"),
         ({"dtype": "int4"}, "'dtype' must be auto or one of"),
         ({"enable_prefix_caching": "maybe"}, "'enable_prefix_caching' must be true or false"),
+        ({"watermark": 1}, "'watermark' must be a number in [0, 1), got 1"),
     ],
 )
 def test_refused_by_name(tmp_path: Path, args: dict[str, Any], named: str) -> None:

@@ -209,3 +209,46 @@ def test_engine_parameters_from_config_pbtxt() -> None:
         _config({"enable_prefix_caching": "sometimes"})
     with pytest.raises(KilnError, match="scheduling_policy must be one of fcfs, priority"):
         _config({"scheduling_policy": "lifo"})
+
+
+# -- vLLM's admission gates: the whole prompt, and the watermark --------------------------------
+
+LONG_PROMPT = list(range(10, 50))  # 40 tokens: 10 blocks of 4
+
+
+@pytest.mark.parametrize("reserve", [True, False])
+def test_a_prompt_is_admitted_only_when_all_of_it_fits(llama: Path, reserve: bool) -> None:
+    """vLLM's ``scheduler_reserve_full_isl`` (on by default): with 8 tokens a step, a
+    40-token prompt's first chunk fits beside a running request, the whole prompt does not;
+    it waits for room instead of being admitted in chunks and preempted as both grow."""
+    engine = _engine(
+        llama, num_gpu_blocks=11, max_num_batched_tokens=8, scheduler_reserve_full_isl=reserve
+    )
+    engine.add_request("running", PROMPT, replace(GREEDY, max_tokens=16))
+    engine.step()  # its prompt: 2 of the 11 blocks held
+    engine.add_request("long", LONG_PROMPT, replace(GREEDY, max_tokens=4))  # 10 blocks
+    engine.step()
+    admitted = any(s.request_id == "long" for s in engine.scheduler.running)
+    assert admitted is not reserve
+    out = drain(engine)
+    assert out[("long", 0)] == reference_generate(llama, LONG_PROMPT, 4)
+    assert (engine.scheduler.num_preemptions > 0) is not reserve
+    _all_released(engine)
+
+
+def test_the_watermark_keeps_headroom_while_others_run(llama: Path) -> None:
+    """vLLM's ``watermark``: a waiting request joins a running batch only if it leaves that
+    share of the KV blocks free; alone, it is admitted whatever the watermark."""
+    engine = _engine(llama, num_gpu_blocks=20, watermark=0.5)
+    assert engine.scheduler.watermark_blocks == 10
+    engine.add_request("first", LONG_PROMPT, GREEDY)  # 10 blocks + 1 for its output
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == ["first"]
+    engine.add_request("second", PROMPT, GREEDY)  # 2 blocks would leave 7 < 10 free
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == ["first"]
+    assert [s.request_id for s in engine.scheduler.waiting] == ["second"]
+    drain(engine)  # "first" ends, then "second" runs on an idle engine
+    _all_released(engine)
+    with pytest.raises(KilnError, match=r"watermark must be in \[0, 1\), got 1.0"):
+        _engine(llama, watermark=1.0)
