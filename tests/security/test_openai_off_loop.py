@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from kiln.frontends.http.app import HttpFrontend
-from kiln.frontends.openai import routes
+from kiln.frontends.openai import endpoint, preparation, routes
 from kiln.run_batch import call
 from kiln.server.server import ControlMode, Server, ServerOptions
 from tests.llm_models import llm_config, tiny_llm_repository
@@ -50,14 +50,14 @@ async def test_large_bodies_are_parsed_and_detokenized_off_the_event_loop(
 ) -> None:
     parsed: list[int] = []
     checked: list[int] = []
-    real_check = routes.detokenize_ids
+    real_check = preparation.detokenize_ids
 
     def check(body: dict[str, Any], vocab: int) -> list[int]:
         checked.append(threading.get_ident())
         return real_check(body, vocab)
 
-    monkeypatch.setattr(routes, "orjson", _Recording(parsed))
-    monkeypatch.setattr(routes, "detokenize_ids", check)
+    monkeypatch.setattr(endpoint, "orjson", _Recording(parsed))
+    monkeypatch.setattr(preparation, "detokenize_ids", check)
     frontend = HttpFrontend(server)
     app = frontend.app(routes.openai_routes(server, frontend))
     loop = threading.get_ident()

@@ -1,7 +1,7 @@
 """The id of an OpenAI answer, as vLLM builds it: ``chatcmpl-<X-Request-Id>`` when the
 request carries that header, else ``chatcmpl-<the body's request_id>``, else a random one.
 
-:func:`remember_header` runs where a route reads its body (``routes._body``), in the task
+:func:`remember_header` runs where a route reads its body (``endpoint.read_json``), in the task
 that answers the request, so a context variable carries the header to wherever the id is
 made (a streamed answer's generator runs in the same task's context).
 """

@@ -199,15 +199,15 @@ def test_a_bug_in_a_route_is_a_500_in_openais_shape(caplog: pytest.LogCaptureFix
 
     from starlette.requests import Request
 
-    from kiln.frontends.openai import routes
+    from kiln.frontends.openai import endpoint
 
     async def broken(request: Request) -> object:
         raise TypeError("'int' object is not iterable")
 
     request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
                        "headers": [], "query_string": b""})  # fmt: skip
-    with caplog.at_level(logging.ERROR, logger=routes.log.name):
-        response = asyncio.run(routes._answers_errors(broken)(request))  # type: ignore[arg-type]
+    with caplog.at_level(logging.ERROR, logger=endpoint.log.name):
+        response = asyncio.run(endpoint.answers_errors(broken)(request))  # type: ignore[arg-type]
     assert response.status_code == 500
     error = json.loads(bytes(response.body))["error"]
     assert error["type"] == "server_error" and "log" in error["message"]
