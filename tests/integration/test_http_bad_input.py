@@ -55,6 +55,10 @@ CASES: list[tuple[str, str, Any, int, list[str]]] = [
     ("unknown version", "simple/versions/9", _simple_body(), 404,
      ["'simple' version 9 is not found"]),
     ("non-numeric version", "simple/versions/x", _simple_body(), 400, ["must be an integer"]),
+    # int() reads these: '1_0' was version 10, '+1' and the Arabic-Indic one were 1
+    ("underscored version", "simple/versions/1_0", _simple_body(), 400, ["must be an integer"]),
+    ("signed version", "simple/versions/+1", _simple_body(), 400, ["must be an integer"]),
+    ("non-ASCII version", "simple/versions/\u0661", _simple_body(), 400, ["must be an integer"]),
     ("unknown output", "simple", dict(_simple_body(), outputs=[{"name": "OUTPUT7"}]), 400,
      ["unexpected inference output 'OUTPUT7' for model 'simple'"]),
     ("datatype mismatch", "simple", _simple_body(datatype="FP32"), 400,

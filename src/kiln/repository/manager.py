@@ -13,6 +13,7 @@ import binascii
 import contextvars
 import enum
 import logging
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -44,6 +45,8 @@ _LOADING_ENSEMBLES: contextvars.ContextVar[tuple[str, ...]] = contextvars.Contex
 log = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.pbtxt"
+#: a version in a request: a signed 64-bit integer, ASCII digits
+_VERSION = re.compile(r"-?[0-9]{1,18}")
 
 
 class ModelState(enum.Enum):
@@ -194,12 +197,12 @@ class RepositoryManager(Generic[R]):
         if entry is None or not entry.versions:
             raise not_found(f"Request for unknown model: '{name}' is not found")
         if version:
-            try:
-                v = int(version)
-            except ValueError:
+            # ASCII digits only: int() also reads '+1', ' 1', other digits and '1_0' (as 10)
+            if not _VERSION.fullmatch(version):
                 raise invalid_arg(
-                    f"invalid version '{version}' for model '{name}': must be an integer"
-                ) from None
+                    f"invalid version '{version[:40]}' for model '{name}': must be an integer"
+                )
+            v = int(version)
             runtime = entry.versions.get(v)
             if runtime is None:
                 raise not_found(f"Request for unknown model: '{name}' version {v} is not found")
