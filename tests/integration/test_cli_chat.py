@@ -27,7 +27,10 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     model = build_tiny_llm(tmp_path_factory.mktemp("ckpt") / "tiny")
     folder = tmp_path_factory.mktemp("serve")
-    args = ["--model", str(model), "--num-gpu-blocks-override", "64", "--block-size", "4"]
+    # random weights rarely sample the end token: answers held to 8 tokens, or two
+    # exchanges would pass the 256-token context
+    args = ["--model", str(model), "--num-gpu-blocks-override", "64", "--block-size", "4",
+            "--override-generation-config", '{"max_new_tokens": 8}']  # fmt: skip
     proc = KilnProcess(folder, args, with_repository=False).start(timeout=120)
     yield proc
     proc.stop()
@@ -75,6 +78,16 @@ def test_complete_streams_each_prompt(server: KilnProcess) -> None:
     lines = _kiln("complete", "--url", url, stdin="one\ntwo\n")
     assert lines.returncode == 0, lines.stderr
     assert lines.stdout.startswith("Using model: tiny\nPlease enter prompt to complete:\n")
+
+
+def test_a_refused_message_leaves_the_conversation_going(server: KilnProcess) -> None:
+    """A message the server refuses (here: past the context) is an error line; the
+    conversation goes on without it, and the next message is answered."""
+    url = f"http://{server.http_url}/v1"
+    session = _kiln("chat", "--url", url, stdin="word " * 400 + "\nhello\n")
+    assert session.returncode == 0, session.stderr
+    assert "Error: " in session.stderr and "maximum context length" in session.stderr
+    assert session.stdout.count("\n") >= 3  # the model line, the invitation, an answer
 
 
 def test_errors_are_one_line(server: KilnProcess) -> None:

@@ -42,5 +42,13 @@ def chat(
     for message in prompts(quick, "Please enter a message for the chat model:"):
         conversation.append({"role": "user", "content": message})
         chunks = client.stream("/chat/completions", {**body, "messages": conversation})
-        answer = printer.run(chunks, lambda c: (c.get("delta") or {}).get("content") or "")
+        try:
+            answer = printer.run(chunks, lambda c: (c.get("delta") or {}).get("content") or "")
+        except click.ClickException as exc:
+            if quick is not None:
+                raise
+            # a conversation goes on past a refused message (the context is full, ...)
+            click.echo(f"Error: {exc.message}", err=True)
+            conversation.pop()
+            continue
         conversation.append({"role": "assistant", "content": answer})

@@ -40,4 +40,9 @@ def complete(
     printer = Printer(stats)
     for prompt in prompts(quick, "Please enter prompt to complete:"):
         chunks = client.stream("/completions", {**body, "prompt": prompt})
-        printer.run(chunks, lambda c: c.get("text") or "")
+        try:
+            printer.run(chunks, lambda c: c.get("text") or "")
+        except click.ClickException as exc:
+            if quick is not None:
+                raise
+            click.echo(f"Error: {exc.message}", err=True)  # the next prompt may do
