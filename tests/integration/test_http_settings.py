@@ -56,6 +56,22 @@ def test_log_settings_round_trip(server: KilnProcess) -> None:
         ("/v2/trace/setting", {"trace_colour": "red"}, "unknown trace setting 'trace_colour'"),
         ("/v2/trace/setting", {"trace_level": ["LOUD"]}, "trace_level must be one of"),
         ("/v2/trace/setting", {"trace_rate": "often"}, "must be an integer"),
+        # Triton's types: int() took these (a negative count, '1_0', a rate past uint32)
+        (
+            "/v2/trace/setting",
+            {"trace_count": "-5"},
+            "trace setting 'trace_count' must be an integer from -1 to 2147483647, got '-5'",
+        ),
+        (
+            "/v2/trace/setting",
+            {"trace_rate": "1_0"},
+            "trace setting 'trace_rate' must be an integer from 0 to 4294967295, got '1_0'",
+        ),
+        (
+            "/v2/trace/setting",
+            {"log_frequency": "99999999999"},
+            "'log_frequency' must be an integer from 0 to 4294967295",
+        ),
         ("/v2/trace/setting", {"trace_rate": {"x": 1}}, "string or list of strings"),
         ("/v2/logging", {"log_info": "yes"}, "'log_info' must be a bool"),
         ("/v2/logging", {"log_volume": 3}, "unknown log setting 'log_volume'"),

@@ -278,7 +278,7 @@ def test_the_trace_file_is_not_a_client_s_to_choose(
     ("flag", "message"),
     [
         ("level=TIMESTAMPS", "needs a file to write the traces to"),
-        ("rate=sometimes", "'trace_rate' must be an integer, got 'sometimes'"),
+        ("rate=sometimes", "'trace_rate' must be an integer from 0 to 4294967295, got 'sometimes'"),
         ("triton,colour=red", "unknown trace setting"),
     ],
 )

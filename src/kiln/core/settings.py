@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,14 @@ if TYPE_CHECKING:
 TRACE_LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
 #: values one trace setting may hold (trace_level's are a few of TRACE_LEVELS)
 MAX_TRACE_VALUES = 16
-_TRACE_INTS = ("trace_rate", "trace_count", "log_frequency")
+#: the integer settings and their ranges: Triton's types (a uint32 rate and log frequency;
+#: an int32 count, -1 = no limit)
+_TRACE_INTS = {
+    "trace_rate": (0, 2**32 - 1),
+    "trace_count": (-1, 2**31 - 1),
+    "log_frequency": (0, 2**32 - 1),
+}
+_INTEGER = re.compile(r"-?[0-9]{1,10}")
 _TRACE_DEFAULTS = {
     "trace_file": [""],
     "trace_level": ["OFF"],
@@ -79,12 +87,14 @@ class TraceSettings:
         elif values and len(values) != 1:
             raise invalid_arg(f"trace setting '{key}' takes one value, got {values}")
         elif values and key in _TRACE_INTS:
-            try:
-                int(values[0])
-            except ValueError:
+            low, high = _TRACE_INTS[key]
+            # ASCII digits, in range: int() also read '1_0', '+5' and other scripts' digits,
+            # and any size (a negative rate or count, 10**100)
+            if not _INTEGER.fullmatch(values[0]) or not low <= int(values[0]) <= high:
                 raise invalid_arg(
-                    f"trace setting '{key}' must be an integer, got '{values[0]}'"
-                ) from None
+                    f"trace setting '{key}' must be an integer from {low} to {high}, "
+                    f"got '{values[0][:40]}'"
+                )
         elif values and key == "trace_mode" and values[0] not in ("triton", "opentelemetry"):
             raise invalid_arg(f"trace_mode must be 'triton' or 'opentelemetry', got {values}")
         return list(values)

@@ -303,7 +303,7 @@ def test_opentelemetry_settings_do_not_change_at_run_time() -> None:
         (["rate"], "expected \\[MODE,\\]SETTING=VALUE"),
         (["colour=red"], "'colour=red': unknown trace setting; known: rate, level"),
         (["triton,rate=3"], "unknown trace setting"),
-        (["rate=often"], "'trace_rate' must be an integer, got 'often'"),
+        (["rate=often"], "'trace_rate' must be an integer from 0 to 4294967295, got 'often'"),
         (["level=LOUD"], "trace_level must be one of"),
         (["level=TIMESTAMPS"], "needs a file to write the traces to"),
         (["opentelemetry,url=localhost:4318"], "applies to mode=opentelemetry only"),
