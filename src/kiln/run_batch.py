@@ -279,6 +279,7 @@ async def batch(
 ) -> int:
     """Load the models of ``options``, answer ``lines`` into ``target`` (a path or an
     http(s) URL), unload: the exit status (1: a model did not load)."""
+    from kiln.core.progress import progress
     from kiln.frontends.http.app import HttpFrontend
     from kiln.frontends.openai.routes import openai_routes
     from kiln.server.server import Server
@@ -295,7 +296,7 @@ async def batch(
         frontend = HttpFrontend(server)
         app = frontend.app(openai_routes(server, frontend))
         with output_file(target, tmp_dir) as (out, path):
-            with _progress(len(lines)) as advance:
+            with progress(len(lines), "Running batch") as advance:
                 statuses = await run(app, lines, out, advance, window)
             out.flush()
             if is_url(target):
@@ -343,21 +344,3 @@ async def _serve_metrics(
         metrics.stop()
 
     return stop
-
-
-@contextlib.contextmanager
-def _progress(total: int) -> Iterator[Callable[[], None]]:
-    """A progress bar on a terminal; nothing elsewhere."""
-    import sys
-
-    if not sys.stderr.isatty():
-        yield lambda: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    what = "Running batch"
-    columns = (what, BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True)) as bar:
-        task = bar.add_task(what, total=total)
-        yield lambda: bar.advance(task)

@@ -90,16 +90,16 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
             ) from None
     dtype = (parameter(config, "dtype") or out.dtype).strip().lower()
     out.dtype = _DTYPE_ALIASES.get(dtype, dtype)
-    raw = parameter(config, "gpu_memory_utilization")
-    if raw is not None:
-        try:
-            out.gpu_memory_utilization = float(raw)
-        except ValueError:
-            raise KilnError(
-                f"model '{config.name}': parameter gpu_memory_utilization must be a number, "
-                f"got '{raw}'",
-                Status.INVALID_ARG,
-            ) from None
+    for key in ("gpu_memory_utilization", "watermark"):
+        raw = parameter(config, key)
+        if raw is not None:
+            try:
+                setattr(out, key, float(raw))
+            except ValueError:
+                raise KilnError(
+                    f"model '{config.name}': parameter {key} must be a number, got '{raw}'",
+                    Status.INVALID_ARG,
+                ) from None
     for key in ("chat_template", "generation_config"):
         raw = parameter(config, key)
         if raw:
@@ -107,15 +107,6 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
     for key in ("enable_prefix_caching", "enforce_eager", "scheduler_reserve_full_isl"):
         if parameter(config, key) is not None:
             setattr(out, key, flag_parameter(config, key))
-    raw = parameter(config, "watermark")
-    if raw is not None:
-        try:
-            out.watermark = float(raw)
-        except ValueError:
-            raise KilnError(
-                f"model '{config.name}': parameter watermark must be a number, got '{raw}'",
-                Status.INVALID_ARG,
-            ) from None
     backend = parameter(config, "attention_backend")
     if backend is not None:
         out.attention_backend = backend.strip().lower()

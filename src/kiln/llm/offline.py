@@ -8,14 +8,13 @@ finished; stop strings, detokenization and the outputs' shapes are vLLM's."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.core.errors import KilnError, Status
+from kiln.core.progress import progress
 from kiln.llm import sequence
 from kiln.llm.checkpoint import generation_eos_ids, open_checkpoint, sampling_defaults
 from kiln.llm.config import EngineConfig, PoolerConfig
@@ -298,7 +297,7 @@ class LLM:
             self.engine.add_request(run.request_id, ids, engine_params)
             runs.append(run)
         by_id = {run.request_id: run for run in runs}
-        with _progress(len(runs), use_tqdm, "Processed prompts") as advance:
+        with progress(len(runs), "Processed prompts", use_tqdm) as advance:
             while self.engine.has_work():
                 for out in self.engine.step():
                     run = by_id[out.request_id]
@@ -362,7 +361,7 @@ class LLM:
         group = concurrency_limit or len(searches)
         starts = range(0, len(searches), group)
         # at most max_tokens steps a group (fewer when every beam ended or was settled)
-        with _progress(params.max_tokens * len(starts), use_tqdm, "Beam search steps") as advance:
+        with progress(params.max_tokens * len(starts), "Beam search steps", use_tqdm) as advance:
             for start in starts:
                 batch = list(range(start, min(start + group, len(searches))))
                 while live := [i for i in batch if not searches[i].done()]:
@@ -576,7 +575,7 @@ class LLM:
         limit = self.engine.config.max_model_len
         budget = self.engine.config.max_num_batched_tokens
         rows: list[torch.Tensor] = []
-        with _progress(len(items), use_tqdm, "Processed prompts") as advance:
+        with progress(len(items), "Processed prompts", use_tqdm) as advance:
             at = 0
             while at < len(items):
                 batch: list[list[int]] = []
@@ -671,18 +670,3 @@ class _Sample:
     entries: list[Any] = field(default_factory=list)
     reason: str | None = None
     stop_reason: str | int | None = None
-
-
-@contextmanager
-def _progress(total: int, show: bool, what: str) -> Iterator[Any]:
-    """A progress bar on a terminal (vLLM's ``use_tqdm``); a no-op elsewhere."""
-    if not show or not sys.stderr.isatty():
-        yield lambda: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    columns = (what, BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
-        task = bar.add_task(what, total=total)
-        yield lambda: bar.advance(task)
