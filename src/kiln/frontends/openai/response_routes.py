@@ -1,6 +1,6 @@
-"""OpenAI's Responses API routes (``responses.py`` holds its wire format), with their state:
-the stored responses, the background responses still running and the events of the streamed
-ones."""
+"""OpenAI's Responses API routes (``responses.py`` and the ``response_*`` modules hold its
+wire format), with their state: the stored responses, the background responses still running
+and the events of the streamed ones."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kiln.core.trace import http_slot
-from kiln.frontends.openai import responses
+from kiln.frontends.openai import response_events, response_fields, response_store, responses
 from kiln.frontends.openai.answers import answer_body, outputs
 from kiln.frontends.openai.endpoint import BodyReader, json_response, received
 from kiln.frontends.openai.generation import started
@@ -41,11 +41,11 @@ class ResponseRoutes:
     def __init__(self, server: Server, reader: BodyReader) -> None:
         self.server, self.reader = server, reader
         #: the Responses API's stored responses (``store``, ``previous_response_id``)
-        self.stored = responses.ResponseStore()
+        self.stored = response_store.ResponseStore()
         #: background responses still running, by id (their engine requests bound them)
         self.running: dict[str, asyncio.Task[None]] = {}
         #: streamed background responses' events, by id (the MAX_FEEDS most recent)
-        self.feeds: dict[str, responses.EventFeed] = {}
+        self.feeds: dict[str, response_events.EventFeed] = {}
 
     async def create_response(self, request: Request) -> Response:
         slot = http_slot(self.server.tracer, request.headers)
@@ -54,14 +54,14 @@ class ResponseRoutes:
         try:
             llm, req, prepared = await chat_setup(self.server, call.chat_body, "Responses")
         except OpenAIError as exc:
-            raise responses.renamed(exc) from None
+            raise response_fields.renamed(exc) from None
         rid = f"resp_{uuid.uuid4().hex}"
         if call.background:  # answered now, run on: GET fetches it, /cancel stops it
             response = call.skeleton(rid, req.model, "queued")
             self.stored.put(response, call.conversation)
             feed = None
             if req.stream:  # its events kept, for this request and GET ?stream=true
-                feed = self.feeds[rid] = responses.EventFeed()
+                feed = self.feeds[rid] = response_events.EventFeed()
                 while len(self.feeds) > MAX_FEEDS:
                     self.feeds.pop(next(iter(self.feeds)))
             task = asyncio.create_task(self._run_background(llm, req, prepared, call, rid, feed))
@@ -80,7 +80,7 @@ class ResponseRoutes:
                 return content
 
             scored = entries if call.logprobs else None
-            events = responses.events(call, rid, req, deltas, counts, self.stored, scored)
+            events = response_events.events(call, rid, req, deltas, counts, self.stored, scored)
             return StreamingResponse(events, media_type="text/event-stream")
         answer = await answer_body(llm, req, prepared, chat=True)
         return json_response(call.finish(rid, answer, self.stored))
@@ -92,7 +92,7 @@ class ResponseRoutes:
         prepared: list[tuple[list[int], SamplingParams]],
         call: responses.ResponsesCall,
         rid: str,
-        feed: responses.EventFeed | None = None,
+        feed: response_events.EventFeed | None = None,
     ) -> None:
         """A background response's run: its stored object goes ``in_progress``, then is
         replaced by the finished one (or marked ``failed`` with the error); a streamed
@@ -115,7 +115,7 @@ class ResponseRoutes:
                     tok = llm.tokenizer
                     scored = lambda t: chat_logprobs(tok, t)["content"]  # noqa: E731
                 counts = sum(len(ids) for ids, _ in prepared)
-                stream = responses.events(call, rid, req, deltas, counts, self.stored, scored)
+                stream = response_events.events(call, rid, req, deltas, counts, self.stored, scored)
                 async with contextlib.aclosing(stream) as events:
                     async for event in events:
                         feed.append(event)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kiln.frontends.openai.protocol import OpenAIError
-from kiln.frontends.openai.responses import ResponsesCall, ResponseStore, output_items
+from kiln.frontends.openai.response_items import output_items
+from kiln.frontends.openai.response_store import ResponseStore
+from kiln.frontends.openai.responses import ResponsesCall
 
 
 def _response(rid: str, text: str = "") -> dict[str, object]:
