@@ -24,13 +24,14 @@ from kiln.frontends.openai.generation import (
     run,
     started,
 )
+from kiln.frontends.openai.generation_request import GenerationRequest
 from kiln.frontends.openai.keep_alive import with_keep_alive
 from kiln.frontends.openai.logprobs import (
     CompletionLogprobs,
     chat_logprobs,
     vllm_prompt_logprobs,
 )
-from kiln.frontends.openai.protocol import GenerationRequest, OpenAIError
+from kiln.frontends.openai.protocol import OpenAIError
 from kiln.frontends.openai.request_ids import request_id
 from kiln.llm.engine_client import EngineClient
 from kiln.llm.sequence import SamplingParams

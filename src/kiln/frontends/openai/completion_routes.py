@@ -20,6 +20,7 @@ from kiln.frontends.openai.endpoint import (
     read_json,
     received,
 )
+from kiln.frontends.openai.generation_request import GenerationRequest, completion_request
 from kiln.frontends.openai.preparation import (
     chat_setup,
     precheck_prompt,
@@ -29,13 +30,7 @@ from kiln.frontends.openai.preparation import (
     tokenized,
     with_model_defaults,
 )
-from kiln.frontends.openai.protocol import (
-    CHAT_FIELDS,
-    GenerationRequest,
-    OpenAIError,
-    check_fields,
-    completion_request,
-)
+from kiln.frontends.openai.protocol import CHAT_FIELDS, OpenAIError, check_fields
 from kiln.frontends.openai.request_ids import request_id
 from kiln.llm.engine_client import EngineClient
 from kiln.llm.sequence import SamplingParams

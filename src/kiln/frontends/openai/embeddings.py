@@ -12,15 +12,17 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from kiln.core.errors import KilnError
+from kiln.frontends.openai.chat_input import (
+    chat_messages,
+    chat_template_options,
+    with_server_kwargs,
+)
 from kiln.frontends.openai.content import content_text, for_template
 from kiln.frontends.openai.protocol import (
     OpenAIError,
     body_request_id,
-    chat_messages,
-    chat_template_options,
     check_fields,
     check_prompt_chars,
-    with_server_kwargs,
 )
 from kiln.frontends.openai.request_ids import request_id as answer_id
 from kiln.llm.params import InvalidField, integer

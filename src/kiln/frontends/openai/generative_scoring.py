@@ -12,13 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kiln.frontends.openai.protocol import (
-    MAX_LOGPROB_TOKEN_IDS,
-    OpenAIError,
-    body_request_id,
-    check_prompt_chars,
-    flag,
-)
+from kiln.frontends.openai.generation_fields import MAX_LOGPROB_TOKEN_IDS
+from kiln.frontends.openai.protocol import OpenAIError, body_request_id, check_prompt_chars, flag
 from kiln.llm.params import InvalidField, integer
 
 if TYPE_CHECKING:

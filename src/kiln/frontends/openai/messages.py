@@ -23,7 +23,8 @@ from typing import Any
 
 import orjson
 
-from kiln.frontends.openai.protocol import MAX_MESSAGES, OpenAIError
+from kiln.frontends.openai.chat_input import MAX_MESSAGES
+from kiln.frontends.openai.protocol import OpenAIError
 
 log = logging.getLogger(__name__)
 

@@ -11,19 +11,20 @@ from typing import Any
 
 from kiln.core.errors import KilnError
 from kiln.frontends.openai import reasoning, tools
+from kiln.frontends.openai.chat_input import (
+    chat_messages,
+    chat_template_options,
+    with_server_kwargs,
+)
 from kiln.frontends.openai.content import content_text, for_template
 from kiln.frontends.openai.endpoint import generator_named
+from kiln.frontends.openai.generation_request import GenerationRequest, chat_request
 from kiln.frontends.openai.protocol import (
     MAX_CHARS_PER_TOKEN,
-    GenerationRequest,
     OpenAIError,
-    chat_messages,
-    chat_request,
-    chat_template_options,
     check_prompt_chars,
     detokenize_ids,
     flag,
-    with_server_kwargs,
 )
 from kiln.frontends.openai.reasoning import ReasoningParser
 from kiln.llm.engine_client import EngineClient

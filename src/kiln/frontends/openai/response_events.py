@@ -23,7 +23,7 @@ from kiln.frontends.openai.response_items import (
 
 if TYPE_CHECKING:
     from kiln.frontends.openai.generation import Delta
-    from kiln.frontends.openai.protocol import GenerationRequest
+    from kiln.frontends.openai.generation_request import GenerationRequest
     from kiln.frontends.openai.response_store import ResponseStore
     from kiln.frontends.openai.responses import ResponsesCall
     from kiln.llm.sampler import TokenLogprobs

@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kiln.frontends.openai.protocol import REASONING_EFFORTS, OpenAIError
+from kiln.frontends.openai.chat_input import REASONING_EFFORTS
+from kiln.frontends.openai.protocol import OpenAIError
 
 #: sampling and vLLM fields passed to the chat path as they are
 PASSED = (

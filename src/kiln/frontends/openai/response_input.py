@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.frontends.openai.protocol import MAX_MESSAGES, OpenAIError
+from kiln.frontends.openai.chat_input import MAX_MESSAGES
+from kiln.frontends.openai.protocol import OpenAIError
 
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")

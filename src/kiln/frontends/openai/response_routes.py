@@ -18,9 +18,10 @@ from kiln.frontends.openai import response_events, response_fields, response_sto
 from kiln.frontends.openai.answers import answer_body, outputs
 from kiln.frontends.openai.endpoint import BodyReader, json_response, received
 from kiln.frontends.openai.generation import started
+from kiln.frontends.openai.generation_request import GenerationRequest
 from kiln.frontends.openai.logprobs import chat_logprobs
 from kiln.frontends.openai.preparation import chat_setup
-from kiln.frontends.openai.protocol import GenerationRequest, OpenAIError
+from kiln.frontends.openai.protocol import OpenAIError
 from kiln.llm.engine_client import EngineClient
 from kiln.llm.sequence import SamplingParams
 from kiln.server.server import Server

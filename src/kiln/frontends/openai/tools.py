@@ -14,7 +14,8 @@ import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from kiln.frontends.openai.protocol import GenerationRequest, OpenAIError
+from kiln.frontends.openai.generation_request import GenerationRequest
+from kiln.frontends.openai.protocol import OpenAIError
 from kiln.frontends.openai.tool_parsers import (
     PARSERS,
     NamedCall,

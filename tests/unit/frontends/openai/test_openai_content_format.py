@@ -8,13 +8,14 @@ from typing import Any
 
 import pytest
 
+from kiln.frontends.openai.chat_input import chat_messages
 from kiln.frontends.openai.content import (
     content_text,
     detect_content_format,
     for_template,
     template_content,
 )
-from kiln.frontends.openai.protocol import OpenAIError, chat_messages
+from kiln.frontends.openai.protocol import OpenAIError
 
 PARTS = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
 

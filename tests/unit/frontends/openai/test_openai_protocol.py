@@ -10,14 +10,13 @@ import pytest
 
 from kiln.core.errors import KilnError
 from kiln.frontends.openai import protocol
-from kiln.frontends.openai.protocol import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
-    OpenAIError,
-    chat_template_options,
-    check_fields,
+from kiln.frontends.openai.chat_input import MAX_REQUEST_TEMPLATE_CHARS, chat_template_options
+from kiln.frontends.openai.generation_request import (
+    GenerationRequest,
     completion_prompts,
+    completion_request,
 )
+from kiln.frontends.openai.protocol import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIError, check_fields
 from kiln.llm.tokenizer import _open_final_message
 
 
@@ -94,7 +93,7 @@ def test_prompt_lists() -> None:
 
 def test_a_requests_chat_template_is_a_bounded_string() -> None:
     assert chat_template_options({"chat_template": "{{ x }}"})["chat_template"] == "{{ x }}"
-    for bad in ("", " ", 5, ["x"], "x" * (protocol.MAX_REQUEST_TEMPLATE_CHARS + 1)):
+    for bad in ("", " ", 5, ["x"], "x" * (MAX_REQUEST_TEMPLATE_CHARS + 1)):
         with pytest.raises(OpenAIError) as info:
             chat_template_options({"chat_template": bad})
         assert info.value.param == "chat_template"
@@ -129,8 +128,8 @@ def test_the_final_message_is_left_open() -> None:
         _open_final_message("<a>something else</s>", "the quick")
 
 
-def _completion(**fields: object) -> protocol.GenerationRequest:
-    return protocol.completion_request({"model": "m", "prompt": "hi", **fields})
+def _completion(**fields: object) -> GenerationRequest:
+    return completion_request({"model": "m", "prompt": "hi", **fields})
 
 
 @pytest.mark.parametrize(

@@ -101,7 +101,7 @@ def test_output_items() -> None:
 
 def test_too_many_input_items_are_refused_before_they_are_read() -> None:
     """Counted before the loop that reads each item (chat's bound, on the Responses field)."""
-    from kiln.frontends.openai.protocol import MAX_MESSAGES
+    from kiln.frontends.openai.chat_input import MAX_MESSAGES
 
     items = [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)
     with pytest.raises(OpenAIError) as err:
@@ -125,7 +125,7 @@ def test_reasoning_effort_goes_to_the_chat_template_and_is_echoed() -> None:
 
 
 def test_chat_template_options_take_reasoning_effort() -> None:
-    from kiln.frontends.openai.protocol import chat_template_options
+    from kiln.frontends.openai.chat_input import chat_template_options
 
     kw = chat_template_options({"reasoning_effort": "high"})["template_kwargs"]
     assert kw == {"reasoning_effort": "high", "enable_thinking": True}
