@@ -28,7 +28,8 @@ from loadgen import drive_http, start_kiln
 from serving_baseline import batch1_inputs, json_body
 
 from kiln.examples import build_example_repository
-from kiln.server.rollout import ModelRollout, parse_policy
+from kiln.server.rollout import ModelRollout
+from kiln.server.rollout_policy import parse_policy
 
 MODES: dict[str, dict[str, str]] = {
     "none": {},  # the latest version (3), as without rollouts

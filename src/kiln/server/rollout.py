@@ -10,6 +10,9 @@ p99 stay within bounds of the primary's, and sets it to 0 at once when they do n
 The policy comes from ``config.pbtxt`` ``parameters`` (``rollout_*`` keys) and is replaced at
 run time by ``POST /v2/repository/models/{m}/rollout``; a reload of the model takes its
 config's policy again. Names: docs/rollouts.md.
+
+Here: the policies at work (:class:`Rollouts`, :class:`ModelRollout`). The policy's fields
+are read in ``rollout_policy``; the shadow's agreement is counted in ``rollout_shadow``.
 """
 
 from __future__ import annotations
@@ -27,206 +30,15 @@ from typing import Any
 import numpy as np
 
 from kiln.config.model_config_pb2 import ModelConfig
-from kiln.core.errors import KilnError, Status, invalid_arg
+from kiln.core.errors import KilnError, Status
 from kiln.core.types import InferenceRequest, InferenceResponse, InferInput
+from kiln.server.rollout_policy import GUARD_TICK_S, RolloutPolicy, config_fields, parse_policy
+from kiln.server.rollout_shadow import LLMShadowJob, ShadowStats, compare_outputs, compare_tokens
 
 log = logging.getLogger(__name__)
 
-PREFIX = "rollout_"
-FIELDS = (
-    "traffic_split",  # "1:90,2:10": version:weight, over the versions a request may get
-    "sticky_key",  # "parameter:user_id": hash this request parameter instead of drawing
-    "shadow",  # "3" or "3:0.5": version [: fraction of requests copied to it]
-    "shadow_queue_size",  # copies waiting at most; more are dropped and counted
-    "canary",  # "2": the version the steps move traffic to
-    "primary",  # "1": the version the canary takes traffic from (default: newest other)
-    "steps",  # "1,10,50,100": the canary's weight in percent, one step per interval
-    "interval_secs",  # time between steps, and the guard's window
-    "max_error_rate_delta",  # canary error rate - primary error rate above this: rollback
-    "max_p99_ratio",  # canary p99 / primary p99 above this: rollback
-    "min_requests",  # canary requests a window needs before a step or a verdict
-)
 # Statuses that are the caller's fault: they say nothing about a version's health.
 CLIENT_STATUSES = (Status.INVALID_ARG, Status.NOT_FOUND, Status.ALREADY_EXISTS)
-_GUARD_TICK_S = 0.25  # how often the guard looks (a rollback is "at once" within this)
-#: bounds on what a policy may ask for: each queued shadow copy holds the request's inputs,
-#: and a shorter interval than the guard's tick would only wake the event loop for nothing
-MAX_SHADOW_QUEUE = 4096
-MAX_STEPS = 100
-
-
-@dataclass(frozen=True, slots=True)
-class RolloutPolicy:
-    split: tuple[tuple[int, float], ...] = ()
-    sticky_parameter: str = ""
-    shadow: int | None = None
-    shadow_fraction: float = 1.0
-    shadow_queue_size: int = 64
-    canary: int | None = None
-    primary: int | None = None
-    steps: tuple[float, ...] = ()
-    interval_secs: float = 60.0
-    max_error_rate_delta: float | None = None
-    max_p99_ratio: float | None = None
-    min_requests: int = 20
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "traffic_split": ",".join(f"{v}:{_num(w)}" for v, w in self.split),
-            "sticky_key": f"parameter:{self.sticky_parameter}" if self.sticky_parameter else "",
-            "shadow": f"{self.shadow}:{_num(self.shadow_fraction)}" if self.shadow else "",
-            "shadow_queue_size": self.shadow_queue_size,
-            "canary": self.canary,
-            "primary": self.primary,
-            "steps": ",".join(_num(s) for s in self.steps),
-            "interval_secs": self.interval_secs,
-            "max_error_rate_delta": self.max_error_rate_delta,
-            "max_p99_ratio": self.max_p99_ratio,
-            "min_requests": self.min_requests,
-        }
-
-
-def _num(x: float) -> str:
-    return f"{x:g}"
-
-
-def config_fields(config: ModelConfig) -> dict[str, str]:
-    """The ``rollout_*`` parameters of a config, without the prefix."""
-    return {
-        k[len(PREFIX) :]: p.string_value
-        for k, p in config.parameters.items()
-        if k.startswith(PREFIX)
-    }
-
-
-def parse_policy(model: str, fields: Mapping[str, Any], loaded: set[int]) -> RolloutPolicy | None:
-    """The policy ``fields`` describe (None: no rollout), checked against the versions
-    ``loaded``; a bad field raises INVALID_ARG naming the model and the field."""
-
-    def bad(name: str, why: str) -> KilnError:
-        return invalid_arg(f"model '{model}': rollout field '{name}' {why}")
-
-    for k in fields:
-        if k not in FIELDS:
-            raise bad(k, f"is unknown (known: {', '.join(FIELDS)})")
-    f = {k: str(v).strip() for k, v in fields.items() if v is not None and str(v).strip()}
-    if not f:
-        return None
-
-    def version(name: str, text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise bad(name, f"names version '{text}', not an integer") from None
-        if v not in loaded:
-            raise bad(name, f"names version {v}, which is not loaded (loaded: {sorted(loaded)})")
-        return v
-
-    def number(name: str, default: float, low: float = 0.0) -> float:
-        if name not in f:
-            return default
-        try:
-            x = float(f[name])
-        except ValueError:
-            raise bad(name, f"must be a number, got '{f[name]}'") from None
-        if not np.isfinite(x) or x < low:
-            raise bad(name, f"must be a finite number >= {_num(low)}, got '{f[name]}'")
-        return x
-
-    split: list[tuple[int, float]] = []
-    for part in filter(None, (p.strip() for p in f.get("traffic_split", "").split(","))):
-        v, sep, w = part.partition(":")
-        if not sep:
-            raise bad("traffic_split", f"entry '{part}' is not version:weight")
-        weight = number_of("traffic_split", w, bad)
-        if weight < 0:
-            raise bad("traffic_split", f"gives version {v.strip()} a negative weight {w}")
-        split.append((version("traffic_split", v.strip()), weight))
-    if len({v for v, _ in split}) != len(split):
-        raise bad("traffic_split", "names a version twice")
-    if split and sum(w for _, w in split) <= 0:
-        raise bad("traffic_split", "weights must sum to a positive value")
-
-    sticky = f.get("sticky_key", "")
-    if sticky:
-        kind, sep, key = sticky.partition(":")
-        if kind != "parameter" or not sep or not key:
-            raise bad("sticky_key", f"must be 'parameter:NAME', got '{sticky}'")
-        sticky = key
-
-    shadow: int | None = None
-    fraction = 1.0
-    if "shadow" in f:
-        v, sep, frac = f["shadow"].partition(":")
-        shadow = version("shadow", v.strip())
-        if sep:
-            fraction = number_of("shadow", frac, bad)
-            if not 0 < fraction <= 1:
-                raise bad("shadow", f"fraction must be in (0, 1], got '{frac}'")
-    queue = int(number("shadow_queue_size", 64, 1))
-    if queue > MAX_SHADOW_QUEUE:
-        raise bad("shadow_queue_size", f"must be at most {MAX_SHADOW_QUEUE}, got {queue}")
-
-    canary = version("canary", f["canary"]) if "canary" in f else None
-    primary = version("primary", f["primary"]) if "primary" in f else None
-    if primary is not None and (canary is None or primary == canary):
-        raise bad("primary", "needs a 'canary' version other than itself")
-    steps = tuple(
-        number_of("steps", s, bad)
-        for s in filter(None, map(str.strip, f.get("steps", "").split(",")))
-    )
-    if len(steps) > MAX_STEPS:
-        raise bad("steps", f"holds {len(steps)} steps, at most {MAX_STEPS}")
-    if any(not 0 <= s <= 100 for s in steps) or list(steps) != sorted(steps):
-        raise bad("steps", f"must be rising percentages in [0, 100], got '{f.get('steps')}'")
-    if steps and canary is None:
-        raise bad("steps", "need a 'canary' version to move traffic to")
-    if canary is not None and not steps:
-        raise bad("canary", "needs 'steps'")
-    if canary is not None and len(loaded) < 2:
-        raise bad("canary", "needs another loaded version to be the primary")
-    interval = number("interval_secs", 60.0)
-    if interval <= 0:
-        raise bad("interval_secs", "must be > 0")
-    if interval < _GUARD_TICK_S:
-        raise bad("interval_secs", f"must be at least {_GUARD_TICK_S} s (the guard's tick)")
-    delta = number("max_error_rate_delta", 0.0) if "max_error_rate_delta" in f else None
-    if delta is not None and delta > 1:
-        raise bad("max_error_rate_delta", f"is a rate difference in [0, 1], got {delta:g}")
-    ratio = number("max_p99_ratio", 0.0, low=0.0) if "max_p99_ratio" in f else None
-    if ratio is not None and ratio <= 0:
-        raise bad("max_p99_ratio", "must be > 0")
-    if (delta is not None or ratio is not None) and canary is None:
-        raise bad(
-            "max_error_rate_delta" if delta is not None else "max_p99_ratio",
-            "is a bound on a canary: set 'canary' and 'steps'",
-        )
-    if canary is not None and split:
-        raise bad("traffic_split", "and 'canary' both set the weights: give one of them")
-    return RolloutPolicy(
-        split=tuple(split),
-        sticky_parameter=sticky,
-        shadow=shadow,
-        shadow_fraction=fraction,
-        shadow_queue_size=queue,
-        canary=canary,
-        primary=primary,
-        steps=steps,
-        interval_secs=interval,
-        max_error_rate_delta=delta,
-        max_p99_ratio=ratio,
-        min_requests=int(number("min_requests", 20)),
-    )
-
-
-def number_of(name: str, text: str, bad: Callable[[str, str], KilnError]) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise bad(name, f"has '{text}', not a number") from None
-    if not np.isfinite(x):
-        raise bad(name, f"has '{text}', not a finite number")
-    return x
 
 
 def _draw(point: float, table: list[tuple[int, float]], total: float) -> int | None:
@@ -267,53 +79,10 @@ class _Window:
         return n, errors / n, p99
 
 
-@dataclass(slots=True)
-class ShadowStats:
-    sent: int = 0
-    dropped: int = 0
-    errors: int = 0
-    compared: int = 0
-    exact: int = 0
-    top1: int = 0
-    top1_compared: int = 0
-    max_abs_diff: float = 0.0  # the largest seen
-    latency_delta_sum: float = 0.0  # shadow - primary, seconds
-    # LLM generations: output positions compared, and those holding the same token
-    token_positions: int = 0
-    token_agree: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "sent": self.sent,
-            "dropped": self.dropped,
-            "errors": self.errors,
-            "compared": self.compared,
-            "exact_agreement": self.exact / self.compared if self.compared else None,
-            "top1_agreement": self.top1 / self.top1_compared if self.top1_compared else None,
-            "max_abs_diff": self.max_abs_diff,
-            "token_agreement": (
-                self.token_agree / self.token_positions if self.token_positions else None
-            ),
-            "mean_latency_delta_s": (
-                self.latency_delta_sum / self.compared if self.compared else None
-            ),
-        }
-
-
 Infer = Callable[[InferenceRequest], Awaitable[InferenceResponse]]
 #: an LLM model version's generation for a shadow copy: (model, version, prompt token ids,
 #: sampling params) -> each sample's output token ids; injected by the server
 LLMGenerate = Callable[[str, int, list[int], Any], Awaitable[dict[int, list[int]]]]
-
-
-@dataclass(frozen=True, slots=True)
-class LLMShadowJob:
-    """A generation to repeat on the shadow version, and what the primary produced."""
-
-    prompt: list[int]
-    params: Any  # kiln.llm.sequence.SamplingParams (the llm layer sits beside this one)
-    tokens: dict[int, list[int]]  # each sample's output token ids
-    secs: float
 
 
 # (model, version) -> the name of an alert rule firing for it, or None: kiln's alert
@@ -462,7 +231,7 @@ class ModelRollout:
     async def _guard(self) -> None:
         last_step = time.monotonic()
         while self.guarded:
-            await asyncio.sleep(min(_GUARD_TICK_S, self.policy.interval_secs))
+            await asyncio.sleep(min(GUARD_TICK_S, self.policy.interval_secs))
             now = time.monotonic()
             if self.evaluate(now, last_step) == "step":
                 last_step = now
@@ -550,7 +319,7 @@ class ModelRollout:
             secs = time.perf_counter() - t0
             stats.compared += 1
             stats.latency_delta_sum += secs - primary_secs
-            _compare(primary, answer, stats)
+            compare_outputs(primary, answer, stats)
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self, infer: Infer) -> None:
@@ -579,49 +348,6 @@ class ModelRollout:
             "shadow": self.shadow_stats.to_json() if self.policy.shadow is not None else None,
             "shadow_queue": self._queue.qsize() if self._queue is not None else 0,
         }
-
-
-def _compare(primary: InferenceResponse, shadow: InferenceResponse, stats: ShadowStats) -> None:
-    """Exact agreement (every output equal), top-1 (argmax of the last axis, numeric
-    outputs) and the largest absolute difference."""
-    theirs = {o.name: o.data for o in shadow.outputs}
-    exact = set(theirs) == {o.name for o in primary.outputs}
-    top1: bool | None = None
-    for out in primary.outputs:
-        other = theirs.get(out.name)
-        if other is None or other.shape != out.data.shape:
-            exact = False
-            continue
-        if out.data.dtype.kind in "biuf" and other.dtype.kind in "biuf":
-            a, b = out.data.astype(np.float64), other.astype(np.float64)
-            diff = float(np.max(np.abs(a - b))) if a.size else 0.0
-            stats.max_abs_diff = max(stats.max_abs_diff, diff)
-            exact = exact and diff == 0
-            if a.ndim and a.shape[-1] > 1:
-                same = bool(np.array_equal(a.argmax(axis=-1), b.argmax(axis=-1)))
-                top1 = same if top1 is None else top1 and same
-        else:
-            exact = exact and bool(np.array_equal(out.data, other))
-    stats.exact += exact
-    if top1 is not None:
-        stats.top1_compared += 1
-        stats.top1 += top1
-
-
-def compare_tokens(
-    primary: dict[int, list[int]], shadow: dict[int, list[int]], stats: ShadowStats
-) -> None:
-    """Exact agreement (every sample's tokens equal) and token agreement: positions, up
-    to the longer of the two outputs, that hold the same token (meaningful for greedy or
-    seeded requests; a sampled request's copy draws its own tokens)."""
-    exact = set(primary) == set(shadow)
-    for index, ours in primary.items():
-        theirs = shadow.get(index, [])
-        same = sum(1 for a, b in zip(ours, theirs, strict=False) if a == b)
-        stats.token_positions += max(len(ours), len(theirs))
-        stats.token_agree += same
-        exact = exact and ours == theirs
-    stats.exact += exact
 
 
 class Rollouts:
@@ -699,19 +425,9 @@ class Rollouts:
         return [r.to_json() for _, r in sorted(self.models.items())]
 
 
-def check_config(config: ModelConfig, versions: list[int]) -> None:
-    """Load-time check of a config's rollout (the repository calls it before a load)."""
-    parse_policy(config.name, config_fields(config), set(versions))
-
-
 __all__ = [
-    "FIELDS",
-    "LLMShadowJob",
+    "CLIENT_STATUSES",
     "ModelRollout",
-    "RolloutPolicy",
     "Rollouts",
-    "check_config",
-    "compare_tokens",
-    "parse_policy",
     "sticky_point",
 ]

@@ -39,7 +39,8 @@ from kiln.repository.poll import RepositoryPoller
 from kiln.repository.safety import check_model_name
 from kiln.repository.source import RepositoryError, RepositorySource
 from kiln.scheduling.rate_limit import RateLimiter, ResourceOverride
-from kiln.server.rollout import CLIENT_STATUSES, ModelRollout, Rollouts, check_config
+from kiln.server.rollout import CLIENT_STATUSES, ModelRollout, Rollouts
+from kiln.server.rollout_policy import check_config
 from kiln.server.runtime import ModelRuntime, runtime_factory
 
 log = logging.getLogger(__name__)

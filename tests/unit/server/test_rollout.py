@@ -1,6 +1,6 @@
-"""The rollout policy (server/rollout.py) without a server: parsing and its errors, the
-weighted draw against binomial bounds with a seeded RNG, sticky hashing, the guard's
-verdicts on recorded outcomes, and the shadow comparison."""
+"""The rollout policy (server/rollout.py, rollout_policy.py, rollout_shadow.py) without a
+server: parsing and its errors, the weighted draw against binomial bounds with a seeded RNG,
+sticky hashing, the guard's verdicts on recorded outcomes, and the shadow comparison."""
 
 from __future__ import annotations
 
@@ -20,14 +20,9 @@ from kiln.core.types import (
     InferInput,
     InferOutput,
 )
-from kiln.server.rollout import (
-    ModelRollout,
-    ShadowStats,
-    _compare,
-    _Window,
-    parse_policy,
-    sticky_point,
-)
+from kiln.server.rollout import ModelRollout, _Window, sticky_point
+from kiln.server.rollout_policy import parse_policy
+from kiln.server.rollout_shadow import ShadowStats, compare_outputs
 
 
 def _rollout(fields: dict[str, str], loaded: set[int] = {1, 2, 3}, seed: int = 0) -> ModelRollout:  # noqa: B006
@@ -185,11 +180,11 @@ def _response(**outputs: np.ndarray) -> InferenceResponse:
 def test_compare_exact_top1_and_max_abs_diff() -> None:
     stats = ShadowStats()
     a = np.array([[0.1, 0.9], [0.8, 0.2]], dtype=np.float32)
-    _compare(_response(y=a), _response(y=a.copy()), stats)
+    compare_outputs(_response(y=a), _response(y=a.copy()), stats)
     b = a + np.float32(0.05)  # same argmax, not equal
-    _compare(_response(y=a), _response(y=b), stats)
+    compare_outputs(_response(y=a), _response(y=b), stats)
     c = a[:, ::-1].copy()  # argmax flips
-    _compare(_response(y=a), _response(y=c), stats)
+    compare_outputs(_response(y=a), _response(y=c), stats)
     assert (stats.compared, stats.exact, stats.top1, stats.top1_compared) == (0, 1, 2, 3)
     assert stats.max_abs_diff == pytest.approx(0.8, abs=1e-6)  # 0.9 - 0.1
 
@@ -266,7 +261,7 @@ def test_guard_rolls_back_when_an_alert_fires_for_the_canary() -> None:
 
 
 def test_llm_outputs_are_compared_token_by_token() -> None:
-    from kiln.server.rollout import ShadowStats, compare_tokens
+    from kiln.server.rollout_shadow import ShadowStats, compare_tokens
 
     stats = ShadowStats()
     compare_tokens({0: [1, 2, 3]}, {0: [1, 2, 3]}, stats)
