@@ -16,7 +16,9 @@ from typing import Any, TypeVar
 import click
 
 from kiln.config.model_config_pb2 import ModelConfig
+from kiln.core.errors import KilnError
 from kiln.llm.config import ATTENTION_BACKENDS, REASONING_PARSERS, RUNNERS, TOOL_CALL_PARSERS
+from kiln.llm.profiler_config import ProfilerConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -40,6 +42,7 @@ ENGINE_FLAGS = {
     "tool_call_parser": "tool_call_parser",
     "reasoning_parser": "reasoning_parser",
     "speculative_config": "speculative_config",
+    "profiler_config": "profiler_config",
     "quantization": "quantization",
     "kv_cache_dtype": "kv_cache_dtype",
     "enable_lora": "enable_lora",
@@ -137,6 +140,19 @@ def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) 
         raise click.BadParameter(f"not JSON: {exc}") from None
     if not isinstance(parsed, dict):
         raise click.BadParameter(f"must be a JSON object, got {value[:80]!r}")
+    return value
+
+
+def _profiler_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """vLLM's --profiler-config, checked when the command line is read."""
+    if value is None:
+        return None
+    try:
+        ProfilerConfig.parse(value)
+    except KilnError as exc:
+        raise click.BadParameter(
+            exc.message.removeprefix("llm backend: profiler_config: ")
+        ) from None
     return value
 
 
@@ -369,6 +385,14 @@ def llm_options(func: F) -> F:
             help='Speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} '
             'or {"model": DRAFT_FOLDER, "num_speculative_tokens": 4} (docs/llm.md).',
+        ),
+        click.option(
+            "--profiler-config",
+            default=None,
+            callback=_profiler_config,
+            help='vLLM\'s profiler: {"profiler": "torch", "torch_profiler_dir": DIR} serves '
+            "POST /start_profile and /stop_profile, which record the engine's steps into a "
+            "torch.profiler trace in DIR (docs/llm.md, Profiling).",
         ),
         click.option(
             "--quantization",

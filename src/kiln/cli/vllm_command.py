@@ -278,11 +278,11 @@ FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
             "--numa-bind",
             "--device-ids",
             "--ray-workers-use-nsight",
-            "--profiler-config",
             "--enable-layerwise-nvtx-tracing",
             "--enable-trace-replay",
         ),
-        "kiln places and profiles its workers itself (docs/llm.md)",
+        "kiln places its workers itself; its profiler is --profiler-config "
+        "(docs/llm.md, Profiling)",
     ),
 )
 

@@ -20,6 +20,7 @@ class Status(enum.Enum):
     UNSUPPORTED = "UNSUPPORTED"
     UNAVAILABLE = "UNAVAILABLE"
     REQUEST_TIMEOUT = "REQUEST_TIMEOUT"  # HTTP-only: a client too slow to send its body
+    CONFLICT = "CONFLICT"  # HTTP-only: the server's state refuses it now (409)
 
     @property
     def http_status(self) -> int:
@@ -44,6 +45,7 @@ _HTTP = {
     Status.UNSUPPORTED: 501,
     Status.UNAVAILABLE: 503,
     Status.REQUEST_TIMEOUT: 408,
+    Status.CONFLICT: 409,
 }
 
 # Triton's mapping (src/grpc/grpc_utils.cc), plus the HTTP-only statuses kiln has.
@@ -60,6 +62,7 @@ _GRPC = {
     Status.UNSUPPORTED: "UNIMPLEMENTED",
     Status.UNAVAILABLE: "UNAVAILABLE",
     Status.REQUEST_TIMEOUT: "DEADLINE_EXCEEDED",
+    Status.CONFLICT: "ABORTED",
 }
 
 

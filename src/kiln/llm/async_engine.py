@@ -191,12 +191,24 @@ class _Pool:
     tokens: bool = field(default=False, compare=False)
 
 
+@dataclass(slots=True)
+class _Call:
+    """One of ``profiler.ENGINE_CALLS``, run on the engine's thread between two steps."""
+
+    op: str
+    args: tuple[object, ...]
+    future: concurrent.futures.Future[object]
+
+
+_Command = _Add | _Abort | _Pool | _Call
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, name: str = "llm") -> None:
         self.engine = engine
         self.name = name
         self._closed = False
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Pool | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         #: pooling requests waiting for their next batch, by (priority, arrival)
         self._pools: list[_Pool] = []
         #: prompts of pooling requests not yet answered (bounded like the engine's queue)
@@ -289,7 +301,16 @@ class AsyncEngine:
         the whole request."""
         self._send(_Abort(request_id, index, reason))
 
-    def _send(self, command: _Add | _Abort | _Pool | None) -> None:
+    async def call(self, op: str, *args: object) -> object:
+        """Run ``engine.call(op, args)`` (one of ``profiler.ENGINE_CALLS``) on the engine's thread
+        between two steps; its result, or its error raised here."""
+        if self._closed:
+            raise KilnError(f"model '{self.name}' is unloaded", Status.UNAVAILABLE)
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        self._send(_Call(op, args, future))
+        return await asyncio.wrap_future(future)
+
+    def _send(self, command: _Command | None) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -318,6 +339,7 @@ class AsyncEngine:
                 while True:
                     command = self._commands.get_nowait()
                     if command is None:
+                        self._drop_calls()
                         for job in self._pools:  # nobody will compute them now
                             with contextlib.suppress(concurrent.futures.InvalidStateError):
                                 job.future.set_exception(
@@ -417,7 +439,28 @@ class AsyncEngine:
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
                     job.future.set_result(job.results)  # unless its client has left
 
-    def _apply(self, command: _Add | _Abort | _Pool) -> None:
+    def _drop_calls(self) -> None:
+        """Closing: the calls queued behind the end are answered, not left waiting."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                left = self._commands.get_nowait()
+                if isinstance(left, _Call):
+                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                        left.future.set_exception(
+                            KilnError("llm engine: closed", Status.UNAVAILABLE)
+                        )
+
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, _Call):
+            try:
+                command.future.set_result(self.engine.call(command.op, command.args))
+            except Exception as exc:
+                if not isinstance(exc, KilnError):
+                    log.exception("llm engine: %s failed", command.op)
+                    exc = KilnError(f"llm engine: {command.op} failed: {exc}", Status.INTERNAL)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    command.future.set_exception(exc)
+            return
         if isinstance(command, _Pool):
             self._pools.append(command)
             return

@@ -50,6 +50,7 @@ from kiln.llm.engine_messages import Counts, counts
 from kiln.llm.engine_proc import EngineProcClient
 from kiln.llm.lora import LoRARegistry, LoRARequest, check_allowed_path, lora_config
 from kiln.llm.params import InvalidField, sampling_fields
+from kiln.llm.profiler_config import ProfilerConfig
 from kiln.llm.spec_config import SpeculativeConfig
 from kiln.llm.tokenizer import Tokenizer
 
@@ -129,13 +130,15 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
     policy = parameter(config, "scheduling_policy")
     if policy is not None:
         out.scheduling_policy = policy.strip().lower()
-    raw = parameter(config, "speculative_config")
-    if raw:
-        try:
-            out.speculative_config = SpeculativeConfig.from_json(raw)
-        except KilnError as exc:
-            message = str(exc).removeprefix("llm backend: ")
-            raise KilnError(f"model '{config.name}': {message}", Status.INVALID_ARG) from None
+    for key, parse in (("speculative_config", SpeculativeConfig.from_json),
+                       ("profiler_config", ProfilerConfig.parse)):  # fmt: skip
+        raw = parameter(config, key)
+        if raw:
+            try:
+                setattr(out, key, parse(raw))
+            except KilnError as exc:
+                message = str(exc).removeprefix("llm backend: ")
+                raise KilnError(f"model '{config.name}': {message}", Status.INVALID_ARG) from None
     # vLLM's admission limits (None: off; 0 refuses every request, as vLLM's does)
     out.max_num_queued_reqs = count_parameter(config, "max_num_queued_reqs", "requests")
     out.max_num_queued_tokens = count_parameter(config, "max_num_queued_tokens", "tokens")

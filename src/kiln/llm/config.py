@@ -9,6 +9,7 @@ from typing import Any
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm.lora import LoRAConfig
+from kiln.llm.profiler_config import ProfilerConfig
 from kiln.llm.spec_config import SpeculativeConfig
 
 # The architectures kiln runs (``config.json``'s ``architectures``): the Llama skeleton's
@@ -449,6 +450,8 @@ class EngineConfig:
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
     #: vLLM's ``--speculative-config`` (None: no speculative decoding)
     speculative_config: SpeculativeConfig | None = None
+    #: vLLM's ``--profiler-config`` (None: ``/start_profile`` is not served)
+    profiler_config: ProfilerConfig | None = None
     #: vLLM's ``--quantization``: ``auto`` (the checkpoint's ``quantization_config``) or a
     #: method that must be the checkpoint's (kiln.llm.quantization.METHODS)
     quantization: str = "auto"

@@ -24,6 +24,7 @@ from kiln.llm.lora import LoRARequest
 from kiln.llm.model_runner import resolve_dtype
 from kiln.llm.parallel import create_runner
 from kiln.llm.params import INT64_MAX, INT64_MIN, InvalidField
+from kiln.llm.profiler import EngineProfiler, engine_call
 from kiln.llm.sampler import SampledToken, TokenLogprobs
 from kiln.llm.scheduler import Scheduler, SchedulerOutput
 from kiln.llm.sequence import RequestState, SamplingParams, Sequence
@@ -168,10 +169,22 @@ class LLMEngine:
         #: compiles ``structured_outputs`` for this model's tokenizer; set by whoever owns
         #: the tokenizer (the backend): without it, constrained requests are refused
         self.grammars: GrammarCompiler | None = None
+        #: vLLM's worker profiler (``--profiler-config``; None: not enabled)
+        self.profiler: EngineProfiler | None = None
+        if config.profiler_config is not None:
+            name = config.served_model_name or Path(path).stem
+            self.profiler = EngineProfiler(config.profiler_config, name, config.device)
 
     def close(self) -> None:
         """Release what outlives the engine object: a tensor-parallel model's workers."""
+        if self.profiler is not None:
+            self.profiler.close()
         self.runner.close()
+
+    def call(self, op: str, args: tuple[object, ...] | list[object]) -> object:
+        """One of ``profiler.ENGINE_CALLS`` (vLLM's ``/start_profile``, ``/stop_profile``), run
+        between two steps on the engine's thread or in its process."""
+        return engine_call(self.profiler, op, args)
 
     def check_request(
         self,
@@ -435,6 +448,17 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
+        profiler = self.profiler
+        if profiler is None or not profiler.active:
+            return self._step()
+        steps = self.stats.num_steps
+        with profiler.annotate("kiln::step"):
+            results = self._step()
+        if self.stats.num_steps != steps:  # a step that ran the model
+            profiler.step()
+        return results
+
+    def _step(self) -> list[RequestOutput]:
         self.failed = []
         out = self.scheduler.schedule()
         if not out.seqs:

@@ -326,6 +326,24 @@ class EngineClient:
             live.ended.update(range(live.n) if index is None else (index,))
         self._backend.async_engine.abort(request_id, index, reason)
 
+    # ---- profiling (vLLM's /start_profile, /stop_profile) ---------------------------------
+    @property
+    def profiling(self) -> bool:
+        """Whether the model was started with a ``profiler_config``."""
+        return self._backend.engine.config.profiler_config is not None
+
+    async def start_profile(
+        self, prefix: str | None = None, delay: int | None = None, limit: int | None = None
+    ) -> None:
+        """Start recording the engine's steps (between two of them); a session already
+        active is a CONFLICT."""
+        await self._backend.async_engine.call("start_profile", prefix, delay, limit)
+
+    async def stop_profile(self) -> list[str]:
+        """End the session once its trace is written; the files written."""
+        files = await self._backend.async_engine.call("stop_profile")
+        return [str(f) for f in files] if isinstance(files, list) else []
+
     def _account(
         self, times: RequestTimes, live: _Request, end: int, outcome: FailureReason | None
     ) -> None:

@@ -95,6 +95,7 @@ class EngineCore:
         self.failed: list[msg.Failed] = []
         self.pooled: list[msg.Pooled] = []
         self.loaded: list[msg.LoRALoaded] = []  # LoadLoRA answers not sent yet
+        self.called: list[msg.Called] = []  # Call answers not sent yet
         self.dirty = False  # counters changed since the last snapshot sent
         self.last_snapshot = 0.0
 
@@ -131,7 +132,7 @@ class EngineCore:
             self._send(outputs)
 
     def _send(self, outputs: list[RequestOutput]) -> None:
-        if not (outputs or self.failed or self.pooled or self.loaded or self.dirty):
+        if not (outputs or self.failed or self.pooled or self.loaded or self.called or self.dirty):
             return
         now = time.monotonic()
         snap = None
@@ -142,10 +143,10 @@ class EngineCore:
         if self.dirty and (ended or idle or now - self.last_snapshot >= SNAPSHOT_INTERVAL):
             snap = msg.snapshot(self.engine)
             self.dirty, self.last_snapshot = False, now
-        if not (outputs or self.failed or self.pooled or self.loaded or snap):
+        if not (outputs or self.failed or self.pooled or self.loaded or self.called or snap):
             return
-        step = msg.Step(outputs, self.failed, self.pooled, snap, self.loaded)
-        self.failed, self.pooled, self.loaded = [], [], []
+        step = msg.Step(outputs, self.failed, self.pooled, snap, self.loaded, self.called)
+        self.failed, self.pooled, self.loaded, self.called = [], [], [], []
         self.conn.send_bytes(msg.ENCODER.encode(step))
 
     # ---- commands ----------------------------------------------------------------------
@@ -167,6 +168,8 @@ class EngineCore:
                 self._load_lora(command)
             elif isinstance(command, msg.UnloadLoRA):
                 self.engine.remove_lora(command.lora_int_id)
+            elif isinstance(command, msg.Call):
+                self._call(command)
             else:
                 self._shutdown()
                 return False
@@ -215,6 +218,18 @@ class EngineCore:
             )
         else:
             self.loaded.append(msg.LoRALoaded(load.token))
+
+    def _call(self, call: msg.Call) -> None:
+        try:
+            result = self.engine.call(call.op, call.args)
+        except KilnError as exc:
+            self.called.append(msg.Called(call.token, None, exc.message, exc.status.name))
+        except Exception as exc:
+            log.exception("llm engine: %s failed", call.op)
+            message = f"llm engine: {call.op} failed: {exc}"
+            self.called.append(msg.Called(call.token, None, message, Status.INTERNAL.name))
+        else:
+            self.called.append(msg.Called(call.token, result))
 
     def _admit(self, add: msg.Add) -> None:
         try:

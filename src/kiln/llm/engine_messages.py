@@ -75,11 +75,20 @@ class UnloadLoRA(msgspec.Struct, tag=True, array_like=True):
     lora_int_id: int
 
 
+class Call(msgspec.Struct, tag=True, array_like=True):
+    """One of ``profiler.ENGINE_CALLS`` with builtin arguments (``/start_profile``):
+    answered by a ``Called``."""
+
+    token: int
+    op: str
+    args: list[Any]
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-Command = Add | Abort | Pool | CancelPool | LoadLoRA | UnloadLoRA | Shutdown
+Command = Add | Abort | Pool | CancelPool | LoadLoRA | UnloadLoRA | Call | Shutdown
 
 
 class Commands(msgspec.Struct, array_like=True):
@@ -144,12 +153,22 @@ class LoRALoaded(msgspec.Struct, array_like=True):
     status: str = ""  # a ``Status`` name, with ``message``
 
 
+class Called(msgspec.Struct, array_like=True):
+    """A ``Call``'s answer: its result, or (``message``) its error."""
+
+    token: int
+    result: Any = None
+    message: str = ""
+    status: str = ""  # a ``Status`` name, with ``message``
+
+
 class Step(msgspec.Struct, array_like=True):
     outputs: list[RequestOutput]
     failed: list[Failed] = []
     pooled: list[Pooled] = []
     snapshot: Snapshot | None = None
     loras: list[LoRALoaded] = []
+    called: list[Called] = []
 
 
 # ---- helpers -------------------------------------------------------------------------------

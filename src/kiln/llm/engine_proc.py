@@ -140,6 +140,8 @@ class EngineProcClient:
         self._pooling = 0  # prompts of pooling jobs not yet answered
         #: ``add_lora`` calls waiting for the engine process's answer, by token
         self._loading: dict[int, concurrent.futures.Future[None]] = {}
+        #: ``call``s waiting for the engine process's answer, by token
+        self._calls: dict[int, concurrent.futures.Future[object]] = {}
         #: (epoch, command); None ends the writer
         self._outbox: queue.SimpleQueue[tuple[int, msg.Command] | None] = queue.SimpleQueue()
         #: bumped when the engine process dies: commands of the old one are dropped
@@ -251,6 +253,8 @@ class EngineProcClient:
             self._jobs.clear()
             loading = list(self._loading.values())
             self._loading.clear()
+            calls = list(self._calls.values())
+            self._calls.clear()
             if self._conn is not None:
                 self._conn.close()
             self._conn = None
@@ -269,6 +273,9 @@ class EngineProcClient:
                 job.loop.call_soon_threadsafe(_fail_future, job.future, error)
         for waiting in loading:
             _fail_load(waiting, error)
+        for call in calls:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                call.set_exception(error)
         try:
             new_proc, conn, _, _ = self._start()
         except KilnError as exc:
@@ -319,6 +326,15 @@ class EngineProcClient:
                 _fail_load(waiting, KilnError(loaded.message, Status[loaded.status]))
             elif not waiting.done():
                 waiting.set_result(None)
+        for called in step.called:
+            with self._lock:
+                answer = self._calls.pop(called.token, None)
+            if answer is None or answer.done():
+                continue
+            if called.message:
+                answer.set_exception(KilnError(called.message, Status[called.status]))
+            else:
+                answer.set_result(called.result)
         for pooled in step.pooled:
             job = self._jobs.pop(pooled.job_id, None)
             if job is None:
@@ -436,6 +452,21 @@ class EngineProcClient:
             with self._lock:
                 self._loading.pop(token, None)
 
+    async def call(self, op: str, *args: object) -> object:
+        """``engine.call(op, args)`` (one of ``profiler.ENGINE_CALLS``) in the engine process,
+        between two steps; its result, or its error raised here."""
+        answer: concurrent.futures.Future[object] = concurrent.futures.Future()
+        with self._lock:
+            epoch = self._admit(0, "calls")
+            token = next(_IDS)
+            self._calls[token] = answer
+        self._send(epoch, msg.Call(token, op, list(args)))
+        try:
+            return await asyncio.wrap_future(answer)
+        finally:
+            with self._lock:
+                self._calls.pop(token, None)
+
     def remove_lora(self, lora_int_id: int) -> None:
         """``LLMEngine.remove_lora`` in the engine process (requests running with the
         adapter finish with it)."""
@@ -455,6 +486,8 @@ class EngineProcClient:
             jobs = list(self._jobs.values())
             loading = list(self._loading.values())
             self._loading.clear()
+            calls = list(self._calls.values())
+            self._calls.clear()
             epoch = self._epoch
             self._ready.notify_all()
         self._send(epoch, msg.Shutdown())
@@ -477,6 +510,9 @@ class EngineProcClient:
                 job.loop.call_soon_threadsafe(_fail_future, job.future, error)
         for waiting in loading:
             _fail_load(waiting, error)
+        for call in calls:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                call.set_exception(error)
 
 
 def _stop(proc: subprocess.Popen[bytes], timeout: float) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from kiln.core.errors import KilnError, Status
 from kiln.llm.config import EngineConfig
 from kiln.llm.lora import LoRAConfig, LoRAModulePath
+from kiln.llm.profiler_config import ProfilerConfig
 from kiln.llm.spec_config import SpeculativeConfig
 
 log = logging.getLogger("kiln.llm")
@@ -134,6 +135,13 @@ def _speculative(model: str, value: Any) -> SpeculativeConfig:
         raise _error(model, str(exc).removeprefix("llm backend: ")) from None
 
 
+def _profiler(model: str, value: Any) -> ProfilerConfig | None:
+    try:
+        return ProfilerConfig.parse(value if isinstance(value, str | dict) else json.dumps(value))
+    except KilnError as exc:
+        raise _error(model, str(exc).removeprefix("llm backend: ")) from None
+
+
 #: vLLM engine argument -> (EngineConfig attribute, converter)
 _SETTINGS: dict[str, tuple[str, Callable[[str, str, Any], Any]]] = {
     "max_model_len": ("max_model_len", lambda m, k, v: _integer(m, k, v)),
@@ -159,6 +167,7 @@ _SETTINGS: dict[str, tuple[str, Callable[[str, str, Any], Any]]] = {
         "speculative_config",
         lambda m, k, v: _speculative(m, v),
     ),
+    "profiler_config": ("profiler_config", lambda m, k, v: _profiler(m, v)),
     "cuda_graph_sizes": (
         "cuda_graph_sizes",
         lambda m, k, v: tuple(_integer(m, k, s) for s in (v if isinstance(v, list) else [v])),

@@ -20,6 +20,7 @@ from kiln.llm.checkpoint import generation_eos_ids, open_checkpoint, sampling_de
 from kiln.llm.config import EngineConfig, PoolerConfig
 from kiln.llm.engine_core import build_engine
 from kiln.llm.params import InvalidField, sampling_fields, with_defaults
+from kiln.llm.profiler_config import ProfilerConfig, check_session
 from kiln.llm.sequence import find_stop, token_by_token
 from kiln.llm.tokenizer import IncrementalDetokenizer, Tokenizer, template_source
 
@@ -210,6 +211,9 @@ class LLM:
         unknown = sorted(set(engine_args) - names)
         if unknown:
             raise TypeError(f"LLM() got engine arguments kiln does not have: {unknown}")
+        profiling = engine_args.get("profiler_config")
+        if profiling is not None and not isinstance(profiling, ProfilerConfig):
+            engine_args["profiler_config"] = ProfilerConfig.parse(profiling)
         config = EngineConfig(**engine_args)
         config.runner = runner
         if runner == "pooling" and "pooler_config" not in engine_args:
@@ -224,6 +228,23 @@ class LLM:
         extra_eos = (self.tokenizer.eos_token_id, *generation_eos_ids(generation))
         self.engine = build_engine(path, self.tokenizer, config, extra_eos)
         self._ids = 0
+
+    def start_profile(
+        self,
+        profile_prefix: str | None = None,
+        *,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+    ) -> None:
+        """vLLM's: record the next steps into a trace (``profiler_config`` must be set);
+        ``profile_prefix`` starts the trace files' names."""
+        prefix, delay, limit = check_session(profile_prefix, delay_iterations, max_iterations)
+        self.engine.call("start_profile", (prefix, delay, limit))
+
+    def stop_profile(self) -> list[str]:
+        """End the session; the files it wrote into ``torch_profiler_dir``."""
+        files = self.engine.call("stop_profile", ())
+        return [str(f) for f in files] if isinstance(files, list) else []
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the model's generation_config.json values, else vLLM's defaults."""

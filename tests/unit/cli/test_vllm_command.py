@@ -105,6 +105,19 @@ def test_dotted_keys_and_spec_shorthands_build_one_json_object(model: Path) -> N
         _params([str(model), "--spec-tokens"])
 
 
+def test_profiler_config_is_read_whole_or_dotted_and_checked_at_once(model: Path) -> None:
+    params = _params([str(model), "--profiler-config.profiler", "torch",
+                      "--profiler-config.torch_profiler_dir=/tmp/t",
+                      "--profiler-config.max_iterations", "5"])  # fmt: skip
+    assert json.loads(params["profiler_config"]) == {
+        "profiler": "torch", "torch_profiler_dir": "/tmp/t", "max_iterations": 5
+    }  # fmt: skip
+    with pytest.raises(click.BadParameter, match="torch_profiler_dir must be set"):
+        _params([str(model), "--profiler-config", '{"profiler": "torch"}'])
+    with pytest.raises(click.BadParameter, match="'proton' is not supported by kiln"):
+        _params([str(model), "--profiler-config.profiler", "proton"])
+
+
 def test_flags_that_take_several_values(model: Path, tmp_path: Path) -> None:
     params = _params(["--lora-modules", "a=/x", '{"name": "b", "path": "/y"}', str(model)])
     assert params["lora_modules"] == ("a=/x", '{"name": "b", "path": "/y"}')

@@ -118,6 +118,9 @@ def test_restricted_messages_follow_triton() -> None:
         ("/generative_scoring", ApiGroup.INFERENCE),
         ("/v2/embed", ApiGroup.INFERENCE),
         ("/tokenizer_info", ApiGroup.METADATA),
+        # vLLM's profiler writes traces into the operator's folder: restricted with trace
+        ("/start_profile", ApiGroup.TRACE),
+        ("/stop_profile", ApiGroup.TRACE),
         ("/v1/messages", ApiGroup.INFERENCE),
         ("/nowhere", ApiGroup.MONITORING),
         ("/dashboard/", None),

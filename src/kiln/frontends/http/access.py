@@ -48,6 +48,8 @@ _RULES: list[tuple[re.Pattern[str], ApiGroup | None]] = [
     (re.compile(r"/(health|ping)$"), ApiGroup.HEALTH),
     (re.compile(r"/version$"), ApiGroup.METADATA),
     (re.compile(r"/load$"), ApiGroup.METADATA),  # vLLM's server load: a count, no data
+    # vLLM's profiler: traces into the operator's folder, as trace settings are
+    (re.compile(r"/(start|stop)_profile$"), ApiGroup.TRACE),
     (re.compile(r"/dashboard(/.*)?$"), None),
 ]
 

@@ -30,6 +30,7 @@ from kiln.frontends.openai.endpoint import (
     read_json,
 )
 from kiln.frontends.openai.pooling_routes import PoolingRoutes
+from kiln.frontends.openai.profile_routes import ProfileRoutes
 from kiln.frontends.openai.protocol import OpenAIError
 from kiln.frontends.openai.response_routes import ResponseRoutes
 from kiln.frontends.openai.token_routes import TokenRoutes
@@ -45,6 +46,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     response = ResponseRoutes(server, reader)
     pooling = PoolingRoutes(server, reader)
     tokens = TokenRoutes(server, reader)
+    profile = ProfileRoutes(server, reader)
 
     async def models(request: Request) -> Response:
         created = int(time.time())
@@ -170,6 +172,8 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         Route("/version", version, methods=["GET"]),
         Route("/load", load, methods=["GET"]),
         Route("/tokenizer_info", answers_errors(tokens.get_tokenizer_info), methods=["GET"]),
+        Route("/start_profile", answers_errors(profile.start), methods=["POST"]),
+        Route("/stop_profile", answers_errors(profile.stop), methods=["POST"]),
     ]
 
 
