@@ -125,12 +125,38 @@ def test_bad_start_bodies_are_refused_before_anything_starts(
     assert httpx.post(f"{base}/stop_profile").status_code == 200
 
 
+def test_kiln_bench_profile_traces_the_timed_requests(profiled: KilnProcess) -> None:
+    """vLLM's ``bench serve --profile``: the warm-up request is not in the trace."""
+    from kiln.bench.openai import run
+
+    traces = profiled.repository.parent / "t"  # the fixture's torch_profiler_dir
+    before = set(traces.glob("*.pt.trace.json.gz"))
+    result = run(url=profiled.http_url, num_prompts=3, input_len=4, output_len=5,
+                 vocab_size=50, ignore_eos=True, max_concurrency=1, profile=True)  # fmt: skip
+    assert not [r.error for r in result.results if r.error]
+    [trace] = set(traces.glob("*.pt.trace.json.gz")) - before
+    # three requests one after another: a prefill and four decode steps each
+    assert steps_in(trace) == 15
+
+
 def test_without_a_profiler_config_the_paths_are_404(folder: Path, tmp_path: Path) -> None:
+    from kiln.bench import BenchError
+    from kiln.bench.openai import run
+
     server = serve(folder, tmp_path)
     try:
         for path in ("/start_profile", "/stop_profile"):
             answer = httpx.post(f"http://{server.http_url}{path}")
             assert answer.status_code == 404
             assert "--profiler-config" in answer.json()["error"]["message"]
+        with pytest.raises(BenchError, match=r"start_profile.*start the server with --profiler"):
+            run(
+                url=server.http_url,
+                num_prompts=1,
+                input_len=4,
+                output_len=2,
+                vocab_size=50,
+                profile=True,
+            )
     finally:
         server.stop()

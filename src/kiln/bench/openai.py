@@ -65,6 +65,8 @@ class OpenAIBenchOptions:
     extra_body: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 600.0  # per request
     warmup: bool = True  # one untimed request first, as vLLM does
+    #: POST /start_profile before the timed requests, /stop_profile after (vLLM's --profile)
+    profile: bool = False
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -229,6 +231,20 @@ async def resolve_model(client: httpx.AsyncClient, url: str, model: str) -> str:
     return model
 
 
+async def _profiler(client: httpx.AsyncClient, url: str, what: str) -> None:
+    """vLLM's ``--profile``: the server records the timed requests' steps."""
+    try:
+        resp = await client.post(f"/{what}_profile", timeout=600.0)
+    except httpx.HTTPError as exc:
+        raise BenchError(f"--profile: POST {url}/{what}_profile failed: {exc}") from None
+    if resp.status_code != 200:
+        hint = " (start the server with --profiler-config)" if resp.status_code == 404 else ""
+        raise BenchError(
+            f"--profile: POST {url}/{what}_profile: {_error_text(resp.status_code, resp.content)}"
+            + hint
+        )
+
+
 def arrival_gaps(count: int, rate: float, burstiness: float, seed: int) -> list[float]:
     """Seconds between sends: all zero at ``inf``; gamma-distributed (mean 1/rate) otherwise."""
     if math.isinf(rate):
@@ -258,6 +274,8 @@ async def run_async(options: OpenAIBenchOptions,
             if warm.error:
                 raise BenchError(f"the warm-up request to {options.url} failed: {warm.error}")
         gate = asyncio.Semaphore(options.max_concurrency or len(prompts))
+        if options.profile:
+            await _profiler(client, options.url, "start")
 
         async def one(index: int, p: BenchPrompt) -> RequestResult:
             async with gate:
@@ -280,12 +298,15 @@ async def run_async(options: OpenAIBenchOptions,
                 await asyncio.sleep(delay)
             tasks.append(asyncio.ensure_future(one(index, p)))
         results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - t0
+        if options.profile:
+            await _profiler(client, options.url, "stop")
         return LLMBenchResult(
             url=options.url,
             model=model,
             endpoint=options.endpoint.value,
             started=started,
-            duration_s=time.perf_counter() - t0,
+            duration_s=duration,
             settings=options.settings(),
             results=results,
             warmup=warm,

@@ -63,6 +63,7 @@ class BenchFlags:
     temperature: float
     seed: int
     extra_body: str | None
+    profile: bool
     api_key: str | None
 
     def reports(self) -> Reports:
@@ -129,6 +130,7 @@ class BenchFlags:
             seed=self.seed,
             api_key=self.api_key or "",
             extra_body=_extra_body(self.extra_body),
+            profile=self.profile,
         )
 
 

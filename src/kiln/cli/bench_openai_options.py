@@ -16,7 +16,7 @@ import click
 OPENAI_ONLY = (
     "endpoint", "dataset", "num_prompts", "input_len", "output_len", "range_ratio",
     "vocab_size", "burstiness", "max_concurrency", "ignore_eos", "temperature", "seed",
-    "extra_body",
+    "extra_body", "profile",
 )  # fmt: skip
 SHARED = (
     "model", "model_opt", "request_rate", "csv", "json_path", "plot", "openai_url", "api_key",
@@ -58,6 +58,9 @@ def openai_options(f: Any) -> Any:
         click.option("--extra-body", default=None, metavar="JSON",
                      help="--openai: a JSON object merged into every request's body, e.g. "
                           "'{\"response_format\": {\"type\": \"json_object\"}}'."),
+        click.option("--profile", is_flag=True, default=False,
+                     help="--openai: POST /start_profile before the timed requests and "
+                     "/stop_profile after them (vLLM's; the server needs --profiler-config)."),
         click.option("--api-key", default=None, envvar=["KILN_API_KEY", "OPENAI_API_KEY"],
                      help="API key of a server started with --api-key, sent as a Bearer "
                      "token [env: KILN_API_KEY, or OPENAI_API_KEY]."),
