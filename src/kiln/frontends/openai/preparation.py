@@ -21,6 +21,7 @@ from kiln.frontends.openai.protocol import (
     chat_request,
     chat_template_options,
     check_prompt_chars,
+    completion_request,
     detokenize_ids,
     flag,
     with_server_kwargs,
@@ -287,4 +288,21 @@ async def chat_setup(
             end = tuple(llm.tokenizer.encode(req.reasoning.end))
             req.params = replace(req.params, reasoning_end=end)
     prepared = await asyncio.to_thread(prepare, llm, req, None, True)
+    return llm, req, prepared
+
+
+async def completion_setup(
+    server: Server, body: dict[str, Any]
+) -> tuple[EngineClient, GenerationRequest, list[tuple[list[int], SamplingParams]]]:
+    """A completions body, checked and tokenized: the model's engine, the request and each
+    prompt's token ids and parameters (``/v1/completions`` and its ``/render``)."""
+    model = body.get("model")
+    drawn = generator_named(server, model, "Completions", body) if isinstance(model, str) else None
+    req = completion_request(with_model_defaults(body, drawn))
+    precheck_prompt(drawn, body)
+    llm = drawn or generator_named(server, req.model, "Completions", body)
+    server_defaults(llm, req, body)
+    thinking_markers(llm, req)
+    # OpenAI's default max_tokens for completions: 16
+    prepared = await asyncio.to_thread(prepare, llm, req, 16)
     return llm, req, prepared
