@@ -119,6 +119,12 @@ def test_restricted_messages_follow_triton() -> None:
         ("/v2/embed", ApiGroup.INFERENCE),
         ("/tokenizer_info", ApiGroup.METADATA),
         ("/v1/messages", ApiGroup.INFERENCE),
+        # vLLM's scale-out API: render and derender under /v1, tokens in/out, abort
+        ("/v1/chat/completions/render", ApiGroup.INFERENCE),
+        ("/v1/completions/derender", ApiGroup.INFERENCE),
+        ("/inference/v1/generate", ApiGroup.INFERENCE),
+        ("/inference/v1/abort_requests", ApiGroup.INFERENCE),
+        ("/abort_requests", ApiGroup.INFERENCE),
         ("/nowhere", ApiGroup.MONITORING),
         ("/dashboard/", None),
         ("/v2/openapi.json", None),
