@@ -115,6 +115,11 @@ def test_render_applies_the_routes_options(http: Any) -> None:
     anthropic = {"model": NAME, "max_tokens": 8, "system": CHAT[0]["content"],
                  "messages": CHAT[1:]}  # fmt: skip
     assert _post(http, "/v1/messages/render", anthropic)["token_ids"] == whole
+    responses = {"model": NAME, "instructions": CHAT[0]["content"], "input": CHAT[1]["content"],
+                 "max_output_tokens": 8, "request_id": "mine"}  # fmt: skip
+    rendered = _post(http, "/v1/responses/render", responses)
+    assert rendered["token_ids"] == whole and rendered["request_id"] == "mine"
+    assert rendered["sampling_params"]["max_tokens"] == 8
 
 
 def test_greedy_generate_is_completions_of_the_same_ids(http: Any) -> None:
@@ -148,6 +153,21 @@ def test_greedy_generate_is_completions_of_the_same_ids(http: Any) -> None:
     streamed = [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
     assert streamed == choice["token_ids"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(streamed)
+    # output_mode text: the text too, and chat-shaped logprobs
+    as_text = {"token_ids": ids, "sampling_params": {**GREEDY, "logprobs": 1},
+               "output_mode": "text"}  # fmt: skip
+    texted = _post(http, "/inference/v1/generate", as_text)
+    assert texted["output_mode"] == "text"
+    assert texted["choices"][0]["text"] == completion["choices"][0]["text"]
+    assert texted["choices"][0]["token_ids"] == choice["token_ids"]
+    assert (
+        texted["choices"][0]["logprobs"]["content"][0]["token"]
+        == (completion["choices"][0]["logprobs"]["tokens"][0])
+    )
+    with http.stream("POST", "/inference/v1/generate", json={**as_text, "stream": True}) as r:
+        pieces = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]  # fmt: skip
+    assert "".join(c["choices"][0]["text"] for c in pieces) == completion["choices"][0]["text"]
     # derendered as a completion: the text completions answered
     derendered = _post(
         http,
@@ -230,7 +250,11 @@ def test_abort_ends_a_streamed_generate(server: KilnProcess, http: Any) -> None:
          "sampling_params.bogus"),
         ("/inference/v1/generate", {"token_ids": [1]}, "sampling_params"),
         ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {},
-                                    "output_mode": "text"}, "output_mode"),
+                                    "output_mode": "html"}, "output_mode"),
+        ("/inference/v1/generate", {"token_ids": [1], "output_mode": "text",
+                                    "sampling_params": {"detokenize": False}}, "output_mode"),
+        ("/v1/responses/render", {"model": NAME, "input": "hi", "previous_response_id": "r"},
+         "previous_response_id"),
         ("/v1/chat/completions/render", {"model": NAME, "messages": CHAT, "top_k": -5}, "top_k"),
         ("/v1/completions/render", {"model": NAME, "prompt": "a", "use_beam_search": True},
          "use_beam_search"),

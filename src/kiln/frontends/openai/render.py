@@ -13,10 +13,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln.core.trace import http_slot
-from kiln.frontends.openai import messages
+from kiln.frontends.openai import messages, responses
 from kiln.frontends.openai.endpoint import BodyReader, json_response, received
 from kiln.frontends.openai.preparation import chat_setup, completion_setup
-from kiln.frontends.openai.protocol import CHAT_FIELDS, GenerationRequest, OpenAIError, check_fields
+from kiln.frontends.openai.protocol import (
+    CHAT_FIELDS,
+    GenerationRequest,
+    OpenAIError,
+    body_request_id,
+    check_fields,
+)
 from kiln.frontends.openai.request_ids import request_id
 from kiln.llm.sequence import SamplingParams
 from kiln.llm.structured import StructuredOutputsParams
@@ -123,6 +129,25 @@ class RenderRoutes:
         ``/v1/messages`` converts it, rendered as chat."""
         body = await received(request, http_slot(self.server.tracer, request.headers), self.reader)
         return json_response(await self._chat(messages.chat_body(body), "Messages"))
+
+    async def responses(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/responses/render``: a Responses request, converted as
+        ``/v1/responses`` converts it, rendered as chat. Stateless, as vLLM's:
+        ``previous_response_id`` is refused."""
+        body = await received(request, http_slot(self.server.tracer, request.headers), self.reader)
+        if body.get("previous_response_id") is not None:
+            raise OpenAIError(
+                "previous_response_id is not supported by the stateless render endpoint.",
+                param="previous_response_id",
+            )
+        call = responses.ResponsesCall.read(body, responses.ResponseStore())
+        try:
+            _, req, prepared = await chat_setup(self.server, call.chat_body, "Responses")
+        except OpenAIError as exc:
+            raise responses.renamed(exc) from None
+        ((ids, params),) = prepared
+        rid = body_request_id(body) or f"resp_{request_id(None)}"  # at most 512 characters
+        return json_response(generate_request(req, ids, params, rid, body))
 
     async def _chat(self, body: dict[str, Any], api: str) -> dict[str, Any]:
         _refuse_beam_search(body)

@@ -171,6 +171,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         Route("/v1/chat/completions/render", answers_errors(render.chat), methods=["POST"]),
         Route("/v1/completions/render", answers_errors(render.completions), methods=["POST"]),
         Route("/v1/messages/render", answers_errors(render.messages), methods=["POST"]),
+        Route("/v1/responses/render", answers_errors(render.responses), methods=["POST"]),
         counted("/inference/v1/generate", answers_errors(tokens_out.generate)),
         *(
             Route(path, answers_errors(tokens_out.abort_requests), methods=["POST"])

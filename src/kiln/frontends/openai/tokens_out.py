@@ -28,7 +28,7 @@ from kiln.core.trace import http_slot
 from kiln.frontends.openai.endpoint import BodyReader, json_response, model_for, read_json, received
 from kiln.frontends.openai.generation import Delta, OutputOptions, run, started
 from kiln.frontends.openai.keep_alive import with_keep_alive
-from kiln.frontends.openai.logprobs import vllm_prompt_logprobs
+from kiln.frontends.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from kiln.frontends.openai.preparation import prepare, thinking_markers
 from kiln.frontends.openai.protocol import GenerationRequest, OpenAIError, completion_request
 from kiln.frontends.openai.request_ids import MAX_LENGTH as MAX_REQUEST_ID
@@ -108,11 +108,9 @@ def completions_body(body: dict[str, Any], model: str, vocab: int, limit: int) -
     if not all(type(t) is int and 0 <= t < vocab for t in ids):
         raise OpenAIError(f"'token_ids' must be token ids in [0, {vocab})", param="token_ids")
     mode = body.get("output_mode", "tokens")
-    if mode != "tokens":
+    if mode not in ("tokens", "text"):
         raise OpenAIError(
-            f"output_mode must be 'tokens' (kiln answers token ids; /v1/completions/derender "
-            f"turns them into text), got {mode!r}",
-            param="output_mode",
+            f"output_mode must be 'tokens' or 'text', got {mode!r}", param="output_mode"
         )
     for key in ("reasoning_ended", "return_token_ids"):
         if body.get(key) is not None and not isinstance(body[key], bool):
@@ -120,6 +118,11 @@ def completions_body(body: dict[str, Any], model: str, vocab: int, limit: int) -
     params = body.get("sampling_params")
     if not isinstance(params, dict):
         raise OpenAIError("'sampling_params' must be an object", param="sampling_params")
+    if mode == "text" and params.get("detokenize") is False:
+        raise OpenAIError(
+            "output_mode='text' requires sampling_params.detokenize to be true",
+            param="output_mode",
+        )
     out: dict[str, Any] = {"model": model, "prompt": ids}
     for key, value in params.items():
         if key in SAMPLING_PARAMS:
@@ -280,7 +283,7 @@ class TokensOutRoutes:
         if interval:
             llm.check_admission(params.n)  # vLLM's preflight: a 503 before the stream
         deltas = await started(deltas, interval or None)
-        events = _events(req, ids, deltas, rid, body.get("return_token_ids") is True)
+        events = _events(llm, req, ids, deltas, rid, body)
         return StreamingResponse(with_keep_alive(events, interval), media_type="text/event-stream")
 
     async def abort_requests(self, request: Request) -> Response:
@@ -318,6 +321,8 @@ async def _whole(
 ) -> dict[str, Any]:
     """vLLM's ``GenerateTokensResponse``."""
     n = req.params.n
+    text_mode = body.get("output_mode") == "text"
+    texts: list[list[str]] = [[] for _ in range(n)]
     tokens: list[list[int]] = [[] for _ in range(n)]
     entries: list[list[TokenLogprobs]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
@@ -327,6 +332,7 @@ async def _whole(
         async with aclosing(deltas):
             async for d in deltas:
                 tokens[d.index] += d.token_ids
+                texts[d.index].append(d.text)
                 entries[d.index] += d.logprobs
                 reasons[d.index] = d.finish_reason or reasons[d.index]
                 stops[d.index] = d.stop_reason if d.stop_reason is not None else stops[d.index]
@@ -338,7 +344,9 @@ async def _whole(
     choices = []
     for i in range(n):
         choice = _choice(i, reasons[i] or "stop", stops[i], tokens[i])
-        choice["logprobs"] = token_logprobs(entries[i], asked) if asked is not None else None
+        if text_mode:
+            choice["text"] = "".join(texts[i])
+        choice["logprobs"] = _logprobs(llm, entries[i], asked, text_mode)
         choices.append(choice)
     prompt_logprobs = None
     if req.prompt_logprobs_field and prompt_entries is not None:
@@ -357,40 +365,56 @@ async def _whole(
         "metrics": None,
         "kv_transfer_params": None,
         "ec_transfer_params": None,
-        "output_mode": "tokens",
+        "output_mode": "text" if text_mode else "tokens",
         "choices": choices,
     }
 
 
+def _logprobs(
+    llm: EngineClient, entries: list[TokenLogprobs], asked: int | None, text: bool
+) -> dict[str, Any] | None:
+    """A choice's logprobs: by token id (``tokens``), or chat's shape (``text``)."""
+    if asked is None:
+        return None
+    if text:
+        return chat_logprobs(llm.tokenizer, entries)
+    return token_logprobs(entries, asked)
+
+
 async def _events(
+    llm: EngineClient,
     req: GenerationRequest,
     ids: list[int],
     deltas: AsyncGenerator[Delta, None],
     rid: str,
-    return_ids: bool,
+    body: dict[str, Any],
 ) -> AsyncIterator[bytes]:
-    """vLLM's ``GenerateTokensStreamResponse`` chunks: one per choice's delta, then (with
-    ``stream_options.include_usage``) one with the usage and no choices, then ``[DONE]``."""
+    """vLLM's ``GenerateTokensStreamResponse`` (``GenerateTextStreamResponse``) chunks: one
+    per choice's delta, then (with ``stream_options.include_usage``) one with the usage and
+    no choices, then ``[DONE]``."""
     asked = req.params.logprobs
+    return_ids = body.get("return_token_ids") is True
+    text_mode = body.get("output_mode") == "text"
+    mode = "text" if text_mode else "tokens"
     counts: dict[int, int] = {}
     first = True
     async with aclosing(deltas):
         try:
             async for d in deltas:
                 counts[d.index] = len(d.token_ids) + counts.get(d.index, 0)
-                if not d.token_ids and d.finish_reason is None:
+                if not d.token_ids and d.finish_reason is None and not (text_mode and d.text):
                     continue
                 choice = _choice(d.index, d.finish_reason, d.stop_reason, d.token_ids)
-                choice["logprobs"] = (
-                    token_logprobs(d.logprobs, asked) if asked is not None else None
-                )
+                if text_mode:
+                    choice["text"] = d.text
+                choice["logprobs"] = _logprobs(llm, d.logprobs, asked, text_mode)
                 chunk: dict[str, Any] = {"request_id": rid, "usage": None}
                 if first and return_ids:
                     chunk["prompt_token_ids"] = ids
                 first = False
                 if req.continuous_usage:
                     chunk["usage"] = _usage(len(ids), counts[d.index])
-                chunk.update(output_mode="tokens", choices=[choice])
+                chunk.update(output_mode=mode, choices=[choice])
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
         except KilnError as exc:
             yield b"data: " + orjson.dumps(OpenAIError.from_kiln(exc).body()) + b"\n\n"
@@ -398,6 +422,6 @@ async def _events(
             return
     if req.include_usage:
         usage = _usage(len(ids), sum(counts.values()))
-        final = {"request_id": rid, "usage": usage, "output_mode": "tokens", "choices": []}
+        final = {"request_id": rid, "usage": usage, "output_mode": mode, "choices": []}
         yield b"data: " + orjson.dumps(final) + b"\n\n"
     yield b"data: [DONE]\n\n"
