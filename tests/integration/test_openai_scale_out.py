@@ -325,3 +325,60 @@ def test_a_client_that_leaves_a_streamed_generate_frees_its_sequence(
         assert reply.status_code == 200
         next(line for line in reply.iter_lines() if line.startswith("data: "))
     _settled(server, http)
+
+
+def test_streamed_derender_carries_its_state_between_calls(http: Any) -> None:
+    """Each chunk of a streamed generate, derendered in turn with the state the previous
+    call answered, gives the chat (completions) stream's text."""
+    body = {"model": NAME, "messages": CHAT, **GREEDY, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    rendered = _post(http, "/v1/chat/completions/render", body)
+    assert rendered["stream"] is True
+    assert rendered["stream_options"] == {"include_usage": True}
+    with http.stream("POST", "/inference/v1/generate", json=rendered) as reply:
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines()
+                  if line.startswith("data: {")]  # fmt: skip
+    state, text, roles, usage = None, "", [], None
+    for chunk in chunks:
+        out = _post(
+            http,
+            "/v1/chat/completions/derender",
+            {
+                "stream": True,
+                "generate_chunk": chunk,
+                "stream_state": state,
+                "prompt_tokens": len(rendered["token_ids"]),
+            },
+        )
+        state = out["stream_state"]
+        assert out["chunk"]["object"] == "chat.completion.chunk"
+        for choice in out["chunk"]["choices"]:
+            text += choice["delta"]["content"] or ""
+            roles.append(choice["delta"]["role"])
+        usage = out["chunk"]["usage"] or usage
+    chat = _post(http, "/v1/chat/completions", {"model": NAME, "messages": CHAT, **GREEDY})
+    assert text == chat["choices"][0]["message"]["content"]
+    assert roles[0] == "assistant" and set(roles[1:]) == {None}
+    assert usage is not None and usage["prompt_tokens"] == chat["usage"]["prompt_tokens"]
+    assert usage["completion_tokens"] == chat["usage"]["completion_tokens"]
+    # completions: the text, and logprobs whose offsets run on across chunks
+    ids = rendered["token_ids"]
+    stream = {"token_ids": ids, "stream": True, "sampling_params": {**GREEDY, "logprobs": 0}}
+    with http.stream("POST", "/inference/v1/generate", json=stream) as reply:
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines()
+                  if line.startswith("data: {")]  # fmt: skip
+    state, text, offsets = None, "", []
+    for chunk in chunks:
+        out = _post(
+            http,
+            "/v1/completions/derender",
+            {"stream": True, "generate_chunk": chunk, "stream_state": state},
+        )
+        state = out["stream_state"]
+        for choice in out["chunk"]["choices"]:
+            text += choice["text"]
+            offsets += choice["logprobs"]["text_offset"]
+    completion = _post(http, "/v1/completions", {"model": NAME, "prompt": ids, **GREEDY,
+                                                  "logprobs": 0})  # fmt: skip
+    assert text == completion["choices"][0]["text"]
+    assert offsets == completion["choices"][0]["logprobs"]["text_offset"]

@@ -139,3 +139,37 @@ def test_derender_counts_before_decoding(server: KilnProcess, limits: dict[str, 
     responses = {"generate_responses": [_generated([1])] * 1025}
     err = _error(server, "/v1/completions/derender", responses)
     assert err["param"] == "generate_responses"
+
+
+@pytest.mark.parametrize(
+    ("state", "param"),
+    [
+        ({"prev_tokens": ["1"] * 1025}, "stream_state.prev_tokens"),
+        ({"prev_tokens": ["1" * 400]}, "stream_state.prev_tokens"),
+        ({"prev_tokens": ["-1"]}, "stream_state.prev_tokens"),
+        ({"prev_tokens": ["\u0661"]}, "stream_state.prev_tokens"),  # a digit, not ASCII
+        ({"prev_tokens": ["1"], "read_offset": 2}, "stream_state.read_offset"),
+        ({"prev_tokens": ["1"], "prefix_offset": 1}, "stream_state.prefix_offset"),
+        ({"logprob_text_offset": 2**70}, "stream_state.logprob_text_offset"),
+        ([], "stream_state"),
+    ],
+)
+def test_streamed_derender_state_is_bounded(server: KilnProcess, state: Any, param: str) -> None:
+    chunk = {"request_id": "r", "choices": [{"index": 0, "token_ids": [1]}]}
+    body = {"stream": True, "generate_chunk": chunk, "stream_state": state}
+    assert _error(server, "/v1/chat/completions/derender", body)["param"] == param
+    assert _error(server, "/v1/completions/derender", body)["param"] == param
+
+
+def test_streamed_derender_takes_one_choice_per_chunk(
+    server: KilnProcess, limits: dict[str, int]
+) -> None:
+    two = {"request_id": "r", "choices": [{"index": 0, "token_ids": [1]}] * 2}
+    err = _error(server, "/v1/chat/completions/derender", {"stream": True, "generate_chunk": two})
+    assert err["param"] == "generate_chunk.choices"
+    long = {
+        "request_id": "r",
+        "choices": [{"index": 0, "token_ids": [10**9] * (limits["context"] + 1)}],
+    }
+    err = _error(server, "/v1/completions/derender", {"stream": True, "generate_chunk": long})
+    assert err["param"] == "generate_chunk.choices[0].token_ids" and "holds" in err["message"]

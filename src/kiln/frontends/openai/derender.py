@@ -1,25 +1,19 @@
 """vLLM's derender routes (its scale-out API): the token ids that ``/inference/v1/generate``
 answered, back in the answer's OpenAI shape (a chat completion, a text completion), as
-the model's own chat and completions routes would have answered them. Whole answers only:
-vLLM's streamed derender (one chunk per call, with the client carrying its state) is not
-implemented (400 naming ``stream``)."""
+the model's own chat and completions routes would have answered them: whole, or (``stream:
+true``) one streamed chunk per call, the client carrying the decoding state between calls
+(``derender_stream``, which holds the routes)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import Response
-
-from kiln.frontends.openai.endpoint import BodyReader, json_response, model_for, read_json
 from kiln.frontends.openai.logprobs import CompletionLogprobs, chat_logprobs
 from kiln.frontends.openai.protocol import OpenAIError, flag
 from kiln.frontends.openai.reasoning import ReasoningParser
 from kiln.llm.engine_client import EngineClient
 from kiln.llm.sampler import TokenLogprobs
-from kiln.server.server import Server
 
 #: choices of one generate response, and responses of one completions derender
 MAX_CHOICES = 1024
@@ -27,7 +21,7 @@ MAX_CHOICES = 1024
 MAX_TOP_LOGPROBS = 20
 
 
-def _ids(value: Any, where: str, vocab: int, limit: int, empty: bool = False) -> list[int]:
+def token_ids(value: Any, where: str, vocab: int, limit: int, empty: bool = False) -> list[int]:
     """Token ids of the vocabulary, counted against the context before each is read."""
     if not isinstance(value, list) or (not value and not empty):
         raise OpenAIError(f"'{where}' must be a non-empty list of token ids", param=where)
@@ -75,7 +69,9 @@ def _pair(e: Any, where: str, vocab: int) -> tuple[int, float]:
     return token, float(logprob)
 
 
-def _choices(llm: EngineClient, response: Any, where: str) -> list[dict[str, Any]]:
+def choices_of(
+    llm: EngineClient, response: Any, where: str, chunk: bool = False
+) -> list[dict[str, Any]]:
     """A generate response's choices: index, token ids, logprobs, finish and stop reason."""
     if not isinstance(response, dict):
         raise OpenAIError(f"'{where}' must be a generate response object", param=where)
@@ -97,7 +93,7 @@ def _choices(llm: EngineClient, response: Any, where: str) -> list[dict[str, Any
         if not isinstance(c, dict):
             raise OpenAIError(f"'{at}' must be an object", param=at)
         index = c.get("index", i)
-        reason, stop = c.get("finish_reason", "stop"), c.get("stop_reason")
+        reason, stop = c.get("finish_reason", None if chunk else "stop"), c.get("stop_reason")
         if type(index) is not int or not 0 <= index < MAX_CHOICES:
             raise OpenAIError(f"'{at}.index' must be an integer in [0, {MAX_CHOICES})", param=at)
         if not (reason is None or (isinstance(reason, str) and len(reason) <= 64)):
@@ -107,7 +103,13 @@ def _choices(llm: EngineClient, response: Any, where: str) -> list[dict[str, Any
         out.append(
             {
                 "index": index,
-                "token_ids": _ids(c.get("token_ids"), f"{at}.token_ids", vocab, limit),
+                "token_ids": token_ids(
+                    c.get("token_ids") or ([] if chunk else None),
+                    f"{at}.token_ids",
+                    vocab,
+                    limit,
+                    empty=chunk,
+                ),
                 "logprobs": _entries(c.get("logprobs"), f"{at}.logprobs", vocab, limit),
                 "finish_reason": reason,
                 "stop_reason": stop,
@@ -116,7 +118,7 @@ def _choices(llm: EngineClient, response: Any, where: str) -> list[dict[str, Any
     return out
 
 
-def _prompt_tokens(value: Any, where: str) -> int:
+def prompt_tokens(value: Any, where: str) -> int:
     if value is None:
         return 0
     if type(value) is not int or not 0 <= value < 1 << 40:
@@ -124,32 +126,26 @@ def _prompt_tokens(value: Any, where: str) -> int:
     return value
 
 
-def _original(body: dict[str, Any], key: str) -> dict[str, Any]:
+def original(body: dict[str, Any], key: str) -> dict[str, Any]:
     request = body.get(key)
     if request is not None and not isinstance(request, dict):
         raise OpenAIError(f"'{key}' must be the request object /render was given", param=key)
     return request or {}
 
 
-def _check_common(llm: EngineClient, body: dict[str, Any]) -> None:
-    if body.get("stream") not in (None, False):
-        raise OpenAIError(
-            "streamed derender is not implemented by kiln: send each generate response "
-            "whole (stream false)",
-            param="stream",
-        )
+def check_common(llm: EngineClient, body: dict[str, Any]) -> None:
     ids = body.get("prompt_token_ids")
     if ids is not None:  # vLLM's field (it seeds decoding; kiln's tokenizers need no seed)
-        _ids(ids, "prompt_token_ids", llm.vocab_size, llm.max_model_len, empty=True)
+        token_ids(ids, "prompt_token_ids", llm.vocab_size, llm.max_model_len, empty=True)
 
 
 def derender_chat(llm: EngineClient, body: dict[str, Any], model: str) -> dict[str, Any]:
     """vLLM's ``ChatCompletionResponse`` of a generate response. On a worker thread."""
-    _check_common(llm, body)
-    chat = _original(body, "chat_request")
+    check_common(llm, body)
+    chat = original(body, "chat_request")
     skip = flag(chat, "skip_special_tokens", True)
     response = body.get("generate_response")
-    parsed = _choices(llm, response, "generate_response")
+    parsed = choices_of(llm, response, "generate_response")
     choices = []
     for c in parsed:
         content: str | None = llm.tokenizer.decode(c["token_ids"], skip)
@@ -169,7 +165,7 @@ def derender_chat(llm: EngineClient, body: dict[str, Any], model: str) -> dict[s
             }
         )
     assert isinstance(response, dict)
-    prompt = _prompt_tokens(body.get("prompt_tokens"), "prompt_tokens")
+    prompt = prompt_tokens(body.get("prompt_tokens"), "prompt_tokens")
     completion = sum(len(c["token_ids"]) for c in parsed)
     return {
         "id": str(response.get("request_id", ""))[:1024],
@@ -177,7 +173,7 @@ def derender_chat(llm: EngineClient, body: dict[str, Any], model: str) -> dict[s
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": _usage(prompt, completion),
+        "usage": usage(prompt, completion),
         "prompt_logprobs": None,
         "kv_transfer_params": None,
     }
@@ -186,8 +182,8 @@ def derender_chat(llm: EngineClient, body: dict[str, Any], model: str) -> dict[s
 def derender_completion(llm: EngineClient, body: dict[str, Any], model: str) -> dict[str, Any]:
     """vLLM's ``CompletionResponse`` of generate responses (one per rendered prompt),
     choices numbered in order across them. On a worker thread."""
-    _check_common(llm, body)
-    skip = flag(_original(body, "completion_request"), "skip_special_tokens", True)
+    check_common(llm, body)
+    skip = flag(original(body, "completion_request"), "skip_special_tokens", True)
     responses = body.get("generate_responses")
     if not isinstance(responses, list) or not responses or len(responses) > MAX_CHOICES:
         raise OpenAIError(
@@ -207,11 +203,11 @@ def derender_completion(llm: EngineClient, body: dict[str, Any], model: str) -> 
         )
     for i, ids in enumerate(seeds or ()):
         if ids is not None:
-            _ids(ids, f"prompt_token_ids[{i}]", llm.vocab_size, llm.max_model_len, empty=True)
+            token_ids(ids, f"prompt_token_ids[{i}]", llm.vocab_size, llm.max_model_len, empty=True)
     choices: list[dict[str, Any]] = []
     prompt = completion = 0
     for r, response in enumerate(responses):
-        for c in _choices(llm, response, f"generate_responses[{r}]"):
+        for c in choices_of(llm, response, f"generate_responses[{r}]"):
             entries = c["logprobs"]
             choices.append(
                 {
@@ -227,7 +223,7 @@ def derender_completion(llm: EngineClient, body: dict[str, Any], model: str) -> 
             )
             completion += len(c["token_ids"])
         if counts is not None:
-            prompt += _prompt_tokens(counts[r], f"prompt_tokens[{r}]")
+            prompt += prompt_tokens(counts[r], f"prompt_tokens[{r}]")
     first = responses[0]
     return {
         "id": str(first.get("request_id", ""))[:1024] if isinstance(first, dict) else "",
@@ -235,34 +231,15 @@ def derender_completion(llm: EngineClient, body: dict[str, Any], model: str) -> 
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": _usage(prompt, completion),
+        "usage": usage(prompt, completion),
         "kv_transfer_params": None,
     }
 
 
-def _usage(prompt: int, completion: int) -> dict[str, Any]:
+def usage(prompt: int, completion: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
         "prompt_tokens_details": None,
     }
-
-
-class DerenderRoutes:
-    """``reader``: the HTTP frontend whose body limits apply."""
-
-    def __init__(self, server: Server, reader: BodyReader) -> None:
-        self.server, self.reader = server, reader
-
-    async def chat(self, request: Request) -> Response:
-        body = await read_json(request, self.reader)
-        llm = model_for(self.server, body)
-        model = body.get("model") or llm.model_name
-        return json_response(await asyncio.to_thread(derender_chat, llm, body, model))
-
-    async def completions(self, request: Request) -> Response:
-        body = await read_json(request, self.reader)
-        llm = model_for(self.server, body)
-        model = body.get("model") or llm.model_name
-        return json_response(await asyncio.to_thread(derender_completion, llm, body, model))

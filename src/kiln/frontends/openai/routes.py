@@ -19,7 +19,7 @@ from starlette.routing import BaseRoute, Route
 from kiln import __version__
 from kiln.frontends.openai import lora
 from kiln.frontends.openai.completion_routes import CompletionRoutes
-from kiln.frontends.openai.derender import DerenderRoutes
+from kiln.frontends.openai.derender_stream import DerenderRoutes
 from kiln.frontends.openai.endpoint import (
     BodyReader,
     Handler,
