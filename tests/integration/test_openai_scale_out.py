@@ -222,8 +222,10 @@ def test_abort_ends_a_streamed_generate(server: KilnProcess, http: Any) -> None:
             assert other.post("/inference/v1/abort_requests", json=ids).status_code == 200
             aborted.set()
 
-        threading.Thread(target=abort).start()
+        worker = threading.Thread(target=abort)
+        worker.start()
         events = [line[6:] for line in lines if line.startswith("data: ")]
+        worker.join(60)  # its answer read before its client closes
     assert aborted.is_set()
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
@@ -334,7 +336,7 @@ def test_streamed_derender_carries_its_state_between_calls(http: Any) -> None:
             "stream_options": {"include_usage": True}}  # fmt: skip
     rendered = _post(http, "/v1/chat/completions/render", body)
     assert rendered["stream"] is True
-    assert rendered["stream_options"] == {"include_usage": True}
+    assert rendered["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
     with http.stream("POST", "/inference/v1/generate", json=rendered) as reply:
         chunks = [json.loads(line[6:]) for line in reply.iter_lines()
                   if line.startswith("data: {")]  # fmt: skip

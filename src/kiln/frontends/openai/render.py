@@ -90,7 +90,11 @@ def generate_request(
     req: GenerationRequest, ids: list[int], params: SamplingParams, rid: str, body: dict[str, Any]
 ) -> dict[str, Any]:
     """vLLM's ``GenerateRequest`` of one prepared prompt."""
-    options = body.get("stream_options") if req.stream else None
+    given = body.get("stream_options") if req.stream else None
+    options = None  # vLLM's StreamOptions, both fields written out
+    if isinstance(given, dict):
+        keys = ("include_usage", "continuous_usage_stats")
+        options = {key: given.get(key) is True for key in keys}
     return {
         "request_id": rid,
         "token_ids": ids,
