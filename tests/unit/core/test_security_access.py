@@ -122,6 +122,12 @@ def test_restricted_messages_follow_triton() -> None:
         ("/start_profile", ApiGroup.TRACE),
         ("/stop_profile", ApiGroup.TRACE),
         ("/v1/messages", ApiGroup.INFERENCE),
+        # vLLM's scale-out API: render and derender under /v1, tokens in/out, abort
+        ("/v1/chat/completions/render", ApiGroup.INFERENCE),
+        ("/v1/completions/derender", ApiGroup.INFERENCE),
+        ("/inference/v1/generate", ApiGroup.INFERENCE),
+        ("/inference/v1/abort_requests", ApiGroup.INFERENCE),
+        ("/abort_requests", ApiGroup.INFERENCE),
         ("/nowhere", ApiGroup.MONITORING),
         ("/dashboard/", None),
         ("/v2/openapi.json", None),

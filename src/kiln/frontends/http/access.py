@@ -40,6 +40,10 @@ _RULES: list[tuple[re.Pattern[str], ApiGroup | None]] = [
     (re.compile(r"/v1/(load|unload)_lora_adapter$"), ApiGroup.MODEL_REPOSITORY),
     (re.compile(r"/v1/.*"), ApiGroup.INFERENCE),  # OpenAI-compatible routes
     (re.compile(r"/(de)?tokenize$"), ApiGroup.INFERENCE),  # vLLM's, beside them
+    # vLLM's scale-out API: tokens in, tokens out; abort (its legacy path too, which vLLM
+    # leaves open: here it needs the same key, as any request that changes another's)
+    (re.compile(r"/inference/v1/(generate|abort_requests)$"), ApiGroup.INFERENCE),
+    (re.compile(r"/abort_requests$"), ApiGroup.INFERENCE),
     (re.compile(r"/invocations$"), ApiGroup.INFERENCE),  # vLLM's SageMaker routes
     (re.compile(r"/(v2/)?(score|rerank|pooling|classify)$"), ApiGroup.INFERENCE),  # vLLM's
     (re.compile(r"/generative_scoring$"), ApiGroup.INFERENCE),  # vLLM's

@@ -20,16 +20,8 @@ from kiln.frontends.openai.endpoint import (
     read_json,
     received,
 )
-from kiln.frontends.openai.generation_request import GenerationRequest, completion_request
-from kiln.frontends.openai.preparation import (
-    chat_setup,
-    precheck_prompt,
-    prepare,
-    server_defaults,
-    thinking_markers,
-    tokenized,
-    with_model_defaults,
-)
+from kiln.frontends.openai.generation_request import GenerationRequest
+from kiln.frontends.openai.preparation import chat_setup, completion_setup, tokenized
 from kiln.frontends.openai.protocol import CHAT_FIELDS, OpenAIError, check_fields
 from kiln.frontends.openai.request_ids import request_id
 from kiln.llm.engine_client import EngineClient
@@ -49,19 +41,7 @@ class CompletionRoutes:
     async def completions(self, request: Request) -> Response:
         slot = http_slot(self.server.tracer, request.headers)
         body = await received(request, slot, self.reader)
-        model = body.get("model")
-        drawn = (
-            generator_named(self.server, model, "Completions", body)
-            if isinstance(model, str)
-            else None
-        )
-        req = completion_request(with_model_defaults(body, drawn))
-        precheck_prompt(drawn, body)
-        llm = drawn or generator_named(self.server, req.model, "Completions", body)
-        server_defaults(llm, req, body)
-        thinking_markers(llm, req)
-        # OpenAI's default max_tokens for completions: 16
-        prepared = await asyncio.to_thread(prepare, llm, req, 16)
+        llm, req, prepared = await completion_setup(self.server, body)
         return await respond(llm, req, prepared, chat=False)
 
     async def chat(self, request: Request) -> Response:

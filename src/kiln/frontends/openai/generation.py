@@ -39,6 +39,10 @@ class Delta:
     #: vLLM's ``stop_reason``, on a choice's last delta: the stop string, or the id of the
     #: ``stop_token_ids`` token, that ended it (None for EOS, length, and the rest)
     stop_reason: int | str | None = None
+    #: the token ids this delta releases, with its logprobs (every generated token: EOS
+    #: and a stop token too, up to the one that completed a stop string), for vLLM's
+    #: tokens-out API (/inference/v1/generate)
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -48,6 +52,7 @@ class _Choice:
     detok: IncrementalDetokenizer
     pending: str = ""
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    pending_ids: list[int] = field(default_factory=list)
     #: the prompt's logprobs, until the choice's first delta carries them
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     done: bool = False
@@ -64,6 +69,10 @@ class _Choice:
 
     def take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
         taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
+
+    def take_ids(self) -> list[int]:
+        taken, self.pending_ids = self.pending_ids, []
         return taken
 
 
@@ -84,16 +93,18 @@ async def run(
     priority: int = 0,
     request_id: str = "",
     options: OutputOptions = OutputOptions(),
+    engine_id: str | None = None,
 ) -> AsyncGenerator[Delta, None]:
     """Deltas of every choice, interleaved as the steps produce them; each choice ends with
     one delta that carries its ``finish_reason``. ``request_id``: the id the client knows
-    (its trace's). The request counts, traces and drains in core (``EngineClient``)."""
+    (its trace's); ``engine_id``: the engine's (unique; a random one by default). The
+    request counts, traces and drains in core (``EngineClient``)."""
     # a stop string may straddle two tokens: hold back what could be its beginning
     hold = max((len(s) for s in stops), default=1) - 1
     skip = options.skip_special_tokens
     choices = [_Choice(IncrementalDetokenizer(llm.tokenizer, skip)) for _ in range(params.n)]
     left = params.n
-    rid = f"oai-{uuid.uuid4().hex}"
+    rid = engine_id or f"oai-{uuid.uuid4().hex}"
     prompt_len = len(prompt_ids)
     outputs = llm.generate(prompt_ids, params, rid, priority, request_id)
     # closed explicitly so that a caller leaving early aborts the sequence at once
@@ -113,7 +124,11 @@ async def run(
             if stops and len(out.new_token_ids) > 1:
                 # several steps' tokens: a stop string ends the choice at the token that
                 # completes it (and usage counts to there), however the steps were merged
-                for ids, entries, completion, final in token_by_token(out, drop):
+                steps = token_by_token(out, drop)
+                for token, (ids, entries, completion, final) in zip(
+                    out.new_token_ids, steps, strict=True
+                ):
+                    c.pending_ids.append(token)
                     # where a step of its own would have left the held-back text
                     start = max(len(c.pending) - hold, 0)
                     c.pending += c.detok.add(ids, final=final)
@@ -125,6 +140,7 @@ async def run(
                             break
             else:
                 ids = out.new_token_ids[:-1] if drop else out.new_token_ids
+                c.pending_ids.extend(out.new_token_ids)
                 c.pending += c.detok.add(ids, final=out.finished)
                 c.pending_logprobs.extend(out.logprobs or ())
                 # as vLLM: before min_tokens are out, no stop string ends the choice either
@@ -139,7 +155,7 @@ async def run(
                 logprobs = c.pending_logprobs
                 yield Delta(
                     c.pending, reason, prompt_len, completion, out.index, logprobs,
-                    c.take_prompt_logprobs(), out.num_cached_tokens, matched,
+                    c.take_prompt_logprobs(), out.num_cached_tokens, matched, c.take_ids(),
                 )  # fmt: skip
                 if not left:
                     # leaving the loop closes the generator, which aborts what is left
@@ -151,7 +167,7 @@ async def run(
                 c.pending, c.pending_logprobs = c.pending[cut:], []
                 yield Delta(
                     text, None, prompt_len, completion, out.index, logprobs,
-                    c.take_prompt_logprobs(), out.num_cached_tokens,
+                    c.take_prompt_logprobs(), out.num_cached_tokens, None, c.take_ids(),
                 )  # fmt: skip
 
 

@@ -18,7 +18,11 @@ from kiln.frontends.openai.chat_input import (
 )
 from kiln.frontends.openai.content import content_text, for_template
 from kiln.frontends.openai.endpoint import generator_named
-from kiln.frontends.openai.generation_request import GenerationRequest, chat_request
+from kiln.frontends.openai.generation_request import (
+    GenerationRequest,
+    chat_request,
+    completion_request,
+)
 from kiln.frontends.openai.protocol import (
     MAX_CHARS_PER_TOKEN,
     OpenAIError,
@@ -288,4 +292,21 @@ async def chat_setup(
             end = tuple(llm.tokenizer.encode(req.reasoning.end))
             req.params = replace(req.params, reasoning_end=end)
     prepared = await asyncio.to_thread(prepare, llm, req, None, True)
+    return llm, req, prepared
+
+
+async def completion_setup(
+    server: Server, body: dict[str, Any]
+) -> tuple[EngineClient, GenerationRequest, list[tuple[list[int], SamplingParams]]]:
+    """A completions body, checked and tokenized: the model's engine, the request and each
+    prompt's token ids and parameters (``/v1/completions`` and its ``/render``)."""
+    model = body.get("model")
+    drawn = generator_named(server, model, "Completions", body) if isinstance(model, str) else None
+    req = completion_request(with_model_defaults(body, drawn))
+    precheck_prompt(drawn, body)
+    llm = drawn or generator_named(server, req.model, "Completions", body)
+    server_defaults(llm, req, body)
+    thinking_markers(llm, req)
+    # OpenAI's default max_tokens for completions: 16
+    prepared = await asyncio.to_thread(prepare, llm, req, 16)
     return llm, req, prepared

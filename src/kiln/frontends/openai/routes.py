@@ -19,6 +19,7 @@ from starlette.routing import BaseRoute, Route
 from kiln import __version__
 from kiln.frontends.openai import lora
 from kiln.frontends.openai.completion_routes import CompletionRoutes
+from kiln.frontends.openai.derender_stream import DerenderRoutes
 from kiln.frontends.openai.endpoint import (
     BodyReader,
     Handler,
@@ -32,8 +33,10 @@ from kiln.frontends.openai.endpoint import (
 from kiln.frontends.openai.pooling_routes import PoolingRoutes
 from kiln.frontends.openai.profile_routes import ProfileRoutes
 from kiln.frontends.openai.protocol import OpenAIError
+from kiln.frontends.openai.render import RenderRoutes
 from kiln.frontends.openai.response_routes import ResponseRoutes
 from kiln.frontends.openai.token_routes import TokenRoutes
+from kiln.frontends.openai.tokens_out import TokensOutRoutes
 from kiln.server.server import Server
 
 SCORE_PATHS = ("/score", "/v1/score")
@@ -47,6 +50,9 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     pooling = PoolingRoutes(server, reader)
     tokens = TokenRoutes(server, reader)
     profile = ProfileRoutes(server, reader)
+    render = RenderRoutes(server, reader)
+    derender = DerenderRoutes(server, reader)
+    tokens_out = TokensOutRoutes(server, reader)
 
     async def models(request: Request) -> Response:
         created = int(time.time())
@@ -163,6 +169,18 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         ),
         Route("/v1/load_lora_adapter", answers_errors(load_lora), methods=["POST"]),
         Route("/v1/unload_lora_adapter", answers_errors(unload_lora), methods=["POST"]),
+        # vLLM's scale-out API: render, generate (tokens in, tokens out), derender, abort
+        Route("/v1/chat/completions/render", answers_errors(render.chat), methods=["POST"]),
+        Route("/v1/completions/render", answers_errors(render.completions), methods=["POST"]),
+        Route("/v1/messages/render", answers_errors(render.messages), methods=["POST"]),
+        Route("/v1/responses/render", answers_errors(render.responses), methods=["POST"]),
+        counted("/inference/v1/generate", answers_errors(tokens_out.generate)),
+        *(
+            Route(path, answers_errors(tokens_out.abort_requests), methods=["POST"])
+            for path in ("/inference/v1/abort_requests", "/abort_requests")
+        ),
+        Route("/v1/chat/completions/derender", answers_errors(derender.chat), methods=["POST"]),
+        Route("/v1/completions/derender", answers_errors(derender.completions), methods=["POST"]),
         Route("/tokenize", answers_errors(tokens.tokenize), methods=["POST"]),
         Route("/detokenize", answers_errors(tokens.detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
