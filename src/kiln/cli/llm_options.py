@@ -258,6 +258,14 @@ def llm_options(func: F) -> F:
             "[default: 0: off].",
         ),
         click.option(
+            "--enable-scale-out",
+            is_flag=True,
+            default=False,
+            help="Serve vLLM's scale-out API: /v1/*/render, /inference/v1/generate (token "
+            "ids in and out), /v1/*/derender and /inference/v1/abort_requests, which ends "
+            "any client's generation by id (403 otherwise, as vLLM's).",
+        ),
+        click.option(
             "--enable-tokenizer-info-endpoint",
             is_flag=True,
             default=None,

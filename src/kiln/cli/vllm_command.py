@@ -228,7 +228,6 @@ FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
         (
             "--ec-",
             "--kv-events-config",
-            "--enable-scale-out",
             "--tokens-only",
             "--kv-sharing-fast-prefill",
             "--enable-shm-tensor-arena",

@@ -92,6 +92,9 @@ class ServerOptions:
     served_models: list[ModelConfig] = field(default_factory=list)
     #: vLLM's several ``--served-model-name`` for one model: other name -> the model's
     llm_aliases: dict[str, str] = field(default_factory=dict)
+    #: vLLM's ``--enable-scale-out``: render, generate (token ids), derender and abort are
+    #: served (403 otherwise)
+    enable_scale_out: bool = False
     #: seeds the rollouts' weighted draws and shadow sampling (None: from the OS); tests
     rollout_seed: int | None = None
     #: Triton's --exit-on-error: a model named at start that fails to load stops the server

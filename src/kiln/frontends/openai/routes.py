@@ -41,6 +41,9 @@ from kiln.server.server import Server
 
 SCORE_PATHS = ("/score", "/v1/score")
 RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+SCALE_OUT_OFF = (
+    "Scale-out endpoints are disabled. Restart kiln serve with --enable-scale-out to enable them."
+)
 
 
 def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
@@ -133,6 +136,16 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         the generation and pooling requests in flight, for a load-aware router."""
         return json_response({"server_load": inflight.count})
 
+    def scale_out(handler: Handler) -> Handler:
+        """vLLM's ``--enable-scale-out`` routes: 403 in vLLM's words unless it is on."""
+
+        async def gated(request: Request) -> Response:
+            if not server.options.enable_scale_out:
+                raise OpenAIError(SCALE_OUT_OFF, 403, type_="PermissionDeniedError")
+            return await handler(request)
+
+        return answers_errors(gated)
+
     def counted(path: str, handler: Handler) -> Route:
         return inflight.route(path, handler, ["POST"])
 
@@ -170,17 +183,17 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         Route("/v1/load_lora_adapter", answers_errors(load_lora), methods=["POST"]),
         Route("/v1/unload_lora_adapter", answers_errors(unload_lora), methods=["POST"]),
         # vLLM's scale-out API: render, generate (tokens in, tokens out), derender, abort
-        Route("/v1/chat/completions/render", answers_errors(render.chat), methods=["POST"]),
-        Route("/v1/completions/render", answers_errors(render.completions), methods=["POST"]),
-        Route("/v1/messages/render", answers_errors(render.messages), methods=["POST"]),
-        Route("/v1/responses/render", answers_errors(render.responses), methods=["POST"]),
-        counted("/inference/v1/generate", answers_errors(tokens_out.generate)),
+        Route("/v1/chat/completions/render", scale_out(render.chat), methods=["POST"]),
+        Route("/v1/completions/render", scale_out(render.completions), methods=["POST"]),
+        Route("/v1/messages/render", scale_out(render.messages), methods=["POST"]),
+        Route("/v1/responses/render", scale_out(render.responses), methods=["POST"]),
+        counted("/inference/v1/generate", scale_out(tokens_out.generate)),
         *(
-            Route(path, answers_errors(tokens_out.abort_requests), methods=["POST"])
+            Route(path, scale_out(tokens_out.abort_requests), methods=["POST"])
             for path in ("/inference/v1/abort_requests", "/abort_requests")
         ),
-        Route("/v1/chat/completions/derender", answers_errors(derender.chat), methods=["POST"]),
-        Route("/v1/completions/derender", answers_errors(derender.completions), methods=["POST"]),
+        Route("/v1/chat/completions/derender", scale_out(derender.chat), methods=["POST"]),
+        Route("/v1/completions/derender", scale_out(derender.completions), methods=["POST"]),
         Route("/tokenize", answers_errors(tokens.tokenize), methods=["POST"]),
         Route("/detokenize", answers_errors(tokens.detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
