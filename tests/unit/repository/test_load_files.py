@@ -24,7 +24,7 @@ def _strict(text: str) -> bytes | None:
 
 def _sliced(text: str) -> bytes | None:
     try:
-        return load_files._b64decode("m", "1/model.onnx", text)
+        return b"".join(load_files._b64decode("m", "1/model.onnx", text))
     except KilnError as exc:
         assert (
             exc.message
