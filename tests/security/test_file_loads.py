@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from kiln.examples.models import build_simple
+from kiln.repository import load_files
+from kiln.server.server import ControlMode, Server, ServerOptions
 from tests.conftest import KilnProcess
 
 MODEL = "filemodel"
@@ -111,9 +115,14 @@ def test_bad_base64_is_a_400_naming_the_parameter(explicit: KilnProcess, temp_ro
         ("file:1/", "names no file"),
         ("file:1/" + "m" * 300 + ".onnx", "failed to poll from model repository"),
         ("file:" + "/".join(["d" * 200] * 30) + "/model.onnx", "failed to poll from model"),
+        ("file:1//model.onnx", "has an empty or '.' path component"),
+        ("file:1/./model.onnx", "has an empty or '.' path component"),
+        ("file:1/" + "d/" * 40 + "model.onnx", "42 folders deep, more than the limit of 32"),
+        ("file:1/good.txt/model.onnx", "names a file that other 'file:' parameters use as a"),
     ],
-    ids=["nul", "empty", "folder-only", "long-name", "long-path"],
-)
+    ids=["nul", "empty", "folder-only", "long-name", "long-path", "empty-part", "dot-part",
+         "too-deep", "file-as-folder"],
+)  # fmt: skip
 def test_bad_file_names_are_a_400_before_anything_is_written(
     explicit: KilnProcess, temp_root: Path, key: str, text: str
 ) -> None:
@@ -124,6 +133,21 @@ def test_bad_file_names_are_a_400_before_anything_is_written(
     assert text in error and MODEL in error, error
     assert "OSError" not in error and "Errno" not in error
     _assert_private_path_hidden(error, temp_root)
+    assert sorted(p.name for p in temp_root.iterdir()) == before
+
+
+def test_more_than_1024_files_are_a_400_before_anything_is_written(
+    explicit: KilnProcess, temp_root: Path
+) -> None:
+    """Each ``file:`` parameter is a file written to disk: a 64 MiB body held a million
+    empty ones, written one by one on the event loop."""
+    before = sorted(p.name for p in temp_root.iterdir())
+    files = {f"file:1/f{i}": "" for i in range(1025)}
+    r = _load(explicit, {"config": ONNX_CONFIG, **files})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == (
+        f"failed to load '{MODEL}': 1025 'file:' parameters, more than the limit of 1024"
+    )
     assert sorted(p.name for p in temp_root.iterdir()) == before
 
 
@@ -160,3 +184,29 @@ def test_a_bad_config_override_is_named_as_such(explicit: KilnProcess, example_r
     message = response.json()["error"]
     assert message == "failed to load 'mlp': <config override>: max_batch_size must be >= 0, got -5"
     assert str(example_repo) not in message
+
+
+async def test_file_contents_are_decoded_and_written_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 64 MiB load body is ~48 MiB of files: its base64 took 0.4 s and its writes more,
+    all on the event loop. Both run on a worker thread now (the names were checked on the
+    loop before, in microseconds). Which thread did the work is checked, not how long."""
+    threads: list[int] = []
+    real = load_files._decode_and_write
+
+    def recording(name: str, files: dict[str, str | bytes]) -> Path:
+        threads.append(threading.get_ident())
+        return real(name, files)
+
+    monkeypatch.setattr(load_files, "_decode_and_write", recording)
+    server = Server(ServerOptions([tmp_path], ControlMode.EXPLICIT))
+    await server.start()
+    try:
+        onnx_model = build_simple().SerializeToString()
+        config = json.dumps({"name": MODEL, "backend": "onnxruntime"})
+        await server.load_model(MODEL, {"config": config, "file:1/model.onnx": _b64(onnx_model)})
+        assert server.model_ready(MODEL, "")
+    finally:
+        await server.stop()
+    assert len(threads) == 1 and threads[0] != threading.get_ident()

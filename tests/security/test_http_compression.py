@@ -6,6 +6,7 @@ inflated as far as it went. Now any of these is a 400; a whole stream still work
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import random
@@ -15,10 +16,13 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+import numpy as np
 import pytest
 
 from kiln.examples import build_example_repository
-from kiln.frontends.http.app import HttpFrontend
+from kiln.examples.reference import reference_outputs
+from kiln.frontends.http.app import INLINE_COMPRESS_BYTES, HttpFrontend
 from kiln.server.server import Server, ServerOptions
 from tests.conftest import KilnProcess
 from tests.security.http_wire import body_for, connect, post
@@ -115,3 +119,72 @@ async def test_a_body_over_1_kib_inflates_on_a_worker_thread(
         assert await frontend.read_asgi_body(str(len(packed)), "gzip", receive) == body
     assert threads[0] == threading.get_ident()  # 24 bytes of gzip: inflated in place
     assert threads[1] != threading.get_ident()
+
+
+class _CompressGate:
+    """Wraps ``HttpFrontend.encode_body``: which thread compressed each response, and a
+    gate that holds a response's compression until the test releases it."""
+
+    def __init__(self) -> None:
+        self.loop_thread = threading.get_ident()  # made on the test's event loop
+        self.threads: list[int] = []
+        self.seen: list[int] = []  # each body's size
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.real = HttpFrontend.encode_body
+
+    def __call__(self, accept: str, body: bytes) -> tuple[bytes, str]:
+        self.threads.append(threading.get_ident())
+        self.seen.append(len(body))
+        if len(body) > INLINE_COMPRESS_BYTES:
+            self.entered.set()
+            if threading.get_ident() == self.loop_thread:  # the gate would hold the loop
+                raise AssertionError("a big response was compressed on the event loop")
+            assert self.release.wait(60), "the test never released the compression"
+        return self.real(accept, body)
+
+
+def _images(batch: int, blank: bool = False) -> dict[str, Any]:
+    data = [0 if blank else (i * 7) % 256 for i in range(batch * 28 * 28)]
+    tensor = {"name": "IMAGE", "shape": [batch, 28, 28, 1], "datatype": "UINT8", "data": data}
+    return {"inputs": [tensor]}
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_big_response_compresses_on_a_worker_thread_while_others_are_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, encoding: str
+) -> None:
+    """32 MB of tensor output took most of a second to gzip on the event loop, where no
+    other client was answered. Above 16 KiB a response compresses on a worker thread: the
+    test holds that compression at a gate and gets a health probe answered meanwhile. A
+    small response stays in place (the thread hop would cost more than its compression).
+    Which thread compressed is checked, never how long anything took."""
+    gate = _CompressGate()
+    monkeypatch.setattr(HttpFrontend, "encode_body", staticmethod(gate))
+    build_example_repository(tmp_path, ["image_preprocess"])
+    server = Server(ServerOptions([tmp_path]))
+    await server.start()
+    try:
+        transport = httpx.ASGITransport(app=HttpFrontend(server).app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://kiln") as client:
+            url = "/v2/models/image_preprocess/infer"
+            headers = {"Accept-Encoding": encoding}
+            small = await client.post(url, json=_images(1, blank=True), headers=headers)
+            assert small.status_code == 200 and small.headers["content-encoding"] == encoding
+            assert len(gate.seen) == 1 and gate.seen[0] <= INLINE_COMPRESS_BYTES
+            assert gate.threads == [threading.get_ident()]  # compressed in place
+            big = asyncio.create_task(client.post(url, json=_images(32), headers=headers))
+            assert await asyncio.to_thread(gate.entered.wait, 60)
+            # the big response is being compressed: another client is answered meanwhile
+            assert (await client.get("/v2/health/live")).status_code == 200
+            gate.release.set()
+            answer = await big
+        assert answer.status_code == 200 and answer.headers["content-encoding"] == encoding
+        assert len(gate.threads) == 2 and gate.threads[1] != threading.get_ident()
+        out = answer.json()["outputs"][0]  # httpx inflated it: the same tensor came through
+        images = np.array(_images(32)["inputs"][0]["data"], dtype=np.uint8)
+        want = reference_outputs("image_preprocess", {"IMAGE": images.reshape(32, 28, 28, 1)})
+        np.testing.assert_allclose(out["data"], want["NORMALIZED"].ravel(), rtol=1e-6)
+    finally:
+        gate.release.set()
+        await server.stop()

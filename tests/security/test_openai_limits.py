@@ -4,21 +4,28 @@ and never tokenize on the event loop."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import select
 import socket
 import threading
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
+from kiln.frontends.http import llm_generate  # noqa: E402
+from kiln.frontends.http.app import HttpFrontend  # noqa: E402
+from kiln.frontends.openai import preparation  # noqa: E402
+from kiln.frontends.openai.routes import openai_routes  # noqa: E402
+from kiln.llm.tokenizer import Tokenizer  # noqa: E402
+from kiln.server.server import ControlMode, Server, ServerOptions  # noqa: E402
 from tests.conftest import KilnProcess  # noqa: E402
 from tests.llm_models import llm_config, tiny_llm_repository  # noqa: E402
 
@@ -114,38 +121,6 @@ def test_a_head_without_its_body_is_408(server: KilnProcess) -> None:
     assert "--http-read-timeout-secs" in _openai_error(body)["message"]
 
 
-class _Probes:
-    """Another client asking /v2/health/ready again and again while a request is handled:
-    each answer must come (a stalled event loop answers none)."""
-
-    def __init__(self, server: KilnProcess) -> None:
-        self.url = f"http://{server.http_url}/v2/health/ready"
-        self.answered = 0
-        self.stalled: list[str] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._done.is_set():
-            try:
-                with urllib.request.urlopen(self.url, timeout=STALL / 4) as reply:
-                    assert reply.status == 200
-                self.answered += 1
-                self.first.set()
-            except (urllib.error.URLError, TimeoutError) as exc:
-                self.stalled.append(repr(exc))
-
-    def __enter__(self) -> _Probes:
-        self.first = threading.Event()
-        self._thread.start()
-        assert self.first.wait(STALL), "the probes never got an answer"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
-
-
 def _huge_text(chars: int) -> str:
     # varied words: the slowest kind of text for a BPE tokenizer, byte for byte
     rng = random.Random(0)
@@ -155,32 +130,99 @@ def _huge_text(chars: int) -> str:
 HUGE = 5 * 1024 * 1024
 
 
+class _LoopWatch:
+    """Records which thread ran each tokenizer call and each wrapped step; a tokenizer call
+    on the event loop fails at once. A wrapped step (``gate``) is held until the test has
+    had another client answered."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.loop_thread = threading.get_ident()  # made on the test's event loop
+        self.tokenized: list[int] = []
+        self.gated: list[int] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        for name in ("encode", "apply_chat_template"):
+            monkeypatch.setattr(Tokenizer, name, self._watched(getattr(Tokenizer, name)))
+
+    def _watched(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.tokenized.append(threading.get_ident())
+            if threading.get_ident() == self.loop_thread:
+                raise AssertionError("the tokenizer ran on the event loop")
+            return real(*args, **kwargs)
+
+        return call
+
+    def gate(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def held(*args: Any) -> Any:
+            self.gated.append(threading.get_ident())
+            self.entered.set()
+            if threading.get_ident() == self.loop_thread:
+                raise AssertionError("the prompt was prepared on the event loop")
+            assert self.release.wait(60), "the test never released the step"
+            return real(*args)
+
+        return held
+
+
+@pytest.fixture
+async def in_process(tmp_path: Path) -> AsyncIterator[Any]:
+    server = Server(
+        ServerOptions([tiny_llm_repository(tmp_path, CONFIG)], ControlMode.EXPLICIT, ["tiny"])
+    )
+    await server.start()
+    frontend = HttpFrontend(server)
+    yield frontend.app(openai_routes(server, frontend))
+    await server.stop()
+
+
 @pytest.mark.parametrize("route", ["completions", "chat", "generate"])
-def test_a_huge_prompt_is_400_and_other_clients_are_served(
-    server: KilnProcess, client: openai.OpenAI, route: str
+async def test_a_huge_prompt_is_400_and_never_tokenized_on_the_event_loop(
+    in_process: Any, monkeypatch: pytest.MonkeyPatch, route: str
 ) -> None:
+    """A 5 MB prompt is refused for the model's context from its size, before any
+    tokenizing; no tokenizer call runs on the event loop. Chat's template step and
+    generate's decode run on a worker thread: the test holds that step at a gate and has a
+    health probe answered meanwhile. Which thread ran what is checked, never how long."""
+    watch = _LoopWatch(monkeypatch)
+    if route == "chat":
+        monkeypatch.setattr(preparation, "chat_prompt", watch.gate(preparation.chat_prompt))
+    elif route == "generate":
+        monkeypatch.setattr(llm_generate, "decode", watch.gate(llm_generate.decode))
     text = _huge_text(HUGE)
-    with _Probes(server) as probes:
+    transport = httpx.ASGITransport(app=in_process)
+    async with httpx.AsyncClient(transport=transport, base_url="http://kiln") as http:
         if route == "generate":
-            with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
-                payload = json.dumps({"text_input": text}).encode()
-                sock.sendall(_head("/v2/models/tiny/generate", len(payload)) + payload)
-                status, body = _response(sock)
-            assert status == 400
-            assert "characters" in body["error"] and "'text_input'" in body["error"]
+            call = http.post("/v2/models/tiny/generate", json={"text_input": text})
+        else:
+            client = openai.AsyncOpenAI(
+                base_url="http://kiln/v1", api_key="unused", max_retries=0, http_client=http
+            )
+            if route == "chat":
+                messages = [{"role": "user", "content": text}]
+                call = client.chat.completions.create(model="tiny", messages=messages)  # type: ignore[arg-type]
+            else:
+                call = client.completions.create(model="tiny", prompt=text)
+        task = asyncio.ensure_future(call)
+        if route != "completions":  # completions refuse it on the loop, from len() alone
+            assert await asyncio.to_thread(watch.entered.wait, 60), "the step never ran"
+            assert (await http.get("/v2/health/ready")).status_code == 200
+            watch.release.set()
+        if route == "generate":
+            response = await task
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert "characters" in error and "'text_input'" in error
         else:
             with pytest.raises(openai.BadRequestError) as info:
-                if route == "chat":
-                    messages = [{"role": "user", "content": text}]
-                    client.chat.completions.create(model="tiny", messages=messages)  # type: ignore[arg-type]
-                else:
-                    client.completions.create(model="tiny", prompt=text)
+                await task
             err = info.value.body
             assert isinstance(err, dict)
             assert err["param"] == ("messages" if route == "chat" else "prompt")
             assert err["code"] == "context_length_exceeded"
-    # the other client was answered every time, while the huge prompt was handled too
-    assert probes.stalled == []
+    assert watch.loop_thread not in watch.tokenized
+    assert watch.loop_thread not in watch.gated
+    assert len(watch.gated) == (0 if route == "completions" else 1)
 
 
 def test_too_many_messages_are_400(client: openai.OpenAI) -> None:

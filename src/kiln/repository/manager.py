@@ -8,14 +8,11 @@ gap. A failed reload leaves the old versions serving.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextvars
 import enum
 import logging
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +30,7 @@ from kiln.config.loader import (
 )
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
+from kiln.repository.load_files import materialise
 from kiln.repository.safety import check_config_paths, check_model_name, check_tree_inside
 from kiln.repository.source import Fingerprint, LocalSource, RepositoryError, RepositorySource
 
@@ -223,7 +221,7 @@ class RepositoryManager(Generic[R]):
         self,
         name: str,
         config_json: str | None = None,
-        files: dict[str, bytes] | None = None,
+        files: dict[str, str | bytes] | None = None,
         *,
         dependency: bool = False,
     ) -> None:
@@ -260,7 +258,10 @@ class RepositoryManager(Generic[R]):
         log.error("model '%s' failed to load: %s", entry.name, reason)
 
     async def _load(
-        self, entry: ModelEntry[R], config_json: str | None, files: dict[str, bytes] | None
+        self,
+        entry: ModelEntry[R],
+        config_json: str | None,
+        files: dict[str, str | bytes] | None,
     ) -> None:
         name = entry.name
         if not files and config_json is None and name in self.served:
@@ -274,7 +275,7 @@ class RepositoryManager(Generic[R]):
             return
         if config_json is None:
             raise invalid_arg(f"failed to load '{name}': 'file:' parameters need 'config'")
-        files_dir = _write_files(name, files)
+        files_dir = await materialise(name, files)
         try:
             await self._load_dir(entry, files_dir, config_json, files_dir)
         except BaseException as exc:
@@ -557,30 +558,6 @@ def _complete_scheduling(config: ModelConfig, default_batcher: bool = True) -> N
         config.dynamic_batching.SetInParent()
 
 
-def _write_files(name: str, files: dict[str, bytes]) -> Path:
-    """Materialise ``file:<version>/<name>`` load parameters in a private temp folder
-    (their names were checked by ``decode_files``)."""
-    root = Path(tempfile.mkdtemp(prefix=f"kiln-{name}-"))
-    try:
-        for rel, content in files.items():
-            target = (root / rel).resolve()
-            if not target.is_relative_to(root) or rel.startswith("/"):
-                raise invalid_arg(f"load of '{name}': file path '{rel}' escapes the model folder")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(content)
-    except OSError as exc:
-        shutil.rmtree(root, ignore_errors=True)
-        # Triton's words for a model folder it cannot build; no private path in them.
-        raise invalid_arg(
-            f"failed to load '{name}', failed to poll from model repository: "
-            f"cannot write the 'file:' parameters ({exc.strerror})"
-        ) from None
-    except BaseException:
-        shutil.rmtree(root, ignore_errors=True)
-        raise
-    return root
-
-
 def _hide_folder(exc: BaseException, folder: Path) -> None:
     """Say ``file:<name>`` where a message names a file of a load's private folder."""
 
@@ -593,50 +570,3 @@ def _hide_folder(exc: BaseException, folder: Path) -> None:
         value = getattr(exc, attr, None)
         if isinstance(value, str):
             setattr(exc, attr, hide(value))
-
-
-#: Linux's NAME_MAX and PATH_MAX, in bytes: a longer name cannot be written.
-_NAME_MAX = 255
-_PATH_MAX = 4096
-
-
-def decode_files(name: str, parameters: dict[str, object]) -> dict[str, bytes]:
-    """``file:1/model.onnx`` -> base64 content (HTTP) or raw bytes (gRPC). Every name is
-    checked before anything is written (``_write_files``)."""
-    files = {}
-    for key, value in parameters.items():
-        if not key.startswith("file:"):
-            continue
-        rel = key[5:]
-        _check_file_name(name, key, rel)
-        if isinstance(value, bytes):
-            raw = value
-        elif isinstance(value, str):
-            try:
-                raw = base64.b64decode(value, validate=True)
-            except (binascii.Error, ValueError):
-                raise invalid_arg(
-                    f"failed to load '{name}': load parameter '{key}' is not valid base64"
-                ) from None
-        else:
-            raise invalid_arg(
-                f"failed to load '{name}': load parameter '{key}' must be a base64 string"
-            )
-        files[rel] = raw
-    return files
-
-
-def _check_file_name(name: str, key: str, rel: str) -> None:
-    if not rel or rel.endswith("/"):
-        raise invalid_arg(f"failed to load '{name}': load parameter '{key}' names no file")
-    if "\x00" in rel:
-        raise invalid_arg(f"failed to load '{name}': load parameter {key!r} holds a NUL character")
-    parts = rel.split("/")
-    if rel.startswith("/") or ".." in parts:
-        raise invalid_arg(f"load of '{name}': file path '{rel}' escapes the model folder")
-    encoded = [p.encode("utf-8", "surrogateescape") for p in parts]
-    if any(len(p) > _NAME_MAX for p in encoded) or len(rel.encode("utf-8", "replace")) > _PATH_MAX:
-        raise invalid_arg(
-            f"failed to load '{name}', failed to poll from model repository: the name of "
-            f"load parameter '{key[:64]}...' is too long"
-        )

@@ -34,7 +34,8 @@ from kiln.core.trace import Tracer
 from kiln.core.trace_otel import OtelOptions
 from kiln.core.types import InferenceRequest, InferenceResponse
 from kiln.llm.engine_client import EngineClient, FinishedHook
-from kiln.repository.manager import RepositoryManager, decode_files
+from kiln.repository.load_files import check_files
+from kiln.repository.manager import RepositoryManager
 from kiln.repository.poll import RepositoryPoller
 from kiln.repository.safety import check_model_name
 from kiln.repository.source import RepositoryError, RepositorySource
@@ -455,7 +456,7 @@ class Server:
             raise invalid_arg("load parameter 'config' must be a JSON string")
         if isinstance(config, bytes):
             config = config.decode("utf-8", "replace")
-        files = decode_files(name, parameters)
+        files = check_files(name, parameters)
         await self.repository.load(name, config, files or None)
 
     async def unload_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
