@@ -115,7 +115,7 @@ class InferenceResponseSender:
         self.closed = False
         # Flow control (an ensemble's ``max_inflight_requests``): with a window, a send
         # waits while ``window`` non-final responses are sent and not granted (taken
-        # downstream); ``worker.Channel`` reads the grants.
+        # downstream); ``worker_channel.Channel`` reads the grants.
         self._window = 0
         self._sent = 0
         self._granted = 0
