@@ -26,7 +26,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from kiln.backends.python.worker import RECLAIM_BYTES
+from kiln.backends.python.worker_channel import RECLAIM_BYTES
 from tests.conftest import KilnProcess
 
 GENERATE = """

@@ -4,6 +4,12 @@ The worker registers this module under the name ``triton_python_backend_utils``,
 unchanged ``import triton_python_backend_utils as pb_utils`` finds it. Tensors are plain
 NumPy arrays here (kiln's Python backend runs on the CPU); requests sent to other models
 (BLS) and responses of decoupled models go through the worker's channel to the server.
+
+This module holds what reaches the server (through ``_channel`` and ``_metrics``, which the
+worker sets): requests and their BLS calls, decoupled response senders, model control and
+custom metrics. The plain values it re-exports, as its own API, live in ``pb_tensor``
+(``Tensor``, data types, BYTES), ``pb_errors``, ``pb_response``, ``pb_config`` (config
+helpers) and ``pb_logger``.
 """
 
 from __future__ import annotations
@@ -14,11 +20,26 @@ import json
 import sys
 from typing import Any
 
-import numpy as np
-
-from kiln.backends.python import custom_metrics, dlpack
-from kiln.backends.python.arena import serialize_bytes
+from kiln.backends.python import custom_metrics
 from kiln.backends.python.autocomplete import ModelConfig
+from kiln.backends.python.pb_config import (
+    get_input_config_by_name,
+    get_output_config_by_name,
+    using_decoupled_model_transaction_policy,
+)
+from kiln.backends.python.pb_errors import TritonError, TritonModelException
+from kiln.backends.python.pb_logger import Logger
+from kiln.backends.python.pb_response import InferenceResponse, get_output_tensor_by_name
+from kiln.backends.python.pb_tensor import (
+    TRITON_STRING_TO_NUMPY,
+    Tensor,
+    deserialize_bytes_tensor,
+    numpy_to_triton_type,
+    serialize_byte_tensor,
+    triton_string_to_numpy,
+    triton_to_numpy_type,
+)
+from kiln.backends.python.pb_tensor import TYPE_BYTES as TYPE_BYTES  # public, not in __all__
 
 __all__ = [
     "TRITONSERVER_MEMORY_CPU",
@@ -75,43 +96,6 @@ TRITONSERVER_MEMORY_GPU = 2
 _channel: Any = None
 _metrics: Any = None  # the worker's custom_metrics.MetricStore
 
-_NUMPY_TYPES: dict[str, Any] = {
-    "TYPE_BOOL": np.bool_,
-    "TYPE_UINT8": np.uint8,
-    "TYPE_UINT16": np.uint16,
-    "TYPE_UINT32": np.uint32,
-    "TYPE_UINT64": np.uint64,
-    "TYPE_INT8": np.int8,
-    "TYPE_INT16": np.int16,
-    "TYPE_INT32": np.int32,
-    "TYPE_INT64": np.int64,
-    "TYPE_FP16": np.float16,
-    "TYPE_FP32": np.float32,
-    "TYPE_FP64": np.float64,
-    "TYPE_STRING": np.object_,
-    "TYPE_BF16": np.float32,  # held as float32, as everywhere in kiln
-}
-TRITON_STRING_TO_NUMPY = _NUMPY_TYPES  # Triton's name for it; models read it directly
-
-# TRITONSERVER_DataType's numbers (Tensor.triton_dtype(), triton_to_numpy_type), BOOL..BYTES
-_TRITON_NUMBERS: dict[int, Any] = {
-    1: np.bool_,
-    2: np.uint8,
-    3: np.uint16,
-    4: np.uint32,
-    5: np.uint64,
-    6: np.int8,
-    7: np.int16,
-    8: np.int32,
-    9: np.int64,
-    10: np.float16,
-    11: np.float32,
-    12: np.float64,
-    13: np.object_,
-}
-_NUMBERS_OF: dict[Any, int] = {np.dtype(t): n for n, t in _TRITON_NUMBERS.items()}
-TYPE_BYTES = 13
-
 
 def install() -> None:
     """Make ``import triton_python_backend_utils`` resolve to this module."""
@@ -120,146 +104,6 @@ def install() -> None:
 
 def _json(parameters: dict[str, Any] | str | None) -> str:
     return parameters if isinstance(parameters, str) else json.dumps(parameters or {})
-
-
-_PARAMETER_TYPES = (bool, int, float, str)
-
-
-def _response_parameters(parameters: dict[str, Any] | str | None) -> str:
-    """A response's parameters as JSON, checked as Triton checks them: an object whose
-    values are bool, int, float or str (they reach the client as the response's
-    ``parameters``)."""
-    if isinstance(parameters, str):
-        try:
-            parameters = json.loads(parameters or "{}")
-        except json.JSONDecodeError as exc:
-            raise TritonModelException(
-                f"InferenceResponse parameters: not valid JSON ({exc})"
-            ) from None
-    if parameters is None:
-        return "{}"
-    if not isinstance(parameters, dict):
-        raise TritonModelException(
-            f"InferenceResponse parameters must be a dict, got {type(parameters).__name__}"
-        )
-    for key, value in parameters.items():
-        if not isinstance(key, str):
-            raise TritonModelException(f"InferenceResponse parameters: key {key!r} must be a str")
-        if not isinstance(value, _PARAMETER_TYPES):
-            raise TritonModelException(
-                f"InferenceResponse parameter '{key}' must be a bool, int, float or str, "
-                f"got {type(value).__name__}"
-            )
-    return json.dumps(parameters)
-
-
-class TritonError:
-    """An error a response carries; ``code`` picks the status the client sees."""
-
-    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE = 0, 1, 2, 3, 4
-    UNSUPPORTED, ALREADY_EXISTS, CANCELLED = 5, 6, 7
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        self._message = str(message)
-        self._code = code
-
-    def message(self) -> str:
-        return self._message
-
-    def code(self) -> int:
-        return self._code
-
-    def __repr__(self) -> str:
-        return f"TritonError({self._message!r})"
-
-
-class TritonModelException(Exception):
-    pass
-
-
-class Tensor:
-    def __init__(self, name: str, array: Any) -> None:
-        if not isinstance(array, np.ndarray):
-            raise TritonModelException(
-                f"Tensor '{name}': expected a numpy array, got {type(array).__name__}"
-            )
-        self._name = name
-        self._array = array
-
-    def name(self) -> str:
-        return self._name
-
-    def as_numpy(self) -> np.ndarray:
-        return self._array
-
-    def shape(self) -> list[int]:
-        return list(self._array.shape)
-
-    def triton_dtype(self) -> int | None:
-        """The tensor's TRITONSERVER_DataType number (11 for FP32, 13 for BYTES)."""
-        return numpy_to_triton_type(self._array.dtype)
-
-    def is_cpu(self) -> bool:
-        return True
-
-    # ---- DLPack (dlpack.py): tensors to and from torch etc. without copies ----
-    def to_dlpack(self) -> Any:
-        """A DLPack capsule of the tensor's data, e.g. for
-        ``torch.utils.dlpack.from_dlpack``: an input's capsule views the shared memory."""
-        try:
-            return dlpack.capsule_of(self._array)
-        except dlpack.DLPackError as exc:
-            raise TritonModelException(f"Tensor '{self._name}': to_dlpack: {exc}") from None
-
-    @classmethod
-    def from_dlpack(cls, name: str, capsule: Any) -> Tensor:
-        """A tensor named ``name`` from a DLPack capsule or an object with ``__dlpack__``
-        (a torch tensor, a NumPy array...): a view of host memory, a copy of GPU memory."""
-        if not isinstance(name, str):
-            raise TritonModelException(
-                f"Tensor.from_dlpack takes the tensor's name first, got {type(name).__name__}"
-            )
-        try:
-            return cls(name, dlpack.to_numpy(capsule))
-        except dlpack.DLPackError as exc:
-            raise TritonModelException(f"Tensor '{name}': from_dlpack: {exc}") from None
-
-    def __dlpack__(self, **kwargs: Any) -> Any:
-        """The DLPack protocol: ``torch.from_dlpack(tensor)`` takes a pb_utils.Tensor."""
-        try:
-            return dlpack.capsule_of(self._array, **kwargs)
-        except dlpack.DLPackError as exc:
-            raise BufferError(f"Tensor '{self._name}': {exc}") from None
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (dlpack.DL_CPU, 0)
-
-    def __repr__(self) -> str:
-        return f"Tensor({self._name!r}, shape={self._array.shape}, dtype={self._array.dtype})"
-
-
-class InferenceResponse:
-    def __init__(
-        self,
-        output_tensors: list[Tensor] | None = None,
-        error: TritonError | None = None,
-        parameters: dict[str, Any] | str | None = None,
-    ) -> None:
-        self._outputs = list(output_tensors or [])
-        self._error = error
-        self._parameters = _response_parameters(parameters)
-
-    def output_tensors(self) -> list[Tensor]:
-        return self._outputs
-
-    def has_error(self) -> bool:
-        return self._error is not None
-
-    def error(self) -> TritonError | None:
-        return self._error
-
-    def parameters(self) -> str:
-        return self._parameters
 
 
 class InferenceResponseSender:
@@ -271,7 +115,7 @@ class InferenceResponseSender:
         self.closed = False
         # Flow control (an ensemble's ``max_inflight_requests``): with a window, a send
         # waits while ``window`` non-final responses are sent and not granted (taken
-        # downstream); ``worker.Channel`` reads the grants.
+        # downstream); ``worker_channel.Channel`` reads the grants.
         self._window = 0
         self._sent = 0
         self._granted = 0
@@ -481,115 +325,6 @@ def is_model_ready(model_name: str, model_version: str = "") -> bool:
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
     return next((t for t in request.inputs() if t.name() == name), None)
-
-
-def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
-    return next((t for t in response.output_tensors() if t.name() == name), None)
-
-
-def _config_dict(model_config: Any) -> dict[str, Any]:
-    if isinstance(model_config, str):
-        loaded: dict[str, Any] = json.loads(model_config)
-        return loaded
-    return dict(model_config)
-
-
-def get_input_config_by_name(model_config: Any, name: str) -> dict[str, Any] | None:
-    return next((t for t in _config_dict(model_config).get("input", []) if t["name"] == name), None)
-
-
-def get_output_config_by_name(model_config: Any, name: str) -> dict[str, Any] | None:
-    return next(
-        (t for t in _config_dict(model_config).get("output", []) if t["name"] == name), None
-    )
-
-
-def triton_string_to_numpy(triton_type: str) -> Any:
-    try:
-        return _NUMPY_TYPES[triton_type]
-    except KeyError:
-        raise TritonModelException(f"unknown data type '{triton_type}'") from None
-
-
-def triton_to_numpy_type(data_type: int) -> Any:
-    """The NumPy type of a TRITONSERVER_DataType number; None for one without (BF16)."""
-    return _TRITON_NUMBERS.get(data_type)
-
-
-def numpy_to_triton_type(data_type: Any) -> int | None:
-    """The TRITONSERVER_DataType number of a NumPy dtype or type; None if it has none."""
-    try:
-        dtype = np.dtype(data_type)
-    except TypeError:
-        return None
-    if dtype.kind in ("S", "U"):
-        return TYPE_BYTES
-    return _NUMBERS_OF.get(dtype)
-
-
-def using_decoupled_model_transaction_policy(model_config: Any) -> bool:
-    """Whether the config (``args["model_config"]``, as a dict or its JSON) is decoupled."""
-    policy = _config_dict(model_config).get("model_transaction_policy") or {}
-    return bool(policy.get("decoupled", False))
-
-
-def serialize_byte_tensor(array: np.ndarray) -> np.ndarray:
-    """Triton's length-prefixed BYTES serialization, as a uint8 array."""
-    return np.frombuffer(serialize_bytes(array), dtype=np.uint8)
-
-
-def deserialize_bytes_tensor(encoded: bytes | np.ndarray) -> np.ndarray:
-    raw = encoded.tobytes() if isinstance(encoded, np.ndarray) else bytes(encoded)
-    items, pos = [], 0
-    while pos < len(raw):
-        length = int.from_bytes(raw[pos : pos + 4], "little")
-        items.append(raw[pos + 4 : pos + 4 + length])
-        pos += 4 + length
-    out = np.empty(len(items), dtype=object)
-    out[:] = items
-    return out
-
-
-class _LogLevel(enum.IntEnum):
-    INFO = 0
-    WARNING = 1
-    ERROR = 2
-    VERBOSE = 3
-
-
-class Logger:
-    """``pb_utils.Logger.log_info(...)`` or ``Logger.log(message, Logger.WARNING)``: lines
-    land in the server's log, each with its level."""
-
-    LogLevel = _LogLevel
-    INFO, WARNING, ERROR, VERBOSE = _LogLevel
-
-    @classmethod
-    def log(cls, message: str, level: int = _LogLevel.INFO) -> None:
-        try:
-            name = _LogLevel(level).name
-        except ValueError:
-            raise TritonModelException(
-                f"Logger.log: unknown level {level!r} (Logger.INFO, WARNING, ERROR, VERBOSE)"
-            ) from None
-        # The worker's stderr is the server's: one line per message, as Triton logs them.
-        print(f"{name}: {message}", file=sys.stderr, flush=True)
-
-    @classmethod
-    def log_info(cls, message: str) -> None:
-        cls.log(message, _LogLevel.INFO)
-
-    @classmethod
-    def log_warn(cls, message: str) -> None:
-        cls.log(message, _LogLevel.WARNING)
-
-    @classmethod
-    def log_error(cls, message: str) -> None:
-        cls.log(message, _LogLevel.ERROR)
-
-    @classmethod
-    def log_verbose(cls, message: str) -> None:
-        cls.log(message, _LogLevel.VERBOSE)
 
 
 class MetricKind(enum.IntEnum):

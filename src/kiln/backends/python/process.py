@@ -84,7 +84,8 @@ class WorkerProcess:
         ]
         # Traffic not tied to one batch: a decoupled model's responses and every BLS call
         # (a model's threads may send them after its execute returned, while the next
-        # batch uses the slots), reclaimed as the worker asks (``worker.Channel.reclaim``).
+        # batch uses the slots), reclaimed as the worker asks
+        # (``worker_channel.Channel._reclaim_if_due``).
         self.side_in = Arena.create("side-in-", directory=here)  # BLS answers
         self.side_out = Arena.create("side-out-", directory=here)  # responses, BLS calls
         # One cancellation byte per request the worker has (``cancel.FlagPool``).

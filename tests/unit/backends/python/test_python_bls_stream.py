@@ -13,7 +13,7 @@ import pytest
 from kiln.backends.python import pb_utils
 from kiln.backends.python.arena import Arena
 from kiln.backends.python.wire import Wire
-from kiln.backends.python.worker import Channel
+from kiln.backends.python.worker_channel import Channel
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import pytest
 from kiln.backends.base import InstanceSpec, Rescheduled
 from kiln.backends.python import worker_session
 from kiln.backends.python.backend import PythonBackend
-from kiln.backends.python.worker import RECLAIM_BYTES
+from kiln.backends.python.worker_channel import RECLAIM_BYTES
 from kiln.config.loader import parse_config_text
 from kiln.core.errors import KilnError
 from kiln.core.stats import RequestTimes
