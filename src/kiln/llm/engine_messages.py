@@ -79,7 +79,15 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-Command = Add | Abort | Pool | CancelPool | LoadLoRA | UnloadLoRA | Shutdown
+class Control(msgspec.Struct, tag=True, array_like=True):
+    """A development-mode operation (``engine_control``); answered by a ``ControlDone``."""
+
+    token: int
+    op: str
+    args: dict[str, Any]
+
+
+Command = Add | Abort | Pool | CancelPool | LoadLoRA | UnloadLoRA | Shutdown | Control
 
 
 class Commands(msgspec.Struct, array_like=True):
@@ -144,12 +152,22 @@ class LoRALoaded(msgspec.Struct, array_like=True):
     status: str = ""  # a ``Status`` name, with ``message``
 
 
+class ControlDone(msgspec.Struct, array_like=True):
+    """A ``Control``'s answer: its result, or (``message``) why it was refused."""
+
+    token: int
+    result: dict[str, Any] = {}
+    message: str = ""
+    status: str = ""  # a ``Status`` name, with ``message``
+
+
 class Step(msgspec.Struct, array_like=True):
     outputs: list[RequestOutput]
     failed: list[Failed] = []
     pooled: list[Pooled] = []
     snapshot: Snapshot | None = None
     loras: list[LoRALoaded] = []
+    controls: list[ControlDone] = []
 
 
 # ---- helpers -------------------------------------------------------------------------------
