@@ -19,6 +19,7 @@ from starlette.routing import BaseRoute, Route
 from kiln import __version__
 from kiln.frontends.openai import lora
 from kiln.frontends.openai.completion_routes import CompletionRoutes
+from kiln.frontends.openai.dev_routes import dev_routes
 from kiln.frontends.openai.endpoint import (
     BodyReader,
     Handler,
@@ -129,6 +130,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         return inflight.route(path, handler, ["POST"])
 
     return [
+        *dev_routes(server, reader),  # VLLM_SERVER_DEV_MODE's alone
         Route("/v1/models", models, methods=["GET"]),
         counted("/v1/completions", answers_errors(completion.completions)),
         counted("/v1/chat/completions", answers_errors(completion.chat)),
