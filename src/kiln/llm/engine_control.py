@@ -236,11 +236,8 @@ class EngineControl:
         """Forget every cached block; False (nothing done) while a sequence holds blocks,
         unless ``reset_running_requests`` sends those back to the queue first (they are
         recomputed when they run again), as vLLM's scheduler does."""
-        sched = self.engine.scheduler
         if reset_running_requests:
-            for seq in reversed(list(sched.running)):
-                sched.running.remove(seq)
-                sched._preempt(seq)
+            self.engine.scheduler.preempt_running()
         return self.engine.block_manager.reset_prefix_cache()
 
     def abort(self, request_ids: list[str] | None) -> int:
