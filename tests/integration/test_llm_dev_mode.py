@@ -255,3 +255,25 @@ def test_without_the_switch_the_routes_do_not_exist(tmp_path: Path) -> None:
         assert "Development endpoints" not in proc.log()
     finally:
         proc.stop()
+
+
+def test_the_engine_on_a_thread_sleeps_and_wakes_too(gguf_file: Path, tmp_path: Path) -> None:
+    """``--no-enable-multiprocessing``: the same operations on the server's engine thread."""
+    args = ["--model", str(gguf_file), "--max-model-len", "1024", "--max-num-seqs", "4",
+            "--no-enable-multiprocessing"]  # fmt: skip
+    proc = KilnProcess(tmp_path / "repo", args=args, with_repository=False,
+                       env={"VLLM_SERVER_DEV_MODE": "1"}).start(timeout=600)  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"http://{proc.http_url}/v1", api_key="unused",
+                               max_retries=0, timeout=300)  # fmt: skip
+        before = greedy(client).choices[0].message.content
+        with httpx.Client(base_url=f"http://{proc.http_url}", timeout=120) as http:
+            assert http.post("/sleep", params={"level": 2}).json()["status"] == "sleeping"
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                held = pool.submit(greedy, client)
+                assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+                assert not held.done()
+                assert http.post("/wake_up").json() == {"status": "awake", "tags": None}
+                assert held.result().choices[0].message.content == before
+    finally:
+        proc.stop()
