@@ -49,6 +49,8 @@ class KilnProcess:
     # --model-repository's value when it is not ``repository`` (a bucket: s3://...);
     # logs and state still go beside ``repository``
     repository_url: str = ""
+    #: extra environment variables of the server process
+    env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._free_ports = not (self.http_port or self.grpc_port or self.metrics_port)
@@ -103,7 +105,7 @@ class KilnProcess:
         log = open(self.log_path, "wb")  # noqa: SIM115 - closed with the process
         # History's default database lives under the XDG state dir: keep it in tmp.
         state = self.repository.parent / "state"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_STATE_HOME=str(state))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_STATE_HOME=str(state), **self.env)
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
 

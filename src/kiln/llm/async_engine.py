@@ -16,11 +16,12 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm.admission import Admission
 from kiln.llm.engine import LLMEngine, RequestOutput
+from kiln.llm.engine_control import PENDING, EngineControl
 from kiln.llm.lora import LoRARequest
 from kiln.llm.sequence import SamplingParams
 
@@ -178,6 +179,15 @@ class _Abort:
     reason: str = "abort"  # the finished_reason it counts under in vllm:request_success
 
 
+@dataclass(slots=True)
+class _Control:
+    """A development-mode operation (``engine_control``), answered through ``future``."""
+
+    op: str
+    args: dict[str, Any]
+    future: concurrent.futures.Future[dict[str, Any]]
+
+
 @dataclass(order=True, slots=True)
 class _Pool:
     """A pooling request: its prompts run in batches between the engine's steps."""
@@ -191,24 +201,16 @@ class _Pool:
     tokens: bool = field(default=False, compare=False)
 
 
-@dataclass(slots=True)
-class _Call:
-    """One of ``profiler.ENGINE_CALLS``, run on the engine's thread between two steps."""
-
-    op: str
-    args: tuple[object, ...]
-    future: concurrent.futures.Future[object]
-
-
-_Command = _Add | _Abort | _Pool | _Call
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, name: str = "llm") -> None:
         self.engine = engine
         self.name = name
         self._closed = False
-        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Pool | _Control | None] = (
+            queue.SimpleQueue()
+        )
+        #: pause, sleep and the rest of vLLM's development operations (engine thread only)
+        self.controller = EngineControl(engine)
         #: pooling requests waiting for their next batch, by (priority, arrival)
         self._pools: list[_Pool] = []
         #: prompts of pooling requests not yet answered (bounded like the engine's queue)
@@ -301,16 +303,17 @@ class AsyncEngine:
         the whole request."""
         self._send(_Abort(request_id, index, reason))
 
-    async def call(self, op: str, *args: object) -> object:
-        """Run ``engine.call(op, args)`` (one of ``profiler.ENGINE_CALLS``) on the engine's thread
-        between two steps; its result, or its error raised here."""
-        if self._closed:
-            raise KilnError(f"model '{self.name}' is unloaded", Status.UNAVAILABLE)
-        future: concurrent.futures.Future[object] = concurrent.futures.Future()
-        self._send(_Call(op, args, future))
+    async def control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Run a development operation (``engine_control``) on the engine's thread, between
+        two steps; awaits its answer (a ``wait`` pause: until the engine drained)."""
+        with self._lock:
+            if self._closed:
+                raise KilnError(f"model '{self.name}' is unloaded", Status.UNAVAILABLE)
+        future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        self._send(_Control(op, args, future))
         return await asyncio.wrap_future(future)
 
-    def _send(self, command: _Command | None) -> None:
+    def _send(self, command: _Add | _Abort | _Pool | _Control | None) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -339,7 +342,9 @@ class AsyncEngine:
                 while True:
                     command = self._commands.get_nowait()
                     if command is None:
-                        self._drop_calls()
+                        closed = KilnError("llm engine: closed", Status.UNAVAILABLE)
+                        for token, _ in self.controller.pending:
+                            _settle(token, closed)
                         for job in self._pools:  # nobody will compute them now
                             with contextlib.suppress(concurrent.futures.InvalidStateError):
                                 job.future.set_exception(
@@ -349,10 +354,13 @@ class AsyncEngine:
                     self._apply(command)
             except queue.Empty:
                 pass
-            if self._pools:
+            control = self.controller
+            pooling = bool(self._pools) and not control.holds_requests and control.may_step()
+            if pooling:
                 self._pool_batch()
-            if not self.engine.has_work():
-                if not self._pools:
+            self._controlled()
+            if not self.engine.has_work() or not control.may_step():
+                if not pooling:
                     self._wake.wait()
                     self._wake.clear()
                 continue
@@ -439,33 +447,45 @@ class AsyncEngine:
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
                     job.future.set_result(job.results)  # unless its client has left
 
-    def _drop_calls(self) -> None:
-        """Closing: the calls queued behind the end are answered, not left waiting."""
-        with contextlib.suppress(queue.Empty):
-            while True:
-                left = self._commands.get_nowait()
-                if isinstance(left, _Call):
-                    with contextlib.suppress(concurrent.futures.InvalidStateError):
-                        left.future.set_exception(
-                            KilnError("llm engine: closed", Status.UNAVAILABLE)
-                        )
+    def _controlled(self) -> None:
+        """What the development operations left to do: answer a drained ``wait`` pause,
+        send the ends of aborted requests, add the requests a resume released."""
+        control = self.controller
+        for token, result in control.poll():
+            _settle(token, result)
+        if control.finished:
+            ends, control.finished = control.finished, []
+            self._deliver(ends)
+        if control.released:
+            released, control.released = control.released, []
+            for item in released:
+                assert isinstance(item, _Add)
+                self._apply(item)
 
-    def _apply(self, command: _Command) -> None:
-        if isinstance(command, _Call):
+    def _apply(self, command: _Add | _Abort | _Pool | _Control) -> None:
+        if isinstance(command, _Pool):
+            self._pools.append(command)
+            return
+        if isinstance(command, _Control):
             try:
-                command.future.set_result(self.engine.call(command.op, command.args))
+                result = self.controller.run(command.future, command.op, command.args)
             except Exception as exc:
                 if not isinstance(exc, KilnError):
                     log.exception("llm engine: %s failed", command.op)
                     exc = KilnError(f"llm engine: {command.op} failed: {exc}", Status.INTERNAL)
-                with contextlib.suppress(concurrent.futures.InvalidStateError):
-                    command.future.set_exception(exc)
-            return
-        if isinstance(command, _Pool):
-            self._pools.append(command)
+                _settle(command.future, exc)
+            else:
+                if result is not PENDING:
+                    _settle(command.future, result)
+            self._controlled()
             return
         if isinstance(command, _Abort):
-            self.engine.abort(command.request_id, command.index, command.reason)
+            whole = command.index is None
+            if not (whole and self.controller.drop_held(command.request_id)):
+                self.engine.abort(command.request_id, command.index, command.reason)
+            return
+        if self.controller.holds_requests:  # paused or asleep: it joins at the resume
+            self.controller.hold(command.request_id, command.params.n, len(command.prompt), command)
             return
         try:
             self.engine.add_request(
@@ -490,3 +510,13 @@ class AsyncEngine:
         for rid, stream in list(self._streams.items()):
             self.engine.abort(rid, reason="error")
             stream.put(error)
+
+
+def _settle(token: object, result: dict[str, Any] | BaseException) -> None:
+    """Answer a development operation's future (its client may have stopped waiting)."""
+    assert isinstance(token, concurrent.futures.Future)
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if isinstance(result, BaseException):
+            token.set_exception(result)
+        else:
+            token.set_result(result)

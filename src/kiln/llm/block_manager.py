@@ -170,6 +170,20 @@ class BlockManager:
                 seq.chain_keys.append(same.content_key if dup else -1)
         seq.num_cached_blocks = max(seq.num_cached_blocks, full)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): only when no sequence
+        holds a block (False, nothing changed, otherwise), so no live chain loses its keys."""
+        if any(block.ref_count for block in self.blocks):
+            return False
+        for block in self.blocks:
+            block.block_hash, block.token_ids, block.parent_key = None, (), None
+            block.salt = None
+            block.content_key = -1
+        self.cached.clear()
+        self.evictable.clear()
+        self.free_block_ids = deque(range(self.num_blocks))
+        return True
+
     # -- allocation ------------------------------------------------------------------------
 
     def _take(self) -> int:

@@ -183,7 +183,7 @@ class LLMEngine:
 
     def call(self, op: str, args: tuple[object, ...] | list[object]) -> object:
         """One of ``profiler.ENGINE_CALLS`` (vLLM's ``/start_profile``, ``/stop_profile``), run
-        between two steps on the engine's thread or in its process."""
+        between two steps on the engine's thread or in its process (``engine_control``)."""
         return engine_call(self.profiler, op, args)
 
     def check_request(

@@ -47,6 +47,7 @@ class _Request:
     tokens: dict[int, int] = field(default_factory=dict)  # output tokens per sample
     scheduled: int = 0  # first scheduled (monotonic ns): its queue time ends
     first_token: int = 0
+    client_id: str = ""  # the id the client knows (``trace_id``)
 
 
 #: (prompt token ids, sampling params, each sample's output token ids, seconds)
@@ -81,6 +82,10 @@ class EngineClient:
         self.on_finished: FinishedHook | None = None
         #: the LoRA adapter this client's requests run with (``with_lora``)
         self.lora_request: LoRARequest | None = None
+        #: one development operation at a time (``control``); shared by ``with_lora``'s copies
+        self._control_lock = asyncio.Lock()
+        #: vLLM's ``engine_sleep_state`` gauge: (asleep, level), set by sleep and wake_up
+        self.sleep_state: tuple[int, int] = (0, 0)
 
     # ---- LoRA adapters ---------------------------------------------------------------
     @property
@@ -244,6 +249,33 @@ class EngineClient:
     def check_priority(self, priority: int) -> None:
         self._backend.engine.check_priority(priority)
 
+    # ---- development operations (VLLM_SERVER_DEV_MODE) ------------------------------------
+    async def control(self, op: str, **args: Any) -> dict[str, Any]:
+        """A development operation of ``kiln.llm.engine_control`` (pause, sleep, wake_up,
+        ...), run between two of the engine's steps. They run one at a time: a second
+        waits for the first (a ``wait`` pause: until the engine drained), so concurrent
+        calls never interleave inside the engine. ``state`` only reads and ``abort`` only
+        ends requests (it may be what ends a ``wait`` pause): they never wait."""
+        engine = self._backend.async_engine
+        if op in ("state", "abort"):
+            return await engine.control(op, args)
+        async with self._control_lock:
+            result = await engine.control(op, args)
+            if op == "sleep":
+                self.sleep_state = (1, int(args.get("level", 1)))
+            elif op == "release_kv_cache_memory":
+                self.sleep_state = (1, 0)
+            elif op == "wake_up" and result.get("fully_awake"):
+                self.sleep_state = (0, 0)
+            return result
+
+    def engine_ids(self, ids: set[str]) -> list[str]:
+        """The engine's ids of the requests in flight that ``ids`` name, by the id their
+        client knows (an answer's ``id``: ``chatcmpl-...``) or by the engine's own."""
+        return [
+            rid for rid, live in list(self._live.items()) if rid in ids or live.client_id in ids
+        ]
+
     # ---- requests --------------------------------------------------------------------
     async def generate(
         self,
@@ -259,7 +291,7 @@ class EngineClient:
         ``abort(..., reason="stop")`` (a stop string), else as CANCELED."""
         times = RequestTimes(received=time.monotonic_ns())
         done = self._admit()  # not serving: infer's error, before anything is counted
-        live = self._live[request_id] = _Request(params.n)
+        live = self._live[request_id] = _Request(params.n, client_id=trace_id)
         trace = None
         if self._tracer is not None and self._tracer.enabled:
             trace = self._tracer.begin(
@@ -337,11 +369,12 @@ class EngineClient:
     ) -> None:
         """Start recording the engine's steps (between two of them); a session already
         active is a CONFLICT."""
-        await self._backend.async_engine.call("start_profile", prefix, delay, limit)
+        args = {"args": [prefix, delay, limit]}
+        await self._backend.async_engine.control("start_profile", args)
 
     async def stop_profile(self) -> list[str]:
         """End the session once its trace is written; the files written."""
-        files = await self._backend.async_engine.call("stop_profile")
+        files = (await self._backend.async_engine.control("stop_profile", {}))["result"]
         return [str(f) for f in files] if isinstance(files, list) else []
 
     def _account(

@@ -35,6 +35,7 @@ from kiln.core.heap import freeze_startup_heap
 from kiln.llm import engine_messages as msg
 from kiln.llm.config import EngineConfig
 from kiln.llm.engine import LLMEngine, RequestOutput
+from kiln.llm.engine_control import PENDING, EngineControl, held_ends
 from kiln.llm.structured import GrammarCompiler
 from kiln.llm.tokenizer import Tokenizer
 
@@ -95,18 +96,24 @@ class EngineCore:
         self.failed: list[msg.Failed] = []
         self.pooled: list[msg.Pooled] = []
         self.loaded: list[msg.LoRALoaded] = []  # LoadLoRA answers not sent yet
-        self.called: list[msg.Called] = []  # Call answers not sent yet
+        #: pause, sleep and the rest of vLLM's development operations
+        self.control = EngineControl(engine)
+        self.controls: list[msg.ControlDone] = []  # their answers not sent yet
+        self.ends: list[RequestOutput] = []  # requests aborted by them, to send
         self.dirty = False  # counters changed since the last snapshot sent
         self.last_snapshot = 0.0
 
     # ---- the loop --------------------------------------------------------------------
     def run(self) -> None:
         engine = self.engine
+        control = self.control
         while True:
-            busy = engine.has_work() or bool(self.jobs) or bool(self.compiling)
+            stepping = engine.has_work() and control.may_step()
+            pooling = bool(self.jobs) and control.may_step() and not control.holds_requests
+            busy = stepping or pooling or bool(self.compiling)
             # idle: block until the server sends something; busy: take what is there
             timeout = 0.0 if busy else None
-            if self.compiling and not engine.has_work() and not self.jobs:
+            if self.compiling and not stepping and not pooling:
                 timeout = 0.005
             while self.conn.poll(timeout):
                 timeout = 0.0
@@ -117,10 +124,11 @@ class EngineCore:
                 if not self._apply(msg.COMMANDS.decode(frame).commands):
                     return
             self._admit_compiled()
-            if self.jobs:
+            if self.jobs and control.may_step() and not control.holds_requests:
                 self._pool_batch()
+            self._controlled()
             outputs: list[RequestOutput] = []
-            if engine.has_work():
+            if engine.has_work() and control.may_step():
                 try:
                     outputs = engine.step()
                 except Exception as exc:  # outside the model run: the engine's own bug
@@ -129,10 +137,14 @@ class EngineCore:
                 for rid, error in engine.failed:
                     self._fail(rid, f"llm engine step failed: {error}", Status.INTERNAL)
                 self.dirty = True
+            self._controlled()
+            if self.ends:
+                outputs, self.ends = [*self.ends, *outputs], []
             self._send(outputs)
 
     def _send(self, outputs: list[RequestOutput]) -> None:
-        if not (outputs or self.failed or self.pooled or self.loaded or self.called or self.dirty):
+        pending = self.failed or self.pooled or self.loaded or self.controls
+        if not (outputs or pending or self.dirty):
             return
         now = time.monotonic()
         snap = None
@@ -143,10 +155,10 @@ class EngineCore:
         if self.dirty and (ended or idle or now - self.last_snapshot >= SNAPSHOT_INTERVAL):
             snap = msg.snapshot(self.engine)
             self.dirty, self.last_snapshot = False, now
-        if not (outputs or self.failed or self.pooled or self.loaded or self.called or snap):
+        if not (outputs or pending or snap):
             return
-        step = msg.Step(outputs, self.failed, self.pooled, snap, self.loaded, self.called)
-        self.failed, self.pooled, self.loaded, self.called = [], [], [], []
+        step = msg.Step(outputs, self.failed, self.pooled, snap, self.loaded, self.controls)
+        self.failed, self.pooled, self.loaded, self.controls = [], [], [], []
         self.conn.send_bytes(msg.ENCODER.encode(step))
 
     # ---- commands ----------------------------------------------------------------------
@@ -155,9 +167,14 @@ class EngineCore:
             if isinstance(command, msg.Add):
                 self._add(command)
             elif isinstance(command, msg.Abort):
-                if self.compiling.pop(command.request_id, None) is None:
-                    self.engine.abort(command.request_id, command.index, command.reason)
+                rid = command.request_id
+                if self.compiling.pop(rid, None) is None and not (
+                    command.index is None and self.control.drop_held(rid)
+                ):
+                    self.engine.abort(rid, command.index, command.reason)
                 self.dirty = True
+            elif isinstance(command, msg.Control):
+                self._control(command)
             elif isinstance(command, msg.Pool):
                 job = _Job(command.priority, command.job_id, command.prompts)
                 job.tokens = command.tokens
@@ -168,8 +185,6 @@ class EngineCore:
                 self._load_lora(command)
             elif isinstance(command, msg.UnloadLoRA):
                 self.engine.remove_lora(command.lora_int_id)
-            elif isinstance(command, msg.Call):
-                self._call(command)
             else:
                 self._shutdown()
                 return False
@@ -219,19 +234,51 @@ class EngineCore:
         else:
             self.loaded.append(msg.LoRALoaded(load.token))
 
-    def _call(self, call: msg.Call) -> None:
+    # ---- development operations --------------------------------------------------------
+    def _control(self, command: msg.Control) -> None:
+        op, args = command.op, command.args
+        aborts_all = op == "abort" and args.get("request_ids") is None
+        aborts_all |= op in ("pause", "sleep") and args.get("mode", "abort") == "abort"
         try:
-            result = self.engine.call(call.op, call.args)
+            result = self.control.run(command.token, op, args)
+            # requests still compiling their grammar end too
+            ids = list(self.compiling) if aborts_all else []
+            if op == "abort" and not aborts_all:
+                ids = [rid for rid in map(str, args["request_ids"]) if rid in self.compiling]
+            for rid in ids:
+                add = self.compiling.pop(rid)[0]
+                self.ends += held_ends(rid, add.params.get("n", 1), len(add.prompt))
         except KilnError as exc:
-            self.called.append(msg.Called(call.token, None, exc.message, exc.status.name))
+            self.controls.append(msg.ControlDone(command.token, {}, exc.message, exc.status.name))
         except Exception as exc:
-            log.exception("llm engine: %s failed", call.op)
-            message = f"llm engine: {call.op} failed: {exc}"
-            self.called.append(msg.Called(call.token, None, message, Status.INTERNAL.name))
+            log.exception("llm engine: %s failed", op)
+            self.controls.append(msg.ControlDone(
+                command.token, {}, f"llm engine: {op} failed: {exc}", Status.INTERNAL.name
+            ))  # fmt: skip
         else:
-            self.called.append(msg.Called(call.token, result))
+            if result is not PENDING:
+                self.controls.append(msg.ControlDone(command.token, result))
+        self.dirty = True
+
+    def _controlled(self) -> None:
+        control = self.control
+        for token, result in control.poll():
+            assert isinstance(token, int)
+            self.controls.append(msg.ControlDone(token, result))
+        if control.finished:
+            self.ends += control.finished
+            control.finished = []
+        if control.released:
+            released, control.released = control.released, []
+            for item in released:
+                assert isinstance(item, msg.Add)
+                self._admit(item)
 
     def _admit(self, add: msg.Add) -> None:
+        if self.control.holds_requests:  # paused or asleep: it joins at the resume
+            n = add.params.get("n", 1)
+            self.control.hold(add.request_id, n, len(add.prompt), add)
+            return
         try:
             self.engine.add_request(
                 add.request_id,

@@ -75,20 +75,19 @@ class UnloadLoRA(msgspec.Struct, tag=True, array_like=True):
     lora_int_id: int
 
 
-class Call(msgspec.Struct, tag=True, array_like=True):
-    """One of ``profiler.ENGINE_CALLS`` with builtin arguments (``/start_profile``):
-    answered by a ``Called``."""
-
-    token: int
-    op: str
-    args: list[Any]
-
-
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-Command = Add | Abort | Pool | CancelPool | LoadLoRA | UnloadLoRA | Call | Shutdown
+class Control(msgspec.Struct, tag=True, array_like=True):
+    """A development-mode operation (``engine_control``); answered by a ``ControlDone``."""
+
+    token: int
+    op: str
+    args: dict[str, Any]
+
+
+Command = Add | Abort | Pool | CancelPool | LoadLoRA | UnloadLoRA | Shutdown | Control
 
 
 class Commands(msgspec.Struct, array_like=True):
@@ -153,11 +152,11 @@ class LoRALoaded(msgspec.Struct, array_like=True):
     status: str = ""  # a ``Status`` name, with ``message``
 
 
-class Called(msgspec.Struct, array_like=True):
-    """A ``Call``'s answer: its result, or (``message``) its error."""
+class ControlDone(msgspec.Struct, array_like=True):
+    """A ``Control``'s answer: its result, or (``message``) why it was refused."""
 
     token: int
-    result: Any = None
+    result: dict[str, Any] = {}
     message: str = ""
     status: str = ""  # a ``Status`` name, with ``message``
 
@@ -168,7 +167,7 @@ class Step(msgspec.Struct, array_like=True):
     pooled: list[Pooled] = []
     snapshot: Snapshot | None = None
     loras: list[LoRALoaded] = []
-    called: list[Called] = []
+    controls: list[ControlDone] = []
 
 
 # ---- helpers -------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -140,8 +141,8 @@ class EngineProcClient:
         self._pooling = 0  # prompts of pooling jobs not yet answered
         #: ``add_lora`` calls waiting for the engine process's answer, by token
         self._loading: dict[int, concurrent.futures.Future[None]] = {}
-        #: ``call``s waiting for the engine process's answer, by token
-        self._calls: dict[int, concurrent.futures.Future[object]] = {}
+        #: development operations waiting for the engine process's answer, by token
+        self._controls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         #: (epoch, command); None ends the writer
         self._outbox: queue.SimpleQueue[tuple[int, msg.Command] | None] = queue.SimpleQueue()
         #: bumped when the engine process dies: commands of the old one are dropped
@@ -253,8 +254,8 @@ class EngineProcClient:
             self._jobs.clear()
             loading = list(self._loading.values())
             self._loading.clear()
-            calls = list(self._calls.values())
-            self._calls.clear()
+            controls = list(self._controls.values())
+            self._controls.clear()
             if self._conn is not None:
                 self._conn.close()
             self._conn = None
@@ -273,9 +274,9 @@ class EngineProcClient:
                 job.loop.call_soon_threadsafe(_fail_future, job.future, error)
         for waiting in loading:
             _fail_load(waiting, error)
-        for call in calls:
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                call.set_exception(error)
+        for loop, future in controls:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_fail_future, future, error)
         try:
             new_proc, conn, _, _ = self._start()
         except KilnError as exc:
@@ -326,15 +327,15 @@ class EngineProcClient:
                 _fail_load(waiting, KilnError(loaded.message, Status[loaded.status]))
             elif not waiting.done():
                 waiting.set_result(None)
-        for called in step.called:
+        for done in step.controls:
             with self._lock:
-                answer = self._calls.pop(called.token, None)
-            if answer is None or answer.done():
-                continue
-            if called.message:
-                answer.set_exception(KilnError(called.message, Status[called.status]))
-            else:
-                answer.set_result(called.result)
+                waiter = self._controls.pop(done.token, None)
+            if waiter is not None:
+                answer: object = done.result
+                if done.message:
+                    answer = KilnError(done.message, Status[done.status])
+                with contextlib.suppress(RuntimeError):
+                    waiter[0].call_soon_threadsafe(_settle, waiter[1], answer)
         for pooled in step.pooled:
             job = self._jobs.pop(pooled.job_id, None)
             if job is None:
@@ -452,20 +453,23 @@ class EngineProcClient:
             with self._lock:
                 self._loading.pop(token, None)
 
-    async def call(self, op: str, *args: object) -> object:
-        """``engine.call(op, args)`` (one of ``profiler.ENGINE_CALLS``) in the engine process,
-        between two steps; its result, or its error raised here."""
-        answer: concurrent.futures.Future[object] = concurrent.futures.Future()
+    async def control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """A development operation (``engine_control``) in the engine process, between two
+        steps; awaits its answer (a ``wait`` pause: until the engine drained). An engine
+        process that dies meanwhile fails it, and the new one starts awake."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         with self._lock:
-            epoch = self._admit(0, "calls")
+            epoch = self._admit(0, "operations")
             token = next(_IDS)
-            self._calls[token] = answer
-        self._send(epoch, msg.Call(token, op, list(args)))
+            self._controls[token] = (loop, future)
+        self._send(epoch, msg.Control(token, op, args))
         try:
-            return await asyncio.wrap_future(answer)
+            result: dict[str, Any] = await future
         finally:
             with self._lock:
-                self._calls.pop(token, None)
+                self._controls.pop(token, None)
+        return result
 
     def remove_lora(self, lora_int_id: int) -> None:
         """``LLMEngine.remove_lora`` in the engine process (requests running with the
@@ -486,8 +490,8 @@ class EngineProcClient:
             jobs = list(self._jobs.values())
             loading = list(self._loading.values())
             self._loading.clear()
-            calls = list(self._calls.values())
-            self._calls.clear()
+            controls = list(self._controls.values())
+            self._controls.clear()
             epoch = self._epoch
             self._ready.notify_all()
         self._send(epoch, msg.Shutdown())
@@ -510,9 +514,9 @@ class EngineProcClient:
                 job.loop.call_soon_threadsafe(_fail_future, job.future, error)
         for waiting in loading:
             _fail_load(waiting, error)
-        for call in calls:
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                call.set_exception(error)
+        for loop, future in controls:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_fail_future, future, error)
 
 
 def _stop(proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -523,16 +527,16 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float) -> None:
         proc.wait()
 
 
-def _settle(future: asyncio.Future[list[torch.Tensor]], result: object) -> None:
+def _settle(future: asyncio.Future[Any], result: object) -> None:
     if future.done():
         return
     if isinstance(result, BaseException):
         future.set_exception(result)
     else:
-        future.set_result(result)  # type: ignore[arg-type]
+        future.set_result(result)
 
 
-def _fail_future(future: asyncio.Future[list[torch.Tensor]], error: KilnError) -> None:
+def _fail_future(future: asyncio.Future[Any], error: KilnError) -> None:
     if not future.done():
         future.set_exception(error)
 

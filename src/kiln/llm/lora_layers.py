@@ -325,6 +325,16 @@ class LoRAManager:
         while len(self._host) > self.config.cpu_capacity:
             self._host.popitem(last=False)
 
+    def host_copies(self) -> OrderedDict[int, AdapterWeights]:
+        """The adapters read so far (sleep level 2 keeps them while the model is dropped)."""
+        with self._lock:
+            return OrderedDict(self._host)
+
+    def keep_host_copies(self, copies: OrderedDict[int, AdapterWeights]) -> None:
+        with self._lock:
+            for weights in copies.values():
+                self._keep(weights)
+
     def remove(self, lora_int_id: int) -> None:
         """Drop the host copy (any thread). Its slot stays as it is, for the sequences
         already running with it; no new one can name the id, so the slot is taken over

@@ -80,7 +80,9 @@ class LLMCollector(Collector):
         )
         sleep = _gauge(
             "engine_sleep_state",
-            "Engine sleep state; awake = 1 means engine is awake (kiln's engines never sleep).",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
+            "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep "
+            "level 2.",
             ("sleep_state",),
         )
         usage = _gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
@@ -139,8 +141,11 @@ class LLMCollector(Collector):
             waiting.add_metric(labels, counts.num_waiting)
             by_reason.add_metric([*labels, "capacity"], counts.num_waiting)
             by_reason.add_metric([*labels, "deferred"], 0)
+            asleep, level = clients[name].sleep_state
+            flags = {"awake": 1 - asleep, "weights_offloaded": int(asleep and level == 1),
+                     "discard_all": int(asleep and level == 2)}  # fmt: skip
             for state in SLEEP_STATES:
-                sleep.add_metric([*labels, state], 1 if state == "awake" else 0)
+                sleep.add_metric([*labels, state], flags[state])
             usage.add_metric(labels, counts.kv_cache_usage)
             queries.add_metric(labels, counts.prefix_cache_queries)
             hits.add_metric(labels, counts.prefix_cache_hits)

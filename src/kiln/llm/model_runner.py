@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -91,29 +93,14 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         #: the KV cache's dtype: the model's, or fp8 (``kv_cache_dtype``)
         self.cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
-        with torch.device("meta"):
-            model = self._build_model(args)
-        # quantized projections swapped while the model is still on the meta device (their
-        # float weights are never allocated): the checkpoint's tensors load as they are
-        self.quantization = quantization.apply(
-            model, checkpoint, config.quantization, self.dtype, torch.device("meta")
-        )
-        model = model.to_empty(device=self.device)
-        # rope tables are computed, not loaded: rebuild them off the meta device
-        model.rebuild_rope(self.device)
-        # cast before loading: the weights are copied (and rounded) straight into the
-        # serving dtype, never held in float32 beside it
-        model = model.to(self.dtype)
-        load_weights(model, checkpoint, self.dtype)
-        quantization.finalize(model)
-        if args.tie_word_embeddings or args.num_labels:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        self.model = model.eval()
-        self.model.fuse()
-        #: the adapters (``lora_config``): their projections wrapped after fusing
-        self.lora: LoRAManager | None = None
-        if config.lora_config is not None:
-            self.lora = LoRAManager(model, args, config.lora_config, self.dtype, self.device)
+        #: the checkpoint the weights are read from (again by a wake from sleep level 2)
+        self.checkpoint = checkpoint
+        #: sleep mode (``runner_sleep``): the weights are on their device / in host memory,
+        #: and the adapters' host copies kept while the model is dropped
+        self.weights_resident = True
+        self.offloaded = False
+        self.saved_adapters: OrderedDict[int, Any] | None = None
+        self._load_model()
         #: the layers' distinct sliding windows (None: full attention), a metadata each step
         self.windows = self.model.windows()
         self.block_bytes = (
@@ -139,14 +126,7 @@ class ModelRunner:
         self.paged_flex = self.attention_backend in ("flex", "triton")
         if self.attention_backend == "cpu":
             attention_cpu.warm_up()
-        if self.attention_backend == "triton":
-            # the norms, SiLU-and-mul and RoPE of the Llama skeleton take their kernels too
-            kernels.enable(self.model)
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            cpu_ops.warm_up()
-            # after fuse() and the tied LM head: the packed copies are of the final weights
-            if config.tensor_parallel_size == 1:  # a rank's shard: the workers keep F.linear
-                cpu_linear.pack(self.model)
+        self._prepare_model()
         self.workspace = KVWorkspace()
         self.num_blocks = self._num_blocks()
         self._allocate_cache(self.num_blocks)
@@ -155,9 +135,50 @@ class ModelRunner:
         use_graphs = self.paged_flex and not config.enforce_eager
         use_graphs = use_graphs and self.model.cuda_graphs  # MoE: host-side routing
         use_graphs = use_graphs and self.lora is None  # the step's slots are set eagerly
+        self.graphs_wanted = use_graphs and self.device.type == "cuda"
         if use_graphs and self.device.type == "cuda" and torch.cuda.is_available():
             sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
             self.graphs = DecodeGraphs(self, sizes)
+
+    def _load_model(self) -> None:
+        """Build the model and read its weights from the checkpoint (at start, and when
+        the engine wakes from sleep level 2, which dropped them)."""
+        args, config = self.args, self.config
+        with torch.device("meta"):
+            model = self._build_model(args)
+        # quantized projections swapped while the model is still on the meta device (their
+        # float weights are never allocated): the checkpoint's tensors load as they are
+        self.quantization = quantization.apply(
+            model, self.checkpoint, config.quantization, self.dtype, torch.device("meta")
+        )
+        model = model.to_empty(device=self.device)
+        # rope tables are computed, not loaded: rebuild them off the meta device
+        model.rebuild_rope(self.device)
+        # cast before loading: the weights are copied (and rounded) straight into the
+        # serving dtype, never held in float32 beside it
+        model = model.to(self.dtype)
+        load_weights(model, self.checkpoint, self.dtype)
+        quantization.finalize(model)
+        if args.tie_word_embeddings or args.num_labels:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        self.model = model.eval()
+        self.model.fuse()
+        #: the adapters (``lora_config``): their projections wrapped after fusing
+        self.lora: LoRAManager | None = None
+        if config.lora_config is not None:
+            self.lora = LoRAManager(model, args, config.lora_config, self.dtype, self.device)
+
+    def _prepare_model(self) -> None:
+        """The backend's per-model set-up once the weights are final (kernels, packing)."""
+        config = self.config
+        if self.attention_backend == "triton":
+            # the norms, SiLU-and-mul and RoPE of the Llama skeleton take their kernels too
+            kernels.enable(self.model)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            cpu_ops.warm_up()
+            # after fuse() and the tied LM head: the packed copies are of the final weights
+            if config.tensor_parallel_size == 1:  # a rank's shard: the workers keep F.linear
+                cpu_linear.pack(self.model)
 
     def _build_model(self, args: ModelArgs) -> LlamaForCausalLM:
         """The model, on the meta device (a tensor-parallel rank shapes its shard here)."""
@@ -181,6 +202,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             2, args.num_hidden_layers, *layer, dtype=self.cache_dtype, device=self.device
         )
+        if not self.weights_resident:  # asleep: the views are set when the model is back
+            return
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]

@@ -28,7 +28,7 @@ log = logging.getLogger("kiln.llm.profiler")
 
 
 #: what a frontend may run on the engine between two steps (``LLMEngine.call``, through
-#: ``AsyncEngine.call`` or the engine process's ``Call``): nothing else runs that way
+#: ``engine_control``: the engine's thread, or its process): nothing else runs that way
 ENGINE_CALLS = ("start_profile", "stop_profile")
 
 

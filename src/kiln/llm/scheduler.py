@@ -169,6 +169,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def preempt_running(self) -> None:
+        """Send every running sequence back to the queue, its blocks freed (it is
+        recomputed when it runs again), keeping their order at the queue's head."""
+        for seq in reversed(self.running):
+            self._preempt(seq)
+        self.running = []
+
     def remove_finished(self) -> list[Sequence]:
         """Drop (and free) the running sequences that finished this step."""
         done = [s for s in self.running if s.is_finished]

@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from kiln.core.stats import ModelStats
 from kiln.llm.metrics import LLMCollector
+from kiln.llm.sleep_metrics import SleepModeCollector
 from kiln.metrics.collector import ServerCollector
 from kiln.metrics.config import MetricsConfig
 from kiln.metrics.custom import CustomMetricsCollector
@@ -52,6 +53,7 @@ class MetricsService:
         self.registry.register(ServerCollector(server.repository.runtimes, options.config))
         self.registry.register(ReadinessCollector(server.repository))
         self.registry.register(LLMCollector(server.llm_engines))
+        self.registry.register(SleepModeCollector())
         self.registry.register(CustomMetricsCollector(server.repository.runtimes))
         self.registry.register(RolloutCollector(server.rollouts))
         # process_resident_memory_bytes, process_cpu_seconds_total, open fds, start time.

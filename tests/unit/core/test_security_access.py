@@ -76,6 +76,14 @@ def test_restricted_messages_follow_triton() -> None:
     assert grpc.check(ApiGroup.HEALTH, {"triton-grpc-protocol-key": "v"}.get) is None
 
 
+#: vLLM's development / RL routes (VLLM_SERVER_DEV_MODE): model control
+DEV_PATHS = (
+    "/sleep", "/wake_up", "/is_sleeping", "/release_kv_cache_memory", "/pause", "/resume",
+    "/is_paused", "/abort_requests", "/get_world_size", "/server_info", "/reset_prefix_cache",
+    "/reset_mm_cache", "/reset_encoder_cache",
+)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "path,group",
     [
@@ -100,6 +108,8 @@ def test_restricted_messages_follow_triton() -> None:
         # vLLM's runtime LoRA loading reads server folders: restricted with model control
         ("/v1/load_lora_adapter", ApiGroup.MODEL_REPOSITORY),
         ("/v1/unload_lora_adapter", ApiGroup.MODEL_REPOSITORY),
+        *((path, ApiGroup.MODEL_REPOSITORY) for path in DEV_PATHS),
+        ("/sleeping", ApiGroup.MONITORING),
         ("/tokenize", ApiGroup.INFERENCE),
         ("/detokenize", ApiGroup.INFERENCE),
         ("/health", ApiGroup.HEALTH),
@@ -127,7 +137,6 @@ def test_restricted_messages_follow_triton() -> None:
         ("/v1/completions/derender", ApiGroup.INFERENCE),
         ("/inference/v1/generate", ApiGroup.INFERENCE),
         ("/inference/v1/abort_requests", ApiGroup.INFERENCE),
-        ("/abort_requests", ApiGroup.INFERENCE),
         ("/nowhere", ApiGroup.MONITORING),
         ("/dashboard/", None),
         ("/v2/openapi.json", None),

@@ -21,6 +21,11 @@ COOKIE = "kiln_api_key"
 SESSION_PATH = "/dashboard/session"
 
 _MODEL = r"/v2/models/[^/]+(?:/versions/[^/]+)?"
+DEV_PATHS = (
+    r"/(reset_prefix_cache|reset_mm_cache|reset_encoder_cache|server_info|sleep|wake_up"
+    r"|is_sleeping|release_kv_cache_memory|pause|resume|is_paused|abort_requests"
+    r"|get_world_size)$"
+)
 _RULES: list[tuple[re.Pattern[str], ApiGroup | None]] = [
     (re.compile(_MODEL + r"/infer$"), ApiGroup.INFERENCE),
     (re.compile(r"/v2/health/(live|ready)$"), ApiGroup.HEALTH),
@@ -38,12 +43,13 @@ _RULES: list[tuple[re.Pattern[str], ApiGroup | None]] = [
     (re.compile(r"/v2/?$"), ApiGroup.METADATA),
     # vLLM's runtime LoRA loading reads server folders: model control, not inference
     (re.compile(r"/v1/(load|unload)_lora_adapter$"), ApiGroup.MODEL_REPOSITORY),
+    # vLLM's development / RL control (VLLM_SERVER_DEV_MODE): they stop, free and reload
+    # the models, so they are model control too
+    (re.compile(DEV_PATHS), ApiGroup.MODEL_REPOSITORY),
     (re.compile(r"/v1/.*"), ApiGroup.INFERENCE),  # OpenAI-compatible routes
     (re.compile(r"/(de)?tokenize$"), ApiGroup.INFERENCE),  # vLLM's, beside them
-    # vLLM's scale-out API: tokens in, tokens out; abort (its legacy path too, which vLLM
-    # leaves open: here it needs the same key, as any request that changes another's)
+    # vLLM's scale-out API (--enable-scale-out): tokens in, tokens out; abort
     (re.compile(r"/inference/v1/(generate|abort_requests)$"), ApiGroup.INFERENCE),
-    (re.compile(r"/abort_requests$"), ApiGroup.INFERENCE),
     (re.compile(r"/invocations$"), ApiGroup.INFERENCE),  # vLLM's SageMaker routes
     (re.compile(r"/(v2/)?(score|rerank|pooling|classify)$"), ApiGroup.INFERENCE),  # vLLM's
     (re.compile(r"/generative_scoring$"), ApiGroup.INFERENCE),  # vLLM's

@@ -20,6 +20,7 @@ from kiln import __version__
 from kiln.frontends.openai import lora
 from kiln.frontends.openai.completion_routes import CompletionRoutes
 from kiln.frontends.openai.derender_stream import DerenderRoutes
+from kiln.frontends.openai.dev_routes import dev_routes
 from kiln.frontends.openai.endpoint import (
     BodyReader,
     Handler,
@@ -150,6 +151,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         return inflight.route(path, handler, ["POST"])
 
     return [
+        *dev_routes(server, reader),  # VLLM_SERVER_DEV_MODE's alone
         Route("/v1/models", models, methods=["GET"]),
         counted("/v1/completions", answers_errors(completion.completions)),
         counted("/v1/chat/completions", answers_errors(completion.chat)),
@@ -188,9 +190,10 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         Route("/v1/messages/render", scale_out(render.messages), methods=["POST"]),
         Route("/v1/responses/render", scale_out(render.responses), methods=["POST"]),
         counted("/inference/v1/generate", scale_out(tokens_out.generate)),
-        *(
-            Route(path, scale_out(tokens_out.abort_requests), methods=["POST"])
-            for path in ("/inference/v1/abort_requests", "/abort_requests")
+        # (vLLM's legacy /abort_requests is its --tokens-only's; here, as in vLLM otherwise,
+        # that path is the development routes')
+        Route(
+            "/inference/v1/abort_requests", scale_out(tokens_out.abort_requests), methods=["POST"]
         ),
         Route("/v1/chat/completions/derender", scale_out(derender.chat), methods=["POST"]),
         Route("/v1/completions/derender", scale_out(derender.completions), methods=["POST"]),

