@@ -138,20 +138,28 @@ class AttentionMetadata:
         workspace: KVWorkspace,
         fused_decode: bool = False,
         window: int | None = None,
+        every_row: bool = False,
     ) -> AttentionMetadata:
-        """``window``: the layers' sliding window (None: full causal attention)."""
+        """``window``: the layers' sliding window (None: full causal attention);
+        ``every_row`` (batch-invariant, with ``fused_decode``): every new token, a prompt's
+        too, is attended by the cpu kernel as a decode of its own, so a position's result
+        never depends on how its prompt was chunked or what else the step holds."""
         per_block = num_kv_heads * block_size  # cache rows per block
         decode_rows: list[tuple[int, int, list[int]]] = []  # (context, flat index, table)
         prefills: list[PrefillChunk] = []
         start = 0
         for table, computed, n in zip(block_tables, num_computed, num_new, strict=True):
-            if n == 1 and computed > 0:
+            if every_row and fused_decode:
+                decode_rows.extend((computed + j + 1, start + j, table) for j in range(n))
+            elif n == 1 and computed > 0:
                 decode_rows.append((computed + 1, start, table))
             else:
                 prefills.append(_prefill(start, n, computed, table, block_size, device, window))
             start += n
         slots: list[int] = []  # row of each new token's first KV head
-        if not (fused_decode and not prefills):  # the cpu kernel writes decodes' K/V itself
+        # the cpu kernel writes decodes' K/V itself; a prompt's rows read each other's keys,
+        # which must all be in the cache before it runs
+        if not (fused_decode and not prefills) or any(n > 1 for n in num_new):
             for table, computed, n in zip(block_tables, num_computed, num_new, strict=True):
                 slots.extend(
                     table[p // block_size] * per_block + p % block_size
@@ -365,7 +373,7 @@ def paged_attention(
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     cache_dtype = k_cache.dtype
-    if meta.fused is None or meta.prefills:
+    if meta.kv_rows.numel():
         # the cpu kernel writes its decoding tokens' K/V itself: a step of decodes alone
         # skips this copy (prefill rows need it; the kernel's rows are written twice, alike)
         new_k = _raw(k.reshape(-1, head_dim).to(cache_dtype))

@@ -105,7 +105,8 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
         raw = parameter(config, key)
         if raw:
             setattr(out, key, raw)
-    for key in ("enable_prefix_caching", "enforce_eager", "scheduler_reserve_full_isl"):
+    for key in ("enable_prefix_caching", "enforce_eager", "scheduler_reserve_full_isl",
+                "batch_invariant"):  # fmt: skip
         if parameter(config, key) is not None:
             setattr(out, key, flag_parameter(config, key))
     backend = parameter(config, "attention_backend")

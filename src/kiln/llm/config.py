@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -398,6 +399,11 @@ def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def batch_invariant_env() -> bool:
+    """vLLM's switch, ``VLLM_BATCH_INVARIANT=1`` (``0``, unset: off)."""
+    return os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower() in ("1", "true")
+
+
 #: vLLM's ``--kv-cache-dtype`` values (kiln.llm.quantization.kv_cache)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -480,6 +486,9 @@ class EngineConfig:
     #: vLLM's ``--max-num-queued-tokens``: a new request is refused with 503 while the
     #: requests still in prefill (no output yet) hold this many prompt tokens (None: off)
     max_num_queued_tokens: int | None = None
+    #: vLLM's ``VLLM_BATCH_INVARIANT``: a request's logprobs are the same bits whatever
+    #: else runs in its steps (kiln.llm.cpu_linear.TILE_ROWS; the CPU's float32 path)
+    batch_invariant: bool = field(default_factory=batch_invariant_env)
     #: the model's API name, for messages that must name it (a tensor-parallel worker's)
     served_model_name: str = ""
     extra: dict[str, str] = field(default_factory=dict)
@@ -552,6 +561,19 @@ class EngineConfig:
                 f"{self.tensor_parallel_size}",
                 Status.INVALID_ARG,
             )
+        if self.batch_invariant:
+            # the adapters' and the drafts' products are batched by their own rules
+            others = {
+                "enable_lora": self.lora_config is not None,
+                "speculative_config": self.speculative_config is not None,
+                "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
+            }
+            for what, on in others.items():
+                if on:
+                    raise KilnError(
+                        f"llm backend: batch_invariant is not supported with {what}",
+                        Status.INVALID_ARG,
+                    )
         if self.tensor_parallel_size > 1 and self.lora_config is not None:
             # the adapters' A/B weights are not split over the ranks (kiln.llm.lora)
             raise KilnError(

@@ -39,6 +39,10 @@ MAX_ROWS = 192
 #: projections at least this many times wider than tall (q/k/v, gate/up, LM head) use the
 #: packed product for one row too
 WIDE = 1.5
+#: batch-invariant mode (``batch_invariant``): every product runs on tiles of this many rows
+#: (the last one padded with zeros), so a row's result never depends on the rows beside it
+#: (docs/design/batch-invariance.md)
+TILE_ROWS = 16
 
 
 def available() -> bool:
@@ -59,6 +63,8 @@ class PackedLinear(nn.Linear):
     min_rows: int
     #: the most (an encoder's: no bound, ``pack(max_rows=...)``)
     max_rows: int
+    #: > 0: batch-invariant, every product on tiles of this many rows
+    tile: int = 0
 
     @classmethod
     def wrap(cls, linear: nn.Linear, max_rows: int = MAX_ROWS) -> PackedLinear:
@@ -80,6 +86,8 @@ class PackedLinear(nn.Linear):
         return self.min_rows <= rows <= self.max_rows and x.dtype == self.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile:
+            return self._tiled(x)
         if self.packs(x):
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
                 x, self.packed, self.bias, "none", [], ""
@@ -87,11 +95,27 @@ class PackedLinear(nn.Linear):
             return out
         return F.linear(x, self.weight, self.bias)
 
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """One kernel, one shape for every row: oneDNN's product of ``tile`` rows at a time
+        sums each row in the same order whatever the other rows hold or how many there
+        are (MKL's and oneDNN's own choices by row count do not)."""
+        rows = x.reshape(-1, self.in_features)
+        n, tile = rows.shape[0], self.tile
+        pad = -n % tile
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, self.in_features)])
+        product = torch.ops.mkldnn._linear_pointwise
+        out = torch.cat(
+            [product(rows[i : i + tile], self.packed, self.bias, "none", [], "")
+             for i in range(0, n + pad, tile)]
+        )  # fmt: skip
+        return out[:n].reshape(*x.shape[:-1], self.out_features)
 
-def pack(model: nn.Module, max_rows: int = MAX_ROWS) -> int:
+
+def pack(model: nn.Module, max_rows: int = MAX_ROWS, tile: int = 0) -> int:
     """Swap every plain ``nn.Linear`` of ``model`` (CPU, float32) for a
-    ``PackedLinear`` sharing its parameters, used up to ``max_rows`` rows; the number
-    swapped."""
+    ``PackedLinear`` sharing its parameters, used up to ``max_rows`` rows (``tile``: for
+    every product, on tiles of that many rows); the number swapped."""
     if not available():
         return 0
     swapped = 0
@@ -101,7 +125,9 @@ def pack(model: nn.Module, max_rows: int = MAX_ROWS) -> int:
                 continue
             if child.weight.dtype != torch.float32:  # bf16 without AVX512-BF16: not measured
                 continue
-            setattr(parent, name, PackedLinear.wrap(child, max_rows))
+            packed = PackedLinear.wrap(child, max_rows)
+            packed.tile = tile
+            setattr(parent, name, packed)
             swapped += 1
     if swapped:
         log.info("llm: %d projections use oneDNN's packed weights for small batches", swapped)

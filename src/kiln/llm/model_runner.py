@@ -7,6 +7,7 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+from torch import nn
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm import attention_cpu, cpu_linear, cpu_ops, kernels, quantization
@@ -17,6 +18,7 @@ from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.cuda_graphs import DecodeGraphs, capture_sizes
 from kiln.llm.lora_layers import LoRAManager
 from kiln.llm.models.llama import LlamaForCausalLM, StepMetadata
+from kiln.llm.models.moe import SparseMoe
 from kiln.llm.models.registry import build_model
 from kiln.llm.pooling import mean_pool, token_rows
 from kiln.llm.quantization import kv_cache
@@ -174,11 +176,38 @@ class ModelRunner:
         if self.attention_backend == "triton":
             # the norms, SiLU-and-mul and RoPE of the Llama skeleton take their kernels too
             kernels.enable(self.model)
-        if self.device.type == "cpu" and self.dtype == torch.float32:
+        if config.batch_invariant:
+            self._batch_invariant()
+        elif self.device.type == "cpu" and self.dtype == torch.float32:
             cpu_ops.warm_up()
             # after fuse() and the tied LM head: the packed copies are of the final weights
             if config.tensor_parallel_size == 1:  # a rank's shard: the workers keep F.linear
                 cpu_linear.pack(self.model)
+
+    def _batch_invariant(self) -> None:
+        """Every projection on oneDNN's product of ``TILE_ROWS``-row tiles; what kiln has
+        no invariant product for is refused by name."""
+        why = ""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            why = f"it runs on the CPU in float32 (this model: {self.device.type}, {self.dtype})"
+        elif not cpu_linear.available():
+            why = "this torch has no oneDNN (USE_MKLDNN)"
+        elif self.attention_backend != "cpu":
+            why = f"it runs with attention_backend 'cpu' (this model: '{self.attention_backend}')"
+        else:
+            cpu_ops.warm_up()
+            cpu_linear.pack(self.model, tile=cpu_linear.TILE_ROWS)
+            packed = cpu_linear.PackedLinear
+            left = [n for n, m in self.model.named_modules()
+                    if isinstance(m, nn.Linear) and not isinstance(m, packed)]  # fmt: skip
+            if left:
+                why = f"its products are dense float32 projections ({left[0]} is not)"
+            elif any(isinstance(m, SparseMoe) for m in self.model.modules()):
+                why = "its products are dense projections (a Mixture-of-Experts layer is not)"
+        if why:
+            raise KilnError(
+                f"llm backend: batch_invariant is supported when {why}", Status.INVALID_ARG
+            )
 
     def _build_model(self, args: ModelArgs) -> LlamaForCausalLM:
         """The model, on the meta device (a tensor-parallel rank shapes its shard here)."""
@@ -425,5 +454,6 @@ class ModelRunner:
                     self.workspace,
                     fused_decode=self.attention_backend == "cpu",
                     window=window,
+                    every_row=self.config.batch_invariant,
                 )
         return metas
