@@ -22,7 +22,7 @@ import pytest
 
 from kiln.examples import build_example_repository
 from kiln.examples.reference import reference_outputs
-from kiln.frontends.http.app import INLINE_COMPRESS_BYTES, HttpFrontend
+from kiln.frontends.http.app import INLINE_COMPRESS_BYTES, HttpFrontend, response_encoding
 from kiln.server.server import Server, ServerOptions
 from tests.conftest import KilnProcess
 from tests.security.http_wire import body_for, connect, post
@@ -187,4 +187,47 @@ async def test_a_big_response_compresses_on_a_worker_thread_while_others_are_ans
         np.testing.assert_allclose(out["data"], want["NORMALIZED"].ravel(), rtol=1e-6)
     finally:
         gate.release.set()
+        await server.stop()
+
+
+@pytest.mark.parametrize(
+    ("accept", "chosen"),
+    [
+        ("gzip", "gzip"),
+        ("deflate", "deflate"),
+        ("gzip, deflate", "gzip"),
+        ("deflate, gzip", "deflate"),  # a tie: the first, as Triton
+        ("gzip;q=0.5, deflate;q=0.8", "deflate"),
+        ("gzip;q=0", ""),  # q=0: not acceptable (it was gzipped before)
+        ("gzip;q=0, deflate", "deflate"),
+        ("identity, gzip;q=0.5", ""),
+        ("GZIP ; Q=0.9", "gzip"),
+        ("br, zstd", ""),
+        ("*", ""),
+        ("gzip;q=abc, deflate;q=0.1", "deflate"),
+        ("gzip;q=2", ""),  # out of range: skipped
+        ("x-gzip-but-not", ""),
+        ("", ""),
+        (", ,;,", ""),
+    ],
+)
+def test_accept_encoding_is_read_with_its_weights(accept: str, chosen: str) -> None:
+    assert response_encoding(accept) == chosen
+
+
+async def test_q_zero_gets_an_uncompressed_answer(tmp_path: Path) -> None:
+    build_example_repository(tmp_path, ["image_preprocess"])
+    server = Server(ServerOptions([tmp_path]))
+    await server.start()
+    try:
+        transport = httpx.ASGITransport(app=HttpFrontend(server).app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://kiln") as client:
+            url = "/v2/models/image_preprocess/infer"
+            for accept, encoding in (("gzip;q=0", None), ("gzip;q=0.1, deflate", "deflate")):
+                answer = await client.post(
+                    url, json=_images(2), headers={"Accept-Encoding": accept}
+                )
+                assert answer.status_code == 200
+                assert answer.headers.get("content-encoding") == encoding
+    finally:
         await server.stop()

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 INLINE_INFLATE_BYTES = 2**10
 # Response bodies above this are compressed on a worker thread (``compress``).
 INLINE_COMPRESS_BYTES = 2**14
+#: Accept-Encoding items read (a header is bounded by --http-max-header-size anyway)
+MAX_ACCEPT_ITEMS = 64
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -51,6 +53,31 @@ def json_response(obj: Any, status: int = 200) -> Response:
 
 def error_response(message: str, status: int) -> Response:
     return json_response({"error": message}, status)
+
+
+def response_encoding(accept: str) -> str:
+    """The response's Content-Encoding for an Accept-Encoding header, as Triton picks it:
+    among ``gzip``, ``deflate`` and ``identity`` the one of highest ``q`` (the first on a
+    tie; no ``q``: 1), ``q=0`` meaning "not this one"; "" for identity, also when nothing
+    is acceptable. Case and spaces as RFC 9110 allows them; anything else is skipped."""
+    best, weight = "", 0.0
+    for item in accept.split(",")[:MAX_ACCEPT_ITEMS]:
+        coding, _, params = item.partition(";")
+        coding = coding.strip().lower()
+        if coding not in ("gzip", "deflate", "identity"):
+            continue
+        q = 1.0
+        name, _, value = params.partition("=")
+        if name.strip().lower() == "q":
+            try:
+                q = float(value.strip()[:8])
+            except ValueError:
+                continue
+            if not 0.0 <= q <= 1.0:
+                continue
+        if q > weight:
+            best, weight = ("" if coding == "identity" else coding), q
+    return best
 
 
 class HttpFrontend:
@@ -157,21 +184,22 @@ class HttpFrontend:
         """:meth:`encode_body`, on a worker thread for bodies over 16 KiB: level-1 deflate
         runs at ~30 ms a MB, so 32 MB of tensor output held every other client for most
         of a second (zlib gives up the GIL on a thread). Under it, the hop costs more."""
-        if len(body) > INLINE_COMPRESS_BYTES and ("gzip" in accept or "deflate" in accept):
-            body, encoding = await asyncio.to_thread(self.encode_body, accept, body)
+        chosen = response_encoding(accept)
+        if len(body) > INLINE_COMPRESS_BYTES and chosen:
+            body, encoding = await asyncio.to_thread(self.encode_body, chosen, body)
         else:
-            body, encoding = self.encode_body(accept, body)
+            body, encoding = self.encode_body(chosen, body)
         if encoding:
             headers["Content-Encoding"] = encoding
         return body
 
     @staticmethod
-    def encode_body(accept: str, body: bytes) -> tuple[bytes, str]:
-        """``body`` compressed as ``accept`` (the request's Accept-Encoding) asks, and its
+    def encode_body(encoding: str, body: bytes) -> tuple[bytes, str]:
+        """``body`` compressed as ``encoding`` (``response_encoding``'s choice), and its
         Content-Encoding ("" when it is sent as it is)."""
-        if "gzip" in accept:
+        if encoding == "gzip":
             return gzip.compress(body, compresslevel=1), "gzip"
-        if "deflate" in accept:
+        if encoding == "deflate":
             return zlib.compress(body, 1), "deflate"
         return body, ""
 
