@@ -383,6 +383,12 @@ class LLMEngine:
         """Read and check a PEFT adapter (vLLM's ``add_lora``): a bad one raises, naming
         why; a good one is kept on the host for the requests that name it. Any thread."""
         if self.runner.lora is None:
+            if self.config.lora_config is not None:  # a sleep (level 2) dropped the model
+                raise KilnError(
+                    f"LoRA adapter '{request.lora_name}': the engine is asleep without its "
+                    "weights; wake it (POST /wake_up) before loading an adapter",
+                    Status.UNAVAILABLE,
+                )
             raise KilnError(
                 f"LoRA adapter '{request.lora_name}': LoRA is not enabled for this model "
                 "(--enable-lora)",

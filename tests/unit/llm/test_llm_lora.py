@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("peft")
 
-from kiln.core.errors import KilnError
+from kiln.core.errors import KilnError, Status
 from kiln.llm.config import EngineConfig
 from kiln.llm.engine import LLMEngine
 from kiln.llm.lora import (
@@ -361,3 +361,20 @@ def test_an_adapter_travels_to_the_engine_process_with_its_request() -> None:
     assert isinstance(unload, msg.UnloadLoRA) and unload.lora_int_id == 7
     plain = msg.COMMANDS.decode(msg.ENCODER.encode(msg.Commands([msg.Add("r", [1], {}, 0, 1.0)])))
     assert plain.commands[0].lora is None  # type: ignore[union-attr]
+
+
+def test_loading_an_adapter_while_asleep_without_weights_says_so(
+    base: Path, adapters: dict[str, Path]
+) -> None:
+    """A level-2 sleep drops the model and its LoRA slots (their host copies stay): a load
+    then is refused as unavailable, naming the wake, not as LoRA being off."""
+    from kiln.llm.engine_control import EngineControl
+
+    engine = _engine(base)
+    control = EngineControl(engine)
+    control.run("t", "sleep", {"level": 2})
+    with pytest.raises(KilnError, match=r"asleep without its weights; wake it") as caught:
+        engine.add_lora(_request("a", adapters["a"]))
+    assert caught.value.status is Status.UNAVAILABLE
+    assert control.run("t", "wake_up", {"tags": None}) == {"fully_awake": True}
+    engine.add_lora(_request("a", adapters["a"]))
