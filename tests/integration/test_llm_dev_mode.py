@@ -241,6 +241,29 @@ def test_sleep_metrics_have_vllms_names(server: KilnProcess, http: Any) -> None:
     assert 'vllm:sleep_mode_operations_in_flight{operation="sleep"} 0' in text
 
 
+def test_an_engine_restarted_while_asleep_reads_awake(server: KilnProcess, http: Any) -> None:
+    """The engine process dies asleep: the new one loads the model, and the gauge and
+    /is_sleeping say so (the gauge read 'asleep' until the next wake)."""
+    import os
+    import signal
+    import time
+
+    assert http.post("/sleep", params={"level": 1}).status_code == 200
+    assert server.metric("vllm:engine_sleep_state", NAME, 'sleep_state="awake"') == 0
+    pid = engine_pid(server)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if engine_pid(server) != pid and not http.get("/is_sleeping").json()["is_sleeping"]:
+                break
+        except Exception:  # the model's engine is between processes
+            pass
+        time.sleep(0.2)
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert server.metric("vllm:engine_sleep_state", NAME, 'sleep_state="awake"') == 1
+
+
 def test_without_the_switch_the_routes_do_not_exist(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()

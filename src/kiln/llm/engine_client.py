@@ -84,8 +84,9 @@ class EngineClient:
         self.lora_request: LoRARequest | None = None
         #: one development operation at a time (``control``); shared by ``with_lora``'s copies
         self._control_lock = asyncio.Lock()
-        #: vLLM's ``engine_sleep_state`` gauge: (asleep, level), set by sleep and wake_up
-        self.sleep_state: tuple[int, int] = (0, 0)
+        #: vLLM's ``engine_sleep_state`` gauge: (asleep, level), set by sleep and wake_up;
+        #: with the engine process's restart count then (a new process starts awake)
+        self._sleep: tuple[tuple[int, int], int] = ((0, 0), 0)
 
     # ---- LoRA adapters ---------------------------------------------------------------
     @property
@@ -262,12 +263,23 @@ class EngineClient:
         async with self._control_lock:
             result = await engine.control(op, args)
             if op == "sleep":
-                self.sleep_state = (1, int(args.get("level", 1)))
+                self._sleep = ((1, int(args.get("level", 1))), self._restarts())
             elif op == "release_kv_cache_memory":
-                self.sleep_state = (1, 0)
+                self._sleep = ((1, 0), self._restarts())
             elif op == "wake_up" and result.get("fully_awake"):
-                self.sleep_state = (0, 0)
+                self._sleep = ((0, 0), self._restarts())
             return result
+
+    @property
+    def sleep_state(self) -> tuple[int, int]:
+        """(asleep, level) for the gauge: awake once the engine process was restarted after
+        the sleep (its new process starts with everything loaded)."""
+        state, restarts = self._sleep
+        return state if restarts == self._restarts() else (0, 0)
+
+    def _restarts(self) -> int:
+        proc = self._backend.engine_proc
+        return 0 if proc is None else proc.restarts
 
     def engine_ids(self, ids: set[str]) -> list[str]:
         """The engine's ids of the requests in flight that ``ids`` name, by the id their
