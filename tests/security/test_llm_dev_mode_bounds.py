@@ -210,3 +210,22 @@ def test_with_api_keys_the_routes_need_the_model_repository_key(
         assert ok.status_code == 200 and ok.json() == {"is_paused": False}
     finally:
         proc.stop()
+
+
+def test_server_info_shows_no_variable_that_may_hold_a_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``/server_info``'s ``vllm_env`` lists vLLM's and kiln's variables, as vLLM's does,
+    but never one whose name says it may hold a secret (vLLM's filters none)."""
+    from kiln.frontends.openai.dev_routes import _vllm_env
+
+    shown = {"VLLM_SERVER_DEV_MODE": "1", "KILN_MODEL_CACHE_DIR": "/c"}
+    hidden = {"VLLM_API_KEY": "k", "KILN_REDIS_PASSWORD": "p", "VLLM_HF_TOKEN": "t",
+              "KILN_S3_SECRET": "s", "VLLM_AUTH_HEADER": "a", "KILN_TLS_PRIVATE": "x",
+              "KILN_GCS_CREDENTIALS": "c"}  # fmt: skip
+    for name, value in {**shown, **hidden}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("OTHER_PASSWORD", "not ours")
+    env = _vllm_env()
+    assert {k: env[k] for k in shown} == shown
+    assert not set(env) & set(hidden) and "OTHER_PASSWORD" not in env

@@ -275,12 +275,17 @@ def _jsonable(config: Any) -> dict[str, Any]:
     return out
 
 
+#: a variable whose name holds one of these is never shown (its value may be a secret)
+SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "PRIVATE")
+
+
 def _vllm_env() -> dict[str, str]:
-    """The ``VLLM_*`` (and ``KILN_*``) variables set, none whose name holds ``KEY``."""
+    """The ``VLLM_*`` (and ``KILN_*``) variables set, none whose name says it may hold a
+    secret (``SECRET_WORDS``)."""
     return {
         k: v
         for k, v in sorted(os.environ.items())
-        if k.startswith(("VLLM_", "KILN_")) and "KEY" not in k and "TOKEN" not in k
+        if k.startswith(("VLLM_", "KILN_")) and not any(w in k.upper() for w in SECRET_WORDS)
     }
 
 
