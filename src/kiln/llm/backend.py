@@ -78,29 +78,22 @@ _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "
 
 def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
     out = EngineConfig()
-    for key in _INT_PARAMETERS:
-        raw = parameter(config, key)
-        if raw is None:
-            continue
-        try:
-            setattr(out, key, int(raw))
-        except ValueError:
-            raise KilnError(
-                f"model '{config.name}': parameter {key} must be an integer, got '{raw}'",
-                Status.INVALID_ARG,
-            ) from None
-    dtype = (parameter(config, "dtype") or out.dtype).strip().lower()
-    out.dtype = _DTYPE_ALIASES.get(dtype, dtype)
-    for key in ("gpu_memory_utilization", "watermark"):
-        raw = parameter(config, key)
-        if raw is not None:
+    numbers = ((_INT_PARAMETERS, int, "an integer"),
+               (("gpu_memory_utilization", "watermark"), float, "a number"))  # fmt: skip
+    for keys, convert, kind in numbers:
+        for key in keys:
+            raw = parameter(config, key)
+            if raw is None:
+                continue
             try:
-                setattr(out, key, float(raw))
+                setattr(out, key, convert(raw))
             except ValueError:
                 raise KilnError(
-                    f"model '{config.name}': parameter {key} must be a number, got '{raw}'",
+                    f"model '{config.name}': parameter {key} must be {kind}, got '{raw}'",
                     Status.INVALID_ARG,
                 ) from None
+    dtype = (parameter(config, "dtype") or out.dtype).strip().lower()
+    out.dtype = _DTYPE_ALIASES.get(dtype, dtype)
     for key in ("chat_template", "generation_config"):
         raw = parameter(config, key)
         if raw:
