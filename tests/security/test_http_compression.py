@@ -7,12 +7,13 @@ inflated as far as it went. Now any of these is a 400; a whole stream still work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import random
 import threading
 import zlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,21 @@ class _CompressGate:
         return self.real(accept, body)
 
 
+@contextlib.asynccontextmanager
+async def _image_client(folder: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """An in-process server with the example ``image_preprocess`` model, and a client of
+    its HTTP frontend."""
+    build_example_repository(folder, ["image_preprocess"])
+    server = Server(ServerOptions([folder]))
+    await server.start()
+    try:
+        transport = httpx.ASGITransport(app=HttpFrontend(server).app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://kiln") as client:
+            yield client
+    finally:
+        await server.stop()
+
+
 def _images(batch: int, blank: bool = False) -> dict[str, Any]:
     data = [0 if blank else (i * 7) % 256 for i in range(batch * 28 * 28)]
     tensor = {"name": "IMAGE", "shape": [batch, 28, 28, 1], "datatype": "UINT8", "data": data}
@@ -161,12 +177,8 @@ async def test_a_big_response_compresses_on_a_worker_thread_while_others_are_ans
     Which thread compressed is checked, never how long anything took."""
     gate = _CompressGate()
     monkeypatch.setattr(HttpFrontend, "encode_body", staticmethod(gate))
-    build_example_repository(tmp_path, ["image_preprocess"])
-    server = Server(ServerOptions([tmp_path]))
-    await server.start()
-    try:
-        transport = httpx.ASGITransport(app=HttpFrontend(server).app())
-        async with httpx.AsyncClient(transport=transport, base_url="http://kiln") as client:
+    async with _image_client(tmp_path) as client:
+        try:  # the gate is open again before the server stops, whatever fails
             url = "/v2/models/image_preprocess/infer"
             headers = {"Accept-Encoding": encoding}
             small = await client.post(url, json=_images(1, blank=True), headers=headers)
@@ -179,15 +191,14 @@ async def test_a_big_response_compresses_on_a_worker_thread_while_others_are_ans
             assert (await client.get("/v2/health/live")).status_code == 200
             gate.release.set()
             answer = await big
-        assert answer.status_code == 200 and answer.headers["content-encoding"] == encoding
-        assert len(gate.threads) == 2 and gate.threads[1] != threading.get_ident()
-        out = answer.json()["outputs"][0]  # httpx inflated it: the same tensor came through
-        images = np.array(_images(32)["inputs"][0]["data"], dtype=np.uint8)
-        want = reference_outputs("image_preprocess", {"IMAGE": images.reshape(32, 28, 28, 1)})
-        np.testing.assert_allclose(out["data"], want["NORMALIZED"].ravel(), rtol=1e-6)
-    finally:
-        gate.release.set()
-        await server.stop()
+        finally:
+            gate.release.set()
+    assert answer.status_code == 200 and answer.headers["content-encoding"] == encoding
+    assert len(gate.threads) == 2 and gate.threads[1] != threading.get_ident()
+    out = answer.json()["outputs"][0]  # httpx inflated it: the same tensor came through
+    images = np.array(_images(32)["inputs"][0]["data"], dtype=np.uint8)
+    want = reference_outputs("image_preprocess", {"IMAGE": images.reshape(32, 28, 28, 1)})
+    np.testing.assert_allclose(out["data"], want["NORMALIZED"].ravel(), rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -216,18 +227,9 @@ def test_accept_encoding_is_read_with_its_weights(accept: str, chosen: str) -> N
 
 
 async def test_q_zero_gets_an_uncompressed_answer(tmp_path: Path) -> None:
-    build_example_repository(tmp_path, ["image_preprocess"])
-    server = Server(ServerOptions([tmp_path]))
-    await server.start()
-    try:
-        transport = httpx.ASGITransport(app=HttpFrontend(server).app())
-        async with httpx.AsyncClient(transport=transport, base_url="http://kiln") as client:
-            url = "/v2/models/image_preprocess/infer"
-            for accept, encoding in (("gzip;q=0", None), ("gzip;q=0.1, deflate", "deflate")):
-                answer = await client.post(
-                    url, json=_images(2), headers={"Accept-Encoding": accept}
-                )
-                assert answer.status_code == 200
-                assert answer.headers.get("content-encoding") == encoding
-    finally:
-        await server.stop()
+    async with _image_client(tmp_path) as client:
+        url = "/v2/models/image_preprocess/infer"
+        for accept, encoding in (("gzip;q=0", None), ("gzip;q=0.1, deflate", "deflate")):
+            answer = await client.post(url, json=_images(2), headers={"Accept-Encoding": accept})
+            assert answer.status_code == 200
+            assert answer.headers.get("content-encoding") == encoding
