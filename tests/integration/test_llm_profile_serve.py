@@ -125,6 +125,20 @@ def test_bad_start_bodies_are_refused_before_anything_starts(
     assert httpx.post(f"{base}/stop_profile").status_code == 200
 
 
+def test_a_declared_oversized_body_is_refused_before_it_is_read(profiled: KilnProcess) -> None:
+    """A head that announces 100 MB gets its 413 at once: the server never waits for, nor
+    buffers, a body the route would refuse."""
+    from tests.security.http_wire import connect, post
+
+    sock, reader = connect(profiled.http_port)
+    try:
+        sock.sendall(post("/start_profile", b"", length=100_000_000))
+        status, _, body = reader.response()
+    finally:
+        sock.close()
+    assert status == 413 and b"more than 4096" in body
+
+
 def test_kiln_bench_profile_traces_the_timed_requests(profiled: KilnProcess) -> None:
     """vLLM's ``bench serve --profile``: the warm-up request is not in the trace."""
     from kiln.bench.openai import run

@@ -45,7 +45,14 @@ class ProfileRoutes:
         return engines
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        """vLLM's start body is optional: none, or an empty one, asks for the defaults."""
+        """vLLM's start body is optional: none, or an empty one, asks for the defaults. A
+        declared length over ``MAX_BODY`` is refused before anything is read."""
+        declared = request.headers.get("content-length", "")
+        digits = len(declared) <= 20 and declared.isascii() and declared.isdigit()
+        if digits and int(declared) > MAX_BODY:
+            raise OpenAIError(
+                f"the /start_profile body holds {declared} bytes, more than {MAX_BODY}", 413
+            )
         raw = await self.reader.read_body(request)
         if not raw.strip():
             return {}
