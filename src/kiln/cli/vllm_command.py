@@ -217,12 +217,16 @@ FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
             "--offload-",
             "--kv-offloading-",
             "--cpu-offload-params",
-            "--sleep-",
             "--enable-cumem-allocator",
-            "--enable-nccl-comm-suspend",
             "--weight-transfer-config",
         ),
-        "weights and KV cache stay on the device: no offloading or sleep mode",
+        "weights and KV cache stay on the device: no offloading",
+    ),
+    (
+        ("--sleep-", "--enable-nccl-comm-suspend"),
+        "kiln's sleep levels are vLLM's (1: the KV cache freed, a GPU's weights moved to host "
+        "memory; 2: the weights dropped, read again from the model files by the wake), with "
+        "no other state kept or offloaded (docs/llm.md, Development and RL control)",
     ),
     (
         (

@@ -3,7 +3,7 @@ runs unchanged where it can and fails naming the flag where it cannot.
 
 Accepted (hidden from ``--help``, listed in docs/llm.md): flags for what kiln does anyway or
 has no counterpart of (a hub's revisions, uvicorn's own logs). Refused: flags that ask for
-something kiln does not do (pipeline or data parallelism, CPU offload, sleep mode, ...),
+something kiln does not do (pipeline or data parallelism, CPU offload, ...),
 unless their value asks for nothing (``--pipeline-parallel-size 1``).
 """
 
@@ -71,6 +71,8 @@ ACCEPTED_SWITCHES = {
     "--enable-offline-docs": "kiln serves no /docs pages",
     "--allow-deprecated-quantization": "kiln's quantization formats are not deprecated",
     "--fail-on-environ-validation": "kiln reads no VLLM_* variables but its own few",
+    "--enable-sleep-mode": "kiln's engine can always sleep: VLLM_SERVER_DEV_MODE=1 opens /sleep "
+    "and /wake_up (docs/llm.md, Development and RL control)",
 }
 #: flags with a value, accepted only with the values that ask for nothing kiln lacks
 LIMITED_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -96,7 +98,6 @@ LIMITED_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 #: switches that ask for something kiln does not do
 REFUSED_SWITCHES = {
-    "--enable-sleep-mode": "no sleep mode: unload the model (--model-control-mode explicit)",
     "--enable-expert-parallel": "experts run on each tensor-parallel rank",
     "--skip-tokenizer-init": "the OpenAI routes need the tokenizer",
     "--headless": "kiln serves its API in the engine's server",

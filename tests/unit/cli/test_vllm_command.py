@@ -35,6 +35,8 @@ def test_a_vllm_flag_kiln_lacks_is_refused_by_name_with_its_reason(model: Path) 
         "--mm-processor-kwargs": "multimodal",
         "--worker-extension-cls": "no user code",
         "--kv-offloading-size": "no offloading",
+        "--sleep-mode-offload-cudagraph": "no other state kept",
+        "--sleep-preserve-parameter-names": "read again from the model files",
         "--fingerprint-mode": "no counterpart",
     }
     for flag, why in cases.items():
@@ -220,3 +222,11 @@ def test_uvicorn_log_level_reaches_the_http_server(model: Path) -> None:
         assert logger.level == logging.WARNING  # kiln's default: quiet
     finally:
         logger.setLevel(before)
+
+
+def test_vllms_sleep_mode_switch_runs_unchanged(model: Path) -> None:
+    """vLLM needs --enable-sleep-mode before /sleep frees memory; kiln's engine can always
+    sleep, so the switch is accepted and asks for nothing."""
+    params = _params([str(model), "--enable-sleep-mode"])
+    assert params["model_paths"] == (model,)
+    assert not any(k.startswith("vllm_") for k in params)
