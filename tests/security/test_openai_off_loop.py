@@ -55,3 +55,29 @@ async def test_detokenize_checks_and_decodes_its_ids_off_the_event_loop(
     # an id outside the vocabulary is still the client's 400, found on the worker
     status, raw = await call(app, "/detokenize", orjson.dumps({"model": "tiny", "tokens": [-1]}))
     assert status == 400 and b"token ids must be in" in raw
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop_a_piece_at_a_time(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One orjson call holds the GIL throughout, even on a thread: a large body's JSON is
+    parsed on a worker, 64 KiB a call (kiln.frontends.json_pieces)."""
+    body = orjson.dumps({"model": "tiny", "tokens": [5] * 600_000})  # 1.8 MB
+    calls: list[tuple[int, int]] = []
+    real_loads = orjson.loads
+
+    def loads(raw: Any) -> Any:
+        calls.append((threading.get_ident(), len(raw)))
+        return real_loads(raw)
+
+    frontend = HttpFrontend(server)
+    app = frontend.app(routes.openai_routes(server, frontend))
+    monkeypatch.setattr(orjson, "loads", loads)
+    status, raw = await call(app, "/detokenize", body)
+    monkeypatch.undo()
+    assert status == 200, raw
+    want = server.llm_engines()["tiny"].tokenizer.decode([5] * 600_000, False)
+    assert orjson.loads(raw)["prompt"] == want
+    loop = threading.get_ident()
+    assert [n for t, n in calls if t == loop and n > 1 << 16] == []
+    assert max(n for _, n in calls) <= 1 << 20

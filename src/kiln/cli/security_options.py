@@ -105,6 +105,11 @@ _OPTIONS = [
     click.option("--max-shm-regions", type=click.IntRange(min=1), default=1024,
                  show_default=True,
                  help="Most system shared memory regions registered at once (400 beyond)."),
+    click.option("--max-load-file-bytes", type=click.IntRange(min=0), default=None,
+                 help="Most bytes of 'file:' load parameters (decoded) that model loads may "
+                 "hold at once, all loads together; a load that would pass it gets 503, try "
+                 "again (one larger on its own: 413). 0: no limit.  [default: 256 MiB, or "
+                 "twice the larger of --http-max-input-size and --grpc-max-message-bytes]"),
     click.option("--allow-shm-other-owners", is_flag=True,
                  help="Let clients register /dev/shm objects of other users too (the server "
                  "reads and writes them with its own rights)."),

@@ -479,6 +479,7 @@ def serve(
         max_input_tensors=security_params["max_input_tensors"],
         max_tensor_elements=security_params["max_tensor_elements"],
         max_shm_regions=security_params["max_shm_regions"],
+        max_load_file_bytes=_load_file_bytes(security_params, http_max_input_size),
         allow_shm_other_owners=security_params["allow_shm_other_owners"],
         rate_limit=rate_limit == "execution_count",
         rate_limit_resources=overrides,
@@ -555,3 +556,15 @@ def _socket_path(text: str | None) -> str | None:
     if path.is_dir():
         raise click.BadParameter(f"'{text}' is a folder", param_hint="--uds")
     return text
+
+
+def _load_file_bytes(params: dict[str, Any], http_max_input_size: int) -> int:
+    """--max-load-file-bytes, or its default: room for two of the largest loads the
+    request limits let through, and never under 256 MiB."""
+    from kiln.repository.load_files import DEFAULT_LOAD_FILE_BYTES
+
+    given: int | None = params["max_load_file_bytes"]
+    if given is not None:
+        return given
+    largest: int = max(http_max_input_size, params["grpc_max_message_bytes"])
+    return max(DEFAULT_LOAD_FILE_BYTES, 2 * largest)

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kiln.core.errors import invalid_arg
+from kiln.core.errors import KilnError, Status, invalid_arg
 
 #: Linux's NAME_MAX and PATH_MAX, in bytes: a longer name cannot be written.
 NAME_MAX = 255
@@ -25,6 +25,8 @@ PATH_MAX = 4096
 MAX_LOAD_FILES = 1024
 #: Path components of one ``file:`` name (``1/model.onnx`` is 2).
 MAX_FILE_DEPTH = 32
+#: --max-load-file-bytes' floor: decoded ``file:`` bytes held at once across all loads
+DEFAULT_LOAD_FILE_BYTES = 256 << 20
 # base64 characters decoded per call (a multiple of 4): ~2 ms each, between which the
 # event loop gets the GIL back.
 _B64_SLICE = 1 << 18
@@ -139,11 +141,58 @@ def _decode_and_write(name: str, files: dict[str, str | bytes]) -> Path:
     return root
 
 
-async def materialise(name: str, files: dict[str, str | bytes]) -> Path:
+def decoded_size(files: dict[str, str | bytes]) -> int:
+    """The bytes ``files`` hold once decoded (base64: at most 3 for each 4 characters)."""
+    return sum(len(v) if isinstance(v, bytes) else len(v) // 4 * 3 for v in files.values())
+
+
+class FileBudget:
+    """The decoded bytes of ``file:`` parameters being decoded and written at once, across
+    every load (--max-load-file-bytes; 0: no limit). Each load's contents are bounded by
+    the request size limits, but concurrent loads are not: each holds its decoded bytes
+    until they are on disk. A load that would pass the limit is refused at once, before
+    anything is decoded: waiting would keep its body in memory too."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def reserve(self, name: str, size: int) -> None:
+        if not self.limit:
+            self.held += size
+            return
+        if size > self.limit:
+            raise KilnError(
+                f"failed to load '{name}': its 'file:' parameters hold {size} bytes once "
+                f"decoded, more than the limit of {self.limit} bytes (--max-load-file-bytes)",
+                Status.PAYLOAD_TOO_LARGE,
+            )
+        if self.held + size > self.limit:
+            raise KilnError(
+                f"failed to load '{name}': its 'file:' parameters hold {size} bytes once "
+                f"decoded and other loads are writing {self.held} bytes; together more than "
+                f"the limit of {self.limit} bytes (--max-load-file-bytes). Try again later",
+                Status.UNAVAILABLE,
+            )
+        self.held += size
+
+    def release(self, size: int) -> None:
+        self.held -= size
+
+
+async def materialise(
+    name: str, files: dict[str, str | bytes], budget: FileBudget | None = None
+) -> Path:
     """The private folder holding ``files`` (from ``check_files``), built on a worker
-    thread. A load cancelled meanwhile removes the folder once the thread is done."""
+    thread, its decoded bytes counted in ``budget`` until the thread is done. A load
+    cancelled meanwhile removes the folder once the thread is done."""
     loop = asyncio.get_running_loop()
+    size = decoded_size(files)
+    if budget is not None:
+        budget.reserve(name, size)  # refused here: nothing decoded yet
     work = loop.run_in_executor(None, _decode_and_write, name, files)
+    if budget is not None:
+        work.add_done_callback(lambda _: budget.release(size))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:

@@ -30,7 +30,7 @@ from kiln.config.loader import (
 )
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError, Status, invalid_arg, not_found
-from kiln.repository.load_files import materialise
+from kiln.repository.load_files import DEFAULT_LOAD_FILE_BYTES, FileBudget, materialise
 from kiln.repository.safety import check_config_paths, check_model_name, check_tree_inside
 from kiln.repository.source import Fingerprint, LocalSource, RepositoryError, RepositorySource
 
@@ -127,6 +127,7 @@ class RepositoryManager(Generic[R]):
         auto_complete: bool = True,
         served: list[ModelConfig] | None = None,
         config_check: Callable[[ModelConfig, list[int]], None] | None = None,
+        max_load_file_bytes: int = DEFAULT_LOAD_FILE_BYTES,
     ) -> None:
         # Each --model-repository: a folder, or a bucket fetched into a local cache.
         self.sources: list[RepositorySource] = [
@@ -146,6 +147,8 @@ class RepositoryManager(Generic[R]):
         self.config_check = config_check
         self.entries: dict[str, ModelEntry[R]] = {}
         self._load_slots = asyncio.Semaphore(4)  # Triton's --model-load-thread-count
+        #: decoded ``file:`` bytes of the loads in flight (--max-load-file-bytes)
+        self.file_budget = FileBudget(max_load_file_bytes)
 
     # ---- discovery -------------------------------------------------------------------
     def model_names(self) -> list[str]:
@@ -275,7 +278,7 @@ class RepositoryManager(Generic[R]):
             return
         if config_json is None:
             raise invalid_arg(f"failed to load '{name}': 'file:' parameters need 'config'")
-        files_dir = await materialise(name, files)
+        files_dir = await materialise(name, files, self.file_budget)
         try:
             await self._load_dir(entry, files_dir, config_json, files_dir)
         except BaseException as exc:

@@ -34,7 +34,7 @@ from kiln.core.trace import Tracer
 from kiln.core.trace_otel import OtelOptions
 from kiln.core.types import InferenceRequest, InferenceResponse
 from kiln.llm.engine_client import EngineClient, FinishedHook
-from kiln.repository.load_files import check_files
+from kiln.repository.load_files import DEFAULT_LOAD_FILE_BYTES, check_files
 from kiln.repository.manager import RepositoryManager
 from kiln.repository.poll import RepositoryPoller
 from kiln.repository.safety import check_model_name
@@ -88,6 +88,8 @@ class ServerOptions:
     trace: TraceSettings = field(default_factory=TraceSettings)
     trace_otel: OtelOptions | None = None  # mode=opentelemetry: the exporter's options
     max_shm_regions: int = MAX_REGIONS  # --max-shm-regions
+    #: --max-load-file-bytes: decoded ``file:`` load contents held at once (0: no limit)
+    max_load_file_bytes: int = DEFAULT_LOAD_FILE_BYTES
     allow_shm_other_owners: bool = False  # --allow-shm-other-owners
     #: ``kiln serve --model``: llm configs built in memory (``model_path`` names each)
     served_models: list[ModelConfig] = field(default_factory=list)
@@ -124,6 +126,7 @@ class Server:
             auto_complete=options.auto_complete_config,
             served=options.served_models,
             config_check=check_config,
+            max_load_file_bytes=options.max_load_file_bytes,
         )
         # weighted splits, shadows and canaries between versions (server/rollout.py)
         self.rollouts = Rollouts(random.Random(options.rollout_seed))

@@ -23,13 +23,16 @@ from kiln.core.header_forward import header_forward
 from kiln.frontends import shm_io
 from kiln.frontends.http import generate
 from kiln.frontends.http.codec import (
+    OFF_LOOP_ENCODE_ELEMENTS,
     decode_raw_request,
     decode_request,
     encode_response,
-    parse_json,
+    json_elements,
+    parse_body,
 )
 from kiln.frontends.http.fast_infer import FastInfer
 from kiln.frontends.http.openapi import openapi_document
+from kiln.frontends.json_pieces import OFF_LOOP_PARSE_BYTES
 from kiln.frontends.tensors import OFF_LOOP_DECODE_BYTES
 from kiln.server.server import Server
 
@@ -205,7 +208,7 @@ class HttpFrontend:
 
     async def json_body(self, request: Request) -> dict[str, Any]:
         body = await self.read_body(request)
-        return parse_json(body) if body.strip() else {}
+        return await parse_body(body) if body.strip() else {}
 
     # ---- health / metadata -----------------------------------------------------------
     async def live(self, request: Request) -> Response:
@@ -262,17 +265,24 @@ class HttpFrontend:
         else:
             limit = self.server.options.max_tensor_elements
             args = (body, header_length, name, version, limit)
-            if len(body) > OFF_LOOP_DECODE_BYTES:
-                # JSON tensors cost Python work per element: a big body decodes on a thread
-                # so other clients are answered meanwhile (small ones stay on the loop,
-                # where a thread hop would cost more than the decode)
+            json_bytes = len(body) if header_length is None else header_length
+            if len(body) > OFF_LOOP_DECODE_BYTES or json_bytes > OFF_LOOP_PARSE_BYTES:
+                # JSON tensors cost Python work per element: a big body decodes on a thread,
+                # its JSON parsed a piece at a time (json_pieces), so other clients are
+                # answered meanwhile (small ones stay on the loop, where a thread hop would
+                # cost more than the decode)
                 req = await asyncio.to_thread(decode_request, *args)
             else:
                 req = decode_request(*args)
         if forwarded:
             req.parameters.update(forwarded)
         resp = await shm_io.infer(self.server, req)
-        out, json_length = encode_response(resp, req)
+        if json_elements(resp, req) > OFF_LOOP_ENCODE_ELEMENTS:
+            # orjson holds the GIL for a whole call: a slice of elements a call, on a
+            # thread, lets the loop answer others between slices (small ones stay inline)
+            out, json_length = await asyncio.to_thread(encode_response, resp, req, True)
+        else:
+            out, json_length = encode_response(resp, req)
         headers: dict[str, str] = {}
         if json_length is not None:
             headers["Inference-Header-Content-Length"] = str(json_length)
@@ -314,7 +324,7 @@ class HttpFrontend:
         if request.method == "GET":
             return json_response(self.server.rollout(model))
         body = await self.read_body(request)
-        fields = parse_json(body) if body.strip() else {}
+        fields = await parse_body(body) if body.strip() else {}
         return json_response(self.server.set_rollout(model, fields))
 
     # ---- trace / logging -------------------------------------------------------------

@@ -31,7 +31,7 @@ from kiln.frontends.http.codec import (
     parse_json,
     to_json_data,
 )
-from kiln.frontends.tensors import OFF_LOOP_DECODE_BYTES
+from kiln.frontends.json_pieces import OFF_LOOP_PARSE_BYTES
 
 _RESERVED = ("id", "parameters")
 
@@ -103,8 +103,9 @@ async def _request(frontend: Any, request: Request) -> InferenceRequest:
     body = await frontend.read_body(request)
     signature = frontend.server.model(name, version).signature
     args = (body, signature, name, version, frontend.server.options.max_tensor_elements)
-    if len(body) > OFF_LOOP_DECODE_BYTES:
-        # as ``infer_body``: a big JSON body decodes on a thread, other clients go on
+    if len(body) > OFF_LOOP_PARSE_BYTES:
+        # as ``infer_body``: a big JSON body decodes on a thread (parsed a piece at a
+        # time), other clients go on
         decoded = await asyncio.to_thread(_decode, *args)
     else:
         decoded = _decode(*args)

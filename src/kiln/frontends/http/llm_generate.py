@@ -29,7 +29,7 @@ from kiln.backends.registry import LLM_BACKENDS
 from kiln.core.errors import KilnError, invalid_arg
 from kiln.core.trace import http_slot
 from kiln.frontends import disconnect
-from kiln.frontends.http.codec import parse_json
+from kiln.frontends.http.codec import parse_body
 from kiln.frontends.openai.generation import Delta, run
 from kiln.frontends.openai.protocol import MAX_CHARS_PER_TOKEN
 from kiln.llm.engine_client import EngineClient
@@ -225,7 +225,7 @@ def _sticky(
 async def _decoded(frontend: Any, request: Request, llm: EngineClient) -> LLMGenerateRequest:
     p = request.path_params
     slot = http_slot(frontend.server.tracer, request.headers)  # while the server traces
-    body = parse_json(await frontend.read_body(request))
+    body = await parse_body(await frontend.read_body(request))
     if slot is not None:
         slot.recv_end = time.monotonic_ns()
     if not p.get("version") and isinstance(body, dict):

@@ -18,7 +18,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.core.errors import KilnError, Status
 from kiln.core.trace import FrontendSlot
-from kiln.frontends import disconnect
+from kiln.frontends import disconnect, json_pieces
+from kiln.frontends.json_pieces import OFF_LOOP_PARSE_BYTES
 from kiln.frontends.openai import lora, messages
 from kiln.frontends.openai.protocol import OpenAIError
 from kiln.frontends.openai.request_ids import RequestIdError, remember_header
@@ -99,18 +100,19 @@ async def read_json(request: Request, reader: BodyReader) -> dict[str, Any]:
     # (408) hold here as on the KServe routes
     raw = await reader.read_body(request)
     disconnect.watch(request)  # a client that leaves from now on cancels the handler
-    # parsed here: orjson holds the GIL for the whole parse, so a worker thread would
-    # not let the loop run meanwhile (measured: the same stall, 0.5 s for 62 MB of token
-    # ids); --http-max-input-size bounds it. The Python-level checks that follow a large
-    # body run off the loop (tokenizing, /detokenize's ids).
+    if len(raw) > OFF_LOOP_PARSE_BYTES:
+        # on a worker thread, a piece at a time (json_pieces): one orjson call holds the
+        # GIL throughout, so a single call on a thread held the loop as long (0.5 s for
+        # 62 MB of token ids); between pieces the loop gets its turns
+        return await asyncio.to_thread(json_object, raw)
     return json_object(raw)
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
     """A body that must be a JSON object, or the 400 saying why it is not."""
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
+        body = json_pieces.loads(raw) if len(raw) > OFF_LOOP_PARSE_BYTES else orjson.loads(raw)
+    except ValueError as exc:  # orjson.JSONDecodeError is one
         raise OpenAIError(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
