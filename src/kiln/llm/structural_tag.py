@@ -310,9 +310,12 @@ class _Lark:
     ) -> str:
         excluded = [*node["trigger_tokens"], *node["exclude_tokens"], *ends]
         free = self.rule(self.tokens(excluded, f"{path}.exclude_tokens", True) + "*")
+        triggers = {self.token(t, f"{path}.trigger_tokens") for t in node["trigger_tokens"]}
         direct = []
         for i, tag in enumerate(node["tags"]):
             where = f"{path}.tags[{i}]"
+            if self.token(tag["begin"]["token"], f"{where}.begin.token") not in triggers:
+                raise self.fail(f"{where}.begin", "is none of the trigger_tokens")
             direct.append(f"{self.begin(tag, where)} {self.tag_rest(tag, where)}")
         anywhere = [f"{free} {d}" for d in direct]
         return self._choices(node, follow, self.closed(free, follow), anywhere, direct)

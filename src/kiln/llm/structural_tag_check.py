@@ -276,9 +276,9 @@ class _Checker:
         tags = self.tags(self.field(node, "tags", path), f"{path}.tags", depth)
         for i, tag in enumerate(tags):
             begin = tag["begin"]
-            if not isinstance(begin, dict) or begin["token"] not in triggers:
-                raise self.fail(f"{path}.tags[{i}].begin", "must be one of the trigger_tokens "
-                                "as a token format")  # fmt: skip
+            if not isinstance(begin, dict):
+                raise self.fail(f"{path}.tags[{i}].begin", "must be a token format (one of the "
+                                "trigger_tokens)")  # fmt: skip
         return {
             "trigger_tokens": triggers,
             "tags": tags,
