@@ -228,8 +228,12 @@ BAD = [
     ({"guided_choice": []}, "guided_choice"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
-    ({"response_format": {"type": "structural_tag", "format": {"type": "any_text"}}},
+    ({"response_format": {"type": "structural_tag", "format": {"type": "any_text",
+                                                                "max_tokens": 5}}},
      "response_format"),
+    ({"structured_outputs": {"structural_tag": json.dumps(
+        {"type": "structural_tag", "format": {"type": "star", "content": {"type": "any_text"}}})}},
+     "structured_outputs.structural_tag"),
     ({"structural_tag": {"structures": [{"begin": "<f>", "end": ""}], "triggers": ["<g"]}},
      "structural_tag"),
 ]  # fmt: skip
@@ -261,6 +265,62 @@ def test_structural_tag_constrains_after_each_trigger(client: openai.OpenAI, fie
         assert streamed == text
         seen += text.count("e=")
     assert seen > 0
+
+
+#: xgrammar's ``format`` form: a JSON "tool call" after every "e" (random weights write it
+#: often), compact JSON as vLLM's option asks
+CALL_SCHEMA = {"type": "object", "properties": {"n": DIGIT}, "required": ["n"],
+               "additionalProperties": False}  # fmt: skip
+E_CALLS = {"type": "structural_tag", "format": {
+    "type": "triggered_tags", "triggers": ["e"],
+    "tags": [{"type": "tag", "begin": "e=", "end": ";",
+              "content": {"type": "json_schema", "json_schema": CALL_SCHEMA}}]}}  # fmt: skip
+
+
+@pytest.mark.parametrize("field", ["response_format", "structured_outputs"])
+def test_format_tag_calls_follow_each_trigger(client: openai.OpenAI, field: str) -> None:
+    """xgrammar's newer ``format`` tags (vLLM 0.32 passes them to xgrammar): free text, and
+    after each trigger a JSON call its schema allows, whole and streamed."""
+    options = {"disable_any_whitespace": True}
+    extra: dict[str, Any] = (
+        {"response_format": E_CALLS, "structured_outputs": options}
+        if field == "response_format"
+        else {"structured_outputs": {"structural_tag": json.dumps(E_CALLS), **options}}
+    )
+    partial = r'(?:e(?:=(?:\{(?:"(?:n(?:"(?::(?:\d\}?)?)?)?)?)?)?)?)?'
+    pattern = r'(?:[^e]*e=\{"n":\d\};)*[^e]*' + partial
+    calls = 0
+    for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
+        kw: dict[str, Any] = dict(model="tiny", prompt="hello world", max_tokens=60,
+                                  temperature=temperature, seed=seed, extra_body=extra)  # fmt: skip
+        text = client.completions.create(**kw).choices[0].text
+        assert re.fullmatch(pattern, text, re.S), text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+        assert streamed == text
+        for call in re.findall(r"e=(\{.*?\});", text):
+            jsonschema.validate(json.loads(call), CALL_SCHEMA)
+            calls += 1
+    assert calls > 0
+
+
+def test_format_tag_forces_exactly_one_tool_call(client: openai.OpenAI) -> None:
+    """``at_least_one`` and ``stop_after_first``: the chat answer is one tool call, its
+    arguments JSON the schema allows, and nothing else."""
+    tool = {"type": "tag", "begin": "<tool_call>get_digit", "end": "</tool_call>",
+            "content": {"type": "json_schema", "json_schema": CALL_SCHEMA}}  # fmt: skip
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [tool],
+        "at_least_one": True, "stop_after_first": True}}  # fmt: skip
+    for seed in (0, 1):
+        reply = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=60, temperature=1.0, seed=seed,
+            extra_body={"response_format": tag, **COMPACT},
+        )  # fmt: skip
+        choice = reply.choices[0]
+        found = re.fullmatch(r"<tool_call>get_digit(\{.*\})</tool_call>", choice.message.content)
+        assert found, choice.message.content
+        jsonschema.validate(json.loads(found.group(1)), CALL_SCHEMA)
+        assert choice.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -79,6 +79,23 @@ NESTED: list[tuple[str, bytes, str]] = [
         "structural_tag",
     ),
     (
+        "/v1/completions",
+        COMPLETION
+        + b'"response_format": {"type": "structural_tag", "format": '
+        + b'{"type": "optional", "content": ' * 998
+        + b'{"type": "any_text"}'
+        + b"}" * 1000,
+        "response_format",
+    ),
+    (
+        "/v1/completions",
+        COMPLETION
+        + b'"structural_tag": {"format": {"type": "json_schema", "json_schema": '
+        + _nested(996)
+        + b"}}}",
+        "structural_tag",
+    ),
+    (
         "/v1/responses",
         b'{"model": "tiny", "input": "hi", "max_output_tokens": 2, "text": {"format": '
         b'{"type": "json_schema", "name": "x", "schema": ' + _nested(998) + b"}}}",

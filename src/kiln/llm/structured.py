@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kiln.llm.params import InvalidField
+from kiln.llm.structural_tag_check import check_format
 
 if TYPE_CHECKING:
     import llguidance
@@ -111,19 +112,22 @@ def _dumped(value: Any, param: str) -> str:
 
 
 def _structural_tag(value: Any, param: str) -> str:
-    """vLLM's structural tag (xgrammar's: text is free until a trigger, then one of the
-    structures whose ``begin`` starts with it: its JSON schema, then its ``end``), given as
-    an object or its JSON text, as canonical JSON text. xgrammar's newer ``format`` tags
-    are refused."""
+    """vLLM's structural tag, given as an object or its JSON text, as canonical JSON text:
+    xgrammar's ``format`` tree (checked and bounded node by node), or the older form (text is
+    free until a trigger, then one of the structures whose ``begin`` starts with it: its
+    JSON schema, then its ``end``)."""
     value = _parsed(value, param)
     if not isinstance(value, dict):
-        raise InvalidField(param, f"'{param}' must be an object with structures and triggers")
-    if "format" in value:
         raise InvalidField(
-            param,
-            f"'{param}': xgrammar's 'format' structural tags are not supported by kiln: send "
-            "'structures' (begin, schema, end) and 'triggers'",
+            param, f"'{param}' must be an object with a 'format', or structures and triggers"
         )
+    if "format" in value:
+        if "structures" in value:
+            raise InvalidField(
+                param, f"'{param}' has both 'format' and 'structures': send one of them"
+            )
+        return _dumped({"format": check_format(value["format"], param, f"{param}.format")},
+                       param)  # fmt: skip
     structures, triggers = value.get("structures"), value.get("triggers")
     if (
         not isinstance(triggers, list)
@@ -301,8 +305,39 @@ def _close_objects(schema: Any) -> None:
         schema["additionalProperties"] = False
 
 
-def _grammar_text(spec: StructuredOutputsParams) -> str:
-    """llguidance's serialized grammar for ``spec`` (not yet checked)."""
+def _no_tokens(token: int | str) -> int | None:
+    return token if isinstance(token, int) else None
+
+
+def _tag_schema(
+    spec: StructuredOutputsParams, schema: dict[str, Any] | bool, spaces: int | None
+) -> dict[str, Any] | bool:
+    """A structural tag's JSON schema with the request's JSON options (and the node's
+    ``max_whitespace_cnt``) as llguidance's ``x-guidance`` options."""
+    options: dict[str, Any] = {}
+    if spec.disable_any_whitespace:
+        options["whitespace_flexible"] = False
+    if spec.whitespace_pattern is not None:
+        options["whitespace_pattern"] = spec.whitespace_pattern
+    if spaces is not None:
+        options["whitespace_pattern"] = f"[ \\t\\n\\r]{{0,{spaces}}}"
+    if isinstance(schema, bool):
+        if not options:
+            return schema
+        schema = {} if schema else {"not": {}}
+    schema = json.loads(json.dumps(schema))  # a copy to close objects in
+    if spec.disable_additional_properties:
+        _close_objects(schema)
+    if options and isinstance(schema, dict):
+        schema["x-guidance"] = options
+    return schema
+
+
+def _grammar_text(
+    spec: StructuredOutputsParams, resolve: Callable[[int | str], int | None] | None = None
+) -> str:
+    """llguidance's serialized grammar for ``spec`` (not yet checked); ``resolve`` gives
+    a structural tag's token texts and ids the model's ids."""
     import llguidance
 
     kind = spec.kind
@@ -317,9 +352,14 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.spec)
     if kind == "structural_tag":
+        tag = json.loads(spec.spec)
+        if "format" in tag:
+            from kiln.llm.structural_tag import to_grammar
+
+            return to_grammar(tag, spec.param, resolve or _no_tokens,
+                              lambda schema, spaces: _tag_schema(spec, schema, spaces))  # fmt: skip
         # llguidance's structural tags: free text, a lazy lexeme for each trigger, then the
         # structure's begin, its JSON, its end (triggers are text, not special tokens)
-        tag = json.loads(spec.spec)
         tags = []
         for item in tag["structures"]:
             trigger = max((t for t in tag["triggers"] if item["begin"].startswith(t)), key=len)
@@ -409,7 +449,7 @@ class GrammarCompiler:
         what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex"}
         label = what.get(spec.kind, spec.kind)
         try:
-            text = _grammar_text(spec)
+            text = _grammar_text(spec, self._token_id)
         except (ValueError, TypeError) as exc:
             raise InvalidField(spec.param, f"invalid {label} in {spec.param}: {exc}") from None
         except RecursionError:  # disable_additional_properties walks the schema's depth
@@ -423,6 +463,12 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         return self.compile(spec).matcher()
+
+    def _token_id(self, token: int | str) -> int | None:
+        """A structural tag's token (an id, or a token's text) as the model's id; None for
+        one the model does not have."""
+        found = self._tokenizer.token_id(token) if isinstance(token, str) else token
+        return found if found is not None and 0 <= found < self.vocab_size else None
 
 
 def fill_bitmask(matchers: list[llguidance.LLMatcher], vocab_size: int) -> np.ndarray:

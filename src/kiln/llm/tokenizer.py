@@ -157,6 +157,11 @@ class Tokenizer:
                 out.append(spaced)
         return tuple(out)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token whose text (its vocabulary entry) is ``text``, or None."""
+        found: int | None = self._tok.token_to_id(text)
+        return found
+
     def token_text(self, token_id: int) -> str:
         """One token alone as text (special tokens included), as logprobs show it."""
         text: str = self._tok.decode([token_id], skip_special_tokens=False)
