@@ -1,11 +1,13 @@
 """vLLM's development / RL control routes (``VLLM_SERVER_DEV_MODE=1``) on a real kiln
 server serving SmolLM2-135M-Instruct (GGUF), driven through httpx and the ``openai`` client:
 prefix-cache reset, sleep and wake (levels 1 and 2, the engine process's memory measured),
-the three pause modes, abort by id, the metrics, and 404 without the switch."""
+the three pause modes, abort by id, the metrics, weight versions, and 404 without the
+switch."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,7 +43,8 @@ def gguf_file() -> Path:
 @pytest.fixture(scope="module")
 def server(gguf_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     home = tmp_path_factory.mktemp("dev")
-    args = ["--model", str(gguf_file), "--max-model-len", "1024", "--max-num-seqs", "4"]
+    args = ["--model", str(gguf_file), "--max-model-len", "1024", "--max-num-seqs", "4",
+            "--enable-scale-out"]  # fmt: skip
     proc = KilnProcess(home / "repo", args=args, with_repository=False,
                        env={"VLLM_SERVER_DEV_MODE": "1"}).start(timeout=600)  # fmt: skip
     yield proc
@@ -268,9 +271,11 @@ def test_without_the_switch_the_routes_do_not_exist(tmp_path: Path) -> None:
     try:
         base = f"http://{proc.http_url}"
         for path in ("/sleep", "/wake_up", "/pause", "/resume", "/reset_prefix_cache",
-                     "/abort_requests", "/release_kv_cache_memory"):  # fmt: skip
+                     "/abort_requests", "/release_kv_cache_memory", "/update_weight_version",
+                     "/update_weights", "/finish_weight_update"):  # fmt: skip
             assert httpx.post(base + path).status_code == 404, path
-        for path in ("/is_sleeping", "/is_paused", "/server_info", "/get_world_size"):
+        for path in ("/is_sleeping", "/is_paused", "/server_info", "/get_world_size",
+                     "/weight_info"):  # fmt: skip
             assert httpx.get(base + path).status_code == 404, path
         assert "Development endpoints" not in proc.log()
     finally:
@@ -297,3 +302,62 @@ def test_the_engine_on_a_thread_sleeps_and_wakes_too(gguf_file: Path, tmp_path: 
                 assert held.result().choices[0].message.content == before
     finally:
         proc.stop()
+
+
+def _generate(http: Any, max_tokens: int, stream: bool = False) -> Any:
+    body = {"token_ids": [1, 2, 3], "stream": stream,
+            "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True,
+                                "temperature": 0.0}}  # fmt: skip
+    if not stream:
+        reply = http.post("/inference/v1/generate", json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+    return http.stream("POST", "/inference/v1/generate", json=body)
+
+
+def test_weight_versions_label_the_tokens_each_version_sampled(
+    server: KilnProcess, http: Any
+) -> None:
+    """vLLM's RL weight versions: ``/update_weight_version`` labels the weights from the
+    next step on; a generation that runs across the change reports both spans."""
+    reply = http.post("/update_weight_version", json={"new_version": "policy-1"})
+    assert reply.status_code == 200
+    assert reply.json() == {"success": True, "new_version": "policy-1"}
+    assert http.get("/weight_info").json() == {"weight_version": "policy-1"}
+    whole = _generate(http, 6)["choices"][0]
+    assert whole["weight_versions"] == [{"version": "policy-1", "start": 0, "end": 6}]
+    with (
+        httpx.Client(base_url=f"http://{server.http_url}", timeout=60) as other,
+        _generate(http, 160, stream=True) as reply,
+    ):
+        assert reply.status_code == 200
+        lines = reply.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        assert first["choices"][0]["weight_versions"] is None  # the last chunk has them
+        # freeze the generation mid-way (its tokens and KV cache kept), relabel, go on
+        assert other.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
+        relabel = other.post("/update_weight_version", json={"new_version": "policy-2"})
+        assert relabel.status_code == 200
+        assert other.post("/resume").json() == {"status": "resumed"}
+        events = [json.loads(line[6:]) for line in lines
+                  if line.startswith("data: ") and line != "data: [DONE]"]  # fmt: skip
+    chunks = [first, *events]
+    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 160
+    assert all(c["choices"][0]["weight_versions"] is None for c in chunks[:-1])
+    spans = chunks[-1]["choices"][0]["weight_versions"]
+    assert [s["version"] for s in spans] == ["policy-1", "policy-2"]
+    boundary = spans[0]["end"]
+    assert spans[0]["start"] == 0 and spans[1] == {"version": "policy-2", "start": boundary,
+                                                   "end": 160}  # fmt: skip
+    assert len(first["choices"][0]["token_ids"]) <= boundary < 160
+    assert http.get("/weight_info").json() == {"weight_version": "policy-2"}
+
+
+def test_weight_transfer_is_refused_saying_why(http: Any) -> None:
+    before = http.get("/weight_info").json()
+    for path in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                 "/finish_weight_update", "/weight_checker"):  # fmt: skip
+        reply = http.post(path, json={})
+        assert reply.status_code == 501, path
+        assert "no weight transfer engine" in reply.json()["error"]["message"]
+    assert http.get("/weight_info").json() == before

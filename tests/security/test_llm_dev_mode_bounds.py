@@ -229,3 +229,26 @@ def test_server_info_shows_no_variable_that_may_hold_a_secret(
     env = _vllm_env()
     assert {k: env[k] for k in shown} == shown
     assert not set(env) & set(hidden) and "OTHER_PASSWORD" not in env
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({}, "Missing 'new_version'"),
+        ({"new_version": 7}, "must be a string"),
+        ({"new_version": ["a"]}, "must be a string"),
+        ({"new_version": "v" * 257}, "at most 256"),
+    ],
+)
+def test_a_weight_version_is_a_bounded_string(http: Any, body: Any, expected: str) -> None:
+    before = http.get("/weight_info").json()
+    message = refused(http.post("/update_weight_version", json=body), "new_version")
+    assert expected in message
+    assert http.get("/weight_info").json() == before
+
+
+def test_the_weight_version_body_is_a_json_object(http: Any) -> None:
+    for raw in (b"[1]", b"not json", b'"v1"'):
+        reply = http.post("/update_weight_version", content=raw,
+                          headers={"content-type": "application/json"})  # fmt: skip
+        assert reply.status_code == 400, raw

@@ -50,6 +50,8 @@ def _merge(held: RequestOutput, out: RequestOutput) -> None:
     if held.first_scheduled_time is None:
         held.first_scheduled_time = out.first_scheduled_time
         held.num_cached_tokens = out.num_cached_tokens
+    if out.weight_version_starts is not None:  # the whole list, newer
+        held.weight_version_starts = out.weight_version_starts
 
 
 class OutputCollector:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from kiln.core.errors import KilnError, Status
+from kiln.llm import weight_versions
 from kiln.llm.block_manager import BlockManager
 from kiln.llm.checkpoint import (
     DenseLayer,
@@ -59,6 +60,9 @@ class RequestOutput:
     stop_token_id: int | None = None
     #: prompt tokens the prefix cache held when the request was first scheduled
     num_cached_tokens: int = 0
+    #: (weight version, output token it began at) of the sample, sent when they changed
+    #: (its first output, and after a new version: ``kiln.llm.weight_versions``)
+    weight_version_starts: list[tuple[str, int]] | None = None
 
 
 def _holds(ids: list[int], run: tuple[int, ...]) -> bool:
@@ -164,6 +168,8 @@ class LLMEngine(RequestChecks):
         self.stats = EngineStats(RequestHistograms.for_model(config.max_model_len))
         #: the requests the last step failed, with the error (they left the engine)
         self.failed: list[tuple[str, Exception]] = []
+        #: vLLM's weight version: the label of the weights the next step runs
+        self.weight_version = weight_versions.DEFAULT_VERSION
         if config.seed is not None:  # vLLM's --seed: unseeded requests draw from these
             torch.manual_seed(config.seed)
         #: compiles ``structured_outputs`` for this model's tokenizer; set by whoever owns
@@ -219,6 +225,8 @@ class LLMEngine(RequestChecks):
             )
             for i in range(1, params.n)
         ]
+        for sample in (seq, *seq.forks):
+            weight_versions.begin(sample, self.weight_version)
         if params.thinking_token_budget is not None:
             for sample in (seq, *seq.forks):
                 sample.start_budget()
@@ -480,7 +488,24 @@ class LLMEngine(RequestChecks):
             first_scheduled_time=seq.request.first_scheduled_time,
             stop_token_id=seq.stop_token_id,
             num_cached_tokens=seq.request.num_cached_tokens,
+            weight_version_starts=self._weight_starts(seq),
         )
+
+    @staticmethod
+    def _weight_starts(seq: Sequence) -> list[tuple[str, int]] | None:
+        if not seq.weight_versions_changed:
+            return None
+        seq.weight_versions_changed = False
+        return list(seq.weight_version_starts)
+
+    def set_weight_version(self, version: str) -> None:
+        """vLLM's ``set_weight_version``: the weights are ``version`` from the next step on;
+        the sequences in the engine start a span there."""
+        self.weight_version = version
+        sched = self.scheduler
+        for seq in (*sched.running, *sched.waiting):
+            for sample in (seq, *seq.forks):
+                weight_versions.switch(sample, version)
 
     def pool(self, prompts: list[list[int]], tokens: bool = False) -> torch.Tensor:
         """The prompts' pooled final hidden states [len(prompts), hidden] (float32), by the

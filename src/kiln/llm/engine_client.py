@@ -255,10 +255,11 @@ class EngineClient:
         """A development operation of ``kiln.llm.engine_control`` (pause, sleep, wake_up,
         ...), run between two of the engine's steps. They run one at a time: a second
         waits for the first (a ``wait`` pause: until the engine drained), so concurrent
-        calls never interleave inside the engine. ``state`` only reads and ``abort`` only
-        ends requests (it may be what ends a ``wait`` pause): they never wait."""
+        calls never interleave inside the engine. ``state`` only reads, ``abort`` only ends
+        requests (it may be what ends a ``wait`` pause) and ``set_weight_version`` only
+        relabels: they never wait."""
         engine = self._backend.async_engine
-        if op in ("state", "abort"):
+        if op in ("state", "abort", "set_weight_version"):
             return await engine.control(op, args)
         async with self._control_lock:
             result = await engine.control(op, args)

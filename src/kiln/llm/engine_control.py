@@ -43,7 +43,8 @@ WAKE_TAGS = (*runner_sleep.SLEEP_TAGS, "scheduling")
 SLEEP_LEVELS = (0, 1, 2)
 #: the operations the frontend may send (``state`` only reads)
 OPERATIONS = ("pause", "resume", "sleep", "wake_up", "release_kv_cache_memory",
-              "reset_prefix_cache", "abort", "state", *ENGINE_CALLS)  # fmt: skip
+              "reset_prefix_cache", "abort", "state", "set_weight_version",
+              *ENGINE_CALLS)  # fmt: skip
 
 
 class PauseState(enum.IntEnum):
@@ -113,6 +114,7 @@ class EngineControl:
             "sleeping": self.pause_state is not PauseState.UNPAUSED or bool(self.sleeping_tags),
             "level": self.level if self.sleeping_tags or self.holds_requests else 0,
             "tags": sorted(self.sleeping_tags),
+            "weight_version": self.engine.weight_version,
         }
 
     def poll(self) -> list[tuple[object, dict[str, Any]]]:
@@ -133,6 +135,9 @@ class EngineControl:
             return {"aborted": self.abort(None if ids is None else [str(i) for i in ids])}
         if op in ENGINE_CALLS:  # the profiler's: never behind a pause
             return {"result": self.engine.call(op, args.get("args", ()))}
+        if op == "set_weight_version":  # vLLM's utility call: never behind a pause either
+            self.engine.set_weight_version(str(args["version"]))
+            return {}
         if self.pending:
             raise refused(f"{op}: a pause is still waiting for the requests in flight to end")
         if op == "pause":

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.core.errors import KilnError, Status
 from kiln.core.progress import progress
-from kiln.llm import sequence
+from kiln.llm import sequence, weight_versions
 from kiln.llm.checkpoint import generation_eos_ids, open_checkpoint, sampling_defaults
 from kiln.llm.config import EngineConfig, PoolerConfig
 from kiln.llm.engine_core import build_engine
@@ -32,6 +32,7 @@ from kiln.llm.offline_types import (
     RequestOutput,
     SamplingParams,
     ScoringOutput,
+    WeightVersionSpan,
 )
 from kiln.llm.params import InvalidField, sampling_fields, with_defaults
 from kiln.llm.profiler_config import ProfilerConfig, check_session
@@ -51,7 +52,7 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "pr
              "allowed_token_ids")  # fmt: skip
 
 
-class LLM:
+class LLM(weight_versions.OfflineWeightVersions):
     """A model in this process, as vLLM's ``LLM``: a Hugging Face folder or a ``.gguf``
     file, with vLLM's engine arguments (``dtype``, ``max_model_len``, ``max_num_seqs``,
     ``seed``, ``runner="pooling"`` for embeddings, ...). Runs on GPU 0 when torch sees one."""
@@ -507,6 +508,8 @@ class _Run:
         sample = self.samples[out.index]
         if sample.reason is not None:
             return False  # a stop string ended it; its abort is on the way
+        if out.weight_version_starts is not None:
+            sample.weight_starts = out.weight_version_starts
         keep_stop = self.params.include_stop_str_in_output
         drop = out.stop_token_id is not None and not keep_stop
         for ids, entries, count, last in token_by_token(out, drop):
@@ -548,8 +551,10 @@ class _Run:
                     for e in s.entries
                 ]
                 cumulative = sum(e.logprob for e in s.entries)
+            spans = weight_versions.spans(s.weight_starts, len(s.ids))
+            versions = None if spans is None else [WeightVersionSpan(**v) for v in spans]
             outputs.append(CompletionOutput(index, s.text, s.ids, cumulative, logprobs,
-                                            s.reason, s.stop_reason))  # fmt: skip
+                                            s.reason, s.stop_reason, versions))  # fmt: skip
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outputs)
 
 
@@ -561,3 +566,4 @@ class _Sample:
     entries: list[Any] = field(default_factory=list)
     reason: str | None = None
     stop_reason: str | int | None = None
+    weight_starts: list[tuple[str, int]] | None = None

@@ -49,6 +49,16 @@ class Logprob:
 
 
 @dataclass
+class WeightVersionSpan:
+    """vLLM's: output tokens ``[start, end)`` were sampled by the weights labelled
+    ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass
 class CompletionOutput:
     """vLLM's: one sample of a prompt."""
 
@@ -62,6 +72,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     #: the stop string, or the ``stop_token_ids`` token, that ended it (None: EOS, length)
     stop_reason: str | int | None = None
+    #: on a finished sample: the spans of its tokens sampled under each weight version
+    weight_versions: list[WeightVersionSpan] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -205,6 +205,10 @@ class Sequence:
     num_draft_computed: int = 0
     #: the LoRA adapter it runs with (None: the base model)
     lora_request: LoRARequest | None = None
+    #: (weight version, the output token it began at), oldest first (``weight_versions``)
+    weight_version_starts: list[tuple[str, int]] = field(default_factory=list)
+    #: the starts changed since the last output carried them
+    weight_versions_changed: bool = False
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

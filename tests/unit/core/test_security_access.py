@@ -80,7 +80,9 @@ def test_restricted_messages_follow_triton() -> None:
 DEV_PATHS = (
     "/sleep", "/wake_up", "/is_sleeping", "/release_kv_cache_memory", "/pause", "/resume",
     "/is_paused", "/abort_requests", "/get_world_size", "/server_info", "/reset_prefix_cache",
-    "/reset_mm_cache", "/reset_encoder_cache",
+    "/reset_mm_cache", "/reset_encoder_cache", "/update_weight_version", "/weight_info",
+    "/init_weight_transfer_engine", "/update_weights", "/finish_weight_update",
+    "/weight_checker",
 )  # fmt: skip
 
 

@@ -110,7 +110,8 @@ def test_sleep_releases_memory_and_wake_gives_the_same_tokens(
     assert hasattr(runner, "model") == (level == 1)  # level 2 dropped the weights (CPU: 1 kept)
     assert control.sleeping_tags == {"weights", "kv_cache"}
     assert control.state() == {"paused": True, "sleeping": True, "level": level,
-                               "tags": ["kv_cache", "weights"]}  # fmt: skip
+                               "tags": ["kv_cache", "weights"],
+                               "weight_version": "default"}  # fmt: skip
     with pytest.raises(KilnError, match="wake it"):
         control.run("t", "resume", {})
     # one tag at a time: not fully awake until both are back

@@ -24,7 +24,9 @@ _MODEL = r"/v2/models/[^/]+(?:/versions/[^/]+)?"
 DEV_PATHS = (
     r"/(reset_prefix_cache|reset_mm_cache|reset_encoder_cache|server_info|sleep|wake_up"
     r"|is_sleeping|release_kv_cache_memory|pause|resume|is_paused|abort_requests"
-    r"|get_world_size)$"
+    r"|get_world_size|update_weight_version|weight_info|init_weight_transfer_engine"
+    r"|shutdown_weight_transfer_engine|start_weight_update|start_draft_weight_update"
+    r"|update_weights|finish_weight_update|weight_checker)$"
 )
 _RULES: list[tuple[re.Pattern[str], ApiGroup | None]] = [
     (re.compile(_MODEL + r"/infer$"), ApiGroup.INFERENCE),

@@ -8,9 +8,10 @@ import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kiln.core.errors import KilnError, Status
+from kiln.llm import weight_versions
 from kiln.llm.beam_search import BeamSearch
 from kiln.llm.sequence import SamplingParams, find_stop, token_by_token
 from kiln.llm.tokenizer import IncrementalDetokenizer
@@ -43,6 +44,8 @@ class Delta:
     #: and a stop token too, up to the one that completed a stop string), for vLLM's
     #: tokens-out API (/inference/v1/generate)
     token_ids: list[int] = field(default_factory=list)
+    #: on a choice's last delta: vLLM's ``weight_versions`` spans of its output tokens
+    weight_versions: list[dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -56,6 +59,8 @@ class _Choice:
     #: the prompt's logprobs, until the choice's first delta carries them
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     done: bool = False
+    #: the engine's weight-version starts of the sample (``kiln.llm.weight_versions``)
+    weight_starts: list[tuple[str, int]] | None = None
 
     def stop(self, stops: tuple[str, ...], options: OutputOptions, start: int = 0) -> str | None:
         """The stop string in the pending text (from ``start``), if any; the text then
@@ -116,6 +121,8 @@ async def run(
             completion = out.num_output_tokens
             if out.prompt_logprobs is not None:
                 c.prompt_logprobs = out.prompt_logprobs
+            if out.weight_version_starts is not None:
+                c.weight_starts = out.weight_version_starts
             drop = out.stop_token_id is not None and not options.include_stop_str_in_output
             reason = out.finish_reason if out.finished else None
             matched: int | str | None = None
@@ -156,6 +163,7 @@ async def run(
                 yield Delta(
                     c.pending, reason, prompt_len, completion, out.index, logprobs,
                     c.take_prompt_logprobs(), out.num_cached_tokens, matched, c.take_ids(),
+                    weight_versions.spans(c.weight_starts, completion),
                 )  # fmt: skip
                 if not left:
                     # leaving the loop closes the generator, which aborts what is left

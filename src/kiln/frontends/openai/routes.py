@@ -38,6 +38,7 @@ from kiln.frontends.openai.render import RenderRoutes
 from kiln.frontends.openai.response_routes import ResponseRoutes
 from kiln.frontends.openai.token_routes import TokenRoutes
 from kiln.frontends.openai.tokens_out import TokensOutRoutes
+from kiln.frontends.openai.weight_routes import weight_routes
 from kiln.server.server import Server
 
 SCORE_PATHS = ("/score", "/v1/score")
@@ -152,6 +153,7 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
 
     return [
         *dev_routes(server, reader),  # VLLM_SERVER_DEV_MODE's alone
+        *weight_routes(server, reader),  # VLLM_SERVER_DEV_MODE's too
         Route("/v1/models", models, methods=["GET"]),
         counted("/v1/completions", answers_errors(completion.completions)),
         counted("/v1/chat/completions", answers_errors(completion.chat)),

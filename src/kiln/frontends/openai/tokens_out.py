@@ -237,10 +237,12 @@ def _usage(prompt: int, completion: int) -> dict[str, Any]:
     }
 
 
-def _choice(index: int, reason: str | None, stop: Any, ids: list[int]) -> dict[str, Any]:
+def _choice(
+    index: int, reason: str | None, stop: Any, ids: list[int], versions: Any = None
+) -> dict[str, Any]:
     return {
         "index": index, "finish_reason": reason, "stop_reason": stop, "token_ids": ids,
-        "routed_experts": None, "sampling_mask": None, "weight_versions": None,
+        "routed_experts": None, "sampling_mask": None, "weight_versions": versions,
     }  # fmt: skip
 
 
@@ -328,6 +330,7 @@ async def _whole(
     entries: list[list[TokenLogprobs]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
     stops: list[int | str | None] = [None] * n
+    versions: list[list[dict[str, Any]] | None] = [None] * n
     prompt_entries: list[TokenLogprobs | None] | None = None
     try:
         async with aclosing(deltas):
@@ -337,6 +340,8 @@ async def _whole(
                 entries[d.index] += d.logprobs
                 reasons[d.index] = d.finish_reason or reasons[d.index]
                 stops[d.index] = d.stop_reason if d.stop_reason is not None else stops[d.index]
+                if d.weight_versions is not None:
+                    versions[d.index] = d.weight_versions
                 if d.prompt_logprobs is not None:
                     prompt_entries = d.prompt_logprobs
     except KilnError as exc:
@@ -344,7 +349,7 @@ async def _whole(
     asked = req.params.logprobs
     choices = []
     for i in range(n):
-        choice = _choice(i, reasons[i] or "stop", stops[i], tokens[i])
+        choice = _choice(i, reasons[i] or "stop", stops[i], tokens[i], versions[i])
         if text_mode:
             choice["text"] = "".join(texts[i])
         choice["logprobs"] = _logprobs(llm, entries[i], asked, text_mode)
@@ -405,7 +410,9 @@ async def _events(
                 counts[d.index] = len(d.token_ids) + counts.get(d.index, 0)
                 if not d.token_ids and d.finish_reason is None and not (text_mode and d.text):
                     continue
-                choice = _choice(d.index, d.finish_reason, d.stop_reason, d.token_ids)
+                choice = _choice(
+                    d.index, d.finish_reason, d.stop_reason, d.token_ids, d.weight_versions
+                )
                 if text_mode:
                     choice["text"] = d.text
                 choice["logprobs"] = _logprobs(llm, d.logprobs, asked, text_mode)
