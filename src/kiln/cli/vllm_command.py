@@ -228,7 +228,6 @@ FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
         (
             "--ec-",
             "--kv-events-config",
-            "--tokens-only",
             "--kv-sharing-fast-prefill",
             "--enable-shm-tensor-arena",
         ),
