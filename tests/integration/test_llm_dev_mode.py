@@ -219,6 +219,20 @@ def test_abort_requests_by_the_answers_id(client: Any, http: Any) -> None:
         assert running.result() == "abort"
 
 
+def test_abort_requests_reaches_a_completions_prompt_as_vllms_does(client: Any, http: Any) -> None:
+    """vLLM's engine knows a completions prompt by ``cmpl-<id>-<i>``: that id ends it."""
+    chunks = client.completions.create(
+        model=NAME, prompt="Once upon a time", max_tokens=900, temperature=0.0, stream=True,
+        extra_body={**LONG, "request_id": "dev-tale"},
+    )  # fmt: skip
+    first = next(iter(chunks))
+    assert first.id == "cmpl-dev-tale"
+    reply = http.post("/abort_requests", json={"request_ids": ["cmpl-dev-tale-0"]})
+    assert reply.json() == {"status": "aborted", "aborted": 1}
+    reasons = [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
+    assert reasons == ["abort"]
+
+
 def test_server_info_world_size_and_the_no_op_caches(http: Any) -> None:
     assert http.get("/get_world_size").json() == {"world_size": 1}
     assert http.post("/reset_mm_cache").status_code == 200

@@ -382,3 +382,90 @@ def test_streamed_derender_carries_its_state_between_calls(http: Any) -> None:
                                                   "logprobs": 0})  # fmt: skip
     assert text == completion["choices"][0]["text"]
     assert offsets == completion["choices"][0]["logprobs"]["text_offset"]
+
+
+def _aborted_stream(server: KilnProcess, create: Any, abort_id: Any) -> str:
+    """``create()``'s stream, aborted through /inference/v1/abort_requests once its first
+    chunk came (``abort_id(chunk)``: the id to abort by): its last finish_reason."""
+    chunks = create()
+    first = next(iter(chunks))
+    ids = {"request_ids": [abort_id(first)]}
+    with httpx.Client(base_url=f"http://{server.http_url}", timeout=60) as other:
+        assert other.post("/inference/v1/abort_requests", json=ids).status_code == 200
+    reason = ""
+    for chunk in chunks:
+        for choice in chunk.choices:
+            reason = choice.finish_reason or reason
+    return reason
+
+
+LONG = {"max_tokens": 900, "temperature": 0.0, "stream": True, "extra_body": {"ignore_eos": True}}
+
+
+def test_abort_ends_a_streamed_chat_by_its_answers_id(server: KilnProcess, client: Any) -> None:
+    """vLLM's engine knows a chat by ``chatcmpl-<id>``, the id its chunks carry."""
+
+    def create() -> Any:
+        return client.chat.completions.create(model=NAME, messages=CHAT, **LONG)
+
+    assert _aborted_stream(server, create, lambda first: first.id) == "abort"
+
+
+def test_abort_ends_a_streamed_completion_by_its_prompts_id(
+    server: KilnProcess, client: Any
+) -> None:
+    """vLLM's engine knows a completions prompt by ``cmpl-<id>-<i>`` (``i``: the prompt's
+    index), not by the answer's ``cmpl-<id>``; the id is X-Request-Id's when sent."""
+
+    def create() -> Any:
+        return client.completions.create(
+            model=NAME, prompt="Once upon a time", extra_headers={"X-Request-Id": "tale"}, **LONG
+        )
+
+    def prompt_id(first: Any) -> str:
+        assert first.id == "cmpl-tale"
+        return "cmpl-tale-0"
+
+    assert _aborted_stream(server, create, prompt_id) == "abort"
+
+
+def test_abort_by_a_completions_answer_id_reaches_nothing(server: KilnProcess, client: Any) -> None:
+    """As in vLLM: ``cmpl-<id>`` names no engine request (its prompts are ``-0``, ``-1``)."""
+
+    def create() -> Any:
+        return client.completions.create(
+            model=NAME,
+            prompt="Once upon a time",
+            max_tokens=40,
+            temperature=0.0,
+            stream=True,
+            extra_body={"request_id": "story", "ignore_eos": True},
+        )
+
+    assert _aborted_stream(server, create, lambda first: first.id) == "length"
+
+
+def test_abort_ends_a_whole_completion_of_several_prompts_by_one_prompts_id(
+    server: KilnProcess, http: Any
+) -> None:
+    """Two prompts: aborting ``cmpl-<id>-1`` ends the second one's choice alone."""
+    body = {"model": NAME, "prompt": ["Once upon a time", "The weather today"],
+            "max_tokens": 300, "temperature": 0.0, "ignore_eos": True,
+            "request_id": "pair"}  # fmt: skip
+    answer: list[Any] = []
+    worker = threading.Thread(target=lambda: answer.append(http.post("/v1/completions",
+                                                                     json=body)))  # fmt: skip
+    worker.start()
+    with httpx.Client(base_url=f"http://{server.http_url}", timeout=60) as other:
+        for _ in range(600):  # until it is in flight: the engine runs its two prompts
+            if _metric(server, "vllm:num_requests_running") == 2:
+                break
+            threading.Event().wait(0.05)
+        ids = {"request_ids": ["cmpl-pair-1"]}
+        assert other.post("/inference/v1/abort_requests", json=ids).status_code == 200
+    worker.join(120)
+    (reply,) = answer
+    assert reply.status_code == 200, reply.text
+    first, second = reply.json()["choices"]
+    assert (first["finish_reason"], second["finish_reason"]) == ("length", "abort")
+    _settled(server, http)

@@ -266,6 +266,15 @@ def llm_options(func: F) -> F:
             "any client's generation by id (403 otherwise, as vLLM's).",
         ),
         click.option(
+            "--tokens-only",
+            is_flag=True,
+            default=False,
+            help="vLLM's Disaggregated Everything server: the scale-out API whatever "
+            "--enable-scale-out says, generate never detokenizes, text in or out is "
+            "refused as with vLLM's --skip-tokenizer-init (400), and the legacy POST "
+            "/abort_requests is served.",
+        ),
+        click.option(
             "--enable-tokenizer-info-endpoint",
             is_flag=True,
             default=None,

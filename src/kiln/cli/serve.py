@@ -421,6 +421,7 @@ def serve(
     repositories = _open_repositories(model_repository)
     llm_settings = {k: security_params.pop(k) for k in ENGINE_FLAGS}
     enable_scale_out = bool(security_params.pop("enable_scale_out"))
+    tokens_only = bool(security_params.pop("tokens_only"))
     # vLLM's positional MODEL: served first, before the --model ones
     served = served_models((*model_paths, *models), served_model_names, llm_settings)
     if not repositories and not served:
@@ -467,6 +468,7 @@ def serve(
         served_models=served,
         llm_aliases=aliases,
         enable_scale_out=enable_scale_out,
+        tokens_only=tokens_only,
         model_control_mode=ControlMode(model_control_mode),
         load_models=list(load_model),
         strict_readiness=strict_readiness,

@@ -232,7 +232,6 @@ FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
         (
             "--ec-",
             "--kv-events-config",
-            "--tokens-only",
             "--kv-sharing-fast-prefill",
             "--enable-shm-tensor-arena",
         ),

@@ -48,6 +48,7 @@ class _Request:
     scheduled: int = 0  # first scheduled (monotonic ns): its queue time ends
     first_token: int = 0
     client_id: str = ""  # the id the client knows (``trace_id``)
+    abort_id: str = ""  # the id an abort names it by (vLLM's external request id)
 
 
 #: (prompt token ids, sampling params, each sample's output token ids, seconds)
@@ -283,10 +284,13 @@ class EngineClient:
         return 0 if proc is None else proc.restarts
 
     def engine_ids(self, ids: set[str]) -> list[str]:
-        """The engine's ids of the requests in flight that ``ids`` name, by the id their
-        client knows (an answer's ``id``: ``chatcmpl-...``) or by the engine's own."""
+        """The engine's ids of the requests in flight that ``ids`` name, as vLLM's abort
+        matches them: by the external id (``generate``'s ``abort_id``: a chat answer's
+        ``id``, ``cmpl-<id>-<i>`` for a completions prompt) or by the engine's own."""
         return [
-            rid for rid, live in list(self._live.items()) if rid in ids or live.client_id in ids
+            rid
+            for rid, live in list(self._live.items())
+            if rid in ids or (live.abort_id and live.abort_id in ids)
         ]
 
     # ---- requests --------------------------------------------------------------------
@@ -297,14 +301,16 @@ class EngineClient:
         request_id: str,
         priority: int = 0,
         trace_id: str = "",
+        abort_id: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs for one request (``request_id``: unique, the engine's;
-        ``trace_id``: the id its trace names, the client's). Leaving early aborts it: it
+        ``trace_id``: the id its trace names, the client's; ``abort_id``: the id an abort
+        names it by, :meth:`engine_ids`). Leaving early aborts it: it
         counts as a success when every sample not finished was stopped with
         ``abort(..., reason="stop")`` (a stop string), else as CANCELED."""
         times = RequestTimes(received=time.monotonic_ns())
         done = self._admit()  # not serving: infer's error, before anything is counted
-        live = self._live[request_id] = _Request(params.n, client_id=trace_id)
+        live = self._live[request_id] = _Request(params.n, client_id=trace_id, abort_id=abort_id)
         trace = None
         if self._tracer is not None and self._tracer.enabled:
             trace = self._tracer.begin(

@@ -98,6 +98,11 @@ class ServerOptions:
     #: vLLM's ``--enable-scale-out``: render, generate (token ids), derender and abort are
     #: served (403 otherwise)
     enable_scale_out: bool = False
+    #: vLLM's ``--tokens-only``: the scale-out API whatever ``enable_scale_out`` says,
+    #: generate never detokenizes, and the OpenAI routes answer as vLLM's do without a
+    #: tokenizer (``skip_tokenizer_init``: text in or out is a 400); kiln's tokenizer stays
+    #: loaded inside (stop tokens, EOS, the scale-out checks)
+    tokens_only: bool = False
     #: seeds the rollouts' weighted draws and shadow sampling (None: from the OS); tests
     rollout_seed: int | None = None
     #: Triton's --exit-on-error: a model named at start that fails to load stops the server

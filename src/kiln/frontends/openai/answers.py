@@ -170,7 +170,14 @@ async def _sse(
         async for d in deltas:
             completion[d.index] = d.completion_tokens
             cached[d.index // n] = d.cached_tokens
-            if d.text or d.finish_reason or (echo is not None and d.index in echo.pending):
+            # undetokenized (--tokens-only), a delta of tokens is a chunk of "", as vLLM's
+            tokens = not req.detokenize and d.token_ids
+            if (
+                d.text
+                or d.finish_reason
+                or tokens
+                or (echo is not None and d.index in echo.pending)
+            ):
                 out = chunk(d.index, d)
                 if out is not None:
                     yield out
@@ -204,7 +211,7 @@ async def event_stream(
     """A streamed completion's SSE events, once the first output came (an error before
     it keeps its HTTP status)."""
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id(req.request_id)}"
-    deltas = outputs(llm, req, prepared, rid)
+    deltas = outputs(llm, req, prepared, rid, chat)
     n = req.params.n
     total = n * len(prepared)
     firsts = [ids[0] for ids, _ in prepared]
@@ -249,13 +256,14 @@ def _echoed(
 
 def outputs(
     llm: EngineClient, req: GenerationRequest, prepared: list[tuple[list[int], SamplingParams]],
-    rid: str,
+    rid: str, chat: bool,
 ) -> AsyncGenerator[Delta, None]:  # fmt: skip
     """Every choice's deltas, merged (choice ``index`` = prompt ``i`` * ``n`` + sample).
     A whole answer with no stop string to watch for needs no tokens before the last: its
     outputs wait in the engine's collector until the choice ends (vLLM's ``FINAL_ONLY``),
     detokenized once instead of once a step."""
-    options = OutputOptions(req.include_stop_str_in_output, req.skip_special_tokens)
+    options = OutputOptions(req.include_stop_str_in_output, req.skip_special_tokens,
+                            req.detokenize)  # fmt: skip
     if req.beam_search:
         beams = BeamOptions(req.length_penalty)
         return merged(
@@ -265,10 +273,15 @@ def outputs(
         )  # fmt: skip
     if not req.stream and not req.stop:
         prepared = [(ids, replace(p, stream_interval=p.max_tokens)) for ids, p in prepared]
+    # vLLM's external ids, which its abort names: a completions prompt's is its own
+    # (``cmpl-<id>-<i>``), a chat's the answer's id (a batch's conversation: ``_<i>``)
+    aborts = [f"{rid}-{i}" if not chat else rid if len(prepared) == 1 else f"{rid}_{i}"
+              for i in range(len(prepared))]  # fmt: skip
     return merged(
-        [run(llm, ids, p, req.stop, req.priority, rid, options) for ids, p in prepared],
+        [run(llm, ids, p, req.stop, req.priority, rid, options, abort)
+         for (ids, p), abort in zip(prepared, aborts, strict=True)],
         req.params.n,
-    )
+    )  # fmt: skip
 
 
 async def answer_body(
@@ -279,7 +292,7 @@ async def answer_body(
 ) -> dict[str, Any]:
     """A whole (not streamed) completion or chat completion body."""
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id(req.request_id)}"
-    deltas = outputs(llm, req, prepared, rid)
+    deltas = outputs(llm, req, prepared, rid, chat)
     n = req.params.n
     total = n * len(prepared)
     prompt_tokens = sum(len(ids) for ids, _ in prepared)

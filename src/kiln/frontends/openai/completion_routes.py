@@ -24,6 +24,7 @@ from kiln.frontends.openai.generation_request import GenerationRequest
 from kiln.frontends.openai.preparation import chat_setup, completion_setup, tokenized
 from kiln.frontends.openai.protocol import CHAT_FIELDS, OpenAIError, check_fields
 from kiln.frontends.openai.request_ids import request_id
+from kiln.frontends.openai.tokens_only import check_completion
 from kiln.llm.engine_client import EngineClient
 from kiln.llm.sequence import SamplingParams
 from kiln.server.server import Server
@@ -42,6 +43,9 @@ class CompletionRoutes:
         slot = http_slot(self.server.tracer, request.headers)
         body = await received(request, slot, self.reader)
         llm, req, prepared = await completion_setup(self.server, body)
+        if self.server.options.tokens_only:  # token ids in (tokens_only.gated): no text out
+            check_completion(req)
+            req.detokenize = False
         return await respond(llm, req, prepared, chat=False)
 
     async def chat(self, request: Request) -> Response:

@@ -52,7 +52,8 @@ class Delta:
 class _Choice:
     """One choice's text and logprobs not yet released."""
 
-    detok: IncrementalDetokenizer
+    #: None: the choice is not detokenized (its text stays "": vLLM's --tokens-only)
+    detok: IncrementalDetokenizer | None
     pending: str = ""
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
     pending_ids: list[int] = field(default_factory=list)
@@ -88,6 +89,8 @@ class OutputOptions:
     #: a stop string (or stop token) that ended a choice stays at the end of its text
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    #: False: no text is made (vLLM's ``detokenize``; its --tokens-only); no stop strings
+    detokenize: bool = True
 
 
 async def run(
@@ -98,20 +101,26 @@ async def run(
     priority: int = 0,
     request_id: str = "",
     options: OutputOptions = OutputOptions(),
-    engine_id: str | None = None,
+    abort_id: str | None = None,
 ) -> AsyncGenerator[Delta, None]:
     """Deltas of every choice, interleaved as the steps produce them; each choice ends with
     one delta that carries its ``finish_reason``. ``request_id``: the id the client knows
-    (its trace's); ``engine_id``: the engine's (unique; a random one by default). The
-    request counts, traces and drains in core (``EngineClient``)."""
+    (its trace's); ``abort_id``: the id an abort names it by (vLLM's external request id:
+    ``cmpl-<id>-<i>`` for a completions prompt; default ``request_id``). The engine's id
+    is it and 8 random hex digits (vLLM's internal id), which an abort names it by too.
+    The request counts, traces and drains in core (``EngineClient``)."""
     # a stop string may straddle two tokens: hold back what could be its beginning
     hold = max((len(s) for s in stops), default=1) - 1
     skip = options.skip_special_tokens
-    choices = [_Choice(IncrementalDetokenizer(llm.tokenizer, skip)) for _ in range(params.n)]
+    choices = [
+        _Choice(IncrementalDetokenizer(llm.tokenizer, skip) if options.detokenize else None)
+        for _ in range(params.n)
+    ]
     left = params.n
-    rid = engine_id or f"oai-{uuid.uuid4().hex}"
+    external = request_id if abort_id is None else abort_id
+    rid = f"{external}-{uuid.uuid4().hex[:8]}" if external else f"oai-{uuid.uuid4().hex}"
     prompt_len = len(prompt_ids)
-    outputs = llm.generate(prompt_ids, params, rid, priority, request_id)
+    outputs = llm.generate(prompt_ids, params, rid, priority, request_id, external)
     # closed explicitly so that a caller leaving early aborts the sequence at once
     async with aclosing(outputs):
         async for out in outputs:
@@ -138,7 +147,7 @@ async def run(
                     c.pending_ids.append(token)
                     # where a step of its own would have left the held-back text
                     start = max(len(c.pending) - hold, 0)
-                    c.pending += c.detok.add(ids, final=final)
+                    c.pending += c.detok.add(ids, final=final) if c.detok else ""
                     c.pending_logprobs.extend(entries)
                     if completion > params.min_tokens:
                         matched = c.stop(stops, options, start) or matched
@@ -148,7 +157,7 @@ async def run(
             else:
                 ids = out.new_token_ids[:-1] if drop else out.new_token_ids
                 c.pending_ids.extend(out.new_token_ids)
-                c.pending += c.detok.add(ids, final=out.finished)
+                c.pending += c.detok.add(ids, final=out.finished) if c.detok else ""
                 c.pending_logprobs.extend(out.logprobs or ())
                 # as vLLM: before min_tokens are out, no stop string ends the choice either
                 if stops and completion > params.min_tokens:
@@ -170,7 +179,8 @@ async def run(
                     return
                 continue
             cut = len(c.pending) - hold
-            if cut > 0:
+            if cut > 0 or (c.detok is None and c.pending_ids):  # undetokenized: its tokens
+                cut = max(cut, 0)
                 text, logprobs = c.pending[:cut], c.pending_logprobs
                 c.pending, c.pending_logprobs = c.pending[cut:], []
                 yield Delta(

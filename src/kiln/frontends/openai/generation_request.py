@@ -62,6 +62,8 @@ class GenerationRequest:
     #: ``length_penalty``
     beam_search: bool = False
     length_penalty: float = 1.0
+    #: False: the choices' text is not made (vLLM's --tokens-only: ``tokens_only.py``)
+    detokenize: bool = True
 
 
 def _common(

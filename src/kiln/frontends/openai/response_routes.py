@@ -72,7 +72,7 @@ class ResponseRoutes:
                 return StreamingResponse(feed.read(), media_type="text/event-stream")
             return json_response(response)
         if req.stream:
-            deltas = await started(outputs(llm, req, prepared, rid))
+            deltas = await started(outputs(llm, req, prepared, rid, True))
             counts = sum(len(ids) for ids, _ in prepared)
             tok = llm.tokenizer
 
@@ -110,7 +110,7 @@ class ResponseRoutes:
         mark("in_progress")
         if feed is not None:
             try:
-                deltas = outputs(llm, req, prepared, rid)
+                deltas = outputs(llm, req, prepared, rid, True)
                 scored = None
                 if call.logprobs:
                     tok = llm.tokenizer

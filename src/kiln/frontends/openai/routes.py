@@ -37,6 +37,7 @@ from kiln.frontends.openai.protocol import OpenAIError
 from kiln.frontends.openai.render import RenderRoutes
 from kiln.frontends.openai.response_routes import ResponseRoutes
 from kiln.frontends.openai.token_routes import TokenRoutes
+from kiln.frontends.openai.tokens_only import check_body, gated, invocation_kind
 from kiln.frontends.openai.tokens_out import TokensOutRoutes
 from kiln.frontends.openai.weight_routes import weight_routes
 from kiln.server.server import Server
@@ -58,6 +59,11 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
     render = RenderRoutes(server, reader)
     derender = DerenderRoutes(server, reader)
     tokens_out = TokensOutRoutes(server, reader)
+
+    def text(kind: str, handler: Handler) -> Handler:
+        """vLLM's --tokens-only: a route that needs the tokenizer (``kind``:
+        ``tokens_only.check_body``) answers its 400 instead."""
+        return gated(server, reader, kind, handler)
 
     async def models(request: Request) -> Response:
         created = int(time.time())
@@ -104,6 +110,8 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         rerank), as vLLM tries them in turn."""
         body = await read_json(request, reader)
         request.state.openai_body = body
+        if server.options.tokens_only:
+            check_body(invocation_kind(body), body)
         if "messages" in body:
             return await completion.chat(request)
         if "prompt" in body:
@@ -139,38 +147,49 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         return json_response({"server_load": inflight.count})
 
     def scale_out(handler: Handler) -> Handler:
-        """vLLM's ``--enable-scale-out`` routes: 403 in vLLM's words unless it is on."""
+        """vLLM's ``--enable-scale-out`` routes: 403 in vLLM's words unless it (or
+        ``--tokens-only``, whose routes they are) is on."""
 
-        async def gated(request: Request) -> Response:
-            if not server.options.enable_scale_out:
+        async def allowed(request: Request) -> Response:
+            if not (server.options.enable_scale_out or server.options.tokens_only):
                 raise OpenAIError(SCALE_OUT_OFF, 403, type_="PermissionDeniedError")
             return await handler(request)
 
-        return answers_errors(gated)
+        return answers_errors(allowed)
 
     def counted(path: str, handler: Handler) -> Route:
         return inflight.route(path, handler, ["POST"])
 
+    dev = dev_routes(server, reader)  # VLLM_SERVER_DEV_MODE's alone
+    # vLLM's unauthenticated legacy abort path of --tokens-only, unless dev mode serves its
+    # own /abort_requests (kiln keeps it behind the API key: frontends/http/access.py)
+    legacy = [] if dev or not server.options.tokens_only else [
+        Route("/abort_requests", scale_out(tokens_out.abort_requests), methods=["POST"])
+    ]  # fmt: skip
     return [
-        *dev_routes(server, reader),  # VLLM_SERVER_DEV_MODE's alone
+        *dev,
         *weight_routes(server, reader),  # VLLM_SERVER_DEV_MODE's too
+        *legacy,
         Route("/v1/models", models, methods=["GET"]),
-        counted("/v1/completions", answers_errors(completion.completions)),
-        counted("/v1/chat/completions", answers_errors(completion.chat)),
-        counted("/v1/chat/completions/batch", answers_errors(completion.batch_chat)),
-        counted("/generative_scoring", answers_errors(pooling.score_generatively)),
-        counted("/v2/embed", answers_errors(pooling.cohere_embed)),
-        counted("/v1/embeddings", answers_errors(pooling.embed)),
-        counted("/pooling", answers_errors(pooling.pool)),
-        counted("/classify", answers_errors(pooling.classify)),
+        counted("/v1/completions", answers_errors(text("prompt", completion.completions))),
+        counted("/v1/chat/completions", answers_errors(text("text", completion.chat))),
+        counted("/v1/chat/completions/batch", answers_errors(text("text", completion.batch_chat))),
+        counted("/generative_scoring", answers_errors(text("text", pooling.score_generatively))),
+        counted("/v2/embed", answers_errors(text("text", pooling.cohere_embed))),
+        counted("/v1/embeddings", answers_errors(text("input", pooling.embed))),
+        counted("/pooling", answers_errors(text("input", pooling.pool))),
+        counted("/classify", answers_errors(text("input", pooling.classify))),
         # vLLM's score and rerank APIs: its own paths, the /v1 ones it still answers, and
         # /v2/rerank (Cohere's v2 path)
-        *(counted(path, answers_errors(pooling.score)) for path in SCORE_PATHS),
-        *(counted(path, answers_errors(pooling.rerank)) for path in RERANK_PATHS),
-        counted("/v1/responses", answers_errors(response.create_response)),
+        *(counted(path, answers_errors(text("text", pooling.score))) for path in SCORE_PATHS),
+        *(counted(path, answers_errors(text("text", pooling.rerank))) for path in RERANK_PATHS),
+        counted("/v1/responses", answers_errors(text("text", response.create_response))),
         # Anthropic's Messages API, as vLLM serves it
-        counted("/v1/messages", anthropic_errors(completion.anthropic_messages)),
-        counted("/v1/messages/count_tokens", anthropic_errors(completion.anthropic_count_tokens)),
+        counted("/v1/messages", anthropic_errors(text("text", completion.anthropic_messages))),
+        counted(
+            "/v1/messages/count_tokens",
+            anthropic_errors(text("text", completion.anthropic_count_tokens)),
+        ),
         Route(
             "/v1/responses/{response_id}", answers_errors(response.get_response), methods=["GET"]
         ),
@@ -187,20 +206,34 @@ def openai_routes(server: Server, reader: BodyReader) -> list[BaseRoute]:
         Route("/v1/load_lora_adapter", answers_errors(load_lora), methods=["POST"]),
         Route("/v1/unload_lora_adapter", answers_errors(unload_lora), methods=["POST"]),
         # vLLM's scale-out API: render, generate (tokens in, tokens out), derender, abort
-        Route("/v1/chat/completions/render", scale_out(render.chat), methods=["POST"]),
-        Route("/v1/completions/render", scale_out(render.completions), methods=["POST"]),
-        Route("/v1/messages/render", scale_out(render.messages), methods=["POST"]),
-        Route("/v1/responses/render", scale_out(render.responses), methods=["POST"]),
+        Route(
+            "/v1/chat/completions/render", scale_out(text("text", render.chat)), methods=["POST"]
+        ),
+        Route(
+            "/v1/completions/render",
+            scale_out(text("prompt", render.completions)),
+            methods=["POST"],
+        ),
+        Route("/v1/messages/render", scale_out(text("text", render.messages)), methods=["POST"]),
+        Route("/v1/responses/render", scale_out(text("text", render.responses)), methods=["POST"]),
         counted("/inference/v1/generate", scale_out(tokens_out.generate)),
-        # (vLLM's legacy /abort_requests is its --tokens-only's; here, as in vLLM otherwise,
-        # that path is the development routes')
+        # (vLLM's legacy /abort_requests, above, is its --tokens-only's; otherwise, as in
+        # vLLM, that path is the development routes')
         Route(
             "/inference/v1/abort_requests", scale_out(tokens_out.abort_requests), methods=["POST"]
         ),
-        Route("/v1/chat/completions/derender", scale_out(derender.chat), methods=["POST"]),
-        Route("/v1/completions/derender", scale_out(derender.completions), methods=["POST"]),
-        Route("/tokenize", answers_errors(tokens.tokenize), methods=["POST"]),
-        Route("/detokenize", answers_errors(tokens.detokenize), methods=["POST"]),
+        Route(
+            "/v1/chat/completions/derender",
+            scale_out(text("text", derender.chat)),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/completions/derender",
+            scale_out(text("text", derender.completions)),
+            methods=["POST"],
+        ),
+        Route("/tokenize", answers_errors(text("text", tokens.tokenize)), methods=["POST"]),
+        Route("/detokenize", answers_errors(text("text", tokens.detokenize)), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's health check
         Route("/invocations", answers_errors(invocations), methods=["POST"]),

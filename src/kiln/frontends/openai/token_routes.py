@@ -11,6 +11,7 @@ from kiln.frontends.openai.endpoint import BodyReader, json_response, model_for,
 from kiln.frontends.openai.preparation import detokenized, tokenized
 from kiln.frontends.openai.protocol import TOKENIZE_FIELDS, OpenAIError, check_fields
 from kiln.frontends.openai.tokenizer_info import tokenizer_info
+from kiln.frontends.openai.tokens_only import no_tokenizer
 from kiln.server.server import Server
 
 
@@ -42,6 +43,8 @@ class TokenRoutes:
         }
         if not shown:
             return json_response({"detail": "Not Found"}, 404)
+        if self.server.options.tokens_only:
+            raise no_tokenizer()  # vLLM's --tokens-only loads no tokenizer to show
         name = request.query_params.get("model")
         if name is None:
             if len(shown) > 1:

@@ -11,9 +11,9 @@ that leaves aborts it)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
@@ -34,6 +34,7 @@ from kiln.frontends.openai.preparation import prepare, thinking_markers
 from kiln.frontends.openai.protocol import OpenAIError
 from kiln.frontends.openai.request_ids import MAX_LENGTH as MAX_REQUEST_ID
 from kiln.frontends.openai.request_ids import request_id
+from kiln.frontends.openai.tokens_only import check_generate
 from kiln.llm.engine_client import EngineClient
 from kiln.llm.sampler import TokenLogprobs
 from kiln.server.server import Server
@@ -72,8 +73,10 @@ _FIELDS = frozenset(
     )
 )  # fmt: skip
 _REFUSED = ("features", "content_parts", "kv_transfer_params", "ec_transfer_params")
-#: ids in one abort_requests body
+#: ids in one abort_requests body, and the longest id: the longest a request in flight
+#: has (an engine's id: ``generate-tokens-<X-Request-Id>-<8 hex>``)
 MAX_ABORT_IDS = 1024
+MAX_ABORT_ID = len("generate-tokens-") + MAX_REQUEST_ID + len("-01234567")
 
 
 def _remap(exc: OpenAIError, sampled: set[str]) -> OpenAIError:
@@ -143,70 +146,6 @@ def completions_body(body: dict[str, Any], model: str, vocab: int, limit: int) -
     return out
 
 
-class _Aborts:
-    """The generate requests in flight by their ``request_id`` (several may share one),
-    each with the event that ``abort_requests`` sets."""
-
-    def __init__(self) -> None:
-        self.live: dict[str, set[asyncio.Event]] = {}
-
-    def add(self, rid: str) -> asyncio.Event:
-        event = asyncio.Event()
-        self.live.setdefault(rid, set()).add(event)
-        return event
-
-    def remove(self, rid: str, event: asyncio.Event) -> None:
-        events = self.live.get(rid)
-        if events is not None:
-            events.discard(event)
-            if not events:
-                del self.live[rid]
-
-    def abort(self, rids: list[str]) -> None:
-        for rid in rids:
-            for event in self.live.get(rid, ()):
-                event.set()
-
-
-async def _watched(
-    deltas: AsyncGenerator[Delta, None], aborted: asyncio.Event, n: int, done: Any
-) -> AsyncGenerator[Delta, None]:
-    """``deltas`` until ``aborted`` is set: then the engine's request is aborted (``deltas``
-    closed) and each choice not yet finished ends with finish_reason ``abort``, as vLLM's
-    engine ends an aborted request. ``done``: called once it ends, however."""
-    left = set(range(n))
-    last: dict[int, Delta] = {}
-    waiter = asyncio.ensure_future(aborted.wait())
-    try:
-        async with aclosing(deltas):
-            while left:
-                step = asyncio.ensure_future(anext(deltas))
-                try:
-                    await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                finally:  # aborted, or this task cancelled (its client left)
-                    if not step.done():
-                        step.cancel()
-                        await asyncio.wait({step})
-                if step.cancelled():
-                    break
-                try:
-                    d = step.result()
-                except StopAsyncIteration:
-                    return
-                last[d.index] = d
-                if d.finish_reason is not None:
-                    left.discard(d.index)
-                yield d
-        for index in sorted(left):  # aborted
-            seen = last.get(index)
-            prompt = seen.prompt_tokens if seen else 0
-            tokens = seen.completion_tokens if seen else 0
-            yield Delta("", "abort", prompt, tokens, index)
-    finally:
-        waiter.cancel()
-        done()
-
-
 def _clamp(logprob: float) -> float:
     return -9999.0 if math.isnan(logprob) else max(logprob, -9999.0)
 
@@ -251,7 +190,6 @@ class TokensOutRoutes:
 
     def __init__(self, server: Server, reader: BodyReader) -> None:
         self.server, self.reader = server, reader
-        self.aborts = _Aborts()
 
     async def generate(self, request: Request) -> Response:
         body = await received(request, http_slot(self.server.tracer, request.headers), self.reader)
@@ -261,6 +199,9 @@ class TokensOutRoutes:
         model = body.get("model") or llm.model_name
         sampled = set(body["sampling_params"]) if isinstance(body.get("sampling_params"),
                                                                dict) else set()  # fmt: skip
+        tokens_only = self.server.options.tokens_only
+        if tokens_only:  # vLLM's force_no_detokenize
+            check_generate(body)
         try:
             cbody = await asyncio.to_thread(
                 completions_body, body, model, llm.vocab_size, llm.max_model_len
@@ -272,14 +213,10 @@ class TokensOutRoutes:
             raise _remap(exc, sampled) from None
         if not req.stream and not req.stop:  # a whole answer: no step's tokens before the last
             params = replace(params, stream_interval=params.max_tokens)
-        rid = f"generate-tokens-{request_id(req.request_id)}"
-        aborted = self.aborts.add(rid)
-        options = OutputOptions(req.include_stop_str_in_output, req.skip_special_tokens)
-        engine_id = f"{rid}-{uuid.uuid4().hex[:8]}"
-        deltas = _watched(
-            run(llm, ids, params, req.stop, req.priority, rid, options, engine_id),
-            aborted, params.n, lambda: self.aborts.remove(rid, aborted),
-        )  # fmt: skip
+        rid = f"generate-tokens-{request_id(req.request_id)}"  # what abort_requests names
+        options = OutputOptions(req.include_stop_str_in_output, req.skip_special_tokens,
+                                not tokens_only)  # fmt: skip
+        deltas = run(llm, ids, params, req.stop, req.priority, rid, options)
         if not req.stream:
             return json_response(await _whole(llm, req, ids, deltas, rid, body))
         interval = llm.sse_keep_alive_interval
@@ -290,8 +227,11 @@ class TokensOutRoutes:
         return StreamingResponse(with_keep_alive(events, interval), media_type="text/event-stream")
 
     async def abort_requests(self, request: Request) -> Response:
-        """vLLM's: ``request_ids`` (the ids generate answered with) end now, each choice
-        with finish_reason ``abort``; ids of no request in flight are ignored."""
+        """vLLM's: the requests ``request_ids`` name end now, each choice with
+        finish_reason ``abort``; ids of no request in flight are ignored. An id names a
+        request as vLLM's engine matches it (``EngineClient.engine_ids``): generate's
+        ``generate-tokens-<id>``, a chat's ``chatcmpl-<id>``, a completions prompt's
+        ``cmpl-<id>-<i>``, or the engine's own id (those and 8 random hex digits)."""
         body = await read_json(request, self.reader)
         ids = body.get("request_ids")
         if ids is None:
@@ -304,13 +244,18 @@ class TokensOutRoutes:
                 f"'request_ids' holds {len(ids)} ids, more than {MAX_ABORT_IDS}",
                 param="request_ids",
             )
-        if any(len(i) > MAX_REQUEST_ID + len("generate-tokens-") for i in ids):
+        if any(len(i) > MAX_ABORT_ID for i in ids):
             raise OpenAIError(
-                f"a request id is at most {MAX_REQUEST_ID} characters after its "
-                "'generate-tokens-' prefix",
+                f"a request id is at most {MAX_ABORT_ID} characters (no request in flight "
+                "has a longer one)",
                 param="request_ids",
             )
-        self.aborts.abort(ids)
+        wanted = set(ids)
+        for llm in self.server.llm_engines().values():
+            matched = llm.engine_ids(wanted)
+            if matched:
+                with contextlib.suppress(KilnError):  # unloaded meanwhile: they end with it
+                    await llm.control("abort", request_ids=matched)
         return Response(status_code=200)
 
 
