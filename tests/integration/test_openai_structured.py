@@ -245,6 +245,20 @@ DIGIT_TAG = {"type": "structural_tag", "triggers": ["e"],
              "structures": [{"begin": "e=", "end": ";", "schema": DIGIT}]}  # fmt: skip
 
 
+def _tagged_texts(client: openai.OpenAI, extra: dict[str, Any]) -> list[str]:
+    """Completions of "hello world" with ``extra``, greedy and two seeded samples; each
+    streamed one is the same text."""
+    texts = []
+    for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
+        kw: dict[str, Any] = dict(model="tiny", prompt="hello world", max_tokens=60,
+                                  temperature=temperature, seed=seed, extra_body=extra)  # fmt: skip
+        text = client.completions.create(**kw).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+        assert streamed == text
+        texts.append(text)
+    return texts
+
+
 @pytest.mark.parametrize("field", ["response_format", "structured_outputs"])
 def test_structural_tag_constrains_after_each_trigger(client: openai.OpenAI, field: str) -> None:
     """vLLM's structural tags (xgrammar's structures and triggers): free text, and after a
@@ -256,13 +270,8 @@ def test_structural_tag_constrains_after_each_trigger(client: openai.OpenAI, fie
     )
     pattern = r"(?:[^e]*e=\s*\d\s*;)*[^e]*(?:e=?\s*\d?\s*)?"
     seen = 0
-    for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
-        kw: dict[str, Any] = dict(model="tiny", prompt="hello world", max_tokens=60,
-                                  temperature=temperature, seed=seed, extra_body=extra)  # fmt: skip
-        text = client.completions.create(**kw).choices[0].text
+    for text in _tagged_texts(client, extra):
         assert re.fullmatch(pattern, text, re.S), text
-        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
-        assert streamed == text
         seen += text.count("e=")
     assert seen > 0
 
@@ -290,13 +299,8 @@ def test_format_tag_calls_follow_each_trigger(client: openai.OpenAI, field: str)
     partial = r'(?:e(?:=(?:\{(?:"(?:n(?:"(?::(?:\d\}?)?)?)?)?)?)?)?)?'
     pattern = r'(?:[^e]*e=\{"n":\d\};)*[^e]*' + partial
     calls = 0
-    for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
-        kw: dict[str, Any] = dict(model="tiny", prompt="hello world", max_tokens=60,
-                                  temperature=temperature, seed=seed, extra_body=extra)  # fmt: skip
-        text = client.completions.create(**kw).choices[0].text
+    for text in _tagged_texts(client, extra):
         assert re.fullmatch(pattern, text, re.S), text
-        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
-        assert streamed == text
         for call in re.findall(r"e=(\{.*?\});", text):
             jsonschema.validate(json.loads(call), CALL_SCHEMA)
             calls += 1
