@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 import pytest
 
-from kiln.frontends.http.codec import OFF_LOOP_ENCODE_ELEMENTS
+from kiln.frontends.tensors import OFF_LOOP_ENCODE_ELEMENTS
 from tests.security.test_json_off_loop import PIECE_LIMIT, _Recorder, client, recorder
 
 __all__ = ["client", "recorder"]  # the fixtures this module uses

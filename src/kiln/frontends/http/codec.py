@@ -27,7 +27,7 @@ from kiln.core.types import (
 )
 from kiln.frontends import json_pieces
 from kiln.frontends.json_pieces import ENCODE_SLICE, OFF_LOOP_PARSE_BYTES
-from kiln.frontends.tensors import from_binary, to_binary
+from kiln.frontends.tensors import from_binary, python_elements, to_binary
 
 _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
@@ -35,11 +35,6 @@ _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 HEADER_LENGTH = "inference-header-content-length"
 # JSON integer tensors up to this many values are range-checked with Python's min/max.
 _SMALL = 1024
-#: a response with more output elements than this sent as JSON is encoded on a worker
-#: thread, a slice at a time (``json_pieces.dumps_array``). Measured: FP32 encodes at ~16
-#: ns an element and a thread hop costs 50-100 us, so at 16 Ki elements (~170 KB of JSON)
-#: the hop adds ~20% to a 0.26 ms encode; below it the hop would dominate.
-OFF_LOOP_ENCODE_ELEMENTS = 1 << 14
 
 
 def _shape(model: str, tensor: str, value: Any, max_elements: int) -> tuple[int, ...]:
@@ -347,16 +342,19 @@ def _want_binary(request: InferenceRequest, name: str, default: bool) -> bool:
     return default
 
 
-def json_elements(response: InferenceResponse, request: InferenceRequest) -> int:
-    """How many output elements ``encode_response`` writes as JSON (known before encoding:
-    the outputs' sizes)."""
+def encode_elements(response: InferenceResponse, request: InferenceRequest) -> int:
+    """How many output elements cost ``encode_response`` Python work each (known before
+    encoding: the outputs' sizes): those written as JSON, and BYTES ones written binary."""
     default_binary = bool(request.parameters.get("binary_data_output", False))
-    return sum(
-        out.data.size
-        for out in response.outputs
-        if "shared_memory_region" not in out.parameters
-        and not _want_binary(request, out.name, default_binary)
-    )
+    total = 0
+    for out in response.outputs:
+        if "shared_memory_region" in out.parameters:
+            continue
+        if _want_binary(request, out.name, default_binary):
+            total += python_elements(out.datatype, out.data)
+        else:
+            total += out.data.size
+    return total
 
 
 def encode_response(

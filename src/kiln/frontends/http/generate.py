@@ -28,12 +28,12 @@ from kiln.core.types import InferenceRequest, InferenceResponse, InferInput, ele
 from kiln.frontends import disconnect
 from kiln.frontends.http import llm_generate
 from kiln.frontends.http.codec import (
-    OFF_LOOP_ENCODE_ELEMENTS,
     from_json,
     parse_json,
     to_json_data,
 )
 from kiln.frontends.json_pieces import OFF_LOOP_PARSE_BYTES, dumps_array
+from kiln.frontends.tensors import OFF_LOOP_ENCODE_ELEMENTS
 
 _RESERVED = ("id", "parameters")
 
