@@ -247,15 +247,20 @@ def _string(buf: bytes, pos: int, stop: int) -> Any:
     return "".join(parts)
 
 
-def dumps_array(data: np.ndarray | list[Any], option: int = 0) -> bytes:
+def dumps_array(data: np.ndarray | list[Any], option: int = 0, tolist: bool = False) -> bytes:
     """``orjson.dumps(data, option=option)`` of a flat array (a contiguous 1-D NumPy array,
-    or a list), ``ENCODE_SLICE`` elements a call: the same bytes."""
+    or a list), ``ENCODE_SLICE`` elements a call: the same bytes. ``tolist``: a NumPy
+    array's elements as Python's (``data.tolist()``: float32 printed as a double), also a
+    slice at a time."""
     if len(data) <= ENCODE_SLICE:
-        return orjson.dumps(data, option=option)
+        return orjson.dumps(data.tolist() if tolist else data, option=option)  # type: ignore[union-attr]
     parts = [b"["]
     for start in range(0, len(data), ENCODE_SLICE):
         if start:
             parts.append(b",")
-        parts.append(orjson.dumps(data[start : start + ENCODE_SLICE], option=option)[1:-1])
+        piece = data[start : start + ENCODE_SLICE]
+        if tolist:
+            piece = piece.tolist()  # type: ignore[union-attr]
+        parts.append(orjson.dumps(piece, option=option)[1:-1])
     parts.append(b"]")
     return b"".join(parts)

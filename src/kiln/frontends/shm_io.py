@@ -7,6 +7,7 @@ and come back with only their parameters. Regions a request uses are pinned unti
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from kiln.core.errors import invalid_arg
@@ -17,7 +18,12 @@ from kiln.core.types import (
     InferInput,
     element_count,
 )
-from kiln.frontends.tensors import from_binary, to_binary
+from kiln.frontends.tensors import (
+    OFF_LOOP_ENCODE_ELEMENTS,
+    from_binary,
+    python_elements,
+    to_binary,
+)
 from kiln.server.server import Server
 
 REGION = "shared_memory_region"
@@ -86,7 +92,11 @@ async def infer(server: Server, request: InferenceRequest) -> InferenceResponse:
         for out in response.outputs:
             if out.name in targets:
                 region, size, offset = targets[out.name]
-                raw = to_binary(out.datatype, out.data)
+                if python_elements(out.datatype, out.data) > OFF_LOOP_ENCODE_ELEMENTS:
+                    # BYTES elements cost Python work each: not on the event loop
+                    raw = await asyncio.to_thread(to_binary, out.datatype, out.data)
+                else:
+                    raw = to_binary(out.datatype, out.data)
                 if len(raw) > size:
                     raise invalid_arg(
                         f"output '{out.name}': {len(raw)} bytes do not fit the {size}-byte "

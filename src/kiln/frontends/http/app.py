@@ -23,17 +23,16 @@ from kiln.core.header_forward import header_forward
 from kiln.frontends import shm_io
 from kiln.frontends.http import generate
 from kiln.frontends.http.codec import (
-    OFF_LOOP_ENCODE_ELEMENTS,
     decode_raw_request,
     decode_request,
+    encode_elements,
     encode_response,
-    json_elements,
     parse_body,
 )
 from kiln.frontends.http.fast_infer import FastInfer
 from kiln.frontends.http.openapi import openapi_document
 from kiln.frontends.json_pieces import OFF_LOOP_PARSE_BYTES
-from kiln.frontends.tensors import OFF_LOOP_DECODE_BYTES
+from kiln.frontends.tensors import OFF_LOOP_DECODE_BYTES, OFF_LOOP_ENCODE_ELEMENTS
 from kiln.server.server import Server
 
 log = logging.getLogger(__name__)
@@ -277,9 +276,10 @@ class HttpFrontend:
         if forwarded:
             req.parameters.update(forwarded)
         resp = await shm_io.infer(self.server, req)
-        if json_elements(resp, req) > OFF_LOOP_ENCODE_ELEMENTS:
+        if encode_elements(resp, req) > OFF_LOOP_ENCODE_ELEMENTS:
             # orjson holds the GIL for a whole call: a slice of elements a call, on a
-            # thread, lets the loop answer others between slices (small ones stay inline)
+            # thread, lets the loop answer others between slices; BYTES elements cost
+            # Python work each, binary too (small responses stay inline)
             out, json_length = await asyncio.to_thread(encode_response, resp, req, True)
         else:
             out, json_length = encode_response(resp, req)

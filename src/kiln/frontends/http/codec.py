@@ -26,8 +26,8 @@ from kiln.core.types import (
     element_count,
 )
 from kiln.frontends import json_pieces
-from kiln.frontends.json_pieces import OFF_LOOP_PARSE_BYTES
-from kiln.frontends.tensors import from_binary, to_binary
+from kiln.frontends.json_pieces import ENCODE_SLICE, OFF_LOOP_PARSE_BYTES
+from kiln.frontends.tensors import from_binary, python_elements, to_binary
 
 _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
@@ -35,11 +35,6 @@ _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 HEADER_LENGTH = "inference-header-content-length"
 # JSON integer tensors up to this many values are range-checked with Python's min/max.
 _SMALL = 1024
-#: a response with more output elements than this sent as JSON is encoded on a worker
-#: thread, a slice at a time (``json_pieces.dumps_array``). Measured: FP32 encodes at ~16
-#: ns an element and a thread hop costs 50-100 us, so at 16 Ki elements (~170 KB of JSON)
-#: the hop adds ~20% to a 0.26 ms encode; below it the hop would dominate.
-OFF_LOOP_ENCODE_ELEMENTS = 1 << 14
 
 
 def _shape(model: str, tensor: str, value: Any, max_elements: int) -> tuple[int, ...]:
@@ -213,19 +208,19 @@ def from_json(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) 
     count = element_count(shape)
     try:
         groups, types = _leaves(data)
-        held = sum(map(len, groups))
+        held = _count(groups)
         if held != count:  # before anything is built from the data
             raise invalid_arg(
                 f"input '{name}': shape {list(shape)} expects {count} elements, but 'data' "
                 f"holds {held}"
             )
-        flat = groups[0] if len(groups) == 1 else list(chain.from_iterable(groups))
+        flat = groups[0] if len(groups) == 1 else _flatten(groups)
         if datatype is DataType.BYTES:
             arr = _bytes(flat, types)
         elif datatype is DataType.BOOL:
             if types - {bool}:
                 raise TypeError("BOOL data must be JSON booleans")
-            arr = np.array(flat, dtype=np.bool_)
+            arr = _array(flat, np.dtype(np.bool_))
         else:
             arr = _numbers(flat, types, datatype.numpy_dtype)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -238,19 +233,60 @@ def from_json(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) 
 def _leaves(data: Any) -> tuple[list[list[Any]], set[type]]:
     """The innermost arrays of ``data`` (their scalars in order) and the scalars' types.
     Walks one nesting level at a time: Python work per array, C work (``map``) per scalar,
-    and nothing sized by a guess."""
+    and nothing sized by a guess. No C call takes more than ``ENCODE_SLICE`` elements: one
+    holds the GIL throughout, so over a 32 M-element ``data`` it held the event loop for
+    half a second even from the worker thread a large body decodes on."""
     groups: list[list[Any]] = [data if isinstance(data, list) else [data]]
     while True:
         types: set[type] = set()
         for group in groups:
-            types.update(map(type, group))
+            if len(group) <= ENCODE_SLICE:
+                types.update(map(type, group))
+            else:
+                for start in range(0, len(group), ENCODE_SLICE):
+                    types.update(map(type, group[start : start + ENCODE_SLICE]))
         if list not in types:
             return groups, types
         if len(types) > 1:
             raise TypeError("'data' mixes arrays and values at one depth")
-        groups = list(chain.from_iterable(groups))
+        groups = _flatten(groups)
         if len({len(g) for g in groups}) > 1:
             raise ValueError("'data' is a ragged nested array")
+
+
+def _count(groups: list[list[Any]]) -> int:
+    """``sum(map(len, groups))``, ``ENCODE_SLICE`` groups a C call."""
+    if len(groups) <= ENCODE_SLICE:
+        return sum(map(len, groups))
+    return sum(
+        sum(map(len, groups[start : start + ENCODE_SLICE]))
+        for start in range(0, len(groups), ENCODE_SLICE)
+    )
+
+
+def _flatten(groups: list[list[Any]]) -> list[Any]:
+    """``list(chain.from_iterable(groups))``, ``ENCODE_SLICE`` elements a C call."""
+    out: list[Any] = []
+    for start in range(0, len(groups), ENCODE_SLICE):
+        batch = groups[start : start + ENCODE_SLICE]
+        if sum(map(len, batch)) <= ENCODE_SLICE:
+            out.extend(chain.from_iterable(batch))
+            continue
+        for group in batch:
+            for at in range(0, len(group), ENCODE_SLICE):
+                out.extend(group[at : at + ENCODE_SLICE])
+    return out
+
+
+def _array(flat: list[Any], dtype: np.dtype[Any]) -> np.ndarray:
+    """``np.array(flat, dtype=dtype)``, ``ENCODE_SLICE`` elements a call (each raises what
+    the whole would: OverflowError, TypeError), so the GIL changes hands between them."""
+    if len(flat) <= ENCODE_SLICE:
+        return np.array(flat, dtype=dtype)
+    out = np.empty(len(flat), dtype=dtype)
+    for start in range(0, len(flat), ENCODE_SLICE):
+        out[start : start + ENCODE_SLICE] = np.array(flat[start : start + ENCODE_SLICE], dtype)
+    return out
 
 
 def _bytes(flat: list[Any], types: set[type]) -> np.ndarray:
@@ -277,19 +313,19 @@ def _numbers(flat: list[Any], types: set[type], dtype: np.dtype[Any]) -> np.ndar
                 raise OverflowError(f"{low if low < info.min else high} is out of range")
             return np.array(flat, dtype=dtype)
         try:
-            wide = np.array(flat, dtype=np.int64)
+            wide = _array(flat, np.dtype(np.int64))
         except OverflowError:
             if dtype != np.uint64:
                 raise OverflowError("a value is out of range") from None
             # UINT64 values >= 2**63; a negative one makes this raise too
-            wide = np.array(flat, dtype=np.uint64)
+            wide = _array(flat, np.dtype(np.uint64))
         low, high = int(wide.min()), int(wide.max())
         if low < info.min or high > info.max:
             raise OverflowError(f"{low if low < info.min else high} is out of range")
         return wide.astype(dtype)
     if types - {int, float}:
         raise TypeError(f"expected numbers, got {_what(types - {int, float})}")
-    return np.array(flat, dtype=np.float64).astype(dtype)
+    return _array(flat, np.dtype(np.float64)).astype(dtype)
 
 
 def _what(types: set[type]) -> str:
@@ -306,16 +342,19 @@ def _want_binary(request: InferenceRequest, name: str, default: bool) -> bool:
     return default
 
 
-def json_elements(response: InferenceResponse, request: InferenceRequest) -> int:
-    """How many output elements ``encode_response`` writes as JSON (known before encoding:
-    the outputs' sizes)."""
+def encode_elements(response: InferenceResponse, request: InferenceRequest) -> int:
+    """How many output elements cost ``encode_response`` Python work each (known before
+    encoding: the outputs' sizes): those written as JSON, and BYTES ones written binary."""
     default_binary = bool(request.parameters.get("binary_data_output", False))
-    return sum(
-        out.data.size
-        for out in response.outputs
-        if "shared_memory_region" not in out.parameters
-        and not _want_binary(request, out.name, default_binary)
-    )
+    total = 0
+    for out in response.outputs:
+        if "shared_memory_region" in out.parameters:
+            continue
+        if _want_binary(request, out.name, default_binary):
+            total += python_elements(out.datatype, out.data)
+        else:
+            total += out.data.size
+    return total
 
 
 def encode_response(

@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -31,7 +32,8 @@ from kiln.frontends.http.codec import (
     parse_json,
     to_json_data,
 )
-from kiln.frontends.json_pieces import OFF_LOOP_PARSE_BYTES
+from kiln.frontends.json_pieces import OFF_LOOP_PARSE_BYTES, dumps_array
+from kiln.frontends.tensors import OFF_LOOP_ENCODE_ELEMENTS
 
 _RESERVED = ("id", "parameters")
 
@@ -73,7 +75,10 @@ def decode_generate(
     return request
 
 
-def encode_generate(response: InferenceResponse) -> dict[str, Any]:
+def encode_generate(response: InferenceResponse, pieces: bool = False) -> dict[str, Any]:
+    """``pieces``: each output of several elements is encoded here, a slice at a time
+    (``json_pieces.dumps_array``: the same bytes), for a worker thread that must let the
+    event loop have the GIL between slices."""
     body: dict[str, Any] = {
         "model_name": response.model_name,
         "model_version": response.model_version,
@@ -82,13 +87,44 @@ def encode_generate(response: InferenceResponse) -> dict[str, Any]:
         body["id"] = response.id
     for out in response.outputs:
         data = to_json_data(out.datatype, out.data)
+        if pieces and len(data) != 1:
+            listed = isinstance(data, np.ndarray)
+            body[out.name] = _Json(dumps_array(data, _OPTS, tolist=listed))
+            continue
         values = data.tolist() if hasattr(data, "tolist") else list(data)
         body[out.name] = values[0] if len(values) == 1 else values
     return body
 
 
+_OPTS = orjson.OPT_SERIALIZE_NUMPY
+
+
+class _Json(bytes):
+    """A value's JSON text, encoded already."""
+
+
 def _dumps(obj: Any) -> bytes:
-    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+    return orjson.dumps(obj, option=_OPTS)
+
+
+def _encode_in_pieces(response: InferenceResponse) -> bytes:
+    """``_dumps(encode_generate(response))``: the same bytes, no call on a whole output."""
+    parts = []
+    for key, value in encode_generate(response, pieces=True).items():
+        text = value if isinstance(value, _Json) else _dumps(value)
+        parts.append(b"".join([_dumps(key), b":", text]))
+    return b"{" + b",".join(parts) + b"}"
+
+
+async def encode(response: InferenceResponse) -> bytes:
+    """The response's JSON. One with more than ``OFF_LOOP_ENCODE_ELEMENTS`` output
+    elements is encoded on a worker thread a slice at a time, as an infer response is:
+    ``tolist`` and orjson hold the GIL for a whole call, so 32 M elements held every
+    client for 1.1 s on the loop. Smaller ones stay on the loop (a thread hop would cost
+    more than the encode)."""
+    if sum(out.data.size for out in response.outputs) > OFF_LOOP_ENCODE_ELEMENTS:
+        return await asyncio.to_thread(_encode_in_pieces, response)
+    return _dumps(encode_generate(response))
 
 
 def _decode(
@@ -133,7 +169,7 @@ async def generate(frontend: Any, request: Request) -> Response:
             f"model '{req.model_name}' sent {len(responses)} responses to a generate request, "
             "which expects exactly one: use generate_stream"
         )
-    return Response(_dumps(encode_generate(responses[0])), media_type="application/json")
+    return Response(await encode(responses[0]), media_type="application/json")
 
 
 async def generate_stream(frontend: Any, request: Request) -> Response:
@@ -158,10 +194,10 @@ async def generate_stream(frontend: Any, request: Request) -> Response:
     async def events() -> AsyncIterator[bytes]:
         if first is None:
             return
-        yield b"data: " + _dumps(encode_generate(first)) + b"\n\n"
+        yield b"data: " + await encode(first) + b"\n\n"
         try:
             async for response in stream:
-                yield b"data: " + _dumps(encode_generate(response)) + b"\n\n"
+                yield b"data: " + await encode(response) + b"\n\n"
         except KilnError as exc:
             yield b"data: " + _dumps({"error": exc.message}) + b"\n\n"
 
