@@ -107,7 +107,10 @@ async def run(
     # a stop string may straddle two tokens: hold back what could be its beginning
     hold = max((len(s) for s in stops), default=1) - 1
     skip = options.skip_special_tokens
-    choices = [_Choice(IncrementalDetokenizer(llm.tokenizer, skip)) for _ in range(params.n)]
+    # each choice's text decoded in the prompt's context, as vLLM's detokenizer does
+    choices = [
+        _Choice(IncrementalDetokenizer(llm.tokenizer, skip, prompt_ids)) for _ in range(params.n)
+    ]
     left = params.n
     rid = engine_id or f"oai-{uuid.uuid4().hex}"
     prompt_len = len(prompt_ids)
