@@ -49,6 +49,25 @@ def build_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
+def build_metaspace_tokenizer(folder: Path) -> None:
+    """A SentencePiece-style BPE (Llama 2's, Mistral's): the ``Metaspace`` pre-tokenizer
+    writes a word's leading space as ``▁``, which its decoder drops at the start of a
+    text, so a token decoded alone loses the space it has after other text. The same
+    special tokens (and ids) as ``build_tokenizer``'s; replaces that tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 8,
+        special_tokens=["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"],
+        show_progress=False,
+    )
+    tok.train_from_iterator(SENTENCES * 4, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+
+
 def build_tiny_llm(folder: Path, arch: str = "llama", **overrides: Any) -> Path:
     """A 2-layer, hidden-64 model with GQA (4 query heads, 2 KV heads) and random weights."""
     import torch

@@ -184,6 +184,72 @@ def test_streamed_derender_state_is_bounded(server: KilnProcess, state: Any, par
     assert _error(server, "/v1/completions/derender", body)["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("state", "param"),
+    [
+        ({"output_token_ids": "context+1"}, "stream_state.output_token_ids"),
+        ({"output_token_ids": ["outside"], "output_chunk_lens": [1]},
+         "stream_state.output_token_ids"),
+        ({"output_token_ids": [1, 2], "output_chunk_lens": [1]},
+         "stream_state.output_chunk_lens"),
+        ({"output_token_ids": [1], "output_chunk_lens": [1, 0]},
+         "stream_state.output_chunk_lens"),
+        ({"output_token_ids": [1, 2], "output_chunk_lens": [3, -1]},
+         "stream_state.output_chunk_lens"),
+        ({"output_token_ids": [1], "output_chunk_lens": [True]},
+         "stream_state.output_chunk_lens"),
+        ({"output_token_ids": [1], "output_chunk_lens": [1],
+          "last_tool_call_ids": ["x" * 129]}, "stream_state.last_tool_call_ids"),
+        ({"output_token_ids": [1], "output_chunk_lens": [1],
+          "last_tool_call_ids": ["a", "b"]}, "stream_state.last_tool_call_ids"),
+        ({"last_tool_call_ids": [7]}, "stream_state.last_tool_call_ids"),
+        ({"role_sent": "yes"}, "stream_state.role_sent"),
+        ({"tools_streamed": 1}, "stream_state.tools_streamed"),
+        ({"logprob_context_token_ids": [1] * 5}, "stream_state.logprob_context_token_ids"),
+        ({"logprob_context_token_ids": ["outside"]}, "stream_state.logprob_context_token_ids"),
+    ],
+)  # fmt: skip
+def test_streamed_derender_replay_state_is_bounded(
+    server: KilnProcess, limits: dict[str, int], state: dict[str, Any], param: str
+) -> None:
+    """vLLM's parser-path fields of ``stream_state`` (the output replayed each call, its
+    chunk sizes, the tool calls' ids) and its flags: each counted and typed before use."""
+
+    def resolve(value: Any) -> Any:
+        if value == "context+1":
+            return [1] * (limits["context"] + 1)
+        if isinstance(value, list):
+            return [limits["outside"] if v == "outside" else v for v in value]
+        return value
+
+    chunk = {"request_id": "r", "choices": [{"index": 0, "token_ids": [1]}]}
+    resolved = {k: resolve(v) for k, v in state.items()}
+    body = {"stream": True, "generate_chunk": chunk, "stream_state": resolved}
+    assert _error(server, "/v1/chat/completions/derender", body)["param"] == param
+    assert _error(server, "/v1/completions/derender", body)["param"] == param
+
+
+def test_streamed_derender_counts_prompt_output_and_chunk_against_the_context(
+    server: KilnProcess, limits: dict[str, int]
+) -> None:
+    """vLLM's: the prompt, the output so far and the chunk together fit the context."""
+    half = limits["context"] // 2
+    state = {"output_token_ids": [1] * half, "output_chunk_lens": [half]}
+    chunk = {"request_id": "r", "choices": [{"index": 0, "token_ids": [1]}]}
+    body = {"stream": True, "generate_chunk": chunk, "stream_state": state,
+            "prompt_token_ids": [1] * (limits["context"] - half)}  # fmt: skip
+    err = _error(server, "/v1/chat/completions/derender", body)
+    assert err["param"] == "stream_state.output_token_ids" and "context" in err["message"]
+    long = {"request_id": "r", "prompt_token_ids": [1] * (limits["context"] + 1),
+            "choices": [{"index": 0, "token_ids": [1]}]}  # fmt: skip
+    err = _error(server, "/v1/completions/derender", {"stream": True, "generate_chunk": long})
+    assert err["param"] == "generate_chunk.prompt_token_ids"
+    whole = {"request_id": "r", "prompt_token_ids": [limits["outside"]],
+             "choices": [{"index": 0, "token_ids": [1]}]}  # fmt: skip
+    err = _error(server, "/v1/chat/completions/derender", {"generate_response": whole})
+    assert err["param"] == "generate_response.prompt_token_ids"
+
+
 def test_streamed_derender_takes_one_choice_per_chunk(
     server: KilnProcess, limits: dict[str, int]
 ) -> None:

@@ -498,7 +498,7 @@ class _Run:
         #: text a stop string may straddle: a token's search starts this far back
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.samples = [
-            _Sample(IncrementalDetokenizer(tokenizer, params.skip_special_tokens))
+            _Sample(IncrementalDetokenizer(tokenizer, params.skip_special_tokens, ids))
             for _ in range(engine_params.n)
         ]
         self.left = engine_params.n

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -347,6 +348,22 @@ def template_source(value: str) -> str | None:
     return path.read_text()
 
 
+#: vLLM's ``INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET``: the prompt tokens a detokenizer's
+#: window starts with, before the output's first token
+SEED_OFFSET = 5
+#: the prompt's last tokens read to seed it (two more, in case some are special tokens)
+SEED_TOKENS = SEED_OFFSET + 2
+
+
+def seed_window(prompt_ids: list[int]) -> tuple[list[int], int, int]:
+    """vLLM's ``convert_prompt_ids_to_tokens``: the decoding window an output starts from
+    (the prompt's last ``SEED_TOKENS`` ids), where it starts (``prefix``) and where the
+    output begins (``read``). Decoded in the prompt's context, the first output token
+    keeps what context gives it: a SentencePiece (Metaspace) token's leading space."""
+    window = list(prompt_ids[-SEED_TOKENS:])
+    return window, max(len(window) - SEED_OFFSET, 0), len(window)
+
+
 class IncrementalDetokenizer:
     """Text for a growing list of token ids, released only when it is whole: a byte-level
     token can end in the middle of a UTF-8 character.
@@ -354,16 +371,18 @@ class IncrementalDetokenizer:
     Each call decodes a short window, not the whole sequence (which made streaming cost
     grow with the square of the output length): the ids from ``_prefix`` (a few tokens
     already released, kept so that a tokenizer's leading-space and merge rules see the
-    same context) to the end, minus the text those prefix tokens make alone."""
+    same context) to the end, minus the text those prefix tokens make alone. The window
+    starts in the prompt (``prompt_ids``' last few), as vLLM's detokenizer does."""
 
     __slots__ = ("_ids", "_prefix", "_read", "_skip", "_tok")
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()
+    ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # the window starts here
-        self._read = 0  # ids before this are released as text
+        # the window starts here; ids before ``_read`` are released as text (or prompt)
+        self._ids, self._prefix, self._read = seed_window(list(prompt_ids))
 
     def add(self, ids: list[int], final: bool = False) -> str:
         self._ids.extend(ids)

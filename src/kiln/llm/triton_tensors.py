@@ -308,7 +308,7 @@ async def generate(
 ) -> AsyncGenerator[tuple[dict[str, np.ndarray], bool], None]:
     """(outputs, final) per response: one per engine step when streaming, else one."""
     state = _State()
-    detok = IncrementalDetokenizer(llm.tokenizer)
+    detok = IncrementalDetokenizer(llm.tokenizer, prompt_ids=req.prompt_ids)
     hold = max((len(s) for s in req.stops), default=1) - 1
     rid = f"triton-{uuid.uuid4().hex}"
     engine_outputs = llm.async_engine.generate(

@@ -9,11 +9,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kiln.frontends.openai.derender_parse import chat_parsing, original
 from kiln.frontends.openai.logprobs import CompletionLogprobs, chat_logprobs
 from kiln.frontends.openai.protocol import OpenAIError, flag
-from kiln.frontends.openai.reasoning import ReasoningParser
 from kiln.llm.engine_client import EngineClient
 from kiln.llm.sampler import TokenLogprobs
+from kiln.llm.tokenizer import IncrementalDetokenizer
 
 #: choices of one generate response, and responses of one completions derender
 MAX_CHOICES = 1024
@@ -126,45 +127,51 @@ def prompt_tokens(value: Any, where: str) -> int:
     return value
 
 
-def original(body: dict[str, Any], key: str) -> dict[str, Any]:
-    request = body.get(key)
-    if request is not None and not isinstance(request, dict):
-        raise OpenAIError(f"'{key}' must be the request object /render was given", param=key)
-    return request or {}
+def prompt_ids(
+    llm: EngineClient, given: Any, response: dict[str, Any], where: str, own: str
+) -> list[int]:
+    """The prompt's token ids an output is decoded after (vLLM's seed): the derender
+    request's (``where``), else the generate response's own (``own``: generate's
+    ``prompt_token_ids``, with ``return_token_ids``), else none."""
+    vocab, limit = llm.vocab_size, llm.max_model_len
+    if given is not None:
+        return token_ids(given, where, vocab, limit, empty=True)
+    carried = response.get("prompt_token_ids")
+    if carried is not None:
+        return token_ids(carried, own, vocab, limit, empty=True)
+    return []
 
 
-def check_common(llm: EngineClient, body: dict[str, Any]) -> None:
-    ids = body.get("prompt_token_ids")
-    if ids is not None:  # vLLM's field (it seeds decoding; kiln's tokenizers need no seed)
-        token_ids(ids, "prompt_token_ids", llm.vocab_size, llm.max_model_len, empty=True)
+def decoded(llm: EngineClient, ids: list[int], skip: bool, prompt: list[int]) -> str:
+    """A whole output's text, decoded in its prompt's context as chat and completions
+    decode their own (the prompt's last tokens seed the window)."""
+    return IncrementalDetokenizer(llm.tokenizer, skip, prompt).add(ids, final=True)
 
 
 def derender_chat(llm: EngineClient, body: dict[str, Any], model: str) -> dict[str, Any]:
-    """vLLM's ``ChatCompletionResponse`` of a generate response. On a worker thread."""
-    check_common(llm, body)
-    chat = original(body, "chat_request")
-    skip = flag(chat, "skip_special_tokens", True)
+    """vLLM's ``ChatCompletionResponse`` of a generate response: its text read by the
+    request's tool parser and the model's reasoning parser, as chat reads its own answer.
+    On a worker thread."""
+    parsing = chat_parsing(llm, body, stream=False)
     response = body.get("generate_response")
     parsed = choices_of(llm, response, "generate_response")
+    assert isinstance(response, dict)
+    seed = prompt_ids(llm, body.get("prompt_token_ids"), response, "prompt_token_ids",
+                      "generate_response.prompt_token_ids")  # fmt: skip
     choices = []
     for c in parsed:
-        content: str | None = llm.tokenizer.decode(c["token_ids"], skip)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if chat and llm.reasoning_parser is not None:  # as chat splits it
-            thinking, content = ReasoningParser(llm.reasoning_parser).split(content or "")
-            message = {**message, "content": content or None, "reasoning": thinking,
-                       "reasoning_content": thinking}  # fmt: skip
+        text = decoded(llm, c["token_ids"], parsing.skip_special_tokens, seed)
+        message, reason = parsing.message(text, c["finish_reason"])
         entries = c["logprobs"]
         choices.append(
             {
                 "index": c["index"],
                 "message": message,
                 "logprobs": None if entries is None else chat_logprobs(llm.tokenizer, entries),
-                "finish_reason": c["finish_reason"],
+                "finish_reason": reason,
                 "stop_reason": c["stop_reason"],
             }
         )
-    assert isinstance(response, dict)
     prompt = prompt_tokens(body.get("prompt_tokens"), "prompt_tokens")
     completion = sum(len(c["token_ids"]) for c in parsed)
     return {
@@ -182,7 +189,6 @@ def derender_chat(llm: EngineClient, body: dict[str, Any], model: str) -> dict[s
 def derender_completion(llm: EngineClient, body: dict[str, Any], model: str) -> dict[str, Any]:
     """vLLM's ``CompletionResponse`` of generate responses (one per rendered prompt),
     choices numbered in order across them. On a worker thread."""
-    check_common(llm, body)
     skip = flag(original(body, "completion_request"), "skip_special_tokens", True)
     responses = body.get("generate_responses")
     if not isinstance(responses, list) or not responses or len(responses) > MAX_CHOICES:
@@ -201,18 +207,23 @@ def derender_completion(llm: EngineClient, body: dict[str, Any], model: str) -> 
             "'prompt_token_ids' must hold one list per generate response",
             param="prompt_token_ids",
         )
-    for i, ids in enumerate(seeds or ()):
+    for i, ids in enumerate(seeds or ()):  # all counted before any output is decoded
         if ids is not None:
             token_ids(ids, f"prompt_token_ids[{i}]", llm.vocab_size, llm.max_model_len, empty=True)
     choices: list[dict[str, Any]] = []
     prompt = completion = 0
     for r, response in enumerate(responses):
-        for c in choices_of(llm, response, f"generate_responses[{r}]"):
+        where = f"generate_responses[{r}]"
+        parsed = choices_of(llm, response, where)
+        given = None if seeds is None else seeds[r]
+        seed = prompt_ids(llm, given, response, f"prompt_token_ids[{r}]",
+                          f"{where}.prompt_token_ids")  # fmt: skip
+        for c in parsed:
             entries = c["logprobs"]
             choices.append(
                 {
                     "index": len(choices),
-                    "text": llm.tokenizer.decode(c["token_ids"], skip),
+                    "text": decoded(llm, c["token_ids"], skip, seed),
                     "logprobs": None
                     if entries is None
                     else CompletionLogprobs(llm.tokenizer)(entries),

@@ -112,8 +112,13 @@ async def run(
     # a stop string may straddle two tokens: hold back what could be its beginning
     hold = max((len(s) for s in stops), default=1) - 1
     skip = options.skip_special_tokens
+    # each choice's text decoded in the prompt's context, as vLLM's detokenizer does
     choices = [
-        _Choice(IncrementalDetokenizer(llm.tokenizer, skip) if options.detokenize else None)
+        _Choice(
+            IncrementalDetokenizer(llm.tokenizer, skip, prompt_ids)
+            if options.detokenize
+            else None
+        )
         for _ in range(params.n)
     ]
     left = params.n

@@ -58,8 +58,13 @@ class ToolRequest:
 
     def finish_reason(self, called: bool, reason: str | None) -> str | None:
         """vLLM's: ``tool_calls`` when ``auto`` found calls, or ``required``'s calls ended
-        normally; a named function's answer keeps the engine's reason (as OpenAI's)."""
-        if called and (self.choice == "auto" or (self.choice == "required" and reason == "stop")):
+        normally; a named function's answer keeps the engine's reason (as OpenAI's). A
+        streamed choice not yet ended keeps None."""
+        if (
+            reason is not None
+            and called
+            and (self.choice == "auto" or (self.choice == "required" and reason == "stop"))
+        ):
             return "tool_calls"
         return reason
 

@@ -93,6 +93,17 @@ class ToolCallStream:
     def called(self) -> bool:
         return bool(self._ids)
 
+    @property
+    def ids(self) -> list[str]:
+        """The ids of the calls begun so far, by index."""
+        return list(self._ids)
+
+    def pin_ids(self, ids: list[str]) -> None:
+        """The calls begun so far keep the ids they went out with (a streamed derender
+        replays them: its parser would draw new ones)."""
+        for index, call_id in enumerate(ids[: len(self._ids)]):
+            self._ids[index] = call_id
+
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """The content and ``tool_calls`` delta entries that ``text`` (the next piece)
         releases."""
