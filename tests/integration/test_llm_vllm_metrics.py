@@ -136,6 +136,24 @@ def test_families_carry_vllms_names_types_labels_and_buckets(
     assert _value(families, "vllm:engine_sleep_state", sleep_state="awake") == 1
 
 
+def test_switched_families_follow_vllms_switches_when_they_are_off(
+    server: KilnProcess, client: openai.OpenAI
+) -> None:
+    """Without --kv-cache-metrics, VLLM_COMPUTE_NANS_IN_LOGITS and a tool-call parser vLLM
+    has no residency histograms, no corrupted_requests, no parser counter; its MFU counters
+    exist (its logger creates them always) and stay 0 without --enable-mfu-metrics."""
+    client.completions.create(model="tiny", prompt="hello", max_tokens=2, extra_body=IGNORE_EOS)
+    families = _families(server)
+    absent = {"vllm:kv_block_lifetime_seconds", "vllm:kv_block_idle_before_evict_seconds",
+              "vllm:kv_block_reuse_gap_seconds", "vllm:corrupted_requests",
+              "vllm:tool_call_parser_invocations"}  # fmt: skip
+    assert absent.isdisjoint(families)
+    for name in ("estimated_flops_per_gpu", "estimated_read_bytes_per_gpu",
+                 "estimated_write_bytes_per_gpu"):  # fmt: skip
+        assert families[f"vllm:{name}"].type == "counter"
+        assert _value(families, f"vllm:{name}_total", model_name="tiny", engine="0") == 0
+
+
 def test_values_agree_with_the_usage_of_the_responses(
     server: KilnProcess, client: openai.OpenAI
 ) -> None:

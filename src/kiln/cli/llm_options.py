@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
+from kiln.cli.observability_options import OBSERVABILITY_FLAGS, OBSERVABILITY_OPTIONS
 from kiln.config.model_config_pb2 import ModelConfig
 from kiln.core.errors import KilnError
 from kiln.llm.config import ATTENTION_BACKENDS, REASONING_PARSERS, RUNNERS, TOOL_CALL_PARSERS
@@ -75,6 +76,7 @@ ENGINE_FLAGS = {
     "max_num_queued_reqs": "max_num_queued_reqs",
     "max_num_queued_tokens": "max_num_queued_tokens",
     "enable_tokenizer_info_endpoint": "enable_tokenizer_info_endpoint",
+    **OBSERVABILITY_FLAGS,
 }
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB])?")
@@ -514,6 +516,7 @@ def llm_options(func: F) -> F:
             help="The engine in its own process (vLLM V1's EngineCore) or on a thread of "
             "the server's [default: VLLM_ENABLE_V1_MULTIPROCESSING, else on].",
         ),
+        *OBSERVABILITY_OPTIONS,
     ]
     for option in reversed(options):
         func = option(func)

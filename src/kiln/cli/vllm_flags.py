@@ -44,7 +44,6 @@ ACCEPTED_VALUES = {
     "--pt-load-map-location": "kiln reads safetensors and GGUF, never pickled tensors",
     "--ignore-patterns": "kiln reads local checkpoints only: nothing is downloaded",
     "--prefix-caching-hash-algo": "kiln's prefix cache hashes blocks its own way",
-    "--kv-cache-metrics-sample": "kiln's KV-cache metrics are listed in docs/metrics.md",
 }
 #: switches kiln accepts: why
 ACCEPTED_SWITCHES = {
@@ -64,9 +63,8 @@ ACCEPTED_SWITCHES = {
     "--enable-logging-iteration-details": "kiln logs no periodic stats (/metrics and the "
     "dashboard have them)",
     "--log-error-stack": "kiln logs a request's failure as it always does",
-    "--kv-cache-metrics": "kiln's KV-cache metrics are always on (docs/metrics.md)",
-    "--cudagraph-metrics": "kiln's metrics are listed in docs/metrics.md",
-    "--enable-mfu-metrics": "kiln's metrics are listed in docs/metrics.md",
+    "--cudagraph-metrics": "vLLM logs a CUDA-graph table with it and exports no series; kiln "
+    "logs no periodic stats",
     "--use-tqdm-on-load": "nothing to do",
     "--enable-offline-docs": "kiln serves no /docs pages",
     "--allow-deprecated-quantization": "kiln's quantization formats are not deprecated",

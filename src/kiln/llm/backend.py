@@ -49,7 +49,9 @@ from kiln.llm.engine_core import EngineInit, build_engine
 from kiln.llm.engine_messages import Counts, counts
 from kiln.llm.engine_proc import EngineProcClient
 from kiln.llm.lora import LoRARegistry, LoRARequest, check_allowed_path, lora_config
+from kiln.llm.observability import ObservabilityConfig
 from kiln.llm.params import InvalidField, sampling_fields
+from kiln.llm.parser_metrics import ToolParserInvocations
 from kiln.llm.profiler_config import ProfilerConfig
 from kiln.llm.spec_config import SpeculativeConfig
 from kiln.llm.tokenizer import Tokenizer
@@ -139,6 +141,9 @@ def engine_config(config: ModelConfig, instance: InstanceSpec) -> EngineConfig:
     out.device = _device(config, instance)
     _pooling(config, out)
     out.lora_config = lora_config(lambda key: parameter(config, key), config.name)
+    out.observability = ObservabilityConfig.from_parameters(
+        lambda key: parameter(config, key), config.name
+    )
     return out
 
 
@@ -344,6 +349,8 @@ class LLMBackend(Backend):
         settings.served_model_name = config.name  # named by a tensor-parallel worker's errors
         #: vLLM's ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (the frontend's)
         self.enable_auto_tool_choice, self.tool_call_parser = tool_calling(config)
+        #: ``vllm:tool_call_parser_invocations`` (None: no parser, no family, as vLLM)
+        self.tool_parser_invocations = ToolParserInvocations() if self.tool_call_parser else None
         #: vLLM's ``--reasoning-parser`` (the frontend's too)
         self.reasoning_parser = reasoning_parser(config)
         #: vLLM's ``--default-chat-template-kwargs``: the template's variables a request's

@@ -27,6 +27,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kiln.llm.kv_cache_metrics import KVCacheResidency
 from kiln.llm.sequence import Sequence
 
 #: what roots a sequence's chain: its ``cache_salt``, with its LoRA adapter's id if any
@@ -88,6 +89,8 @@ class BlockManager:
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     #: copy-on-write copies decided since the last ``take_copies``: (seq_id, src, dst)
     copies: list[tuple[int, int, int]] = field(default_factory=list)
+    #: vLLM's ``--kv-cache-metrics``: the sampled blocks' residency (None: off)
+    residency: KVCacheResidency | None = None
     _keys: itertools.count[int] = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
@@ -182,6 +185,8 @@ class BlockManager:
         self.cached.clear()
         self.evictable.clear()
         self.free_block_ids = deque(range(self.num_blocks))
+        if self.residency is not None:
+            self.residency.reset()
         return True
 
     # -- allocation ------------------------------------------------------------------------
@@ -198,6 +203,11 @@ class BlockManager:
             block.salt = None
             block.content_key = -1
         self.blocks[block_id].ref_count = 1
+        residency = self.residency
+        if residency is not None and self.enable_prefix_caching:
+            # vLLM's pool: what a block held dies when it is handed out again
+            residency.evicted(block_id)
+            residency.allocated(block_id)
         return block_id
 
     def _touch(self, block_id: int) -> None:
@@ -205,6 +215,8 @@ class BlockManager:
         if block.ref_count == 0:
             del self.evictable[block_id]
         block.ref_count += 1
+        if self.residency is not None:
+            self.residency.accessed(block_id)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs so that its first ``num_tokens`` tokens have a slot."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from kiln.core.errors import KilnError, Status
 from kiln.llm.lora import LoRAConfig
+from kiln.llm.observability import ObservabilityConfig
 from kiln.llm.profiler_config import ProfilerConfig
 from kiln.llm.spec_config import SpeculativeConfig
 
@@ -491,6 +492,8 @@ class EngineConfig:
     batch_invariant: bool = field(default_factory=batch_invariant_env)
     #: the model's API name, for messages that must name it (a tensor-parallel worker's)
     served_model_name: str = ""
+    #: vLLM's ``--kv-cache-metrics``, ``--enable-mfu-metrics``, ... (kiln.llm.observability)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     extra: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -555,6 +558,7 @@ class EngineConfig:
             self.speculative_config.check(self.max_num_batched_tokens)
         if self.lora_config is not None:
             self.lora_config.check()
+        self.observability.check()
         if self.tensor_parallel_size < 1:
             raise KilnError(
                 "llm backend: tensor_parallel_size must be at least 1, got "

@@ -21,9 +21,11 @@ from kiln.llm.checkpoint import (
 )
 from kiln.llm.config import EngineConfig, ModelArgs, PoolerConfig
 from kiln.llm.draft_model import DraftProposer
+from kiln.llm.kv_cache_metrics import KVCacheResidency
 from kiln.llm.lora import LoRARequest
 from kiln.llm.model_runner import resolve_dtype
 from kiln.llm.parallel import create_runner
+from kiln.llm.perf_metrics import ModelShape, StepContext, quant_method
 from kiln.llm.profiler import EngineProfiler, engine_call
 from kiln.llm.request_checks import RequestChecks
 from kiln.llm.sampler import SampledToken, TokenLogprobs
@@ -141,9 +143,20 @@ class LLMEngine(RequestChecks):
         # A sequence alone must always fit in the cache, or preemption could never help it.
         config.max_model_len = min(config.max_model_len, self.runner.num_blocks * config.block_size)
         self.config = config
+        observe = config.observability
+        residency = None
+        if observe.kv_cache_metrics:  # vLLM's --kv-cache-metrics
+            residency = KVCacheResidency(observe.kv_cache_metrics_sample)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
-        )
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+            residency=residency,
+        )  # fmt: skip
+        #: vLLM's --enable-mfu-metrics: the model's shapes its estimates read (None: off)
+        self.perf: ModelShape | None = None
+        if observe.enable_mfu_metrics:
+            method = "gguf" if Path(path).suffix == ".gguf" else quant_method(raw)
+            self.perf = ModelShape.of(self.args, config.dtype, config.kv_cache_dtype, method,
+                                      config.tensor_parallel_size)  # fmt: skip
         self.scheduler = Scheduler(config, self.block_manager)
         spec = config.speculative_config
         self.proposer: NgramProposer | DraftProposer | None = None
@@ -166,6 +179,9 @@ class LLMEngine(RequestChecks):
                 self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
             self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
         self.stats = EngineStats(RequestHistograms.for_model(config.max_model_len))
+        self.stats.kv_residency = residency
+        #: samples whose logits held a NaN, until they leave (``vllm:corrupted_requests``)
+        self.corrupted: set[int] = set()
         #: the requests the last step failed, with the error (they left the engine)
         self.failed: list[tuple[str, Exception]] = []
         #: vLLM's weight version: the label of the weights the next step runs
@@ -290,6 +306,9 @@ class LLMEngine(RequestChecks):
         stats, h = self.stats, self.stats.histograms
         reason = reason or seq.finish_reason or "abort"
         stats.request_success[reason] = stats.request_success.get(reason, 0) + 1
+        if seq.seq_id in self.corrupted:  # counted as it finishes, once, as vLLM's
+            self.corrupted.discard(seq.seq_id)
+            stats.num_corrupted_reqs += 1
         state = seq.request
         generated = seq.num_output_tokens
         h.e2e_request_latency.observe(now - state.arrival_time)
@@ -342,6 +361,8 @@ class LLMEngine(RequestChecks):
         if self.proposer is not None:
             self._propose(out)
         sampled = self._run(out)
+        if self.perf is not None:
+            self._estimate(out)
         now = time.monotonic()
         self.stats.num_steps += 1
         self.stats.max_step_tokens = max(self.stats.max_step_tokens, out.total_tokens)
@@ -380,6 +401,21 @@ class LLMEngine(RequestChecks):
         for seq in self.scheduler.remove_finished():
             self._retire(seq, now)
         return results
+
+    def _estimate(self, out: SchedulerOutput) -> None:
+        """vLLM's MFU estimates of the step that ran (before its tokens are counted
+        computed: a sequence's context is what it had plus what the step ran)."""
+        assert self.perf is not None
+        ctx = StepContext()
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            if n:
+                done = seq.num_computed_tokens
+                ctx.add(n, done + n, n > 1 or done < seq.num_prompt_tokens)
+        flops, read, write = self.perf.estimate(ctx)
+        stats = self.stats
+        stats.estimated_flops += flops
+        stats.estimated_read_bytes += read
+        stats.estimated_write_bytes += write
 
     def _run(self, out: SchedulerOutput) -> dict[int, SampledToken]:
         """The step's model run. When it raises, each request of the step runs again alone,
@@ -457,6 +493,8 @@ class LLMEngine(RequestChecks):
 
     def _append(self, seq: Sequence, sampled: SampledToken, now: float) -> RequestOutput:
         h = self.stats.histograms
+        if sampled.num_nans:
+            self.corrupted.add(seq.seq_id)
         if seq.last_token_time is not None:
             h.inter_token_latency.observe(now - seq.last_token_time)
         else:

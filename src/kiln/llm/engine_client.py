@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the llm modules import torch
     from kiln.llm.engine import LLMEngine, RequestOutput
     from kiln.llm.engine_messages import Counts
     from kiln.llm.lora import LoRARegistry, LoRARequest
+    from kiln.llm.parser_metrics import ToolParserInvocations
     from kiln.llm.sequence import SamplingParams
     from kiln.llm.tokenizer import Tokenizer
 
@@ -237,6 +238,11 @@ class EngineClient:
     def tool_call_parser(self) -> str | None:
         """vLLM's ``--tool-call-parser``: the format ``auto`` reads calls in."""
         return self._backend.tool_call_parser
+
+    @property
+    def tool_parser_invocations(self) -> ToolParserInvocations | None:
+        """``vllm:tool_call_parser_invocations``' counts (None: no tool-call parser)."""
+        return self._backend.tool_parser_invocations
 
     def check_request(self, prompt_len: int, params: SamplingParams, priority: int = 0) -> None:
         self._backend.engine.check_request(prompt_len, params, priority, self.lora_request)

@@ -15,8 +15,9 @@ import msgspec
 
 # at run time: msgspec reads ``Step``'s annotations (this imports torch, as both sides do)
 from kiln.llm.engine import LLMEngine, RequestOutput
+from kiln.llm.kv_cache_metrics import RESIDENCY_HISTOGRAMS
 from kiln.llm.lora import LoRARequest
-from kiln.llm.stats import HISTOGRAMS, EngineStats
+from kiln.llm.stats import HISTOGRAMS, EngineStats, Histogram
 
 if TYPE_CHECKING:
     from kiln.llm.sequence import SamplingParams
@@ -125,6 +126,11 @@ class Snapshot(msgspec.Struct, array_like=True):
     histograms: list[tuple[list[int], float, int]]
     #: (drafts, draft tokens, accepted tokens, accepted per position), with spec decoding
     spec: tuple[int, int, int, list[int]] | None = None
+    #: with --kv-cache-metrics: per ``RESIDENCY_HISTOGRAMS`` entry, as ``histograms``
+    residency: list[tuple[list[int], float, int]] | None = None
+    #: --enable-mfu-metrics: (FLOPs, bytes read, bytes written) so far, per GPU
+    perf: tuple[int, int, int] = (0, 0, 0)
+    num_corrupted_reqs: int = 0
 
 
 class Failed(msgspec.Struct, array_like=True):
@@ -225,13 +231,24 @@ def counts(engine: LLMEngine) -> Counts:
     )
 
 
+def _read(h: Histogram) -> tuple[list[int], float, int]:
+    with h.lock:
+        return list(h.counts), h.total, h.count
+
+
+def _write(h: Histogram, figures: tuple[list[int], float, int]) -> None:
+    bucket_counts, total, count = figures
+    with h.lock:
+        h.counts, h.total, h.count = list(bucket_counts), total, count
+
+
 def snapshot(engine: LLMEngine) -> Snapshot:
     stats = engine.stats
-    hists = []
-    for _, _, attr in HISTOGRAMS:
-        h = getattr(stats.histograms, attr)
-        with h.lock:
-            hists.append((list(h.counts), h.total, h.count))
+    hists = [_read(getattr(stats.histograms, attr)) for _, _, attr in HISTOGRAMS]
+    kv = stats.kv_residency
+    residency = None
+    if kv is not None:
+        residency = [_read(getattr(kv, attr)) for _, _, attr in RESIDENCY_HISTOGRAMS]
     spec = engine.spec_stats
     spec_counts = None
     if spec is not None:
@@ -247,6 +264,9 @@ def snapshot(engine: LLMEngine) -> Snapshot:
         dict(stats.request_success),
         hists,
         spec_counts,
+        residency,
+        (stats.estimated_flops, stats.estimated_read_bytes, stats.estimated_write_bytes),
+        stats.num_corrupted_reqs,
     )
 
 
@@ -258,12 +278,14 @@ def apply_snapshot(snap: Snapshot, stats: EngineStats, spec: SpecDecodeStats | N
     stats.num_generation_tokens = snap.num_generation_tokens
     stats.max_step_tokens = snap.max_step_tokens
     stats.request_success = dict(snap.request_success)
-    for (_, _, attr), (bucket_counts, total, count) in zip(
-        HISTOGRAMS, snap.histograms, strict=True
-    ):
-        h = getattr(stats.histograms, attr)
-        with h.lock:
-            h.counts, h.total, h.count = list(bucket_counts), total, count
+    for (_, _, attr), figures in zip(HISTOGRAMS, snap.histograms, strict=True):
+        _write(getattr(stats.histograms, attr), figures)
+    kv = stats.kv_residency
+    if kv is not None and snap.residency is not None:
+        for (_, _, attr), figures in zip(RESIDENCY_HISTOGRAMS, snap.residency, strict=True):
+            _write(getattr(kv, attr), figures)
+    stats.estimated_flops, stats.estimated_read_bytes, stats.estimated_write_bytes = snap.perf
+    stats.num_corrupted_reqs = snap.num_corrupted_reqs
     if spec is not None and snap.spec is not None:
         spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens = snap.spec[:3]
         spec.accepted_per_pos = list(snap.spec[3])

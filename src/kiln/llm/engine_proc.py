@@ -43,6 +43,7 @@ from kiln.llm.async_engine import OutputCollector, _put_all, _Stream, outputs, s
 from kiln.llm.config import EngineConfig, ModelArgs
 from kiln.llm.engine import LLMEngine, RequestOutput
 from kiln.llm.engine_core import EngineInit
+from kiln.llm.kv_cache_metrics import KVCacheResidency
 from kiln.llm.lora import LoRARequest
 from kiln.llm.sequence import SamplingParams
 from kiln.llm.spec_decode import SpecDecodeStats
@@ -102,6 +103,8 @@ class EngineView(LLMEngine):
         self.args = args
         self.grammars = grammars
         self.stats = EngineStats(RequestHistograms.for_model(config.max_model_len))
+        if config.observability.kv_cache_metrics:  # the histograms the snapshots fill
+            self.stats.kv_residency = KVCacheResidency(config.observability.kv_cache_metrics_sample)
         spec = config.speculative_config
         self.spec_stats = None if spec is None else SpecDecodeStats(spec.num_speculative_tokens)
         self.counts = msg.Counts()

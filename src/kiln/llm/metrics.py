@@ -19,6 +19,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kiln.llm.admission import REASONS
+from kiln.llm.kv_cache_metrics import RESIDENCY_HISTOGRAMS
+from kiln.llm.parser_metrics import MODES, OUTCOMES, REQUEST_TYPES
 from kiln.llm.stats import FINISH_REASONS, HISTOGRAMS
 
 if TYPE_CHECKING:
@@ -179,6 +181,10 @@ class LLMCollector(Collector):
         yield info
         yield from _spec_decode(engines)
         yield from _lora(engines)
+        yield from _residency(engines)
+        yield from _perf(engines)
+        yield from _corrupted(engines)
+        yield from _tool_parser(clients)
 
 
 def _spec_decode(engines: list[tuple[str, Any]]) -> Iterator[Metric]:
@@ -220,4 +226,76 @@ def _lora(engines: list[tuple[str, Any]]) -> Iterator[Metric]:
         waiting, running = engine.loras_in_use()
         max_lora = str(engine.config.lora_config.max_loras)
         family.add_metric([name, ENGINE, max_lora, waiting, running], time.time())
+    yield family
+
+
+def _residency(engines: list[tuple[str, Any]]) -> Iterator[Metric]:
+    """vLLM's KV-cache residency histograms, for the engines with ``--kv-cache-metrics``
+    (vLLM has none of these families without it)."""
+    following = [(n, e.stats.kv_residency) for n, e in engines if e.stats.kv_residency is not None]
+    if not following:
+        return
+    for family, doc, attr in RESIDENCY_HISTOGRAMS:
+        out = HistogramMetricFamily(PREFIX + family, doc, labels=LABELS)
+        for name, residency in following:
+            buckets, total = getattr(residency, attr).snapshot()
+            out.add_metric([name, ENGINE], buckets, total)
+        yield out
+
+
+def _perf(engines: list[tuple[str, Any]]) -> Iterator[Metric]:
+    """vLLM's MFU estimates: its logger creates them whatever ``--enable-mfu-metrics``
+    says; they count only with it."""
+    doc = "(for Model Flops Utilization calculations)."
+    flops = _counter(
+        "estimated_flops_per_gpu", f"Estimated number of floating point operations per GPU {doc}"
+    )
+    read = _counter(
+        "estimated_read_bytes_per_gpu", f"Estimated number of bytes read from memory per GPU {doc}"
+    )
+    write = _counter("estimated_write_bytes_per_gpu",
+                     f"Estimated number of bytes written to memory per GPU {doc}")  # fmt: skip
+    for name, engine in engines:
+        stats = engine.stats
+        flops.add_metric([name, ENGINE], stats.estimated_flops)
+        read.add_metric([name, ENGINE], stats.estimated_read_bytes)
+        write.add_metric([name, ENGINE], stats.estimated_write_bytes)
+    yield from (flops, read, write)
+
+
+def _corrupted(engines: list[tuple[str, Any]]) -> Iterator[Metric]:
+    """vLLM's ``corrupted_requests``: only with ``VLLM_COMPUTE_NANS_IN_LOGITS=1``."""
+    checking = [(n, e) for n, e in engines if e.config.observability.compute_nans_in_logits]
+    if not checking:
+        return
+    family = _counter(
+        "corrupted_requests",
+        "Corrupted requests, in terms of total number of requests with NaNs in logits.",
+    )
+    for name, engine in checking:
+        family.add_metric([name, ENGINE], engine.stats.num_corrupted_reqs)
+    yield family
+
+
+def _tool_parser(clients: Mapping[str, EngineClient]) -> Iterator[Metric]:
+    """vLLM's ``tool_call_parser_invocations``, for the models with a
+    ``--tool-call-parser`` (labelled ``model_name``: the frontend counts, not an engine)."""
+    parsing = [
+        (n, c.tool_parser_invocations)
+        for n, c in clients.items()
+        if c.tool_parser_invocations is not None
+    ]
+    if not parsing:
+        return
+    family = CounterMetricFamily(
+        PREFIX + "tool_call_parser_invocations",
+        "Total number of ToolParser invocations. Non-streaming increments once per choice; "
+        "streaming increments once per delta.",
+        labels=("model_name", "mode", "outcome", "request_type"),
+    )
+    for name, counter in parsing:
+        assert counter is not None
+        counts = counter.counts()
+        for key in ((m, o, r) for m in MODES for o in OUTCOMES for r in REQUEST_TYPES):
+            family.add_metric([name, *key], counts.get(key, 0))
     yield family

@@ -22,10 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kiln.llm.observability import compute_nans_env, raise_on_nans_env
 from kiln.llm.sequence import Sequence
 
 #: vLLM's value for the logprob of a token that cannot be sampled (-inf)
 LOGPROB_FLOOR = -9999.0
+#: vLLM's switches, read once when the engine's process imports the sampler
+COMPUTE_NANS = compute_nans_env()
+RAISE_ON_NANS = raise_on_nans_env()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +67,15 @@ class SampledToken:
     logprobs: TokenLogprobs | None = None
     #: speculative decoding: the drafts accepted before ``token_id`` (emitted first)
     accepted: tuple[int, ...] = ()
+    #: NaNs in the row's logits (counted with ``VLLM_COMPUTE_NANS_IN_LOGITS`` only)
+    num_nans: int = 0
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
     """``logits`` [B, vocab]: one row per sequence of ``seqs`` that samples this step."""
     if not seqs:
         return []
+    nans = count_nans(logits, seqs) if COMPUTE_NANS else None
     logits = logits.float()
     if any(s.constrained for s in seqs):
         logits = apply_grammar_bitmask(logits, seqs)
@@ -92,9 +99,21 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
     for i, seq in enumerate(seqs):
         if seq.forced:  # thinking_token_budget spent: the end-of-reasoning marker
             ids[i] = seq.forced[0]
-    if raw is None:
-        return [SampledToken(t) for t in ids]
-    return [SampledToken(t, lp) for t, lp in zip(ids, _logprobs(raw, ids, seqs), strict=True)]
+    lps = _logprobs(raw, ids, seqs) if raw is not None else [None] * len(ids)
+    if nans is None:
+        return [SampledToken(t, lp) for t, lp in zip(ids, lps, strict=True)]
+    return [SampledToken(t, lp, num_nans=k) for t, lp, k in zip(ids, lps, nans, strict=True)]
+
+
+def count_nans(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """vLLM's ``VLLM_COMPUTE_NANS_IN_LOGITS``: the NaNs in each row of the model's logits
+    (one reduction and one read back per step); with ``VLLM_RAISE_ON_LOGIT_NANS`` a row
+    holding one fails the step, naming its requests."""
+    counts = [int(n) for n in torch.isnan(logits).sum(dim=-1).tolist()]
+    if RAISE_ON_NANS and any(counts):
+        bad = {s.request_id: n for s, n in zip(seqs, counts, strict=True) if n}
+        raise RuntimeError(f"NaNs detected in logits: {bad}")
+    return counts
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,10 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kiln.llm.kv_cache_metrics import KVCacheResidency
 
 #: vLLM's ``time_to_first_token_seconds`` buckets
 TTFT_BUCKETS = (
@@ -187,3 +191,11 @@ class EngineStats:
     request_success: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0)
     )
+    #: vLLM's ``--kv-cache-metrics`` histograms (None: the switch is off)
+    kv_residency: KVCacheResidency | None = None
+    #: vLLM's ``--enable-mfu-metrics`` estimates, summed over the steps (per GPU)
+    estimated_flops: int = 0
+    estimated_read_bytes: int = 0
+    estimated_write_bytes: int = 0
+    #: finished samples whose logits held a NaN (``VLLM_COMPUTE_NANS_IN_LOGITS``)
+    num_corrupted_reqs: int = 0

@@ -218,3 +218,45 @@ def test_vllms_admission_gates_become_engine_parameters(tmp_path: Path) -> None:
     config.parameters["watermark"].string_value = "lots"
     with pytest.raises(KilnError, match="model 'm': parameter watermark must be a number"):
         engine_config(config, instance)
+
+
+def test_vllms_metric_switches_become_engine_parameters(tmp_path: Path) -> None:
+    """--kv-cache-metrics, --kv-cache-metrics-sample and --enable-mfu-metrics (accepted as
+    no-ops before): parameters of the model's config, read into the engine's switches."""
+    from kiln.backends.base import InstanceSpec
+    from kiln.cli.llm_options import served_models
+    from kiln.cli.serve import serve
+    from kiln.cli.vllm_flags import ACCEPTED_SWITCHES, ACCEPTED_VALUES
+    from kiln.core.errors import KilnError
+    from kiln.llm.backend import engine_config
+
+    flags = {"--kv-cache-metrics", "--kv-cache-metrics-sample", "--enable-mfu-metrics"}
+    assert flags.isdisjoint({*ACCEPTED_SWITCHES, *ACCEPTED_VALUES})
+    model = tmp_path / "m"
+    model.mkdir()
+    instance = InstanceSpec("m_0", "cpu", 0, 0, 1)
+    ctx = serve.make_context("serve", [str(model)])
+    (config,) = served_models(ctx.params["model_paths"], (), ctx.params)
+    observe = engine_config(config, instance).observability
+    assert (observe.kv_cache_metrics, observe.kv_cache_metrics_sample,
+            observe.enable_mfu_metrics) == (False, 0.01, False)  # vLLM's defaults  # fmt: skip
+    args = [str(model), "--kv-cache-metrics", "--kv-cache-metrics-sample", "0.25",
+            "--enable-mfu-metrics"]  # fmt: skip
+    ctx = serve.make_context("serve", args)
+    (config,) = served_models(ctx.params["model_paths"], (), ctx.params)
+    got = {k: v.string_value for k, v in config.parameters.items()}
+    assert (got["kv_cache_metrics"], got["kv_cache_metrics_sample"],
+            got["enable_mfu_metrics"]) == ("true", "0.25", "true")  # fmt: skip
+    observe = engine_config(config, instance).observability
+    assert (observe.kv_cache_metrics, observe.kv_cache_metrics_sample,
+            observe.enable_mfu_metrics) == (True, 0.25, True)  # fmt: skip
+    with pytest.raises(click.BadParameter, match="0<x<=1"):
+        serve.make_context("serve", [str(model), "--kv-cache-metrics-sample", "0"])
+    config.parameters["kv_cache_metrics_sample"].string_value = "2"
+    with pytest.raises(KilnError, match=r"model 'm': parameter kv_cache_metrics_sample must "
+                       r"be a number in \(0, 1\], got '2'"):  # fmt: skip
+        engine_config(config, instance)
+    config.parameters["kv_cache_metrics_sample"].string_value = "0.5"
+    config.parameters["enable_mfu_metrics"].string_value = "sometimes"
+    with pytest.raises(KilnError, match="parameter enable_mfu_metrics must be true or false"):
+        engine_config(config, instance)

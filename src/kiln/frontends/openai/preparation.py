@@ -267,7 +267,7 @@ async def chat_setup(
     # drawn once (a rollout split): the version whose template renders the prompt
     # is the version that generates
     llm = drawn or (generator_named(server, model, api, body) if isinstance(model, str) else None)
-    calling = tools.tool_request(body, llm) if llm else None
+    calling = tools.tool_request(body, llm, api) if llm else None
     messages = tools.template_messages(messages)
     # vLLM's --exclude-tools-when-tool-choice-none: tool_choice none renders no tools
     exclude = llm is not None and llm.exclude_tools_when_tool_choice_none

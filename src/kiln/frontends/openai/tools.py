@@ -11,7 +11,9 @@ arguments object), so the calls are valid JSON for their schemas whatever the we
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kiln.frontends.openai.generation_request import GenerationRequest
@@ -25,6 +27,7 @@ from kiln.frontends.openai.tool_parsers import (
 )
 from kiln.frontends.openai.tool_parsers.base import call_json
 from kiln.llm.params import InvalidField
+from kiln.llm.parser_metrics import request_type
 from kiln.llm.structured import KINDS, StructuredOutputsParams
 from kiln.llm.structured import from_request as structured_outputs
 
@@ -48,13 +51,18 @@ class ToolRequest:
     parallel: bool = True
     #: ``required`` and named: the answer's JSON schema, for the structured-output engine
     constraint: StructuredOutputsParams | None = None
+    #: ``auto``: counts a run of the model's parser, (streaming, found calls)
+    #: (``vllm:tool_call_parser_invocations``; None: not counted)
+    record: Callable[[bool, bool], None] | None = None
 
     @property
     def max_calls(self) -> int | None:
         return None if self.parallel else 1
 
     def stream(self) -> ToolCallStream | None:
-        return ToolCallStream(self.parser, self.max_calls) if self.parser else None
+        if self.parser is None:
+            return None
+        return ToolCallStream(self.parser, self.max_calls, self.record)
 
     def finish_reason(self, called: bool, reason: str | None) -> str | None:
         """vLLM's: ``tool_calls`` when ``auto`` found calls, or ``required``'s calls ended
@@ -196,9 +204,12 @@ def _required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, A
     return schema
 
 
-def tool_request(body: dict[str, Any], llm: EngineClient) -> ToolRequest | None:
+def tool_request(
+    body: dict[str, Any], llm: EngineClient, api: str = "Chat Completions"
+) -> ToolRequest | None:
     """The request's tool calling (None: no tools and no ``tool_choice``), its checks done;
-    ``llm``: the model, whose ``tool_call_parser`` reads ``auto``'s answers."""
+    ``llm``: the model, whose ``tool_call_parser`` reads ``auto``'s answers; ``api``: the
+    API the request came through (its parser runs are counted by it)."""
     tools = check_tools(body)
     parallel = body.get("parallel_tool_calls")
     if parallel is None:
@@ -222,7 +233,10 @@ def tool_request(body: dict[str, Any], llm: EngineClient) -> ToolRequest | None:
                 "enable_auto_tool_choice and tool_call_parser in a config.pbtxt)",
                 param="tool_choice",
             )
-        return ToolRequest(tools, "auto", PARSERS[llm.tool_call_parser](tools), parallel)
+        counter = llm.tool_parser_invocations
+        record = None if counter is None else partial(counter.record, request_type(api))
+        parser = PARSERS[llm.tool_call_parser](tools)
+        return ToolRequest(tools, "auto", parser, parallel, record=record)
     if choice == "required":
         schema = _required_schema(tools, parallel)
         spec = _constraint(body, schema, "tools")
@@ -304,6 +318,8 @@ def tool_message(
     assert tools.parser is not None
     parsed = tools.parser.parse(text, final=True)
     calls = parsed.calls[: tools.max_calls]
+    if tools.record is not None:  # vLLM counts a whole answer's run once per choice
+        tools.record(False, bool(calls))
     if not calls:
         return {"role": role, "content": parsed.content}, reason
     message = {

@@ -69,6 +69,7 @@ def test_cli_flags_become_parameters(tmp_path: Path) -> None:
 
 class _Model:
     model_name = "m"
+    tool_parser_invocations = None
 
     def __init__(self, auto: bool, parser: str | None) -> None:
         self.enable_auto_tool_choice, self.tool_call_parser = auto, parser

@@ -11,6 +11,7 @@ deltas reassemble to exactly what the same text gives unstreamed.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,10 +81,17 @@ def call_json(call: PartialCall, call_id: str) -> dict[str, Any]:
 class ToolCallStream:
     """One choice's stream: text in (all of it so far), OpenAI ``delta`` parts out."""
 
-    def __init__(self, parser: ToolParser, max_calls: int | None = None) -> None:
-        """``max_calls``: 1 when ``parallel_tool_calls`` is false (vLLM keeps the first)."""
+    def __init__(
+        self,
+        parser: ToolParser,
+        max_calls: int | None = None,
+        record: Callable[[bool, bool], None] | None = None,
+    ) -> None:
+        """``max_calls``: 1 when ``parallel_tool_calls`` is false (vLLM keeps the first);
+        ``record``: counts each delta the parser reads, (streaming, it carried calls)."""
         self._parser = parser
         self._max_calls = max_calls
+        self._record = record
         self.text = ""
         self._content_sent = 0
         self._ids: list[str] = []
@@ -126,4 +134,6 @@ class ToolCallStream:
             if len(call.arguments) > sent:
                 out.append({"index": index, "function": {"arguments": call.arguments[sent:]}})
                 self._args_sent[index] = len(call.arguments)
+        if self._record is not None and (text or final):
+            self._record(True, bool(out))
         return content, out
