@@ -115,9 +115,7 @@ async def run(
     # each choice's text decoded in the prompt's context, as vLLM's detokenizer does
     choices = [
         _Choice(
-            IncrementalDetokenizer(llm.tokenizer, skip, prompt_ids)
-            if options.detokenize
-            else None
+            IncrementalDetokenizer(llm.tokenizer, skip, prompt_ids) if options.detokenize else None
         )
         for _ in range(params.n)
     ]
