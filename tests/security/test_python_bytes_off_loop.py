@@ -21,6 +21,7 @@ import pytest
 
 from kiln.backends.python import arena, batch_codec
 from kiln.backends.python.backend import PythonBackend
+from kiln.core.errors import KilnError, Status
 from kiln.core.offloop import OFF_LOOP_ENCODE_ELEMENTS
 from kiln.core.types import (
     DataType,
@@ -314,3 +315,22 @@ async def test_answers_behind_a_large_output_wait_for_it(
     assert _echoed(await first)[0] == large
     assert _echoed(await second)[0] == _values(2, 7)
     assert decodes.on_loop() == 2 and decodes.off_loop() == COUNT
+
+
+class _Unwritable:
+    def __bytes__(self) -> bytes:
+        raise RuntimeError("this element has no bytes")
+
+
+async def test_a_large_batch_that_cannot_be_written_fails_alone(server: Server) -> None:
+    """Its inputs fail on the worker thread: that request gets the error, the slot it was
+    given goes to the next batch, and the model keeps serving in order."""
+    bad = asyncio.create_task(server.infer(_request([*_values(COUNT), _Unwritable()])))
+    after = asyncio.create_task(server.infer(_request(_values(3))))
+    with pytest.raises(KilnError) as err:
+        await bad
+    assert err.value.status is Status.INTERNAL
+    assert "model 'strings'" in err.value.message and "no bytes" in err.value.message
+    assert _echoed(await after)[0] == _values(3)
+    for _ in range(2):  # and large batches after it go through
+        assert _echoed(await server.infer(_request(_values(COUNT + 1))))[0] == _values(COUNT + 1)

@@ -125,13 +125,9 @@ class Arena:
 
     # ---- tensors ---------------------------------------------------------------------
     def write(self, name: str, array: Any) -> Header:
-        """``array``: a NumPy array (or what becomes one), or a BYTES tensor already
-        serialized (``Serialized``, made off the event loop)."""
-        if isinstance(array, Serialized):
-            return self._write_chunks(name, array)
         array = np.asarray(array)
         if array.dtype.kind in ("O", "S", "U"):
-            if array.size > ENCODE_SLICE:  # no single join over the whole tensor
+            if array.size > ENCODE_SLICE:  # a join a slice, no single one over it all
                 return self._write_chunks(name, serialize_slices(array))
             data = serialize_bytes(array)
             offset = self._reserve(len(data))

@@ -23,7 +23,7 @@ import numpy as np
 
 from kiln.backends.base import BackendRequest, RequestOutcome, Rescheduled, ResponseSink
 from kiln.backends.python.arena import BYTES, Arena, Header
-from kiln.backends.python.bytes_tensors import Serialized, deserialize_bytes, serialize_slices
+from kiln.backends.python.bytes_tensors import deserialize_bytes
 from kiln.backends.python.cancel import BatchWatch, FlagPool, OpenStream
 from kiln.backends.python.deadline import BatchDeadline, timed_out
 from kiln.backends.python.process import WorkerDied, WorkerProcess
@@ -46,8 +46,8 @@ _STATUS_CODES = {status: code for code, status in _CODES.items()}
 
 #: NumPy kinds a BYTES input may come as (``Arena.write`` serializes them)
 _BYTES_KINDS = ("O", "S", "U")
-#: a batch's BYTES inputs serialized off the event loop: per request, by input name
-Prepared = list[dict[str, Serialized]]
+#: a batch's inputs written into its arena off the event loop: per request, their headers
+Written = list[list[Header]]
 
 
 @dataclass(slots=True)
@@ -100,18 +100,19 @@ class BatchCodec:
 
     # ---- to the worker -----------------------------------------------------------------
     def encode(
-        self, requests: list[BackendRequest], slot: int = 0, prepared: Prepared | None = None
+        self, requests: list[BackendRequest], slot: int = 0, written: Written | None = None
     ) -> tuple[list[dict[str, Any]], BatchWatch]:
         """The requests as the worker takes them: tensors into the slot's inbound arena,
         their cancellation bytes, and a decoupled model's streams (``end()`` the watch
-        when the batch ends). ``prepared``: their BYTES inputs already serialized
-        (``prepare``), by request and name."""
+        when the batch ends). ``written``: the tensors are in the arena already
+        (``write_inputs``), these are their headers."""
         inbound = self.worker.arenas[slot][0]
-        inbound.reset()
+        if written is None:
+            inbound.reset()
         streams = self.streams if self.decoupled else None
         watch = BatchWatch.start(self.flag_pool, requests, streams, self._keys)
         try:
-            return self._messages(requests, inbound, watch, prepared), watch
+            return self._messages(requests, inbound, watch, written), watch
         except BaseException:
             watch.end()  # its flags and stream keys go back: the batch is never sent
             raise
@@ -126,30 +127,24 @@ class BatchCodec:
             if isinstance(a, np.ndarray) and a.dtype.kind in _BYTES_KINDS
         )
 
-    @staticmethod
-    def prepare(requests: list[BackendRequest]) -> Prepared:
-        """The batch's BYTES inputs serialized, a slice at a time (for a worker thread:
-        reads the requests only, writes no arena); ``encode`` copies them in."""
-        return [
-            {
-                n: serialize_slices(a)
-                for n, a in r.inputs.items()
-                if isinstance(a, np.ndarray) and a.dtype.kind in _BYTES_KINDS
-            }
-            for r in requests
-        ]
+    def write_inputs(self, requests: list[BackendRequest], slot: int) -> Written:
+        """The batch's inputs written into the slot's inbound arena (for a worker thread,
+        while nothing else writes that arena); ``encode`` takes their headers."""
+        inbound = self.worker.arenas[slot][0]
+        inbound.reset()
+        return [[inbound.write(n, a) for n, a in r.inputs.items()] for r in requests]
 
     def _messages(
         self,
         requests: list[BackendRequest],
         inbound: Arena,
         watch: BatchWatch,
-        prepared: Prepared | None,
+        written: Written | None,
     ) -> list[dict[str, Any]]:
-        done = prepared or [{} for _ in requests]
+        headers = written or [[inbound.write(n, a) for n, a in r.inputs.items()] for r in requests]
         wire = [
             {
-                "inputs": [inbound.write(n, ready.get(n, a)) for n, a in r.inputs.items()],
+                "inputs": inputs,
                 "outputs": list(r.output_names),
                 "request_id": r.request_id,
                 "correlation_id": r.correlation_id,
@@ -157,7 +152,7 @@ class BatchCodec:
                 "parameters": json.dumps(r.parameters, default=str) if r.parameters else "{}",
                 "cancel_at": flag.offset,
             }
-            for r, flag, ready in zip(requests, watch.flags, done, strict=True)
+            for r, flag, inputs in zip(requests, watch.flags, headers, strict=True)
         ]
         for message, request in zip(wire, requests, strict=True):
             trace_id = getattr(request, "trace_id", 0)

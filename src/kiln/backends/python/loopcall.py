@@ -24,13 +24,13 @@ its thread, after the restart.
 
 **Large BYTES tensors off the loop.** Each BYTES element costs Python work to serialize
 into the arena and to decode out of it (16 M elements: ~6 s each way). A batch with more
-than ``OFF_LOOP_ENCODE_ELEMENTS`` BYTES inputs is serialized on a worker thread
-(``BatchCodec.prepare``) before it is sent; batches submitted meanwhile wait behind it
-(``_queued``), so the worker still gets them in the order they came. An answer with more
-than that many BYTES outputs is copied out of its arena on the loop (one copy: the slot is
-free again) and decoded on a thread (``BatchCodec.decoded``); answers after it resolve
-behind it (``_answers``), in order. Everything else, and every small batch, stays on the
-loop with no thread hop.
+than ``OFF_LOOP_ENCODE_ELEMENTS`` BYTES inputs is written into its slot's arena on a
+worker thread (``BatchCodec.write_inputs``) before it is sent; batches submitted
+meanwhile wait behind it (``_queued``), so the worker still gets them in the order they
+came. An answer with more than that many BYTES outputs is copied out of its arena on the
+loop (one copy: the slot is free again) and decoded on a thread (``BatchCodec.decoded``);
+answers after it resolve behind it (``_answers``), in order. Every small batch stays on
+the loop with no thread hop.
 
 The pipe is the worker's ``wire.Wire``: the loop reads into the same buffer the thread path
 uses, so the two paths can take turns on one worker.
@@ -62,7 +62,7 @@ from kiln.core.offloop import OFF_LOOP_ENCODE_ELEMENTS
 
 if TYPE_CHECKING:
     from kiln.backends.python.backend import PythonBackend
-    from kiln.backends.python.batch_codec import Prepared
+    from kiln.backends.python.batch_codec import Written
     from kiln.backends.python.cancel import BatchWatch
 
 log = logging.getLogger(__name__)
@@ -95,10 +95,8 @@ class LoopCall:
         self.slot = 0  # which pair of arenas carries its tensors
         self.watch: BatchWatch | None = None  # its requests' cancellation bytes, once sent
         self.began_ns = 0  # when the worker could start it (sent, or the one before ended)
-        self.prepared: Prepared | None = None  # its BYTES inputs, serialized off the loop
+        self.written: Written | None = None  # its inputs' headers, written off the loop
         self.busy_poll_ns = 0  # its busy-poll budget, kept while it waits its turn
-        self.ready = True  # False while its inputs are being prepared on a thread
-        self.failure: BaseException | None = None  # why preparing them failed
         self.answered: list[RequestOutcome] | None = None  # outcomes waiting for their turn
         self.decoding = False  # its BYTES outputs are being decoded on a thread
 
@@ -159,9 +157,10 @@ class WorkerPipe:
         self._held: list[LoopCall] = []  # arrived meanwhile
         self.depth = backend.pipeline_depth  # the worker has one pair of arenas per batch
         self._next_slot = 0
-        # Batches not sent yet because one before them is being prepared off the loop
-        # (its BYTES inputs serialized on a thread), oldest first.
+        # Batches not sent yet because one before them (the first) is being written into
+        # its arena off the loop (``_writing``), oldest first.
         self._queued: deque[LoopCall] = deque()
+        self._writing = False
         # Answered batches from the first one whose outputs are decoded off the loop on:
         # each is resolved once those before it are.
         self._answers: deque[LoopCall] = deque()
@@ -179,46 +178,61 @@ class WorkerPipe:
     def submit(self, call: LoopCall, busy_poll_ns: int) -> None:
         """Send the batch behind those in the pipe. With ``busy_poll_ns`` and an empty
         pipe, poll for the answer for up to that long before handing the wait to the loop
-        (see ``_busy_poll``). A batch of many BYTES input elements is serialized on a
-        thread first; it and the batches behind it wait their turn in ``_queued``."""
-        heavy = (
-            not self.broken
-            and call.requests
-            and self.codec.bytes_in(call.requests) > OFF_LOOP_ENCODE_ELEMENTS
-        )
-        if not heavy and not self._queued:
+        (see ``_busy_poll``). A batch of many BYTES input elements is written into its
+        arena on a thread first; it and the batches behind it wait in ``_queued``."""
+        if not self._queued and not self._heavy(call):
             self._send(call, busy_poll_ns)
             return
         call.busy_poll_ns = busy_poll_ns
         self._queued.append(call)
-        if heavy:
-            call.ready = False
-            prepared = self.loop.run_in_executor(None, self.codec.prepare, call.requests)
-            prepared.add_done_callback(functools.partial(self._prepared, call))
+        self._pump()
 
-    def _prepared(self, call: LoopCall, done: asyncio.Future[Prepared]) -> None:
-        """``call``'s inputs are serialized: send it and the batches behind it that are
-        ready, in order."""
-        call.ready = True
-        if done.cancelled():
-            call.failure = KilnError(f"model '{self.backend.model}': the batch was not sent")
-        elif (error := done.exception()) is not None:
-            log.error("model '%s': could not serialize a batch's BYTES inputs: %r",
+    def _heavy(self, call: LoopCall) -> bool:
+        return bool(call.requests) and (
+            self.codec.bytes_in(call.requests) > OFF_LOOP_ENCODE_ELEMENTS
+        )
+
+    def _pump(self) -> None:
+        """Send the queued batches in order, up to the first that must be written off the
+        loop: that one gets the next slot (no batch is sent meanwhile, so nothing else
+        writes that arena, and the worker is done with it: ``len(calls) < depth``) and is
+        written on a thread; ``_written`` sends it and pumps again."""
+        queued = self._queued
+        while queued and not self._writing:
+            call = queued[0]
+            usable = not self.broken and len(self.calls) < self.depth
+            if not (usable and self._heavy(call)):
+                queued.popleft()
+                self._send(call, call.busy_poll_ns)  # (fails a batch with no room, as ever)
+                continue
+            self._writing = True
+            call.slot = self._next_slot
+            self._next_slot = (self._next_slot + 1) % self.depth
+            written = self.loop.run_in_executor(
+                None, self.codec.write_inputs, call.requests, call.slot
+            )
+            written.add_done_callback(functools.partial(self._written, call))
+
+    def _written(self, call: LoopCall, done: asyncio.Future[Written]) -> None:
+        """``call``'s inputs are in its arena: send it, then those behind it."""
+        self._writing = False
+        self._queued.popleft()
+        error = done.exception() if not done.cancelled() else asyncio.CancelledError()
+        if error is not None:
+            self._next_slot = call.slot  # nothing was sent: the slot is the next one's
+            log.error("model '%s': could not write a batch's inputs: %r",
                       self.backend.model, error)  # fmt: skip
-            call.failure = KilnError(
-                f"model '{self.backend.model}': could not serialize the batch's BYTES "
-                f"inputs: {type(error).__name__}: {error}",
-                Status.INTERNAL,
+            call.fail(
+                KilnError(
+                    f"model '{self.backend.model}': could not write the batch's inputs for "
+                    f"the Python worker: {type(error).__name__}: {error}",
+                    Status.INTERNAL,
+                )
             )
         else:
-            call.prepared = done.result()
-        queued = self._queued
-        while queued and queued[0].ready:
-            head = queued.popleft()
-            if head.failure is not None:
-                head.fail(head.failure)
-            else:
-                self._send(head, head.busy_poll_ns)
+            call.written = done.result()
+            self._send(call, call.busy_poll_ns)
+        self._pump()
 
     def _send(self, call: LoopCall, busy_poll_ns: int) -> None:
         if self.broken:
@@ -230,7 +244,7 @@ class WorkerPipe:
         if not call.requests:
             call.resolve([])
             return
-        if len(self.calls) >= self.depth:
+        if call.written is None and len(self.calls) >= self.depth:
             # Its arenas would overwrite a batch still in the pipe. Schedulers hand an
             # instance at most pipeline_depth batches at once; this guards the invariant.
             log.error("model '%s': Python worker pipe already full", self.backend.model)
@@ -241,14 +255,15 @@ class WorkerPipe:
                 )
             )
             return
-        call.slot = self._next_slot
-        self._next_slot = (self._next_slot + 1) % self.depth
+        written, call.written = call.written, None
+        if written is None:
+            call.slot = self._next_slot
+            self._next_slot = (self._next_slot + 1) % self.depth
         idle = not self.calls
         self.calls.append(call)
         backend = self.backend
         try:
-            prepared, call.prepared = call.prepared, None  # copied into the arena now
-            wire, call.watch = self.codec.encode(call.requests, call.slot, prepared)
+            wire, call.watch = self.codec.encode(call.requests, call.slot, written)
             # A decoupled batch is answered when execute returns (``detach``): requests
             # still open stream on, and the pipe is read while any is.
             # On this pipe's worker only: a restart begun on another thread since the
