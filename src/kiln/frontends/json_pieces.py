@@ -21,14 +21,16 @@ from typing import Any
 import numpy as np
 import orjson
 
+from kiln.core.offloop import ENCODE_SLICE as ENCODE_SLICE
+
 #: bytes of JSON text parsed per orjson call (a few milliseconds at worst: nested arrays)
 WINDOW = 1 << 16
 #: JSON bodies over this are parsed on a worker thread, by :func:`loads`. orjson's worst
 #: case (nested one-element arrays) is ~45 ns a byte: 3 ms here, 45 ms at 1 MiB; a thread
 #: hop (~50 us) is nothing next to a body this size, and small bodies stay inline.
 OFF_LOOP_PARSE_BYTES = WINDOW
-#: elements of an output tensor encoded per orjson call (~3 ms of FP32 at most)
-ENCODE_SLICE = 1 << 15
+# ``ENCODE_SLICE`` (in kiln.core): elements of an output tensor encoded per orjson call
+# (~3 ms of FP32 at most)
 #: the nesting orjson refuses beyond (its recursion limit)
 MAX_DEPTH = 1024
 

@@ -7,18 +7,16 @@ import struct
 import numpy as np
 
 from kiln.core.errors import invalid_arg
+from kiln.core.offloop import OFF_LOOP_ENCODE_ELEMENTS as OFF_LOOP_ENCODE_ELEMENTS
 from kiln.core.types import DataType, element_count
 
 _LEN = struct.Struct("<I")
 # Requests larger than this (HTTP bodies, gRPC messages) decode off the event loop: JSON
 # values, typed gRPC contents and BYTES elements cost Python work each.
 OFF_LOOP_DECODE_BYTES = 1 << 20
-#: a response with more elements than this that cost Python work each (JSON values, BYTES
-#: elements in any encoding) is encoded on a worker thread. Measured: FP32 encodes to JSON
-#: at ~16 ns an element and a thread hop costs 50-100 us, so at 16 Ki elements (~170 KB
-#: of JSON) the hop adds ~20% to a 0.26 ms encode; below it the hop would dominate.
-#: ``serialize_bytes`` takes ~0.25 us an element: 16 M empty ones held the loop 3.9 s.
-OFF_LOOP_ENCODE_ELEMENTS = 1 << 14
+# ``OFF_LOOP_ENCODE_ELEMENTS`` (in kiln.core, for the backends too): a response with more
+# elements than that which cost Python work each (JSON values, BYTES elements in any
+# encoding) is encoded on a worker thread.
 
 
 def python_elements(datatype: DataType, data: np.ndarray) -> int:

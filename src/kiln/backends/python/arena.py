@@ -9,7 +9,7 @@ and resets it at the start of each execute; when a tensor does not fit, it grows
 end of its mapping.
 
 BYTES tensors are written in Triton's serialized form: each element as a 4-byte
-little-endian length followed by its bytes.
+little-endian length followed by its bytes (``bytes_tensors.py``).
 """
 
 from __future__ import annotations
@@ -17,12 +17,29 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import struct
 import sys
 import tempfile
 from typing import Any
 
 import numpy as np
+
+from kiln.backends.python.bytes_tensors import (
+    Serialized,
+    deserialize_bytes,
+    serialize_bytes,
+    serialize_slices,
+)
+from kiln.core.offloop import ENCODE_SLICE
+
+__all__ = [
+    "ALIGN",
+    "BYTES",
+    "Arena",
+    "Header",
+    "Serialized",
+    "deserialize_bytes",
+    "serialize_bytes",
+]
 
 ALIGN = 64  # every tensor starts on a cache line
 BYTES = "BYTES"
@@ -30,42 +47,6 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 # (name, dtype string or "BYTES", shape, offset, nbytes): what the pipe carries per tensor.
 Header = tuple[str, str, tuple[int, ...], int, int]
-
-
-def serialize_bytes(array: np.ndarray) -> bytes:
-    parts = []
-    for item in array.reshape(-1):
-        data = item.encode("utf-8") if isinstance(item, str) else bytes(item)
-        parts.append(struct.pack("<I", len(data)))
-        parts.append(data)
-    return b"".join(parts)
-
-
-def deserialize_bytes(buffer: memoryview | bytes, shape: tuple[int, ...]) -> np.ndarray:
-    """The inverse of :func:`serialize_bytes`; ``shape`` comes from the other process, so
-    it is checked against the buffer before it sizes anything."""
-    count = 1
-    for d in shape:
-        if d < 0:
-            raise ValueError(f"BYTES tensor of shape {list(shape)}: negative dimension")
-        count *= d
-    view = memoryview(buffer)
-    end = len(view)
-    if count > end // 4:  # each element has a 4-byte length
-        raise ValueError(
-            f"BYTES tensor of shape {list(shape)} needs at least {4 * count} bytes, "
-            f"the arena holds {end}"
-        )
-    out = np.empty(count, dtype=object)
-    pos = 0
-    for i in range(count):
-        (length,) = struct.unpack_from("<I", view, pos)
-        pos += 4
-        if pos + length > end:
-            raise ValueError(f"BYTES element {i} runs past the end of its {end}-byte buffer")
-        out[i] = bytes(view[pos : pos + length])
-        pos += length
-    return out.reshape(shape)
 
 
 def _mmap(fd: int, size: int) -> mmap.mmap:
@@ -146,6 +127,8 @@ class Arena:
     def write(self, name: str, array: Any) -> Header:
         array = np.asarray(array)
         if array.dtype.kind in ("O", "S", "U"):
+            if array.size > ENCODE_SLICE:  # a join a slice, no single one over it all
+                return self._write_chunks(name, serialize_slices(array))
             data = serialize_bytes(array)
             offset = self._reserve(len(data))
             assert self._map is not None
@@ -160,6 +143,15 @@ class Arena:
                 np.copyto(target, array)
                 del target  # no export left behind to block a later remap
         return (name, array.dtype.str, tuple(array.shape), offset, nbytes)
+
+    def _write_chunks(self, name: str, tensor: Serialized) -> Header:
+        offset = self._reserve(tensor.nbytes)
+        at = offset
+        for chunk in tensor.chunks:
+            assert self._map is not None
+            self._map[at : at + len(chunk)] = chunk
+            at += len(chunk)
+        return (name, BYTES, tensor.shape, offset, tensor.nbytes)
 
     def _copy_bytes(self, offset: int, array: np.ndarray) -> bool:
         """A C-contiguous array's bytes at ``offset`` in one copy, without building an array
@@ -184,6 +176,15 @@ class Arena:
             return np.zeros(shape, dtype=np.dtype(dtype))
         view = np.ndarray(shape, np.dtype(dtype), buffer=self._map, offset=offset)
         return view.copy() if copy else view
+
+    def raw(self, header: Header) -> bytes:
+        """A tensor's bytes as they lie in the arena, copied out (one copy): a BYTES
+        tensor's serialized form, to decode later, e.g. on another thread."""
+        _, _, _, offset, nbytes = header
+        self._ensure_mapped(offset + nbytes)
+        if nbytes == 0 or self._map is None:
+            return b""
+        return self._map[offset : offset + nbytes]
 
     # ---- one-byte flags (request cancellation) ---------------------------------------
     def zero_flags(self, count: int) -> int:

@@ -14,11 +14,16 @@ import contextlib
 import functools
 import itertools
 import json
+import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kiln.backends.base import BackendRequest, RequestOutcome, Rescheduled, ResponseSink
-from kiln.backends.python.arena import Arena
+from kiln.backends.python.arena import BYTES, Arena, Header
+from kiln.backends.python.bytes_tensors import deserialize_bytes
 from kiln.backends.python.cancel import BatchWatch, FlagPool, OpenStream
 from kiln.backends.python.deadline import BatchDeadline, timed_out
 from kiln.backends.python.process import WorkerDied, WorkerProcess
@@ -37,6 +42,28 @@ _CODES = {
     7: Status.CANCELLED,
 }
 _STATUS_CODES = {status: code for code, status in _CODES.items()}
+
+
+#: NumPy kinds a BYTES input may come as (``Arena.write`` serializes them)
+_BYTES_KINDS = ("O", "S", "U")
+#: a batch's inputs written into its arena off the event loop: per request, their headers
+Written = list[list[Header]]
+
+
+@dataclass(slots=True)
+class RawBytes:
+    """A BYTES output copied out of the arena as it lies there, not decoded yet."""
+
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def _read_raw(arena: Arena, header: Header) -> Any:
+    """A BYTES output copied out undecoded (one copy: the arena is free once it returns);
+    any other one read as usual."""
+    if header[1] != BYTES:
+        return arena.read(header)
+    return RawBytes(tuple(header[2]), arena.raw(header))
 
 
 def status_of(code: int) -> Status:
@@ -73,27 +100,51 @@ class BatchCodec:
 
     # ---- to the worker -----------------------------------------------------------------
     def encode(
-        self, requests: list[BackendRequest], slot: int = 0
+        self, requests: list[BackendRequest], slot: int = 0, written: Written | None = None
     ) -> tuple[list[dict[str, Any]], BatchWatch]:
         """The requests as the worker takes them: tensors into the slot's inbound arena,
         their cancellation bytes, and a decoupled model's streams (``end()`` the watch
-        when the batch ends)."""
+        when the batch ends). ``written``: the tensors are in the arena already
+        (``write_inputs``), these are their headers."""
         inbound = self.worker.arenas[slot][0]
-        inbound.reset()
+        if written is None:
+            inbound.reset()
         streams = self.streams if self.decoupled else None
         watch = BatchWatch.start(self.flag_pool, requests, streams, self._keys)
         try:
-            return self._messages(requests, inbound, watch), watch
+            return self._messages(requests, inbound, watch, written), watch
         except BaseException:
             watch.end()  # its flags and stream keys go back: the batch is never sent
             raise
 
+    @staticmethod
+    def bytes_in(requests: list[BackendRequest]) -> int:
+        """The BYTES input elements of a batch: each costs Python work to serialize."""
+        return sum(
+            int(a.size)
+            for r in requests
+            for a in r.inputs.values()
+            if isinstance(a, np.ndarray) and a.dtype.kind in _BYTES_KINDS
+        )
+
+    def write_inputs(self, requests: list[BackendRequest], slot: int) -> Written:
+        """The batch's inputs written into the slot's inbound arena (for a worker thread,
+        while nothing else writes that arena); ``encode`` takes their headers."""
+        inbound = self.worker.arenas[slot][0]
+        inbound.reset()
+        return [[inbound.write(n, a) for n, a in r.inputs.items()] for r in requests]
+
     def _messages(
-        self, requests: list[BackendRequest], inbound: Arena, watch: BatchWatch
+        self,
+        requests: list[BackendRequest],
+        inbound: Arena,
+        watch: BatchWatch,
+        written: Written | None,
     ) -> list[dict[str, Any]]:
+        headers = written or [[inbound.write(n, a) for n, a in r.inputs.items()] for r in requests]
         wire = [
             {
-                "inputs": [inbound.write(n, a) for n, a in r.inputs.items()],
+                "inputs": inputs,
                 "outputs": list(r.output_names),
                 "request_id": r.request_id,
                 "correlation_id": r.correlation_id,
@@ -101,7 +152,7 @@ class BatchCodec:
                 "parameters": json.dumps(r.parameters, default=str) if r.parameters else "{}",
                 "cancel_at": flag.offset,
             }
-            for r, flag in zip(requests, watch.flags, strict=True)
+            for r, flag, inputs in zip(requests, watch.flags, headers, strict=True)
         ]
         for message, request in zip(wire, requests, strict=True):
             trace_id = getattr(request, "trace_id", 0)
@@ -141,10 +192,13 @@ class BatchCodec:
         batch_error: str | None,
         slot: int = 0,
         rescheduled: list[int] | None = None,
+        raw_bytes: bool = False,
     ) -> list[RequestOutcome]:
         """One outcome per request from the worker's answer; ``rescheduled``: the indices of
         the requests the model released with ``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``
-        (``Rescheduled``: the sequence batcher runs them again)."""
+        (``Rescheduled``: the sequence batcher runs them again). ``raw_bytes``: BYTES
+        outputs are copied out of the arena undecoded (``RawBytes``), for ``decoded``
+        to finish on a worker thread."""
         if batch_error is not None:
             message = f"model '{self.model}' failed to execute: {batch_error}"
             if self.decoupled:  # a streamed request got the error as its final response
@@ -166,9 +220,36 @@ class BatchCodec:
                     outcomes.append(KilnError(error[0], status_of(error[1])))
                 else:
                     outbound = self.worker.arenas[slot][1]
-                    outcomes.append({h[0]: outbound.read(h) for h in headers})
+                    if raw_bytes:
+                        outcomes.append({h[0]: _read_raw(outbound, h) for h in headers})
+                    else:
+                        outcomes.append({h[0]: outbound.read(h) for h in headers})
         for index in rescheduled or ():
             outcomes[index] = Rescheduled(self.model)
+        return outcomes
+
+    @staticmethod
+    def bytes_out(answers: Any) -> int:
+        """The BYTES output elements of an ``executed`` answer (by its headers' shapes;
+        a negative dimension counts as none, and fails where the tensor is read)."""
+        count = 0
+        for answer in answers or ():
+            if answer is None or answer[1] is not None:
+                continue
+            for header in answer[0]:
+                if header[1] == BYTES:
+                    count += max(0, math.prod(header[2]))
+        return count
+
+    @staticmethod
+    def decoded(outcomes: list[RequestOutcome]) -> list[RequestOutcome]:
+        """``outcomes(raw_bytes=True)``'s BYTES outputs decoded, a slice at a time (for a
+        worker thread)."""
+        for outcome in outcomes:
+            if isinstance(outcome, dict):
+                for name, value in outcome.items():
+                    if isinstance(value, RawBytes):
+                        outcome[name] = deserialize_bytes(value.data, value.shape)
         return outcomes
 
     def overran(

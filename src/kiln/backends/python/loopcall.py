@@ -22,6 +22,16 @@ When a worker dies or overruns a deadline, the oldest batch fails and the batche
 behind it, which never started, fail with ``NotStarted``: the instance runs them again on
 its thread, after the restart.
 
+**Large BYTES tensors off the loop.** Each BYTES element costs Python work to serialize
+into the arena and to decode out of it (16 M elements: ~6 s each way). A batch with more
+than ``OFF_LOOP_ENCODE_ELEMENTS`` BYTES inputs is written into its slot's arena on a
+worker thread (``BatchCodec.write_inputs``) before it is sent; batches submitted
+meanwhile wait behind it (``_queued``), so the worker still gets them in the order they
+came. An answer with more than that many BYTES outputs is copied out of its arena on the
+loop (one copy: the slot is free again) and decoded on a thread (``BatchCodec.decoded``);
+answers after it resolve behind it (``_answers``), in order. Every small batch stays on
+the loop with no thread hop.
+
 The pipe is the worker's ``wire.Wire``: the loop reads into the same buffer the thread path
 uses, so the two paths can take turns on one worker.
 
@@ -36,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -47,9 +58,11 @@ from kiln.backends.python.deadline import BatchDeadline, batch_deadline
 from kiln.backends.python.process import ARENA_SLOTS, WorkerDied
 from kiln.backends.python.wire import Wire
 from kiln.core.errors import KilnError, Status
+from kiln.core.offloop import OFF_LOOP_ENCODE_ELEMENTS
 
 if TYPE_CHECKING:
     from kiln.backends.python.backend import PythonBackend
+    from kiln.backends.python.batch_codec import Written
     from kiln.backends.python.cancel import BatchWatch
 
 log = logging.getLogger(__name__)
@@ -82,6 +95,10 @@ class LoopCall:
         self.slot = 0  # which pair of arenas carries its tensors
         self.watch: BatchWatch | None = None  # its requests' cancellation bytes, once sent
         self.began_ns = 0  # when the worker could start it (sent, or the one before ended)
+        self.written: Written | None = None  # its inputs' headers, written off the loop
+        self.busy_poll_ns = 0  # its busy-poll budget, kept while it waits its turn
+        self.answered: list[RequestOutcome] | None = None  # outcomes waiting for their turn
+        self.decoding = False  # its BYTES outputs are being decoded on a thread
 
     def resolve(self, done: list[RequestOutcome]) -> None:
         """Answer the batch: ``done`` has one outcome per executed request."""
@@ -100,17 +117,27 @@ class LoopCall:
         if not self.future.done():
             self.future.set_exception(error)
 
-    def handle(self, message: tuple[Any, ...]) -> None:
-        """The worker's answer to this batch (``executed`` or ``error``)."""
+    def handle(self, message: tuple[Any, ...]) -> list[RequestOutcome] | None:
+        """The worker's answer to this batch (``executed`` or ``error``): its outcomes, or
+        None when its BYTES outputs were copied out to be decoded off the loop (into
+        ``answered``, by ``decode``)."""
         codec = self.backend.codec
         if message[0] == "executed":
             if self.watch is not None:  # requests still open stream on after the batch
                 self.watch.detach_open(message[3])
-            self.resolve(
-                codec.outcomes(self.requests, message[1], message[2], self.slot, message[3])
-            )
-        else:
-            self.resolve(codec.outcomes(self.requests, None, message[1], self.slot))
+            answers, error = message[1], message[2]
+            if error is None and codec.bytes_out(answers) > OFF_LOOP_ENCODE_ELEMENTS:
+                self.answered = codec.outcomes(
+                    self.requests, answers, None, self.slot, message[3], raw_bytes=True
+                )
+                return None
+            return codec.outcomes(self.requests, answers, error, self.slot, message[3])
+        return codec.outcomes(self.requests, None, message[1], self.slot)
+
+    def decode(self) -> None:
+        """On a worker thread: the BYTES outputs ``handle`` copied out, decoded."""
+        assert self.answered is not None
+        self.answered = self.backend.codec.decoded(self.answered)
 
 
 class WorkerPipe:
@@ -130,6 +157,13 @@ class WorkerPipe:
         self._held: list[LoopCall] = []  # arrived meanwhile
         self.depth = backend.pipeline_depth  # the worker has one pair of arenas per batch
         self._next_slot = 0
+        # Batches not sent yet because one before them (the first) is being written into
+        # its arena off the loop (``_writing``), oldest first.
+        self._queued: deque[LoopCall] = deque()
+        self._writing = False
+        # Answered batches from the first one whose outputs are decoded off the loop on:
+        # each is resolved once those before it are.
+        self._answers: deque[LoopCall] = deque()
         self._fd = -1
         self._timer: asyncio.TimerHandle | None = None
 
@@ -138,12 +172,69 @@ class WorkerPipe:
         """Requests in batches behind the running one: they wait for the worker as others
         wait for an instance (``nv_inference_pending_request_count``). ``list`` copies the
         deque without letting another thread in, so a scrape may read it from its own."""
-        return sum(len(call.requests) for call in list(self.calls)[1:])
+        behind = list(self.calls)[1:] + list(self._queued)
+        return sum(len(call.requests) for call in behind)
 
     def submit(self, call: LoopCall, busy_poll_ns: int) -> None:
         """Send the batch behind those in the pipe. With ``busy_poll_ns`` and an empty
         pipe, poll for the answer for up to that long before handing the wait to the loop
-        (see ``_busy_poll``)."""
+        (see ``_busy_poll``). A batch of many BYTES input elements is written into its
+        arena on a thread first; it and the batches behind it wait in ``_queued``."""
+        if not self._queued and not self._heavy(call):
+            self._send(call, busy_poll_ns)
+            return
+        call.busy_poll_ns = busy_poll_ns
+        self._queued.append(call)
+        self._pump()
+
+    def _heavy(self, call: LoopCall) -> bool:
+        return bool(call.requests) and (
+            self.codec.bytes_in(call.requests) > OFF_LOOP_ENCODE_ELEMENTS
+        )
+
+    def _pump(self) -> None:
+        """Send the queued batches in order, up to the first that must be written off the
+        loop: that one gets the next slot (no batch is sent meanwhile, so nothing else
+        writes that arena, and the worker is done with it: ``len(calls) < depth``) and is
+        written on a thread; ``_written`` sends it and pumps again."""
+        queued = self._queued
+        while queued and not self._writing:
+            call = queued[0]
+            usable = not self.broken and len(self.calls) < self.depth
+            if not (usable and self._heavy(call)):
+                queued.popleft()
+                self._send(call, call.busy_poll_ns)  # (fails a batch with no room, as ever)
+                continue
+            self._writing = True
+            call.slot = self._next_slot
+            self._next_slot = (self._next_slot + 1) % self.depth
+            written = self.loop.run_in_executor(
+                None, self.codec.write_inputs, call.requests, call.slot
+            )
+            written.add_done_callback(functools.partial(self._written, call))
+
+    def _written(self, call: LoopCall, done: asyncio.Future[Written]) -> None:
+        """``call``'s inputs are in its arena: send it, then those behind it."""
+        self._writing = False
+        self._queued.popleft()
+        error = done.exception() if not done.cancelled() else asyncio.CancelledError()
+        if error is not None:
+            self._next_slot = call.slot  # nothing was sent: the slot is the next one's
+            log.error("model '%s': could not write a batch's inputs: %r",
+                      self.backend.model, error)  # fmt: skip
+            call.fail(
+                KilnError(
+                    f"model '{self.backend.model}': could not write the batch's inputs for "
+                    f"the Python worker: {type(error).__name__}: {error}",
+                    Status.INTERNAL,
+                )
+            )
+        else:
+            call.written = done.result()
+            self._send(call, call.busy_poll_ns)
+        self._pump()
+
+    def _send(self, call: LoopCall, busy_poll_ns: int) -> None:
         if self.broken:
             if self.diagnosing:
                 self._held.append(call)
@@ -153,7 +244,7 @@ class WorkerPipe:
         if not call.requests:
             call.resolve([])
             return
-        if len(self.calls) >= self.depth:
+        if call.written is None and len(self.calls) >= self.depth:
             # Its arenas would overwrite a batch still in the pipe. Schedulers hand an
             # instance at most pipeline_depth batches at once; this guards the invariant.
             log.error("model '%s': Python worker pipe already full", self.backend.model)
@@ -164,13 +255,15 @@ class WorkerPipe:
                 )
             )
             return
-        call.slot = self._next_slot
-        self._next_slot = (self._next_slot + 1) % self.depth
+        written, call.written = call.written, None
+        if written is None:
+            call.slot = self._next_slot
+            self._next_slot = (self._next_slot + 1) % self.depth
         idle = not self.calls
         self.calls.append(call)
         backend = self.backend
         try:
-            wire, call.watch = self.codec.encode(call.requests, call.slot)
+            wire, call.watch = self.codec.encode(call.requests, call.slot, written)
             # A decoupled batch is answered when execute returns (``detach``): requests
             # still open stream on, and the pipe is read while any is.
             # On this pipe's worker only: a restart begun on another thread since the
@@ -287,7 +380,7 @@ class WorkerPipe:
                 if not self.calls:
                     self._stray(kind)
                     return
-                self.calls[0].handle(message)
+                self._answer(self.calls[0], message)
                 self._ended()
             elif backend.side_message(message, conn):
                 pass
@@ -312,6 +405,41 @@ class WorkerPipe:
         self._unwatch()
         if conn.pending:
             self._stray(f"{conn.pending} bytes")
+
+    def _answer(self, call: LoopCall, message: tuple[Any, ...]) -> None:
+        """Resolve the batch the answer belongs to, after the batches answered before it;
+        its BYTES outputs, when many, are decoded on a thread first."""
+        done = call.handle(message)
+        if done is None:  # decoded on a thread: it and those answered after it wait
+            call.decoding = True
+            self._answers.append(call)
+            decoded = self.loop.run_in_executor(None, call.decode)
+            decoded.add_done_callback(functools.partial(self._decoded, call))
+        elif self._answers:
+            call.answered = done
+            self._answers.append(call)
+        else:
+            call.resolve(done)
+
+    def _decoded(self, call: LoopCall, done: asyncio.Future[None]) -> None:
+        """``call``'s outputs are decoded: resolve the answered batches that are ready, in
+        order."""
+        call.decoding = False
+        error = done.exception() if not done.cancelled() else asyncio.CancelledError()
+        if error is not None:
+            log.error("model '%s': could not decode a batch's BYTES outputs: %r",
+                      self.backend.model, error)  # fmt: skip
+            message = (
+                f"model '{self.backend.model}': could not read the batch's BYTES outputs: "
+                f"{type(error).__name__}: {error}"
+            )
+            call.answered = [KilnError(message, Status.INTERNAL) for _ in call.requests]
+        answers = self._answers
+        while answers and not answers[0].decoding:
+            head = answers.popleft()
+            outcomes, head.answered = head.answered, None
+            assert outcomes is not None
+            head.resolve(outcomes)
 
     def _stray(self, what: str) -> None:
         """Nothing may follow the last answer: the next batch would read it as its own."""
