@@ -175,6 +175,14 @@ _SETTINGS: dict[str, tuple[str, Callable[[str, str, Any], Any]]] = {
 }
 
 
+#: vLLM's observability arguments -> their converter (into ``EngineConfig.observability``)
+_OBSERVABILITY: dict[str, Callable[[str, str, Any], Any]] = {
+    "kv_cache_metrics": _boolean,
+    "kv_cache_metrics_sample": _fraction,
+    "enable_mfu_metrics": _boolean,
+}
+
+
 def _apply(model: str, raw: dict[str, Any], out: EngineConfig) -> None:
     """The engine arguments kiln has, checked, into ``out``; any other is refused."""
     checks: dict[str, Callable[[Any], None]] = {
@@ -183,7 +191,7 @@ def _apply(model: str, raw: dict[str, Any], out: EngineConfig) -> None:
         "trust_remote_code": lambda v: _not_true(model, "trust_remote_code", v),
         "gpu_memory_utilization": lambda v: _memory_utilization(model, v),
     }
-    known = (*_SETTINGS, *checks, *_LOGGING_ONLY)
+    known = (*_SETTINGS, *_OBSERVABILITY, *checks, *_LOGGING_ONLY)
     unknown = sorted(k for k in raw if k not in known)
     if unknown:
         raise _error(
@@ -195,6 +203,8 @@ def _apply(model: str, raw: dict[str, Any], out: EngineConfig) -> None:
         if key in _SETTINGS:
             attribute, convert = _SETTINGS[key]
             setattr(out, attribute, convert(model, key, value))
+        elif key in _OBSERVABILITY:
+            setattr(out.observability, key, _OBSERVABILITY[key](model, key, value))
         elif key in checks:
             checks[key](value)
 

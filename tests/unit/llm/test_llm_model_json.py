@@ -46,6 +46,9 @@ def test_engine_arguments_honoured(tmp_path: Path) -> None:
             "stream_interval": 4,
             "watermark": "0.1",
             "scheduler_reserve_full_isl": False,
+            "kv_cache_metrics": "true",  # vLLM's observability switches
+            "kv_cache_metrics_sample": 0.5,
+            "enable_mfu_metrics": True,
         },
     )
     read = model_json.load("m", version)
@@ -59,6 +62,10 @@ def test_engine_arguments_honoured(tmp_path: Path) -> None:
     )  # fmt: skip
     assert e.stream_interval == 4
     assert (e.watermark, e.scheduler_reserve_full_isl) == (0.1, False)
+    o = e.observability
+    assert (o.kv_cache_metrics, o.kv_cache_metrics_sample, o.enable_mfu_metrics) == (
+        True, 0.5, True,
+    )  # fmt: skip
 
 
 def test_relative_model_path_is_beside_model_json(tmp_path: Path) -> None:
@@ -80,6 +87,10 @@ def test_relative_model_path_is_beside_model_json(tmp_path: Path) -> None:
         ({"dtype": "int4"}, "'dtype' must be auto or one of"),
         ({"enable_prefix_caching": "maybe"}, "'enable_prefix_caching' must be true or false"),
         ({"watermark": 1}, "'watermark' must be a number in [0, 1), got 1"),
+        ({"kv_cache_metrics": "on?"}, "'kv_cache_metrics' must be true or false"),
+        ({"kv_cache_metrics_sample": 0}, "'kv_cache_metrics_sample' must be a number in (0, 1]"),
+        ({"kv_cache_metrics_sample": "nan"}, "'kv_cache_metrics_sample' must be a number"),
+        ({"enable_mfu_metrics": 1}, "'enable_mfu_metrics' must be true or false"),
     ],
 )
 def test_refused_by_name(tmp_path: Path, args: dict[str, Any], named: str) -> None:
