@@ -526,13 +526,12 @@ class LLMEngine(RequestChecks):
             first_scheduled_time=seq.request.first_scheduled_time,
             stop_token_id=seq.stop_token_id,
             num_cached_tokens=seq.request.num_cached_tokens,
-            weight_version_starts=self._weight_starts(seq),
+            # sent only when they changed: no call per token
+            weight_version_starts=self._weight_starts(seq) if seq.weight_versions_changed else None,
         )
 
     @staticmethod
-    def _weight_starts(seq: Sequence) -> list[tuple[str, int]] | None:
-        if not seq.weight_versions_changed:
-            return None
+    def _weight_starts(seq: Sequence) -> list[tuple[str, int]]:
         seq.weight_versions_changed = False
         return list(seq.weight_version_starts)
 
